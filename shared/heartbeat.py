@@ -1,0 +1,57 @@
+"""A node's heartbeat: what `HGETALL cortex:node:{node}` shows.
+
+Scalar fields are plain strings; `devices` and `models` are JSON so they read well in redis-cli.
+"""
+
+import json
+
+from pydantic import BaseModel
+
+from shared.lifecycle import ModelState
+
+
+class DeviceInfo(BaseModel):
+    id: str  # "cpu" or "cuda:0"
+    name: str
+    total_mb: int
+    free_mb: int
+
+
+class ModelInfo(BaseModel):
+    state: ModelState
+    device: str
+    slots_total: int = 0
+    slots_used: int = 0
+    error: str = ""  # why it is poisoned or failed
+
+
+class NodeHeartbeat(BaseModel):
+    node: str
+    version: str
+    state: str = "active"  # active | draining
+    started_ms: int
+    heartbeat_ms: int
+    devices: list[DeviceInfo] = []
+    models: dict[str, ModelInfo] = {}
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "node": self.node,
+            "version": self.version,
+            "state": self.state,
+            "started_ms": str(self.started_ms),
+            "heartbeat_ms": str(self.heartbeat_ms),
+            "devices": json.dumps([d.model_dump() for d in self.devices]),
+            "models": json.dumps({k: m.model_dump(mode="json") for k, m in self.models.items()}),
+        }
+
+    @classmethod
+    def from_hash(cls, fields: dict[bytes, bytes]) -> "NodeHeartbeat":
+        data = {k.decode(): v.decode() for k, v in fields.items()}
+        data["devices"] = json.loads(data.get("devices", "[]"))
+        data["models"] = json.loads(data.get("models", "{}"))
+        return cls.model_validate(data)
+
+    def serves(self, model: str) -> bool:
+        info = self.models.get(model)
+        return info is not None and info.state in (ModelState.READY, ModelState.LOADING)

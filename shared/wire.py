@@ -1,0 +1,170 @@
+"""Messages between the gateway and the nodes.
+
+A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
+`priority`, `max_tokens`, `submitted_ms`, `reply`) plus `body`, the msgpack of a
+`GenerationRequest`. Token events travel on `cortex:events:{job}` as msgpack of one `Event`.
+Every message carries the wire version `v`; a part refuses a version it does not speak.
+"""
+
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from shared import WIRE_VERSION
+
+
+class WireError(ValueError):
+    """A message this part cannot read (wrong version or shape)."""
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    v: int = WIRE_VERSION
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = None  # None: up to the context
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+
+
+class GenerationRequest(Wire):
+    """What a node needs to run one job; the gateway has already validated it."""
+
+    job: str
+    model: str
+    kind: Literal["chat", "completion"]
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True
+    sampling: SamplingParams = SamplingParams()
+
+
+class StreamEntry(Wire):
+    """The top-level fields of a job stream entry, as `redis-cli XRANGE` shows them."""
+
+    job: str
+    kind: str
+    model: str
+    priority: str = "interactive"
+    max_tokens: int = 0
+    submitted_ms: int
+    reply: str
+    body: bytes
+
+    def to_fields(self) -> dict[str, str | int | bytes]:
+        return self.model_dump()
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> "StreamEntry":
+        decoded = {k.decode(): (v if k == b"body" else v.decode()) for k, v in fields.items()}
+        _check_version(decoded)
+        try:
+            return cls.model_validate(decoded)
+        except ValidationError as exc:
+            raise WireError(f"bad job entry: {exc}") from exc
+
+    def request(self) -> GenerationRequest:
+        return unpack(self.body, GenerationRequest)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceDelta(BaseModel):
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # set on the choice's last delta
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(BaseModel):
+    queue_ms: float = 0.0  # submitted -> admitted by an engine
+    prefill_ms: float = 0.0  # admitted -> first token
+    decode_ms: float = 0.0  # first token -> done
+
+
+class DeltaEvent(Wire):
+    type: Literal["delta"] = "delta"
+    choices: list[ChoiceDelta]
+
+
+class DoneEvent(Wire):
+    type: Literal["done"] = "done"
+    usage: Usage
+    timings: Timings = Timings()
+    node: str = ""
+
+
+class ErrorEvent(Wire):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+Event = Annotated[DeltaEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+_event_adapter: TypeAdapter = TypeAdapter(Event)
+
+
+def pack(message: BaseModel) -> bytes:
+    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+
+
+def _check_version(data: Any) -> None:
+    if not isinstance(data, dict) or int(data.get("v", -1)) != WIRE_VERSION:
+        got = data.get("v") if isinstance(data, dict) else None
+        raise WireError(f"wire version {got!r} is not {WIRE_VERSION}; upgrade the older part")
+
+
+def unpack(raw: bytes, model: type[BaseModel]) -> Any:
+    data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    _check_version(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise WireError(f"bad {model.__name__}: {exc}") from exc
+
+
+def unpack_event(raw: bytes) -> DeltaEvent | DoneEvent | ErrorEvent:
+    data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    _check_version(data)
+    try:
+        return _event_adapter.validate_python(data)
+    except ValidationError as exc:
+        raise WireError(f"bad event: {exc}") from exc
