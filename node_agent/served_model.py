@@ -1,0 +1,171 @@
+"""One model on one node: its engine on a device thread, and the consumer that feeds it from
+`cortex:jobs:{model}`, reading only as many entries as it has free slots."""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from node_agent import loader, prompts
+from node_agent.device_thread import DeviceThread
+from node_agent.engine import Engine, check_fits
+from node_agent.publisher import Outgoing, Publisher
+from shared.catalog import ModelProfile
+from shared.errors import CortexError, GenerationFailed, NodeLost
+from shared.heartbeat import ModelInfo
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.lifecycle import ModelState
+from shared.wire import ErrorEvent, StreamEntry, WireError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Running:
+    entry_id: str
+    reply: str
+    sequences: int
+
+
+class ServedModel:
+    def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
+                 publisher: Publisher, consumer_name: str, hf_cache: str | None = None):
+        self.profile, self.device, self.redis, self.keys = profile, device, redis, keys
+        self.publisher, self.consumer_name, self.hf_cache = publisher, consumer_name, hf_cache
+        self.stream = keys.jobs(profile.id)
+        self.state = ModelState.LOADING
+        self.error = ""
+        self.engine: Engine | None = None
+        self.running: dict[str, Running] = {}
+        self._slot_freed = asyncio.Event()
+        self._consumer: asyncio.Task | None = None
+
+    @property
+    def used_slots(self) -> int:
+        return sum(r.sequences for r in self.running.values())
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(state=self.state, device=self.device.device, slots_total=self.profile.slots,
+                         slots_used=self.used_slots, error=self.error)
+
+    async def load(self) -> None:
+        try:
+            loaded = await self.device.call(loader.load, self.profile, self.device.device, self.hf_cache)
+            self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
+            await self.device.call(self.device.engines.append, self.engine)
+        except Exception as exc:
+            self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
+            log.error("loading %s failed: %s", self.profile.id, self.error)
+            return
+        await self._ensure_group()
+        self.state = ModelState.READY
+        self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
+        log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def stop_consuming(self) -> None:
+        if self._consumer:
+            self._consumer.cancel()
+            await asyncio.gather(self._consumer, return_exceptions=True)
+            self._consumer = None
+
+    async def _consume(self) -> None:
+        while True:
+            free = self.profile.slots - self.used_slots
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {self.stream: ">"},
+                                                   count=free, block=1000)
+            except ResponseError as exc:  # the stream or group was deleted under us
+                log.warning("reading %s: %s; recreating the group", self.stream, exc)
+                await self._ensure_group()
+                continue
+            except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
+                log.warning("reading %s: %s; retrying", self.stream, exc)
+                await asyncio.sleep(1)
+                continue
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    await self._admit(entry_id.decode(), fields)
+
+    async def _admit(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        reply = fields.get(b"reply", b"").decode()
+        try:
+            entry = StreamEntry.from_fields(fields)
+            request = entry.request()
+        except WireError as exc:
+            log.error("refusing entry %s on %s: %s", entry_id, self.stream, exc)
+            self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)))
+            return
+        self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n)
+        try:
+            ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)
+            check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens)
+            await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
+        except CortexError as exc:
+            self.fail(request.job, exc)
+        except Exception as exc:
+            log.exception("job %s could not start", request.job)
+            self.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+
+    def on_step(self, events: list[tuple[str, list]]) -> None:
+        """Called on the event loop with one engine step's events."""
+        batch = []
+        for job, job_events in events:
+            running = self.running.get(job)
+            if running is None:
+                continue
+            ended = job_events[-1].type != "delta"
+            batch.append(Outgoing(running.reply, job_events, (self.stream, running.entry_id) if ended else None, job))
+            if ended:
+                self._release(job)
+        self.publisher.send(batch)
+
+    def fail(self, job: str, error: CortexError) -> None:
+        running = self.running.get(job)
+        if running is not None:
+            self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message))
+            self._release(job)
+
+    def _finish(self, entry_id: str, reply: str, event: ErrorEvent) -> None:
+        self.publisher.send([Outgoing(reply, [event] if reply else [], (self.stream, entry_id))])
+
+    def cancelled(self, job: str) -> None:
+        """The job was cancelled (its client left): acknowledge it without events."""
+        running = self.running.get(job)
+        if running is not None:
+            self.publisher.send([Outgoing(running.reply, [], (self.stream, running.entry_id), job)])
+            self._release(job)
+
+    def _release(self, job: str) -> None:
+        self.running.pop(job, None)
+        self._slot_freed.set()
+
+    async def cancel(self, job: str) -> None:
+        if job in self.running and self.engine is not None:
+            await self.device.call(self.engine.cancel, job)
+            self.cancelled(job)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop reading; let running jobs finish within `grace_s`, fail the rest."""
+        self.state = ModelState.UNLOADING
+        await self.stop_consuming()
+        deadline = time.monotonic() + grace_s
+        while self.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for job in list(self.running):
+            if self.engine is not None:
+                await self.device.call(self.engine.cancel, job)
+            self.fail(job, NodeLost(f"node {self.consumer_name} shut down before the job finished"))
