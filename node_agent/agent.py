@@ -57,7 +57,7 @@ class NodeAgent:
         for model_id in self.settings.models:
             profile = self.catalog.resolve(model_id)
             self.models[profile.id] = ServedModel(profile, first_device, self.redis, self.keys, self.publisher,
-                                                  self.name, self.settings.hf_cache)
+                                                  self.name, self.settings)
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener())]
         await asyncio.gather(*(m.load() for m in self.models.values()))
         await self._stop.wait()

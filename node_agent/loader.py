@@ -99,17 +99,47 @@ def _check_architecture(files: ModelFiles) -> None:
         )
 
 
-def load(profile: ModelProfile, device: str, hf_cache: str | None = None) -> LoadedModel:
+def _converted_copy(files: ModelFiles, cache_dir: Path | None, dtype: torch.dtype) -> Path | None:
+    """Where a dequantised copy of a GGUF file is kept, so later loads skip the slow unpacking."""
+    if not (files.gguf_file and cache_dir):
+        return None
+    stat = (files.folder / files.gguf_file).stat()
+    dtype_name = str(dtype).removeprefix("torch.")
+    return cache_dir / f"{Path(files.gguf_file).stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype_name}"
+
+
+def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """transformers refuses to save a GGUF-loaded model until its quantizer marks are cleared."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+
+
+def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
+         convert_cache: Path | None = None) -> LoadedModel:
     """Load on the calling thread (the device thread that will own the model)."""
     files = locate(profile, hf_cache)
-    _check_architecture(files)
     dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(device)
+    converted = _converted_copy(files, convert_cache, dtype)
+    if converted is not None and converted.exists() and not files.tokenizer_folder:
+        files = ModelFiles(folder=converted)
+    _check_architecture(files)
     log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
     tokenizer_from = files.tokenizer_folder or files.folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(
         files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation="sdpa"
     )
+    if converted is not None and files.gguf_file:
+        try:
+            _save_converted(model, tokenizer, converted)
+        except Exception as exc:  # a cache that cannot be written only costs time
+            log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
     model.to(device).eval()
     context = getattr(model.config, "max_position_embeddings", None) or profile.max_model_len
     return LoadedModel(model=model, tokenizer=tokenizer, device=torch.device(device), dtype=dtype, context_len=context)

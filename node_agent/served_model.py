@@ -18,6 +18,7 @@ from shared.errors import CortexError, GenerationFailed, NodeLost
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
+from shared.settings import NodeSettings
 from shared.wire import ErrorEvent, StreamEntry, WireError
 
 log = logging.getLogger(__name__)
@@ -32,9 +33,9 @@ class Running:
 
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, hf_cache: str | None = None):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings):
         self.profile, self.device, self.redis, self.keys = profile, device, redis, keys
-        self.publisher, self.consumer_name, self.hf_cache = publisher, consumer_name, hf_cache
+        self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
         self.stream = keys.jobs(profile.id)
         self.state = ModelState.LOADING
         self.error = ""
@@ -53,7 +54,8 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
-            loaded = await self.device.call(loader.load, self.profile, self.device.device, self.hf_cache)
+            loaded = await self.device.call(loader.load, self.profile, self.device.device,
+                                         self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             await self.device.call(self.device.engines.append, self.engine)
         except Exception as exc:

@@ -65,4 +65,6 @@ class NodeSettings(CortexSettings):
     claim_idle_ms: int = 30_000  # pending entries idle this long are claimed from dead consumers
     torch_threads: int = 0  # 0: torch's default
     hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
+    # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
+    convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish
