@@ -1,0 +1,54 @@
+"""Runs an Engine to completion in-process and gathers what each job said."""
+
+from dataclasses import dataclass, field
+
+from node_agent import prompts
+from node_agent.engine import Engine, check_fits
+from shared.wire import GenerationRequest, SamplingParams
+
+
+@dataclass
+class Result:
+    text: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    done: object = None
+    deltas: int = 0
+
+
+def request(job: str, content: str = "Hello there", kind: str = "chat", **sampling) -> GenerationRequest:
+    body = {"messages": [{"role": "user", "content": content}]} if kind == "chat" else {"prompt": content}
+    return GenerationRequest(job=job, model="m", kind=kind, sampling=SamplingParams(**sampling), **body)
+
+
+def add(engine: Engine, req: GenerationRequest) -> None:
+    ids = prompts.prompt_ids(engine.lm.tokenizer, engine.profile, req)
+    check_fits(engine.max_len, len(ids), req.sampling.max_tokens)
+    engine.add(req, ids, 0.0)
+
+
+def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000) -> dict[str, Result]:
+    results = {r.job: Result() for r in requests}
+    for r in requests:
+        add(engine, r)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for job, events in engine.step():
+            collect(results[job], events)
+    return results
+
+
+def collect(result: Result, events: list) -> None:
+    for event in events:
+        if event.type == "done":
+            result.done = event
+            continue
+        result.deltas += 1
+        for choice in event.choices:
+            result.text[choice.index] = result.text.get(choice.index, "") + choice.text
+            result.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
+            result.logprobs.setdefault(choice.index, []).extend(choice.logprobs or [])
+            if choice.finish_reason:
+                result.finish[choice.index] = choice.finish_reason

@@ -1,0 +1,126 @@
+import pytest
+import torch
+
+from node_agent import loader, prompts
+from node_agent.engine import Engine
+from shared.errors import ContextLengthExceeded
+from tests.unit.node_agent.conftest import tiny_profile
+from tests.unit.node_agent.engine_driver import add, request, run
+
+PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
+           "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
+
+
+def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
+    out = lm.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_greedy_matches_hf_generate_token_for_token(tiny_dirs, arch):
+    profile = tiny_profile(tiny_dirs[arch], prefill_chunk_tokens=16)  # several chunks per prompt
+    lm = loader.load(profile, "cpu")
+    engine = Engine(lm, profile)
+    reqs = [request(f"j{i}", p, temperature=0, max_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    results = run(engine, *reqs)
+    for req in reqs:
+        ids = prompts.prompt_ids(lm.tokenizer, profile, req)
+        assert results[req.job].token_ids[0] == hf_greedy(lm, ids, 12), req.messages
+
+
+def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):
+    profile, lm = tiny_llama
+    alone = {}
+    for i, p in enumerate(PROMPTS):
+        alone[i] = run(Engine(lm, profile), request(f"a{i}", p, temperature=0, max_tokens=20))[f"a{i}"].token_ids
+    engine = Engine(lm, profile)
+    for i, p in enumerate(PROMPTS[:3]):
+        add(engine, request(f"b{i}", p, temperature=0, max_tokens=20))
+    got: dict[str, list[int]] = {f"b{i}": [] for i in range(len(PROMPTS))}
+    steps = 0
+    while engine.has_work:
+        if steps == 3:  # late arrivals join a running batch
+            for i, p in enumerate(PROMPTS[3:], start=3):
+                add(engine, request(f"b{i}", p, temperature=0, max_tokens=20))
+        for job, events in engine.step():
+            for e in events:
+                if e.type == "delta":
+                    got[job] += [t for c in e.choices for t in c.token_ids]
+        steps += 1
+    for i in range(len(PROMPTS)):
+        assert got[f"b{i}"] == alone[i][0]
+
+
+def test_more_jobs_than_slots_wait_and_finish(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile.model_copy(update={"slots": 2}))
+    results = run(engine, *[request(f"j{i}", p, temperature=0, max_tokens=5) for i, p in enumerate(PROMPTS)])
+    assert all(r.done is not None for r in results.values())
+    assert engine.rows == [] and not engine.jobs
+
+
+def test_seeded_sampling_reproduces_and_unseeded_varies(tiny_llama):
+    profile, lm = tiny_llama
+    def once(job, **kw):
+        return run(Engine(lm, profile), request(job, "Hi", temperature=1.0, max_tokens=16, ignore_eos=True, **kw))[job]
+    assert once("a", seed=7).token_ids == once("b", seed=7).token_ids
+    assert once("c", seed=7).token_ids != once("d", seed=8).token_ids
+
+
+def test_n_choices_and_usage(tiny_llama):
+    profile, lm = tiny_llama
+    res = run(Engine(lm, profile), request("j", "Hi", temperature=1.0, seed=1, n=3, max_tokens=6, ignore_eos=True))["j"]
+    assert sorted(res.text) == [0, 1, 2]
+    assert all(res.finish[i] == "length" for i in range(3))
+    assert res.done.usage.completion_tokens == 18
+
+
+def test_max_tokens_one_finishes_with_length(tiny_llama):
+    profile, lm = tiny_llama
+    res = run(Engine(lm, profile), request("j", "Hi", temperature=0, max_tokens=1, ignore_eos=True))["j"]
+    assert res.finish[0] == "length" and len(res.token_ids[0]) == 1
+
+
+def test_stop_string_across_tokens_is_not_emitted(tiny_llama):
+    profile, lm = tiny_llama
+    free = run(Engine(lm, profile), request("a", "Hi", temperature=0, max_tokens=30, ignore_eos=True))["a"].text[0]
+    stop = free[5:9]  # a stop string that starts mid-text and likely spans tokens
+    assert len(stop) == 4
+    res = run(Engine(lm, profile), request("b", "Hi", temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))["b"]
+    assert res.finish[0] == "stop"
+    assert res.text[0] == free[: free.index(stop)]
+
+
+def test_logprobs_shape_and_values(tiny_llama):
+    profile, lm = tiny_llama
+    res = run(Engine(lm, profile), request("j", "Hi", temperature=0, max_tokens=4, logprobs=True, top_logprobs=3))["j"]
+    lps = res.logprobs[0]
+    assert len(lps) == len(res.token_ids[0])
+    for lp in lps:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0].logprob)  # greedy picks the best
+        assert [t.logprob for t in lp.top_logprobs] == sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+
+
+def test_cancel_frees_the_slot_and_emits_nothing_more(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile)
+    add(engine, request("a", "Hi", temperature=0, max_tokens=50, ignore_eos=True))
+    add(engine, request("b", "Hello", temperature=0, max_tokens=5, ignore_eos=True))
+    engine.step()
+    assert engine.cancel("a")
+    jobs = set()
+    while engine.has_work:
+        jobs |= {job for job, _ in engine.step()}
+    assert jobs == {"b"} and engine.rows == [] and not engine.jobs
+
+
+def test_context_length_is_checked_before_any_device_work(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile)
+    with pytest.raises(ContextLengthExceeded):
+        add(engine, request("j", "word " * 400, max_tokens=5))
+    with pytest.raises(ContextLengthExceeded):
+        add(engine, request("k", "Hi", max_tokens=10_000))
+    assert not engine.has_work
