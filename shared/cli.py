@@ -164,6 +164,14 @@ def read_fleet(r: redis.Redis, keys: Keys, *, node_ttl_s: float = 8.0, now_ms: i
 # --------------------------------------------------------------------------------------------
 
 
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
 def _gib(mb: int) -> str:
     return f"{mb / 1024:.1f}"
 
@@ -198,7 +206,7 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
             table.add_row(
                 n.node,
                 "[green]yes[/]" if n.alive else "[red]no[/]",
-                f"{n.heartbeat_age_s:.1f}s ago",
+                f"{_age(n.heartbeat_age_s)} ago",
                 n.version,
                 n.state if not n.error else f"{n.state}: {n.error}",
                 devices or "-",
@@ -233,6 +241,7 @@ def _die_with_parent() -> None:
 class Child:
     name: str
     proc: subprocess.Popen
+    stop_timeout_s: float | None = None  # None: the supervisor's
 
 
 @dataclass
@@ -244,11 +253,12 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     signals: int = 0  # how many stop signals arrived; a second one skips the grace period
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              stop_timeout_s: float | None = None) -> Child:
         proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, process_group=0, preexec_fn=_die_with_parent
         )
-        child = Child(name, proc)
+        child = Child(name, proc, stop_timeout_s)
         self.children.append(child)
         return child
 
@@ -258,14 +268,15 @@ class Supervisor:
     def stop_all(self, log=print) -> None:
         for child in reversed(self.children):
             proc = child.proc
+            timeout_s = self.stop_timeout_s if child.stop_timeout_s is None else child.stop_timeout_s
             if proc.poll() is None:
                 log(f"stopping {child.name} (pid {proc.pid})")
                 _signal(proc, signal.SIGTERM)
-                deadline = time.monotonic() + self.stop_timeout_s
+                deadline = time.monotonic() + timeout_s
                 while proc.poll() is None and time.monotonic() < deadline and self.signals < 2:
                     time.sleep(0.05)
             if proc.poll() is None:
-                log(f"{child.name} did not stop in {self.stop_timeout_s:g}s; killing it")
+                log(f"{child.name} did not stop in {timeout_s:g}s; killing it")
                 _signal(proc, signal.SIGKILL)
                 proc.wait()
             # Anything the child left in its process group goes too.
@@ -377,7 +388,7 @@ def run_up(args: argparse.Namespace) -> int:
             "stop it or set CORTEX_PORT / --port")
         return 2
 
-    sup = Supervisor(stop_timeout_s=args.stop_timeout_s)
+    sup = Supervisor(stop_timeout_s=args.stop_timeout_s if args.stop_timeout_s is not None else 10.0)
     sup.install_signal_handlers()
     exit_code = 0
     redis_log: str | None = None  # the embedded redis-server's log, removed unless it failed
@@ -415,7 +426,9 @@ def run_up(args: argparse.Namespace) -> int:
         child = sup.start("gateway", [sys.executable, "-m", "gateway"], gateway_env)
         log(f"gateway starting (pid {child.proc.pid}) on http://{gateway_settings.host}:{gateway_settings.port}")
         node_env = env | {"CORTEX_MODELS": json.dumps(node_settings.models)}
-        child = sup.start("node", [sys.executable, "-m", "node_agent"], node_env)
+        # The node finishes running jobs for up to its shutdown_grace_s before it exits.
+        node_timeout_s = args.stop_timeout_s if args.stop_timeout_s is not None else node_settings.shutdown_grace_s + 10
+        child = sup.start("node", [sys.executable, "-m", "node_agent"], node_env, node_timeout_s)
         log(f"node agent starting (pid {child.proc.pid}) with {', '.join(node_settings.models)}; loading takes a while")
 
         watch = ReadinessWatch(redis_url, gateway_settings.keys, f"http://{_connect_host(gateway_settings.host)}:{gateway_settings.port}",
@@ -544,7 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-port", type=int, default=int(os.environ.get("CORTEX_UP_REDIS_PORT", UP_REDIS_PORT)),
                    help="port of the embedded redis-server (CORTEX_UP_REDIS_PORT, default %(default)s); "
                         "ignored when CORTEX_REDIS_URL is set")
-    p.add_argument("--stop-timeout-s", type=float, default=15.0, help="grace period per child on shutdown")
+    p.add_argument("--stop-timeout-s", type=float,
+                   help="how long each child may take to stop before it is killed (default: the node's "
+                        "shutdown_grace_s + 10, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=run_up)
 
     p = sub.add_parser("status", parents=[common], help="show nodes, devices, models, slots and queues")
