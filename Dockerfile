@@ -25,7 +25,7 @@ COPY gateway ./gateway
 COPY node_agent ./node_agent
 RUN pip install --no-deps . \
  && useradd --create-home --uid 1000 cortex \
- && mkdir -p /data/hf && chown -R cortex /data
+ && mkdir -p /data/hf /data/converted && chown -R cortex /data
 
 USER cortex
 EXPOSE 31313
