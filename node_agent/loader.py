@@ -78,7 +78,10 @@ def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
         path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model source {source!r} not found at {path}")
-    files = ModelFiles(folder=path.parent, gguf_file=path.name) if path.is_file() else ModelFiles(folder=path)
+    if path.is_file():  # a .gguf file, or a .safetensors file with its config beside it
+        files = ModelFiles(folder=path.parent, gguf_file=path.name if path.suffix == ".gguf" else None)
+    else:
+        files = ModelFiles(folder=path)
     if files.gguf_file is None and not (path / "config.json").exists():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         if profile.gguf_file or ggufs:

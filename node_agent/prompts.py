@@ -30,10 +30,12 @@ def _text_of(content: Any) -> str:
     return "".join(parts)
 
 
-def chat_template(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> str:
-    if profile.force_chatml:
+def chat_template(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> str | None:
+    """The template to render with; None lets the tokenizer pick from its own (string or named set,
+    `tool_use` when tools are given)."""
+    if profile.force_chatml or not (profile.chat_template or tokenizer.chat_template):
         return CHATML_TEMPLATE
-    return profile.chat_template or tokenizer.chat_template or CHATML_TEMPLATE
+    return profile.chat_template
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, request: GenerationRequest) -> list[int]:

