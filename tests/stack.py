@@ -1,0 +1,90 @@
+"""A whole Cortex on this machine for end-to-end tests: its own redis-server, a gateway under
+uvicorn and node agents, each a real process on a free loopback port."""
+
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from shared.keys import CONSUMER_GROUP, Keys
+from tests.conftest import Service, _http_ok, _redis_pings, free_port, wait_until
+
+NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
+DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+)$")
+
+
+@dataclass
+class Stack:
+    root: Path
+    redis_url: str
+    gateway_url: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    services: list[Service] = field(default_factory=list)
+    keys: Keys = Keys()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def start_gateway(self) -> None:
+        port = free_port()
+        env = self.env | {"CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(port)}
+        gateway = Service("gateway", [sys.executable, "-m", "gateway"], self.root / "gateway.log", env=env)
+        self.services.append(gateway)
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        gateway.wait_ready(lambda: _http_ok(f"{self.gateway_url}/health"))
+
+    def start_node(self, name: str, models: list[str] | None = None, **env: str) -> Service:
+        node_env = self.env | {"CORTEX_NODE_NAME": name} | env
+        if models:
+            node_env["CORTEX_MODELS"] = "[" + ",".join(f'"{m}"' for m in models) + "]"
+        node = Service(f"node {name}", [sys.executable, "-m", "node_agent"], self.root / f"node-{name}.log", env=node_env)
+        self.services.append(node)
+        client = self.client()
+        node.wait_ready(lambda: b'"ready"' in (client.hget(self.keys.node(name), "models") or b""),
+                        NODE_START_TIMEOUT_S)
+        return node
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+
+    def assert_clean(self, timeout_s: float = 5.0) -> None:
+        """No pending entries, no queued jobs, and no keys beyond the documented ones."""
+        client = self.client()
+
+        def clean() -> bool:
+            streams = [k.decode() for k in client.keys("cortex:jobs:*")]
+            busy = any(client.xlen(s) or client.xpending(s, CONSUMER_GROUP)["pending"] for s in streams)
+            return not busy
+        try:
+            wait_until(clean, timeout_s, "jobs to be acknowledged")
+        finally:
+            stray = [k.decode() for k in client.keys("*") if not DOCUMENTED_KEYS.match(k.decode())]
+            assert stray == [], f"keys left behind: {stray}"
+
+
+def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack:
+    port = free_port()
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    server = Service("redis-server", [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no", "--dir", str(root)], root / "redis.log")
+    server.wait_ready(lambda: _redis_pings(redis_url))
+    stack_env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_LOG_LEVEL": "INFO"} | env
+    if models_toml is not None:
+        (root / "models.toml").write_text(models_toml)
+        stack_env["CORTEX_MODELS_FILE"] = str(root / "models.toml")
+    stack = Stack(root=root, redis_url=redis_url, env=stack_env, services=[server])
+    return stack
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    wait_until(predicate, timeout_s, what)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
