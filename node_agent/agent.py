@@ -17,9 +17,7 @@ from node_agent.publisher import Publisher
 from node_agent.served_model import ServedModel
 from shared import __version__
 from shared.catalog import Catalog
-from shared.errors import GenerationFailed, ModelPoisoned
 from shared.heartbeat import NodeHeartbeat
-from shared.lifecycle import ModelState
 from shared.redis_conn import connect
 from shared.settings import NodeSettings
 
@@ -45,7 +43,7 @@ class NodeAgent:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
         self.publisher = Publisher(self.redis, self.keys, on_unheard=self._on_unheard)
         self.publisher.start()
@@ -63,6 +61,10 @@ class NodeAgent:
         await self._stop.wait()
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
+
+    def stop(self) -> None:
+        """Ask `run()` to shut down cleanly (what SIGTERM does)."""
+        self._stop.set()
 
     async def shutdown(self, tasks: list[asyncio.Task]) -> None:
         self.state = "draining"
@@ -93,7 +95,7 @@ class NodeAgent:
         now = _now_ms()
         beat = NodeHeartbeat(
             node=self.name, version=__version__, state=self.state, started_ms=self.started_ms, heartbeat_ms=now,
-            devices=[await t.call(devices.describe, d) for d, t in self.threads.items()],
+            devices=[await t.refresh_info() for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
         )
         key = self.keys.node(self.name)
@@ -115,13 +117,8 @@ class NodeAgent:
 
     def _on_failure(self, engine: Engine, exc: BaseException, jobs: list[str]) -> None:
         model = self._model_of(engine)
-        if model is None:
-            return
-        model.state, model.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
-        for job in jobs:
-            model.fail(job, GenerationFailed(f"the model failed on device {model.device.device}: {model.error}"))
-        for job in list(model.running):
-            model.fail(job, ModelPoisoned(f"{model.profile.id} is poisoned: {model.error}"))
+        if model is not None:
+            model.poison(exc, jobs)
 
     def _on_unheard(self, job: str) -> None:
         log.info("job %s has no listener any more; cancelling it", job)

@@ -8,7 +8,9 @@ import queue
 import threading
 from typing import Any, Callable
 
+from node_agent import devices
 from node_agent.engine import Engine
+from shared.heartbeat import DeviceInfo
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +24,7 @@ class DeviceThread:
         self.loop = loop
         self.on_step, self.on_failure = on_step, on_failure
         self.engines: list[Engine] = []
+        self.last_info: DeviceInfo | None = None  # the latest memory reading, taken on this thread
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"device-{device}", daemon=True)
@@ -43,6 +46,10 @@ class DeviceThread:
 
         self._inbox.put(work)
         return future
+
+    async def refresh_info(self) -> DeviceInfo:
+        self.last_info = await self.call(devices.describe, self.device)
+        return self.last_info
 
     def stop(self) -> None:
         self._stopping = True

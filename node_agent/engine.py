@@ -77,12 +77,13 @@ class Job:
         return all(s.finish_reason for s in self.sequences)
 
 
-def check_fits(max_len: int, prompt_len: int, max_tokens: int | None) -> None:
+def check_fits(max_len: int, prompt_len: int, max_tokens: int | None, max_prompt_tokens: int | None = None) -> None:
     """Refuse, as OpenAI does, a prompt (plus requested completion) longer than the context."""
-    if prompt_len >= max_len:
+    limit = min(max_len - 1, max_prompt_tokens or max_len)
+    if prompt_len > limit:
         raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-            f"{prompt_len} tokens. Please reduce the length of the prompt.", param="messages")
+            f"This model's maximum context length is {max_len} tokens (prompts up to {limit}). However, your "
+            f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.", param="messages")
     if max_tokens is not None and prompt_len + max_tokens > max_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_len} tokens. However, you requested "

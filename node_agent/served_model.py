@@ -14,7 +14,7 @@ from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, JobCancelled, NodeLost
+from shared.errors import CortexError, GenerationFailed, InsufficientMemory, JobCancelled, ModelPoisoned, NodeLost
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
@@ -67,6 +67,23 @@ class ServedModel:
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
         log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
 
+    def poison(self, exc: BaseException, jobs: list[str]) -> None:
+        """A device error: fail this model's jobs with a 503 that says why, then reload it."""
+        self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
+        log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
+        for job in set(jobs) | set(self.running):
+            self.fail(job, ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name} "
+                                         f"({self.device.device}): {self.error}; it is being reloaded"))
+        asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
+
+    async def _reload(self) -> None:
+        await self.stop_consuming()
+        engine, self.engine = self.engine, None
+        await self.device.call(self.device.engines.remove, engine)
+        del engine
+        await self.load()
+        self.error = "" if self.state == ModelState.READY else self.error
+
     async def _ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
@@ -113,14 +130,21 @@ class ServedModel:
             return
         self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n)
         try:
+            self._check_memory()
             ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)
-            check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens)
+            check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens, self.profile.max_prompt_tokens)
             await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
         except CortexError as exc:
             self.fail(request.job, exc)
         except Exception as exc:
             log.exception("job %s could not start", request.job)
             self.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+
+    def _check_memory(self) -> None:
+        free = self.device.last_info.free_mb if self.device.last_info else None
+        if free is not None and free < self.settings.min_free_mb:
+            raise InsufficientMemory(f"{self.device.device} on {self.consumer_name} has {free} MB free, "
+                                     f"below min_free_mb={self.settings.min_free_mb}")
 
     def on_step(self, events: list[tuple[str, list]]) -> None:
         """Called on the event loop with one engine step's events."""

@@ -28,6 +28,7 @@ class ModelProfile(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     slots: int = Field(16, ge=1, le=1024)  # sequences decoded together
     max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
+    max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context
     prefill_chunk_tokens: int = Field(512, ge=16)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False

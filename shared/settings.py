@@ -67,4 +67,5 @@ class NodeSettings(CortexSettings):
     hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
+    min_free_mb: int = 256  # below this much free device memory, new jobs get 503 insufficient_memory
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish

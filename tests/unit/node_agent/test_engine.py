@@ -4,7 +4,7 @@ import torch
 from node_agent import loader, prompts
 from node_agent.engine import Engine
 from shared.errors import ContextLengthExceeded
-from tests.unit.node_agent.conftest import tiny_profile
+from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import add, request, run
 
 PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",

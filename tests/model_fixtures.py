@@ -1,3 +1,5 @@
+"""Fixtures that build models: the default model's tokenizer and tiny random-weight models."""
+
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ from tests import tiny_models
 
 @pytest.fixture(scope="session")
 def smol_tokenizer():
-    """The default model's tokenizer (from its dequantised copy when one exists)."""
+    """The default model's tokenizer, read from its GGUF."""
     from transformers import AutoTokenizer
 
     files = loader.locate(Catalog.load(None).resolve("default"))
@@ -23,7 +25,8 @@ def tiny_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
 
 
 def tiny_profile(folder: Path, **overrides) -> ModelProfile:
-    return ModelProfile(id=folder.name, source=str(folder), dtype="float32", slots=8, max_model_len=256, **overrides)
+    return ModelProfile(**{"id": folder.name, "source": str(folder), "dtype": "float32", "slots": 8,
+                           "max_model_len": 256} | overrides)
 
 
 @pytest.fixture(scope="session")

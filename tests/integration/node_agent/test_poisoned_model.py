@@ -1,0 +1,69 @@
+"""A device error poisons the model: its jobs fail with a 503-class error that says why, the
+node keeps running, and the model is reloaded and serves again."""
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from node_agent.agent import NodeAgent
+from shared.lifecycle import ModelState
+from shared.settings import NodeSettings
+from shared.wire import GenerationRequest, SamplingParams, StreamEntry, pack, unpack_event
+
+
+async def ask(r: aioredis.Redis, keys, model: str, job: str) -> list:
+    pubsub = r.pubsub()
+    await pubsub.subscribe(keys.events(job))
+    request = GenerationRequest(job=job, model=model, kind="completion", prompt="Hello",
+                                sampling=SamplingParams(temperature=0, max_tokens=4))
+    entry = StreamEntry(job=job, kind="completion", model=model, submitted_ms=int(time.time() * 1000),
+                        reply=keys.events(job), body=pack(request))
+    await r.xadd(keys.jobs(model), entry.to_fields())
+    events = []
+    async with asyncio.timeout(60):
+        async for message in pubsub.listen():
+            if message["type"] == "message":
+                events.append(unpack_event(message["data"]))
+                if events[-1].type != "delta":
+                    break
+    await pubsub.aclose()
+    return events
+
+
+async def wait_state(served, state: ModelState) -> None:
+    async with asyncio.timeout(60):
+        while served.state != state:
+            await asyncio.sleep(0.05)
+
+
+async def test_device_error_poisons_then_reloads(redis_url, tiny_dirs, tmp_path):
+    folder = tiny_dirs["llama"]
+    (tmp_path / "models.toml").write_text(
+        f'[[models]]\nid = "tiny"\nsource = "{folder}"\ndtype = "float32"\nslots = 2\nmax_model_len = 128\n')
+    settings = NodeSettings(redis_url=redis_url, models=["tiny"], node_name="n1", models_file=tmp_path / "models.toml",
+                            convert_cache=None)
+    agent = NodeAgent(settings)
+    running = asyncio.create_task(agent.run())
+    served = None
+    try:
+        async with asyncio.timeout(60):
+            while not (served := agent.models.get("tiny")) or served.state != ModelState.READY:
+                await asyncio.sleep(0.05)
+        r = aioredis.Redis.from_url(redis_url)
+        assert (await ask(r, agent.keys, "tiny", "ok1"))[-1].type == "done"
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        served.engine.lm.model.model.forward = broken
+        events = await ask(r, agent.keys, "tiny", "bad")
+        assert events[-1].type == "error" and events[-1].code == "model_poisoned"
+        assert "illegal memory access" in events[-1].message
+        await wait_state(served, ModelState.READY)
+        assert (await ask(r, agent.keys, "tiny", "ok2"))[-1].type == "done"
+        assert (await r.xpending(agent.keys.jobs("tiny"), "agents"))["pending"] == 0
+        await r.aclose()
+    finally:
+        agent.stop()
+        await asyncio.wait_for(running, 60)
