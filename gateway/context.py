@@ -1,0 +1,30 @@
+"""What every route needs, built once per process by the server's lifespan."""
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import Depends, Request
+
+from gateway.events import EventRouter
+from gateway.fleet import Fleet
+from shared.catalog import Catalog
+from shared.keys import Keys
+from shared.settings import GatewaySettings
+
+
+@dataclass
+class GatewayContext:
+    settings: GatewaySettings
+    keys: Keys
+    redis: aioredis.Redis  # commands (XADD, PUBLISH, heartbeats); pub/sub lives in `router`
+    catalog: Catalog
+    router: EventRouter
+    fleet: Fleet
+
+
+def get_context(request: Request) -> GatewayContext:
+    return request.app.state.ctx
+
+
+Ctx = Annotated[GatewayContext, Depends(get_context)]

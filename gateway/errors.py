@@ -1,0 +1,92 @@
+"""Every error the gateway returns, in OpenAI's shape `{"error": {"message", "type", "param",
+"code"}}`, mapped in one place: typed `CortexError`s carry their own status; request
+validation → 400 naming the field; malformed JSON → 400; unknown routes → 404; Redis down → 503."""
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from gateway.protocol.openai import Error, ErrorResponse
+from gateway.request_id import request_id_var
+from shared.errors import BrokerUnavailable, CortexError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+MAX_LISTED = 3  # validation problems named in one message
+
+
+def error_body(exc: CortexError) -> dict[str, Any]:
+    error = Error(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
+    return ErrorResponse(error=error).model_dump()
+
+
+def error_response(exc: CortexError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.status)
+
+
+def _field(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(part) for part in loc[1:]] if loc and loc[0] == "body" else [str(part) for part in loc]
+    return ".".join(parts) or None
+
+
+def _problem(error: dict[str, Any]) -> tuple[str, str | None]:
+    """One pydantic error → (message, param)."""
+    if error["type"] == "json_invalid":
+        return f"invalid JSON: {error.get('ctx', {}).get('error', 'cannot be parsed')}", None
+    field = _field(tuple(error["loc"]))
+    if error["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {field}", field
+    message = error["msg"].removeprefix("Value error, ")
+    if field is None and error["type"] == "value_error" and ": " in message:  # a model validator's
+        field, message = message.split(": ", 1)  # "top_logprobs: requires logprobs to be true"
+    if field is None:
+        return "the request body must be a JSON object, sent with Content-Type: application/json", None
+    return f"{field}: {message}", field
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequest:
+    problems = [_problem(error) for error in exc.errors()]
+    message = "; ".join(text for text, _ in problems[:MAX_LISTED])
+    if len(problems) > MAX_LISTED:
+        message += f" (and {len(problems) - MAX_LISTED} more)"
+    return InvalidRequest(message, param=problems[0][1] if problems else None)
+
+
+async def _on_cortex_error(request: Request, exc: CortexError) -> JSONResponse:
+    if exc.status >= 500:
+        path, request_id = request.url.path, request_id_var.get()
+        log.warning("request=%s %s %s → %d %s", request_id, request.method, path, exc.status, exc.message)
+    return error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(validation_error(exc))
+
+
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    body = ErrorResponse(error=Error(message=message, type="invalid_request_error", code=code))
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
+    return await _on_cortex_error(request, BrokerUnavailable(f"Redis is unavailable: {exc}"))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("request=%s %s %s failed", request_id_var.get(), request.method, request.url.path)
+    return error_response(CortexError(f"internal error: {type(exc).__name__}"))
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(CortexError, _on_cortex_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(RedisError, _on_redis_error)
+    app.add_exception_handler(Exception, _on_unexpected)

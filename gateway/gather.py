@@ -1,0 +1,39 @@
+"""Gather a job's events into whole choices, for responses that are not streamed."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from shared.wire import DeltaEvent, DoneEvent, TokenLogprob, Usage
+
+
+@dataclass
+class GatheredChoice:
+    index: int
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@dataclass
+class Gathered:
+    choices: list[GatheredChoice]
+    usage: Usage
+
+
+async def gather(events: AsyncIterator[DeltaEvent | DoneEvent], n: int) -> Gathered:
+    """Fold every delta into its choice (by `index`) until the job's `done` event."""
+    choices = {i: GatheredChoice(index=i) for i in range(n)}
+    async for event in events:
+        if isinstance(event, DoneEvent):
+            return Gathered(choices=[choices[i] for i in sorted(choices)], usage=event.usage)
+        for delta in event.choices:
+            choice = choices.setdefault(delta.index, GatheredChoice(index=delta.index))
+            choice.parts.append(delta.text)
+            if delta.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + delta.logprobs
+            choice.finish_reason = delta.finish_reason or choice.finish_reason
+    raise RuntimeError("the job's events ended without a done event")

@@ -1,0 +1,143 @@
+"""Submit a job and follow it to its end.
+
+`submit` subscribes to the job's event channel (confirmed by Redis) and only then XADDs the
+job to `cortex:jobs:{model}`. `Job.events()` yields its deltas up to the `done` event; an error
+event raises the typed error the node reported. `Job.close()` always runs (the routes see to
+it): a job that did not finish is cancelled on `cortex:cancel`, and the subscription is dropped,
+so nothing is left behind but the stream entry the nodes acknowledge.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import anyio
+from redis.exceptions import RedisError
+
+from gateway.context import GatewayContext
+from gateway.events import Item
+from gateway.request_id import request_id_var
+from shared.errors import BrokerUnavailable, CortexError, Timeout, error_from_code
+from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StreamEntry, pack
+
+log = logging.getLogger(__name__)
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Job:
+    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item]):
+        self.id = request.job
+        self.model = request.model
+        self.created = int(time.time())
+        self.request_id = request_id_var.get()
+        self._ctx = ctx
+        self._queue = queue
+        self._first: DeltaEvent | DoneEvent | None = None
+        self.finished = False  # the node ended it (done or error): nothing to cancel
+        self.closed = False
+
+    async def first_event(self) -> None:
+        """Wait for the first event, so that an error before any output (context too long, the
+        model failed to load) can still become an HTTP status instead of a broken stream."""
+        self._first = await self._next()
+
+    async def events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
+        """Deltas, then the done event; raises the job's `CortexError` if it fails."""
+        while True:
+            if self._first is not None:
+                event, self._first = self._first, None
+            else:
+                event = await self._next()
+            yield event
+            if isinstance(event, DoneEvent):
+                return
+
+    async def _next(self) -> DeltaEvent | DoneEvent:
+        timeout_s = self._ctx.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await self._queue.get()
+        except TimeoutError:
+            raise Timeout(f"no event from model {self.model} for job {self.id} in {timeout_s:g}s") from None
+        if isinstance(item, CortexError):
+            raise item
+        if isinstance(item, ErrorEvent):
+            self.finished = True
+            log.info("job=%s request=%s failed on the node: %s: %s", self.id, self.request_id, item.code, item.message)
+            raise error_from_code(item.code, item.message)
+        if isinstance(item, DoneEvent):
+            self.finished = True
+            log.info(
+                "job=%s request=%s done: %d+%d tokens, node %s, queue %.0fms prefill %.0fms decode %.0fms",
+                self.id, self.request_id, item.usage.prompt_tokens, item.usage.completion_tokens,
+                item.node or "?", item.timings.queue_ms, item.timings.prefill_ms, item.timings.decode_ms,
+            )
+        return item
+
+    async def close(self) -> None:
+        """Cancel the job unless it finished, and unsubscribe. Idempotent; runs to the end even
+        when the caller is being cancelled (the client went away)."""
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            if not self.finished:
+                log.info("job=%s request=%s cancelled before it finished", self.id, self.request_id)
+                try:
+                    await self._ctx.redis.publish(self._ctx.keys.cancel(), self.id)
+                except RedisError as exc:
+                    log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
+            await self._ctx.router.unsubscribe(self._ctx.keys.events(self.id))
+
+    async def __aenter__(self) -> "Job":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: str = "interactive") -> Job:
+    """Subscribe to the job's events, then enqueue it; the caller must `close()` the job."""
+    channel = ctx.keys.events(request.job)
+    queue = await ctx.router.subscribe(channel)
+    entry = StreamEntry(
+        job=request.job,
+        kind=request.kind,
+        model=request.model,
+        priority=priority,
+        max_tokens=request.sampling.max_tokens or 0,
+        submitted_ms=int(time.time() * 1000),
+        reply=channel,
+        body=pack(request),
+    )
+    stream = ctx.keys.jobs(request.model)
+    try:
+        entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await ctx.router.unsubscribe(channel)
+        if isinstance(exc, RedisError):
+            raise BrokerUnavailable(f"could not enqueue the job on {stream}: {exc}") from exc
+        raise
+    job = Job(ctx, request, queue)
+    log.info("job=%s request=%s queued on %s as %s", job.id, job.request_id, stream, entry_id.decode())
+    return job
+
+
+class ApiRequest(Protocol):
+    model: str
+
+    def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
+
+
+async def submit_request(ctx: GatewayContext, body: ApiRequest) -> Job:
+    """Resolve the model (404 if unknown), make sure a live node serves it (503), submit."""
+    profile = ctx.catalog.resolve(body.model)
+    await ctx.fleet.ensure_served(profile)
+    return await submit(ctx, body.to_generation_request(new_job_id(), profile.id))

@@ -1,0 +1,441 @@
+"""OpenAI wire types, named as the OpenAI spec names them, fields in spec order.
+
+Requests validate strictly (`extra="forbid"`, OpenAI's ranges) so bad input never reaches a
+node; each request converts itself to the `shared.wire.GenerationRequest` a node runs.
+Extensions beyond OpenAI (vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `chat_template_kwargs`) come after the spec's fields.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from shared.wire import GenerationRequest, SamplingParams
+
+Stop = str | Annotated[list[str], Field(max_length=4)]
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- messages ---------------------------------------------------------------------------
+
+
+class ChatCompletionRequestMessageContentPartText(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ChatCompletionRequestMessageContentPartImage(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(Strict):
+    data: str
+    format: Literal["wav", "mp3"]
+
+
+class ChatCompletionRequestMessageContentPartAudio(Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class ChatCompletionRequestMessageContentPartRefusal(Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+TextPart = ChatCompletionRequestMessageContentPartText
+UserPart = Annotated[
+    TextPart | ChatCompletionRequestMessageContentPartImage | ChatCompletionRequestMessageContentPartAudio,
+    Field(discriminator="type"),
+]
+AssistantPart = Annotated[TextPart | ChatCompletionRequestMessageContentPartRefusal, Field(discriminator="type")]
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ChatCompletionMessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatCompletionRequestSystemMessage(Strict):
+    content: str | list[TextPart]
+    role: Literal["system"]
+    name: str | None = None
+
+
+class ChatCompletionRequestDeveloperMessage(Strict):
+    content: str | list[TextPart]
+    role: Literal["developer"]
+    name: str | None = None
+
+
+class ChatCompletionRequestUserMessage(Strict):
+    content: str | list[UserPart]
+    role: Literal["user"]
+    name: str | None = None
+
+
+class ChatCompletionRequestAssistantMessage(Strict):
+    content: str | list[AssistantPart] | None = None
+    refusal: str | None = None
+    role: Literal["assistant"]
+    name: str | None = None
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+
+
+class ChatCompletionRequestToolMessage(Strict):
+    role: Literal["tool"]
+    content: str | list[TextPart]
+    tool_call_id: str
+
+
+ChatCompletionRequestMessage = Annotated[
+    ChatCompletionRequestSystemMessage
+    | ChatCompletionRequestDeveloperMessage
+    | ChatCompletionRequestUserMessage
+    | ChatCompletionRequestAssistantMessage
+    | ChatCompletionRequestToolMessage,
+    Field(discriminator="role"),
+]
+
+
+def _message_for_node(message: BaseModel) -> dict[str, Any]:
+    data = message.model_dump(exclude_none=True)
+    if data["role"] == "developer":  # open models' chat templates know "system", not "developer"
+        data["role"] = "system"
+    return data
+
+
+# ---- tools ------------------------------------------------------------------------------
+
+
+class FunctionObject(Strict):
+    description: str | None = None
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(Strict):
+    type: Literal["function"]
+    function: FunctionObject
+
+
+class ChatCompletionStreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+# ---- requests ---------------------------------------------------------------------------
+
+
+class _Sampling(Strict):
+    """Sampling fields shared by both request kinds, and their conversion."""
+
+    def _sampling(self, **overrides: Any) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            **overrides,
+        )
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _token_ids(cls, bias: LogitBias | None) -> LogitBias | None:
+        if bias and not all(key.lstrip("-").isdigit() and int(key) >= 0 for key in bias):
+            raise ValueError("keys must be token ids (non-negative integers as strings)")
+        return bias
+
+
+class ChatCompletionRequest(_Sampling):
+    model: str
+    messages: list[ChatCompletionRequestMessage] = Field(min_length=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: LogitBias | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    metadata: dict[str, str] | None = None  # accepted, not used
+    n: int = Field(1, ge=1, le=128)
+    parallel_tool_calls: bool | None = None  # accepted, not used
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    service_tier: str | None = None  # accepted, not used
+    stop: Stop | None = None
+    store: bool | None = None  # accepted, not used
+    stream: bool = False
+    stream_options: ChatCompletionStreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    stop_token_ids: list[int] = []
+    chat_template_kwargs: dict[str, Any] = {}
+    add_generation_prompt: bool = True
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: only type 'text' is supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_generation_request(self, job: str, model: str) -> GenerationRequest:
+        use_tools = self.tools and self.tool_choice != "none"
+        return GenerationRequest(
+            job=job,
+            model=model,
+            kind="chat",
+            messages=[_message_for_node(m) for m in self.messages],
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if use_tools else None,
+            chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt,
+            sampling=self._sampling(
+                max_tokens=self.max_completion_tokens or self.max_tokens,
+                logprobs=self.logprobs,
+                top_logprobs=self.top_logprobs or 0,
+            ),
+        )
+
+
+class CompletionRequest(_Sampling):
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    best_of: int | None = Field(None, ge=1, le=20)
+    echo: bool = False
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: LogitBias | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    max_tokens: int | None = Field(16, ge=1)
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = None
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: ChatCompletionStreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+    # extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ValueError("batches of prompts are not supported; send one prompt per request")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _supported(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo: is not supported")
+        if self.suffix:
+            raise ValueError("suffix: is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of equal to n is supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_generation_request(self, job: str, model: str) -> GenerationRequest:
+        return GenerationRequest(
+            job=job,
+            model=model,
+            kind="completion",
+            prompt=self.prompt,
+            sampling=self._sampling(
+                max_tokens=self.max_tokens,
+                logprobs=self.logprobs is not None,
+                top_logprobs=self.logprobs or 0,
+            ),
+        )
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionTokenLogprobTop(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatCompletionTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatCompletionTokenLogprobTop]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatCompletionTokenLogprob] | None
+    refusal: list[ChatCompletionTokenLogprob] | None = None
+
+
+class ChatCompletionMessage(BaseModel):
+    content: str | None
+    refusal: str | None = None
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatCompletionChoice(BaseModel):
+    finish_reason: str | None
+    index: int
+    logprobs: ChoiceLogprobs | None = None
+    message: ChatCompletionMessage
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    choices: list[ChatCompletionChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+    usage: CompletionUsage
+
+
+class ChatCompletionStreamResponseDelta(BaseModel):
+    """Only the fields that are set appear on the wire: `{"content": "Hi"}`, or `{}` at the end."""
+
+    content: str | None = None
+    refusal: str | None = None
+    role: Literal["assistant"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    delta: ChatCompletionStreamResponseDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    index: int
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    choices: list[ChatCompletionChunkChoice]
+    created: int
+    model: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
+class CompletionChoice(BaseModel):
+    finish_reason: str | None
+    index: int
+    logprobs: CompletionLogprobs | None = None
+    text: str
+
+
+class Completion(BaseModel):
+    id: str
+    choices: list[CompletionChoice]
+    created: int
+    model: str
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
+    usage: CompletionUsage | None = None
+
+
+class CompletionChunk(Completion):
+    """A streamed completion piece: the same `text_completion` object as the final one."""
+
+
+class Model(BaseModel):
+    id: str
+    created: int
+    object: Literal["model"] = "model"
+    owned_by: str = "cortex"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class Error(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: Error

@@ -1,0 +1,25 @@
+"""Job events → API objects: one module per dialect, no I/O."""
+
+from typing import Protocol
+
+from gateway.protocol.openai import CompletionUsage
+from shared.wire import Usage
+
+
+class JobInfo(Protocol):
+    """What a rendered response says about its job (`gateway.jobs.Job` has these)."""
+
+    id: str  # the job id
+    created: int  # unix seconds
+    model: str  # the catalogue id
+
+
+def completion_usage(usage: Usage) -> CompletionUsage:
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
+
+
+DEFAULT_FINISH_REASON = "stop"  # a choice the node ended without saying why

@@ -1,0 +1,9 @@
+"""HTTP routes: each maps a request to a job and the job's events to JSON or SSE, nothing more."""
+
+from fastapi import APIRouter
+
+from gateway.routes import chat, completions, health, models
+
+router = APIRouter()
+for module in (chat, completions, models, health):
+    router.include_router(module.router)

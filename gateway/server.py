@@ -1,0 +1,81 @@
+"""The gateway process: `create_app` builds the FastAPI app, `run` serves it under uvicorn."""
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import redis.asyncio as aioredis
+import uvicorn
+from fastapi import FastAPI
+
+from gateway import errors, routes
+from gateway.context import GatewayContext
+from gateway.events import EventRouter, pubsub_client
+from gateway.fleet import Fleet
+from gateway.request_id import RequestIdMiddleware
+from shared import __version__
+from shared.catalog import Catalog
+from shared.keys import Keys
+from shared.redis_conn import connect
+from shared.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to finish on SIGTERM/SIGINT
+
+
+async def publish_catalog(redis: aioredis.Redis, keys: Keys, catalog: Catalog) -> None:
+    """`cortex:catalog`: model id → profile JSON, replaced as a whole (one transaction)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(keys.catalog())
+        pipe.hset(keys.catalog(), mapping={id_: p.model_dump_json() for id_, p in catalog.profiles.items()})
+        await pipe.execute()
+
+
+def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredis.Redis] | None = None) -> FastAPI:
+    """`redis_factory` (for tests) makes every Redis client; by default commands go through a
+    client that retries with backoff and pub/sub through one that reports every failure."""
+    catalog = Catalog.load(settings.models_file)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        keys = settings.keys
+        redis = redis_factory() if redis_factory else connect(settings.redis_url)
+        router = EventRouter(
+            redis_factory or partial(pubsub_client, settings.redis_url),
+            on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
+        )
+        app.state.ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+        await router.start()
+        log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), settings.redis_url)
+        try:
+            yield
+        finally:
+            await router.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
+    app.add_middleware(RequestIdMiddleware)
+    errors.install(app)
+    app.include_router(routes.router)
+    return app
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def run(settings: GatewaySettings) -> None:
+    """Serve the gateway in the foreground until SIGINT/SIGTERM."""
+    setup_logging(settings.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )

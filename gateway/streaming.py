@@ -1,0 +1,66 @@
+"""A job streamed as server-sent events. The response owns the job: whatever ends the stream
+(the done event, an error, the client going away, or the body never being sent at all), the
+job is closed, which cancels it on the node if it had not finished."""
+
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway import sse
+from gateway.disconnect import unless_disconnected
+from gateway.errors import error_body
+from gateway.jobs import Job
+from shared.errors import CortexError
+
+log = logging.getLogger(__name__)
+
+
+async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Wait for the job's first event (errors before it are plain HTTP errors), then stream
+    `chunks` (rendered from `job.events()`) as SSE frames ending with `data: [DONE]`."""
+    try:
+        await unless_disconnected(request, job.first_event())
+    except BaseException:
+        await job.close()
+        raise
+    return JobStreamResponse(job, _frames(job, chunks))
+
+
+async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield sse.data(chunk)
+    except CortexError as exc:  # after the headers went out, an error travels in the stream
+        log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
+        yield sse.data(error_body(exc))
+    yield sse.DONE
+
+
+class JobStreamResponse(StreamingResponse):
+    def __init__(self, job: Job, frames: AsyncIterator[bytes]):
+        super().__init__(frames, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream until the body ends or the client disconnects, whichever ASGI version the
+        server speaks, then close the job."""
+        try:
+            async with anyio.create_task_group() as task_group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # ASGI 2.4 servers raise on send once the client is gone
+                        pass
+                    task_group.cancel_scope.cancel()
+
+                task_group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                task_group.cancel_scope.cancel()
+        finally:
+            await self.job.close()

@@ -1,0 +1,139 @@
+"""Gateway unit-test fixtures: the app on fakeredis, an HTTP client over ASGI, heartbeats, and a
+scripted node that stands in for a node agent (unit tests only; integration tests run real ones)."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import fakeredis
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from gateway.server import create_app
+from shared.catalog import DEFAULT_MODEL_ID
+from shared.heartbeat import ModelInfo, NodeHeartbeat
+from shared.keys import Keys
+from shared.lifecycle import ModelState
+from shared.settings import GatewaySettings
+from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack
+
+KEYS = Keys()
+MODEL = DEFAULT_MODEL_ID
+
+
+def delta(text: str, index: int = 0, **fields) -> DeltaEvent:
+    return DeltaEvent(choices=[ChoiceDelta(index=index, text=text, **fields)])
+
+
+def done(prompt_tokens: int = 5, completion_tokens: int = 3) -> DoneEvent:
+    return DoneEvent(usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens), node="n1")
+
+
+WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled
+
+Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str]]
+
+
+def hello_script(entry: StreamEntry) -> list:
+    return [delta("Hel"), delta("lo"), delta("!", finish_reason="stop"), done()]
+
+
+@dataclass
+class ScriptedNode:
+    """Reads the job stream like a node would and answers each job with `script(entry)`."""
+
+    redis: fakeredis.aioredis.FakeRedis
+    script: Script = hello_script
+    entries: list[StreamEntry] = field(default_factory=list)
+    subscribers_at_read: list[int] = field(default_factory=list)  # listeners on `reply` when read
+    cancelled: list[str] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    async def run(self, stream: str) -> None:
+        cancels = self.redis.pubsub()
+        await cancels.subscribe(KEYS.cancel())
+        last_id = "0"
+        while True:
+            while (message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
+                self.cancelled.append(message["data"].decode())
+            for _, entries in await self.redis.xread({stream: last_id}, count=16):
+                for last_id, fields in entries:
+                    task = asyncio.create_task(self._answer(StreamEntry.from_fields(fields)))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+            await asyncio.sleep(0.005)
+
+    async def _answer(self, entry: StreamEntry) -> None:
+        self.entries.append(entry)
+        [(_, listeners)] = await self.redis.pubsub_numsub(entry.reply)
+        self.subscribers_at_read.append(listeners)
+        for step in self.script(entry):
+            if step == WAIT_FOR_CANCEL:
+                while entry.job not in self.cancelled:
+                    await asyncio.sleep(0.005)
+                return
+            await self.redis.publish(entry.reply, pack(step))
+
+
+@pytest.fixture
+def fake_server() -> fakeredis.FakeServer:
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def redis_factory(fake_server: fakeredis.FakeServer) -> Callable[[], fakeredis.aioredis.FakeRedis]:
+    return lambda: fakeredis.aioredis.FakeRedis(server=fake_server)
+
+
+@pytest.fixture
+async def redis(redis_factory) -> AsyncIterator[fakeredis.aioredis.FakeRedis]:
+    client = redis_factory()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def settings() -> GatewaySettings:
+    return GatewaySettings(redis_url="redis://fake", node_ttl_s=8.0, request_timeout_s=5.0)
+
+
+@pytest.fixture
+async def app(settings: GatewaySettings, redis_factory) -> AsyncIterator[FastAPI]:
+    app = create_app(settings, redis_factory=redis_factory)
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        yield client
+
+
+async def beat(
+    redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active"
+) -> NodeHeartbeat:
+    """Write a heartbeat as a node agent would."""
+    now_ms = int((time.time() - age_s) * 1000)
+    models = {MODEL: ModelState.READY} if models is None else models
+    heartbeat = NodeHeartbeat(
+        node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
+        models={name: ModelInfo(state=s, device="cpu", slots_total=4) for name, s in models.items()},
+    )
+    await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())
+    await redis.zadd(KEYS.nodes(), {node: now_ms})
+    return heartbeat
+
+
+@pytest.fixture
+async def node(app: FastAPI, redis) -> AsyncIterator[ScriptedNode]:
+    """A live node serving the default model, answering jobs by its script."""
+    await beat(redis)
+    scripted = ScriptedNode(redis)
+    task = asyncio.create_task(scripted.run(KEYS.jobs(MODEL)))
+    yield scripted
+    for running in [task, *scripted.tasks]:
+        running.cancel()
+    await asyncio.gather(task, *scripted.tasks, return_exceptions=True)

@@ -1,0 +1,201 @@
+"""POST /v1/chat/completions against a scripted node: stream and non-stream, errors, cancel."""
+
+import asyncio
+import json
+
+import pytest
+
+from shared.wire import ErrorEvent, TokenLogprob, TopLogprob
+from tests.unit.gateway.conftest import KEYS, MODEL, WAIT_FOR_CANCEL, delta, done
+
+HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def sse_payloads(text: str) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except `[DONE]`."""
+    frames = [frame for frame in text.split("\n\n") if frame]
+    assert all(frame.startswith("data: ") for frame in frames), frames
+    return [frame[6:] if frame == "data: [DONE]" else json.loads(frame[6:]) for frame in frames]
+
+
+async def test_non_stream_answer(client, node):
+    response = await client.post("/v1/chat/completions", json=HELLO)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    job = node.entries[0].job
+    assert body["id"] == f"chatcmpl-{job}"
+    assert body["object"] == "chat.completion"
+    assert body["model"] == MODEL  # the alias resolved to the catalogue id
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "Hello!", "refusal": None},
+         "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+async def test_stream_chunk_order(client, node):
+    request = HELLO | {"stream": True, "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/chat/completions", json=request)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["cache-control"] == "no-cache"
+    assert response.headers["x-accel-buffering"] == "no"
+    *chunks, last = sse_payloads(response.text)
+    assert last == "[DONE]"
+    job = node.entries[0].job
+    assert {c["id"] for c in chunks} == {f"chatcmpl-{job}"}
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
+        {"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {"content": "!"}, {},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, None, "stop"]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+async def test_stream_without_usage_has_no_usage_chunk(client, node):
+    response = await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
+    *chunks, last = sse_payloads(response.text)
+    assert last == "[DONE]"
+    assert all(c["choices"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_job_entry_and_subscription_before_enqueue(client, node):
+    request = HELLO | {"max_tokens": 7, "temperature": 0, "stop": "x", "seed": 3, "top_k": 5}
+    await client.post("/v1/chat/completions", json=request)
+    [entry] = node.entries
+    assert node.subscribers_at_read == [1]  # the gateway listened before the job was visible
+    assert entry.kind == "chat" and entry.model == MODEL and entry.max_tokens == 7
+    assert entry.priority == "interactive" and entry.reply == KEYS.events(entry.job)
+    generation = entry.request()
+    assert generation.messages == [{"role": "user", "content": "hi"}]
+    assert (generation.sampling.temperature, generation.sampling.stop) == (0.0, ["x"])
+    assert (generation.sampling.seed, generation.sampling.top_k) == (3, 5)
+
+
+async def test_no_keys_left_but_the_job_stream(client, node, redis):
+    before = set(await redis.keys("*"))
+    await client.post("/v1/chat/completions", json=HELLO)
+    await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
+    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode()}
+    assert await redis.pubsub_channels() == [KEYS.cancel().encode()]  # only the node's own
+    assert node.cancelled == []
+
+
+async def test_n_choices_and_logprobs(client, node):
+    top = TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])
+    logprob = TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105], top_logprobs=[top])
+    node.script = lambda entry: [
+        delta("Hi", 0, logprobs=[logprob]), delta("Yo", 1, logprobs=[logprob], finish_reason="length"),
+        delta("", 0, finish_reason="stop"), done(),
+    ]
+    request = HELLO | {"n": 2, "logprobs": True, "top_logprobs": 1}
+    body = (await client.post("/v1/chat/completions", json=request)).json()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "Hi", "stop"), (1, "Yo", "length"),
+    ]
+    expected = {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}
+    assert body["choices"][0]["logprobs"]["content"] == [expected]
+
+    chunks = sse_payloads((await client.post("/v1/chat/completions", json=request | {"stream": True})).text)[:-1]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1]
+    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]}
+    assert finishes == {0: "stop", 1: "length"}
+    assert chunks[2]["choices"][0]["logprobs"]["content"] == [expected]
+
+
+async def test_error_event_before_output_is_an_http_error(client, node):
+    node.script = lambda entry: [ErrorEvent(code="context_length_exceeded", message="prompt is 9000 tokens")]
+    for stream in (False, True):
+        response = await client.post("/v1/chat/completions", json=HELLO | {"stream": stream})
+        assert response.status_code == 400
+        assert response.json()["error"] == {
+            "message": "prompt is 9000 tokens", "type": "invalid_request_error", "param": None,
+            "code": "context_length_exceeded",
+        }
+    assert node.cancelled == []  # the node ended those jobs itself
+
+
+async def test_error_event_mid_stream_ends_the_stream_cleanly(client, node):
+    node.script = lambda entry: [delta("Hel"), ErrorEvent(code="node_lost", message="node n1 went away")]
+    response = await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
+    assert response.status_code == 200
+    payloads = sse_payloads(response.text)
+    assert payloads[-2] == {"error": {"message": "node n1 went away", "type": "service_unavailable",
+                                      "param": None, "code": "node_lost"}}
+    assert payloads[-1] == "[DONE]"
+    response = await client.post("/v1/chat/completions", json=HELLO)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "node_lost"
+
+
+async def test_timeout_is_504_and_cancels(client, node, app):
+    app.state.ctx.settings.request_timeout_s = 0.2
+    node.script = lambda entry: [WAIT_FOR_CANCEL]
+    response = await client.post("/v1/chat/completions", json=HELLO)
+    assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+    await asyncio.sleep(0.05)
+    assert node.cancelled == [node.entries[0].job]
+
+
+def _http_scope(path: str) -> dict:
+    return {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5555), "server": ("gateway", 80),
+    }
+
+
+async def _call_then_disconnect(app, body: dict, *, after: bytes | None) -> list[dict]:
+    """Drive the ASGI app directly; the client disconnects once a body part contains `after`
+    (or, with `after=None`, right after sending the request)."""
+    gone = asyncio.Event()
+    requests = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent = []
+
+    async def receive() -> dict:
+        if requests:
+            return requests.pop(0)
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if after is not None and after in message.get("body", b""):
+            gone.set()
+
+    if after is None:
+        asyncio.get_running_loop().call_later(0.1, gone.set)
+    async with asyncio.timeout(5):
+        await app(_http_scope("/v1/chat/completions"), receive, send)
+    return sent
+
+
+async def test_cancel_published_when_streaming_client_goes_away(app, node, redis):
+    node.script = lambda entry: [delta("Hel"), delta("lo"), WAIT_FOR_CANCEL]
+    sent = await _call_then_disconnect(app, HELLO | {"stream": True}, after=b'"lo"')
+    assert sent[0]["status"] == 200
+    await asyncio.sleep(0.05)
+    assert node.cancelled == [node.entries[0].job]
+    assert await redis.pubsub_numsub(node.entries[0].reply) == [(node.entries[0].reply.encode(), 0)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_cancel_published_when_waiting_client_goes_away(app, node, stream):
+    node.script = lambda entry: [WAIT_FOR_CANCEL]  # no output yet: the model is still loading, say
+    await _call_then_disconnect(app, HELLO | {"stream": stream}, after=None)
+    await asyncio.sleep(0.05)
+    assert node.cancelled == [node.entries[0].job]
+
+
+async def test_concurrent_streams_share_one_router(client, node, app):
+    responses = await asyncio.gather(
+        *(client.post("/v1/chat/completions", json=HELLO | {"stream": True}) for _ in range(8))
+    )
+    assert all(sse_payloads(r.text)[-1] == "[DONE]" for r in responses)
+    assert len({e.job for e in node.entries}) == 8
+    assert app.state.ctx.router.in_flight == 0

@@ -1,0 +1,34 @@
+"""GET /v1/models and GET /health."""
+
+from shared.lifecycle import ModelState
+from tests.unit.gateway.conftest import MODEL, beat
+
+
+async def test_models_lists_ready_or_loading_on_live_nodes(client, redis):
+    assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
+    heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED})
+    await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
+    await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
+    await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
+    body = (await client.get("/v1/models")).json()
+    assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model"]  # catalogue order first
+    assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model", "owned_by": "cortex"}
+
+
+async def test_health(client, fake_server):
+    response = await client.get("/health")
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+    fake_server.connected = False
+    response = await client.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+    fake_server.connected = True
+    assert (await client.get("/health")).status_code == 200
+
+
+async def test_request_id_is_returned_and_generated(client):
+    response = await client.get("/health", headers={"x-request-id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    generated = (await client.get("/health")).headers["x-request-id"]
+    assert len(generated) == 32
+    weird = (await client.get("/health", headers={"x-request-id": "a b\tc"})).headers["x-request-id"]
+    assert weird != "a b\tc" and len(weird) == 32

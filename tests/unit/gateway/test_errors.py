@@ -1,0 +1,79 @@
+"""Every error in OpenAI's shape, with the status and the field it concerns."""
+
+import pytest
+
+from tests.unit.gateway.conftest import MODEL, beat
+
+URL = "/v1/chat/completions"
+HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+JSON = {"content-type": "application/json"}
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+async def test_malformed_json(client):
+    error = error_of(await client.post(URL, content=b'{"model": ', headers=JSON), 400)
+    assert error["message"].startswith("invalid JSON") and error["type"] == "invalid_request_error"
+
+
+async def test_missing_messages_names_the_field(client):
+    error = error_of(await client.post(URL, json={"model": "default"}), 400)
+    assert (error["message"], error["param"], error["code"]) == ("messages: Field required", "messages", "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [({"max_tokens": -1}, "max_tokens"), ({"temperature": 5}, "temperature"), ({"n": 0}, "n"),
+     ({"top_logprobs": 3}, "top_logprobs"), ({"foo": 1}, "foo")],
+)
+async def test_invalid_fields(client, fields, param):
+    error = error_of(await client.post(URL, json=HELLO | fields), 400)
+    assert error["param"] == param and param in error["message"]
+
+
+async def test_unrecognized_argument_reads_like_openai(client):
+    error = error_of(await client.post(URL, json=HELLO | {"foo": 1}), 400)
+    assert error["message"] == "Unrecognized request argument supplied: foo"
+
+
+async def test_body_not_an_object(client):
+    for content, headers in ((b"[1, 2]", JSON), (b"", JSON), (b'{"model": "x"}', {"content-type": "text/plain"})):
+        error = error_of(await client.post(URL, content=content, headers=headers), 400)
+        assert "JSON object" in error["message"]
+
+
+async def test_unknown_model_is_404(client):
+    error = error_of(await client.post(URL, json=HELLO | {"model": "gpt-9"}), 404)
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "gpt-9" in error["message"]
+
+
+async def test_no_live_node_is_503_and_says_why(client, redis):
+    error = error_of(await client.post(URL, json=HELLO), 503)
+    assert error["code"] == "model_unavailable"
+    assert error["message"].startswith(f"no live node serves model {MODEL}; 0 live nodes")
+    await beat(redis, "n-old", age_s=60)  # dead: its heartbeat is too old
+    await beat(redis, "n-other", {"Other-Model": "ready"})
+    error = error_of(await client.post("/v1/completions", json={"model": "default", "prompt": "x"}), 503)
+    assert error["message"] == (
+        f"no live node serves model {MODEL}; 1 live nodes: n-other (Other-Model ready)"
+    )
+
+
+async def test_unknown_route_and_method(client):
+    error = error_of(await client.get("/v1/nothing"), 404)
+    assert error["code"] == "not_found" and "/v1/nothing" in error["message"]
+    error = error_of(await client.get(URL), 405)
+    assert error["code"] == "method_not_allowed"
+
+
+async def test_gateway_keeps_serving_after_bad_requests(client, node):
+    await client.post(URL, content=b"{", headers=JSON)
+    await client.post(URL, json=HELLO | {"temperature": 5})
+    response = await client.post(URL, json=HELLO)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "Hello!"

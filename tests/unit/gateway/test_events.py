@@ -1,0 +1,100 @@
+"""The event router: one pub/sub connection, per-job queues, and Redis going away."""
+
+import asyncio
+
+import msgpack
+import pytest
+
+from gateway import events
+from gateway.events import EventRouter
+from shared.errors import BrokerUnavailable, GenerationFailed
+from shared.wire import DeltaEvent, pack
+from tests.unit.gateway.conftest import delta, done
+
+
+@pytest.fixture
+def fast_checks(monkeypatch):
+    monkeypatch.setattr(events, "POLL_S", 0.02)
+    monkeypatch.setattr(events, "CONNECT_WAIT_S", 0.1)
+
+
+@pytest.fixture
+async def router(redis_factory):
+    connects = []
+
+    async def on_connect():
+        connects.append(1)
+
+    router = EventRouter(redis_factory, on_connect=on_connect)
+    router.connects = connects
+    await router.start()
+    yield router
+    await router.stop()
+
+
+async def test_routes_each_channel_to_its_queue(router, redis):
+    queue_a = await router.subscribe("cortex:events:a")
+    queue_b = await router.subscribe("cortex:events:b")
+    assert await redis.pubsub_numsub("cortex:events:a", "cortex:events:b") == [
+        (b"cortex:events:a", 1), (b"cortex:events:b", 1),
+    ]  # confirmed by Redis before subscribe() returned
+    await redis.publish("cortex:events:b", pack(delta("for b")))
+    await redis.publish("cortex:events:a", pack(done()))
+    await redis.publish("cortex:events:nobody", pack(delta("dropped")))
+    assert (await asyncio.wait_for(queue_b.get(), 1)).choices[0].text == "for b"
+    assert (await asyncio.wait_for(queue_a.get(), 1)).type == "done"
+    assert queue_a.empty() and queue_b.empty()
+    assert router.in_flight == 2
+
+
+async def test_unsubscribe(router, redis):
+    await router.subscribe("cortex:events:a")
+    await router.unsubscribe("cortex:events:a")
+    await router.unsubscribe("cortex:events:a")  # twice is fine
+    await asyncio.sleep(0.05)
+    assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 0)]
+    assert router.in_flight == 0
+
+
+async def test_unreadable_event_fails_the_job_clearly(router, redis):
+    queue = await router.subscribe("cortex:events:a")
+    await redis.publish("cortex:events:a", msgpack.packb({"v": 99, "type": "delta", "choices": []}))
+    item = await asyncio.wait_for(queue.get(), 1)
+    assert isinstance(item, GenerationFailed) and "wire version 99" in item.message
+
+
+async def test_one_connection_for_many_jobs(redis_factory, redis):
+    made = []
+    router = EventRouter(lambda: made.append(redis_factory()) or made[-1])
+    await router.start()
+    queues = [await router.subscribe(f"cortex:events:{i}") for i in range(20)]
+    for i in range(20):
+        await redis.publish(f"cortex:events:{i}", pack(delta(str(i))))
+    assert [(await asyncio.wait_for(q.get(), 1)).choices[0].text for q in queues] == [str(i) for i in range(20)]
+    assert len(made) == 1
+    await router.stop()
+
+
+async def test_redis_going_away_fails_in_flight_jobs_then_recovers(fast_checks, router, fake_server, redis):
+    queue = await router.subscribe("cortex:events:a")
+    fake_server.connected = False
+    item = await asyncio.wait_for(queue.get(), 2)
+    assert isinstance(item, BrokerUnavailable) and item.status == 503
+    with pytest.raises(BrokerUnavailable):
+        await router.subscribe("cortex:events:b")
+    fake_server.connected = True
+    async with asyncio.timeout(5):
+        while not router.connected:
+            await asyncio.sleep(0.02)
+    assert len(router.connects) == 2  # the on-connect hook ran again (catalogue rewritten)
+    queue = await router.subscribe("cortex:events:c")
+    await redis.publish("cortex:events:c", pack(delta("back")))
+    assert isinstance(await asyncio.wait_for(queue.get(), 1), DeltaEvent)
+
+
+async def test_stop_fails_jobs_in_flight(redis_factory):
+    router = EventRouter(redis_factory)
+    await router.start()
+    queue = await router.subscribe("cortex:events:a")
+    await router.stop()
+    assert isinstance(queue.get_nowait(), BrokerUnavailable)

@@ -1,0 +1,99 @@
+"""Submitting a job: subscribe, XADD, events to the end, cancel and clean-up."""
+
+import asyncio
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from gateway.jobs import new_job_id, submit
+from shared.errors import BrokerUnavailable, ContextLengthExceeded, Timeout
+from shared.wire import ErrorEvent, GenerationRequest, SamplingParams, StreamEntry, pack
+from tests.unit.gateway.conftest import KEYS, MODEL, delta, done
+
+
+@pytest.fixture
+def ctx(app):
+    return app.state.ctx
+
+
+def request(**sampling) -> GenerationRequest:
+    return GenerationRequest(job=new_job_id(), model=MODEL, kind="completion", prompt="x",
+                             sampling=SamplingParams(**sampling))
+
+
+async def cancels(redis):
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(KEYS.cancel())
+    await pubsub.get_message(timeout=1)  # the subscribe confirmation
+    return pubsub
+
+
+async def test_entry_fields_and_events(ctx, redis):
+    job = await submit(ctx, request(max_tokens=9), priority="batch")
+    [(entry_id, fields)] = await redis.xrange(KEYS.jobs(MODEL))
+    assert {k.decode() for k in fields} == {"v", "job", "kind", "model", "priority", "max_tokens", "submitted_ms", "reply", "body"}
+    entry = StreamEntry.from_fields(fields)
+    assert (entry.job, entry.kind, entry.priority, entry.max_tokens) == (job.id, "completion", "batch", 9)
+    assert entry.reply == KEYS.events(job.id) and entry.request().prompt == "x"
+    await redis.publish(entry.reply, pack(delta("a")))
+    await redis.publish(entry.reply, pack(done()))
+    async with job:
+        got = [event async for event in job.events()]
+    assert [e.type for e in got] == ["delta", "done"] and job.finished
+    assert ctx.router.in_flight == 0
+
+
+async def test_close_before_done_publishes_cancel(ctx, redis):
+    listener = await cancels(redis)
+    job = await submit(ctx, request())
+    await job.close()
+    await job.close()  # idempotent: one cancel
+    assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
+    assert await listener.get_message(timeout=0.05) is None
+    assert ctx.router.in_flight == 0
+
+
+async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
+    listener = await cancels(redis)
+    job = await submit(ctx, request())
+    await redis.publish(KEYS.events(job.id), pack(ErrorEvent(code="context_length_exceeded", message="too long")))
+    with pytest.raises(ContextLengthExceeded, match="too long"):
+        async with job:
+            async for _ in job.events():
+                pass
+    assert await listener.get_message(timeout=0.05) is None
+
+
+async def test_timeout_waiting_for_the_next_event(ctx, redis):
+    ctx.settings.request_timeout_s = 0.05
+    job = await submit(ctx, request())
+    with pytest.raises(Timeout, match=job.id):
+        async with job:
+            await job.first_event()
+
+
+async def test_enqueue_failure_is_503_and_leaves_no_subscription(ctx, monkeypatch):
+    async def broken_xadd(*args, **kwargs):
+        raise RedisConnectionError("gone")
+
+    monkeypatch.setattr(ctx.redis, "xadd", broken_xadd)
+    with pytest.raises(BrokerUnavailable, match="could not enqueue"):
+        await submit(ctx, request())
+    assert ctx.router.in_flight == 0
+
+
+async def test_cancelled_consumer_still_cleans_up(ctx, redis):
+    listener = await cancels(redis)
+    job = await submit(ctx, request())
+
+    async def consume():
+        async with job:
+            async for _ in job.events():
+                pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
+    assert ctx.router.in_flight == 0

@@ -1,0 +1,81 @@
+"""`python -m gateway` against a real redis-server: start-up, the catalogue, shutdown, and Redis
+restarting under it. These start processes (about a second each) and use the shared fixtures."""
+
+import json
+import shutil
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared.catalog import DEFAULT_MODEL_ID
+from shared.heartbeat import ModelInfo, NodeHeartbeat
+from shared.keys import Keys
+from tests.conftest import Service, _http_ok, _redis_pings, free_port
+
+pytestmark = pytest.mark.integration
+KEYS = Keys()
+HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def beat(client: redis.Redis, node: str = "n1") -> None:
+    now_ms = int(time.time() * 1000)
+    heartbeat = NodeHeartbeat(node=node, version="test", started_ms=now_ms, heartbeat_ms=now_ms,
+                              models={DEFAULT_MODEL_ID: ModelInfo(state="ready", device="cpu")})
+    client.hset(KEYS.node(node), mapping=heartbeat.to_hash())
+    client.zadd(KEYS.nodes(), {node: now_ms})
+
+
+def test_gateway_process(gateway_url, redis_url):
+    response = httpx.get(f"{gateway_url}/health", headers={"x-request-id": "r-1"})
+    assert (response.status_code, response.json(), response.headers["x-request-id"]) == (200, {"status": "ok"}, "r-1")
+    catalog = redis.Redis.from_url(redis_url).hgetall(KEYS.catalog())
+    assert json.loads(catalog[DEFAULT_MODEL_ID.encode()])["aliases"] == ["default"]
+    response = httpx.post(f"{gateway_url}/v1/chat/completions", json=HELLO)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
+    assert httpx.get(f"{gateway_url}/v1/models").json() == {"object": "list", "data": []}
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_redis_restart_fails_in_flight_requests_cleanly_then_recovers(tmp_path):
+    port, gateway_port = free_port(), free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    redis_args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = Service("redis-server", redis_args, tmp_path / "redis.log")
+    server.wait_ready(lambda: _redis_pings(url))
+    env = {"CORTEX_REDIS_URL": url, "CORTEX_PORT": str(gateway_port), "CORTEX_REQUEST_TIMEOUT_S": "1",
+           "PATH": "/usr/bin:/bin"}
+    gateway = Service("gateway", [sys.executable, "-m", "gateway"], tmp_path / "gateway.log", env=env)
+    base = f"http://127.0.0.1:{gateway_port}"
+    try:
+        gateway.wait_ready(lambda: _http_ok(f"{base}/health"))
+        beat(redis.Redis.from_url(url))
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(f"{base}/v1/chat/completions", json=HELLO, timeout=10)))
+        thread.start()
+        time.sleep(0.3)  # the job is queued; no node answers it
+        server.stop()
+        thread.join(5)
+        assert answers and answers[0].status_code == 503, gateway.log_tail()
+        assert answers[0].json()["error"]["code"] == "broker_unavailable"
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+
+        server = Service("redis-server", redis_args, tmp_path / "redis2.log")
+        server.wait_ready(lambda: _redis_pings(url))
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 5
+        while not client.exists(KEYS.catalog()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the gateway reconnected and rewrote its catalogue
+        assert client.exists(KEYS.catalog()) and _http_ok(f"{base}/health")
+        beat(client)
+        response = httpx.post(f"{base}/v1/chat/completions", json=HELLO, timeout=10)
+        assert response.status_code == 504  # enqueued again; no node, so it times out, no hang
+        assert client.xlen(KEYS.jobs(DEFAULT_MODEL_ID)) == 1
+        assert gateway.stop() in (0, -15)  # uvicorn re-raises SIGTERM once it has shut down
+        assert "Application shutdown complete" in gateway.log_tail()
+    finally:
+        gateway.stop()
+        server.stop()
