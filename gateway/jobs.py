@@ -114,6 +114,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
         max_tokens=request.sampling.max_tokens or 0,
         submitted_ms=int(time.time() * 1000),
         reply=channel,
+        request_id=request_id_var.get(),
         body=pack(request),
     )
     stream = ctx.keys.jobs(request.model)

@@ -123,11 +123,22 @@ def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     partial.rename(target)
 
 
+def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """Dynamic int8 Linear layers (fbgemm/oneDNN kernels; VNNI where the CPU has it)."""
+    if device != "cpu":
+        raise ModelLoadError("quant = 'int8' runs on CPU devices only; use dtype bfloat16/float16 on GPUs")
+    if model.dtype != torch.float32:
+        raise ModelLoadError("quant = 'int8' needs dtype float32 weights to quantise from")
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
+
+
 def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
          convert_cache: Path | None = None) -> LoadedModel:
     """Load on the calling thread (the device thread that will own the model)."""
     files = locate(profile, hf_cache)
-    dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(device)
+    dtype = _DTYPES.get(profile.dtype) or (torch.float32 if profile.quant == "int8" else devices.default_dtype(device))
     converted = _converted_copy(files, convert_cache, dtype)
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
@@ -144,5 +155,7 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
         except Exception as exc:  # a cache that cannot be written only costs time
             log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
     model.to(device).eval()
+    if profile.quant == "int8":
+        model = quantize_int8(model, device)
     context = getattr(model.config, "max_position_embeddings", None) or profile.max_model_len
     return LoadedModel(model=model, tokenizer=tokenizer, device=torch.device(device), dtype=dtype, context_len=context)

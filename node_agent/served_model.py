@@ -129,6 +129,7 @@ class ServedModel:
             self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)))
             return
         self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n)
+        log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
         try:
             self._check_memory()
             ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)

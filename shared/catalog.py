@@ -26,6 +26,9 @@ class ModelProfile(BaseModel):
     tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one
     aliases: list[str] = []
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "int8": Linear weights quantised per channel, activations dynamically (CPU only; ~4x less
+    # memory traffic per decode step, which is what bounds small-batch decode on a CPU).
+    quant: Literal["none", "int8"] = "none"
     slots: int = Field(16, ge=1, le=1024)  # sequences decoded together
     max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
     max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context

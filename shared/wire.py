@@ -1,7 +1,7 @@
 """Messages between the gateway and the nodes.
 
 A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
-`priority`, `max_tokens`, `submitted_ms`, `reply`) plus `body`, the msgpack of a
+`priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`) plus `body`, the msgpack of a
 `GenerationRequest`. Token events travel on `cortex:events:{job}` as msgpack of one `Event`.
 Every message carries the wire version `v`; a part refuses a version it does not speak.
 """
@@ -69,6 +69,7 @@ class StreamEntry(Wire):
     max_tokens: int = 0
     submitted_ms: int
     reply: str
+    request_id: str = ""  # the client's x-request-id, so node logs can name it
     body: bytes
 
     def to_fields(self) -> dict[str, str | int | bytes]:
