@@ -1,0 +1,54 @@
+from hypothesis import given, settings, strategies as st
+
+from node_agent.detokenize import IncrementalDetokenizer, StopStrings
+
+TEXTS = ["héllo wörld 日本語 🎉", "naïve café — “quotes” and emoji 👩‍👩‍👧", "plain ascii text, nothing special"]
+
+
+def test_multibyte_characters_are_never_split_across_deltas(smol_tokenizer):
+    for text in TEXTS:
+        detok = IncrementalDetokenizer(smol_tokenizer)
+        deltas = [detok.add(i) for i in smol_tokenizer.encode(text, add_special_tokens=False)]
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == text
+
+
+def test_stop_string_split_over_many_deltas_is_caught_and_withheld():
+    stops = StopStrings(["STOP here"])
+    out = []
+    for piece in ["abc S", "TO", "P h", "ere and more"]:
+        text, hit = stops.feed(piece)
+        out.append(text)
+        if hit:
+            break
+    assert hit and "".join(out) == "abc "
+
+
+def test_held_text_that_was_no_stop_comes_out():
+    stops = StopStrings(["xyz"])
+    assert stops.feed("abx") == ("ab", False)
+    assert stops.feed("y1") == ("xy1", False)
+    assert stops.feed("x") == ("", False)
+    assert stops.flush() == "x"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abxyz ", max_size=30), st.lists(st.integers(1, 5), max_size=10))
+def test_emitted_text_is_the_text_before_the_first_stop(text, cuts):
+    stops = StopStrings(["xyz", "bb"])
+    pieces, rest = [], text
+    for c in cuts:
+        pieces.append(rest[:c])
+        rest = rest[c:]
+    pieces.append(rest)
+    out, hit = "", False
+    for piece in pieces:
+        emitted, hit = stops.feed(piece)
+        out += emitted
+        if hit:
+            break
+    if not hit:
+        out += stops.flush()
+    first = min((i for i in (text.find("xyz"), text.find("bb")) if i >= 0), default=None)
+    assert hit == (first is not None)
+    assert out == (text[:first] if first is not None else text)
