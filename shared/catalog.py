@@ -35,6 +35,15 @@ class ModelProfile(BaseModel):
     prefill_chunk_tokens: int = Field(512, ge=16)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
+    # --- placement -------------------------------------------------------------------------------
+    memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
+    pin: bool = False  # never evicted, never unloaded for idleness
+    priority: int = 0  # with the `priority` eviction strategy, lower goes first
+    keep_alive_s: float = 300.0  # unload after this long idle (a request's `keep_alive` can extend it); <0: never
+    nodes: list[str] = []  # allowed nodes (empty: any)
+    labels: list[str] = []  # affinity: only nodes carrying all these labels
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(1, ge=1)
 
 
 BUILTIN = [

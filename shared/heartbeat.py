@@ -22,13 +22,16 @@ class ModelInfo(BaseModel):
     device: str
     slots_total: int = 0
     slots_used: int = 0
+    memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)
+    last_used_ms: int = 0  # when a job last ended (or the model became ready)
     error: str = ""  # why it is poisoned or failed
 
 
 class NodeHeartbeat(BaseModel):
     node: str
     version: str
-    state: str = "active"  # active | draining
+    state: str = "active"  # active | draining | drained
+    labels: list[str] = []
     started_ms: int
     heartbeat_ms: int
     devices: list[DeviceInfo] = []
@@ -41,6 +44,7 @@ class NodeHeartbeat(BaseModel):
             "state": self.state,
             "started_ms": str(self.started_ms),
             "heartbeat_ms": str(self.heartbeat_ms),
+            "labels": json.dumps(self.labels),
             "devices": json.dumps([d.model_dump() for d in self.devices]),
             "models": json.dumps({k: m.model_dump(mode="json") for k, m in self.models.items()}),
         }
@@ -48,6 +52,7 @@ class NodeHeartbeat(BaseModel):
     @classmethod
     def from_hash(cls, fields: dict[bytes, bytes]) -> "NodeHeartbeat":
         data = {k.decode(): v.decode() for k, v in fields.items()}
+        data["labels"] = json.loads(data.get("labels", "[]"))
         data["devices"] = json.loads(data.get("devices", "[]"))
         data["models"] = json.loads(data.get("models", "{}"))
         return cls.model_validate(data)

@@ -49,5 +49,13 @@ class Keys:
         """String with PX: held by the gateway replica placing `model`."""
         return f"{self.prefix}lock:placement:{model}"
 
+    def pins(self) -> str:
+        """Hash: model id -> "1" (pinned) / "0" (unpinned), set at run time over the catalogue's `pin`."""
+        return f"{self.prefix}pins"
+
+    def janitor_lock(self) -> str:
+        """String with PX: held by the gateway replica running the fleet janitor this round."""
+        return f"{self.prefix}lock:janitor"
+
     def all_pattern(self) -> str:
         return f"{self.prefix}*"

@@ -70,10 +70,12 @@ class StreamEntry(Wire):
     submitted_ms: int
     reply: str
     request_id: str = ""  # the client's x-request-id, so node logs can name it
+    stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
+    keep_alive_s: float | None = None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
     body: bytes
 
-    def to_fields(self) -> dict[str, str | int | bytes]:
-        return self.model_dump()
+    def to_fields(self) -> dict[str, str | int | float | bytes]:
+        return self.model_dump(exclude_none=True)
 
     @classmethod
     def from_fields(cls, fields: dict[bytes, bytes]) -> "StreamEntry":

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from node_agent import loader
+from shared import model_files
 from shared.catalog import Catalog, ModelProfile
 from tests import tiny_models
 
@@ -14,7 +15,7 @@ def smol_tokenizer():
     """The default model's tokenizer, read from its GGUF."""
     from transformers import AutoTokenizer
 
-    files = loader.locate(Catalog.load(None).resolve("default"))
+    files = model_files.locate(Catalog.load(None).resolve("default"))
     return AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
 
 

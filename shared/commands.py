@@ -1,0 +1,26 @@
+"""Lifecycle commands for one node, entries on `cortex:cmd:{node}` (readable in redis-cli)."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from shared.wire import WireError
+
+
+class NodeCommand(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cmd: Literal["load", "unload", "drain"]
+    model: str = ""
+    by: str = ""  # who sent it (a gateway, the CLI)
+    sent_ms: int = 0
+
+    def to_fields(self) -> dict[str, str | int]:
+        return self.model_dump()
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes, bytes]) -> "NodeCommand":
+        try:
+            return cls.model_validate({k.decode(): v.decode() for k, v in fields.items()})
+        except ValidationError as exc:
+            raise WireError(f"bad node command: {exc}") from exc
