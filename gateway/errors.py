@@ -1,6 +1,8 @@
-"""Every error the gateway returns, in OpenAI's shape `{"error": {"message", "type", "param",
-"code"}}`, mapped in one place: typed `CortexError`s carry their own status; request
-validation → 400 naming the field; malformed JSON → 400; unknown routes → 404; Redis down → 503."""
+"""Every error the gateway returns, mapped in one place: typed `CortexError`s carry their own
+status; request validation → 400 naming the field; malformed JSON → 400; unknown routes → 404;
+Redis down → 503. Routes under `/v1/messages` answer in Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}`; all others in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`."""
 
 import logging
 from typing import Any
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from gateway.protocol import anthropic
 from gateway.protocol.openai import Error, ErrorResponse
 from gateway.request_id import request_id_var
 from shared.errors import BrokerUnavailable, CortexError, InvalidRequest
@@ -25,8 +28,25 @@ def error_body(exc: CortexError) -> dict[str, Any]:
     return ErrorResponse(error=error).model_dump()
 
 
-def error_response(exc: CortexError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.status)
+ANTHROPIC_PATHS = "/v1/messages"
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(exc: CortexError) -> dict[str, Any]:
+    kind = ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return anthropic.ErrorResponse(error=anthropic.ErrorDetail(type=kind, message=exc.message)).model_dump()
+
+
+def is_anthropic(request: Request | None) -> bool:
+    return request is not None and request.url.path.startswith(ANTHROPIC_PATHS)
+
+
+def error_response(exc: CortexError, request: Request | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = anthropic_error_body(exc) if is_anthropic(request) else error_body(exc)
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 def _field(loc: tuple[Any, ...]) -> str | None:
@@ -61,16 +81,20 @@ async def _on_cortex_error(request: Request, exc: CortexError) -> JSONResponse:
     if exc.status >= 500:
         path, request_id = request.url.path, request_id_var.get()
         log.warning("request=%s %s %s → %d %s", request_id, request.method, path, exc.status, exc.message)
-    return error_response(exc)
+    return error_response(exc, request)
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(validation_error(exc))
+    return error_response(validation_error(exc), request)
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
     message = f"{exc.detail}: {request.method} {request.url.path}"
+    if is_anthropic(request):
+        error = CortexError(message)
+        error.status = exc.status_code
+        return error_response(error, request, exc.headers)
     body = ErrorResponse(error=Error(message=message, type="invalid_request_error", code=code))
     return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
@@ -81,7 +105,7 @@ async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("request=%s %s %s failed", request_id_var.get(), request.method, request.url.path)
-    return error_response(CortexError(f"internal error: {type(exc).__name__}"))
+    return error_response(CortexError(f"internal error: {type(exc).__name__}"), request)
 
 
 def install(app: FastAPI) -> None:

@@ -12,6 +12,7 @@ class GatheredChoice:
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_sequence: str | None = None
 
     @property
     def text(self) -> str:
@@ -36,4 +37,5 @@ async def gather(events: AsyncIterator[DeltaEvent | DoneEvent], n: int) -> Gathe
             if delta.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + delta.logprobs
             choice.finish_reason = delta.finish_reason or choice.finish_reason
+            choice.stop_sequence = delta.stop_sequence or choice.stop_sequence
     raise RuntimeError("the job's events ended without a done event")

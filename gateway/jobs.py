@@ -17,6 +17,7 @@ from typing import Protocol
 import anyio
 from redis.exceptions import RedisError
 
+from gateway import tool_calls
 from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.request_id import request_id_var
@@ -140,5 +141,8 @@ class ApiRequest(Protocol):
 async def submit_request(ctx: GatewayContext, body: ApiRequest) -> Job:
     """Resolve the model (404 if unknown), make sure a live node serves it (503), submit."""
     profile = ctx.catalog.resolve(body.model)
+    request = body.to_generation_request(new_job_id(), profile.id)
+    if hasattr(body, "grammar"):  # forced tool calls, JSON output: constrained decoding on the node
+        request.sampling.grammar = body.grammar(tool_calls.parser_name(profile))
     await ctx.fleet.ensure_served(profile)
-    return await submit(ctx, body.to_generation_request(new_job_id(), profile.id))
+    return await submit(ctx, request)

@@ -17,3 +17,8 @@ def data(payload: BaseModel | dict[str, Any]) -> bytes:
     else:
         body = json.dumps(payload, separators=(",", ":"))
     return b"data: " + body.encode() + b"\n\n"
+
+
+def event(name: str, payload: BaseModel | dict[str, Any]) -> bytes:
+    """One named SSE frame, as Anthropic streams: `event: {name}\ndata: {json}\n\n`."""
+    return b"event: " + name.encode() + b"\n" + data(payload)

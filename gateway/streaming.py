@@ -3,7 +3,7 @@
 job is closed, which cancels it on the node if it had not finished."""
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from pydantic import BaseModel
@@ -20,15 +20,20 @@ from shared.errors import CortexError
 log = logging.getLogger(__name__)
 
 
-async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+Frames = Callable[[Job, AsyncIterator[BaseModel]], AsyncIterator[bytes]]
+
+
+async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel],
+                     frames: Frames | None = None) -> StreamingResponse:
     """Wait for the job's first event (errors before it are plain HTTP errors), then stream
-    `chunks` (rendered from `job.events()`) as SSE frames ending with `data: [DONE]`."""
+    `chunks` (rendered from `job.events()`) as SSE frames: by default OpenAI's, ending with
+    `data: [DONE]`; `frames` frames them another way (Anthropic's named events)."""
     try:
         await unless_disconnected(request, job.first_event())
     except BaseException:
         await job.close()
         raise
-    return JobStreamResponse(job, _frames(job, chunks))
+    return JobStreamResponse(job, (frames or _frames)(job, chunks))
 
 
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:

@@ -35,6 +35,8 @@ class ModelProfile(BaseModel):
     prefill_chunk_tokens: int = Field(512, ge=16)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
+    # How this model writes tool calls; None: chosen from the model's family (see gateway/tool_calls.py).
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # --- placement -------------------------------------------------------------------------------
     memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
     pin: bool = False  # never evicted, never unloaded for idleness

@@ -43,6 +43,9 @@ class SamplingParams(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
+    # Constrained decoding: an llguidance Lark grammar (JSON schemas as `%json {...}`) every
+    # output must match; the gateway builds and validates it (response_format, forced tool calls).
+    grammar: str | None = None
 
 
 class GenerationRequest(Wire):
@@ -50,7 +53,7 @@ class GenerationRequest(Wire):
 
     job: str
     model: str
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "count"]  # count: render and tokenise only (count_tokens)
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -106,6 +109,7 @@ class ChoiceDelta(BaseModel):
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # set on the choice's last delta
+    stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
 class Usage(BaseModel):

@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
-from gateway.routes import chat, completions, health, models
+from gateway.routes import chat, completions, health, messages, models
 
 router = APIRouter()
-for module in (chat, completions, models, health):
+for module in (chat, completions, messages, models, health):
     router.include_router(module.router)

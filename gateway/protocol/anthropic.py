@@ -1,0 +1,393 @@
+"""Anthropic Messages API wire types, named as Anthropic's spec names them, fields in spec order.
+
+Requests validate strictly (`extra="forbid"`, as Anthropic does) and convert themselves to the
+same `shared.wire.GenerationRequest` an OpenAI chat request becomes: system blocks → a system
+message, `tool_use` blocks → assistant `tool_calls`, `tool_result` blocks → `tool` messages,
+tools → OpenAI-style function tools (what Hugging Face chat templates read).
+"""
+
+import json
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway import tool_calls
+from shared.wire import GenerationRequest, SamplingParams
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CacheControlEphemeral(Strict):
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+# ---- content blocks ------------------------------------------------------------------------
+
+
+class TextBlockParam(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControlEphemeral | None = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class Base64ImageSource(Strict):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class URLImageSource(Strict):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlockParam(Strict):
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolUseBlockParam(Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolResultBlockParam(Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ThinkingBlockParam(Strict):
+    """Accepted in history (Claude Code echoes them back) and not shown to the model."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingBlockParam(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlockParam = Annotated[
+    TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+    | RedactedThinkingBlockParam,
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlockParam]
+
+
+# ---- tools ------------------------------------------------------------------------------------
+
+
+class Tool(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControlEphemeral | None = None
+
+
+class ToolChoiceAuto(Strict):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(Strict):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(Strict):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(Strict):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class Metadata(Strict):
+    user_id: str | None = None
+
+
+class ThinkingConfig(Strict):
+    """Accepted, not used: the served models do not think in Anthropic's protocol."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def _text_of(blocks: list[TextBlockParam | ImageBlockParam] | str | None) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    return "".join(b.text if isinstance(b, TextBlockParam) else "" for b in blocks)
+
+
+def _image_part(block: ImageBlockParam) -> dict[str, Any]:
+    source = block.source
+    url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_messages(content: list) -> list[dict[str, Any]]:
+    """A user turn's blocks → `tool` messages (results first, as the calls were made), then the
+    rest as one user message."""
+    out, parts = [], []
+    for block in content:
+        if isinstance(block, ToolResultBlockParam):
+            text = _text_of(block.content)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                        "content": f"Error: {text}" if block.is_error else text})
+        elif isinstance(block, TextBlockParam):
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlockParam):
+            parts.append(_image_part(block))
+    if parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _assistant_message(content: list) -> dict[str, Any]:
+    text = "".join(b.text for b in content if isinstance(b, TextBlockParam))
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+             for b in content if isinstance(b, ToolUseBlockParam)]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def messages_for_node(system: str | list[TextBlockParam] | None, messages: list[MessageParam]) -> list[dict[str, Any]]:
+    out = [{"role": "system", "content": _text_of(system)}] if system else []
+    for message in messages:
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+        elif message.role == "user":
+            out += _user_messages(message.content)
+        else:
+            out.append(_assistant_message(message.content))
+    return out
+
+
+class _MessagesInput(Strict):
+    """What `/v1/messages` and `/v1/messages/count_tokens` share."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlockParam] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _named_tool_exists(self):
+        if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in {t.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice: names tool '{self.tool_choice.name}', which is not in tools")
+        if self.tool_choice is not None and not isinstance(self.tool_choice, ToolChoiceNone) and not self.tools:
+            raise ValueError("tool_choice: requires tools")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and not isinstance(self.tool_choice, ToolChoiceNone)
+
+    def _node_tools(self) -> list[dict[str, Any]] | None:
+        if not self.uses_tools:
+            return None
+        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                  "parameters": t.input_schema}} for t in self.tools]
+
+    def grammar(self, parser: tool_calls.ParserName) -> str | None:
+        """A forced call (`any`, `tool`) decodes under a grammar that only allows one."""
+        choice = self.tool_choice
+        if not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
+            return None
+        tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools
+                 if not isinstance(choice, ToolChoiceTool) or t.name == choice.name]
+        parallel = isinstance(choice, ToolChoiceAny) and not choice.disable_parallel_tool_use
+        return tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+
+
+class MessageCreateParams(_MessagesInput):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[MessageParam] = Field(min_length=1)
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted, not used
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    system: str | list[TextBlockParam] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    thinking: ThinkingConfig | None = None
+    tool_choice: ToolChoice | None = None
+    tools: list[Tool] | None = None
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+    def to_generation_request(self, job: str, model: str) -> GenerationRequest:
+        return GenerationRequest(
+            job=job,
+            model=model,
+            kind="chat",
+            messages=messages_for_node(self.system, self.messages),
+            tools=self._node_tools(),
+            sampling=SamplingParams(
+                max_tokens=self.max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                stop=list(self.stop_sequences or []),
+            ),
+        )
+
+
+class MessageCountTokensParams(_MessagesInput):
+    stream: ClassVar[bool] = False  # never streamed (submit reads it)
+
+    def to_generation_request(self, job: str, model: str) -> GenerationRequest:
+        return GenerationRequest(job=job, model=model, kind="count", tools=self._node_tools(),
+                                 messages=messages_for_node(self.system, self.messages))
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = TextBlock | ToolUseBlock
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"]
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int | None = 0
+    cache_read_input_tokens: int | None = 0
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[ContentBlock]
+    model: str
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+class MessageTokensCount(BaseModel):
+    input_tokens: int
+
+
+# streaming events
+
+
+class MessageStartEvent(BaseModel):
+    type: Literal["message_start"] = "message_start"
+    message: Message
+
+
+class ContentBlockStartEvent(BaseModel):
+    type: Literal["content_block_start"] = "content_block_start"
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(BaseModel):
+    type: Literal["text_delta"] = "text_delta"
+    text: str
+
+
+class InputJSONDelta(BaseModel):
+    type: Literal["input_json_delta"] = "input_json_delta"
+    partial_json: str
+
+
+class ContentBlockDeltaEvent(BaseModel):
+    type: Literal["content_block_delta"] = "content_block_delta"
+    index: int
+    delta: TextDelta | InputJSONDelta
+
+
+class ContentBlockStopEvent(BaseModel):
+    type: Literal["content_block_stop"] = "content_block_stop"
+    index: int
+
+
+class MessageDelta(BaseModel):
+    stop_reason: StopReason | None
+    stop_sequence: str | None = None
+
+
+class MessageDeltaUsage(BaseModel):
+    input_tokens: int | None = None
+    output_tokens: int
+
+
+class MessageDeltaEvent(BaseModel):
+    type: Literal["message_delta"] = "message_delta"
+    delta: MessageDelta
+    usage: MessageDeltaUsage
+
+
+class MessageStopEvent(BaseModel):
+    type: Literal["message_stop"] = "message_stop"
+
+
+class PingEvent(BaseModel):
+    type: Literal["ping"] = "ping"
+
+
+StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+               | MessageDeltaEvent | MessageStopEvent | PingEvent)
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's JSON arguments as `input`; what does not parse to an object is kept under `_raw`."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}

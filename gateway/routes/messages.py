@@ -1,0 +1,76 @@
+"""Anthropic `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+`x-api-key` and `anthropic-version` are accepted (Cortex does not authenticate). Token counts
+come from a `count` job: the node that serves the model renders the prompt with the model's
+own tokenizer and template (the code that renders real prompts) and answers with its length,
+so the gateway needs neither transformers nor the model's files.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from gateway import sse, tool_calls
+from gateway.context import Ctx
+from gateway.disconnect import unless_disconnected
+from gateway.errors import anthropic_error_body
+from gateway.gather import gather
+from gateway.jobs import Job, submit_request
+from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
+from gateway.render.messages import message, message_events
+from gateway.streaming import log, stream_job
+from shared.errors import CortexError
+
+router = APIRouter()
+
+PING_INTERVAL_S = 10.0  # a `ping` event after this long without one, so proxies keep the stream open
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request,
+                         x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
+    job = await submit_request(ctx, body)
+    profile = ctx.catalog.resolve(body.model)
+    parser = tool_calls.make_parser(tool_calls.parser_name(profile)) if body.uses_tools else None
+    if body.stream:
+        return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
+    async with job:
+        gathered = await unless_disconnected(request, gather(job.events(), 1))
+    return JSONResponse(message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json"))
+
+
+@router.post("/v1/messages/count_tokens", response_model=None)
+async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Request,
+                       x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
+    job = await submit_request(ctx, body)
+    async with job:
+        gathered = await unless_disconnected(request, gather(job.events(), 1))
+    return JSONResponse(MessageTokensCount(input_tokens=gathered.usage.prompt_tokens).model_dump())
+
+
+async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    """Named SSE events; a `ping` after message_start and whenever the model is quiet for
+    PING_INTERVAL_S; an error after the headers went out travels as an `error` event."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=PING_INTERVAL_S)
+            if not done:
+                yield sse.event("ping", PingEvent())
+                continue
+            item, pending = pending.result(), None
+            yield sse.event(item.type, item)
+            if item.type == "message_start":
+                yield sse.event("ping", PingEvent())
+    except StopAsyncIteration:
+        return
+    except CortexError as exc:
+        log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
+        yield sse.event("error", anthropic_error_body(exc))
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()

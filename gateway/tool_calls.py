@@ -1,0 +1,469 @@
+"""Tool calls in a model's own output format → structured calls, as the text streams in; and
+the grammars that force a call (or a JSON answer) through constrained decoding on the node.
+
+Parsing lives in the gateway, on the text the node streams, so the wire stays text and both
+dialects (OpenAI `tool_calls`, Anthropic `tool_use` blocks) render from the same pieces. One
+parser runs per choice, only for requests that carry tools. Streamed and whole answers go
+through the same `feed`/`finish` calls, so they carry the same content.
+
+Formats (`ModelProfile.tool_parser`, else chosen from the model's family by `parser_name`):
+- `hermes` (Hermes, Qwen 2/2.5/3, and models without tool templates, which Cortex prompts in
+  this format): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`, any number, text around.
+- `llama3_json` (Llama 3.1+): the answer is `{"name": …, "parameters": {…}}` (`;`-separated).
+- `mistral`: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` (the marker is a special token
+  the detokeniser drops, so an answer opening with `[{` counts too).
+A call whose opening is `{"name": "…", "arguments":` streams its arguments as they arrive;
+anything else is kept whole and parsed at its end; what does not parse comes back as text.
+"""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+from shared.catalog import ModelProfile
+from shared.errors import InvalidRequest
+
+ParserName = Literal["hermes", "llama3_json", "mistral"]
+
+
+@dataclass
+class Text:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int  # 0, 1, … within the choice
+    id: str  # bare; dialects add their prefix (`call_`, `toolu_`)
+    name: str
+
+
+@dataclass
+class CallArgs:
+    index: int
+    text: str  # the next piece of the call's arguments, as JSON text
+
+
+Piece = Text | CallStart | CallArgs
+
+
+def new_call_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def parser_name(profile: ModelProfile) -> ParserName:
+    """The catalogue's `tool_parser`, else a guess from the model's name and source."""
+    if profile.tool_parser:
+        return profile.tool_parser
+    name = f"{profile.id} {profile.source}".lower()
+    if re.search(r"llama[-_ ]?3", name):
+        return "llama3_json"
+    if re.search(r"mistral|mixtral|ministral|codestral", name):
+        return "mistral"
+    return "hermes"
+
+
+def make_parser(name: ParserName) -> "ToolCallParser":
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
+
+
+# ---- one call's JSON object ---------------------------------------------------------------
+
+_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_MAX_OPENING = 400  # an opening longer than this is not the streamable shape
+
+
+def _call_from_json(text: str, index: int) -> list[Piece] | None:
+    """A whole `{"name", "arguments"|"parameters"}` object → its pieces; None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return [CallStart(index, new_call_id(), obj["name"]), CallArgs(index, json.dumps(args, ensure_ascii=False))]
+
+
+class _Call:
+    """One call object fed as it streams. Once `{"name": "…", "arguments": ` is read it emits
+    the call's start and then the arguments value as it arrives (JSON-aware, so the outer `}`
+    is not part of it); otherwise it keeps the text to parse whole at the end. Either way it
+    notices where the outer object ends (`closed`, and `rest` is what came after)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.buf = ""  # the text read so far, until it streams
+        self.streaming = False
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.args_done = False
+        self.closed = False
+        self.rest = ""
+        self._held_ws = ""  # blanks after the arguments value, held until known to be inside it
+        self._args_started = False
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.closed:
+            self.rest += text
+            return []
+        if self.streaming:
+            return self._scan(text, collect=True)
+        before = len(self.buf)
+        self.buf += text
+        match = _OPENING.match(self.buf) if len(self.buf) <= _MAX_OPENING + len(text) else None
+        if match is None or match.end() < before:
+            self._scan(text, collect=False)
+            return []
+        self._scan(self.buf[before:match.end()], collect=False)
+        self.streaming = True
+        name = json.loads(f'"{match.group(1)}"')
+        return [CallStart(self.index, new_call_id(), name), *self._scan(self.buf[match.end():], collect=True)]
+
+    def _scan(self, text: str, collect: bool) -> list[Piece]:
+        args = []
+        for i, ch in enumerate(text):
+            outer_level = self.depth == 1 and not self.in_string
+            if collect and not self.args_done and outer_level and ch in ",}":
+                self.args_done = True
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+            if collect and not self.args_done:
+                if outer_level and ch.isspace():
+                    self._held_ws += ch if args or self._args_started else ""
+                else:
+                    self._args_started = True
+                    args.append(self._held_ws + ch)
+                    self._held_ws = ""
+                    if self.depth == 1 and not self.in_string and ch in "}]":
+                        self.args_done = True  # the arguments object closed
+            if self.depth == 0 and ch in "}]" and not self.in_string:
+                self.closed = True
+                self.rest = text[i + 1:]
+                break
+        return [CallArgs(self.index, "".join(args))] if args else []
+
+    def finish(self) -> list[Piece] | None:
+        """Pieces still owed at the call's end; None if it was not a call (the caller keeps the text)."""
+        if self.streaming:
+            return []
+        return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+# ---- parsers --------------------------------------------------------------------------------
+
+
+class ToolCallParser:
+    """`feed(text)` → pieces known so far; `finish()` → the rest. Whitespace between text and
+    calls is dropped, so `content` is the model's words only."""
+
+    def __init__(self):
+        self.calls = 0
+        self._held_ws = ""
+        self._after_call = False
+        self._dropped_ws = ""
+
+    def _text(self, text: str) -> list[Piece]:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        text = self._held_ws + text
+        body = text.rstrip()
+        self._held_ws = text[len(body):]
+        return [Text(body)] if body else []
+
+    def _call_began(self) -> None:
+        self._dropped_ws, self._held_ws = self._held_ws, ""
+
+    def _call_ended(self, pieces: list[Piece] | None, raw: str) -> list[Piece]:
+        if pieces is None:  # malformed: the model's text, as it wrote it
+            self._after_call = False
+            return self._text(self._dropped_ws + raw)
+        self.calls += 1
+        self._after_call = True
+        return pieces
+
+    def _flush_text(self) -> list[Piece]:
+        held, self._held_ws = self._held_ws, ""
+        return [Text(held)] if held and not self.calls else []
+
+    def feed(self, text: str) -> list[Piece]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Piece]:
+        raise NotImplementedError
+
+
+class HermesParser(ToolCallParser):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self._pending = ""
+        self._call: _Call | None = None
+        self._call_text = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        self._pending += text
+        while True:
+            tag = self.END if self._call else self.START
+            at = self._pending.find(tag)
+            if at < 0:
+                keep = _partial_suffix(self._pending, tag)
+                ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+                out += self._into_call(ready) if self._call else self._text(ready)
+                return out
+            before, self._pending = self._pending[:at], self._pending[at + len(tag):]
+            if self._call is None:
+                out += self._text(before)
+                self._call_began()
+                self._call, self._call_text = _Call(self.calls), ""
+            else:
+                out += self._into_call(before)
+                out += self._end_call()
+
+    def _into_call(self, text: str) -> list[Piece]:
+        self._call_text += text
+        return self._call.feed(text)
+
+    def _end_call(self) -> list[Piece]:
+        call, self._call = self._call, None
+        pieces = call.finish()
+        return self._call_ended(pieces, f"{self.START}{self._call_text}{self.END}")
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._call is not None:  # ended without its closing tag
+            out += self._into_call(self._pending)
+            self._pending = ""
+            call, self._call = self._call, None
+            pieces = call.finish()
+            out += self._call_ended(pieces, f"{self.START}{self._call_text}")
+        elif self._pending:
+            out += self._text(self._pending)
+            self._pending = ""
+        return out + self._flush_text()
+
+
+class Llama3JsonParser(ToolCallParser):
+    """The whole answer is calls when it opens with `{` (after `<|python_tag|>`, if the
+    detokeniser kept it); otherwise it is text."""
+
+    PREFIX = "<|python_tag|>"
+
+    def __init__(self):
+        super().__init__()
+        self._mode: Literal["undecided", "text", "calls"] = "undecided"
+        self._buf = ""
+        self._call: _Call | None = None
+        self._call_text = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._mode == "text":
+            return self._text(text)
+        if self._mode == "undecided":
+            self._buf += text
+            head = self._buf.lstrip().removeprefix(self.PREFIX).lstrip()
+            if not head or self.PREFIX.startswith(head):
+                return []
+            text, self._buf = head, ""
+            if not head.startswith("{"):
+                self._mode = "text"
+                return self._text(text)
+            self._mode = "calls"
+        return self._feed_calls(text)
+
+    def _feed_calls(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        while text:
+            if self._call is None:
+                text = text.lstrip().lstrip(";").lstrip()
+                if not text:
+                    return out
+                self._call, self._call_text = _Call(self.calls), ""
+            self._call_text += text
+            out += self._call.feed(text)
+            if not self._call.closed:
+                return out
+            text = self._call.rest
+            self._call_text = self._call_text[: len(self._call_text) - len(text)]
+            out += self._end_call()
+        return out
+
+    def _end_call(self) -> list[Piece]:
+        call, self._call = self._call, None
+        return self._call_ended(call.finish(), self._call_text)
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._mode == "undecided" and self._buf:
+            out += self._text(self._buf)
+        if self._call is not None:
+            out += self._end_call()
+        return out + self._flush_text()
+
+
+class MistralParser(ToolCallParser):
+    """`[TOOL_CALLS]` then a JSON list of calls, kept whole and parsed at the end."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self):
+        super().__init__()
+        self._mode: Literal["undecided", "text", "calls"] = "undecided"
+        self._buf = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        if self._mode == "text":
+            return self._text(text)
+        self._buf += text
+        if self._mode == "calls":
+            return []
+        head = self._buf.lstrip()
+        if not head or self.MARKER.startswith(head) or head == "[":
+            return []
+        if head.startswith(self.MARKER) or head.startswith("[{") or re.match(r"\[\s+\{", head):
+            self._mode = "calls"
+            return []
+        self._mode, text, self._buf = "text", self._buf, ""
+        return self._text(text)
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._mode != "text" and self._buf:
+            out += self._calls(self._buf)
+        return out + self._flush_text()
+
+    def _calls(self, raw: str) -> list[Piece]:
+        body = raw.strip().removeprefix(self.MARKER).strip()
+        try:
+            items = json.loads(body)
+        except ValueError:
+            items = None
+        if not isinstance(items, list) or not items:
+            return self._text(raw)
+        pieces: list[Piece] = []
+        for i, item in enumerate(items):
+            call = _call_from_json(json.dumps(item), i) if isinstance(item, dict) else None
+            if call is None:
+                return self._text(raw)
+            pieces += call
+        self.calls = len(items)
+        return pieces
+
+
+# ---- whole answers ------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class Parsed:
+    content: str
+    calls: list[ParsedCall]
+
+
+def collect(pieces: list[Piece]) -> Parsed:
+    """Pieces → the text and the calls they make up."""
+    text, calls = [], {}
+    for piece in pieces:
+        if isinstance(piece, Text):
+            text.append(piece.text)
+        elif isinstance(piece, CallStart):
+            calls[piece.index] = ParsedCall(piece.id, piece.name, "")
+        else:
+            calls[piece.index].arguments += piece.text
+    return Parsed("".join(text), [calls[i] for i in sorted(calls)])
+
+
+def parse(name: ParserName, text: str) -> Parsed:
+    parser = make_parser(name)
+    return collect(parser.feed(text) + parser.finish())
+
+
+# ---- grammars for constrained decoding ------------------------------------------------------
+
+# Compact JSON (no free whitespace): a small model cannot wander into endless blanks.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": _COMPACT}
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
+
+
+def _call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
+    """Tools `[{"name", "parameters"}]` → a schema for one call object of any of them."""
+    options = [{
+        "type": "object",
+        "properties": {"name": {"const": t["name"]}, args_key: t.get("parameters") or {"type": "object"}},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    } for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, parallel: bool) -> str:
+    """A grammar whose every sentence is one call (or several, if `parallel`) of `tools`, in
+    the model's own format."""
+    if parser == "hermes":
+        call = f'"<tool_call>\\n" obj "\\n</tool_call>"'
+        start = 'call ("\\n" call)*' if parallel else "call"
+        return f"start: {start}\ncall: {call}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
+    if parser == "llama3_json":
+        start = 'obj ("; " obj)*' if parallel else "obj"
+        return f"start: {start}\nobj: {_json_rule(_call_schema(tools, 'parameters'))}"
+    start = '"[" obj (", " obj)* "]"' if parallel else '"[" obj "]"'
+    return f"start: {start}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """Any JSON object (`json_object`), or one that validates against `schema`."""
+    return f"start: {_json_rule(schema if schema is not None else {'type': 'object'})}"
+
+
+def checked(grammar: str, param: str) -> str:
+    """The grammar, if llguidance can compile it; a 400 naming `param` otherwise."""
+    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar))
+    if error:
+        raise InvalidRequest(f"{param}: cannot be used for constrained decoding: {error.strip()}", param=param)
+    return grammar
