@@ -21,6 +21,7 @@ from gateway import tool_calls
 from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.request_id import request_id_var
+from shared import queues
 from shared.errors import BrokerUnavailable, CortexError, Timeout, error_from_code
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StreamEntry, pack
 
@@ -42,6 +43,8 @@ class Job:
         self._first: DeltaEvent | DoneEvent | None = None
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
+        self.stream = ""  # the job stream it was queued on, and its entry id there
+        self.entry_id = ""
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -103,8 +106,11 @@ class Job:
         await self.close()
 
 
-async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: str = "interactive") -> Job:
-    """Subscribe to the job's events, then enqueue it; the caller must `close()` the job."""
+async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: str = "interactive",
+                 rank: int | None = None) -> Job:
+    """Subscribe to the job's events, then enqueue it on the stream of its priority class
+    (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
+    sooner; see shared/queues.py); the caller must `close()` the job."""
     channel = ctx.keys.events(request.job)
     queue = await ctx.router.subscribe(channel)
     entry = StreamEntry(
@@ -118,7 +124,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
         request_id=request_id_var.get(),
         body=pack(request),
     )
-    stream = ctx.keys.jobs(request.model)
+    stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
     try:
         entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
     except BaseException as exc:
@@ -128,6 +134,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
             raise BrokerUnavailable(f"could not enqueue the job on {stream}: {exc}") from exc
         raise
     job = Job(ctx, request, queue)
+    job.stream, job.entry_id = stream, entry_id.decode()
     log.info("job=%s request=%s queued on %s as %s", job.id, job.request_id, stream, entry_id.decode())
     return job
 
@@ -145,4 +152,4 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest) -> Job:
     if hasattr(body, "grammar"):  # forced tool calls, JSON output: constrained decoding on the node
         request.sampling.grammar = body.grammar(tool_calls.parser_name(profile))
     await ctx.fleet.ensure_served(profile)
-    return await submit(ctx, request)
+    return await submit(ctx, request, rank=getattr(body, "priority", None))

@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 from node_agent import loader, prompts
 from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
+from node_agent.job_reader import JobReader
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, GenerationFailed, InsufficientMemory, JobCancelled, ModelPoisoned, NodeLost
@@ -29,6 +30,8 @@ class Running:
     entry_id: str
     reply: str
     sequences: int
+    stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
+    job_class: str = "interactive"
 
 
 class ServedModel:
@@ -37,6 +40,7 @@ class ServedModel:
         self.profile, self.device, self.redis, self.keys = profile, device, redis, keys
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
         self.stream = keys.jobs(profile.id)
+        self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
@@ -85,11 +89,18 @@ class ServedModel:
         self.error = "" if self.state == ModelState.READY else self.error
 
     async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for _job_class, stream in self.reader.streams:
+            try:
+                await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def _batch_free(self, free: int) -> int:
+        """Slots batch jobs may take now: they leave `interactive_reserved_slots` to interactive ones."""
+        reserved = min(self.settings.interactive_reserved_slots, self.profile.slots - 1)
+        batch_used = sum(r.sequences for r in self.running.values() if r.job_class == "batch")
+        return max(0, min(free, self.profile.slots - reserved - batch_used))
 
     async def stop_consuming(self) -> None:
         if self._consumer:
@@ -105,8 +116,7 @@ class ServedModel:
                 await self._slot_freed.wait()
                 continue
             try:
-                reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {self.stream: ">"},
-                                                   count=free, block=1000)
+                entries = await self.reader.read(free, self._batch_free(free))  # most urgent first
             except ResponseError as exc:  # the stream or group was deleted under us
                 log.warning("reading %s: %s; recreating the group", self.stream, exc)
                 await self._ensure_group()
@@ -115,20 +125,21 @@ class ServedModel:
                 log.warning("reading %s: %s; retrying", self.stream, exc)
                 await asyncio.sleep(1)
                 continue
-            for _stream, entries in reply or []:
-                for entry_id, fields in entries:
-                    await self._admit(entry_id.decode(), fields)
+            for entry in entries:
+                await self._admit(entry.entry_id, entry.fields, entry.stream, entry.job_class)
 
-    async def _admit(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+    async def _admit(self, entry_id: str, fields: dict[bytes, bytes], stream: str = "",
+                     job_class: str = "interactive") -> None:
+        stream = stream or self.stream
         reply = fields.get(b"reply", b"").decode()
         try:
             entry = StreamEntry.from_fields(fields)
             request = entry.request()
         except WireError as exc:
             log.error("refusing entry %s on %s: %s", entry_id, self.stream, exc)
-            self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)))
+            self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)), stream)
             return
-        self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n)
+        self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n, stream, job_class)
         log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
         try:
             self._check_memory()
@@ -155,7 +166,7 @@ class ServedModel:
             if running is None:
                 continue
             ended = job_events[-1].type != "delta"
-            batch.append(Outgoing(running.reply, job_events, (self.stream, running.entry_id) if ended else None, job))
+            batch.append(Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job))
             if ended:
                 self._release(job)
         self.publisher.send(batch)
@@ -163,11 +174,12 @@ class ServedModel:
     def fail(self, job: str, error: CortexError) -> None:
         running = self.running.get(job)
         if running is not None:
-            self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message))
+            self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message),
+                         running.stream)
             self._release(job)
 
-    def _finish(self, entry_id: str, reply: str, event: ErrorEvent) -> None:
-        self.publisher.send([Outgoing(reply, [event] if reply else [], (self.stream, entry_id))])
+    def _finish(self, entry_id: str, reply: str, event: ErrorEvent, stream: str = "") -> None:
+        self.publisher.send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id))])
 
     def _release(self, job: str) -> None:
         self.running.pop(job, None)

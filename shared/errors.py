@@ -28,6 +28,16 @@ class ModelNotFound(CortexError):
     status, code, type = 404, "model_not_found", "invalid_request_error"
 
 
+class NotFound(CortexError):
+    """A file or batch id that does not exist (or no longer)."""
+
+    status, code, type = 404, "not_found", "invalid_request_error"
+
+
+class PayloadTooLarge(CortexError):
+    status, code, type = 413, "file_too_large", "invalid_request_error"
+
+
 class ModelUnavailable(CortexError):
     """No live node serves (or can load) the model."""
 

@@ -13,9 +13,14 @@ CONSUMER_GROUP = "agents"
 class Keys:
     prefix: str = "cortex:"
 
-    def jobs(self, model: str) -> str:
-        """Stream of queued jobs for one model (consumer group ``agents``)."""
-        return f"{self.prefix}jobs:{model}"
+    def jobs(self, model: str, job_class: str = "interactive", band: str = "normal") -> str:
+        """Stream of queued jobs for one model, one priority class and one band (consumer group
+        ``agents``): ``jobs:{model}`` is interactive/normal, the others add ``:{class}`` and, for
+        the high and low bands, ``:{band}`` (``jobs:M:batch``, ``jobs:M:interactive:high``).
+        `shared.queues.streams` lists them most urgent first."""
+        suffix = "" if (job_class, band) == ("interactive", "normal") else f":{job_class}"
+        suffix += "" if band == "normal" else f":{band}"
+        return f"{self.prefix}jobs:{model}{suffix}"
 
     def events(self, job: str) -> str:
         """Pub/sub channel carrying one job's token events."""
@@ -56,6 +61,44 @@ class Keys:
     def janitor_lock(self) -> str:
         """String with PX: held by the gateway replica running the fleet janitor this round."""
         return f"{self.prefix}lock:janitor"
+
+    # ---- files and batches (`/v1/files`, `/v1/batches`, the arq batch worker) ----------------
+
+    def file(self, file_id: str) -> str:
+        """Hash: one uploaded or generated file: its metadata fields plus ``content`` (bytes)."""
+        return f"{self.prefix}file:{file_id}"
+
+    def files(self) -> str:
+        """Sorted set: file id -> created_at (unix seconds), for listing."""
+        return f"{self.prefix}files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch object, one JSON value per OpenAI field (``status``, ``request_counts`` ...)."""
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batches(self) -> str:
+        """Sorted set: batch id -> created_at (unix ms), for listing newest first with paging."""
+        return f"{self.prefix}batches"
+
+    def batches_active(self) -> str:
+        """Set: ids of batches not yet completed, failed, expired or cancelled (workers resume these)."""
+        return f"{self.prefix}batches:active"
+
+    def batch_lines(self, batch_id: str, what: str) -> str:
+        """Hashes of one running batch, keyed by input line number: ``out`` (output line JSON),
+        ``err`` (error line JSON), ``inflight`` ("job entry-id stream" of the line's current
+        job), ``tries`` (jobs submitted for the line). Deleted once the output files exist."""
+        return f"{self.prefix}batch:{batch_id}:{what}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with PX: the batch worker running the batch renews it; it expires if that worker dies."""
+        return f"{self.prefix}batch:{batch_id}:lease"
+
+    def arq_queue(self) -> str:
+        """arq's queue (sorted set) of batch-worker tasks. arq keeps its own keys beside it
+        (``arq:job:*``, ``arq:in-progress:*``, ``arq:result:*``, ``arq:retry:*``, ``arq:cron:*``) and
+        its health key ``{queue}:health-check``."""
+        return f"{self.prefix}arq:queue"
 
     def all_pattern(self) -> str:
         return f"{self.prefix}*"

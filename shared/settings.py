@@ -51,6 +51,12 @@ class GatewaySettings(CortexSettings):
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
+    # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
+    files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
+    files_max_lines: int = 50_000  # a batch input file with more lines is refused with 413
+    # streaming clients that wait in the queue get `: queued position=N` comments this often
+    queue_position_poll_s: float = 0.25
+    queued_after_s: float = 0.1  # no first token within this long: look up the queue position
     stream_maxlen: int = 100_000  # MAXLEN ~ for each per-model job stream
 
 
@@ -69,3 +75,20 @@ class NodeSettings(CortexSettings):
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     min_free_mb: int = 256  # below this much free device memory, new jobs get 503 insufficient_memory
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish
+    # priority classes (shared/queues.py): batch lines fill idle slots but leave this many free
+    # for interactive arrivals, and a batch line that waited this long goes ahead of interactive work
+    interactive_reserved_slots: int = 1
+    batch_max_wait_s: float = 60.0
+
+
+class BatchSettings(GatewaySettings):
+    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (table `[batch]`)."""
+
+    toml_table: ClassVar[str] = "batch"
+
+    batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
+    batch_max_tries: int = 3  # a line whose node died (or Redis blinked) is retried this often
+    batch_lease_s: float = 15.0  # a dead worker's batches are resumed by another this long after
+    batch_resume_every_s: int = 5  # how often each worker looks for batches nobody runs (1-60)
+    batch_max_concurrent: int = 16  # batches one worker runs at once
+    arq_poll_delay_s: float = 0.5  # arq's poll of its queue (only the start of a batch waits on it)

@@ -15,7 +15,8 @@ from shared.keys import CONSUMER_GROUP, Keys
 from tests.conftest import Service, _http_ok, _redis_pings, free_port, wait_until
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
-DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+)$")
+DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|file:.+|files|batch:[^:]+|batches"
+                             r"|batches:active|arq:queue|arq:queue:health-check)$|^arq:(cron|job|in-progress|result|retry):.+$")
 
 
 @dataclass
@@ -48,6 +49,14 @@ class Stack:
         node.wait_ready(lambda: b'"ready"' in (client.hget(self.keys.node(name), "models") or b""),
                         NODE_START_TIMEOUT_S)
         return node
+
+    def start_batch_worker(self, **env: str) -> Service:
+        """`python -m gateway.batch`; ready once arq has run its start-up (it logs "Starting worker")."""
+        worker = Service("batch worker", [sys.executable, "-m", "gateway.batch"],
+                         self.root / f"batch-worker-{len(self.services)}.log", env=self.env | env)
+        self.services.append(worker)
+        worker.wait_ready(lambda: "batch worker" in worker.log_path.read_text(errors="replace"))
+        return worker
 
     def stop(self) -> None:
         for service in reversed(self.services):

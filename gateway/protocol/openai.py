@@ -211,6 +211,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt: bool = True
     ignore_eos: bool = False
+    priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
@@ -269,6 +270,7 @@ class CompletionRequest(_Sampling):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @field_validator("prompt")
     @classmethod

@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
-from gateway.routes import chat, completions, health, messages, models
+from gateway.routes import batches, chat, completions, files, health, messages, models, queue
 
 router = APIRouter()
-for module in (chat, completions, messages, models, health):
+for module in (chat, completions, messages, models, health, files, batches, queue):
     router.include_router(module.router)

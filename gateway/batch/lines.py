@@ -1,0 +1,106 @@
+"""One batch input line → one output or error line (OpenAI's batch output format).
+
+A line is `{"custom_id", "method": "POST", "url", "body"}`. It becomes one job in the `batch`
+class on the model's job streams, gathered like a non-streaming request and rendered as the
+endpoint would have answered it. A line that cannot be read fails alone, in the error file."""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gateway.context import GatewayContext
+from gateway.errors import error_body
+from gateway.gather import Gathered, gather
+from gateway.jobs import Job, new_job_id, submit
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.openai_batch import BatchLineError, BatchLineResponse, BatchOutputLine
+from gateway.render.chat import chat_completion
+from gateway.render.completions import completion
+from shared.errors import CortexError, InvalidRequest
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    request: type[BaseModel]  # has .model, .n, .to_generation_request(job, model)
+    render: Callable[[Job, Gathered], BaseModel]
+
+
+# `/v1/messages` joins this table when the Anthropic request and renderer exist.
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, chat_completion),
+    "/v1/completions": Endpoint(CompletionRequest, completion),
+}
+
+
+class LineError(Exception):
+    """The line itself is unusable (not JSON, wrong shape, wrong url, invalid body)."""
+
+    def __init__(self, code: str, message: str, custom_id: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.custom_id = code, message, custom_id
+
+
+@dataclass
+class ParsedLine:
+    custom_id: str
+    body: Any  # the endpoint's request model
+
+
+def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
+    try:
+        line = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LineError("invalid_json", f"the line is not JSON: {exc}") from None
+    if not isinstance(line, dict):
+        raise LineError("invalid_request", "the line must be a JSON object with custom_id, method, url and body")
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise LineError("missing_custom_id", "the line has no custom_id (a non-empty string)")
+    if line.get("method", "POST") != "POST":
+        raise LineError("invalid_method", f"method must be POST; got {line.get('method')!r}", custom_id)
+    if line.get("url") != endpoint:
+        raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint}; got {line.get('url')!r}", custom_id)
+    if endpoint not in ENDPOINTS:
+        raise LineError("unsupported_endpoint", f"{endpoint} is not served for batches by this worker yet", custom_id)
+    if not isinstance(line.get("body"), dict):
+        raise LineError("invalid_request", "body must be a JSON object: the request for the endpoint", custom_id)
+    try:
+        body = ENDPOINTS[endpoint].request.model_validate(line["body"] | {"stream": False})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:3])
+        raise LineError("invalid_request", f"invalid body: {problems}", custom_id) from None
+    return ParsedLine(custom_id, body)
+
+
+async def start(ctx: GatewayContext, parsed: ParsedLine) -> Job:
+    """Resolve the line's model and queue its job in the batch class."""
+    profile = ctx.catalog.resolve(parsed.body.model)
+    await ctx.placer.ensure_placed(profile)
+    request = parsed.body.to_generation_request(new_job_id(), profile.id)
+    return await submit(ctx, request, priority="batch", rank=getattr(parsed.body, "priority", None))
+
+
+async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:
+    """Gather the job's events into the endpoint's response, as an output line."""
+    async with job:
+        gathered = await gather(job.events(), parsed.body.n)
+    body = ENDPOINTS[endpoint].render(job, gathered).model_dump(mode="json")
+    response = BatchLineResponse(status_code=200, request_id=job.id, body=body)
+    return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)
+
+
+def failed_line(line_no: int, exc: LineError | CortexError, custom_id: str | None, job_id: str = "") -> BatchOutputLine:
+    """An error-file line: a request the model refused carries its HTTP status and error body;
+    an unusable line carries just the error."""
+    line_id = f"batch_req_{job_id or f'line{line_no}'}"
+    if isinstance(exc, LineError):
+        return BatchOutputLine(id=line_id, custom_id=exc.custom_id or custom_id,
+                               error=BatchLineError(code=exc.code, message=f"line {line_no + 1}: {exc.message}"))
+    response = BatchLineResponse(status_code=exc.status, request_id=job_id, body=error_body(exc))
+    return BatchOutputLine(id=line_id, custom_id=custom_id, response=response)
+
+
+__all__ = ["ENDPOINTS", "InvalidRequest", "LineError", "ParsedLine", "failed_line", "finish", "parse_line", "start"]

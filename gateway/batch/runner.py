@@ -1,0 +1,271 @@
+"""Runs one batch to its end: validating → in_progress → finalizing → completed (or failed,
+cancelled, expired).
+
+Every line's result is kept in Redis as soon as it exists (`cortex:batch:{id}:out` / `:err`,
+by line number), so a batch resumed by another worker (or this one, restarted) skips finished
+lines; a line whose job was queued or running when its worker died (`:inflight`) is withdrawn
+and run again. Only the worker holding the batch's lease (`cortex:batch:{id}:lease`, renewed
+while it runs) works on it. Inference stays on the job streams: a line is one `batch`-class job.
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+
+from redis.exceptions import RedisError
+
+from gateway.batch import lines
+from gateway.batch.store import BatchStore
+from gateway.context import GatewayContext
+from gateway.files import FileStore
+from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchOutputLine, BatchRequestCounts
+from gateway.queue import withdraw
+from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
+from shared.settings import BatchSettings
+
+log = logging.getLogger(__name__)
+
+RETRYABLE = (NodeLost, BrokerUnavailable, Timeout, ModelUnavailable)  # worth another try of the line
+RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
+STATUS_POLL_S = 0.5  # how often a running batch looks for a cancel
+
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class LeaseLost(Exception):
+    pass
+
+
+class BatchRunner:
+    def __init__(self, ctx: GatewayContext, settings: BatchSettings, batch_id: str):
+        self.ctx, self.settings, self.id = ctx, settings, batch_id
+        self.redis, self.keys = ctx.redis, ctx.keys
+        self.store = BatchStore(ctx.redis, ctx.keys)
+        self.files = FileStore(ctx.redis, ctx.keys)
+        self.token = uuid.uuid4().hex
+        self.stop_reason: str | None = None  # cancelled | expired
+        self.running: dict[int, asyncio.Task] = {}
+
+    def key(self, what: str) -> str:
+        return self.keys.batch_lines(self.id, what)
+
+    # ---- the lease ------------------------------------------------------------------------
+
+    async def acquire(self) -> bool:
+        lease_ms = int(self.settings.batch_lease_s * 1000)
+        return bool(await self.redis.set(self.keys.batch_lease(self.id), self.token, nx=True, px=lease_ms))
+
+    async def _keep_lease(self) -> None:
+        lease_ms = int(self.settings.batch_lease_s * 1000)
+        while True:
+            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            try:
+                renewed = await self.redis.eval(_RENEW, 1, self.keys.batch_lease(self.id), self.token, lease_ms)
+            except RedisError as exc:
+                log.warning("batch %s: could not renew its lease: %s", self.id, exc)
+                continue
+            if not renewed:
+                raise LeaseLost(f"batch {self.id}: another worker took its lease")
+
+    async def release(self) -> None:
+        await self.redis.eval(_RELEASE, 1, self.keys.batch_lease(self.id), self.token)
+
+    # ---- the run --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the batch if nobody else does; returns when it is finished (or the lease is lost)."""
+        if not await self.acquire():
+            log.info("batch %s is leased by another worker", self.id)
+            return
+        keeper = asyncio.create_task(self._keep_lease(), name=f"lease-{self.id}")
+        work = asyncio.create_task(self._run(), name=f"batch-{self.id}")
+        try:
+            await asyncio.wait({keeper, work}, return_when=asyncio.FIRST_COMPLETED)
+            if keeper.done():
+                keeper.result()  # raises LeaseLost
+            work.result()
+        finally:
+            for task in (work, keeper):
+                task.cancel()
+            await asyncio.gather(work, keeper, return_exceptions=True)
+            await self.release()
+
+    async def _run(self) -> None:
+        try:
+            batch = await self.store.get(self.id)
+        except NotFound:
+            await self.redis.srem(self.keys.batches_active(), self.id)
+            return
+        if batch.status == "validating":
+            batch = await self._validate(batch)
+        if batch.status in ("in_progress", "cancelling"):
+            content = await self._input(batch)
+            if content is None:
+                return
+            await self._run_lines(batch, content)
+            batch = await self.store.get(self.id)
+        if batch.status in ("in_progress", "cancelling", "finalizing"):
+            await self._finalize(batch)
+
+    async def _input(self, batch: Batch) -> list[bytes] | None:
+        try:
+            content = await self.files.content(batch.input_file_id)
+        except NotFound:
+            await self._fail(f"the input file {batch.input_file_id} no longer exists", "file_not_found")
+            return None
+        return [line for line in content.splitlines() if line.strip()]
+
+    async def _validate(self, batch: Batch) -> Batch:
+        content = await self._input(batch)
+        if content is None:
+            return await self.store.get(self.id)
+        if len(content) > self.settings.files_max_lines:
+            await self._fail(f"the input file has {len(content)} lines; the limit is {self.settings.files_max_lines}",
+                             "too_many_lines")
+            return await self.store.get(self.id)
+        await self.store.update(self.id, request_counts=BatchRequestCounts(total=len(content)).model_dump())
+        await self.store.transition(self.id, "in_progress", from_=("validating",), stamp="in_progress_at")
+        log.info("batch %s: %d lines, in progress", self.id, len(content))
+        return await self.store.get(self.id)
+
+    async def _fail(self, message: str, code: str) -> None:
+        errors = BatchErrors(data=[BatchError(code=code, message=message)])
+        await self.store.update(self.id, errors=errors.model_dump())
+        await self.store.transition(self.id, "failed", from_=("validating", "in_progress", "cancelling"),
+                                    stamp="failed_at")
+        log.warning("batch %s failed: %s", self.id, message)
+
+    async def _run_lines(self, batch: Batch, content: list[bytes]) -> None:
+        await self._withdraw_leftovers()
+        if batch.status == "cancelling":
+            self.stop_reason = "cancelled"
+        done = {int(i) for i in await self.redis.hkeys(self.key("out"))}
+        done |= {int(i) for i in await self.redis.hkeys(self.key("err"))}
+        todo = [i for i in range(len(content)) if i not in done]
+        log.info("batch %s: %d of %d lines to run", self.id, len(todo), len(content))
+        watcher = asyncio.create_task(self._watch(batch), name=f"watch-{self.id}")
+        try:
+            for line_no in todo:
+                while len(self.running) >= self.settings.batch_lines_in_flight and not self.stop_reason:
+                    await asyncio.wait(set(self.running.values()), timeout=STATUS_POLL_S,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                if self.stop_reason:
+                    break
+                task = asyncio.create_task(self._line(line_no, content[line_no], batch.endpoint))
+                self.running[line_no] = task
+                task.add_done_callback(lambda _t, n=line_no: self.running.pop(n, None))
+            while self.running:
+                await asyncio.wait(set(self.running.values()))
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _watch(self, batch: Batch) -> None:
+        """Notice a cancel (or the completion window closing): start no more lines, and take back
+        the lines still waiting on the streams; lines a node already runs finish."""
+        while self.stop_reason is None:
+            await asyncio.sleep(STATUS_POLL_S)
+            status = (await self.store.get(self.id)).status
+            if status == "cancelling":
+                self.stop_reason = "cancelled"
+            elif batch.expires_at and time.time() > batch.expires_at:
+                self.stop_reason = "expired"
+        log.info("batch %s: %s; %d lines in flight", self.id, self.stop_reason, len(self.running))
+        await self._withdraw_queued()
+
+    async def _withdraw_queued(self) -> None:
+        for line_no, where in (await self.redis.hgetall(self.key("inflight"))).items():
+            _job, stream, entry_id = where.decode().split(" ")
+            if await withdraw(self.ctx, stream, entry_id):
+                task = self.running.get(int(line_no))
+                if task is not None:
+                    task.cancel()
+                await self.redis.hdel(self.key("inflight"), line_no)
+
+    async def _withdraw_leftovers(self) -> None:
+        """Lines a previous run had on the streams: withdraw those still queued and cancel the
+        rest (their events went to a worker that is gone); they run again."""
+        leftovers = await self.redis.hgetall(self.key("inflight"))
+        for line_no, where in leftovers.items():
+            job, stream, entry_id = where.decode().split(" ")
+            await withdraw(self.ctx, stream, entry_id)
+            await self.redis.publish(self.keys.cancel(), job)
+        if leftovers:
+            log.info("batch %s: %d lines were in flight in an earlier run; running them again", self.id, len(leftovers))
+            await self.redis.delete(self.key("inflight"))
+
+    async def _line(self, line_no: int, raw: bytes, endpoint: str) -> None:
+        custom_id, job_id = None, ""
+        try:
+            parsed = lines.parse_line(raw, endpoint)
+            custom_id = parsed.custom_id
+            result = await self._attempts(line_no, parsed, endpoint)
+        except lines.LineError as exc:
+            await self._record(line_no, "err", lines.failed_line(line_no, exc, custom_id))
+        except CortexError as exc:
+            job_id = getattr(exc, "job_id", "")
+            await self._record(line_no, "err", lines.failed_line(line_no, exc, custom_id, job_id))
+        else:
+            await self._record(line_no, "out", result)
+
+    async def _attempts(self, line_no: int, parsed: lines.ParsedLine, endpoint: str) -> BatchOutputLine:
+        for attempt in range(self.settings.batch_max_tries):
+            job = None
+            try:
+                job = await lines.start(self.ctx, parsed)
+                await self.redis.hincrby(self.key("tries"), str(line_no), 1)
+                await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
+                return await lines.finish(job, parsed, endpoint)
+            except RETRYABLE as exc:
+                if attempt + 1 >= self.settings.batch_max_tries or self.stop_reason:
+                    exc.job_id = job.id if job else ""
+                    raise
+                log.info("batch %s line %d: %s; trying again", self.id, line_no, exc.message)
+                await asyncio.sleep(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
+            except (CortexError, JobCancelled) as exc:
+                exc.job_id = job.id if job else ""
+                raise
+        raise AssertionError("unreachable")
+
+    async def _record(self, line_no: int, kind: str, line: BatchOutputLine) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key(kind), str(line_no), line.model_dump_json())
+            pipe.hdel(self.key("inflight"), str(line_no))
+            pipe.hlen(self.key("out"))
+            pipe.hlen(self.key("err"))
+            *_, completed, failed = await pipe.execute()
+        batch_key = self.keys.batch(self.id)
+        counts = await self.redis.hget(batch_key, "request_counts")
+        total = BatchRequestCounts.model_validate_json(counts).total if counts else 0
+        await self.store.update(self.id, request_counts={"total": total, "completed": completed, "failed": failed})
+
+    # ---- finishing ----------------------------------------------------------------------------
+
+    async def _finalize(self, batch: Batch) -> None:
+        ending = {"cancelling": "cancelled"}.get(batch.status, self.stop_reason or "completed")
+        if batch.status != "finalizing":
+            had = await self.store.transition(self.id, "finalizing", from_=(batch.status,), stamp="finalizing_at")
+            if had != batch.status:  # cancelled just now: finish as cancelled
+                return await self._finalize(await self.store.get(self.id))
+        out = await self._lines("out")
+        err = await self._lines("err")
+        fields = {}
+        if out:
+            fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
+                                                                purpose="batch_output")).id
+        if err:
+            fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
+                                                               purpose="batch_output")).id
+        if fields:
+            await self.store.update(self.id, **fields)
+        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
+        await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)
+        await self.redis.delete(*(self.key(k) for k in ("out", "err", "inflight", "tries")))
+        log.info("batch %s %s: %d output bytes, %d error bytes", self.id, ending, len(out), len(err))
+
+    async def _lines(self, kind: str) -> bytes:
+        by_line = await self.redis.hgetall(self.key(kind))
+        ordered = [by_line[k] for k in sorted(by_line, key=int)]
+        return b"".join(line + b"\n" for line in ordered)

@@ -1,0 +1,101 @@
+"""Batch objects in Redis: `cortex:batch:{id}` is a hash with one JSON value per field of
+OpenAI's batch object, so the gateway (cancel) and the worker (counts, status) update different
+fields without overwriting each other; status changes go through one Lua script that checks the
+current status first. `cortex:batches` (zset by creation) lists them; `cortex:batches:active`
+holds the ones not yet finished."""
+
+import json
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, CreateBatchRequest
+from shared.errors import NotFound
+from shared.keys import Keys
+
+COMPLETION_WINDOW_S = 24 * 3600
+
+# KEYS[1] batch hash, KEYS[2] active set; ARGV: batch id, new status, timestamp field ('' for none),
+# timestamp, then the statuses it may change from. Returns the status it had (nil: no such batch).
+_TRANSITION = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return nil end
+for i = 5, #ARGV do
+  if cur == ARGV[i] then
+    redis.call('HSET', KEYS[1], 'status', ARGV[2])
+    if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], ARGV[3], ARGV[4]) end
+    return cur
+  end
+end
+return cur
+"""
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
+
+
+def _dump(fields: dict[str, Any]) -> dict[str, str]:
+    return {name: json.dumps(value) for name, value in fields.items()}
+
+
+class BatchStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys):
+        self.redis, self.keys = redis, keys
+        self._transition = redis.register_script(_TRANSITION)
+
+    async def create(self, body: CreateBatchRequest) -> Batch:
+        now = int(time.time())
+        batch = Batch(id=new_batch_id(), endpoint=body.endpoint, input_file_id=body.input_file_id,
+                      completion_window=body.completion_window, status="validating", created_at=now,
+                      expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json")))
+            pipe.zadd(self.keys.batches(), {batch.id: time.time() * 1000})
+            pipe.sadd(self.keys.batches_active(), batch.id)
+            await pipe.execute()
+        return batch
+
+    async def get(self, batch_id: str) -> Batch:
+        fields = await self.redis.hgetall(self.keys.batch(batch_id))
+        if not fields:
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+        return Batch.model_validate({k.decode(): json.loads(v) for k, v in fields.items()})
+
+    async def update(self, batch_id: str, **fields: Any) -> None:
+        await self.redis.hset(self.keys.batch(batch_id), mapping=_dump(fields))
+
+    async def transition(self, batch_id: str, to: str, *, from_: tuple[str, ...], stamp: str | None = None) -> str | None:
+        """Set status `to` (and `stamp` = now) if the status is one of `from_`; returns the
+        status it had, so `== from_` tells whether it changed. Terminal statuses leave the active set."""
+        had = await self._transition(
+            keys=[self.keys.batch(batch_id)],
+            args=[batch_id, json.dumps(to), stamp or "", json.dumps(int(time.time())), *map(json.dumps, from_)],
+        )
+        if had is None:
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
+        had = json.loads(had)
+        if had in from_ and to in TERMINAL:
+            await self.redis.srem(self.keys.batches_active(), batch_id)
+        return had
+
+    async def active(self) -> list[str]:
+        return [i.decode() for i in await self.redis.smembers(self.keys.batches_active())]
+
+    async def list(self, *, after: str | None, limit: int) -> BatchList:
+        """Newest first, `limit` per page after the batch `after`."""
+        start = 0
+        if after is not None:
+            rank = await self.redis.zrevrank(self.keys.batches(), after)
+            start = rank + 1 if rank is not None else 0
+        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches(), start, start + limit)]
+        page = []
+        for batch_id in ids[:limit]:
+            try:
+                page.append(await self.get(batch_id))
+            except NotFound:  # deleted between the two reads
+                continue
+        return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                         has_more=len(ids) > limit)

@@ -1,0 +1,91 @@
+"""`cortex batch-worker`: an arq worker that runs batches. arq only orchestrates: `run_batch`
+runs one batch (its lines go to the job streams as `batch`-class jobs), and the `resume_batches`
+cron task re-enqueues active batches whose lease expired (their worker died), so a batch survives
+a restart of any worker or gateway. Start as many workers as you like: the lease keeps one
+worker per batch."""
+
+import logging
+import uuid
+from functools import partial
+from typing import Any
+
+from arq import cron
+from arq.connections import ArqRedis, RedisSettings
+from arq.worker import Worker, func
+
+from gateway.batch.runner import BatchRunner, LeaseLost
+from gateway.batch.store import BatchStore
+from gateway.context import GatewayContext
+from gateway.events import EventRouter, pubsub_client
+from gateway.fleet import Fleet
+from shared import __version__
+from shared.catalog import Catalog
+from shared.keys import Keys
+from shared.redis_conn import connect
+from shared.settings import BatchSettings
+
+log = logging.getLogger(__name__)
+
+RUN_BATCH_TIMEOUT_S = 25 * 3600  # the 24 h completion window, and then some
+
+
+async def enqueue(redis: Any, keys: Keys, batch_id: str) -> None:
+    """Ask some batch worker to run `batch_id` (a unique arq job: the lease stops doubles)."""
+    arq = ArqRedis(pool_or_conn=redis.connection_pool, default_queue_name=keys.arq_queue())
+    await arq.enqueue_job("run_batch", batch_id, _job_id=f"run-batch:{batch_id}:{uuid.uuid4().hex[:8]}")
+
+
+async def run_batch(ctx: dict, batch_id: str) -> None:
+    try:
+        await BatchRunner(ctx["cortex"], ctx["settings"], batch_id).run()
+    except LeaseLost as exc:
+        log.warning("%s; leaving the batch to it", exc)
+
+
+async def resume_batches(ctx: dict) -> None:
+    """Enqueue every active batch that nobody holds the lease of."""
+    cortex: GatewayContext = ctx["cortex"]
+    for batch_id in await BatchStore(cortex.redis, cortex.keys).active():
+        if not await cortex.redis.exists(cortex.keys.batch_lease(batch_id)):
+            log.info("batch %s has no worker; resuming it", batch_id)
+            await enqueue(cortex.redis, cortex.keys, batch_id)
+
+
+async def startup(ctx: dict, settings: BatchSettings) -> None:
+    keys = settings.keys
+    redis = connect(settings.redis_url)
+    router = EventRouter(partial(pubsub_client, settings.redis_url))
+    catalog = Catalog.load(settings.models_file)
+    ctx["settings"] = settings
+    ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+    await router.start()
+    log.info("batch worker %s on Redis %s, queue %s", __version__, settings.redis_url, keys.arq_queue())
+
+
+async def shutdown(ctx: dict) -> None:
+    cortex: GatewayContext | None = ctx.get("cortex")
+    if cortex is not None:
+        await cortex.router.stop()
+        await cortex.redis.aclose()
+
+
+def create_worker(settings: BatchSettings) -> Worker:
+    every_s = min(max(settings.batch_resume_every_s, 1), 60)
+    return Worker(
+        functions=[func(run_batch, timeout=RUN_BATCH_TIMEOUT_S, max_tries=1000)],
+        cron_jobs=[cron(resume_batches, second=set(range(0, 60, every_s)), run_at_startup=True, unique=True,
+                        timeout=60)],
+        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        queue_name=settings.keys.arq_queue(),
+        on_startup=partial(startup, settings=settings),
+        on_shutdown=shutdown,
+        max_jobs=settings.batch_max_concurrent + 1,  # + the cron task
+        poll_delay=settings.arq_poll_delay_s,
+        keep_result=0,
+        handle_signals=True,
+    )
+
+
+def run(settings: BatchSettings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    create_worker(settings).run()

@@ -1,0 +1,90 @@
+"""Files for `/v1/files` and the batch worker, kept in Redis so every gateway replica and every
+batch worker sees them and they survive restarts: `cortex:file:{id}` is a hash of the file's
+metadata fields plus `content`, and `cortex:files` lists the ids by creation time.
+
+Limits (GatewaySettings): `files_max_bytes` (64 MiB) per upload and `files_max_lines` (50,000)
+per batch input file; an upload over either is refused with 413. Redis holds the whole content
+in memory, so size Redis for the files you keep (delete them, or let batches' files be deleted
+with `DELETE /v1/files/{id}`).
+"""
+
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from gateway.protocol.openai_batch import FileList, FileObject
+from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
+from shared.keys import Keys
+
+PURPOSES = ("batch",)  # what clients may upload; batches write `batch_output`
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def check_batch_input(content: bytes, *, max_bytes: int, max_lines: int) -> None:
+    """Refuse an upload over the limits (413) or an empty one (400); lines are checked when a batch runs."""
+    if len(content) > max_bytes:
+        raise PayloadTooLarge(f"the file is {len(content)} bytes; the limit is {max_bytes} bytes (files_max_bytes)",
+                              param="file")
+    lines = sum(1 for line in content.splitlines() if line.strip())
+    if lines == 0:
+        raise InvalidRequest("the file has no lines; a batch input file holds one JSON request per line", param="file")
+    if lines > max_lines:
+        raise PayloadTooLarge(f"the file has {lines} lines; the limit is {max_lines} lines (files_max_lines)",
+                              param="file")
+
+
+class FileStore:
+    def __init__(self, redis: aioredis.Redis, keys: Keys):
+        self.redis, self.keys = redis, keys
+
+    async def create(self, content: bytes, *, filename: str, purpose: str) -> FileObject:
+        meta = FileObject(id=new_file_id(), bytes=len(content), created_at=int(time.time()), filename=filename,
+                          purpose=purpose)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.file(meta.id), mapping={"meta": meta.model_dump_json(), "content": content})
+            pipe.zadd(self.keys.files(), {meta.id: time.time()})
+            await pipe.execute()
+        return meta
+
+    async def get(self, file_id: str) -> FileObject:
+        raw = await self.redis.hget(self.keys.file(file_id), "meta")
+        if raw is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return FileObject.model_validate_json(raw)
+
+    async def content(self, file_id: str) -> bytes:
+        raw = await self.redis.hget(self.keys.file(file_id), "content")
+        if raw is None:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+        return raw
+
+    async def delete(self, file_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.file(file_id))
+            pipe.zrem(self.keys.files(), file_id)
+            deleted, _ = await pipe.execute()
+        if not deleted:
+            raise NotFound(f"no file with id {file_id!r}", param="file_id")
+
+    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
+        ids = [i.decode() for i in await self.redis.zrange(self.keys.files(), 0, -1, desc=order == "desc")]
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        found: list[FileObject] = []
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for file_id in chunk:
+                    pipe.hget(self.keys.file(file_id), "meta")
+                metas = await pipe.execute()
+            found += [m for raw in metas if raw and (m := FileObject.model_validate_json(raw))
+                      and (purpose is None or m.purpose == purpose)]
+            if len(found) > limit:
+                break
+        page = found[:limit]
+        return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+                        has_more=len(found) > limit)

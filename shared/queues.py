@@ -1,0 +1,133 @@
+"""Priority classes and the job streams that carry them.
+
+A stream cannot skip entries, so each model has one stream per (class, band), and nodes read
+them most urgent first (`node_agent.job_reader`):
+
+| class         | band   | stream                          | who                                  |
+|---------------|--------|---------------------------------|--------------------------------------|
+| `interactive` | high   | `cortex:jobs:{model}:interactive:high` | API requests with `priority` < 0 |
+| `interactive` | normal | `cortex:jobs:{model}`           | API requests (the default)           |
+| `interactive` | low    | `cortex:jobs:{model}:interactive:low`  | API requests with `priority` > 0  |
+| `batch`       | high / normal / low | `cortex:jobs:{model}:batch[:high/:low]` | `/v1/batches` lines |
+
+`priority` follows vLLM's convention (lower is sooner, default 0); within a band jobs are FIFO.
+"""
+
+from shared.keys import Keys
+
+CLASSES = ("interactive", "batch")  # most urgent first
+BANDS = ("high", "normal", "low")
+
+
+def band(priority: int | None) -> str:
+    """The band of a per-request `priority` (lower is sooner)."""
+    if not priority:
+        return "normal"
+    return "high" if priority < 0 else "low"
+
+
+def streams(keys: Keys, model: str, classes: tuple[str, ...] = CLASSES) -> list[tuple[str, str]]:
+    """(class, stream key) for every stream of `model`, most urgent first."""
+    return [(c, keys.jobs(model, c, b)) for c in classes for b in BANDS]
+
+
+def model_of(keys: Keys, stream: str) -> str | None:
+    """The model a job stream key belongs to (None for a key that is not a job stream)."""
+    prefix = keys.jobs("")
+    if not stream.startswith(prefix):
+        return None
+    rest = stream[len(prefix):]
+    for c in CLASSES:
+        for b in BANDS:
+            suffix = keys.jobs("", c, b)[len(prefix):]
+            if suffix and rest.endswith(suffix):
+                return rest[: -len(suffix)]
+    return rest
+
+
+def entry_ms(entry_id: str | bytes) -> int:
+    """The Redis server time (ms) at which an auto-id entry was added."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+# ---- reading queues (gateway `/v1/queue`, `cortex status`, queue positions) --------------------
+
+# Nodes XACK and XDEL an entry in one round trip when its job ends, so a stream holds exactly the
+# entries nobody has read (after the group's last pending entry) plus the pending ones.
+_LUA_PENDING = """
+local function pending(key, group)
+  local p = redis.pcall('XPENDING', key, group)
+  if type(p) ~= 'table' or p.err or p[1] == 0 then return 0, nil end
+  return p[1], p[3]
+end
+local function before(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+"""
+
+# KEYS: streams; ARGV[1]: group. Returns {now_ms, {unread, pending, oldest unread id or ''} per stream}.
+QUEUE_STATS_LUA = _LUA_PENDING + """
+local t = redis.call('TIME')
+local out = {}
+for i, key in ipairs(KEYS) do
+  local len = redis.call('XLEN', key)
+  local n, maxp = pending(key, ARGV[1])
+  local oldest = ''
+  if len > n then
+    local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
+    if r[1] then oldest = r[1][1] end
+  end
+  out[i] = {len - n, n, oldest}
+end
+return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}
+"""
+
+# KEYS[1]: the job's stream; KEYS[2..]: streams nodes read before it. ARGV: entry id, group,
+# cap on counting, '1' to withdraw the entry if nobody has read it yet.
+# Returns 0 once a node has read the entry (or it is gone); else its position (1 = next), or 1
+# when it was withdrawn.
+QUEUE_POSITION_LUA = _LUA_PENDING + """
+local id = ARGV[1]
+if #redis.call('XRANGE', KEYS[1], id, id) == 0 then return 0 end
+local n, maxp = pending(KEYS[1], ARGV[2])
+if maxp and not before(maxp, id) then return 0 end
+if ARGV[4] == '1' then redis.call('XDEL', KEYS[1], id) return 1 end
+local ahead = #redis.call('XRANGE', KEYS[1], maxp and ('(' .. maxp) or '-', '(' .. id, 'COUNT', tonumber(ARGV[3]))
+for i = 2, #KEYS do
+  local m = pending(KEYS[i], ARGV[2])
+  ahead = ahead + redis.call('XLEN', KEYS[i]) - m
+end
+return ahead + 1
+"""
+
+
+def streams_before(keys: Keys, model: str, stream: str) -> list[str]:
+    """The streams of `model` that nodes read before `stream` (more urgent ones)."""
+    ordered = [s for _, s in streams(keys, model)]
+    return ordered[: ordered.index(stream)] if stream in ordered else []
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def summarize(model: str, classes: list[str], reply: list, replicas: int = 0) -> dict:
+    """QUEUE_STATS_LUA's reply for `streams(keys, model)` → the `/v1/queue` entry of one model."""
+    now_ms, per_stream = int(reply[0]), reply[1]
+    queued = dict.fromkeys(CLASSES, 0)
+    oldest_wait_s: dict[str, float | None] = dict.fromkeys(CLASSES, None)
+    running = 0
+    for job_class, (unread, pending, oldest) in zip(classes, per_stream):
+        queued[job_class] += int(unread)
+        running += int(pending)
+        if oldest:
+            wait_s = max(0.0, (now_ms - entry_ms(_text(oldest))) / 1000)
+            oldest_wait_s[job_class] = max(wait_s, oldest_wait_s[job_class] or 0.0)
+    waits = [w for w in oldest_wait_s.values() if w is not None]
+    return {"model": model, "queued": queued, "running": running, "replicas": replicas,
+            "oldest_wait_s": round(max(waits), 3) if waits else None,
+            "oldest_wait_s_by_class": {c: (round(w, 3) if w is not None else None) for c, w in oldest_wait_s.items()}}

@@ -1,0 +1,63 @@
+"""The Batch API with the official openai SDK against a real stack (tiny model, real arq worker)."""
+
+import json
+import time
+
+import pytest
+
+from tests.integration.batch.conftest import MODEL, chat_line, jsonl
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = [f"Tell me about item number {i}." for i in range(10)]
+
+
+def wait_status(client, batch_id: str, statuses: set[str], timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} still {batch.status} after {timeout_s}s: {batch}")
+
+
+def output_lines(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_200_line_batch_with_a_bad_line(client, batch_stack):
+    expected = {}
+    for prompt in PROMPTS:  # what the interactive API answers, greedy
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=8, temperature=0)
+        expected[prompt] = answer.choices[0].message.content
+    lines = [chat_line(f"req-{i}", PROMPTS[i % 10]) for i in range(200)]
+    lines[17] = b'{"custom_id": "broken", "method": "POST", "url": "/v1/chat/completions", "body": {"model": '
+    lines[42] = chat_line("bad-body", "x", max_tokens=-3)
+    uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "acceptance"})
+    assert batch.status == "validating" and batch.metadata == {"run": "acceptance"}
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert done.request_counts.total == 200 and done.request_counts.completed == 198 and done.request_counts.failed == 2
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out = output_lines(client, done.output_file_id)
+    assert len(out) == 198 and len({o["custom_id"] for o in out}) == 198
+    for o in out:
+        i = int(o["custom_id"].removeprefix("req-"))
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        assert o["response"]["body"]["choices"][0]["message"]["content"] == expected[PROMPTS[i % 10]], o
+    errors = output_lines(client, done.error_file_id)
+    assert {e["custom_id"] for e in errors} == {None, "bad-body"}
+    broken = next(e for e in errors if e["custom_id"] is None)
+    assert broken["error"]["code"] == "invalid_json" and "line 18" in broken["error"]["message"]
+    bad_body = next(e for e in errors if e["custom_id"] == "bad-body")
+    assert bad_body["error"]["code"] == "invalid_request" and "max_tokens" in bad_body["error"]["message"]
+    listed = client.batches.list(limit=1)
+    assert listed.data[0].id == batch.id
+    batch_stack.assert_clean()
