@@ -431,11 +431,19 @@ def _json_rule(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
 
 
+def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
+    """A forced call names only the declared arguments (as OpenAI's strict mode does), unless
+    the tool's schema says otherwise: a small model must not invent keys forever."""
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
 def _call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
     """Tools `[{"name", "parameters"}]` → a schema for one call object of any of them."""
     options = [{
         "type": "object",
-        "properties": {"name": {"const": t["name"]}, args_key: t.get("parameters") or {"type": "object"}},
+        "properties": {"name": {"const": t["name"]}, args_key: _closed(t.get("parameters") or {"type": "object"})},
         "required": ["name", args_key],
         "additionalProperties": False,
     } for t in tools]

@@ -32,6 +32,7 @@ class StopStrings:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that was reached
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string was reached."""
@@ -41,7 +42,9 @@ class StopStrings:
         hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buffer[: min(hits)], True
+            at = min(hits)
+            self.matched = next(s for s in self.stops if buffer.find(s) == at)
+            return buffer[:at], True
         keep = max((k for s in self.stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
         self.held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from node_agent import constrain
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
 from node_agent.kv_cache import SlotKVCache
 from node_agent.loader import LoadedModel
@@ -43,6 +44,7 @@ class Sequence:
     stops: StopStrings
     prefilled: int = 0
     finish_reason: str | None = None
+    matcher: object | None = None  # an llguidance matcher when the request has a grammar
 
     @property
     def output_ids(self) -> list[int]:
@@ -104,6 +106,7 @@ class Engine:
             head_dim=head_dim, max_len=self.max_len, dtype=loaded.dtype, device=loaded.device,
         )
         self.eos_ids = self._eos_ids()
+        self.grammars = constrain.Grammars(loaded.tokenizer, config.vocab_size, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest are reading their prompt
         self.n_decoding = 0
@@ -141,6 +144,7 @@ class Engine:
                 job=job, index=index, prompt_ids=prompt_ids, max_tokens=params.max_tokens or room,
                 row=Row(params=params, prompt_ids=prompt_ids, output_ids=[], generator=generator),
                 detokenizer=IncrementalDetokenizer(self.lm.tokenizer), stops=StopStrings(params.stop),
+                matcher=self.grammars.matcher(params.grammar) if params.grammar else None,
             ))
         self.jobs[job.id] = job
         self.waiting.extend(job.sequences)
@@ -245,12 +249,16 @@ class Engine:
     def _sample_and_emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         logits = self.lm.model.lm_head(hidden).float()
         raw = logits.clone() if any(s.row.params.logprobs for s in seqs) else None
+        if any(s.matcher is not None for s in seqs):
+            constrain.apply_masks(logits, [s.matcher for s in seqs])
         tokens = sample(logits, [s.row for s in seqs], self.generator)
         top_n = max(s.row.params.top_logprobs for s in seqs)
         chosen_lp, tops = token_logprobs(raw, tokens, top_n) if raw is not None else (None, None)
         now = _now_ms()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             seq.job.first_token_ms = seq.job.first_token_ms or now
+            if seq.matcher is not None and not constrain.advance(seq.matcher, token):
+                seq.matcher = None
             lp = None
             if seq.row.params.logprobs:
                 lp = self._logprob(token, chosen_lp[i], tops[i][: seq.row.params.top_logprobs])
@@ -265,17 +273,18 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         seq.output_ids.append(token)
         params = seq.row.params
+        stop_sequence = None
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             text, seq.finish_reason = seq.stops.flush(), FinishReason.STOP
         else:
             text, hit_stop = seq.stops.feed(seq.detokenizer.add(token))
             if hit_stop:
-                seq.finish_reason = FinishReason.STOP
+                seq.finish_reason, stop_sequence = FinishReason.STOP, seq.stops.matched
             elif len(seq.output_ids) >= seq.max_tokens:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
         seq.job.deltas.append(ChoiceDelta(index=seq.index, text=text, token_ids=[token],
                                           logprobs=[logprob] if logprob else None,
-                                          finish_reason=seq.finish_reason))
+                                          finish_reason=seq.finish_reason, stop_sequence=stop_sequence))
 
     def _retire(self) -> None:
         """Take finished sequences out of their rows, packing the rest down (decode rows first)."""

@@ -1,6 +1,9 @@
 """Requests to prompt token ids: the model's own chat template (jinja2, through the tokenizer),
-with `tools` and `chat_template_kwargs`, or ChatML for models without one."""
+with `tools` and `chat_template_kwargs`, or ChatML for models without one. A template that
+does not render tools gets them in the Hermes format (a system block listing them, calls as
+`<tool_call>` text, results as `<tool_response>` text), which the gateway's `hermes` parser reads."""
 
+import json
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -38,15 +41,69 @@ def chat_template(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> 
     return profile.chat_template
 
 
+HERMES_TOOLS_SYSTEM = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>"
+)
+
+
+def _arguments(arguments: Any) -> Any:
+    """Call arguments as templates expect them: an object, not OpenAI's JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _template_renders_tools(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> bool:
+    template = chat_template(tokenizer, profile) or tokenizer.chat_template or ""
+    if isinstance(template, dict):  # a named set: its `tool_use` template renders them
+        return "tool_use" in template or any("tools" in t for t in template.values())
+    return "tools" in template
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Tools, calls and results written into the messages as Hermes-format text."""
+    out = [dict(m) for m in messages]
+    if tools:
+        block = HERMES_TOOLS_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{block}"
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    for message in out:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])},
+                                ensure_ascii=False) for c in message.pop("tool_calls")]
+            text = "\n".join(f"<tool_call>\n{call}\n</tool_call>" for call in calls)
+            message["content"] = f"{message['content']}\n{text}".strip()
+        elif message["role"] == "tool":
+            message.pop("tool_call_id", None)
+            message.update(role="user", content=f"<tool_response>\n{message['content']}\n</tool_response>")
+    return out
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, request: GenerationRequest) -> list[int]:
     if request.kind == "completion":
         if isinstance(request.prompt, list):
             return list(request.prompt)
         return tokenizer.encode(request.prompt or "", add_special_tokens=True)
     messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages or []]
+    tools = request.tools
+    if _template_renders_tools(tokenizer, profile):
+        for message in messages:
+            for call in message.get("tool_calls") or []:
+                call["function"] = {**call["function"], "arguments": _arguments(call["function"]["arguments"])}
+    else:
+        messages, tools = hermes_messages(messages, tools), None
     text = tokenizer.apply_chat_template(
         messages,
-        tools=request.tools,
+        tools=tools,
         chat_template=chat_template(tokenizer, profile),
         add_generation_prompt=request.add_generation_prompt,
         tokenize=False,

@@ -20,7 +20,7 @@ from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
-from shared.wire import ErrorEvent, StreamEntry, WireError
+from shared.wire import DoneEvent, ErrorEvent, StreamEntry, Usage, WireError
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ class ServedModel:
         try:
             self._check_memory()
             ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)
+            if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
+                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name)])])
+                return
             check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens, self.profile.max_prompt_tokens)
             await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
         except CortexError as exc:
