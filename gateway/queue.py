@@ -2,10 +2,14 @@
 read yet, and the per-model summary behind `GET /v1/queue`. One Lua script per question, so each
 answer is one atomic round trip (scripts in shared/queues.py)."""
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
 import redis.asyncio as aioredis
 
 from gateway.context import GatewayContext
 from shared import queues
+from shared.errors import CortexError
 from shared.keys import CONSUMER_GROUP, Keys
 
 POSITION_CAP = 10_000  # positions are counted exactly up to this many jobs ahead
@@ -40,3 +44,47 @@ async def summary(ctx: GatewayContext) -> list[dict]:
         replicas = sum(1 for node in nodes if node.serves(model) and node.state != "draining")
         found.append(queues.summarize(model, [c for c, _ in pairs], reply, replicas))
     return found
+
+
+# ---- a streaming client waiting in the queue ----------------------------------------------------
+
+QUEUE_POSITION_HEADER = "x-cortex-queue-position"
+
+
+async def first_event_or_position(job, first: asyncio.Future) -> int:
+    """Wait briefly for the job's first event (0: it came, or a node is already on the job and
+    it will come); else return the job's queue position, so the response can start at once."""
+    ctx = job._ctx
+    done, _ = await asyncio.wait({first}, timeout=ctx.settings.queued_after_s)
+    if not done:
+        place = await position(ctx, job.stream, job.entry_id)
+        if place > 0:
+            return place
+        await first  # a node has it: the first token is a prefill away
+    first.result()  # an error before any output is still an HTTP status
+    return 0
+
+
+async def queued_frames(job, first: asyncio.Future, place: int, frames: AsyncIterator[bytes],
+                        failed: Callable[[CortexError], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """SSE comments `: queued position=N` while the job waits, then the job's own frames (or,
+    if it failed before its first token, the dialect's error frames)."""
+    ctx = job._ctx
+    try:
+        while not first.done():
+            if place > 0:
+                yield f": queued position={place}\n\n".encode()
+            await asyncio.wait({first}, timeout=ctx.settings.queue_position_poll_s)
+            if not first.done() and place > 0:
+                place = await position(ctx, job.stream, job.entry_id)
+        try:
+            first.result()
+        except CortexError as exc:
+            async for frame in failed(exc):
+                yield frame
+            return
+        async for frame in frames:
+            yield frame
+    finally:
+        if not first.done():
+            first.cancel()

@@ -2,6 +2,7 @@
 (the done event, an error, the client going away, or the body never being sent at all), the
 job is closed, which cancels it on the node if it had not finished."""
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -11,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import sse
+from gateway import queue, sse
 from gateway.disconnect import unless_disconnected
 from gateway.errors import error_body
 from gateway.jobs import Job
@@ -28,12 +29,23 @@ async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel
     """Wait for the job's first event (errors before it are plain HTTP errors), then stream
     `chunks` (rendered from `job.events()`) as SSE frames: by default OpenAI's, ending with
     `data: [DONE]`; `frames` frames them another way (Anthropic's named events)."""
+    make = frames or _frames
+    first = asyncio.ensure_future(job.first_event())
     try:
-        await unless_disconnected(request, job.first_event())
+        place = await unless_disconnected(request, queue.first_event_or_position(job, first))
     except BaseException:
+        first.cancel()
         await job.close()
         raise
-    return JobStreamResponse(job, (frames or _frames)(job, chunks))
+    body = make(job, chunks)
+    if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
+        body = queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)))
+    return JobStreamResponse(job, body, {queue.QUEUE_POSITION_HEADER: str(place)})
+
+
+async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:
+    raise exc
+    yield  # an async generator that fails at once
 
 
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
@@ -47,8 +59,8 @@ async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[b
 
 
 class JobStreamResponse(StreamingResponse):
-    def __init__(self, job: Job, frames: AsyncIterator[bytes]):
-        super().__init__(frames, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    def __init__(self, job: Job, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        super().__init__(frames, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS | (headers or {}))
         self.job = job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

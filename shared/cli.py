@@ -1,9 +1,10 @@
 """The `cortex` command: run one part (`gateway`, `node`), run them all at once (`up`), or look
 at the fleet (`status`).
 
-    cortex up                      # redis-server + gateway + one node agent, in the foreground
+    cortex up                      # redis-server + gateway + batch worker + one node agent, in the foreground
     cortex gateway --port 31313    # one gateway replica
     cortex node --models SmolLM2-135M-Instruct
+    cortex batch-worker            # an arq worker running /v1/batches (as many as you like)
     cortex status [--json]         # nodes, devices, memory, models, slots, queues (from Redis)
 
 Flags override settings; everything else comes from `CORTEX_*` variables and the TOML file named
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit
 import redis
 from pydantic import BaseModel, ValidationError
 
+from shared import queues as job_queues
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
@@ -79,6 +81,10 @@ class QueueStatus(BaseModel):
     waiting: int  # not yet read by any node (the group's lag)
     in_flight: int  # read by a node, not yet acknowledged (XPENDING)
     consumers: int
+    # every priority class and band (shared/queues.py); the fields above are the default stream's
+    queued: dict[str, int] = {}  # class -> jobs no node has read yet
+    running: int = 0  # jobs read by a node, not yet finished, all classes
+    oldest_wait_s: float | None = None  # the longest any queued job has waited
 
 
 class FleetStatus(BaseModel):
@@ -135,12 +141,18 @@ def read_queue(r: redis.Redis, keys: Keys, model: str) -> QueueStatus | None:
     if group is None:  # nobody has ever consumed this model: everything waits
         return QueueStatus(model=model, length=length, waiting=length, in_flight=0, consumers=0)
     lag = group.get("lag")
+    pairs = job_queues.streams(keys, model)
+    summary = job_queues.summarize(model, [c for c, _ in pairs], r.register_script(job_queues.QUEUE_STATS_LUA)(
+        keys=[s for _, s in pairs], args=[CONSUMER_GROUP]))
     return QueueStatus(
         model=model,
         length=length,
         waiting=int(lag) if lag is not None else length,
         in_flight=int(group["pending"]),
         consumers=int(group["consumers"]),
+        queued=summary["queued"],
+        running=summary["running"],
+        oldest_wait_s=summary["oldest_wait_s"],
     )
 
 
@@ -154,7 +166,7 @@ def read_fleet(r: redis.Redis, keys: Keys, *, node_ttl_s: float = 8.0, now_ms: i
     nodes.sort(key=lambda n: n.node)
     models = {m for n in nodes for m in n.models}
     jobs_prefix = keys.jobs("")
-    models |= {_text(k)[len(jobs_prefix):] for k in r.scan_iter(match=jobs_prefix + "*", count=500)}
+    models |= {job_queues.model_of(keys, _text(k)) for k in r.scan_iter(match=jobs_prefix + "*", count=500)}
     queues = [q for m in sorted(models) if (q := read_queue(r, keys, m)) is not None]
     return FleetStatus(now_ms=now_ms, nodes=nodes, queues=queues)
 
@@ -215,10 +227,12 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
         console.print(table)
     if fleet.queues:
         table = Table(title="Queues", title_justify="left")
-        for column in ("model", "waiting", "in flight", "consumers", "stream length"):
+        for column in ("model", "queued interactive", "queued batch", "running", "oldest wait", "consumers"):
             table.add_column(column, justify="left" if column == "model" else "right")
         for q in fleet.queues:
-            table.add_row(q.model, str(q.waiting), str(q.in_flight), str(q.consumers), str(q.length))
+            oldest = _age(q.oldest_wait_s) if q.oldest_wait_s is not None else "-"
+            table.add_row(q.model, str(q.queued.get("interactive", q.waiting)), str(q.queued.get("batch", 0)),
+                          str(q.running or q.in_flight), oldest, str(q.consumers))
         console.print(table)
 
 
@@ -425,6 +439,8 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_env = env | {"CORTEX_HOST": gateway_settings.host, "CORTEX_PORT": str(gateway_settings.port)}
         child = sup.start("gateway", [sys.executable, "-m", "gateway"], gateway_env)
         log(f"gateway starting (pid {child.proc.pid}) on http://{gateway_settings.host}:{gateway_settings.port}")
+        child = sup.start("batch-worker", [sys.executable, "-m", "gateway.batch"], env)
+        log(f"batch worker starting (pid {child.proc.pid}) for /v1/batches")
         node_env = env | {"CORTEX_MODELS": json.dumps(node_settings.models)}
         # The node finishes running jobs for up to its shutdown_grace_s before it exits.
         node_timeout_s = args.stop_timeout_s if args.stop_timeout_s is not None else node_settings.shutdown_grace_s + 10
@@ -508,6 +524,14 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch_worker(args: argparse.Namespace) -> int:
+    from gateway.batch.worker import run
+    from shared.settings import BatchSettings
+
+    run(BatchSettings())
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     settings = GatewaySettings()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
@@ -549,6 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-name")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("batch-worker", parents=[common], help="run one batch worker (arq) for /v1/batches")
+    p.set_defaults(func=cmd_batch_worker)
 
     p = sub.add_parser("up", parents=[common], help="run redis-server, a gateway and a node agent together, in the foreground")
     p.add_argument("--host", help="gateway host (default 127.0.0.1)")

@@ -249,23 +249,24 @@ class BatchRunner:
             had = await self.store.transition(self.id, "finalizing", from_=(batch.status,), stamp="finalizing_at")
             if had != batch.status:  # cancelled just now: finish as cancelled
                 return await self._finalize(await self.store.get(self.id))
-        out = await self._lines("out")
-        err = await self._lines("err")
-        fields = {}
+        out, completed = await self._lines("out")
+        err, failed = await self._lines("err")
+        total = (await self.store.get(self.id)).request_counts.total
+        fields = {"request_counts": {"total": total, "completed": completed, "failed": failed}}
         if out:
             fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
                                                                 purpose="batch_output")).id
         if err:
             fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
                                                                purpose="batch_output")).id
-        if fields:
-            await self.store.update(self.id, **fields)
+        await self.store.update(self.id, **fields)
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
         await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)
         await self.redis.delete(*(self.key(k) for k in ("out", "err", "inflight", "tries")))
         log.info("batch %s %s: %d output bytes, %d error bytes", self.id, ending, len(out), len(err))
 
-    async def _lines(self, kind: str) -> bytes:
+    async def _lines(self, kind: str) -> tuple[bytes, int]:
+        """The file content of one kind of line, in input order, and how many lines it has."""
         by_line = await self.redis.hgetall(self.key(kind))
         ordered = [by_line[k] for k in sorted(by_line, key=int)]
-        return b"".join(line + b"\n" for line in ordered)
+        return b"".join(line + b"\n" for line in ordered), len(ordered)

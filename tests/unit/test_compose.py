@@ -17,8 +17,8 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_names_the_three_services(compose):
-    assert set(compose["services"]) == {"redis", "gateway", "node-agent"}
+def test_names_its_services(compose):
+    assert set(compose["services"]) == {"redis", "gateway", "batch-worker", "node-agent"}
     assert compose["services"]["redis"]["image"].startswith("redis:7")
 
 

@@ -61,3 +61,53 @@ def test_200_line_batch_with_a_bad_line(client, batch_stack):
     listed = client.batches.list(limit=1)
     assert listed.data[0].id == batch.id
     batch_stack.assert_clean()
+
+
+def submit_batch(client, lines: list) -> str:
+    uploaded = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h").id
+
+
+def wait_completed_at_least(client, batch_id: str, n: int, timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.request_counts.completed >= n:
+            return batch
+        time.sleep(0.1)
+    raise TimeoutError(f"batch {batch_id}: {batch.request_counts}")
+
+
+def test_cancel_midway_keeps_partial_output(client, batch_stack):
+    batch_id = submit_batch(client, [chat_line(f"c-{i}", PROMPTS[i % 10], max_tokens=48, ignore_eos=True)
+                                     for i in range(200)])
+    wait_completed_at_least(client, batch_id, 10)
+    cancelling = client.batches.cancel(batch_id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_status(client, batch_id, {"cancelled", "completed", "failed"})
+    assert done.status == "cancelled" and done.cancelled_at
+    out = output_lines(client, done.output_file_id)
+    assert 10 <= len(out) < 200 and len(out) == done.request_counts.completed
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert len({o["custom_id"] for o in out}) == len(out)
+    batch_stack.assert_clean()
+
+
+def test_worker_killed_midway_resumes_without_redoing_lines(client, batch_stack):
+    batch_id = submit_batch(client, [chat_line(f"k-{i}", PROMPTS[i % 10], max_tokens=32, ignore_eos=True)
+                                     for i in range(200)])
+    wait_completed_at_least(client, batch_id, 40)
+    batch_stack.worker.proc.kill()  # SIGKILL: no clean-up at all
+    batch_stack.worker.proc.wait()
+    redis = batch_stack.client()
+    before = {json.loads(v)["custom_id"]: v.decode() for v in redis.hvals(batch_stack.keys.batch_lines(batch_id, "out"))}
+    assert 40 <= len(before) < 200
+    batch_stack.worker = batch_stack.start_batch_worker()
+    done = wait_status(client, batch_id, {"completed", "failed", "cancelled"})
+    assert done.status == "completed" and done.request_counts.completed == 200
+    out = {o["custom_id"]: o for o in output_lines(client, done.output_file_id)}
+    assert sorted(out) == sorted(f"k-{i}" for i in range(200))
+    for custom_id, line in before.items():  # the same job's answer: not run again
+        assert out[custom_id] == json.loads(line)
+    batch_stack.assert_clean()
