@@ -19,6 +19,7 @@ anything else is kept whole and parsed at its end; what does not parse comes bac
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,9 +72,15 @@ def make_parser(name: ParserName) -> "ToolCallParser":
     return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
 
 
+def parsers_for(profile: ModelProfile, uses_tools: bool) -> Callable[[], "ToolCallParser | None"]:
+    """What renderers call for each choice: a fresh parser of the model's format, or None."""
+    name = parser_name(profile)
+    return (lambda: make_parser(name)) if uses_tools else (lambda: None)
+
+
 # ---- one call's JSON object ---------------------------------------------------------------
 
-_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
 _MAX_OPENING = 400  # an opening longer than this is not the streamable shape
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from gateway import tool_calls
 from shared.wire import GenerationRequest, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)]
@@ -140,9 +141,25 @@ class ChatCompletionStreamOptions(Strict):
     include_usage: bool = False
 
 
+class ChatCompletionNamedToolChoiceFunction(Strict):
+    name: str
+
+
+class ChatCompletionNamedToolChoice(Strict):
+    type: Literal["function"]
+    function: ChatCompletionNamedToolChoiceFunction
+
+
+class JSONSchema(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JSONSchema | None = None
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -189,7 +206,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     metadata: dict[str, str] | None = None  # accepted, not used
     n: int = Field(1, ge=1, le=128)
-    parallel_tool_calls: bool | None = None  # accepted, not used
+    parallel_tool_calls: bool | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: ResponseFormat | None = None
     seed: int | None = None
@@ -201,7 +218,7 @@ class ChatCompletionRequest(_Sampling):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     tools: list[ChatCompletionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
     user: str | None = None
     # extensions
     top_k: int = Field(0, ge=-1)
@@ -217,18 +234,39 @@ class ChatCompletionRequest(_Sampling):
     def _supported(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: only 'auto' and 'none' are supported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format: only type 'text' is supported")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: requires tools")
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
+        if named is not None and named not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: names function '{named}', which is not in tools")
+        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+            raise ValueError("response_format: json_schema requires a json_schema object")
         return self
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def grammar(self, parser: tool_calls.ParserName) -> str | None:
+        """Constrained decoding: a forced call (`required`, named) in the model's own format, or
+        JSON output (`response_format`)."""
+        if self.uses_tools and self.tool_choice not in (None, "auto"):
+            named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools
+                     if named is None or t.function.name == named]
+            parallel = named is None and self.parallel_tool_calls is not False
+            return tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        schema = self.response_format.json_schema.schema_ if self.response_format.json_schema else None
+        return tool_calls.checked(tool_calls.json_grammar(schema or None), "response_format")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
-        use_tools = self.tools and self.tool_choice != "none"
+        use_tools = self.uses_tools
         return GenerationRequest(
             job=job,
             model=model,
@@ -342,6 +380,14 @@ class ChatCompletionMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ChatCompletionMessageToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _tool_calls_when_made(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):
@@ -361,12 +407,35 @@ class ChatCompletion(BaseModel):
     usage: CompletionUsage
 
 
+class ChoiceDeltaToolCallFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChoiceDeltaToolCall(BaseModel):
+    """The first piece of a call carries `id`, `type` and the name; later ones more `arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChoiceDeltaToolCallFunction
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatCompletionStreamResponseDelta(BaseModel):
     """Only the fields that are set appear on the wire: `{"content": "Hi"}`, or `{}` at the end."""
 
     content: str | None = None
     refusal: str | None = None
     role: Literal["assistant"] | None = None
+    tool_calls: list[ChoiceDeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: Any) -> dict[str, Any]:
