@@ -111,3 +111,11 @@ def test_worker_killed_midway_resumes_without_redoing_lines(client, batch_stack)
     for custom_id, line in before.items():  # the same job's answer: not run again
         assert out[custom_id] == json.loads(line)
     batch_stack.assert_clean()
+
+
+def test_upload_over_the_line_limit_is_413(client):
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.files.create(file=("big.jsonl", b"{}\n" * 50_001), purpose="batch")
+    assert caught.value.status_code == 413 and "50000 lines" in caught.value.message

@@ -1,0 +1,101 @@
+"""Priority classes on a real redis-server (the node's reader, queue positions), and batch line
+parsing and file limits (no I/O)."""
+
+import json
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.batch.lines import LineError, parse_line
+from gateway.files import check_batch_input
+from node_agent.job_reader import JobReader
+from shared import queues
+from shared.errors import InvalidRequest, PayloadTooLarge
+from shared.keys import CONSUMER_GROUP, Keys
+
+KEYS = Keys()
+M = "m"
+
+
+@pytest.fixture
+async def r(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    for _, stream in queues.streams(KEYS, M):
+        await client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    yield client
+    await client.aclose()
+
+
+async def add(r, job_class: str, band: str, job: str) -> str:
+    return (await r.xadd(KEYS.jobs(M, job_class, band), {"job": job})).decode()
+
+
+async def test_interactive_first_then_bands_and_batch_capped(r):
+    await add(r, "batch", "normal", "b1")
+    await add(r, "batch", "high", "bh")
+    await add(r, "interactive", "low", "il")
+    await add(r, "interactive", "normal", "i1")
+    await add(r, "interactive", "high", "ih")
+    reader = JobReader(r, KEYS, M, "n1", batch_max_wait_s=60)
+    got = await reader.read(free=4, batch_free=1)
+    assert [e.fields[b"job"] for e in got] == [b"ih", b"i1", b"il", b"bh"]
+    assert [e.job_class for e in got] == ["interactive"] * 3 + ["batch"]
+    assert [e.fields[b"job"] for e in await reader.read(free=4, batch_free=4)] == [b"b1"]
+
+
+async def test_a_batch_line_past_its_max_wait_goes_first(r):
+    await add(r, "batch", "normal", "old")
+    time.sleep(0.06)
+    await add(r, "interactive", "normal", "new")
+    reader = JobReader(r, KEYS, M, "n1", batch_max_wait_s=0.05)
+    assert [e.fields[b"job"] for e in await reader.read(free=1, batch_free=1)] == [b"old"]
+
+
+async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
+    script = r.register_script(queues.QUEUE_POSITION_LUA)
+    stream = KEYS.jobs(M)
+    await add(r, "interactive", "high", "h")
+    first = await add(r, "interactive", "normal", "a")
+    mine = await add(r, "interactive", "normal", "b")
+    await add(r, "batch", "normal", "x")  # batch never counts ahead of interactive
+    ahead = queues.streams_before(KEYS, M, stream)
+
+    async def position(entry, take_back="0"):
+        return await script(keys=[stream, *ahead], args=[entry, CONSUMER_GROUP, 1000, take_back])
+
+    assert await position(mine) == 3
+    await JobReader(r, KEYS, M, "n1", 60).read(free=2, batch_free=0)  # takes h and a
+    assert await position(mine) == 1 and await position(first) == 0
+    assert await position(mine, "1") == 1 and await r.xlen(stream) == 1  # withdrawn: only `a` is left
+
+
+def test_bands_and_stream_names():
+    assert [queues.band(p) for p in (-5, 0, None, 3)] == ["high", "normal", "normal", "low"]
+    assert KEYS.jobs(M) == "cortex:jobs:m" and KEYS.jobs(M, "batch") == "cortex:jobs:m:batch"
+    assert queues.model_of(KEYS, "cortex:jobs:a:b:batch:high") == "a:b"
+    assert queues.model_of(KEYS, "cortex:jobs:a:b") == "a:b"
+
+
+def test_line_parsing_fails_only_that_line():
+    good = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}}
+    parsed = parse_line(json.dumps(good).encode(), "/v1/chat/completions")
+    assert parsed.custom_id == "c" and parsed.body.stream is False
+    for raw, code in [(b"{nope", "invalid_json"), (b"[]", "invalid_request"),
+                      (json.dumps(good | {"custom_id": ""}).encode(), "missing_custom_id"),
+                      (json.dumps(good | {"url": "/v1/completions"}).encode(), "invalid_url"),
+                      (json.dumps(good | {"body": {"model": "m"}}).encode(), "invalid_request")]:
+        with pytest.raises(LineError) as caught:
+            parse_line(raw, "/v1/chat/completions")
+        assert caught.value.code == code
+
+
+def test_file_limits():
+    check_batch_input(b'{"a": 1}\n{"b": 2}\n', max_bytes=100, max_lines=2)
+    with pytest.raises(PayloadTooLarge, match="limit is 10 bytes"):
+        check_batch_input(b"x" * 11, max_bytes=10, max_lines=5)
+    with pytest.raises(PayloadTooLarge, match="limit is 1 lines"):
+        check_batch_input(b"{}\n{}\n", max_bytes=100, max_lines=1)
+    with pytest.raises(InvalidRequest):
+        check_batch_input(b"\n\n", max_bytes=100, max_lines=1)
