@@ -21,6 +21,12 @@ class GatewayContext:
     catalog: Catalog
     router: EventRouter
     fleet: Fleet
+    placer: "Placer" = None  # set right after construction: it needs the context
+
+    def __post_init__(self) -> None:
+        from gateway.placement import Placer
+
+        self.placer = Placer(self)
 
 
 def get_context(request: Request) -> GatewayContext:

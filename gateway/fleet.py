@@ -7,14 +7,12 @@ import time
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from shared.catalog import ModelProfile
-from shared.errors import ModelUnavailable
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import Keys
 
 log = logging.getLogger(__name__)
 
-SERVED_CACHE_S = 1.0  # a positive answer of `ensure_served` is reused this long; a negative never
+SERVED_CACHE_S = 1.0  # a positive answer of `is_served` is reused this long; a negative never
 
 
 class Fleet:
@@ -51,18 +49,18 @@ class Fleet:
         """Live nodes that take new jobs (not draining)."""
         return [node for node in await self.live_nodes() if node.state != "draining"]
 
-    async def ensure_served(self, profile: ModelProfile) -> None:
-        """Raise `ModelUnavailable` unless some live node has the model ready or loading."""
-        if self._served_until.get(profile.id, 0.0) > time.monotonic():
-            return
-        nodes = await self.live_nodes()
-        if any(node.serves(profile.id) and node.state != "draining" for node in nodes):
-            self._served_until[profile.id] = time.monotonic() + SERVED_CACHE_S
-            return
-        raise ModelUnavailable(
-            f"no live node serves model {profile.id}; {len(nodes)} live nodes: {describe(nodes)}",
-            param="model",
-        )
+    async def node(self, name: str) -> NodeHeartbeat | None:
+        fields = await self._redis.hgetall(self._keys.node(name))
+        return NodeHeartbeat.from_hash(fields) if fields else None
+
+    async def is_served(self, model: str, *, fresh: bool = False) -> bool:
+        """Some live, active node has `model` ready or loading (a yes is reused for a second)."""
+        if not fresh and self._served_until.get(model, 0.0) > time.monotonic():
+            return True
+        served = any(node.serves(model) and node.state == "active" for node in await self.live_nodes())
+        if served:
+            self._served_until[model] = time.monotonic() + SERVED_CACHE_S
+        return served
 
 
 def describe(nodes: list[NodeHeartbeat]) -> str:

@@ -107,7 +107,7 @@ class Job:
 
 
 async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: str = "interactive",
-                 rank: int | None = None) -> Job:
+                 stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None) -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py); the caller must `close()` the job."""
@@ -122,6 +122,8 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
         submitted_ms=int(time.time() * 1000),
         reply=channel,
         request_id=request_id_var.get(),
+        stream=int(stream),
+        keep_alive_s=keep_alive_s,
         body=pack(request),
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
@@ -141,15 +143,19 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
 
 class ApiRequest(Protocol):
     model: str
+    stream: bool | None
+    keep_alive_s: float | None
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
 async def submit_request(ctx: GatewayContext, body: ApiRequest) -> Job:
-    """Resolve the model (404 if unknown), make sure a live node serves it (503), submit."""
+    """Resolve the model (404 if unknown), make sure a live node serves or loads it (placing it
+    if none does; 503 when no node can), submit."""
     profile = ctx.catalog.resolve(body.model)
     request = body.to_generation_request(new_job_id(), profile.id)
     if hasattr(body, "grammar"):  # forced tool calls, JSON output: constrained decoding on the node
         request.sampling.grammar = body.grammar(tool_calls.parser_name(profile))
-    await ctx.fleet.ensure_served(profile)
-    return await submit(ctx, request, rank=getattr(body, "priority", None))
+    await ctx.placer.ensure_placed(profile)
+    return await submit(ctx, request, stream=bool(body.stream), keep_alive_s=getattr(body, "keep_alive_s", None),
+                        rank=getattr(body, "priority", None))

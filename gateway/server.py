@@ -1,5 +1,6 @@
 """The gateway process: `create_app` builds the FastAPI app, `run` serves it under uvicorn."""
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from gateway import errors, routes
 from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
 from gateway.fleet import Fleet
+from gateway.janitor import Janitor
 from gateway.request_id import RequestIdMiddleware
 from shared import __version__
 from shared.catalog import Catalog
@@ -47,12 +49,17 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
             redis_factory or partial(pubsub_client, settings.redis_url),
             on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
         )
-        app.state.ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+        app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+        janitor = Janitor(ctx)
         await router.start()
+        janitor.start()
+        warm_up = asyncio.create_task(ctx.placer.warm_up(), name="estimate-memory")
         log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), settings.redis_url)
         try:
             yield
         finally:
+            warm_up.cancel()
+            await janitor.stop()
             await router.stop()
             await redis.aclose()
 

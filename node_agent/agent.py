@@ -17,7 +17,9 @@ from node_agent.publisher import Publisher
 from node_agent.served_model import ServedModel
 from shared import __version__
 from shared.catalog import Catalog
-from shared.heartbeat import NodeHeartbeat
+from shared.commands import NodeCommand
+from shared.heartbeat import DeviceInfo, NodeHeartbeat
+from shared.lifecycle import ModelState
 from shared.redis_conn import connect
 from shared.settings import NodeSettings
 
@@ -51,16 +53,84 @@ class NodeAgent:
             thread = DeviceThread(device, loop, self._on_step, self._on_failure)
             thread.start()
             self.threads[device] = thread
-        first_device = next(iter(self.threads.values()))
-        for model_id in self.settings.models:
-            profile = self.catalog.resolve(model_id)
-            self.models[profile.id] = ServedModel(profile, first_device, self.redis, self.keys, self.publisher,
-                                                  self.name, self.settings)
-        tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener())]
-        await asyncio.gather(*(m.load() for m in self.models.values()))
+        tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
+                 asyncio.create_task(self._command_listener())]
+        await asyncio.gather(*(self.load_model(m) for m in self.settings.models))
         await self._stop.wait()
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def load_model(self, model_id: str) -> None:
+        profile = self.catalog.resolve(model_id)
+        current = self.models.get(profile.id)
+        if current is not None and current.state not in (ModelState.FAILED,):
+            return
+        device = min(self.threads.values(), key=lambda t: sum(m.device is t for m in self.models.values()))
+        served = ServedModel(profile, device, self.redis, self.keys, self.publisher, self.name, self.settings)
+        self.models[profile.id] = served
+        await self._beat()  # show `loading` at once: placement waits for it
+        await served.load()
+        await self._beat()
+
+    async def unload_model(self, model_id: str) -> None:
+        served = self.models.get(model_id)
+        if served is None:
+            return
+        await served.unload(self.settings.shutdown_grace_s)
+        self.models.pop(model_id, None)
+        await self._beat()
+
+    async def drain(self) -> None:
+        """Stop taking jobs, let running ones finish, unload everything, stay up idle."""
+        self.state = "draining"
+        await self._beat()
+        await asyncio.gather(*(self.unload_model(m) for m in list(self.models)))
+        self.state = "drained"
+        await self._beat()
+        log.info("node %s drained", self.name)
+
+    async def _command_listener(self) -> None:
+        stream, last_id = self.keys.cmd(self.name), "0-0"
+        while True:
+            try:
+                reply = await self.redis.xread({stream: last_id}, block=1000, count=10)
+                for _stream, entries in reply or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        await self.redis.xdel(stream, entry_id)
+                        asyncio.get_running_loop().create_task(self._obey(fields))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("command listener: %s; retrying", exc)
+                await asyncio.sleep(1)
+
+    async def _obey(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            command = NodeCommand.from_fields(fields)
+            log.info("command %s %s from %s", command.cmd, command.model, command.by or "?")
+            if command.cmd == "load":
+                if self.state == "active":
+                    await self.load_model(command.model)
+            elif command.cmd == "unload":
+                await self.unload_model(command.model)
+            else:
+                await self.drain()
+        except Exception:
+            log.exception("command failed: %r", fields)
+
+    async def _unload_idle(self) -> None:
+        now = _now_ms()
+        for model_id, served in list(self.models.items()):
+            if served.idle_expired(now) and not await self._pinned(served):
+                log.info("%s idle past keep_alive; unloading", model_id)
+                await self.unload_model(model_id)
+
+    async def _pinned(self, served: ServedModel) -> bool:
+        override = await self.redis.hget(self.keys.pins(), served.profile.id)
+        return served.profile.pin if override is None else override == b"1"
 
     def stop(self) -> None:
         """Ask `run()` to shut down cleanly (what SIGTERM does)."""
@@ -87,6 +157,7 @@ class NodeAgent:
         while True:
             try:
                 await self._beat()
+                await self._unload_idle()
             except Exception as exc:  # Redis away: keep serving, keep trying
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_s)
@@ -95,7 +166,7 @@ class NodeAgent:
         now = _now_ms()
         beat = NodeHeartbeat(
             node=self.name, version=__version__, state=self.state, started_ms=self.started_ms, heartbeat_ms=now,
-            devices=[await t.refresh_info() for t in self.threads.values()],
+            labels=self.settings.labels, devices=[self._budgeted(await t.refresh_info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
         )
         key = self.keys.node(self.name)
@@ -104,6 +175,14 @@ class NodeAgent:
         pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
         pipe.zadd(self.keys.nodes(), {self.name: now})
         await pipe.execute()
+
+    def _budgeted(self, info: DeviceInfo) -> DeviceInfo:
+        """A CPU device with a memory budget reports the budget, less what its models hold."""
+        budget = self.settings.memory_budget_mb
+        if info.id != "cpu" or not budget:
+            return info
+        held = sum(m.memory_mb for m in self.models.values() if m.device.device == info.id)
+        return info.model_copy(update={"total_mb": budget, "free_mb": max(budget - held, 0)})
 
     # ---- events from device threads and the fleet -------------------------------------------------
 

@@ -120,6 +120,18 @@ class Engine:
         ids |= set(configured if isinstance(configured, list) else [configured])
         return {i for i in ids if i is not None}
 
+    def memory_bytes(self) -> int:
+        """Weights plus KV cache: what this replica holds on its device."""
+        weights = sum(t.numel() * t.element_size() for t in self.lm.model.state_dict().values()
+                      if isinstance(t, torch.Tensor))
+        return weights + self.cache.bytes
+
+    def release(self) -> None:
+        """Drop every tensor (on unload)."""
+        self.fail_all()
+        self.cache = None
+        self.lm.model = None
+
     # ---- admission -------------------------------------------------------------------------
 
     @property

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import torch
 from redis.exceptions import ResponseError
 
 from node_agent import loader, prompts
@@ -15,7 +16,8 @@ from node_agent.engine import Engine, check_fits
 from node_agent.job_reader import JobReader
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, InsufficientMemory, JobCancelled, ModelPoisoned, NodeLost
+from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled, ModelLoadFailed,
+                           ModelPoisoned, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
@@ -25,13 +27,25 @@ from shared.wire import DoneEvent, ErrorEvent, StreamEntry, Usage, WireError
 log = logging.getLogger(__name__)
 
 
+def _free(engine: Engine) -> None:
+    """Drop an engine's tensors on the device thread and give the memory back."""
+    engine.release()
+    if engine.lm.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class Running:
     entry_id: str
     reply: str
     sequences: int
+    keep_alive_s: float | None = None
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class ServedModel:
@@ -44,6 +58,9 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
+        self.memory_mb = 0
+        self.last_used_ms = _now_ms()
+        self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
         self.running: dict[str, Running] = {}
         self._slot_freed = asyncio.Event()
         self._consumer: asyncio.Task | None = None
@@ -54,7 +71,14 @@ class ServedModel:
 
     def info(self) -> ModelInfo:
         return ModelInfo(state=self.state, device=self.device.device, slots_total=self.profile.slots,
-                         slots_used=self.used_slots, error=self.error)
+                         slots_used=self.used_slots, memory_mb=self.memory_mb, last_used_ms=self.last_used_ms,
+                         error=self.error)
+
+    def idle_expired(self, now_ms: int) -> bool:
+        """Idle past its keep_alive (and past any request's keep_alive)."""
+        keep_alive_ms = self.profile.keep_alive_s * 1000
+        return (self.state == ModelState.READY and not self.running and keep_alive_ms >= 0
+                and now_ms >= max(self.last_used_ms + keep_alive_ms, self.keep_until_ms))
 
     async def load(self) -> None:
         try:
@@ -62,12 +86,15 @@ class ServedModel:
                                          self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             await self.device.call(self.device.engines.append, self.engine)
+            self.memory_mb = await self.device.call(self.engine.memory_bytes) >> 20
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("loading %s failed: %s", self.profile.id, self.error)
+            await self._fail_waiting(ModelLoadFailed(f"loading {self.profile.id} on {self.consumer_name} failed: "
+                                                     f"{self.error}"))
             return
         await self._ensure_group()
-        self.state = ModelState.READY
+        self.state, self.error, self.last_used_ms = ModelState.READY, "", _now_ms()
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
         log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
 
@@ -87,6 +114,31 @@ class ServedModel:
         del engine
         await self.load()
         self.error = "" if self.state == ModelState.READY else self.error
+
+    async def _fail_waiting(self, error: CortexError) -> None:
+        """Fail the jobs waiting for this model (they waited for this load) with its error."""
+        await self._ensure_group()
+        while True:
+            reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {self.stream: ">"}, count=100)
+            entries = [e for _stream, batch in reply or [] for e in batch]
+            if not entries:
+                return
+            for entry_id, fields in entries:
+                self._finish(entry_id.decode(), fields.get(b"reply", b"").decode(),
+                             ErrorEvent(code=error.code, message=error.message))
+
+    async def unload(self, grace_s: float) -> None:
+        """Finish (within `grace_s`) or fail running jobs, then free the device memory."""
+        await self.drain(grace_s)
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            await self.device.call(self.device.engines.remove, engine)
+            await self.device.call(_free, engine)
+        try:
+            await self.redis.xgroup_delconsumer(self.stream, CONSUMER_GROUP, self.consumer_name)
+        except ResponseError:
+            pass
+        log.info("%s unloaded from %s", self.profile.id, self.device.device)
 
     async def _ensure_group(self) -> None:
         for _job_class, stream in self.reader.streams:
@@ -139,7 +191,8 @@ class ServedModel:
             log.error("refusing entry %s on %s: %s", entry_id, self.stream, exc)
             self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)), stream)
             return
-        self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n, stream, job_class)
+        self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
+                                            stream=stream, job_class=job_class)
         log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
         try:
             self._check_memory()
@@ -185,7 +238,10 @@ class ServedModel:
         self.publisher.send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id))])
 
     def _release(self, job: str) -> None:
-        self.running.pop(job, None)
+        running = self.running.pop(job, None)
+        self.last_used_ms = _now_ms()
+        if running is not None and running.keep_alive_s is not None:
+            self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + int(running.keep_alive_s * 1000))
         self._slot_freed.set()
 
     async def cancel(self, job: str) -> None:

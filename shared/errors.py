@@ -48,6 +48,16 @@ class InsufficientMemory(ModelUnavailable):
     code = "insufficient_memory"
 
 
+class ModelLoadFailed(ModelUnavailable):
+    code = "model_load_failed"
+
+
+class InsufficientCapacity(ModelUnavailable):
+    """No live node can fit the model, even after evicting idle unpinned ones."""
+
+    code = "insufficient_capacity"
+
+
 class ModelPoisoned(ModelUnavailable):
     code = "model_poisoned"
 

@@ -57,6 +57,10 @@ class NodeHeartbeat(BaseModel):
         data["models"] = json.loads(data.get("models", "{}"))
         return cls.model_validate(data)
 
+    @classmethod
+    def empty(cls, node: str) -> "NodeHeartbeat":
+        return cls(node=node, version="", started_ms=0, heartbeat_ms=0)
+
     def serves(self, model: str) -> bool:
         info = self.models.get(model)
         return info is not None and info.state in (ModelState.READY, ModelState.LOADING)

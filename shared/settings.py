@@ -3,7 +3,7 @@ optionally, a TOML file named by `CORTEX_CONFIG` (a `[gateway]` / `[node]` table
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
@@ -58,6 +58,10 @@ class GatewaySettings(CortexSettings):
     queue_position_poll_s: float = 0.25
     queued_after_s: float = 0.1  # no first token within this long: look up the queue position
     stream_maxlen: int = 100_000  # MAXLEN ~ for each per-model job stream
+    eviction_strategy: Literal["lru", "priority"] = "lru"
+    janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
+    scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
+    admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
 
 
 class NodeSettings(CortexSettings):
@@ -66,6 +70,8 @@ class NodeSettings(CortexSettings):
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    memory_budget_mb: int = 0  # a CPU device reports this much memory (0: the host's); simulates a fleet
+    labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
     claim_idle_ms: int = 30_000  # pending entries idle this long are claimed from dead consumers

@@ -75,6 +75,7 @@ class StreamEntry(Wire):
     request_id: str = ""  # the client's x-request-id, so node logs can name it
     stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
     keep_alive_s: float | None = None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
+    retries: int = 0  # times the janitor put it back after its node was lost
     body: bytes
 
     def to_fields(self) -> dict[str, str | int | float | bytes]:

@@ -165,8 +165,20 @@ class ResponseFormat(Strict):
 # ---- requests ---------------------------------------------------------------------------
 
 
+KeepAlive = float | Annotated[str, Field(pattern=r"^-?\d+(\.\d+)?[smh]?$")] | None
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+
+
 class _Sampling(Strict):
     """Sampling fields shared by both request kinds, and their conversion."""
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        value = self.keep_alive
+        if value is None or isinstance(value, (int, float)):
+            return value
+        unit = value[-1] if value[-1] in _UNIT_S else "s"
+        return float(value.rstrip("smh")) * _UNIT_S[unit]
 
     def _sampling(self, **overrides: Any) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -228,6 +240,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt: bool = True
     ignore_eos: bool = False
+    keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
     priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @model_validator(mode="after")
@@ -308,6 +321,7 @@ class CompletionRequest(_Sampling):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
     priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @field_validator("prompt")

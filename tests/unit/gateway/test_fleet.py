@@ -2,14 +2,9 @@
 
 import pytest
 
-from gateway.fleet import Fleet
-from shared.catalog import ModelProfile
-from shared.errors import ModelUnavailable
+from gateway.fleet import Fleet, describe
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import KEYS, MODEL, beat
-
-PROFILE = ModelProfile(id=MODEL, source="x")
-
 
 @pytest.fixture
 def fleet(redis):
@@ -29,28 +24,27 @@ async def test_live_nodes(fleet, redis):
 @pytest.mark.parametrize("state", [ModelState.READY, ModelState.LOADING])
 async def test_served_when_ready_or_loading(fleet, redis, state):
     await beat(redis, "a", {MODEL: state})
-    await fleet.ensure_served(PROFILE)
+    assert await fleet.is_served(MODEL)
 
 
 @pytest.mark.parametrize("state", [ModelState.POISONED, ModelState.UNLOADING, ModelState.FAILED])
 async def test_not_served_otherwise(fleet, redis, state):
     await beat(redis, "a", {MODEL: state})
-    with pytest.raises(ModelUnavailable, match=f"1 live nodes: a \\({MODEL} {state}\\)") as caught:
-        await fleet.ensure_served(PROFILE)
-    assert caught.value.status == 503
+    assert not await fleet.is_served(MODEL)
+    assert describe(await fleet.live_nodes()) == f"a ({MODEL} {state})"
 
 
 async def test_draining_node_does_not_count(fleet, redis):
     await beat(redis, "a", state="draining")
-    with pytest.raises(ModelUnavailable, match="a \\(draining; "):
-        await fleet.ensure_served(PROFILE)
+    assert not await fleet.is_served(MODEL)
+    assert describe(await fleet.live_nodes()).startswith("a (draining; ")
     assert await fleet.serving_nodes() == []
 
 
 async def test_positive_answer_is_cached_briefly_negative_never(fleet, redis):
-    with pytest.raises(ModelUnavailable):
-        await fleet.ensure_served(PROFILE)
+    assert not await fleet.is_served(MODEL)
     await beat(redis, "a")
-    await fleet.ensure_served(PROFILE)  # not cached when it failed
+    assert await fleet.is_served(MODEL)  # not cached when it was no
     await redis.flushall()
-    await fleet.ensure_served(PROFILE)  # cached for SERVED_CACHE_S
+    assert await fleet.is_served(MODEL)  # a yes is cached for SERVED_CACHE_S
+    assert not await fleet.is_served(MODEL, fresh=True)

@@ -31,7 +31,7 @@ async def cancels(redis):
 async def test_entry_fields_and_events(ctx, redis):
     job = await submit(ctx, request(max_tokens=9), priority="batch")
     [(entry_id, fields)] = await redis.xrange(KEYS.jobs(MODEL, "batch"))  # the batch class has its own stream
-    assert {k.decode() for k in fields} == {"v", "job", "kind", "model", "priority", "max_tokens", "submitted_ms", "reply", "request_id", "body"}
+    assert {k.decode() for k in fields} == {"v", "job", "kind", "model", "priority", "max_tokens", "submitted_ms", "reply", "request_id", "stream", "retries", "body"}
     entry = StreamEntry.from_fields(fields)
     assert (entry.job, entry.kind, entry.priority, entry.max_tokens) == (job.id, "completion", "batch", 9)
     assert entry.reply == KEYS.events(job.id) and entry.request().prompt == "x"

@@ -35,7 +35,7 @@ def test_gateway_process(gateway_url, redis_url):
     catalog = redis.Redis.from_url(redis_url).hgetall(KEYS.catalog())
     assert json.loads(catalog[DEFAULT_MODEL_ID.encode()])["aliases"] == ["default"]
     response = httpx.post(f"{gateway_url}/v1/chat/completions", json=HELLO)
-    assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"
+    assert response.status_code == 503 and response.json()["error"]["code"] == "insufficient_capacity"
     assert httpx.get(f"{gateway_url}/v1/models").json() == {"object": "list", "data": []}
 
 

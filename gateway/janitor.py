@@ -1,0 +1,143 @@
+"""The fleet janitor: every `janitor_interval_s` one gateway replica (whoever holds
+`cortex:lock:janitor`) repairs what no request is around to notice:
+
+- jobs a dead node had read: a streaming one ends with a `node_lost` error event (its client has
+  seen tokens that cannot be taken back); a non-streaming one goes back on its stream once
+  (`retries` field); the dead consumer is then deleted from the group;
+- models with jobs waiting and no live replica are placed again, and replicas are added where
+  the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more.
+"""
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError, ResponseError
+
+from shared.errors import InsufficientCapacity, ModelUnavailable, NodeLost
+from shared.keys import CONSUMER_GROUP
+from shared.lifecycle import ModelState
+from shared.wire import ErrorEvent, pack
+
+log = logging.getLogger(__name__)
+
+MAX_DELIVERIES = 2  # a non-streaming job is tried at most this often
+
+
+class Janitor:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="janitor")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        interval = self.ctx.settings.janitor_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                lock = self.ctx.redis.lock(self.ctx.keys.janitor_lock(), timeout=max(5 * interval, 5))
+                if await lock.acquire(blocking=False):
+                    try:
+                        await self.sweep()
+                    finally:
+                        await lock.release()
+            except (RedisError, OSError) as exc:
+                log.warning("janitor: %s", exc)
+            except Exception:
+                log.exception("janitor round failed")
+
+    async def sweep(self) -> None:
+        nodes = await self.ctx.fleet.live_nodes()
+        live = {n.node for n in nodes}
+        for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.jobs("*"))]:
+            await self._reap_dead_consumers(stream, live)
+        for model, profile in self.ctx.catalog.profiles.items():
+            await self._keep_replicas(profile, nodes)
+
+    async def _reap_dead_consumers(self, stream: str, live: set[str]) -> None:
+        try:
+            consumers = await self.ctx.redis.xinfo_consumers(stream, CONSUMER_GROUP)
+        except ResponseError:  # no group yet
+            return
+        for consumer in consumers:
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if name in live:
+                continue
+            for pending in await self.ctx.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+",
+                                                               count=1000, consumername=name):
+                await self._recover(stream, pending["message_id"], name)
+            await self.ctx.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
+            log.info("removed dead consumer %s from %s", name, stream)
+
+    async def _recover(self, stream: str, entry_id: bytes, node: str) -> None:
+        entries = await self.ctx.redis.xrange(stream, entry_id, entry_id)
+        if not entries:
+            await self.ctx.redis.xack(stream, CONSUMER_GROUP, entry_id)
+            return
+        fields = entries[0][1]
+        retries = int(fields.get(b"retries", b"0"))
+        job = fields.get(b"job", b"?").decode()
+        async with self.ctx.redis.pipeline(transaction=True) as pipe:
+            if fields.get(b"stream") == b"1" or retries + 1 >= MAX_DELIVERIES:
+                error = NodeLost(f"node {node} was lost while it ran job {job}")
+                pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
+                log.warning("job=%s failed: node %s lost", job, node)
+            else:
+                pipe.xadd(stream, {**fields, b"retries": str(retries + 1).encode()})
+                log.warning("job=%s requeued: node %s lost", job, node)
+            pipe.xack(stream, CONSUMER_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+            await pipe.execute()
+
+    async def _keep_replicas(self, profile, nodes) -> None:
+        replicas = [n for n in nodes if n.state == "active" and n.serves(profile.id)]
+        waiting = await self._waiting(profile.id)
+        wanted = max(profile.min_replicas, 1 if waiting else 0)
+        if replicas and waiting > self.ctx.settings.scale_out_queue_depth * len(replicas):
+            wanted = len(replicas) + 1
+        wanted = min(wanted, profile.max_replicas)
+        if len(replicas) >= wanted:
+            return
+        loaded_anywhere = any(profile.id in n.models and n.models[profile.id].state != ModelState.FAILED for n in nodes)
+        if replicas or not loaded_anywhere or waiting:
+            try:
+                async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1):
+                    node = await self.ctx.placer.place(profile, extra_replica=bool(replicas))
+                    log.info("janitor placed a replica of %s on %s (%d waiting, %d replicas)",
+                             profile.id, node, waiting, len(replicas))
+            except InsufficientCapacity as exc:
+                if not replicas and waiting:
+                    await self._fail_waiting(profile.id, exc)
+            except ModelUnavailable as exc:
+                if not replicas and waiting:
+                    await self._fail_waiting(profile.id, exc)
+            except Exception as exc:  # the lock was busy: another gateway is placing it
+                log.debug("janitor could not place %s now: %s", profile.id, exc)
+
+    async def _waiting(self, model: str) -> int:
+        """Entries nobody has read yet."""
+        stream = self.ctx.keys.jobs(model)
+        try:
+            groups = await self.ctx.redis.xinfo_groups(stream)
+        except ResponseError:
+            return 0
+        for group in groups:
+            if group["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()):
+                return int(group.get("lag") or 0)
+        return await self.ctx.redis.xlen(stream)
+
+    async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
+        """No node can serve `model` any more: tell the jobs waiting for it."""
+        stream = self.ctx.keys.jobs(model)
+        for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
+            async with self.ctx.redis.pipeline(transaction=True) as pipe:
+                pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
+                pipe.xdel(stream, entry_id)
+                await pipe.execute()
+        log.warning("failed the jobs waiting for %s: %s", model, error.message)

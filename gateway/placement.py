@@ -1,0 +1,152 @@
+"""Placement: which node runs a model. Policy lives here, in the gateway; nodes only obey
+`load`/`unload` commands. Decisions are taken under a per-model Redis lock, so gateway
+replicas placing at once agree, and a replica counts from the moment its node says `loading`."""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from gateway.fleet import describe
+from shared.catalog import ModelProfile
+from shared.commands import NodeCommand
+from shared.errors import InsufficientCapacity, ModelLoadFailed
+from shared.heartbeat import NodeHeartbeat
+from shared.lifecycle import ModelState
+from shared.memory import estimate_mb
+
+log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_S = 30.0
+ACK_TIMEOUT_S = 10.0  # how long a node may take to show `loading` after a load command
+
+
+@dataclass
+class Plan:
+    node: str
+    evict: list[str]
+    free_mb: int  # free on the node once the evictions are done
+
+
+@dataclass
+class Candidate:
+    node: NodeHeartbeat
+    free_mb: int
+    evictable: list[str]  # idle, unpinned models, in eviction order
+
+
+def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
+    return (node.state == "active" and (not profile.nodes or node.node in profile.nodes)
+            and set(profile.labels) <= set(node.labels))
+
+
+def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[str], busy: set[str],
+               priority: dict[str, int], strategy: str) -> list[Candidate]:
+    """Allowed nodes not yet holding `profile`, each with what it could free for it."""
+    found = []
+    for node in nodes:
+        if not allowed(profile, node) or profile.id in node.models:
+            continue
+        idle = [m for m, info in node.models.items()
+                if info.state == ModelState.READY and info.slots_used == 0 and m not in pinned and m not in busy]
+        order = (lambda m: (priority.get(m, 0), node.models[m].last_used_ms)) if strategy == "priority" \
+            else (lambda m: node.models[m].last_used_ms)
+        found.append(Candidate(node, max((d.free_mb for d in node.devices), default=0), sorted(idle, key=order)))
+    return found
+
+
+def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summary: str = "") -> Plan:
+    """The node needing the fewest evictions (then with the most room left); 503 when none fits."""
+    plans = []
+    for c in found:
+        free, evict = c.free_mb, []
+        for model in c.evictable:
+            if free >= need_mb:
+                break
+            free += c.node.models[model].memory_mb
+            evict.append(model)
+        if free >= need_mb:
+            plans.append(Plan(c.node.node, evict, free - need_mb))
+    if plans:
+        return min(plans, key=lambda p: (len(p.evict), -p.free_mb))
+    if not found:
+        raise InsufficientCapacity(f"no live node may run {profile.id} "
+                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}); "
+                                   f"live nodes: {fleet_summary}")
+    best = max(found, key=lambda c: c.free_mb + sum(c.node.models[m].memory_mb for m in c.evictable))
+    could = best.free_mb + sum(best.node.models[m].memory_mb for m in best.evictable)
+    raise InsufficientCapacity(
+        f"{profile.id} needs {need_mb} MB; the best candidate, {best.node.node}, has {best.free_mb} MB free "
+        f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})")
+
+
+class Placer:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    async def warm_up(self) -> None:
+        """Estimate every catalogue model's memory once, off the request path (reading a GGUF
+        header takes seconds)."""
+        for profile in self.ctx.catalog.profiles.values():
+            try:
+                await asyncio.to_thread(estimate_mb, profile)
+            except Exception as exc:  # a model whose files are not on this host is estimated later, or not
+                log.info("no memory estimate for %s here: %s", profile.id, exc)
+
+    async def pinned(self) -> set[str]:
+        overrides = {k.decode(): v == b"1" for k, v in (await self.ctx.redis.hgetall(self.ctx.keys.pins())).items()}
+        return {m for m, p in self.ctx.catalog.profiles.items() if overrides.get(m, p.pin)}
+
+    async def _busy(self, nodes: list[NodeHeartbeat]) -> set[str]:
+        """Models with jobs waiting in their stream (never evicted from under them)."""
+        models = sorted({m for n in nodes for m in n.models})
+        async with self.ctx.redis.pipeline(transaction=False) as pipe:
+            for m in models:
+                pipe.xlen(self.ctx.keys.jobs(m))
+            lengths = await pipe.execute()
+        return {m for m, n in zip(models, lengths) if n}
+
+    async def ensure_placed(self, profile: ModelProfile) -> None:
+        """Make sure a live node has `profile` ready or loading; place it if none has."""
+        if await self.ctx.fleet.is_served(profile.id):
+            return
+        async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=LOCK_TIMEOUT_S,
+                                       blocking_timeout=LOCK_TIMEOUT_S + ACK_TIMEOUT_S):
+            if not await self.ctx.fleet.is_served(profile.id, fresh=True):
+                await self.place(profile)
+
+    async def place(self, profile: ModelProfile, *, extra_replica: bool = False) -> str:
+        """Choose a node (evicting idle models if needed), send `load`, wait for it to say `loading`.
+        Call it holding the model's placement lock."""
+        nodes = await self.ctx.fleet.live_nodes()
+        failed = [n for n in nodes if n.models.get(profile.id) and n.models[profile.id].state == ModelState.FAILED]
+        strategy = self.ctx.settings.eviction_strategy
+        priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
+        found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
+        need = await asyncio.to_thread(estimate_mb, profile) if found else 0
+        try:
+            chosen = plan(profile, need, found, describe(nodes))
+        except InsufficientCapacity:
+            if failed and not extra_replica:
+                raise ModelLoadFailed(f"{profile.id} failed to load on {failed[0].node}: "
+                                      f"{failed[0].models[profile.id].error}") from None
+            raise
+        for model in chosen.evict:
+            log.info("evicting %s from %s for %s (%s)", model, chosen.node, profile.id, strategy)
+            await self.send(chosen.node, "unload", model)
+        log.info("placing %s (%d MB) on %s", profile.id, need, chosen.node)
+        await self.send(chosen.node, "load", profile.id)
+        await self._await_loading(chosen.node, profile.id)
+        return chosen.node
+
+    async def send(self, node: str, cmd: str, model: str = "") -> None:
+        command = NodeCommand(cmd=cmd, model=model, by=f"gateway:{self.ctx.settings.port}", sent_ms=int(time.time() * 1000))
+        await self.ctx.redis.xadd(self.ctx.keys.cmd(node), command.to_fields(), maxlen=1000, approximate=True)
+
+    async def _await_loading(self, node: str, model: str) -> None:
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if model in (await self.ctx.fleet.node(node) or NodeHeartbeat.empty(node)).models:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("%s did not show %s loading within %.0f s", node, model, ACK_TIMEOUT_S)
