@@ -57,6 +57,8 @@ class ToolUseBlockParam(Strict):
     name: str
     input: dict[str, Any]
     cache_control: CacheControlEphemeral | None = None
+    caller: dict[str, Any] | None = None  # echoed back by SDKs from the response block; not used
+    toolset_name: str | None = None
 
 
 class ToolResultBlockParam(Strict):
@@ -137,6 +139,16 @@ class ThinkingConfig(Strict):
     budget_tokens: int | None = None
 
 
+class JSONOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted, not used
+    format: JSONOutputFormat | None = None  # structured output: constrained decoding
+
+
 # ---- requests ---------------------------------------------------------------------------------
 
 
@@ -198,6 +210,12 @@ class _MessagesInput(Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: JSONOutputFormat | None = None  # the older name of output_config.format
+    # accepted, not used (Cortex has no prompt cache, containers, regions, speeds or workspaces)
+    cache_control: CacheControlEphemeral | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     @model_validator(mode="after")
     def _named_tool_exists(self):
@@ -220,8 +238,9 @@ class _MessagesInput(Strict):
     def grammar(self, parser: tool_calls.ParserName) -> str | None:
         """A forced call (`any`, `tool`) decodes under a grammar that only allows one."""
         choice = self.tool_choice
-        if not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
-            return None
+        if not self.uses_tools or not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
+            output = (self.output_config.format if self.output_config else None) or self.output_format
+            return tool_calls.checked(tool_calls.json_grammar(output.schema_), "output_config") if output else None
         tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools
                  if not isinstance(choice, ToolChoiceTool) or t.name == choice.name]
         parallel = isinstance(choice, ToolChoiceAny) and not choice.disable_parallel_tool_use
@@ -243,6 +262,10 @@ class MessageCreateParams(_MessagesInput):
     tools: list[Tool] | None = None
     top_k: int | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
+    container: dict[str, Any] | str | None = None  # accepted, not used
+    diagnostics: dict[str, Any] | None = None  # accepted, not used
+    inference_geo: str | None = None  # accepted, not used
+    speed: Literal["standard", "fast"] | None = None  # accepted, not used
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         return GenerationRequest(

