@@ -274,7 +274,9 @@ async def _http_wave(url: str, bodies: list[dict], timeout_s: float) -> tuple[fl
     limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
         t0 = time.perf_counter()
-        streams = await asyncio.wait_for(asyncio.gather(*[_one_http(client, url, b) for b in bodies]), timeout_s)
+        async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_one_http(client, url, b)) for b in bodies]
+        streams = [t.result() for t in tasks]
         ends = [s.total_s for s in streams if not math.isnan(s.total_s)]
         wall = max(ends) if ends else time.perf_counter() - t0
     return wall, list(streams)
@@ -327,24 +329,28 @@ def _short(wave: Wave) -> str:
 # ---- in-process systems --------------------------------------------------------------------
 
 
-def model_profile(args):
+def model_profile(args, quant: str | None = None):
+    """The default model as Cortex's rows run it; `quant` only for the Cortex rows (--quant)."""
     from shared.catalog import ModelProfile
 
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if quant and quant != "none":
+        extra["quant"] = quant
     return ModelProfile(id=MODEL_ID, source=MODEL_SOURCE, aliases=["default"], slots=args.slots,
                         dtype=args.dtype, **extra)
 
 
-def load_model(args):
+def load_model(args, quant: str | None = None):
+    """Load with Cortex's loader (it keeps the dequantised copy transformers serve reads)."""
     from node_agent import loader
     from shared import model_files
     from shared.settings import NodeSettings
 
-    profile = model_profile(args)
+    profile = model_profile(args, quant)
     cache = NodeSettings().convert_cache or Path.home() / ".cache" / "cortex" / "converted"
     t0 = time.perf_counter()
     loaded = loader.load(profile, "cpu", None, cache)
-    log(f"loaded {MODEL_ID} as {loaded.dtype} in {time.perf_counter() - t0:.1f} s")
+    log(f"loaded {MODEL_ID} as {loaded.dtype}{' ' + quant if quant else ''} in {time.perf_counter() - t0:.1f} s")
     converted = loader._converted_copy(model_files.locate(profile), cache, loaded.dtype)
     return profile, loaded, converted
 
@@ -441,6 +447,10 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
     if "engine" in args.systems:
         from node_agent.engine import Engine
 
+        if args.quant != "none":  # the engine gets the quantised model; HF generate kept the plain one
+            loaded = None
+            gc.collect()
+            profile, loaded, _ = load_model(args, args.quant)
         engine = Engine(loaded, profile, "bench")
         log(f"engine: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
         for n in args.concurrency:
@@ -472,11 +482,13 @@ def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
                               "--appendonly", "no", "--dir", str(workdir)])
         wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
         models_file = workdir / "models.toml"
-        profile = model_profile(args)
+        profile = model_profile(args, args.quant)
         models_file.write_text(
             "[[models]]\n"
             f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
-            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n")
+            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
+            + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
+            + "pin = true\n")  # never unloaded for idleness in the middle of a run
         env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
                "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
         env.pop("CORTEX_CONFIG", None)
@@ -573,7 +585,8 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     from rich.table import Table
 
     console = Console(width=max(shutil.get_terminal_size((140, 40)).columns, 140))
-    table = Table(title=f"Cortex benchmark: {meta['model']} {meta['dtype']}, {meta['max_tokens']} tokens a stream, "
+    quant = f" (Cortex rows {meta['quant']})" if meta.get("quant", "none") != "none" else ""
+    table = Table(title=f"Cortex benchmark: {meta['model']} {meta['dtype']}{quant}, {meta['max_tokens']} tokens a stream, "
                         f"{meta['cpu_count']} CPUs ({meta['device']})")
     for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
                          ("per-stream tok/s", "right"), ("aggregate tok/s", "right"), ("tokens", "right"),
@@ -638,7 +651,7 @@ def machine_info(args) -> dict:
         pass
     cpu = next((l.split(":", 1)[1].strip() for l in flags.splitlines() if l.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"model": MODEL_ID, "dtype": args.dtype, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+    return {"model": MODEL_ID, "dtype": args.dtype, "quant": args.quant, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
             "slots": args.slots, "cpu": cpu, "cpu_count": os.cpu_count(), "device": "cpu",
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -656,6 +669,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=None, help="completion tokens per stream (default 128; --quick: 32)")
     p.add_argument("--quick", action="store_true", help="smoke run: N=1,8 with 32 tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every system's dtype")
+    p.add_argument("--quant", default="none", choices=["none", "int8"],
+                   help="the catalogue's `quant` for the Cortex rows only (engine, gateway); the baselines stay "
+                        "unquantised")
     p.add_argument("--url", default=None, help="benchmark this running gateway instead of starting a stack")
     p.add_argument("--model", default="default", help="model name to request from --url (default: default)")
     p.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency, ≥ 16)")
@@ -688,7 +704,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` tears the stack down
+
+    def interrupted(*_):
+        raise KeyboardInterrupt  # as Ctrl-C: `finally` tears the stack down, the partial report prints
+
+    signal.signal(signal.SIGTERM, interrupted)
     import logging
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
@@ -702,28 +722,13 @@ def main(argv=None) -> int:
     waves: list[Wave] = []
     failures: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="cortex-bench-"))
-    converted = None
     try:
-        if {"hf-generate", "engine", "tf-serve"} & set(args.systems):
-            try:
-                profile, loaded, converted = load_model(args)
-                run_in_process(args, loaded, profile, waves)
-            except Exception as exc:
-                failures["in-process"] = f"{type(exc).__name__}: {exc}"
-                log(f"in-process systems failed: {failures['in-process']}")
-            loaded = None  # the stack and transformers serve load their own copies
-            gc.collect()
-        for system, run in (("gateway", lambda: run_gateway(args, waves, workdir)),
-                            ("tf-serve", lambda: run_serve(args, converted, waves, workdir))):
-            if system not in args.systems:
-                continue
-            try:
-                run()
-            except Exception as exc:
-                failures[system] = f"{type(exc).__name__}: {exc}"
-                log(f"{system} failed: {failures[system]}")
+        run_all(args, waves, failures, workdir)
+    except KeyboardInterrupt:
+        failures["run"] = "interrupted"
+        log("interrupted; the partial report follows")
     finally:
-        if args.keep_logs or failures:
+        if args.keep_logs or set(failures) - {"run"}:
             log(f"logs in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -738,7 +743,30 @@ def main(argv=None) -> int:
                             "streams": [asdict(s) for s in w.streams]} for w in waves]}
         Path(args.json_path).write_text(json.dumps(_finite(doc), indent=2, default=str))
         log(f"wrote {args.json_path}")
-    return 1 if failures else 0
+    return 130 if failures.get("run") == "interrupted" else 1 if failures else 0
+
+
+def run_all(args, waves: list[Wave], failures: dict[str, str], workdir: Path) -> None:
+    """Every chosen system, one after another; a system that fails is reported, and the rest run."""
+    converted = None
+    if {"hf-generate", "engine", "tf-serve"} & set(args.systems):
+        try:
+            profile, loaded, converted = load_model(args)
+            run_in_process(args, loaded, profile, waves)
+        except Exception as exc:
+            failures["in-process"] = f"{type(exc).__name__}: {exc}"
+            log(f"in-process systems failed: {failures['in-process']}")
+        loaded = None  # the stack and transformers serve load their own copies
+        gc.collect()
+    for system, run in (("gateway", lambda: run_gateway(args, waves, workdir)),
+                        ("tf-serve", lambda: run_serve(args, converted, waves, workdir))):
+        if system not in args.systems:
+            continue
+        try:
+            run()
+        except Exception as exc:
+            failures[system] = f"{type(exc).__name__}: {exc}"
+            log(f"{system} failed: {failures[system]}")
 
 
 if __name__ == "__main__":
