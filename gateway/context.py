@@ -1,6 +1,6 @@
 """What every route needs, built once per process by the server's lifespan."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 import redis.asyncio as aioredis
@@ -8,6 +8,7 @@ from fastapi import Depends, Request
 
 from gateway.events import EventRouter
 from gateway.fleet import Fleet
+from gateway.metrics import Metrics
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.settings import GatewaySettings
@@ -21,6 +22,7 @@ class GatewayContext:
     catalog: Catalog
     router: EventRouter
     fleet: Fleet
+    metrics: Metrics = field(default_factory=Metrics)
     placer: "Placer" = None  # set right after construction: it needs the context
 
     def __post_init__(self) -> None:

@@ -11,11 +11,11 @@
 import asyncio
 import logging
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import LockError, RedisError, ResponseError
 
-from shared.errors import InsufficientCapacity, ModelUnavailable, NodeLost
+from shared import queues
+from shared.errors import ModelUnavailable, NodeLost
 from shared.keys import CONSUMER_GROUP
-from shared.lifecycle import ModelState
 from shared.wire import ErrorEvent, pack
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class Janitor:
         live = {n.node for n in nodes}
         for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.jobs("*"))]:
             await self._reap_dead_consumers(stream, live)
-        for model, profile in self.ctx.catalog.profiles.items():
-            await self._keep_replicas(profile, nodes)
+        for profile in self.ctx.catalog.profiles.values():
+            await self._keep_replicas(profile)
 
     async def _reap_dead_consumers(self, stream: str, live: set[str]) -> None:
         try:
@@ -95,37 +95,41 @@ class Janitor:
             pipe.xdel(stream, entry_id)
             await pipe.execute()
 
-    async def _keep_replicas(self, profile, nodes) -> None:
-        replicas = [n for n in nodes if n.state == "active" and n.serves(profile.id)]
+    async def _keep_replicas(self, profile) -> None:
         waiting = await self._waiting(profile.id)
+        if await self._replicas_missing(profile, waiting) == 0:
+            return
+        try:
+            async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1):
+                replicas = await self._replicas_missing(profile, waiting)  # again, under the lock
+                if replicas == 0:
+                    return
+                node = await self.ctx.placer.place(profile, extra_replica=replicas < 0)
+                log.info("janitor placed a replica of %s on %s (%d waiting)", profile.id, node, waiting)
+        except LockError:  # another gateway is placing it right now
+            return
+        except ModelUnavailable as exc:
+            if waiting and not await self.ctx.fleet.is_served(profile.id, fresh=True):
+                await self._fail_waiting(profile.id, exc)
+
+    async def _replicas_missing(self, profile, waiting: int) -> int:
+        """0: enough replicas; 1: none and one is needed; -1: some, and one more is needed."""
+        replicas = [n for n in await self.ctx.fleet.live_nodes() if n.state == "active" and n.serves(profile.id)]
         wanted = max(profile.min_replicas, 1 if waiting else 0)
         if replicas and waiting > self.ctx.settings.scale_out_queue_depth * len(replicas):
             wanted = len(replicas) + 1
-        wanted = min(wanted, profile.max_replicas)
-        if len(replicas) >= wanted:
-            return
-        loaded_anywhere = any(profile.id in n.models and n.models[profile.id].state != ModelState.FAILED for n in nodes)
-        if replicas or not loaded_anywhere or waiting:
-            try:
-                async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1):
-                    node = await self.ctx.placer.place(profile, extra_replica=bool(replicas))
-                    log.info("janitor placed a replica of %s on %s (%d waiting, %d replicas)",
-                             profile.id, node, waiting, len(replicas))
-            except InsufficientCapacity as exc:
-                if not replicas and waiting:
-                    await self._fail_waiting(profile.id, exc)
-            except ModelUnavailable as exc:
-                if not replicas and waiting:
-                    await self._fail_waiting(profile.id, exc)
-            except Exception as exc:  # the lock was busy: another gateway is placing it
-                log.debug("janitor could not place %s now: %s", profile.id, exc)
+        if len(replicas) >= min(wanted, profile.max_replicas):
+            return 0
+        return -1 if replicas else 1
 
     async def _waiting(self, model: str) -> int:
-        """Entries nobody has read yet."""
-        stream = self.ctx.keys.jobs(model)
+        """Entries of any class nobody has read yet."""
+        return sum([await self._unread(stream) for _job_class, stream in queues.streams(self.ctx.keys, model)])
+
+    async def _unread(self, stream: str) -> int:
         try:
             groups = await self.ctx.redis.xinfo_groups(stream)
-        except ResponseError:
+        except ResponseError:  # no such stream
             return 0
         for group in groups:
             if group["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()):
@@ -133,11 +137,11 @@ class Janitor:
         return await self.ctx.redis.xlen(stream)
 
     async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
-        """No node can serve `model` any more: tell the jobs waiting for it."""
-        stream = self.ctx.keys.jobs(model)
-        for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
-            async with self.ctx.redis.pipeline(transaction=True) as pipe:
-                pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
-                pipe.xdel(stream, entry_id)
-                await pipe.execute()
+        """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""
+        for _job_class, stream in queues.streams(self.ctx.keys, model):
+            for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
+                async with self.ctx.redis.pipeline(transaction=True) as pipe:
+                    pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
+                    pipe.xdel(stream, entry_id)
+                    await pipe.execute()
         log.warning("failed the jobs waiting for %s: %s", model, error.message)

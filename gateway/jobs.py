@@ -45,6 +45,7 @@ class Job:
         self.closed = False
         self.stream = ""  # the job stream it was queued on, and its entry id there
         self.entry_id = ""
+        self._timer = ctx.metrics.request(self.model, time.monotonic())
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -75,6 +76,7 @@ class Job:
             self.finished = True
             log.info("job=%s request=%s failed on the node: %s: %s", self.id, self.request_id, item.code, item.message)
             raise error_from_code(item.code, item.message)
+        self._timer.on_event(item)
         if isinstance(item, DoneEvent):
             self.finished = True
             log.info(

@@ -54,11 +54,13 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         await router.start()
         janitor.start()
         warm_up = asyncio.create_task(ctx.placer.warm_up(), name="estimate-memory")
+        metrics = asyncio.create_task(ctx.metrics.refresh_forever(ctx), name="metrics")
         log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), settings.redis_url)
         try:
             yield
         finally:
             warm_up.cancel()
+            metrics.cancel()
             await janitor.stop()
             await router.stop()
             await redis.aclose()

@@ -64,8 +64,9 @@ class NodeAgent:
 
     async def load_model(self, model_id: str) -> None:
         profile = self.catalog.resolve(model_id)
-        current = self.models.get(profile.id)
-        if current is not None and current.state not in (ModelState.FAILED,):
+        while (current := self.models.get(profile.id)) is not None and current.state == ModelState.UNLOADING:
+            await asyncio.sleep(0.05)  # a load that races an unload waits for it, then loads again
+        if current is not None and current.state != ModelState.FAILED:
             return
         device = min(self.threads.values(), key=lambda t: sum(m.device is t for m in self.models.values()))
         served = ServedModel(profile, device, self.redis, self.keys, self.publisher, self.name, self.settings)

@@ -58,7 +58,7 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
-        self.memory_mb = 0
+        self.memory_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.last_used_ms = _now_ms()
         self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
         self.running: dict[str, Running] = {}
@@ -86,7 +86,7 @@ class ServedModel:
                                          self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             await self.device.call(self.device.engines.append, self.engine)
-            self.memory_mb = await self.device.call(self.engine.memory_bytes) >> 20
+            self.memory_mb = max(self.memory_mb, await self.device.call(self.engine.memory_bytes) >> 20)
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("loading %s failed: %s", self.profile.id, self.error)
@@ -118,14 +118,12 @@ class ServedModel:
     async def _fail_waiting(self, error: CortexError) -> None:
         """Fail the jobs waiting for this model (they waited for this load) with its error."""
         await self._ensure_group()
-        while True:
-            reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, {self.stream: ">"}, count=100)
-            entries = [e for _stream, batch in reply or [] for e in batch]
-            if not entries:
-                return
-            for entry_id, fields in entries:
-                self._finish(entry_id.decode(), fields.get(b"reply", b"").decode(),
-                             ErrorEvent(code=error.code, message=error.message))
+        streams = {stream: ">" for _job_class, stream in self.reader.streams}
+        while reply := await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, streams, count=100):
+            for stream, entries in reply:
+                for entry_id, fields in entries:
+                    self._finish(entry_id.decode(), fields.get(b"reply", b"").decode(),
+                                 ErrorEvent(code=error.code, message=error.message), stream.decode())
 
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""

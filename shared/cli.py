@@ -15,6 +15,7 @@ the command that runs them, so `cortex status` starts fast and needs no torch.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -549,6 +550,46 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    return asyncio.run(_operate(args.action, args.model, args.node))
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return asyncio.run(_operate("drain", None, args.node))
+
+
+async def _operate(action: str, model: str | None, node: str | None) -> int:
+    """Run one fleet operation straight against Redis, as a gateway would."""
+    from gateway import operations
+    from gateway.context import GatewayContext
+    from gateway.fleet import Fleet
+    from shared.catalog import Catalog
+    from shared.errors import CortexError
+    from shared.redis_conn import connect
+
+    settings = GatewaySettings()
+    client = connect(settings.redis_url)
+    ctx = GatewayContext(settings, settings.keys, client, Catalog.load(settings.models_file), None,
+                         Fleet(client, settings.keys, settings.node_ttl_s))
+    try:
+        if action == "load":
+            print(f"loading {model} on {await operations.load(ctx, model, node)}")
+        elif action == "unload":
+            print(f"unloading {model} from {', '.join(await operations.unload(ctx, model, node)) or 'no node'}")
+        elif action in ("pin", "unpin"):
+            await operations.set_pin(ctx, model, action == "pin")
+            print(f"{model} {action}ned")
+        else:
+            await operations.drain(ctx, node)
+            print(f"draining {node}: it finishes its running jobs, unloads its models and goes idle")
+        return 0
+    except (CortexError, redis.RedisError) as exc:
+        print(f"cortex {action}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 2
+    finally:
+        await client.aclose()
+
+
 def _models_arg(value: str) -> list[str]:
     models = [m.strip() for m in value.split(",") if m.strip()]
     if not models:
@@ -588,6 +629,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long each child may take to stop before it is killed (default: the node's "
                         "shutdown_grace_s + 10, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=run_up)
+
+    p = sub.add_parser("models", parents=[common], help="load, unload, pin or unpin a model across the fleet")
+    p.add_argument("action", choices=["load", "unload", "pin", "unpin"])
+    p.add_argument("model", help="catalogue id or alias")
+    p.add_argument("--node", help="load on / unload from this node only (default: placement decides / every node)")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("drain", parents=[common], help="stop a node taking jobs; it finishes running ones, unloads, idles")
+    p.add_argument("node")
+    p.set_defaults(func=cmd_drain)
 
     p = sub.add_parser("status", parents=[common], help="show nodes, devices, models, slots and queues")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

@@ -34,6 +34,14 @@ class NotFound(CortexError):
     status, code, type = 404, "not_found", "invalid_request_error"
 
 
+class Unauthorized(CortexError):
+    status, code, type = 401, "invalid_api_key", "authentication_error"
+
+
+class Forbidden(CortexError):
+    status, code, type = 403, "forbidden", "permission_error"
+
+
 class PayloadTooLarge(CortexError):
     status, code, type = 413, "file_too_large", "invalid_request_error"
 

@@ -1,6 +1,7 @@
 """A whole Cortex on this machine for end-to-end tests: its own redis-server, a gateway under
 uvicorn and node agents, each a real process on a free loopback port."""
 
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ from shared.keys import CONSUMER_GROUP, Keys
 from tests.conftest import Service, _http_ok, _redis_pings, free_port, wait_until
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
-DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|file:.+|files|batch:[^:]+|batches"
+DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|file:.+|files|batch:[^:]+|batches"
                              r"|batches:active|arq:queue|arq:queue:health-check)$|^arq:(cron|job|in-progress|result|retry):.+$")
 
 
@@ -40,15 +41,23 @@ class Stack:
         gateway.wait_ready(lambda: _http_ok(f"{self.gateway_url}/health"))
 
     def start_node(self, name: str, models: list[str] | None = None, **env: str) -> Service:
+        """A node loading `models` at start (None: its default; []: none, it waits for placement)."""
         node_env = self.env | {"CORTEX_NODE_NAME": name} | env
-        if models:
+        if models is not None:
             node_env["CORTEX_MODELS"] = "[" + ",".join(f'"{m}"' for m in models) + "]"
         node = Service(f"node {name}", [sys.executable, "-m", "node_agent"], self.root / f"node-{name}.log", env=node_env)
         self.services.append(node)
         client = self.client()
-        node.wait_ready(lambda: b'"ready"' in (client.hget(self.keys.node(name), "models") or b""),
-                        NODE_START_TIMEOUT_S)
+
+        def ready() -> bool:
+            loaded = client.hget(self.keys.node(name), "models")
+            return loaded is not None and (models == [] or b'"ready"' in loaded)
+        node.wait_ready(ready, NODE_START_TIMEOUT_S)
         return node
+
+    def models_on(self, node: str) -> dict[str, dict]:
+        """What `node`'s heartbeat says it holds: model -> info."""
+        return json.loads(self.client().hget(self.keys.node(node), "models") or b"{}")
 
     def start_batch_worker(self, **env: str) -> Service:
         """`python -m gateway.batch`; ready once arq has run its start-up (it logs "Starting worker")."""

@@ -1,0 +1,111 @@
+"""Prometheus metrics, named in vLLM's style under the `cortex:` prefix.
+
+Per-request figures are observed as a job's events arrive (one observation per engine step, not
+per token); fleet gauges are refreshed from heartbeats and streams every `REFRESH_S`."""
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared import queues
+from shared.keys import CONSUMER_GROUP
+from shared.wire import DeltaEvent, DoneEvent
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 2.0
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        per_request = ["model", "node"]
+        h = lambda name, doc, buckets=_LATENCY_BUCKETS: Histogram(
+            f"cortex:{name}", doc, per_request, buckets=buckets, registry=self.registry)
+        self.ttft = h("time_to_first_token_seconds", "Time from submission to the first token.")
+        self.itl = h("inter_token_latency_seconds", "Time between successive token deliveries.", _ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Time from submission to the last token.")
+        self.queue = h("request_queue_time_seconds", "Time a job waited before an engine admitted it.")
+        c = lambda name, doc, labels=per_request: Counter(f"cortex:{name}", doc, labels, registry=self.registry)
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        self.success = c("request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"])
+        g = lambda name, doc, labels: Gauge(f"cortex:{name}", doc, labels, registry=self.registry)
+        self.running = g("requests_running", "Jobs read by a node and not finished.", ["model"])
+        self.waiting = g("requests_waiting", "Jobs queued and not yet read by any node.", ["model"])
+        self.memory_used = g("node_memory_used_bytes", "Device memory in use, from heartbeats.", ["node", "device"])
+        self.memory_total = g("node_memory_total_bytes", "Device memory, from heartbeats.", ["node", "device"])
+        self.slots_used = g("model_slots_used", "Slots taken, from heartbeats.", ["model", "node"])
+        self.slots_total = g("model_slots_total", "Slots, from heartbeats.", ["model", "node"])
+
+    def request(self, model: str, submitted: float) -> "RequestTimer":
+        return RequestTimer(self, model, submitted)
+
+    async def refresh(self, ctx) -> None:
+        nodes = await ctx.fleet.live_nodes()
+        for gauge in (self.memory_used, self.memory_total, self.slots_used, self.slots_total):
+            gauge.clear()
+        for node in nodes:
+            for device in node.devices:
+                self.memory_total.labels(node.node, device.id).set(device.total_mb << 20)
+                self.memory_used.labels(node.node, device.id).set((device.total_mb - device.free_mb) << 20)
+            for model, info in node.models.items():
+                self.slots_used.labels(model, node.node).set(info.slots_used)
+                self.slots_total.labels(model, node.node).set(info.slots_total)
+        for model in ctx.catalog.profiles:
+            running = waiting = 0
+            for _job_class, stream in queues.streams(ctx.keys, model):
+                for group in await _groups(ctx.redis, stream):
+                    running += int(group.get("pending") or 0)
+                    waiting += int(group.get("lag") or 0)
+            self.running.labels(model).set(running)
+            self.waiting.labels(model).set(waiting)
+
+    async def refresh_forever(self, ctx) -> None:
+        while True:
+            try:
+                await self.refresh(ctx)
+            except Exception as exc:  # Redis away: the gauges keep their last values
+                log.debug("metrics refresh: %s", exc)
+            await asyncio.sleep(REFRESH_S)
+
+
+async def _groups(redis, stream: str) -> list[dict]:
+    if not await redis.exists(stream):
+        return []
+    return [g for g in await redis.xinfo_groups(stream) if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())]
+
+
+class RequestTimer:
+    """Observes one job's events."""
+
+    def __init__(self, metrics: Metrics, model: str, submitted: float):
+        self.metrics, self.model, self.submitted = metrics, model, submitted
+        self.first: float | None = None
+        self.last: float | None = None
+        self.gaps: list[float] = []
+        self.finish_reason = "stop"
+
+    def on_event(self, event: DeltaEvent | DoneEvent) -> None:
+        now = time.monotonic()
+        if isinstance(event, DeltaEvent):
+            if self.last is not None:
+                self.gaps.append(now - self.last)
+            self.first = self.first or now
+            self.last = now
+            self.finish_reason = next((c.finish_reason for c in event.choices if c.finish_reason), self.finish_reason)
+            return
+        m, node = self.metrics, event.node or "?"
+        labels = (self.model, node)
+        m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
+        m.e2e.labels(*labels).observe(now - self.submitted)
+        m.queue.labels(*labels).observe(event.timings.queue_ms / 1000)
+        for gap in self.gaps:
+            m.itl.labels(*labels).observe(gap)
+        m.prompt_tokens.labels(*labels).inc(event.usage.prompt_tokens)
+        m.generation_tokens.labels(*labels).inc(event.usage.completion_tokens)
+        m.success.labels(self.model, node, self.finish_reason).inc()

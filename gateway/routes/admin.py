@@ -1,0 +1,61 @@
+"""`/admin/*`: fleet operations behind the admin key (`Authorization: Bearer <CORTEX_ADMIN_KEY>`),
+and `/metrics` for Prometheus."""
+
+import hmac
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import operations
+from gateway.context import Ctx
+from shared.errors import Forbidden, Unauthorized
+
+
+def require_admin(request: Request, ctx: Ctx) -> None:
+    key = ctx.settings.admin_key
+    if not key:
+        raise Forbidden("the admin API is disabled: set CORTEX_ADMIN_KEY on the gateway")
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise Unauthorized("a valid admin key is required (Authorization: Bearer <key>)")
+
+
+router = APIRouter()
+admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+@router.get("/metrics")
+async def metrics(ctx: Ctx) -> Response:
+    return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@admin.post("/models/{model}/load")
+async def load(model: str, ctx: Ctx, node: str | None = None) -> JSONResponse:
+    return JSONResponse({"model": model, "node": await operations.load(ctx, model, node)})
+
+
+@admin.post("/models/{model}/unload")
+async def unload(model: str, ctx: Ctx, node: str | None = None) -> JSONResponse:
+    return JSONResponse({"model": model, "nodes": await operations.unload(ctx, model, node)})
+
+
+@admin.post("/models/{model}/pin")
+async def pin(model: str, ctx: Ctx) -> JSONResponse:
+    await operations.set_pin(ctx, model, True)
+    return JSONResponse({"model": model, "pinned": True})
+
+
+@admin.post("/models/{model}/unpin")
+async def unpin(model: str, ctx: Ctx) -> JSONResponse:
+    await operations.set_pin(ctx, model, False)
+    return JSONResponse({"model": model, "pinned": False})
+
+
+@admin.post("/nodes/{node}/drain")
+async def drain(node: str, ctx: Ctx) -> JSONResponse:
+    await operations.drain(ctx, node)
+    return JSONResponse({"node": node, "draining": True})
+
+
+router.include_router(admin)
