@@ -64,6 +64,7 @@ class ServedModel:
         self.running: dict[str, Running] = {}
         self._slot_freed = asyncio.Event()
         self._consumer: asyncio.Task | None = None
+        self._consuming = False
 
     @property
     def used_slots(self) -> int:
@@ -95,6 +96,7 @@ class ServedModel:
             return
         await self._ensure_group()
         self.state, self.error, self.last_used_ms = ModelState.READY, "", _now_ms()
+        self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
         log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
 
@@ -153,13 +155,16 @@ class ServedModel:
         return max(0, min(free, self.profile.slots - reserved - batch_used))
 
     async def stop_consuming(self) -> None:
+        """Stop reading. The reader is let finish its current read (at most a block timeout) and
+        admit what it got: cancelling it mid-read could strand entries Redis already handed over."""
         if self._consumer:
-            self._consumer.cancel()
+            self._consuming = False
+            self._slot_freed.set()
             await asyncio.gather(self._consumer, return_exceptions=True)
             self._consumer = None
 
     async def _consume(self) -> None:
-        while True:
+        while self._consuming:
             free = self.profile.slots - self.used_slots
             if free <= 0:
                 self._slot_freed.clear()

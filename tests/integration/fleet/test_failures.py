@@ -1,0 +1,114 @@
+"""A node killed under traffic, and a node drained under traffic."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.stack import wait_for
+
+pytestmark = pytest.mark.integration
+TWO_REPLICAS = {"tiny-a": {"max_replicas": 2, "slots": 4}}
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def run_requests(stack, count: int, max_tokens: int, spacing_s: float = 0.0) -> tuple[list, list[threading.Thread]]:
+    """`count` requests, half streaming; each thread appends (streamed, outcome) where outcome is
+    "ok" or the error it got."""
+    outcomes: list = []
+
+    def one(i: int) -> None:
+        streamed = i % 2 == 0
+        try:
+            kw = dict(model="tiny-a", prompt=f"Hello {i}", max_tokens=max_tokens, temperature=0,
+                      extra_body={"ignore_eos": True})
+            if streamed:
+                tokens = sum(1 for chunk in client(stack).completions.create(stream=True, **kw) if chunk.choices)
+                assert tokens > 0
+            else:
+                assert client(stack).completions.create(**kw).usage.completion_tokens == max_tokens
+            outcomes.append((streamed, "ok"))
+        except openai.APIError as exc:
+            outcomes.append((streamed, exc))
+    threads = []
+    for i in range(count):
+        threads.append(threading.Thread(target=one, args=(i,), daemon=True))
+        threads[-1].start()
+        time.sleep(spacing_s)
+    return outcomes, threads
+
+
+def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0))
+    assert not [t for t in threads if t.is_alive()], "a request hung"
+
+
+@pytest.mark.models(**TWO_REPLICAS)
+def test_killed_node_loses_only_its_streams_and_leaves_nothing_pending(fleet_stack):
+    fleet_stack.start_gateway()
+    victim = fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    outcomes, threads = run_requests(fleet_stack, 20, max_tokens=120)
+    wait_for(lambda: fleet_stack.models_on("n1")["tiny-a"]["slots_used"] > 0, 30, "n1 to be busy")
+    victim.proc.kill()  # SIGKILL: no clean shutdown, its heartbeat just stops
+    join_all(threads, 90)
+    assert len(outcomes) == 20
+    for streamed, outcome in outcomes:
+        if outcome == "ok":
+            continue
+        assert streamed, f"a non-streaming request failed instead of being retried: {outcome}"
+        assert "node_lost" in str(getattr(outcome, "body", "")) or "lost" in str(outcome)
+    assert sum(o == "ok" for _, o in outcomes) >= 10  # every non-streaming one at least
+    fleet_stack.assert_clean(timeout_s=15)
+    r = fleet_stack.client()
+    consumers = r.xinfo_consumers(fleet_stack.keys.jobs("tiny-a"), "agents")
+    assert [c["name"] for c in consumers] in ([b"n2"], ["n2"])  # the dead consumer was removed
+
+
+@pytest.mark.models(**TWO_REPLICAS)
+def test_drain_under_traffic_fails_nothing(fleet_stack):
+    fleet_stack.start_gateway()
+    fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    outcomes, threads = run_requests(fleet_stack, 24, max_tokens=60, spacing_s=0.1)
+    time.sleep(0.8)
+    drained = subprocess.run([sys.executable, "-m", "shared.cli", "drain", "n1"], env=fleet_stack.env,
+                             capture_output=True, text=True, timeout=60)
+    assert drained.returncode == 0, drained.stderr
+    join_all(threads, 120)
+    assert [o for _, o in outcomes if o != "ok"] == []
+    wait_for(lambda: fleet_stack.client().hget(fleet_stack.keys.node("n1"), "state") == b"drained", 30, "n1 drained")
+    assert fleet_stack.models_on("n1") == {}
+    fleet_stack.assert_clean()
+
+
+@pytest.mark.models(**{"tiny-a": {}})
+def test_metrics_count_what_was_served(fleet_stack):
+    import httpx
+
+    fleet_stack.start_gateway()
+    fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    for i in range(5):
+        client(fleet_stack).completions.create(model="tiny-a", prompt="Hi", max_tokens=3, stream=i % 2 == 0)
+    time.sleep(2.5)  # fleet gauges refresh every 2 s
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{fleet_stack.gateway_url}/metrics").text)}
+    ttft_count = sum(s.value for s in families["cortex:time_to_first_token_seconds"].samples
+                     if s.name.endswith("_count"))
+    assert ttft_count == 5
+    success = [s for s in families["cortex:request_success"].samples if s.name.endswith("_total")]
+    assert sum(s.value for s in success) == 5 and all(s.labels["node"] == "n1" for s in success)
+    for name in ("cortex:generation_tokens", "cortex:prompt_tokens", "cortex:e2e_request_latency_seconds",
+                 "cortex:request_queue_time_seconds", "cortex:inter_token_latency_seconds",
+                 "cortex:requests_running", "cortex:requests_waiting", "cortex:node_memory_total_bytes",
+                 "cortex:model_slots_total"):
+        assert name in families, name
+    assert [s.value for s in families["cortex:node_memory_total_bytes"].samples] == [500 * 2**20]
