@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.fleet import describe
+from shared import queues
 from shared.catalog import ModelProfile
 from shared.commands import NodeCommand
 from shared.errors import InsufficientCapacity, ModelLoadFailed
@@ -102,9 +103,10 @@ class Placer:
         models = sorted({m for n in nodes for m in n.models})
         async with self.ctx.redis.pipeline(transaction=False) as pipe:
             for m in models:
-                pipe.xlen(self.ctx.keys.jobs(m))
-            lengths = await pipe.execute()
-        return {m for m, n in zip(models, lengths) if n}
+                for _job_class, stream in queues.streams(self.ctx.keys, m):
+                    pipe.xlen(stream)
+            lengths = iter(await pipe.execute())
+        return {m for m in models if sum(next(lengths) for _ in queues.streams(self.ctx.keys, m))}
 
     async def ensure_placed(self, profile: ModelProfile) -> None:
         """Make sure a live node has `profile` ready or loading; place it if none has."""

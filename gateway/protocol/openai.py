@@ -503,11 +503,23 @@ class CompletionChunk(Completion):
     """A streamed completion piece: the same `text_completion` object as the final one."""
 
 
+class ModelReplica(BaseModel):
+    """Cortex's extension: one live node holding the model."""
+
+    node: str
+    state: str
+    slots_used: int
+    slots_total: int
+
+
 class Model(BaseModel):
     id: str
     created: int
     object: Literal["model"] = "model"
     owned_by: str = "cortex"
+    # extensions: catalogue models are listed even when not loaded (a request loads them)
+    state: str = "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
+    replicas: list[ModelReplica] = []
 
 
 class ModelList(BaseModel):

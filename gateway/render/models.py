@@ -1,17 +1,32 @@
-"""Live fleet state → the `/v1/models` list."""
+"""Catalogue plus live fleet state -> the `/v1/models` list."""
 
-from gateway.protocol.openai import Model, ModelList
+from gateway.protocol.openai import Model, ModelList, ModelReplica
 from shared.catalog import Catalog
 from shared.heartbeat import NodeHeartbeat
+from shared.lifecycle import ModelState
+
+_RANK = [ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.POISONED, ModelState.FAILED]
 
 
 def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
-    """Models ready or loading on `nodes`, catalogue order first; `created` is when the
-    earliest node serving it started."""
+    """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
+    each with its replicas and its best state. `created` is when the earliest node holding it
+    started (0 when none does)."""
+    replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
     for node in nodes:
-        for model in node.models:
-            if node.serves(model):
-                created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
-    order = [*catalog.profiles, *sorted(set(created) - set(catalog.profiles))]
-    return ModelList(data=[Model(id=model, created=created[model]) for model in order if model in created])
+        for model, info in node.models.items():
+            replicas.setdefault(model, []).append(
+                ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total))
+            created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
+    extra = sorted(m for m in replicas if m not in catalog.profiles and any(nodes_serving(replicas[m])))
+    data = []
+    for model in [*catalog.profiles, *extra]:
+        held = replicas.get(model, [])
+        state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
+        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held))
+    return ModelList(data=data)
+
+
+def nodes_serving(replicas: list[ModelReplica]) -> list[ModelReplica]:
+    return [r for r in replicas if r.state in (ModelState.READY, ModelState.LOADING)]

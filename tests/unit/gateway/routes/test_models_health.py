@@ -4,15 +4,19 @@ from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import MODEL, beat
 
 
-async def test_models_lists_ready_or_loading_on_live_nodes(client, redis):
-    assert (await client.get("/v1/models")).json() == {"object": "list", "data": []}
+async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redis):
+    [listed] = (await client.get("/v1/models")).json()["data"]
+    assert (listed["id"], listed["state"], listed["replicas"]) == (MODEL, "not_loaded", [])
     heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED})
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
     await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
     body = (await client.get("/v1/models")).json()
     assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model"]  # catalogue order first
-    assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model", "owned_by": "cortex"}
+    assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
+                               "owned_by": "cortex", "state": "ready",
+                               "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}]}
+    assert body["data"][1]["state"] == "loading"
 
 
 async def test_health(client, fake_server):
