@@ -60,6 +60,10 @@ class ModelStatus(BaseModel):
     device: str
     slots_used: int
     slots_total: int
+    memory_mb: int = 0
+    last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
+    idle_s: float | None = None  # seconds since last_used_ms; None when unknown
+    queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
     error: str = ""
 
 
@@ -69,7 +73,8 @@ class NodeStatus(BaseModel):
     heartbeat_ms: int  # from the hash when present, else the `cortex:nodes` score
     heartbeat_age_s: float
     version: str = ""
-    state: str = "gone"  # active | draining | gone (no heartbeat hash: expired or shut down)
+    state: str = "gone"  # active | draining | drained | gone (no heartbeat hash: expired or shut down)
+    labels: list[str] = []
     started_ms: int = 0
     devices: list[DeviceStatus] = []
     models: dict[str, ModelStatus] = {}
@@ -88,10 +93,21 @@ class QueueStatus(BaseModel):
     oldest_wait_s: float | None = None  # the longest any queued job has waited
 
 
+class CatalogModelStatus(BaseModel):
+    """A catalogue model (`cortex:catalog`) that no live node holds."""
+
+    model: str
+    state: str = "not loaded"
+    memory_mb: int | None = None
+    pin: bool = False
+    queue_depth: int = 0
+
+
 class FleetStatus(BaseModel):
     now_ms: int
     nodes: list[NodeStatus]
     queues: list[QueueStatus]
+    not_loaded: list[CatalogModelStatus] = []
 
 
 def _text(value: bytes | str) -> str:
@@ -118,11 +134,14 @@ def read_node(r: redis.Redis, keys: Keys, node: str, score_ms: int, *, node_ttl_
         heartbeat_age_s=age_s,
         version=hb.version,
         state=hb.state,
+        labels=hb.labels,
         started_ms=hb.started_ms,
         devices=[DeviceStatus(**d.model_dump(), used_mb=d.total_mb - d.free_mb) for d in hb.devices],
         models={
             name: ModelStatus(
-                state=str(m.state), device=m.device, slots_used=m.slots_used, slots_total=m.slots_total, error=m.error
+                state=str(m.state), device=m.device, slots_used=m.slots_used, slots_total=m.slots_total,
+                memory_mb=m.memory_mb, last_used_ms=m.last_used_ms,
+                idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, error=m.error,
             )
             for name, m in hb.models.items()
         },
@@ -130,21 +149,23 @@ def read_node(r: redis.Redis, keys: Keys, node: str, score_ms: int, *, node_ttl_
 
 
 def read_queue(r: redis.Redis, keys: Keys, model: str) -> QueueStatus | None:
-    """Depth of one model's job stream; None when the stream does not exist."""
-    stream = keys.jobs(model)
-    if not r.exists(stream):
+    """Depth of one model's job streams; None when none of them exists."""
+    pairs = job_queues.streams(keys, model)
+    if not r.exists(*[s for _, s in pairs]):
         return None
+    summary = job_queues.summarize(model, [c for c, _ in pairs], r.register_script(job_queues.QUEUE_STATS_LUA)(
+        keys=[s for _, s in pairs], args=[CONSUMER_GROUP]))
+    stream = keys.jobs(model)
     length = r.xlen(stream)
     group = next(
         (g for g in r.xinfo_groups(stream) if _text(g["name"]) == CONSUMER_GROUP),
         None,
-    )
-    if group is None:  # nobody has ever consumed this model: everything waits
-        return QueueStatus(model=model, length=length, waiting=length, in_flight=0, consumers=0)
+    ) if length or r.exists(stream) else None
+    if group is None:  # nobody has ever consumed this model's default stream: everything there waits
+        return QueueStatus(model=model, length=length, waiting=length, in_flight=0, consumers=0,
+                           queued=summary["queued"], running=summary["running"],
+                           oldest_wait_s=summary["oldest_wait_s"])
     lag = group.get("lag")
-    pairs = job_queues.streams(keys, model)
-    summary = job_queues.summarize(model, [c for c, _ in pairs], r.register_script(job_queues.QUEUE_STATS_LUA)(
-        keys=[s for _, s in pairs], args=[CONSUMER_GROUP]))
     return QueueStatus(
         model=model,
         length=length,
@@ -168,8 +189,22 @@ def read_fleet(r: redis.Redis, keys: Keys, *, node_ttl_s: float = 8.0, now_ms: i
     models = {m for n in nodes for m in n.models}
     jobs_prefix = keys.jobs("")
     models |= {job_queues.model_of(keys, _text(k)) for k in r.scan_iter(match=jobs_prefix + "*", count=500)}
-    queues = [q for m in sorted(models) if (q := read_queue(r, keys, m)) is not None]
-    return FleetStatus(now_ms=now_ms, nodes=nodes, queues=queues)
+    catalog = {_text(k): v for k, v in r.hgetall(keys.catalog()).items()}
+    queues = [q for m in sorted(models | set(catalog)) if (q := read_queue(r, keys, m)) is not None]
+    depth = {q.model: sum(q.queued.values()) if q.queued else q.waiting for q in queues}
+    for n in nodes:
+        for name, m in n.models.items():
+            m.queue_depth = depth.get(name, 0)
+    held = {name for n in nodes if n.alive for name, m in n.models.items() if m.state != ModelState.FAILED}
+    not_loaded = []
+    for model in sorted(set(catalog) - held):
+        try:
+            profile = json.loads(catalog[model])
+        except (ValueError, TypeError):
+            profile = {}
+        not_loaded.append(CatalogModelStatus(model=model, memory_mb=profile.get("memory_mb"),
+                                             pin=bool(profile.get("pin", False)), queue_depth=depth.get(model, 0)))
+    return FleetStatus(now_ms=now_ms, nodes=nodes, queues=queues, not_loaded=not_loaded)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,12 +242,14 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
         console.print("No nodes have sent a heartbeat.")
     else:
         table = Table(title="Nodes", title_justify="left")
-        for column in ("node", "alive", "heartbeat", "version", "state", "devices (used/total GiB)", "models (slots used/total)"):
+        for column in ("node", "alive", "heartbeat", "version", "state", "devices (used/total GiB)",
+                       "models (slots used/total, queued, idle)"):
             table.add_column(column)
         for n in fleet.nodes:
             devices = "\n".join(f"{d.id} {d.name} {_gib(d.used_mb)}/{_gib(d.total_mb)}" for d in n.devices)
             models = "\n".join(
                 f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
+                f" q={m.queue_depth} idle={'busy' if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else '-')}"
                 + (f" ({m.error})" if m.error else "")
                 for name, m in sorted(n.models.items())
             )
@@ -221,7 +258,7 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
                 "[green]yes[/]" if n.alive else "[red]no[/]",
                 f"{_age(n.heartbeat_age_s)} ago",
                 n.version,
-                n.state if not n.error else f"{n.state}: {n.error}",
+                (n.state if not n.error else f"{n.state}: {n.error}") + (f"\n{','.join(n.labels)}" if n.labels else ""),
                 devices or "-",
                 models or "-",
             )
@@ -234,6 +271,14 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
             oldest = _age(q.oldest_wait_s) if q.oldest_wait_s is not None else "-"
             table.add_row(q.model, str(q.queued.get("interactive", q.waiting)), str(q.queued.get("batch", 0)),
                           str(q.running or q.in_flight), oldest, str(q.consumers))
+        console.print(table)
+    if fleet.not_loaded:
+        table = Table(title="Catalogue models not loaded on any live node", title_justify="left")
+        for column in ("model", "state", "memory (MiB)", "pinned", "queued"):
+            table.add_column(column, justify="left" if column in ("model", "state") else "right")
+        for c in fleet.not_loaded:
+            table.add_row(c.model, c.state, str(c.memory_mb) if c.memory_mb is not None else "estimated at load",
+                          "yes" if c.pin else "no", str(c.queue_depth))
         console.print(table)
 
 

@@ -137,6 +137,93 @@ def test_status_json_for_scripts(r, monkeypatch, capsys):
     assert set(data["nodes"][0]) >= {"alive", "heartbeat_age_s", "version", "state", "devices", "models"}
 
 
+def test_models_show_idle_time_and_queue_depth_over_all_streams(r):
+    keys = Keys()
+    idle = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, memory_mb=300, last_used_ms=NOW_MS - 90_000)
+    busy = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, last_used_ms=NOW_MS)
+    publish(r, keys, heartbeat("n1", **{MODEL: idle, "busy": busy}))
+    default, batch = keys.jobs(MODEL), keys.jobs(MODEL, "batch")
+    for stream in (default, batch):
+        r.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(3):
+        r.xadd(default, {"job": f"j{i}"})
+    r.xadd(batch, {"job": "b"})
+    r.xreadgroup(CONSUMER_GROUP, "n1", {default: ">"}, count=1)  # read: running, not queued
+    r.xadd(keys.jobs(MODEL, "interactive", "high"), {"job": "h"})  # no group yet: unread
+
+    (node,) = cli.read_fleet(r, keys, node_ttl_s=8, now_ms=NOW_MS).nodes
+
+    model = node.models[MODEL]
+    assert model.idle_s == pytest.approx(90.0) and model.memory_mb == 300
+    assert model.queue_depth == 2 + 1 + 1
+    assert node.models["busy"].queue_depth == 0 and node.models["busy"].idle_s == 0
+
+
+def test_catalogue_models_no_live_node_holds_are_not_loaded(r):
+    keys = Keys()
+    publish(r, keys, heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu")}))
+    publish(r, keys, heartbeat("dead", age_s=60, **{"on-dead": ModelInfo(state=ModelState.READY, device="cpu")}))
+    publish(r, keys, heartbeat("n2", **{"broken": ModelInfo(state=ModelState.FAILED, device="cpu", error="oom")}))
+    r.hset(keys.catalog(), mapping={
+        MODEL: json.dumps({"id": MODEL, "memory_mb": 200}),
+        "cold": json.dumps({"id": "cold", "memory_mb": 900, "pin": True}),
+        "on-dead": json.dumps({"id": "on-dead"}),
+        "broken": json.dumps({"id": "broken"}),
+    })
+    r.xadd(keys.jobs("cold"), {"job": "waits for placement"})
+
+    fleet = cli.read_fleet(r, keys, node_ttl_s=8, now_ms=NOW_MS)
+
+    not_loaded = {c.model: c for c in fleet.not_loaded}
+    assert set(not_loaded) == {"cold", "on-dead", "broken"}
+    assert not_loaded["cold"].state == "not loaded"
+    assert (not_loaded["cold"].memory_mb, not_loaded["cold"].pin, not_loaded["cold"].queue_depth) == (900, True, 1)
+    assert not_loaded["on-dead"].memory_mb is None and not not_loaded["on-dead"].pin
+
+    console = Console(record=True, width=200, color_system=None)
+    cli.render_fleet(fleet, console)
+    text = console.export_text()
+    assert "not loaded" in text and "cold" in text and "900" in text
+
+
+def test_table_shows_idle_time_queue_depth_and_labels(r):
+    keys = Keys()
+    hb = heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=4,
+                                             last_used_ms=NOW_MS - 125_000)})
+    hb.labels = ["gpu", "fast"]
+    hb.state = "draining"
+    publish(r, keys, hb)
+    r.xadd(keys.jobs(MODEL), {"job": "j"})
+    console = Console(record=True, width=200, color_system=None)
+
+    cli.render_fleet(cli.read_fleet(r, keys, now_ms=NOW_MS), console)
+
+    text = console.export_text()
+    for expected in ("q=1", "idle=2m05s", "draining", "gpu,fast"):
+        assert expected in text
+
+
+def test_status_json_carries_idle_queue_depth_and_not_loaded(r, monkeypatch, capsys):
+    keys = Keys()
+    now = int(time.time() * 1000)
+    hb = heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", last_used_ms=now - 10_000)})
+    hb.heartbeat_ms = now
+    publish(r, keys, hb)
+    r.hset(keys.catalog(), mapping={MODEL: json.dumps({"id": MODEL}), "cold": json.dumps({"id": "cold"})})
+    r.xadd(keys.jobs(MODEL), {"job": "j"})
+    monkeypatch.setattr(cli.redis.Redis, "from_url", classmethod(lambda cls, url, **kw: r))
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--json"])
+
+    assert exit_info.value.code == 0
+    data = json.loads(capsys.readouterr().out)
+    model = data["nodes"][0]["models"][MODEL]
+    assert model["queue_depth"] == 1 and model["idle_s"] == pytest.approx(10, abs=5)
+    assert [c["model"] for c in data["not_loaded"]] == ["cold"]
+    assert data["not_loaded"][0]["state"] == "not loaded"
+
+
 def test_status_says_when_redis_is_unreachable(monkeypatch, capsys):
     monkeypatch.setenv("CORTEX_REDIS_URL", "redis://127.0.0.1:1/0")
 
