@@ -308,9 +308,14 @@ def serve_body(model: str):
 
 def run_http_system(system: str, base_url: str, make_body, args, waves: list[Wave]) -> None:
     log(f"{system}: warm-up")
-    first = http_wave(system, base_url, 1, 4, make_body, args.timeout)
-    if first.streams[0].error:
-        raise RuntimeError(f"{system}: warm-up request failed: {first.streams[0].error}")
+    deadline = time.monotonic() + 120
+    while True:  # a 503 (no node ready yet) is retried for a while; anything else stops here
+        error = http_wave(system, base_url, 1, 4, make_body, args.timeout).streams[0].error
+        if not error:
+            break
+        if not error.startswith("HTTP 503") or time.monotonic() > deadline:
+            raise RuntimeError(f"{system}: warm-up request failed: {error}")
+        time.sleep(1)
     for n in args.concurrency:
         http_wave(system, base_url, n, 4, make_body, args.timeout)  # this concurrency's shapes
         wave = http_wave(system, base_url, n, args.max_tokens, make_body, args.timeout)
@@ -497,13 +502,16 @@ def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
         procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_NODE_NAME": "bench"})
         url = f"http://127.0.0.1:{gport}"
 
-        def listed():
+        def ready():
+            # /v1/models lists catalogue models whether or not a node holds them; those with a
+            # `state` say when a node has it ready.
             r = httpx.get(url + "/v1/models", timeout=2)
-            return r.status_code == 200 and any(m["id"] == profile.id for m in r.json().get("data", []))
+            return r.status_code == 200 and any(m["id"] == profile.id and m.get("state", "ready") == "ready"
+                                                for m in r.json().get("data", []))
 
         t0 = time.perf_counter()
-        wait_until("gateway /v1/models listing the model", listed, 300, procs)
-        log(f"gateway on {url}, node registered after {time.perf_counter() - t0:.1f} s")
+        wait_until("gateway /v1/models showing the model ready", ready, 300, procs)
+        log(f"gateway on {url}, model ready on the node after {time.perf_counter() - t0:.1f} s")
         try:
             run_http_system("gateway", url, gateway_body(profile.id), args, waves)
         except Exception:
