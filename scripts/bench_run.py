@@ -92,15 +92,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 NOISY_PCT = 5  # other processes' CPU share (of the whole machine) above which a wave is flagged
-OWN_GROUPS: set[int] = set()  # process groups this run started (the stack, transformers serve)
+OWN_GROUPS: dict[int, str] = {}  # process groups this run started (the stack, transformers serve) -> name
 
 
-def _jiffies() -> tuple[int, int, int]:
-    """(machine busy, machine total, ours): CPU jiffies so far, all cores together."""
+def _jiffies() -> tuple[int, int, dict[str, int]]:
+    """(machine busy, machine total, ours by process name): CPU jiffies so far, all cores together.
+    This process is "bench" (the client, or the in-process systems)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     total = sum(fields)
     busy = total - fields[3] - fields[4]  # less idle and iowait
-    ours = 0
+    ours: dict[str, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -108,28 +109,36 @@ def _jiffies() -> tuple[int, int, int]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry.name) == os.getpid() or int(stat[2]) in OWN_GROUPS:
-            ours += int(stat[11]) + int(stat[12])
+        name = "bench" if int(entry.name) == os.getpid() else OWN_GROUPS.get(int(stat[2]))
+        if name:
+            ours[name] = ours.get(name, 0) + int(stat[11]) + int(stat[12])
     return busy, total, ours
 
 
 class CpuMeter:
-    """How much of the machine's CPU other processes took during a wave: the noise indicator."""
+    """CPU use during a wave: how much of the machine other processes took (the noise
+    indicator), and how many cores each of ours kept busy."""
 
     def __enter__(self):
         try:
-            self.start = _jiffies()
+            self.start, self.t0 = _jiffies(), time.monotonic()
         except OSError:  # no /proc: not Linux
             self.start = None
         self.other_pct = math.nan
+        self.cores: dict[str, float] = {}
         return self
 
     def __exit__(self, *exc):
         if self.start is None:
             return
-        busy, total, ours = (b - a for a, b in zip(self.start, _jiffies()))
+        busy, total, ours = _jiffies()
+        busy, total = busy - self.start[0], total - self.start[1]
+        own = {k: v - self.start[2].get(k, 0) for k, v in ours.items()}
         if total > 0:
-            self.other_pct = max(busy - ours, 0) / total * 100
+            self.other_pct = max(busy - sum(own.values()), 0) / total * 100
+        hz, wall = os.sysconf("SC_CLK_TCK"), time.monotonic() - self.t0
+        if wall > 0:
+            self.cores = {k: round(v / hz / wall, 2) for k, v in sorted(own.items())}
 
 
 @dataclass
@@ -139,6 +148,7 @@ class Wave:
     wall_s: float
     streams: list[Stream]
     other_cpu_pct: float = math.nan
+    cores: dict[str, float] = field(default_factory=dict)  # cores each of our processes kept busy
 
     def summary(self) -> dict:
         ok = [s for s in self.streams if s.error is None]
@@ -154,6 +164,7 @@ class Wave:
             "wall_s": self.wall_s,
             "errors": len(self.streams) - len(ok),
             "other_cpu_pct": self.other_cpu_pct,
+            "cores_busy": self.cores,
             "first_error": next((s.error for s in self.streams if s.error), None),
         }
 
@@ -180,7 +191,7 @@ class Procs:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
         self.procs.append((name, proc))
-        OWN_GROUPS.add(proc.pid)
+        OWN_GROUPS[proc.pid] = name
         return proc
 
     def check(self) -> None:
@@ -286,7 +297,7 @@ def http_wave(system: str, base_url: str, n: int, max_tokens: int, make_body, ti
     bodies = [make_body(prompt(i), max_tokens) for i in range(n)]
     with CpuMeter() as cpu:
         wall, streams = asyncio.run(_http_wave(base_url.rstrip("/") + "/v1/chat/completions", bodies, timeout_s))
-    return Wave(system, n, wall, streams, cpu.other_pct)
+    return Wave(system, n, wall, streams, cpu.other_pct, cpu.cores)
 
 
 def gateway_body(model: str):
@@ -327,7 +338,8 @@ def _short(wave: Wave) -> str:
     s = wave.summary()
     return (f"ttft p50 {s['ttft_p50_ms']:.0f} ms, per-stream {s['per_stream_tok_s']:.1f} tok/s, "
             f"aggregate {s['aggregate_tok_s']:.1f} tok/s, {s['tokens']} tokens in {s['wall_s']:.1f} s, "
-            f"other processes {_f(s['other_cpu_pct'], 0)}% CPU"
+            f"other processes {_f(s['other_cpu_pct'], 0)}% CPU; cores busy: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in s["cores_busy"].items())
             + (f", {s['errors']} errors: {s['first_error']}" if s["errors"] else ""))
 
 
@@ -437,7 +449,7 @@ def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
 def metered(fn, *args) -> Wave:
     with CpuMeter() as cpu:
         wave = fn(*args)
-    wave.other_cpu_pct = cpu.other_pct
+    wave.other_cpu_pct, wave.cores = cpu.other_pct, cpu.cores
     return wave
 
 
@@ -611,6 +623,12 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
                       str(s["tokens"]), _f(s["wall_s"], 2), _f(s["other_cpu_pct"], 0),
                       str(s["errors"]) if s["errors"] else "")
     console.print(table)
+    shown = [s for s in summaries if len(s.get("cores_busy") or {}) > 1]
+    if shown:
+        console.print("Cores each process kept busy during the wave (bench = the client):")
+        for s in sorted(shown, key=lambda s: (order.get(s["system"], 9), s["concurrency"])):
+            console.print(f"  {SYSTEMS.get(s['system'], s['system'])} N={s['concurrency']}: "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in s["cores_busy"].items()))
     noisy = [s for s in summaries if s["other_cpu_pct"] > NOISY_PCT]
     if noisy:
         console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during {len(noisy)} of "
