@@ -180,8 +180,9 @@ class ServedModel:
                 log.warning("reading %s: %s; retrying", self.stream, exc)
                 await asyncio.sleep(1)
                 continue
-            for entry in entries:
-                await self._admit(entry.entry_id, entry.fields, entry.stream, entry.job_class)
+            # All at once: the device thread takes every queued add between two steps, so a wave of
+            # arrivals joins the batch together instead of one per engine step.
+            await asyncio.gather(*(self._admit(e.entry_id, e.fields, e.stream, e.job_class) for e in entries))
 
     async def _admit(self, entry_id: str, fields: dict[bytes, bytes], stream: str = "",
                      job_class: str = "interactive") -> None:
