@@ -112,3 +112,15 @@ def test_metrics_count_what_was_served(fleet_stack):
                  "cortex:model_slots_total"):
         assert name in families, name
     assert [s.value for s in families["cortex:node_memory_total_bytes"].samples] == [500 * 2**20]
+
+
+@pytest.mark.models(**{"tiny-a": {"max_replicas": 2, "slots": 1}})
+def test_queue_depth_starts_another_replica(fleet_stack):
+    fleet_stack.start_gateway()
+    fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    fleet_stack.start_node("n2", models=[], CORTEX_MEMORY_BUDGET_MB="500")
+    outcomes, threads = run_requests(fleet_stack, 12, max_tokens=150)  # 1 slot: 11 wait, past 4 per replica
+    wait_for(lambda: "tiny-a" in fleet_stack.models_on("n2"), 30, "a second replica on n2")
+    join_all(threads, 120)
+    assert [o for _, o in outcomes if o != "ok"] == []
+    fleet_stack.assert_clean()
