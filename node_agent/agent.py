@@ -54,7 +54,7 @@ class NodeAgent:
             thread.start()
             self.threads[device] = thread
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
-                 asyncio.create_task(self._command_listener())]
+                 asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
         await asyncio.gather(*(self.load_model(m) for m in self.settings.models))
         await self._stop.wait()
         log.info("node %s stopping", self.name)
@@ -122,6 +122,16 @@ class NodeAgent:
         except Exception:
             log.exception("command failed: %r", fields)
 
+    async def _keep_alive_loop(self) -> None:
+        """Unload models idle past their keep_alive (apart from the heartbeat: an unload may wait
+        for a job to finish, and a late heartbeat would make the node look dead)."""
+        while True:
+            try:
+                await self._unload_idle()
+            except Exception as exc:
+                log.warning("keep_alive check failed: %s", exc)
+            await asyncio.sleep(min(self.settings.heartbeat_s, 1.0))
+
     async def _unload_idle(self) -> None:
         now = _now_ms()
         for model_id, served in list(self.models.items()):
@@ -158,7 +168,6 @@ class NodeAgent:
         while True:
             try:
                 await self._beat()
-                await self._unload_idle()
             except Exception as exc:  # Redis away: keep serving, keep trying
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_s)
@@ -167,7 +176,7 @@ class NodeAgent:
         now = _now_ms()
         beat = NodeHeartbeat(
             node=self.name, version=__version__, state=self.state, started_ms=self.started_ms, heartbeat_ms=now,
-            labels=self.settings.labels, devices=[self._budgeted(await t.refresh_info()) for t in self.threads.values()],
+            labels=self.settings.labels, devices=[self._budgeted(await t.info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
         )
         key = self.keys.node(self.name)

@@ -47,9 +47,18 @@ class DeviceThread:
         self._inbox.put(work)
         return future
 
-    async def refresh_info(self) -> DeviceInfo:
-        self.last_info = await self.call(devices.describe, self.device)
+    async def info(self) -> DeviceInfo:
+        """The latest memory reading. A new one is asked for each time, but only the first call
+        waits for it: a heartbeat must not wait behind a long step, a load or a grammar compile."""
+        reading = self.call(devices.describe, self.device)
+        reading.add_done_callback(self._keep_reading)
+        if self.last_info is None:
+            await reading
         return self.last_info
+
+    def _keep_reading(self, reading: asyncio.Future) -> None:
+        if not reading.cancelled() and reading.exception() is None:
+            self.last_info = reading.result()
 
     def stop(self) -> None:
         self._stopping = True

@@ -101,7 +101,7 @@ def test_claude_code_like_conversation(anthropic_client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "List the files in this repository."}]}]
     with anthropic_client.messages.stream(model=MODEL, max_tokens=80, system=SYSTEM, tools=CLAUDE_CODE_TOOLS,
                                           tool_choice={"type": "tool", "name": "Bash"}, messages=messages,
-                                          metadata={"user_id": "session-1"}) as stream:
+                                          metadata={"user_id": "session-1"}, extra_body=GREEDY) as stream:
         first = stream.get_final_message()
     [call] = [b for b in first.content if b.type == "tool_use"]
     assert call.name == "Bash" and isinstance(call.input["command"], str)
@@ -110,7 +110,7 @@ def test_claude_code_like_conversation(anthropic_client):
                                                "content": [{"type": "text", "text": "README.md\nsetup.py"}]},
                                               {"type": "text", "text": "Now read the README."}]}]
     with anthropic_client.messages.stream(model=MODEL, max_tokens=80, system=SYSTEM, tools=CLAUDE_CODE_TOOLS,
-                                          tool_choice={"type": "any"}, messages=messages) as stream:
+                                          tool_choice={"type": "any"}, messages=messages, extra_body=GREEDY) as stream:
         second = stream.get_final_message()
     calls = [b for b in second.content if b.type == "tool_use"]
     assert calls and all(c.name in ("Bash", "Read") for c in calls) and second.stop_reason == "tool_use"
@@ -118,7 +118,7 @@ def test_claude_code_like_conversation(anthropic_client):
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": c.id, "content": "# Demo"}
                                               for c in calls]}]
     with anthropic_client.messages.stream(model=MODEL, max_tokens=30, system=SYSTEM, tools=CLAUDE_CODE_TOOLS,
-                                          messages=messages) as stream:
+                                          messages=messages, extra_body=GREEDY) as stream:
         third = stream.get_final_message()
     assert third.content and third.stop_reason in ("end_turn", "max_tokens", "tool_use")
     count = anthropic_client.messages.count_tokens(model=MODEL, system=SYSTEM, tools=CLAUDE_CODE_TOOLS,
