@@ -1,7 +1,7 @@
 """What every route needs, built once per process by the server's lifespan."""
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
@@ -12,6 +12,9 @@ from gateway.metrics import Metrics
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from gateway.placement import Placer
 
 
 @dataclass

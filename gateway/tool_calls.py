@@ -461,7 +461,7 @@ def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, para
     """A grammar whose every sentence is one call (or several, if `parallel`) of `tools`, in
     the model's own format."""
     if parser == "hermes":
-        call = f'"<tool_call>\\n" obj "\\n</tool_call>"'
+        call = '"<tool_call>\\n" obj "\\n</tool_call>"'
         start = 'call ("\\n" call)*' if parallel else "call"
         return f"start: {start}\ncall: {call}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
     if parser == "llama3_json":

@@ -10,7 +10,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -137,10 +136,6 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting)
-
-    @property
-    def busy_slots(self) -> int:
-        return len(self.rows) + len(self.waiting)
 
     def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float) -> None:
         """Queue a job whose prompt is already tokenised and checked with `check_fits`."""

@@ -99,6 +99,3 @@ class Keys:
         (``arq:job:*``, ``arq:in-progress:*``, ``arq:result:*``, ``arq:retry:*``, ``arq:cron:*``) and
         its health key ``{queue}:health-check``."""
         return f"{self.prefix}arq:queue"
-
-    def all_pattern(self) -> str:
-        return f"{self.prefix}*"

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,7 +101,3 @@ def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
     wait_until(predicate, timeout_s, what)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

@@ -19,14 +19,11 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
             replicas.setdefault(model, []).append(
                 ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total))
             created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
-    extra = sorted(m for m in replicas if m not in catalog.profiles and any(nodes_serving(replicas[m])))
+    serving = (ModelState.READY, ModelState.LOADING)
+    extra = sorted(m for m in replicas if m not in catalog.profiles and any(r.state in serving for r in replicas[m]))
     data = []
     for model in [*catalog.profiles, *extra]:
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
         data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held))
     return ModelList(data=data)
-
-
-def nodes_serving(replicas: list[ModelReplica]) -> list[ModelReplica]:
-    return [r for r in replicas if r.state in (ModelState.READY, ModelState.LOADING)]
