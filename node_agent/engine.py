@@ -3,7 +3,12 @@
 Each `step()` reads admit -> prefill (one chunk group) -> decode (one token for every running
 sequence) -> retire, and returns the step's events for every job at once. Running sequences
 occupy cache rows 0..n-1: decoding rows first, then rows still reading their prompt, so each
-forward works on a contiguous block of a static cache.
+forward works on a contiguous block of a static cache. The decode forward is the fixed-shape
+step of node_agent/forward.py, run by a decoder (node_agent/decoders.py: eager, or padded to a
+bucket and replayed from a CUDA graph); sampling runs on the device for all rows together
+(node_agent/sampling.py). A step costs one copy in, one forward, one copy out of the chosen ids,
+then per row the detokeniser and stop checks. Events are plain wire dicts (shared/wire.py), one
+list per job per step: no object per token.
 """
 
 import logging
@@ -13,19 +18,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent import constrain
+from node_agent import constrain, decoders, forward
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
 from node_agent.kv_cache import SlotKVCache
 from node_agent.loader import LoadedModel
-from node_agent.sampling import Row, sample, token_logprobs
+from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
+from shared import wire
 from shared.catalog import ModelProfile
-from shared.errors import ContextLengthExceeded
+from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.lifecycle import FinishReason
-from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, GenerationRequest, Timings, TokenLogprob, TopLogprob, Usage
+from shared.wire import DoneEvent, GenerationRequest, SamplingParams, Timings, Usage
 
 log = logging.getLogger(__name__)
-
-KV_BUCKET = 32  # attend over cache columns rounded up to this, to keep shapes few
 
 
 def _now_ms() -> float:
@@ -38,16 +42,14 @@ class Sequence:
     index: int
     prompt_ids: list[int]
     max_tokens: int
-    row: Row
+    params: SamplingParams
+    seed: int | None
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
+    output_ids: list[int] = field(default_factory=list)
     prefilled: int = 0
     finish_reason: str | None = None
     matcher: object | None = None  # an llguidance matcher when the request has a grammar
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.row.output_ids
 
     @property
     def cached_len(self) -> int:
@@ -58,6 +60,11 @@ class Sequence:
     def prompt_done(self) -> bool:
         return self.prefilled == len(self.prompt_ids)
 
+    @property
+    def position(self) -> int:
+        """The cache column of the token the next decode step feeds (its last output)."""
+        return self.prefilled + len(self.output_ids) - 1
+
 
 @dataclass
 class Job:
@@ -65,7 +72,7 @@ class Job:
     submitted_ms: float
     prompt_tokens: int
     sequences: list[Sequence] = field(default_factory=list)
-    deltas: list[ChoiceDelta] = field(default_factory=list)  # this step's, not yet emitted
+    deltas: list[dict] = field(default_factory=list)  # this step's wire choice deltas, not yet emitted
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
 
@@ -98,20 +105,22 @@ class Engine:
         config = loaded.model.config
         self.max_len = min(profile.max_model_len, loaded.context_len)
         self.slots = profile.slots
+        self.vocab = config.vocab_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = SlotKVCache(
             layers=config.num_hidden_layers, slots=self.slots,
             kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             head_dim=head_dim, max_len=self.max_len, dtype=loaded.dtype, device=loaded.device,
         )
+        self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
+        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots)
         self.eos_ids = self._eos_ids()
-        self.grammars = constrain.Grammars(loaded.tokenizer, config.vocab_size, self.eos_ids)
+        self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest are reading their prompt
         self.n_decoding = 0
         self.jobs: dict[str, Job] = {}
-        self.generator = torch.Generator(device=loaded.device)
-        self.generator.seed()
+        log.info("%s decodes with %s steps", profile.id, self.decoder.name)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.lm.tokenizer.eos_token_id}
@@ -120,15 +129,15 @@ class Engine:
         return {i for i in ids if i is not None}
 
     def memory_bytes(self) -> int:
-        """Weights plus KV cache: what this replica holds on its device."""
+        """Weights, KV cache and sampling state: what this replica holds on its device."""
         weights = sum(t.numel() * t.element_size() for t in self.lm.model.state_dict().values()
                       if isinstance(t, torch.Tensor))
-        return weights + self.cache.bytes
+        return weights + self.cache.bytes + self.sampling.bytes
 
     def release(self) -> None:
         """Drop every tensor (on unload)."""
         self.fail_all()
-        self.cache = None
+        self.cache = self.sampling = self.decoder = None
         self.lm.model = None
 
     # ---- admission -------------------------------------------------------------------------
@@ -140,21 +149,28 @@ class Engine:
     def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float) -> None:
         """Queue a job whose prompt is already tokenised and checked with `check_fits`."""
         params = request.sampling
+        self._check_token_ids(prompt_ids, params)
         room = self.max_len - len(prompt_ids)
         job = Job(request=request, submitted_ms=submitted_ms, prompt_tokens=len(prompt_ids))
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.lm.device)
-                generator.manual_seed(params.seed + index)
             job.sequences.append(Sequence(
-                job=job, index=index, prompt_ids=prompt_ids, max_tokens=params.max_tokens or room,
-                row=Row(params=params, prompt_ids=prompt_ids, output_ids=[], generator=generator),
+                job=job, index=index, prompt_ids=prompt_ids, max_tokens=params.max_tokens or room, params=params,
+                seed=None if params.seed is None else params.seed + index,
                 detokenizer=IncrementalDetokenizer(self.lm.tokenizer), stops=StopStrings(params.stop),
                 matcher=self.grammars.matcher(params.grammar) if params.grammar else None,
             ))
         self.jobs[job.id] = job
         self.waiting.extend(job.sequences)
+
+    def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Token ids the request names must exist in this model's vocabulary."""
+        for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)):
+            bad = next((i for i in ids if not 0 <= i < self.vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"{what} names token id {bad}, outside this model's vocabulary "
+                                     f"(0..{self.vocab - 1})", param=what)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: give at least one token", param="prompt")
 
     def cancel(self, job_id: str) -> bool:
         """Drop a job's sequences at the next step; no events are sent for it."""
@@ -179,8 +195,8 @@ class Engine:
     # ---- the step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[str, list]]:
-        """Run one engine step; returns (job id, events) for every job that has news."""
+    def step(self) -> list[tuple[str, list[dict]]]:
+        """Run one engine step; returns (job id, wire events) for every job that has news."""
         self._admit()
         self._prefill()
         self._retire()
@@ -193,6 +209,7 @@ class Engine:
         while self.waiting and len(self.rows) < self.slots:
             seq = self.waiting.popleft()
             seq.job.admitted_ms = seq.job.admitted_ms or now
+            self.sampling.assign(len(self.rows), seq.params, seq.prompt_ids, seq.seed)
             self.rows.append(seq)
 
     def _prefill(self) -> None:
@@ -207,79 +224,73 @@ class Engine:
             budget -= chunk
         if not group:
             return
-        start = self.n_decoding
-        width = max(chunks)
-        device = self.lm.device
+        start, width = self.n_decoding, max(chunks)
         input_ids = torch.zeros(len(group), width, dtype=torch.long)
         positions = torch.zeros(len(group), width, dtype=torch.long)
-        write_pos = torch.full((len(group), width), self.max_len, dtype=torch.long)  # scratch column
+        write_pos = torch.full((len(group), width), self.cache.scratch_column, dtype=torch.long)
         for i, (seq, chunk) in enumerate(zip(group, chunks)):
             input_ids[i, :chunk] = torch.tensor(seq.prompt_ids[seq.prefilled: seq.prefilled + chunk])
             positions[i] = torch.arange(seq.prefilled, seq.prefilled + width).clamp(max=self.max_len - 1)
             write_pos[i, :chunk] = positions[i, :chunk]
-        kv_len = self._kv_len(max(s.prefilled + c for s, c in zip(group, chunks)))
-        hidden = self._forward(slice(start, start + len(group)), input_ids.to(device), positions.to(device),
-                               write_pos.to(device), kv_len)
+        kv_len = min(max(s.prefilled + c for s, c in zip(group, chunks)), self.max_len)
+        device = self.lm.device
+        hidden = forward.forward(self.lm.model, self.cache, slice(start, start + len(group)), input_ids.to(device),
+                                 positions.to(device), write_pos.to(device), kv_len)
         for seq, chunk in zip(group, chunks):
             seq.prefilled += chunk
-        done = [i for i, seq in enumerate(group) if seq.prompt_done]
+        done = [i for i, seq in enumerate(group) if seq.prompt_done]  # a prefix of the group
         if done:
-            last = torch.tensor([chunks[i] - 1 for i in done], device=device)
-            self._sample_and_emit([group[i] for i in done], hidden[torch.tensor(done, device=device), last])
-            self.n_decoding += len(done)  # finished prompts are the first rows of the group
+            last = hidden[torch.tensor(done, device=device), torch.tensor([chunks[i] - 1 for i in done], device=device)]
+            seqs = [group[i] for i in done]
+            self._sample_and_emit(seqs, forward.logits(self.lm.model, last), slice(start, start + len(done)),
+                                  [s.prefilled - 1 for s in seqs])
+            self.n_decoding += len(done)
 
     def _decode(self) -> None:
         rows = self.rows[: self.n_decoding]
         if not rows:
             return
-        device = self.lm.device
-        positions = torch.tensor([[s.prefilled + len(s.output_ids) - 1] for s in rows], device=device)
-        input_ids = torch.tensor([[s.output_ids[-1]] for s in rows], device=device)
-        hidden = self._forward(slice(0, len(rows)), input_ids, positions, positions,
-                               self._kv_len(int(positions.max()) + 1))
-        self._sample_and_emit(rows, hidden[:, -1])
+        positions = [s.position for s in rows]
+        logits = self.decoder([s.output_ids[-1] for s in rows], positions)
+        self._sample_and_emit(rows, logits, slice(0, len(rows)), positions)
 
-    def _kv_len(self, needed: int) -> int:
-        return min(-(-needed // KV_BUCKET) * KV_BUCKET, self.max_len)
-
-    def _forward(self, rows: slice, input_ids, positions, write_pos, kv_len: int) -> torch.Tensor:
-        """One forward over cache rows `rows`; returns the last hidden states [B, T, H]."""
-        self.cache.prepare(rows, write_pos, kv_len)
-        keys = torch.arange(kv_len, device=input_ids.device)
-        allowed = keys[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
-        mask = torch.zeros(allowed.shape, dtype=self.lm.dtype, device=input_ids.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.lm.dtype).min)
-        out = self.lm.model.model(input_ids=input_ids, position_ids=positions, attention_mask=mask[:, None],
-                                  past_key_values=self.cache, use_cache=True)
-        return out.last_hidden_state
-
-    def _sample_and_emit(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        logits = self.lm.model.lm_head(hidden).float()
-        raw = logits.clone() if any(s.row.params.logprobs for s in seqs) else None
+    def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor, rows: slice, positions: list[int]) -> None:
+        use = stages([s.params for s in seqs])
+        raw = logits
         if any(s.matcher is not None for s in seqs):
+            logits = logits.clone()
             constrain.apply_masks(logits, [s.matcher for s in seqs])
-        tokens = sample(logits, [s.row for s in seqs], self.generator)
-        top_n = max(s.row.params.top_logprobs for s in seqs)
-        chosen_lp, tops = token_logprobs(raw, tokens, top_n) if raw is not None else (None, None)
+        noise_at = torch.tensor(positions, device=logits.device) if use.sampling else None
+        tokens = sample(logits, self.sampling, rows, noise_at, use)
+        if use.penalties:
+            self.sampling.record(rows, tokens)
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        logprobs = self._logprobs(raw, tokens, asked, [seqs[i] for i in asked]) if asked else {}
         now = _now_ms()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             seq.job.first_token_ms = seq.job.first_token_ms or now
             if seq.matcher is not None and not constrain.advance(seq.matcher, token):
                 seq.matcher = None
-            lp = None
-            if seq.row.params.logprobs:
-                lp = self._logprob(token, chosen_lp[i], tops[i][: seq.row.params.top_logprobs])
-            self._advance(seq, token, lp)
+            self._advance(seq, token, logprobs.get(i))
 
-    def _logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
-        def entry(tid: int, lp: float) -> TopLogprob:
-            text = self.lm.tokenizer.decode([tid])
-            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
-        return TokenLogprob(**entry(token, logprob).model_dump(), top_logprobs=[entry(t, v) for t, v in top])
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, asked: list[int], seqs: list[Sequence]) -> dict[int, dict]:
+        """Wire logprob entries for the rows that asked (by their index in the batch)."""
+        index = torch.tensor(asked, device=raw.device)
+        top_n = max(s.params.top_logprobs for s in seqs)
+        chosen, tops = token_logprobs(raw[index], tokens[index], top_n)
+        out = {}
+        for i, seq, lp, top in zip(asked, seqs, chosen, tops):
+            out[i] = self._logprob_entry(int(tokens[i]), lp) | {
+                "top_logprobs": [self._logprob_entry(t, v) for t, v in top[: seq.params.top_logprobs]]}
+        return out
 
-    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    def _logprob_entry(self, token: int, logprob: float) -> dict:
+        text = self.lm.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _advance(self, seq: Sequence, token: int, logprob: dict | None) -> None:
         seq.output_ids.append(token)
-        params = seq.row.params
+        params = seq.params
         stop_sequence = None
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             text, seq.finish_reason = seq.stops.flush(), FinishReason.STOP
@@ -289,9 +300,7 @@ class Engine:
                 seq.finish_reason, stop_sequence = FinishReason.STOP, seq.stops.matched
             elif len(seq.output_ids) >= seq.max_tokens:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
-        seq.job.deltas.append(ChoiceDelta(index=seq.index, text=text, token_ids=[token],
-                                          logprobs=[logprob] if logprob else None,
-                                          finish_reason=seq.finish_reason, stop_sequence=stop_sequence))
+        seq.job.deltas.append(wire.choice_delta(seq.index, text, token, logprob, seq.finish_reason, stop_sequence))
 
     def _retire(self) -> None:
         """Take finished sequences out of their rows, packing the rest down (decode rows first)."""
@@ -305,12 +314,13 @@ class Engine:
             src = old_index[id(seq)]
             if src != dst:
                 self.cache.move_row(src, dst, seq.cached_len)
+                self.sampling.move(src, dst)
         self.rows, self.n_decoding = new_rows, len(keep_decoding)
 
-    def _collect_events(self) -> list[tuple[str, list]]:
+    def _collect_events(self) -> list[tuple[str, list[dict]]]:
         out = []
         for job in [j for j in self.jobs.values() if j.deltas]:
-            events: list = [DeltaEvent(choices=job.deltas)]
+            events = [wire.delta_event(job.deltas)]
             job.deltas = []
             if job.finished:
                 events.append(self._done(job))
@@ -318,11 +328,11 @@ class Engine:
             out.append((job.id, events))
         return out
 
-    def _done(self, job: Job) -> DoneEvent:
+    def _done(self, job: Job) -> dict:
         now = _now_ms()
         return DoneEvent(
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(len(s.output_ids) for s in job.sequences)),
             timings=Timings(queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
                             prefill_ms=job.first_token_ms - job.admitted_ms, decode_ms=now - job.first_token_ms),
             node=self.node,
-        )
+        ).model_dump()

@@ -202,7 +202,7 @@ class ServedModel:
             self._check_memory()
             ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
-                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name)])])
+                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
                 return
             check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens, self.profile.max_prompt_tokens)
             await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
@@ -225,7 +225,7 @@ class ServedModel:
             running = self.running.get(job)
             if running is None:
                 continue
-            ended = job_events[-1].type != "delta"
+            ended = job_events[-1]["type"] != "delta"
             batch.append(Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job))
             if ended:
                 self._release(job)

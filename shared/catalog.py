@@ -33,6 +33,11 @@ class ModelProfile(BaseModel):
     max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
     max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context
     prefill_chunk_tokens: int = Field(512, ge=16)
+    # How decode steps run (node_agent/decoders.py): "auto" = CUDA graphs on a GPU, eager on a CPU;
+    # "eager"; "static" (rows padded to batch buckets, not captured); "graphs" (GPU only);
+    # "compiled" (torch.compile, then captured on a GPU). A model whose step cannot be captured
+    # falls back to eager with a log line.
+    decode: Literal["auto", "eager", "static", "graphs", "compiled"] = "auto"
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
     # How this model writes tool calls; None: chosen from the model's family (see gateway/tool_calls.py).

@@ -150,8 +150,22 @@ Event = Annotated[DeltaEvent | DoneEvent | ErrorEvent, Field(discriminator="type
 _event_adapter: TypeAdapter = TypeAdapter(Event)
 
 
-def pack(message: BaseModel) -> bytes:
-    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+def choice_delta(index: int, text: str, token: int, logprob: dict | None, finish_reason: str | None,
+                 stop_sequence: str | None) -> dict:
+    """One sequence's news in one engine step, as a `ChoiceDelta` travels (built without pydantic:
+    the engine makes one per running sequence per step)."""
+    return {"index": index, "text": text, "token_ids": [token], "logprobs": [logprob] if logprob else None,
+            "finish_reason": finish_reason, "stop_sequence": stop_sequence}
+
+
+def delta_event(choices: list[dict]) -> dict:
+    """A `DeltaEvent` as it travels."""
+    return {"v": WIRE_VERSION, "type": "delta", "choices": choices}
+
+
+def pack(message: BaseModel | dict) -> bytes:
+    data = message if isinstance(message, dict) else message.model_dump(mode="python")
+    return msgpack.packb(data, use_bin_type=True)
 
 
 def _check_version(data: Any) -> None:
@@ -170,7 +184,10 @@ def unpack(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 def unpack_event(raw: bytes) -> DeltaEvent | DoneEvent | ErrorEvent:
-    data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    return parse_event(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+
+
+def parse_event(data: Any) -> DeltaEvent | DoneEvent | ErrorEvent:
     _check_version(data)
     try:
         return _event_adapter.validate_python(data)

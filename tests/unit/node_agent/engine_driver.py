@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from node_agent import prompts
 from node_agent.engine import Engine, check_fits
-from shared.wire import GenerationRequest, SamplingParams
+from shared.wire import GenerationRequest, SamplingParams, parse_event
 
 
 @dataclass
@@ -40,8 +40,8 @@ def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000) -
     return results
 
 
-def collect(result: Result, events: list) -> None:
-    for event in events:
+def collect(result: Result, events: list[dict]) -> None:
+    for event in map(parse_event, events):  # the engine's events are wire dicts; check their shape too
         if event.type == "done":
             result.done = event
             continue

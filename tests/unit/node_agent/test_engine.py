@@ -45,8 +45,8 @@ def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):
                 add(engine, request(f"b{i}", p, temperature=0, max_tokens=20))
         for job, events in engine.step():
             for e in events:
-                if e.type == "delta":
-                    got[job] += [t for c in e.choices for t in c.token_ids]
+                if e["type"] == "delta":
+                    got[job] += [t for c in e["choices"] for t in c["token_ids"]]
         steps += 1
     for i in range(len(PROMPTS)):
         assert got[f"b{i}"] == alone[i][0]

@@ -1,0 +1,126 @@
+"""How the engine runs `forward.decode_step`: eagerly on exactly the running rows, or with rows
+padded to a bucket of batch sizes and static input buffers, captured in one CUDA graph per
+(batch bucket, cache-length bucket) on GPUs, optionally compiled first. Each takes the rows'
+last tokens and positions and returns their logits; everything else stays in the engine.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from node_agent import forward
+from node_agent.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
+
+EAGER_KV_ROUND = 32  # eager steps attend over cache columns rounded up to this
+MIN_KV_BUCKET = 128  # static steps attend over a power of two of at least this many columns
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8, and `slots` itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b < slots} | set(range(8, slots, 8)) | {slots}
+    return sorted(sizes)
+
+
+def bucket(sizes: list[int], needed: int) -> int:
+    return next(size for size in sizes if size >= needed)
+
+
+def kv_buckets(max_len: int) -> list[int]:
+    sizes, size = [], MIN_KV_BUCKET
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_len]
+
+
+class EagerDecoder:
+    """The step on exactly the running rows (CPU, or a model that cannot be captured)."""
+
+    name = "eager"
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, step: Callable = forward.decode_step):
+        self.model, self.cache, self.step = model, cache, step
+
+    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        device = self.cache.keys[0].device
+        inputs = torch.tensor([tokens, positions], device=device)
+        kv_len = min(-(-(max(positions) + 1) // EAGER_KV_ROUND) * EAGER_KV_ROUND, self.cache.max_len)
+        return self.step(self.model, self.cache, inputs[0], inputs[1], kv_len)
+
+
+class StaticDecoder:
+    """The step over rows padded to a batch bucket, from static buffers filled by one copy.
+    Padding rows write the cache's scratch column and their logits are dropped. With `capture`
+    (CUDA), each (batch, kv) bucket is captured in a CUDA graph at first use and replayed after."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, slots: int, *, capture: bool,
+                 step: Callable = forward.decode_step):
+        self.model, self.cache, self.step, self.capture = model, cache, step, capture
+        self.name = "cuda-graphs" if capture else "static"
+        self.batch_sizes, self.kv_sizes = batch_buckets(slots), kv_buckets(cache.max_len)
+        device = cache.keys[0].device
+        self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
+        self.staging = torch.zeros(2, slots, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = 0.0
+
+    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        batch, kv_len = bucket(self.batch_sizes, n), bucket(self.kv_sizes, max(positions) + 1)
+        self.staging[0, :n] = torch.tensor(tokens)
+        self.staging[1, :n] = torch.tensor(positions)
+        self.staging[0, n:batch] = 0
+        self.staging[1, n:batch] = self.cache.scratch_column
+        self.inputs[:, :batch].copy_(self.staging[:, :batch], non_blocking=True)
+        if not self.capture:
+            return self._run(batch, kv_len)[:n]
+        graph = self.graphs.get((batch, kv_len)) or self._capture(batch, kv_len)
+        graph[0].replay()
+        return graph[1][:n]
+
+    def _run(self, batch: int, kv_len: int) -> torch.Tensor:
+        return self.step(self.model, self.cache, self.inputs[0, :batch], self.inputs[1, :batch], kv_len)
+
+    def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
+        with the same values as the replay that follows, so they change nothing."""
+        started = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(batch, kv_len)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._run(batch, kv_len)
+        self.graphs[(batch, kv_len)] = (graph, out)
+        elapsed = time.perf_counter() - started
+        self.capture_s += elapsed
+        log.info("captured the decode step for %d rows x %d cache columns in %.0f ms (%d graphs, %.1f s in all)",
+                 batch, kv_len, elapsed * 1000, len(self.graphs), self.capture_s)
+        return self.graphs[(batch, kv_len)]
+
+
+def compiled_step() -> Callable:
+    """`decode_step` under torch.compile (fullgraph: no host sync, no graph break)."""
+    return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
+
+
+def make(mode: str, model: torch.nn.Module, cache: SlotKVCache, slots: int) -> EagerDecoder | StaticDecoder:
+    """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
+    (compiled, then captured on a GPU)."""
+    cuda = cache.keys[0].device.type == "cuda"
+    if mode == "auto":
+        mode = "graphs" if cuda else "eager"
+    step = compiled_step() if mode == "compiled" else forward.decode_step
+    if mode == "eager" or (mode == "compiled" and not cuda):
+        return EagerDecoder(model, cache, step)
+    if mode == "graphs" and not cuda:
+        raise ValueError("decode = 'graphs' needs a CUDA device")
+    return StaticDecoder(model, cache, slots, capture=cuda, step=step)
