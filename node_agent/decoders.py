@@ -15,6 +15,10 @@ from node_agent.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
+class CaptureFailed(RuntimeError):
+    """The step could not be captured (or compiled) for a bucket; the engine falls back to eager."""
+
+
 EAGER_KV_ROUND = 32  # eager steps attend over cache columns rounded up to this
 MIN_KV_BUCKET = 128  # static steps attend over a power of two of at least this many columns
 
@@ -90,15 +94,19 @@ class StaticDecoder:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
         with the same values as the replay that follows, so they change nothing."""
         started = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(batch, kv_len)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._run(batch, kv_len)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(batch, kv_len)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._run(batch, kv_len)
+        except Exception as exc:
+            torch.cuda.synchronize()
+            raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         self.graphs[(batch, kv_len)] = (graph, out)
         elapsed = time.perf_counter() - started
         self.capture_s += elapsed

@@ -250,8 +250,13 @@ class Engine:
         rows = self.rows[: self.n_decoding]
         if not rows:
             return
-        positions = [s.position for s in rows]
-        logits = self.decoder([s.output_ids[-1] for s in rows], positions)
+        positions, tokens = [s.position for s in rows], [s.output_ids[-1] for s in rows]
+        try:
+            logits = self.decoder(tokens, positions)
+        except decoders.CaptureFailed as exc:
+            log.warning("%s: the decode step cannot be captured (%s); decoding eagerly from now on", self.profile.id, exc)
+            self.decoder = decoders.EagerDecoder(self.lm.model, self.cache)
+            logits = self.decoder(tokens, positions)
         self._sample_and_emit(rows, logits, slice(0, len(rows)), positions)
 
     def _sample_and_emit(self, seqs: list[Sequence], logits: torch.Tensor, rows: slice, positions: list[int]) -> None:

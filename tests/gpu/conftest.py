@@ -1,0 +1,30 @@
+"""GPU tier: runs only where CUDA is available (skipped elsewhere, saying so). Needs nothing an
+offline GPU host lacks: tiny random models with a tokenizer trained at test time."""
+
+import pytest
+import torch
+
+from node_agent import loader
+from tests import tiny_models
+from tests.model_fixtures import tiny_profile
+
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+
+
+def pytest_collection_modifyitems(items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="no CUDA device here: the GPU tier runs on a GPU host")
+        for item in items:
+            if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_tiny_dirs(tmp_path_factory):
+    root, tokenizer = tmp_path_factory.mktemp("gpu-tiny"), tiny_models.make_tokenizer()
+    return {arch: tiny_models.build(arch, root / arch, tokenizer) for arch in ARCHS}
+
+
+def load(folder, **overrides):
+    profile = tiny_profile(folder, **overrides)
+    return profile, loader.load(profile, "cuda")
