@@ -8,7 +8,9 @@ from fastapi import Depends, Request
 
 from gateway.events import EventRouter
 from gateway.fleet import Fleet
+from gateway.limits import Limiter
 from gateway.metrics import Metrics
+from shared.api_keys import KeyStore
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.settings import GatewaySettings
@@ -27,11 +29,15 @@ class GatewayContext:
     fleet: Fleet
     metrics: Metrics = field(default_factory=Metrics)
     placer: "Placer" = None  # set right after construction: it needs the context
+    api_keys: KeyStore = field(init=False)
+    limiter: Limiter = field(init=False)
 
     def __post_init__(self) -> None:
         from gateway.placement import Placer
 
         self.placer = Placer(self)
+        self.api_keys = KeyStore(self.redis, self.keys)
+        self.limiter = Limiter(self.redis, self.keys, self.metrics)
 
 
 def get_context(request: Request) -> GatewayContext:

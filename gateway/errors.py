@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
+from gateway.auth import caller_var
 from gateway.protocol import anthropic
 from gateway.protocol.openai import Error, ErrorResponse
 from gateway.request_id import request_id_var
@@ -35,8 +36,13 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 
+def anthropic_status(exc: CortexError) -> int:
+    return exc.anthropic_status or exc.status
+
+
 def anthropic_error_body(exc: CortexError) -> dict[str, Any]:
-    kind = ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    status = anthropic_status(exc)
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return anthropic.ErrorResponse(error=anthropic.ErrorDetail(type=kind, message=exc.message)).model_dump()
 
 
@@ -45,8 +51,12 @@ def is_anthropic(request: Request | None) -> bool:
 
 
 def error_response(exc: CortexError, request: Request | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = anthropic_error_body(exc) if is_anthropic(request) else error_body(exc)
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    """The error in the dialect of `request`'s path, with the error's own headers (`Retry-After`)."""
+    if is_anthropic(request):
+        body, status = anthropic_error_body(exc), anthropic_status(exc)
+    else:
+        body, status = error_body(exc), exc.status
+    return JSONResponse(body, status_code=status, headers=exc.headers | (headers or {}))
 
 
 def _field(loc: tuple[Any, ...]) -> str | None:
@@ -80,7 +90,8 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
 async def _on_cortex_error(request: Request, exc: CortexError) -> JSONResponse:
     if exc.status >= 500:
         path, request_id = request.url.path, request_id_var.get()
-        log.warning("request=%s %s %s → %d %s", request_id, request.method, path, exc.status, exc.message)
+        log.warning("request=%s key=%s %s %s → %d %s", request_id, caller_var.get(), request.method, path, exc.status,
+                    exc.message)
     return error_response(exc, request)
 
 
@@ -104,7 +115,8 @@ async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("request=%s %s %s failed", request_id_var.get(), request.method, request.url.path)
+    log.exception("request=%s key=%s %s %s failed", request_id_var.get(), caller_var.get(), request.method,
+                  request.url.path)
     return error_response(CortexError(f"internal error: {type(exc).__name__}"), request)
 
 

@@ -6,6 +6,9 @@ Limits (GatewaySettings): `files_max_bytes` (64 MiB) per upload and `files_max_l
 per batch input file; an upload over either is refused with 413. Redis holds the whole content
 in memory, so size Redis for the files you keep (delete them, or let batches' files be deleted
 with `DELETE /v1/files/{id}`).
+
+Each file belongs to the API key that uploaded it (its batch's key, for batch output): the hash's
+`owner` field. Other keys never see it; the admin key sees every file.
 """
 
 import time
@@ -14,6 +17,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from gateway.protocol.openai_batch import FileList, FileObject
+from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
 from shared.keys import Keys
 
@@ -38,31 +42,36 @@ def check_batch_input(content: bytes, *, max_bytes: int, max_lines: int) -> None
 
 
 class FileStore:
+    """Every method that takes `owner` sees only that owner's files (another's are 404, as if they
+    did not exist); `owner=None` sees every file (the admin key, the batch worker)."""
+
     def __init__(self, redis: aioredis.Redis, keys: Keys):
         self.redis, self.keys = redis, keys
 
-    async def create(self, content: bytes, *, filename: str, purpose: str) -> FileObject:
+    async def create(self, content: bytes, *, filename: str, purpose: str, owner: str) -> FileObject:
         meta = FileObject(id=new_file_id(), bytes=len(content), created_at=int(time.time()), filename=filename,
                           purpose=purpose)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.file(meta.id), mapping={"meta": meta.model_dump_json(), "content": content})
+            pipe.hset(self.keys.file(meta.id), mapping={"meta": meta.model_dump_json(), "owner": owner,
+                                                        "content": content})
             pipe.zadd(self.keys.files(), {meta.id: time.time()})
             await pipe.execute()
         return meta
 
-    async def get(self, file_id: str) -> FileObject:
-        raw = await self.redis.hget(self.keys.file(file_id), "meta")
-        if raw is None:
-            raise NotFound(f"no file with id {file_id!r}", param="file_id")
-        return FileObject.model_validate_json(raw)
-
-    async def content(self, file_id: str) -> bytes:
-        raw = await self.redis.hget(self.keys.file(file_id), "content")
-        if raw is None:
+    async def _field(self, file_id: str, field: str, owner: str | None) -> bytes:
+        raw, file_owner = await self.redis.hmget(self.keys.file(file_id), [field, "owner"])
+        if raw is None or not visible(file_owner, owner):
             raise NotFound(f"no file with id {file_id!r}", param="file_id")
         return raw
 
-    async def delete(self, file_id: str) -> None:
+    async def get(self, file_id: str, owner: str | None = None) -> FileObject:
+        return FileObject.model_validate_json(await self._field(file_id, "meta", owner))
+
+    async def content(self, file_id: str, owner: str | None = None) -> bytes:
+        return await self._field(file_id, "content", owner)
+
+    async def delete(self, file_id: str, owner: str | None = None) -> None:
+        await self._field(file_id, "owner", owner)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.file(file_id))
             pipe.zrem(self.keys.files(), file_id)
@@ -70,7 +79,8 @@ class FileStore:
         if not deleted:
             raise NotFound(f"no file with id {file_id!r}", param="file_id")
 
-    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str) -> FileList:
+    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str,
+                   owner: str | None = None) -> FileList:
         ids = [i.decode() for i in await self.redis.zrange(self.keys.files(), 0, -1, desc=order == "desc")]
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
@@ -79,12 +89,21 @@ class FileStore:
             chunk = ids[start:start + 500]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for file_id in chunk:
-                    pipe.hget(self.keys.file(file_id), "meta")
+                    pipe.hmget(self.keys.file(file_id), ["meta", "owner"])
                 metas = await pipe.execute()
-            found += [m for raw in metas if raw and (m := FileObject.model_validate_json(raw))
-                      and (purpose is None or m.purpose == purpose)]
+            found += [m for raw, file_owner in metas if raw and visible(file_owner, owner)
+                      and (m := FileObject.model_validate_json(raw)) and (purpose is None or m.purpose == purpose)]
             if len(found) > limit:
                 break
         page = found[:limit]
         return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
                         has_more=len(found) > limit)
+
+
+def visible(stored_owner: bytes | str | None, owner: str | None) -> bool:
+    """Whether a file or batch stored with `stored_owner` is visible to `owner` (None: to everyone).
+    Those stored before keys existed have no owner and belong to `anonymous`."""
+    if owner is None:
+        return True
+    stored = stored_owner.decode() if isinstance(stored_owner, bytes) else stored_owner
+    return (stored or ANONYMOUS) == owner

@@ -18,6 +18,7 @@ import anyio
 from redis.exceptions import RedisError
 
 from gateway import tool_calls
+from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.request_id import request_id_var
@@ -33,11 +34,12 @@ def new_job_id() -> str:
 
 
 class Job:
-    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item]):
+    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item], caller: Caller):
         self.id = request.job
         self.model = request.model
         self.created = int(time.time())
         self.request_id = request_id_var.get()
+        self.caller = caller  # whose job it is: its tokens count against the key's budgets
         self._ctx = ctx
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
@@ -74,16 +76,19 @@ class Job:
             raise item
         if isinstance(item, ErrorEvent):
             self.finished = True
-            log.info("job=%s request=%s failed on the node: %s: %s", self.id, self.request_id, item.code, item.message)
+            log.info("job=%s request=%s key=%s failed on the node: %s: %s", self.id, self.request_id, self.caller.name,
+                     item.code, item.message)
             raise error_from_code(item.code, item.message)
         self._timer.on_event(item)
         if isinstance(item, DoneEvent):
             self.finished = True
             log.info(
-                "job=%s request=%s done: %d+%d tokens, node %s, queue %.0fms prefill %.0fms decode %.0fms",
-                self.id, self.request_id, item.usage.prompt_tokens, item.usage.completion_tokens,
+                "job=%s request=%s key=%s done: %d+%d tokens, node %s, queue %.0fms prefill %.0fms decode %.0fms",
+                self.id, self.request_id, self.caller.name, item.usage.prompt_tokens, item.usage.completion_tokens,
                 item.node or "?", item.timings.queue_ms, item.timings.prefill_ms, item.timings.decode_ms,
             )
+            if self.caller.key is not None:
+                await self._ctx.limiter.record(self.caller.name, self.id, item.usage)
         return item
 
     async def close(self) -> None:
@@ -94,7 +99,8 @@ class Job:
         self.closed = True
         with anyio.CancelScope(shield=True):
             if not self.finished:
-                log.info("job=%s request=%s cancelled before it finished", self.id, self.request_id)
+                log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
+                         self.caller.name)
                 try:
                     await self._ctx.redis.publish(self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
@@ -108,11 +114,11 @@ class Job:
         await self.close()
 
 
-async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: str = "interactive",
+async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller, *, priority: str = "interactive",
                  stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None) -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
-    sooner; see shared/queues.py); the caller must `close()` the job."""
+    sooner; see shared/queues.py) for `caller`; the caller must `close()` the job."""
     channel = ctx.keys.events(request.job)
     queue = await ctx.router.subscribe(channel)
     entry = StreamEntry(
@@ -137,9 +143,10 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, *, priority: s
         if isinstance(exc, RedisError):
             raise BrokerUnavailable(f"could not enqueue the job on {stream}: {exc}") from exc
         raise
-    job = Job(ctx, request, queue)
+    job = Job(ctx, request, queue, caller)
     job.stream, job.entry_id = stream, entry_id.decode()
-    log.info("job=%s request=%s queued on %s as %s", job.id, job.request_id, stream, entry_id.decode())
+    log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
+             entry_id.decode())
     return job
 
 
@@ -151,13 +158,17 @@ class ApiRequest(Protocol):
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
-async def submit_request(ctx: GatewayContext, body: ApiRequest) -> Job:
-    """Resolve the model (404 if unknown), make sure a live node serves or loads it (placing it
-    if none does; 503 when no node can), submit."""
+async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller) -> Job:
+    """Resolve the model (404 if unknown), check the caller's key may use it (404/403) and is
+    within its limits (429), make sure a live node serves or loads it (placing it if none does;
+    503 when no node can), submit."""
     profile = ctx.catalog.resolve(body.model)
+    caller.check_may_use(profile)
+    if caller.key is not None:
+        await ctx.limiter.admit(caller.key)
     request = body.to_generation_request(new_job_id(), profile.id)
     if hasattr(body, "grammar"):  # forced tool calls, JSON output: constrained decoding on the node
         request.sampling.grammar = body.grammar(tool_calls.parser_name(profile))
     await ctx.placer.ensure_placed(profile)
-    return await submit(ctx, request, stream=bool(body.stream), keep_alive_s=getattr(body, "keep_alive_s", None),
+    return await submit(ctx, request, caller, stream=bool(body.stream), keep_alive_s=getattr(body, "keep_alive_s", None),
                         rank=getattr(body, "priority", None))

@@ -34,6 +34,12 @@ class Metrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.success = c("request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"])
+        # per API key, by its name (never its secret)
+        self.key_requests = c("key_requests", "Requests admitted, per API key.", ["key"])
+        self.key_rejections = c("key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"])
+        self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs, per API key.", ["key"])
+        self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs, per API key.",
+                                       ["key"])
         g = lambda name, doc, labels: Gauge(f"cortex:{name}", doc, labels, registry=self.registry)
         self.running = g("requests_running", "Jobs read by a node and not finished.", ["model"])
         self.waiting = g("requests_waiting", "Jobs queued and not yet read by any node.", ["model"])

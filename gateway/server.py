@@ -11,6 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from gateway import errors, routes
+from gateway.auth import warn_if_exposed
 from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
 from gateway.fleet import Fleet
@@ -19,7 +20,7 @@ from gateway.request_id import RequestIdMiddleware
 from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
-from shared.redis_conn import connect
+from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         janitor.start()
         warm_up = asyncio.create_task(ctx.placer.warm_up(), name="estimate-memory")
         metrics = asyncio.create_task(ctx.metrics.refresh_forever(ctx), name="metrics")
-        log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), settings.redis_url)
+        log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), redact(settings.redis_url))
+        await warn_if_exposed(ctx)
         try:
             yield
         finally:

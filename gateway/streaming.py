@@ -53,7 +53,8 @@ async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[b
         async for chunk in chunks:
             yield sse.data(chunk)
     except CortexError as exc:  # after the headers went out, an error travels in the stream
-        log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
+        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
+                 exc.message)
         yield sse.data(error_body(exc))
     yield sse.DONE
 

@@ -6,6 +6,7 @@ at the fleet (`status`).
     cortex node --models SmolLM2-135M-Instruct
     cortex batch-worker            # an arq worker running /v1/batches (as many as you like)
     cortex status [--json]         # nodes, devices, memory, models, slots, queues (from Redis)
+    cortex keys create --name NAME # API keys: create | list | show | revoke (in Redis)
 
 Flags override settings; everything else comes from `CORTEX_*` variables and the TOML file named
 by `CORTEX_CONFIG` (see `shared/settings.py`). The gateway and node packages are imported only by
@@ -27,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,7 @@ from shared import queues as job_queues
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
+from shared.redis_conn import redact
 from shared.settings import GatewaySettings, NodeSettings
 
 UP_REDIS_PORT = 31379
@@ -456,9 +457,9 @@ def run_up(args: argparse.Namespace) -> int:
         external = os.environ.get("CORTEX_REDIS_URL")
         if external:
             redis_url = external
-            log(f"using Redis at {_redact(redis_url)}")
+            log(f"using Redis at {redact(redis_url)}")
             if not _wait_for_redis(redis_url, None, timeout_s=5):
-                log(f"Redis at {_redact(redis_url)} does not answer PING")
+                log(f"Redis at {redact(redis_url)} does not answer PING")
                 return 2
         else:
             port = args.redis_port
@@ -530,13 +531,6 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
-
-
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -584,7 +578,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         fleet = read_fleet(client, settings.keys, node_ttl_s=settings.node_ttl_s)
     except redis.RedisError as exc:
-        print(f"cortex status: cannot read Redis at {_redact(settings.redis_url)}: {exc}", file=sys.stderr)
+        print(f"cortex status: cannot read Redis at {redact(settings.redis_url)}: {exc}", file=sys.stderr)
         return 2
     finally:
         client.close()
@@ -633,6 +627,83 @@ async def _operate(action: str, model: str | None, node: str | None) -> int:
         return 2
     finally:
         await client.aclose()
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    return asyncio.run(_keys(args))
+
+
+async def _keys(args: argparse.Namespace) -> int:
+    """`cortex keys create | list | show | revoke`, straight against Redis, as `/admin/keys` would."""
+    from shared.api_keys import KeySpec, KeyStore
+    from shared.errors import CortexError
+    from shared.redis_conn import connect
+
+    settings = GatewaySettings()
+    client = connect(settings.redis_url)
+    store = KeyStore(client, settings.keys)
+    try:
+        if args.action == "create":
+            spec = KeySpec(name=args.name, models=args.models or [], rpm=args.rpm, tpm=args.tpm,
+                           max_tokens_per_day=args.max_tokens_per_day, expires=args.expires)
+            key, secret = await store.create(spec)
+            print(secret)
+            print(f"created API key {key.name}: {_key_summary(key.shown())}\nthe secret above is shown only now "
+                  "(Redis keeps its hash): clients send it as Authorization: Bearer or x-api-key", file=sys.stderr)
+        elif args.action == "list":
+            shown = [key.shown() for key in await store.list()]
+            if args.json:
+                print(json.dumps(shown, indent=2))
+            else:
+                render_keys(shown)
+        elif args.action == "show":
+            shown = (await store.get(args.name)).shown()
+            print(json.dumps(shown, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in shown.items()))
+        else:
+            print(f"revoked API key {(await store.revoke(args.name)).name}: every gateway refuses it from now on")
+        return 0
+    except ValidationError as exc:
+        print(f"cortex keys {args.action}: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                        for e in exc.errors()), file=sys.stderr)
+    except (CortexError, redis.RedisError) as exc:
+        print(f"cortex keys {args.action}: {getattr(exc, 'message', exc)}", file=sys.stderr)
+    finally:
+        await client.aclose()
+    return 2
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ms / 1000)) if ms else "never"
+
+
+def _key_summary(k: dict) -> str:
+    limit = lambda n: str(n) if n else "-"
+    return (f"models {','.join(k['models']) or 'all'}; rpm {limit(k['rpm'])}, tpm {limit(k['tpm'])}, "
+            f"tokens/day {limit(k['max_tokens_per_day'])}; expires {_when(k['expires_ms'])}")
+
+
+def render_keys(keys: list[dict], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    if not keys:
+        console.print("No API keys: auth is off on loopback gateways. Create one with `cortex keys create --name NAME`.")
+        return
+    table = Table(title="API keys", title_justify="left")
+    for column in ("name", "key", "state", "limits", "requests", "prompt", "completion", "today", "rejected"):
+        table.add_column(column, justify="right" if column in ("requests", "prompt", "completion", "today", "rejected")
+                         else "left")
+    for k in keys:
+        table.add_row(k["name"], k["hint"] + "…", k["state"], _key_summary(k), str(k["requests"]),
+                      str(k["prompt_tokens"]), str(k["completion_tokens"]), str(k["tokens_today"]), str(k["rejections"]))
+    console.print(table)
+
+
+def _count_arg(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError("a whole number, 0 or more (0: no limit)")
+    return int(value)
 
 
 def _models_arg(value: str) -> list[str]:
@@ -684,6 +755,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("drain", parents=[common], help="stop a node taking jobs; it finishes running ones, unloads, idles")
     p.add_argument("node")
     p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("keys", help="create, list, show or revoke API keys (in Redis)")
+    keys = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    k = keys.add_parser("create", parents=[common], help="create a key; prints its secret once")
+    k.add_argument("--name", required=True, help="unique; names the key in logs, metrics and ownership")
+    k.add_argument("--models", type=_models_arg, help="comma-separated catalogue ids or aliases (default: all)")
+    k.add_argument("--rpm", type=_count_arg, default=0, help="requests per minute (0: no limit)")
+    k.add_argument("--tpm", type=_count_arg, default=0, help="tokens (prompt + completion) per minute (0: no limit)")
+    k.add_argument("--max-tokens-per-day", type=_count_arg, default=0, help="tokens per UTC day (0: no limit)")
+    k.add_argument("--expires", help="lifetime from now: 30d, 12h, 90m (default: never)")
+    k = keys.add_parser("list", parents=[common], help="every key with its limits and usage")
+    k.add_argument("--json", action="store_true")
+    k = keys.add_parser("show", parents=[common], help="one key with its limits and usage")
+    k.add_argument("name")
+    k.add_argument("--json", action="store_true")
+    k = keys.add_parser("revoke", parents=[common], help="refuse a key from now on (its record and usage stay)")
+    k.add_argument("name")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("status", parents=[common], help="show nodes, devices, models, slots and queues")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

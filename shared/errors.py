@@ -2,11 +2,13 @@
 where an error kind is mapped to a status. Nodes send the code in an error event and the
 gateway rebuilds the same error from it with `error_from_code`."""
 
+import math
 from typing import ClassVar
 
 
 class CortexError(Exception):
     status: ClassVar[int] = 500
+    anthropic_status: ClassVar[int | None] = None  # the status under /v1/messages, where Anthropic's differs
     code: ClassVar[str] = "internal_error"
     type: ClassVar[str] = "server_error"
 
@@ -14,6 +16,11 @@ class CortexError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the response carries besides the body."""
+        return {}
 
 
 class InvalidRequest(CortexError):
@@ -28,6 +35,13 @@ class ModelNotFound(CortexError):
     status, code, type = 404, "model_not_found", "invalid_request_error"
 
 
+class ModelNotAllowed(ModelNotFound):
+    """The caller's API key may not use the model: OpenAI words it as a model that does not exist
+    (404), Anthropic as a permission error (403)."""
+
+    anthropic_status = 403
+
+
 class NotFound(CortexError):
     """A file or batch id that does not exist (or no longer)."""
 
@@ -38,8 +52,40 @@ class Unauthorized(CortexError):
     status, code, type = 401, "invalid_api_key", "authentication_error"
 
 
+class Conflict(CortexError):
+    """Something of that name exists already (an API key)."""
+
+    status, code, type = 409, "conflict", "invalid_request_error"
+
+
 class Forbidden(CortexError):
     status, code, type = 403, "forbidden", "permission_error"
+
+
+class RateLimited(CortexError):
+    """Over the key's requests per minute; `retry_after_s` is when a request would be admitted."""
+
+    status, code, type = 429, "rate_limit_exceeded", "requests"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+class TokensRateLimited(RateLimited):
+    """Over the key's tokens per minute (counted from finished jobs' real usage)."""
+
+    type = "tokens"
+
+
+class DailyBudgetExceeded(RateLimited):
+    """The key used its tokens for the day (UTC)."""
+
+    code, type = "daily_budget_exceeded", "tokens"
 
 
 class PayloadTooLarge(CortexError):
@@ -99,7 +145,9 @@ def _all_subclasses(cls: type[CortexError]) -> list[type[CortexError]]:
     return found
 
 
-_BY_CODE = {cls.code: cls for cls in [CortexError, *_all_subclasses(CortexError)]}
+_BY_CODE: dict[str, type[CortexError]] = {}
+for _cls in [CortexError, *_all_subclasses(CortexError)]:
+    _BY_CODE.setdefault(_cls.code, _cls)  # a code shared with a subclass means the parent
 
 
 def error_from_code(code: str, message: str) -> CortexError:

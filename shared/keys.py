@@ -99,3 +99,23 @@ class Keys:
         (``arq:job:*``, ``arq:in-progress:*``, ``arq:result:*``, ``arq:retry:*``, ``arq:cron:*``) and
         its health key ``{queue}:health-check``."""
         return f"{self.prefix}arq:queue"
+
+    # ---- API keys and their limits (`cortex keys`, `/admin/keys`, every /v1 request) --------
+
+    def api_key(self, name: str) -> str:
+        """Hash: one API key by name: its metadata (``hash`` is the SHA-256 of the secret, never the
+        secret) and its usage counters (``requests``, ``prompt_tokens``, ``completion_tokens``, ``rejections``)."""
+        return f"{self.prefix}apikey:{name}"
+
+    def api_keys(self) -> str:
+        """Hash: SHA-256 of a secret -> key name; how a request's key is found (and whether any key exists)."""
+        return f"{self.prefix}apikeys"
+
+    def rate_window(self, name: str, what: str) -> str:
+        """Sorted set, PX 60 s: one key's last minute, ``requests`` (one member per admitted request) or
+        ``tokens`` (one member per finished job, ``{job}:{tokens}``), scored by Redis time in ms."""
+        return f"{self.prefix}ratelimit:{name}:{what}"
+
+    def daily_tokens(self, name: str, day: str) -> str:
+        """String, TTL 2 days: tokens (prompt + completion) one key used on one UTC day (``YYYY-MM-DD``)."""
+        return f"{self.prefix}usage:{name}:{day}"

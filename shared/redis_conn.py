@@ -1,5 +1,7 @@
 """Redis connections with retry and backoff, the same for every part."""
 
+from urllib.parse import urlsplit
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -14,3 +16,9 @@ def connect(url: str, **kwargs) -> aioredis.Redis:
         health_check_interval=30,
         **kwargs,
     )
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden, for log lines and messages."""
+    parts = urlsplit(url)
+    return url.replace(f":{parts.password}@", ":***@") if parts.password else url

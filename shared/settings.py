@@ -62,6 +62,9 @@ class GatewaySettings(CortexSettings):
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
     scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
+    # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
+    # beyond loopback; this forces that on a loopback gateway with no key yet too
+    require_api_keys: bool = False
 
 
 class NodeSettings(CortexSettings):

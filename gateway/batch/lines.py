@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.errors import error_body
 from gateway.gather import Gathered, gather
@@ -75,12 +76,14 @@ def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
     return ParsedLine(custom_id, body)
 
 
-async def start(ctx: GatewayContext, parsed: ParsedLine) -> Job:
-    """Resolve the line's model and queue its job in the batch class."""
+async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller) -> Job:
+    """Resolve the line's model, check the batch's key may use it, and queue its job in the batch
+    class as the key's (its tokens count against the key; batch lines are not rate limited)."""
     profile = ctx.catalog.resolve(parsed.body.model)
+    caller.check_may_use(profile)
     await ctx.placer.ensure_placed(profile)
     request = parsed.body.to_generation_request(new_job_id(), profile.id)
-    return await submit(ctx, request, priority="batch", rank=getattr(parsed.body, "priority", None))
+    return await submit(ctx, request, caller, priority="batch", rank=getattr(parsed.body, "priority", None))
 
 
 async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:

@@ -15,12 +15,14 @@ import uuid
 
 from redis.exceptions import RedisError
 
+from gateway.auth import ANONYMOUS_CALLER, Caller
 from gateway.batch import lines
 from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.files import FileStore
 from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchOutputLine, BatchRequestCounts
 from gateway.queue import withdraw
+from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
 from shared.settings import BatchSettings
 
@@ -46,6 +48,7 @@ class BatchRunner:
         self.files = FileStore(ctx.redis, ctx.keys)
         self.token = uuid.uuid4().hex
         self.stop_reason: str | None = None  # cancelled | expired
+        self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
         self.running: dict[int, asyncio.Task] = {}
 
     def key(self, what: str) -> str:
@@ -98,6 +101,7 @@ class BatchRunner:
         except NotFound:
             await self.redis.srem(self.keys.batches_active(), self.id)
             return
+        await self._read_owner()
         if batch.status == "validating":
             batch = await self._validate(batch)
         if batch.status in ("in_progress", "cancelling"):
@@ -108,6 +112,11 @@ class BatchRunner:
             batch = await self.store.get(self.id)
         if batch.status in ("in_progress", "cancelling", "finalizing"):
             await self._finalize(batch)
+
+    async def _read_owner(self) -> None:
+        """The batch's key, read again while the batch runs: a line of a key revoked since fails."""
+        name = await self.store.owner(self.id)
+        self.owner = Caller(name, await self.ctx.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None)
 
     async def _input(self, batch: Batch) -> list[bytes] | None:
         try:
@@ -167,6 +176,7 @@ class BatchRunner:
         the lines still waiting on the streams; lines a node already runs finish."""
         while self.stop_reason is None:
             await asyncio.sleep(STATUS_POLL_S)
+            await self._read_owner()
             status = (await self.store.get(self.id)).status
             if status == "cancelling":
                 self.stop_reason = "cancelled"
@@ -214,7 +224,7 @@ class BatchRunner:
         for attempt in range(self.settings.batch_max_tries):
             job = None
             try:
-                job = await lines.start(self.ctx, parsed)
+                job = await lines.start(self.ctx, parsed, self.owner)
                 await self.redis.hincrby(self.key("tries"), str(line_no), 1)
                 await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
                 return await lines.finish(job, parsed, endpoint)
@@ -255,10 +265,10 @@ class BatchRunner:
         fields = {"request_counts": {"total": total, "completed": completed, "failed": failed}}
         if out:
             fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
-                                                                purpose="batch_output")).id
+                                                                purpose="batch_output", owner=self.owner.name)).id
         if err:
             fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
-                                                               purpose="batch_output")).id
+                                                               purpose="batch_output", owner=self.owner.name)).id
         await self.store.update(self.id, **fields)
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
         await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)

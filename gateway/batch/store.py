@@ -2,7 +2,9 @@
 OpenAI's batch object, so the gateway (cancel) and the worker (counts, status) update different
 fields without overwriting each other; status changes go through one Lua script that checks the
 current status first. `cortex:batches` (zset by creation) lists them; `cortex:batches:active`
-holds the ones not yet finished."""
+holds the ones not yet finished. A batch belongs to the API key that created it (the hash's
+`owner` field, beside the OpenAI fields): methods taking `owner` see only that owner's batches,
+`owner=None` sees every batch."""
 
 import json
 import time
@@ -11,11 +13,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.files import visible
 from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, CreateBatchRequest
+from shared.api_keys import ANONYMOUS
 from shared.errors import NotFound
 from shared.keys import Keys
 
 COMPLETION_WINDOW_S = 24 * 3600
+LIST_SCAN = 100  # batch ids read per round when listing one owner's batches
 
 # KEYS[1] batch hash, KEYS[2] active set; ARGV: batch id, new status, timestamp field ('' for none),
 # timestamp, then the statuses it may change from. Returns the status it had (nil: no such batch).
@@ -46,23 +51,28 @@ class BatchStore:
         self.redis, self.keys = redis, keys
         self._transition = redis.register_script(_TRANSITION)
 
-    async def create(self, body: CreateBatchRequest) -> Batch:
+    async def create(self, body: CreateBatchRequest, owner: str) -> Batch:
         now = int(time.time())
         batch = Batch(id=new_batch_id(), endpoint=body.endpoint, input_file_id=body.input_file_id,
                       completion_window=body.completion_window, status="validating", created_at=now,
                       expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json")))
+            pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json") | {"owner": owner}))
             pipe.zadd(self.keys.batches(), {batch.id: time.time() * 1000})
             pipe.sadd(self.keys.batches_active(), batch.id)
             await pipe.execute()
         return batch
 
-    async def get(self, batch_id: str) -> Batch:
-        fields = await self.redis.hgetall(self.keys.batch(batch_id))
-        if not fields:
+    async def get(self, batch_id: str, owner: str | None = None) -> Batch:
+        fields = {k.decode(): json.loads(v) for k, v in (await self.redis.hgetall(self.keys.batch(batch_id))).items()}
+        if not fields or not visible(fields.pop("owner", None), owner):
             raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
-        return Batch.model_validate({k.decode(): json.loads(v) for k, v in fields.items()})
+        return Batch.model_validate(fields)
+
+    async def owner(self, batch_id: str) -> str:
+        """The API key the batch belongs to (`anonymous` for batches made before keys existed)."""
+        raw = await self.redis.hget(self.keys.batch(batch_id), "owner")
+        return json.loads(raw) if raw else ANONYMOUS
 
     async def update(self, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(self.keys.batch(batch_id), mapping=_dump(fields))
@@ -84,18 +94,23 @@ class BatchStore:
     async def active(self) -> list[str]:
         return [i.decode() for i in await self.redis.smembers(self.keys.batches_active())]
 
-    async def list(self, *, after: str | None, limit: int) -> BatchList:
-        """Newest first, `limit` per page after the batch `after`."""
+    async def list(self, *, after: str | None, limit: int, owner: str | None = None) -> BatchList:
+        """Newest first, `limit` per page after the batch `after`, only `owner`'s (None: all)."""
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(self.keys.batches(), after)
             start = rank + 1 if rank is not None else 0
-        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches(), start, start + limit)]
-        page = []
-        for batch_id in ids[:limit]:
-            try:
-                page.append(await self.get(batch_id))
-            except NotFound:  # deleted between the two reads
-                continue
+        found: list[Batch] = []
+        while len(found) <= limit:
+            ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches(), start, start + LIST_SCAN - 1)]
+            for batch_id in ids:
+                try:
+                    found.append(await self.get(batch_id, owner))
+                except NotFound:  # another owner's, or deleted between the two reads
+                    continue
+            if len(ids) < LIST_SCAN:
+                break
+            start += LIST_SCAN
+        page = found[:limit]
         return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                         has_more=len(ids) > limit)
+                         has_more=len(found) > limit)

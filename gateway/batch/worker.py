@@ -21,7 +21,7 @@ from gateway.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
-from shared.redis_conn import connect
+from shared.redis_conn import connect, redact
 from shared.settings import BatchSettings
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ async def startup(ctx: dict, settings: BatchSettings) -> None:
     ctx["settings"] = settings
     ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
     await router.start()
-    log.info("batch worker %s on Redis %s, queue %s", __version__, settings.redis_url, keys.arq_queue())
+    log.info("batch worker %s on Redis %s, queue %s", __version__, redact(settings.redis_url), keys.arq_queue())
 
 
 async def shutdown(ctx: dict) -> None:

@@ -1,5 +1,7 @@
 """Catalogue plus live fleet state -> the `/v1/models` list."""
 
+from collections.abc import Callable
+
 from gateway.protocol.openai import Model, ModelList, ModelReplica
 from shared.catalog import Catalog
 from shared.heartbeat import NodeHeartbeat
@@ -8,10 +10,11 @@ from shared.lifecycle import ModelState
 _RANK = [ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.POISONED, ModelState.FAILED]
 
 
-def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
+def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
+               may_use: Callable[[set[str]], bool] = lambda names: True) -> ModelList:
     """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
-    each with its replicas and its best state. `created` is when the earliest node holding it
-    started (0 when none does)."""
+    each with its replicas and its best state; only those `may_use` (given a model's id and
+    aliases) allows. `created` is when the earliest node holding it started (0 when none does)."""
     replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
     for node in nodes:
@@ -23,6 +26,9 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
     extra = sorted(m for m in replicas if m not in catalog.profiles and any(r.state in serving for r in replicas[m]))
     data = []
     for model in [*catalog.profiles, *extra]:
+        profile = catalog.profiles.get(model)
+        if not may_use({model, *(profile.aliases if profile else [])}):
+            continue
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
         data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held))

@@ -1,9 +1,12 @@
 """HTTP routes: each maps a request to a job and the job's events to JSON or SSE, nothing more."""
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
-from gateway.routes import admin, batches, chat, completions, files, health, messages, models, queue
+from gateway.auth import authenticate
+from gateway.routes import admin, batches, chat, completions, files, health, keys, messages, models, queue
 
 router = APIRouter()
-for module in (chat, completions, messages, models, health, files, batches, queue, admin):
+for module in (chat, completions, messages, models, files, batches, queue):  # an API key's routes
+    router.include_router(module.router, dependencies=[Depends(authenticate)])
+for module in (health, admin, keys):
     router.include_router(module.router)

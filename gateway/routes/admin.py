@@ -1,25 +1,13 @@
 """`/admin/*`: fleet operations behind the admin key (`Authorization: Bearer <CORTEX_ADMIN_KEY>`),
 and `/metrics` for Prometheus."""
 
-import hmac
-
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import operations
+from gateway.auth import require_admin
 from gateway.context import Ctx
-from shared.errors import Forbidden, Unauthorized
-
-
-def require_admin(request: Request, ctx: Ctx) -> None:
-    key = ctx.settings.admin_key
-    if not key:
-        raise Forbidden("the admin API is disabled: set CORTEX_ADMIN_KEY on the gateway")
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise Unauthorized("a valid admin key is required (Authorization: Bearer <key>)")
-
 
 router = APIRouter()
 admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])

@@ -4,6 +4,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway import tool_calls
+from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather
@@ -16,8 +17,8 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, ctx: Ctx, request: Request) -> Response:
-    job = await submit_request(ctx, body)
+async def create_chat_completion(body: ChatCompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    job = await submit_request(ctx, body, caller)
     parsers = tool_calls.parsers_for(ctx.catalog.resolve(body.model), body.uses_tools)
     if body.stream:
         chunks = chat_chunks(job, job.events(), n=body.n, include_usage=body.include_usage, parsers=parsers)

@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather
@@ -15,8 +16,8 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request) -> Response:
-    job = await submit_request(ctx, body)
+async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    job = await submit_request(ctx, body, caller)
     if body.stream:
         chunks = completion_chunks(job, job.events(), n=body.n, include_usage=body.include_usage)
         return await stream_job(request, job, chunks)

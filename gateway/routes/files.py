@@ -1,10 +1,12 @@
-"""`/v1/files`: upload (multipart, `purpose=batch`, JSONL), list, retrieve, content, delete."""
+"""`/v1/files`: upload (multipart, `purpose=batch`, JSONL), list, retrieve, content, delete; each
+caller sees only its own files (the admin key sees all)."""
 
 from typing import Literal
 
-from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import JSONResponse, Response
 
+from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.files import PURPOSES, FileStore, check_batch_input
 from gateway.protocol.openai_batch import FileDeleted
@@ -26,35 +28,38 @@ async def _read_capped(upload: UploadFile, max_bytes: int) -> bytes:
 
 
 @router.post("/v1/files")
-async def upload_file(ctx: Ctx, request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> JSONResponse:
+async def upload_file(ctx: Ctx, caller: CallerDep, file: UploadFile = File(...), purpose: str = Form(...)) -> JSONResponse:
     if purpose not in PURPOSES:
         raise InvalidRequest(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}", param="purpose")
     limit = ctx.settings.files_max_bytes
     content = await _read_capped(file, limit)
     check_batch_input(content, max_bytes=limit, max_lines=ctx.settings.files_max_lines)
-    meta = await FileStore(ctx.redis, ctx.keys).create(content, filename=file.filename or "upload.jsonl", purpose=purpose)
+    meta = await FileStore(ctx.redis, ctx.keys).create(content, filename=file.filename or "upload.jsonl", purpose=purpose,
+                                                       owner=caller.name)
     return JSONResponse(meta.model_dump())
 
 
 @router.get("/v1/files")
-async def list_files(ctx: Ctx, purpose: str | None = None, limit: int = Query(10_000, ge=1, le=10_000),
-                     after: str | None = None, order: Literal["asc", "desc"] = "desc") -> JSONResponse:
-    files = await FileStore(ctx.redis, ctx.keys).list(purpose=purpose, limit=limit, after=after, order=order)
+async def list_files(ctx: Ctx, caller: CallerDep, purpose: str | None = None,
+                     limit: int = Query(10_000, ge=1, le=10_000), after: str | None = None,
+                     order: Literal["asc", "desc"] = "desc") -> JSONResponse:
+    files = await FileStore(ctx.redis, ctx.keys).list(purpose=purpose, limit=limit, after=after, order=order,
+                                                      owner=caller.owner)
     return JSONResponse(files.model_dump())
 
 
 @router.get("/v1/files/{file_id}")
-async def retrieve_file(file_id: str, ctx: Ctx) -> JSONResponse:
-    return JSONResponse((await FileStore(ctx.redis, ctx.keys).get(file_id)).model_dump())
+async def retrieve_file(file_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    return JSONResponse((await FileStore(ctx.redis, ctx.keys).get(file_id, caller.owner)).model_dump())
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str, ctx: Ctx) -> Response:
-    content = await FileStore(ctx.redis, ctx.keys).content(file_id)
+async def file_content(file_id: str, ctx: Ctx, caller: CallerDep) -> Response:
+    content = await FileStore(ctx.redis, ctx.keys).content(file_id, caller.owner)
     return Response(content, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(file_id: str, ctx: Ctx) -> JSONResponse:
-    await FileStore(ctx.redis, ctx.keys).delete(file_id)
+async def delete_file(file_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    await FileStore(ctx.redis, ctx.keys).delete(file_id, caller.owner)
     return JSONResponse(FileDeleted(id=file_id).model_dump())

@@ -1,6 +1,6 @@
 """Anthropic `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-`x-api-key` and `anthropic-version` are accepted (Cortex does not authenticate). Token counts
+The key comes as `x-api-key` (or `Authorization: Bearer`); `anthropic-version` is accepted. Token counts
 come from a `count` job: the node that serves the model renders the prompt with the model's
 own tokenizer and template (the code that renders real prompts) and answers with its length,
 so the gateway needs neither transformers nor the model's files.
@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from gateway import sse, tool_calls
+from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.errors import anthropic_error_body
@@ -30,9 +31,9 @@ PING_INTERVAL_S = 10.0  # a `ping` event after this long without one, so proxies
 
 
 @router.post("/v1/messages", response_model=None)
-async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request,
+async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, caller: CallerDep,
                          x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
-    job = await submit_request(ctx, body)
+    job = await submit_request(ctx, body, caller)
     profile = ctx.catalog.resolve(body.model)
     parser = tool_calls.make_parser(tool_calls.parser_name(profile)) if body.uses_tools else None
     if body.stream:
@@ -43,9 +44,9 @@ async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request,
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
-async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Request,
+async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Request, caller: CallerDep,
                        x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
-    job = await submit_request(ctx, body)
+    job = await submit_request(ctx, body, caller)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), 1))
     return JSONResponse(MessageTokensCount(input_tokens=gathered.usage.prompt_tokens).model_dump())
@@ -69,7 +70,8 @@ async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[b
     except StopAsyncIteration:
         return
     except CortexError as exc:
-        log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
+        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
+                 exc.message)
         yield sse.event("error", anthropic_error_body(exc))
     finally:
         if pending is not None and not pending.done():

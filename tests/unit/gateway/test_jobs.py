@@ -5,6 +5,7 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.auth import ANONYMOUS_CALLER
 from gateway.jobs import new_job_id, submit
 from shared.errors import BrokerUnavailable, ContextLengthExceeded, Timeout
 from shared.wire import ErrorEvent, GenerationRequest, SamplingParams, StreamEntry, pack
@@ -29,7 +30,7 @@ async def cancels(redis):
 
 
 async def test_entry_fields_and_events(ctx, redis):
-    job = await submit(ctx, request(max_tokens=9), priority="batch")
+    job = await submit(ctx, request(max_tokens=9), ANONYMOUS_CALLER, priority="batch")
     [(entry_id, fields)] = await redis.xrange(KEYS.jobs(MODEL, "batch"))  # the batch class has its own stream
     assert {k.decode() for k in fields} == {"v", "job", "kind", "model", "priority", "max_tokens", "submitted_ms", "reply", "request_id", "stream", "retries", "body"}
     entry = StreamEntry.from_fields(fields)
@@ -45,7 +46,7 @@ async def test_entry_fields_and_events(ctx, redis):
 
 async def test_close_before_done_publishes_cancel(ctx, redis):
     listener = await cancels(redis)
-    job = await submit(ctx, request())
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
     await job.close()
     await job.close()  # idempotent: one cancel
     assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
@@ -55,7 +56,7 @@ async def test_close_before_done_publishes_cancel(ctx, redis):
 
 async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
     listener = await cancels(redis)
-    job = await submit(ctx, request())
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
     await redis.publish(KEYS.events(job.id), pack(ErrorEvent(code="context_length_exceeded", message="too long")))
     with pytest.raises(ContextLengthExceeded, match="too long"):
         async with job:
@@ -66,7 +67,7 @@ async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
 
 async def test_timeout_waiting_for_the_next_event(ctx, redis):
     ctx.settings.request_timeout_s = 0.05
-    job = await submit(ctx, request())
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
     with pytest.raises(Timeout, match=job.id):
         async with job:
             await job.first_event()
@@ -78,13 +79,13 @@ async def test_enqueue_failure_is_503_and_leaves_no_subscription(ctx, monkeypatc
 
     monkeypatch.setattr(ctx.redis, "xadd", broken_xadd)
     with pytest.raises(BrokerUnavailable, match="could not enqueue"):
-        await submit(ctx, request())
+        await submit(ctx, request(), ANONYMOUS_CALLER)
     assert ctx.router.in_flight == 0
 
 
 async def test_cancelled_consumer_still_cleans_up(ctx, redis):
     listener = await cancels(redis)
-    job = await submit(ctx, request())
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
 
     async def consume():
         async with job:
