@@ -686,17 +686,21 @@ def render_keys(keys: list[dict], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 160)  # pipes get whole rows
     if not keys:
         console.print("No API keys: auth is off on loopback gateways. Create one with `cortex keys create --name NAME`.")
         return
     table = Table(title="API keys", title_justify="left")
-    for column in ("name", "key", "state", "limits", "requests", "prompt", "completion", "today", "rejected"):
-        table.add_column(column, justify="right" if column in ("requests", "prompt", "completion", "today", "rejected")
-                         else "left")
+    for column in ("name", "key", "state", "models", "rpm/tpm/day", "expires", "requests", "tokens in/out", "today",
+                   "refused"):
+        numeric = column in ("requests", "tokens in/out", "today", "refused")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=column in ("name", "key"))
+    limit = lambda n: str(n) if n else "-"
     for k in keys:
-        table.add_row(k["name"], k["hint"] + "…", k["state"], _key_summary(k), str(k["requests"]),
-                      str(k["prompt_tokens"]), str(k["completion_tokens"]), str(k["tokens_today"]), str(k["rejections"]))
+        table.add_row(k["name"], k["hint"] + "…", k["state"], ",".join(k["models"]) or "all",
+                      "/".join(limit(k[f]) for f in ("rpm", "tpm", "max_tokens_per_day")), _when(k["expires_ms"]),
+                      str(k["requests"]), f"{k['prompt_tokens']}/{k['completion_tokens']}", str(k["tokens_today"]),
+                      str(k["rejections"]))
     console.print(table)
 
 

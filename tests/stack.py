@@ -16,7 +16,8 @@ from tests.conftest import Service, _http_ok, _redis_pings, free_port, wait_unti
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
 DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|lock:placement:.+|lock:janitor|file:.+|files|batch:[^:]+|batches"
-                             r"|batches:active|arq:queue|arq:queue:health-check)$|^arq:(cron|job|in-progress|result|retry):.+$")
+                             r"|batches:active|arq:queue|arq:queue:health-check|apikeys|apikey:.+|ratelimit:.+:(requests|tokens)|usage:.+:\d{4}-\d\d-\d\d)$"
+                             r"|^arq:(cron|job|in-progress|result|retry):.+$")
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Stack:
     def start_gateway(self) -> None:
         port = free_port()
         env = self.env | {"CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(port)}
-        gateway = Service("gateway", [sys.executable, "-m", "gateway"], self.root / "gateway.log", env=env)
+        log_name = "gateway.log" if not self.gateway_url else f"gateway-{port}.log"  # a second replica's own log
+        gateway = Service("gateway", [sys.executable, "-m", "gateway"], self.root / log_name, env=env)
         self.services.append(gateway)
         self.gateway_url = f"http://127.0.0.1:{port}"
         gateway.wait_ready(lambda: _http_ok(f"{self.gateway_url}/health"))
