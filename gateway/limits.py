@@ -122,9 +122,8 @@ class Limiter:
             return
         self.metrics.key_rejections.labels(name, verdict).inc()
         error, what, setting = _REFUSALS[verdict]
-        retry_after_s = int(wait_ms) / 1000
-        refusal = error(f"API key {name!r} is over its limit of {getattr(key, setting)} {what} ({setting}); "
-                        f"try again in {retry_after_s:.0f}s", retry_after_s=retry_after_s)
+        refusal = error(f"API key {name!r} is over its limit of {getattr(key, setting)} {what} ({setting})",
+                        retry_after_s=int(wait_ms) / 1000)
         log.info("request=%s key=%s refused (429): %s", request_id_var.get(), name, refusal.message)
         raise refusal
 

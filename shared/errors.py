@@ -68,12 +68,12 @@ class RateLimited(CortexError):
     status, code, type = 429, "rate_limit_exceeded", "requests"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after = max(1, math.ceil(retry_after_s))  # whole seconds, as Retry-After carries them
+        super().__init__(f"{message}; try again in {self.retry_after}s")
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        return {"Retry-After": str(self.retry_after)}
 
 
 class TokensRateLimited(RateLimited):
