@@ -40,6 +40,7 @@ class Job:
         self.created = int(time.time())
         self.request_id = request_id_var.get()
         self.caller = caller  # whose job it is: its tokens count against the key's budgets
+        self.metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
         self._ctx = ctx
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
@@ -87,7 +88,7 @@ class Job:
                 self.id, self.request_id, self.caller.name, item.usage.prompt_tokens, item.usage.completion_tokens,
                 item.node or "?", item.timings.queue_ms, item.timings.prefill_ms, item.timings.decode_ms,
             )
-            if self.caller.key is not None:
+            if self.metered:
                 await self._ctx.limiter.record(self.caller.name, self.id, item.usage)
         return item
 

@@ -139,6 +139,15 @@ async def test_streamed_jobs_count_too(app, client, node, new_key):
     assert (key.requests, key.prompt_tokens, key.completion_tokens) == (1, 5, 3)
 
 
+async def test_counting_tokens_is_a_request_but_uses_no_tokens(app, client, node, new_key):
+    secret = await new_key(rpm=1)
+    count = {"model": "default", "messages": MESSAGE["messages"]}
+    assert (await client.post("/v1/messages/count_tokens", json=count, headers={"x-api-key": secret})).status_code == 200
+    key = await app.state.ctx.api_keys.get("alice")
+    assert (key.requests, key.prompt_tokens, key.tokens_today) == (1, 0, 0)
+    assert (await client.post("/v1/messages", json=MESSAGE, headers={"x-api-key": secret})).status_code == 429
+
+
 async def test_admin_api_takes_only_bearer_admin_key(client, new_key):
     client_key = await new_key()
     for headers in ({"authorization": ADMIN}, {"x-api-key": ADMIN}, bearer(client_key), {}):
