@@ -27,7 +27,7 @@ def completion(**fields) -> CompletionRequest:
         {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
         {"messages": [{"role": "tool", "content": "x"}]}, {"messages": [{"content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
-        {"tool_choice": "required"}, {"response_format": {"type": "json_schema"}}, {"unknown_field": 1},
+        {"tool_choice": "required"}, {"response_format": {"type": "json_schema"}}, {"parallel_tool_calls": "x"},
         {"min_p": 2}, {"repetition_penalty": 0}, {"top_k": -2},
     ],
 )

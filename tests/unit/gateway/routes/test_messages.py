@@ -153,7 +153,8 @@ async def test_count_tokens_is_a_count_job(client, node):
     (HELLO | {"model": "nope"}, 404, "not_found_error"),
     (HELLO | {"temperature": 1.5}, 400, "invalid_request_error"),
     (HELLO | {"tool_choice": {"type": "tool", "name": "x"}, "tools": [WEATHER]}, 400, "invalid_request_error"),
-    (HELLO | {"unknown": 1}, 400, "invalid_request_error"),
+    (HELLO | {"context_management": {"edits": "all"}}, 400, "invalid_request_error"),  # known field, wrong type
+    (HELLO | {"messages": [{"role": "system", "content": 5}]}, 400, "invalid_request_error"),
 ])
 async def test_errors_in_anthropic_shape(client, node, body, status, kind):
     response = await client.post("/v1/messages", json=body)
