@@ -518,6 +518,7 @@ class Model(BaseModel):
     # extensions: catalogue models are listed even when not loaded (a request loads them)
     state: str = "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
     replicas: list[ModelReplica] = []
+    root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
 
 
 class ModelList(BaseModel):

@@ -2,6 +2,7 @@
 
 from gateway.protocol.openai import Model, ModelList, ModelReplica
 from shared.catalog import Catalog
+from shared.errors import ModelNotFound
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 
@@ -10,7 +11,8 @@ _RANK = [ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.
 
 def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
     """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
-    each with its replicas and its best state. `created` is when the earliest node holding it
+    each with its replicas and its best state; then each alias (`default` …) as an entry of its
+    own whose `root` is the model it names (a model's `root` is itself). `created` is when the earliest node holding it
     started (0 when none does)."""
     replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
@@ -25,5 +27,16 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat]) -> ModelList:
     for model in [*catalog.profiles, *extra]:
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
-        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held))
+        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model))
+    by_id = {m.id: m for m in data}
+    data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})
+             for p in catalog.profiles.values() for alias in p.aliases]
     return ModelList(data=data)
+
+
+def model_card(catalog: Catalog, nodes: list[NodeHeartbeat], name: str) -> Model:
+    """One entry of the list, by id or alias."""
+    for model in model_list(catalog, nodes).data:
+        if model.id == name:
+            return model
+    raise ModelNotFound(f"The model '{name}' does not exist.", param="model")

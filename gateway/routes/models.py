@@ -1,10 +1,11 @@
-"""`GET /v1/models`: models ready or loading on live nodes."""
+"""`GET /v1/models` and `GET /v1/models/{id}`: the catalogue's models and aliases, and the live
+nodes' state of each."""
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from gateway.context import Ctx
-from gateway.render.models import model_list
+from gateway.render.models import model_card, model_list
 
 router = APIRouter()
 
@@ -12,3 +13,8 @@ router = APIRouter()
 @router.get("/v1/models")
 async def list_models(ctx: Ctx) -> JSONResponse:
     return JSONResponse(model_list(ctx.catalog, await ctx.fleet.serving_nodes()).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, ctx: Ctx) -> JSONResponse:
+    return JSONResponse(model_card(ctx.catalog, await ctx.fleet.serving_nodes(), model_id).model_dump())
