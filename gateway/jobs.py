@@ -42,7 +42,8 @@ class Job:
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
         self.prompt_tokens = 0  # the prompt's length, once the node's start event told it
-        self.prompt_text: str | None = None  # the prompt's text, when the request asked to echo it
+        # the prompt's text when the request asked to echo it: a text prompt's own, else the node's decoding
+        self.prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else None
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
         self.stream = ""  # the job stream it was queued on, and its entry id there
@@ -68,7 +69,8 @@ class Job:
     async def _next(self) -> DeltaEvent | DoneEvent:
         item = await self._get()
         if isinstance(item, StartEvent):  # what it says is kept here; renderers read it
-            self.prompt_tokens, self.prompt_text = item.prompt_tokens, item.prompt_text
+            self.prompt_tokens = item.prompt_tokens
+            self.prompt_text = self.prompt_text if item.prompt_text is None else item.prompt_text
             item = await self._get()
         if isinstance(item, CortexError):
             raise item

@@ -108,14 +108,21 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 
+class PromptLogprob(BaseModel):
+    """One prompt token's logprob (`SamplingParams.prompt_logprobs`)."""
+
+    token: str
+    logprob: float | None  # None for the prompt's first token: nothing precedes it
+    top_logprobs: list[TopLogprob] = []
+
+
 class ChoiceDelta(BaseModel):
     index: int = 0
     text: str = ""
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
-    # On a choice's first delta when `SamplingParams.prompt_logprobs` is set: one entry per prompt
-    # token, None for the first (nothing precedes it).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On a choice's first delta when `SamplingParams.prompt_logprobs` is set: one per prompt token.
+    prompt_logprobs: list[PromptLogprob] | None = None
     finish_reason: str | None = None  # set on the choice's last delta
     stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 

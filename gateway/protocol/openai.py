@@ -335,8 +335,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _supported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo: is not supported")
         if self.suffix:
             raise ValueError("suffix: is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -353,10 +351,12 @@ class CompletionRequest(_Sampling):
             model=model,
             kind="completion",
             prompt=self.prompt,
+            echo=self.echo,
             sampling=self._sampling(
                 max_tokens=self.max_tokens,
                 logprobs=self.logprobs is not None,
                 top_logprobs=self.logprobs or 0,
+                prompt_logprobs=self.logprobs if self.echo else None,
             ),
         )
 
@@ -472,12 +472,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape."""
+    """The legacy completions shape (with `echo`, the prompt's first token has no logprob: None)."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class CompletionChoice(BaseModel):
