@@ -81,7 +81,7 @@ def test_tool_choice_none_drops_tools():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": []}, {"echo": "yes"}, {"suffix": "x"},
+        {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": []}, {"echo": [1]}, {"suffix": "x"},
         {"best_of": 3}, {"logprobs": 6}, {"max_tokens": -1}, {"temperature": 5}, {"n": 0},
     ],
 )
