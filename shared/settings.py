@@ -62,6 +62,7 @@ class GatewaySettings(CortexSettings):
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
     scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
+    responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
 
 
 class NodeSettings(CortexSettings):

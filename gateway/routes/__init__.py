@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
-from gateway.routes import admin, batches, chat, completions, files, health, messages, models, queue
+from gateway.routes import admin, batches, chat, completions, files, health, messages, models, queue, responses
 
 router = APIRouter()
-for module in (chat, completions, messages, models, health, files, batches, queue, admin):
+for module in (chat, completions, messages, responses, models, health, files, batches, queue, admin):
     router.include_router(module.router)
