@@ -152,6 +152,7 @@ class ThinkingConfig(Lenient):
 
 class ContextManagementEdit(Lenient):
     type: str  # clear_thinking_20251015, clear_tool_uses_20250919, compact_20260112 …
+    keep: Any = None  # what the edit keeps ("all", or a count of turns)
 
 
 class ContextManagementConfig(Lenient):
