@@ -3,7 +3,7 @@
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from shared.wire import DeltaEvent, DoneEvent, TokenLogprob, Usage
+from shared.wire import DeltaEvent, DoneEvent, PromptLogprob, TokenLogprob, Usage
 
 
 @dataclass
@@ -11,6 +11,7 @@ class GatheredChoice:
     index: int
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
     finish_reason: str | None = None
     stop_sequence: str | None = None
 
@@ -34,6 +35,7 @@ async def gather(events: AsyncIterator[DeltaEvent | DoneEvent], n: int) -> Gathe
         for delta in event.choices:
             choice = choices.setdefault(delta.index, GatheredChoice(index=delta.index))
             choice.parts.append(delta.text)
+            choice.prompt_logprobs = delta.prompt_logprobs or choice.prompt_logprobs
             if delta.logprobs is not None:
                 choice.logprobs = (choice.logprobs or []) + delta.logprobs
             choice.finish_reason = delta.finish_reason or choice.finish_reason

@@ -24,7 +24,7 @@ from gateway.events import Item
 from gateway.request_id import request_id_var
 from shared import queues
 from shared.errors import BrokerUnavailable, CortexError, Timeout, error_from_code
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StreamEntry, pack
+from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class Job:
         self._ctx = ctx
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
+        self.prompt_tokens = 0  # the prompt's length, once the node's start event told it
+        # the prompt's text when the request asked to echo it: a text prompt's own, else the node's decoding
+        self.prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else None
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
         self.stream = ""  # the job stream it was queued on, and its entry id there
@@ -67,12 +70,11 @@ class Job:
                 return
 
     async def _next(self) -> DeltaEvent | DoneEvent:
-        timeout_s = self._ctx.settings.request_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                item = await self._queue.get()
-        except TimeoutError:
-            raise Timeout(f"no event from model {self.model} for job {self.id} in {timeout_s:g}s") from None
+        item = await self._get()
+        if isinstance(item, StartEvent):  # what it says is kept here; renderers read it
+            self.prompt_tokens = item.prompt_tokens
+            self.prompt_text = self.prompt_text if item.prompt_text is None else item.prompt_text
+            item = await self._get()
         if isinstance(item, CortexError):
             raise item
         if isinstance(item, ErrorEvent):
@@ -91,6 +93,14 @@ class Job:
             if self.metered:
                 await self._ctx.limiter.record(self.caller.name, self.id, item.usage)
         return item
+
+    async def _get(self) -> Item:
+        timeout_s = self._ctx.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._queue.get()
+        except TimeoutError:
+            raise Timeout(f"no event from model {self.model} for job {self.id} in {timeout_s:g}s") from None
 
     async def close(self) -> None:
         """Cancel the job unless it finished, and unsubscribe. Idempotent; runs to the end even

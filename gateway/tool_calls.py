@@ -13,7 +13,8 @@ Formats (`ModelProfile.tool_parser`, else chosen from the model's family by `par
 - `mistral`: `[TOOL_CALLS][{"name": …, "arguments": {…}}, …]` (the marker is a special token
   the detokeniser drops, so an answer opening with `[{` counts too).
 A call whose opening is `{"name": "…", "arguments":` streams its arguments as they arrive;
-anything else is kept whole and parsed at its end; what does not parse comes back as text.
+anything else is kept whole and parsed at its end; what does not parse comes back as text,
+except a call that `max_tokens` cut off (`finish(cut_off=True)`): that is never content.
 """
 
 import json
@@ -191,8 +192,9 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    """`feed(text)` → pieces known so far; `finish()` → the rest. Whitespace between text and
-    calls is dropped, so `content` is the model's words only."""
+    """`feed(text)` → pieces known so far; `finish(cut_off)` → the rest, where `cut_off` says the
+    answer ended at `max_tokens` (a call left open then is dropped, not shown as text).
+    Whitespace between text and calls is dropped, so `content` is the model's words only."""
 
     def __init__(self):
         self.calls = 0
@@ -227,7 +229,7 @@ class ToolCallParser:
     def feed(self, text: str) -> list[Piece]:
         raise NotImplementedError
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut_off: bool = False) -> list[Piece]:
         raise NotImplementedError
 
 
@@ -269,17 +271,19 @@ class HermesParser(ToolCallParser):
         pieces = call.finish()
         return self._call_ended(pieces, f"{self.START}{self._call_text}{self.END}")
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut_off: bool = False) -> list[Piece]:
         out: list[Piece] = []
         if self._call is not None:  # ended without its closing tag
             out += self._into_call(self._pending)
             self._pending = ""
             call, self._call = self._call, None
             pieces = call.finish()
-            out += self._call_ended(pieces, f"{self.START}{self._call_text}")
-        elif self._pending:
+            out += [] if pieces is None and cut_off else self._call_ended(pieces, f"{self.START}{self._call_text}")
+        elif self._pending and not cut_off:
             out += self._text(self._pending)
-            self._pending = ""
+        elif self._pending:  # cut off at the start of a `<tool_call>` tag: neither it nor the blank before is text
+            self._held_ws = ""
+        self._pending = ""
         return out + self._flush_text()
 
 
@@ -332,12 +336,13 @@ class Llama3JsonParser(ToolCallParser):
         call, self._call = self._call, None
         return self._call_ended(call.finish(), self._call_text)
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut_off: bool = False) -> list[Piece]:
         out: list[Piece] = []
         if self._mode == "undecided" and self._buf:
             out += self._text(self._buf)
         if self._call is not None:
-            out += self._end_call()
+            pieces = self._call.finish()
+            out += [] if pieces is None and cut_off else self._end_call()
         return out + self._flush_text()
 
 
@@ -366,25 +371,25 @@ class MistralParser(ToolCallParser):
         self._mode, text, self._buf = "text", self._buf, ""
         return self._text(text)
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut_off: bool = False) -> list[Piece]:
         out: list[Piece] = []
         if self._mode != "text" and self._buf:
-            out += self._calls(self._buf)
+            out += self._calls(self._buf, cut_off)
         return out + self._flush_text()
 
-    def _calls(self, raw: str) -> list[Piece]:
+    def _calls(self, raw: str, cut_off: bool) -> list[Piece]:
         body = raw.strip().removeprefix(self.MARKER).strip()
         try:
             items = json.loads(body)
         except ValueError:
             items = None
         if not isinstance(items, list) or not items:
-            return self._text(raw)
+            return [] if cut_off else self._text(raw)
         pieces: list[Piece] = []
         for i, item in enumerate(items):
             call = _call_from_json(json.dumps(item), i) if isinstance(item, dict) else None
             if call is None:
-                return self._text(raw)
+                return [] if cut_off else self._text(raw)
             pieces += call
         self.calls = len(items)
         return pieces
@@ -419,9 +424,9 @@ def collect(pieces: list[Piece]) -> Parsed:
     return Parsed("".join(text), [calls[i] for i in sorted(calls)])
 
 
-def parse(name: ParserName, text: str) -> Parsed:
+def parse(name: ParserName, text: str, cut_off: bool = False) -> Parsed:
     parser = make_parser(name)
-    return collect(parser.feed(text) + parser.finish())
+    return collect(parser.feed(text) + parser.finish(cut_off))
 
 
 # ---- grammars for constrained decoding ------------------------------------------------------
@@ -457,18 +462,22 @@ def _call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+MAX_PARALLEL_CALLS = 4  # a forced answer holds at most this many calls: a small model would not stop
+
+
 def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, parallel: bool) -> str:
-    """A grammar whose every sentence is one call (or several, if `parallel`) of `tools`, in
-    the model's own format."""
+    """A grammar whose every sentence is exactly one call (or, if `parallel`, 1 to
+    MAX_PARALLEL_CALLS calls) of `tools`, in the model's own format."""
+    def calls(first: str, separator: str) -> str:
+        return f'{first} ("{separator}" {first}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else first
+
     if parser == "hermes":
         call = '"<tool_call>\\n" obj "\\n</tool_call>"'
-        start = 'call ("\\n" call)*' if parallel else "call"
+        start = calls("call", "\\n")
         return f"start: {start}\ncall: {call}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
     if parser == "llama3_json":
-        start = 'obj ("; " obj)*' if parallel else "obj"
-        return f"start: {start}\nobj: {_json_rule(_call_schema(tools, 'parameters'))}"
-    start = '"[" obj (", " obj)* "]"' if parallel else '"[" obj "]"'
-    return f"start: {start}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
+        return f"start: {calls('obj', '; ')}\nobj: {_json_rule(_call_schema(tools, 'parameters'))}"
+    return f"start: \"[\" {calls('obj', ', ')} \"]\"\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:

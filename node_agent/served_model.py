@@ -14,15 +14,16 @@ from node_agent import loader, prompts
 from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
 from node_agent.job_reader import JobReader
+from node_agent.limits import completion_budget
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
-from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled, ModelLoadFailed,
-                           ModelPoisoned, NodeLost)
+from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, InvalidRequest, JobCancelled,
+                           ModelLoadFailed, ModelPoisoned, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
-from shared.wire import DoneEvent, ErrorEvent, StreamEntry, Usage, WireError
+from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, Usage, WireError
 
 log = logging.getLogger(__name__)
 
@@ -204,13 +205,23 @@ class ServedModel:
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
                 self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
                 return
-            check_fits(self.engine.max_len, len(ids), request.sampling.max_tokens, self.profile.max_prompt_tokens)
+            sampling = request.sampling
+            if sampling.prompt_logprobs is not None:  # the engine does not compute them yet
+                raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which this node's engine "
+                                     "does not compute yet", param="echo")
+            sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
+            check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
+            self.publisher.send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)])
             await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
         except CortexError as exc:
             self.fail(request.job, exc)
         except Exception as exc:
             log.exception("job %s could not start", request.job)
             self.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+
+    def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
+        echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself
+        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.lm.tokenizer.decode(ids) if echo else None)
 
     def _check_memory(self) -> None:
         free = self.device.last_info.free_mb if self.device.last_info else None

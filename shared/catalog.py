@@ -32,6 +32,10 @@ class ModelProfile(BaseModel):
     slots: int = Field(16, ge=1, le=1024)  # sequences decoded together
     max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
     max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context
+    # A request's max_tokens beyond the room its prompt leaves: "clamp" runs it with what fits (it
+    # ends with `length`, as llama.cpp and Ollama do); "reject" answers 400 context_length_exceeded (OpenAI).
+    max_tokens_policy: Literal["clamp", "reject"] = "clamp"
+    default_max_tokens: int | None = Field(1024, ge=1)  # for requests that give none; None: up to the context
     prefill_chunk_tokens: int = Field(512, ge=16)
     # How decode steps run (node_agent/decoders.py): "auto" = CUDA graphs on a GPU, eager on a CPU;
     # "eager"; "static" (rows padded to batch buckets, not captured); "graphs" (GPU only);

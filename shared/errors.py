@@ -31,6 +31,10 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class PreviousResponseNotFound(InvalidRequest):
+    code = "previous_response_not_found"
+
+
 class ModelNotFound(CortexError):
     status, code, type = 404, "model_not_found", "invalid_request_error"
 

@@ -62,6 +62,11 @@ class Keys:
         """String with PX: held by the gateway replica running the fleet janitor this round."""
         return f"{self.prefix}lock:janitor"
 
+    def response(self, response_id: str) -> str:
+        """String with TTL (`responses_ttl_s`): a stored `/v1/responses` response and the
+        conversation it ends (JSON), for `GET` and `previous_response_id`."""
+        return f"{self.prefix}response:{response_id}"
+
     # ---- files and batches (`/v1/files`, `/v1/batches`, the arq batch worker) ----------------
 
     def file(self, file_id: str) -> str:

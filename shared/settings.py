@@ -65,6 +65,7 @@ class GatewaySettings(CortexSettings):
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
     require_api_keys: bool = False
+    responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
 
 
 class NodeSettings(CortexSettings):

@@ -46,6 +46,9 @@ class SamplingParams(BaseModel):
     # Constrained decoding: an llguidance Lark grammar (JSON schemas as `%json {...}`) every
     # output must match; the gateway builds and validates it (response_format, forced tool calls).
     grammar: str | None = None
+    # Logprobs of the prompt's tokens (`echo` with `logprobs` on /v1/completions), with this many
+    # alternatives each; None: not wanted. The engine answers in `ChoiceDelta.prompt_logprobs`.
+    prompt_logprobs: int | None = None
 
 
 class GenerationRequest(Wire):
@@ -59,6 +62,7 @@ class GenerationRequest(Wire):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] = {}
     add_generation_prompt: bool = True
+    echo: bool = False  # the start event carries the prompt's text (for a prompt of token ids)
     sampling: SamplingParams = SamplingParams()
 
 
@@ -104,11 +108,21 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 
+class PromptLogprob(BaseModel):
+    """One prompt token's logprob (`SamplingParams.prompt_logprobs`)."""
+
+    token: str
+    logprob: float | None  # None for the prompt's first token: nothing precedes it
+    top_logprobs: list[TopLogprob] = []
+
+
 class ChoiceDelta(BaseModel):
     index: int = 0
     text: str = ""
     token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    # On a choice's first delta when `SamplingParams.prompt_logprobs` is set: one per prompt token.
+    prompt_logprobs: list[PromptLogprob] | None = None
     finish_reason: str | None = None  # set on the choice's last delta
     stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
@@ -126,6 +140,16 @@ class Timings(BaseModel):
     queue_ms: float = 0.0  # submitted -> admitted by an engine
     prefill_ms: float = 0.0  # admitted -> first token
     decode_ms: float = 0.0  # first token -> done
+
+
+class StartEvent(Wire):
+    """Sent once the node has read the job's prompt and accepted it, before any token: the
+    prompt's length (Anthropic's `message_start` reports it) and, for `echo` of a prompt of token
+    ids, its text."""
+
+    type: Literal["start"] = "start"
+    prompt_tokens: int
+    prompt_text: str | None = None
 
 
 class DeltaEvent(Wire):
@@ -146,7 +170,7 @@ class ErrorEvent(Wire):
     message: str
 
 
-Event = Annotated[DeltaEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+Event = Annotated[StartEvent | DeltaEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
 _event_adapter: TypeAdapter = TypeAdapter(Event)
 
 
@@ -183,11 +207,11 @@ def unpack(raw: bytes, model: type[BaseModel]) -> Any:
         raise WireError(f"bad {model.__name__}: {exc}") from exc
 
 
-def unpack_event(raw: bytes) -> DeltaEvent | DoneEvent | ErrorEvent:
+def unpack_event(raw: bytes) -> StartEvent | DeltaEvent | DoneEvent | ErrorEvent:
     return parse_event(msgpack.unpackb(raw, raw=False, strict_map_key=False))
 
 
-def parse_event(data: Any) -> DeltaEvent | DoneEvent | ErrorEvent:
+def parse_event(data: Any) -> StartEvent | DeltaEvent | DoneEvent | ErrorEvent:
     _check_version(data)
     try:
         return _event_adapter.validate_python(data)

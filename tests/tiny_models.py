@@ -47,3 +47,70 @@ def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
                             special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
                                    bos_token="<|endoftext|>", chat_template=CHATML)
+
+
+def _distinct_tokens(tokenizer, text: str, taken: set[int]) -> list[int]:
+    """Token ids that spell `text`, none in `taken` and none twice (any segmentation will do: the
+    detokeniser only concatenates)."""
+    vocab: dict[str, int] = {}
+    for token_id in range(len(tokenizer)):
+        vocab.setdefault(tokenizer.decode([token_id]), token_id)
+    longest = max(len(piece) for piece in vocab)
+
+    def spell(at: int, used: set[int]) -> list[int] | None:
+        if at == len(text):
+            return []
+        for end in range(min(len(text), at + longest), at, -1):
+            token_id = vocab.get(text[at:end])
+            if token_id is not None and token_id not in used:
+                rest = spell(end, used | {token_id})
+                if rest is not None:
+                    return [token_id, *rest]
+        return None
+
+    ids = spell(0, taken)
+    if ids is None:
+        raise ValueError(f"cannot spell {text!r} with distinct tokens")
+    return ids
+
+
+def build_scripted(folder: Path, tokenizer, replies: dict[int, str], *, context: int = 32768) -> Path:
+    """A Llama whose output is a script: after a prompt whose last token is a key of `replies`, it
+    writes that reply, then EOS (after any other prompt, EOS at once), at any temperature.
+
+    Real weights through a real forward pass, set by hand: every layer's output projections are
+    zero, so the last hidden state is the current token's embedding and the next token depends
+    on it alone (a bigram table: each scripted token has a dimension of its own in the embeddings,
+    and the lm_head row of its successor reads it). For protocol tests of clients that need a
+    long context and a tool call, which a random model cannot give."""
+    taken = set(replies) | {tokenizer.eos_token_id}
+    chain: dict[int, int] = {}  # token -> the token after it
+    for trigger, text in replies.items():
+        ids = _distinct_tokens(tokenizer, text, taken)
+        taken |= set(ids)
+        for current, following in zip([trigger, *ids], [*ids, tokenizer.eos_token_id]):
+            chain[current] = following
+    hidden = 1 << max(len(chain) + 1, 64).bit_length()
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.02,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        default = hidden - 1  # every unscripted token leans this way, and it reads as EOS
+        embed[:, default] = 1.0
+        head.zero_()
+        head[tokenizer.eos_token_id, default] = 100.0
+        for dim, (current, following) in enumerate(chain.items()):
+            embed[current] = 0.0
+            embed[current, dim] = 1.0
+            head[following, dim] = 100.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

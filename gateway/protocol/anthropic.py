@@ -1,6 +1,7 @@
 """Anthropic Messages API wire types, named as Anthropic's spec names them, fields in spec order.
 
-Requests validate strictly (`extra="forbid"`, as Anthropic does) and convert themselves to the
+Requests validate Anthropic's types and ranges (a field this gateway does not know is ignored
+and logged once: `gateway/protocol/lenient.py`) and convert themselves to the
 same `shared.wire.GenerationRequest` an OpenAI chat request becomes: system blocks → a system
 message, `tool_use` blocks → assistant `tool_calls`, `tool_result` blocks → `tool` messages,
 tools → OpenAI-style function tools (what Hugging Face chat templates read).
@@ -9,17 +10,14 @@ tools → OpenAI-style function tools (what Hugging Face chat templates read).
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from gateway import tool_calls
+from gateway.protocol.lenient import Lenient
 from shared.wire import GenerationRequest, SamplingParams
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class CacheControlEphemeral(Strict):
+class CacheControlEphemeral(Lenient):
     type: Literal["ephemeral"]
     ttl: str | None = None
 
@@ -27,31 +25,31 @@ class CacheControlEphemeral(Strict):
 # ---- content blocks ------------------------------------------------------------------------
 
 
-class TextBlockParam(Strict):
+class TextBlockParam(Lenient):
     type: Literal["text"]
     text: str
     cache_control: CacheControlEphemeral | None = None
     citations: list[dict[str, Any]] | None = None
 
 
-class Base64ImageSource(Strict):
+class Base64ImageSource(Lenient):
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: str
 
 
-class URLImageSource(Strict):
+class URLImageSource(Lenient):
     type: Literal["url"]
     url: str
 
 
-class ImageBlockParam(Strict):
+class ImageBlockParam(Lenient):
     type: Literal["image"]
     source: Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
     cache_control: CacheControlEphemeral | None = None
 
 
-class ToolUseBlockParam(Strict):
+class ToolUseBlockParam(Lenient):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -61,7 +59,7 @@ class ToolUseBlockParam(Strict):
     toolset_name: str | None = None
 
 
-class ToolResultBlockParam(Strict):
+class ToolResultBlockParam(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]] | None = None
@@ -69,7 +67,7 @@ class ToolResultBlockParam(Strict):
     cache_control: CacheControlEphemeral | None = None
 
 
-class ThinkingBlockParam(Strict):
+class ThinkingBlockParam(Lenient):
     """Accepted in history (Claude Code echoes them back) and not shown to the model."""
 
     type: Literal["thinking"]
@@ -77,7 +75,7 @@ class ThinkingBlockParam(Strict):
     signature: str
 
 
-class RedactedThinkingBlockParam(Strict):
+class RedactedThinkingBlockParam(Lenient):
     type: Literal["redacted_thinking"]
     data: str
 
@@ -89,15 +87,28 @@ ContentBlockParam = Annotated[
 ]
 
 
-class MessageParam(Strict):
+class MessageParam(Lenient):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockParam]
+
+
+class SystemMessageParam(Lenient):
+    """A system message among the turns (Claude Code sends its skill and agent listings so); it
+    is folded into the system prompt, in order, since most open models' templates allow a system
+    message only first. `clear_at: "next_user_message"` drops it once a later user turn exists."""
+
+    role: Literal["system"]
+    content: str | list[TextBlockParam]
+    clear_at: Literal["next_user_message", "never"] | None = None
+
+
+InputMessage = Annotated[MessageParam | SystemMessageParam, Field(discriminator="role")]
 
 
 # ---- tools ------------------------------------------------------------------------------------
 
 
-class Tool(Strict):
+class Tool(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -105,46 +116,57 @@ class Tool(Strict):
     cache_control: CacheControlEphemeral | None = None
 
 
-class ToolChoiceAuto(Strict):
+class ToolChoiceAuto(Lenient):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceAny(Strict):
+class ToolChoiceAny(Lenient):
     type: Literal["any"]
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceTool(Strict):
+class ToolChoiceTool(Lenient):
     type: Literal["tool"]
     name: str
     disable_parallel_tool_use: bool | None = None
 
 
-class ToolChoiceNone(Strict):
+class ToolChoiceNone(Lenient):
     type: Literal["none"]
 
 
 ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
 
 
-class Metadata(Strict):
+class Metadata(Lenient):
     user_id: str | None = None
 
 
-class ThinkingConfig(Strict):
+class ThinkingConfig(Lenient):
     """Accepted, not used: the served models do not think in Anthropic's protocol."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class JSONOutputFormat(Strict):
+class ContextManagementEdit(Lenient):
+    type: str  # clear_thinking_20251015, clear_tool_uses_20250919, compact_20260112 …
+    keep: Any = None  # what the edit keeps ("all", or a count of turns)
+
+
+class ContextManagementConfig(Lenient):
+    """Accepted, not applied: Cortex never shows thinking blocks to the model and keeps the rest."""
+
+    edits: list[ContextManagementEdit] | None = None
+
+
+class JSONOutputFormat(Lenient):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(Strict):
+class OutputConfig(Lenient):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted, not used
     format: JSONOutputFormat | None = None  # structured output: constrained decoding
 
@@ -189,9 +211,23 @@ def _assistant_message(content: list) -> dict[str, Any]:
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def messages_for_node(system: str | list[TextBlockParam] | None, messages: list[MessageParam]) -> list[dict[str, Any]]:
-    out = [{"role": "system", "content": _text_of(system)}] if system else []
+def _system_prompt(system: str | list[TextBlockParam] | None, messages: list[MessageParam | SystemMessageParam]) -> str:
+    """The top-level system prompt, then the system messages among the turns that still apply."""
+    parts = [_text_of(system)]
+    for at, message in enumerate(messages):
+        if isinstance(message, SystemMessageParam):
+            cleared = message.clear_at == "next_user_message" and any(m.role == "user" for m in messages[at + 1:])
+            parts += [] if cleared else [_text_of(message.content)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def messages_for_node(system: str | list[TextBlockParam] | None,
+                      messages: list[MessageParam | SystemMessageParam]) -> list[dict[str, Any]]:
+    prompt = _system_prompt(system, messages)
+    out = [{"role": "system", "content": prompt}] if prompt else []
     for message in messages:
+        if isinstance(message, SystemMessageParam):
+            continue
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
         elif message.role == "user":
@@ -201,17 +237,18 @@ def messages_for_node(system: str | list[TextBlockParam] | None, messages: list[
     return out
 
 
-class _MessagesInput(Strict):
+class _MessagesInput(Lenient):
     """What `/v1/messages` and `/v1/messages/count_tokens` share."""
 
     model: str
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     output_format: JSONOutputFormat | None = None  # the older name of output_config.format
+    context_management: ContextManagementConfig | None = None  # beta; Claude Code sends it
     # accepted, not used (Cortex has no prompt cache, containers, regions, speeds or workspaces)
     cache_control: CacheControlEphemeral | None = None
     user_profile_id: str | None = None
@@ -236,7 +273,8 @@ class _MessagesInput(Strict):
                                                   "parameters": t.input_schema}} for t in self.tools]
 
     def grammar(self, parser: tool_calls.ParserName) -> str | None:
-        """A forced call (`any`, `tool`) decodes under a grammar that only allows one."""
+        """A forced call (`any`, `tool`) decodes under a grammar that allows only calls: one for
+        `tool` or `disable_parallel_tool_use`, else a bounded number."""
         choice = self.tool_choice
         if not self.uses_tools or not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
             output = (self.output_config.format if self.output_config else None) or self.output_format
@@ -250,7 +288,7 @@ class _MessagesInput(Strict):
 class MessageCreateParams(_MessagesInput):
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: list[InputMessage] = Field(min_length=1)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, not used
     stop_sequences: list[str] | None = None

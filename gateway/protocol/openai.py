@@ -1,55 +1,53 @@
 """OpenAI wire types, named as the OpenAI spec names them, fields in spec order.
 
-Requests validate strictly (`extra="forbid"`, OpenAI's ranges) so bad input never reaches a
-node; each request converts itself to the `shared.wire.GenerationRequest` a node runs.
+Requests validate OpenAI's types and ranges so bad input never reaches a node (a field this
+gateway does not know is ignored and logged once: `gateway/protocol/lenient.py`); each request
+converts itself to the `shared.wire.GenerationRequest` a node runs.
 Extensions beyond OpenAI (vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`) come after the spec's fields.
 """
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from gateway import tool_calls
+from gateway.protocol.lenient import Lenient
 from shared.wire import GenerationRequest, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)]
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # ---- messages ---------------------------------------------------------------------------
 
 
-class ChatCompletionRequestMessageContentPartText(Strict):
+class ChatCompletionRequestMessageContentPartText(Lenient):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(Strict):
+class ImageURL(Lenient):
     url: str
     detail: Literal["auto", "low", "high"] = "auto"
 
 
-class ChatCompletionRequestMessageContentPartImage(Strict):
+class ChatCompletionRequestMessageContentPartImage(Lenient):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(Strict):
+class InputAudio(Lenient):
     data: str
     format: Literal["wav", "mp3"]
 
 
-class ChatCompletionRequestMessageContentPartAudio(Strict):
+class ChatCompletionRequestMessageContentPartAudio(Lenient):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class ChatCompletionRequestMessageContentPartRefusal(Strict):
+class ChatCompletionRequestMessageContentPartRefusal(Lenient):
     type: Literal["refusal"]
     refusal: str
 
@@ -62,36 +60,36 @@ UserPart = Annotated[
 AssistantPart = Annotated[TextPart | ChatCompletionRequestMessageContentPartRefusal, Field(discriminator="type")]
 
 
-class FunctionCall(Strict):
+class FunctionCall(Lenient):
     name: str
     arguments: str
 
 
-class ChatCompletionMessageToolCall(Strict):
+class ChatCompletionMessageToolCall(Lenient):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatCompletionRequestSystemMessage(Strict):
+class ChatCompletionRequestSystemMessage(Lenient):
     content: str | list[TextPart]
     role: Literal["system"]
     name: str | None = None
 
 
-class ChatCompletionRequestDeveloperMessage(Strict):
+class ChatCompletionRequestDeveloperMessage(Lenient):
     content: str | list[TextPart]
     role: Literal["developer"]
     name: str | None = None
 
 
-class ChatCompletionRequestUserMessage(Strict):
+class ChatCompletionRequestUserMessage(Lenient):
     content: str | list[UserPart]
     role: Literal["user"]
     name: str | None = None
 
 
-class ChatCompletionRequestAssistantMessage(Strict):
+class ChatCompletionRequestAssistantMessage(Lenient):
     content: str | list[AssistantPart] | None = None
     refusal: str | None = None
     role: Literal["assistant"]
@@ -99,7 +97,7 @@ class ChatCompletionRequestAssistantMessage(Strict):
     tool_calls: list[ChatCompletionMessageToolCall] | None = None
 
 
-class ChatCompletionRequestToolMessage(Strict):
+class ChatCompletionRequestToolMessage(Lenient):
     role: Literal["tool"]
     content: str | list[TextPart]
     tool_call_id: str
@@ -125,39 +123,39 @@ def _message_for_node(message: BaseModel) -> dict[str, Any]:
 # ---- tools ------------------------------------------------------------------------------
 
 
-class FunctionObject(Strict):
+class FunctionObject(Lenient):
     description: str | None = None
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatCompletionTool(Strict):
+class ChatCompletionTool(Lenient):
     type: Literal["function"]
     function: FunctionObject
 
 
-class ChatCompletionStreamOptions(Strict):
+class ChatCompletionStreamOptions(Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionNamedToolChoiceFunction(Strict):
+class ChatCompletionNamedToolChoiceFunction(Lenient):
     name: str
 
 
-class ChatCompletionNamedToolChoice(Strict):
+class ChatCompletionNamedToolChoice(Lenient):
     type: Literal["function"]
     function: ChatCompletionNamedToolChoiceFunction
 
 
-class JSONSchema(Strict):
+class JSONSchema(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(Strict):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchema | None = None
 
@@ -169,7 +167,7 @@ KeepAlive = float | Annotated[str, Field(pattern=r"^-?\d+(\.\d+)?[smh]?$")] | No
 _UNIT_S = {"s": 1, "m": 60, "h": 3600}
 
 
-class _Sampling(Strict):
+class _Sampling(Lenient):
     """Sampling fields shared by both request kinds, and their conversion."""
 
     @property
@@ -337,8 +335,6 @@ class CompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _supported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo: is not supported")
         if self.suffix:
             raise ValueError("suffix: is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -355,10 +351,12 @@ class CompletionRequest(_Sampling):
             model=model,
             kind="completion",
             prompt=self.prompt,
+            echo=self.echo,
             sampling=self._sampling(
                 max_tokens=self.max_tokens,
                 logprobs=self.logprobs is not None,
                 top_logprobs=self.logprobs or 0,
+                prompt_logprobs=self.logprobs if self.echo else None,
             ),
         )
 
@@ -474,12 +472,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape."""
+    """The legacy completions shape (with `echo`, the prompt's first token has no logprob: None)."""
 
     text_offset: list[int]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     tokens: list[str]
-    top_logprobs: list[dict[str, float]]
+    top_logprobs: list[dict[str, float] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -520,6 +518,7 @@ class Model(BaseModel):
     # extensions: catalogue models are listed even when not loaded (a request loads them)
     state: str = "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
     replicas: list[ModelReplica] = []
+    root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
 
 
 class ModelList(BaseModel):

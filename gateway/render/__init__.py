@@ -12,6 +12,8 @@ class JobInfo(Protocol):
     id: str  # the job id
     created: int  # unix seconds
     model: str  # the catalogue id
+    prompt_tokens: int  # the prompt's length, once the job's first event arrived (0 before)
+    prompt_text: str | None  # the prompt's text, when the node was asked to echo it
 
 
 def completion_usage(usage: Usage) -> CompletionUsage:

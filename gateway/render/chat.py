@@ -36,10 +36,10 @@ def finish_reason(reason: str | None, called: bool) -> str:
     return "tool_calls" if called and reason in (None, "stop") else reason or DEFAULT_FINISH_REASON
 
 
-def _message(text: str, parser: ToolCallParser | None) -> tuple[ChatCompletionMessage, bool]:
+def _message(text: str, parser: ToolCallParser | None, cut_off: bool) -> tuple[ChatCompletionMessage, bool]:
     if parser is None:
         return ChatCompletionMessage(content=text), False
-    parsed = collect(parser.feed(text) + parser.finish())
+    parsed = collect(parser.feed(text) + parser.finish(cut_off))
     calls = [ChatCompletionMessageToolCall(id=f"call_{c.id}", function=FunctionCall(name=c.name, arguments=c.arguments))
              for c in parsed.calls]
     return ChatCompletionMessage(content=parsed.content or None, tool_calls=calls or None), bool(calls)
@@ -55,7 +55,7 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
 def chat_completion(job: JobInfo, gathered: Gathered, parsers: Parsers = _no_tools) -> ChatCompletion:
     choices = []
     for c in gathered.choices:
-        message, called = _message(c.text, parsers())
+        message, called = _message(c.text, parsers(), c.finish_reason == "length")
         choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=chat_logprobs(c.logprobs),
                                             finish_reason=finish_reason(c.finish_reason, called)))
     return ChatCompletion(
@@ -106,7 +106,8 @@ async def chat_chunks(
                 if d.text or d.logprobs:
                     yield chunk(d.index, Delta(content=d.text), logprobs=chat_logprobs(d.logprobs))
             else:
-                pieces = parser.feed(d.text) + (parser.finish() if d.finish_reason is not None else [])
+                ended = d.finish_reason is not None
+                pieces = parser.feed(d.text) + (parser.finish(d.finish_reason == "length") if ended else [])
                 for i, piece in enumerate(pieces):
                     called.update([d.index] if isinstance(piece, CallStart) else [])
                     yield chunk(d.index, _piece_delta(piece), logprobs=chat_logprobs(d.logprobs) if i == 0 else None)

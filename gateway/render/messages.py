@@ -59,8 +59,8 @@ class Blocks:
         pieces = self.parser.feed(text) if self.parser else ([tool_calls.Text(text)] if text else [])
         yield from self._events(pieces)
 
-    def finish(self) -> Iterator[StreamEvent]:
-        yield from self._events(self.parser.finish() if self.parser else [])
+    def finish(self, cut_off: bool) -> Iterator[StreamEvent]:
+        yield from self._events(self.parser.finish(cut_off) if self.parser else [])
         if self.index < 0:  # an empty answer is one empty text block
             yield from self._start(TextBlock(text=""), "text")
         yield from self._close()
@@ -107,7 +107,7 @@ def content_blocks(events: list[StreamEvent]) -> list[ContentBlock]:
 
 def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: tool_calls.ToolCallParser | None) -> Message:
     blocks = Blocks(parser)
-    events = [*blocks.feed(choice.text), *blocks.finish()]
+    events = [*blocks.feed(choice.text), *blocks.finish(choice.finish_reason == "length")]
     return Message(
         id=message_id(job), model=job.model, content=content_blocks(events),
         stop_reason=stop_reason(choice.finish_reason, choice.stop_sequence, blocks.called),
@@ -119,15 +119,19 @@ def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: tool
 async def message_events(
     job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], parser: tool_calls.ToolCallParser | None
 ) -> AsyncIterator[StreamEvent]:
-    """message_start, the content block events, message_delta (stop reason, usage), message_stop."""
-    yield MessageStartEvent(message=Message(
-        id=message_id(job), model=job.model, content=[], stop_reason=None,
-        usage=Usage(input_tokens=0, output_tokens=0)))
+    """message_start, the content block events, message_delta (stop reason, usage), message_stop.
+    message_start waits for the job's first event: by then the node has said the prompt's length."""
     blocks = Blocks(parser)
     finish_reason = stop_sequence = None
+    started = False
     async for event in events:
+        if not started:
+            started = True
+            yield MessageStartEvent(message=Message(
+                id=message_id(job), model=job.model, content=[], stop_reason=None,
+                usage=Usage(input_tokens=job.prompt_tokens, output_tokens=0)))
         if isinstance(event, DoneEvent):
-            for block_event in blocks.finish():
+            for block_event in blocks.finish(finish_reason == "length"):
                 yield block_event
             yield MessageDeltaEvent(
                 delta=MessageDelta(stop_reason=stop_reason(finish_reason, stop_sequence, blocks.called),

@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from gateway.protocol.openai import Model, ModelList, ModelReplica
 from shared.catalog import Catalog
+from shared.errors import ModelNotFound
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 
@@ -13,8 +14,9 @@ _RANK = [ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.
 def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
                may_use: Callable[[set[str]], bool] = lambda names: True) -> ModelList:
     """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
-    each with its replicas and its best state; only those `may_use` (given a model's id and
-    aliases) allows. `created` is when the earliest node holding it started (0 when none does)."""
+    each with its replicas and its best state, only those `may_use` (given a model's id and aliases)
+    allows; then each alias (`default` …) as an entry of its own whose `root` is the model it names
+    (a model's `root` is itself). `created` is when the earliest node holding it started (0 when none does)."""
     replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
     for node in nodes:
@@ -31,5 +33,17 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
             continue
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
-        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held))
+        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model))
+    by_id = {m.id: m for m in data}
+    data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})
+             for p in catalog.profiles.values() if p.id in by_id for alias in p.aliases]
     return ModelList(data=data)
+
+
+def model_card(catalog: Catalog, nodes: list[NodeHeartbeat], name: str,
+               may_use: Callable[[set[str]], bool] = lambda names: True) -> Model:
+    """One entry of the list, by id or alias."""
+    for model in model_list(catalog, nodes, may_use).data:
+        if model.id == name:
+            return model
+    raise ModelNotFound(f"The model '{name}' does not exist.", param="model")

@@ -19,8 +19,8 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     job = await submit_request(ctx, body, caller)
     if body.stream:
-        chunks = completion_chunks(job, job.events(), n=body.n, include_usage=body.include_usage)
+        chunks = completion_chunks(job, job.events(), n=body.n, include_usage=body.include_usage, echo=body.echo)
         return await stream_job(request, job, chunks)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), body.n))
-    return JSONResponse(completion(job, gathered).model_dump(mode="json"))
+    return JSONResponse(completion(job, gathered, body.echo).model_dump(mode="json"))

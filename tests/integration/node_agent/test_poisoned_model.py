@@ -26,7 +26,7 @@ async def ask(r: aioredis.Redis, keys, model: str, job: str) -> list:
         async for message in pubsub.listen():
             if message["type"] == "message":
                 events.append(unpack_event(message["data"]))
-                if events[-1].type != "delta":
+                if events[-1].type not in ("start", "delta"):
                     break
     await pubsub.aclose()
     return events

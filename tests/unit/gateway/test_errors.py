@@ -1,5 +1,7 @@
 """Every error in OpenAI's shape, with the status and the field it concerns."""
 
+import logging
+
 import pytest
 
 from tests.unit.gateway.conftest import MODEL, beat
@@ -29,16 +31,25 @@ async def test_missing_messages_names_the_field(client):
 @pytest.mark.parametrize(
     "fields, param",
     [({"max_tokens": -1}, "max_tokens"), ({"temperature": 5}, "temperature"), ({"n": 0}, "n"),
-     ({"top_logprobs": 3}, "top_logprobs"), ({"foo": 1}, "foo")],
+     ({"top_logprobs": 3}, "top_logprobs")],
 )
 async def test_invalid_fields(client, fields, param):
     error = error_of(await client.post(URL, json=HELLO | fields), 400)
     assert error["param"] == param and param in error["message"]
 
 
-async def test_unrecognized_argument_reads_like_openai(client):
-    error = error_of(await client.post(URL, json=HELLO | {"foo": 1}), 400)
-    assert error["message"] == "Unrecognized request argument supplied: foo"
+async def test_unknown_fields_are_ignored_and_logged_once(client, node, caplog):
+    """A newer client's field is no reason to refuse it; a known field with a wrong type still is."""
+    caplog.set_level(logging.INFO, logger="gateway.protocol.lenient")
+    body = HELLO | {"x_future_option": {"a": 1},
+                    "messages": [{"role": "user", "content": "hi", "x_future_message_field": 1}]}
+    for _ in range(2):
+        assert (await client.post(URL, json=body)).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "x_future" in r.getMessage()]
+    assert sorted(logged) == ["ignoring unknown field ChatCompletionRequest.x_future_option (logged once)",
+                              "ignoring unknown field ChatCompletionRequestUserMessage.x_future_message_field (logged once)"]
+    error = error_of(await client.post(URL, json=HELLO | {"parallel_tool_calls": "sometimes"}), 400)
+    assert error["param"] == "parallel_tool_calls"
 
 
 async def test_body_not_an_object(client):

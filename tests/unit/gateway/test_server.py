@@ -37,7 +37,7 @@ def test_gateway_process(gateway_url, redis_url):
     response = httpx.post(f"{gateway_url}/v1/chat/completions", json=HELLO)
     assert response.status_code == 503 and response.json()["error"]["code"] == "insufficient_capacity"
     assert [(m["id"], m["state"]) for m in httpx.get(f"{gateway_url}/v1/models").json()["data"]] == [
-        (DEFAULT_MODEL_ID, "not_loaded")]
+        (DEFAULT_MODEL_ID, "not_loaded"), ("default", "not_loaded")]
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

@@ -76,3 +76,50 @@ def test_forced_call_grammars_compile(parser):
     tools = [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"name": "g"}]
     for parallel in (True, False):
         tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+
+
+CUT_OFF = [  # answers that max_tokens ended inside a call: (parser, text, content, call names)
+    ("hermes", "Sure <tool", "Sure", []),
+    ("hermes", 'Sure <tool_call>\n{"arguments": {"city": "Pa', "Sure", []),
+    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"na', "", ["a"]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"city": "Pa', "", ["f"]),  # streamed already: a call
+    ("llama3_json", '{"name": "f", "param', "", []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "argu', "", []),
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(CUT_OFF), cuts=st.lists(st.integers(0, 80), max_size=8))
+def test_a_call_cut_off_by_max_tokens_is_never_text(case, cuts):
+    name, text, content, names = case
+    parser, pieces, last = make_parser(name), [], 0
+    for cut in sorted({c for c in cuts if c < len(text)}) + [len(text)]:
+        pieces += parser.feed(text[last:cut])
+        last = cut
+    parsed = collect(pieces + parser.finish(cut_off=True))
+    assert parsed.content == content and [c.name for c in parsed.calls] == names
+
+
+@pytest.fixture(scope="module")
+def grammars(smol_tokenizer):
+    from node_agent.constrain import Grammars
+
+    return Grammars(smol_tokenizer, len(smol_tokenizer), {smol_tokenizer.eos_token_id})
+
+
+@pytest.mark.parametrize("parser, one, separator", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "\n"),
+    ("llama3_json", '{"name": "f", "parameters": {}}', "; "),
+])
+def test_forced_calls_are_one_or_a_bounded_number(grammars, smol_tokenizer, parser, one, separator):
+    tools = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
+
+    def accepts(text: str, parallel: bool) -> bool:
+        matcher = grammars.matcher(tool_calls.forced_call_grammar(parser, tools, parallel=parallel))
+        ids = smol_tokenizer.encode(text, add_special_tokens=False) + [smol_tokenizer.eos_token_id]
+        return matcher.validate_tokens(ids) == len(ids)
+
+    calls = lambda n: separator.join([one] * n)
+    assert accepts(calls(1), parallel=False) and not accepts(calls(2), parallel=False)
+    assert accepts(calls(tool_calls.MAX_PARALLEL_CALLS), parallel=True)
+    assert not accepts(calls(tool_calls.MAX_PARALLEL_CALLS + 1), parallel=True)

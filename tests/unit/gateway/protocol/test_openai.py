@@ -27,7 +27,7 @@ def completion(**fields) -> CompletionRequest:
         {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
         {"messages": [{"role": "tool", "content": "x"}]}, {"messages": [{"content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
-        {"tool_choice": "required"}, {"response_format": {"type": "json_schema"}}, {"unknown_field": 1},
+        {"tool_choice": "required"}, {"response_format": {"type": "json_schema"}}, {"parallel_tool_calls": "x"},
         {"min_p": 2}, {"repetition_penalty": 0}, {"top_k": -2},
     ],
 )
@@ -81,7 +81,7 @@ def test_tool_choice_none_drops_tools():
 @pytest.mark.parametrize(
     "fields",
     [
-        {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": []}, {"echo": True}, {"suffix": "x"},
+        {"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": []}, {"echo": [1]}, {"suffix": "x"},
         {"best_of": 3}, {"logprobs": 6}, {"max_tokens": -1}, {"temperature": 5}, {"n": 0},
     ],
 )

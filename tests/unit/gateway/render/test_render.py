@@ -7,7 +7,7 @@ from tests.unit.gateway.conftest import delta, done
 
 
 class JobInfo:
-    id, created, model = "j", 1, "M"
+    id, created, model, prompt_tokens, prompt_text = "j", 1, "M", 0, None
 
 
 async def events(*items):

@@ -54,7 +54,7 @@ async def test_malformed_call_comes_back_as_text(client, node):
 
 
 @pytest.mark.parametrize("extra, expect", [
-    ({"tool_choice": "required"}, ["<tool_call>", '"const": "get_weather"', "call)*"]),
+    ({"tool_choice": "required"}, ["<tool_call>", '"const": "get_weather"', "call){0,3}"]),
     ({"tool_choice": "required", "parallel_tool_calls": False}, ["start: call\n"]),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, ["start: call\n"]),
     ({"response_format": {"type": "json_object"}}, ['"type": "object"']),
@@ -93,3 +93,18 @@ async def test_tool_history_goes_back_to_the_node(client, node):
     sent = node.entries[0].request().messages
     assert sent[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sent[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+@pytest.mark.parametrize("cut", ["<tool", "<tool_call>\n{\"na"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_cut_off_by_max_tokens_is_not_content(client, node, stream, cut):
+    node.script = lambda entry: [delta("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>\n"),
+                                 delta(cut, finish_reason="length"), done()]
+    response = await client.post("/v1/chat/completions", json=ASK | {"tool_choice": "required", "stream": stream})
+    if stream:
+        *chunks, end = sse_payloads(response.text)
+        assert end == "[DONE]" and not [c for c in chunks if c["choices"][0]["delta"].get("content")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        message = response.json()["choices"][0]["message"]
+        assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]

@@ -7,7 +7,7 @@ import pytest
 from gateway.protocol.anthropic import MessageCreateParams
 from gateway.render.messages import content_blocks
 from gateway.routes import messages as messages_route
-from shared.wire import ErrorEvent
+from shared.wire import ErrorEvent, StartEvent
 from tests.unit.gateway.conftest import MODEL, delta, done
 
 HELLO = {"model": "default", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
@@ -153,7 +153,8 @@ async def test_count_tokens_is_a_count_job(client, node):
     (HELLO | {"model": "nope"}, 404, "not_found_error"),
     (HELLO | {"temperature": 1.5}, 400, "invalid_request_error"),
     (HELLO | {"tool_choice": {"type": "tool", "name": "x"}, "tools": [WEATHER]}, 400, "invalid_request_error"),
-    (HELLO | {"unknown": 1}, 400, "invalid_request_error"),
+    (HELLO | {"context_management": {"edits": "all"}}, 400, "invalid_request_error"),  # known field, wrong type
+    (HELLO | {"messages": [{"role": "system", "content": 5}]}, 400, "invalid_request_error"),
 ])
 async def test_errors_in_anthropic_shape(client, node, body, status, kind):
     response = await client.post("/v1/messages", json=body)
@@ -210,3 +211,67 @@ async def test_ping_while_the_model_is_quiet(client, node, monkeypatch):
 def test_request_model_translates_tool_choice_none_to_no_tools():
     params = MessageCreateParams.model_validate(HELLO | {"tools": [WEATHER], "tool_choice": {"type": "none"}})
     assert params.to_generation_request("j", MODEL).tools is None
+
+
+CLAUDE_CODE = {  # the shape of Claude Code 2.1's default request (trimmed), as captured from `claude -p`
+    "model": "default", "max_tokens": 32000, "stream": True,
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "<system-reminder>\nToday's date is 2026-11-23.\n</system-reminder>\n"},
+                                     {"type": "text", "text": "hello there", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Available agent types for the Agent tool: ..."},
+    ],
+    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.d7d; cc_entrypoint=sdk-cli;"},
+               {"type": "text", "text": "You are a Claude agent.", "cache_control": {"type": "ephemeral"}}],
+    "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+        "properties": {"command": {"type": "string"}}, "required": ["command"], "additionalProperties": False}}],
+    "metadata": {"user_id": '{"device_id":"d92f","account_uuid":"","session_id":"9524"}'},
+    "thinking": {"type": "adaptive"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+}
+CLAUDE_CODE_HEADERS = HEADERS | {"anthropic-beta": "claude-code-20250219,context-management-2025-06-27",
+                                 "x-app": "cli", "anthropic-dangerous-direct-browser-access": "true"}
+
+
+async def test_claude_codes_default_request_is_accepted(client, node):
+    """System messages after the user turn, context_management, thinking, max_tokens 32000, ?beta=true."""
+    response = await client.post("/v1/messages?beta=true", json=CLAUDE_CODE, headers=CLAUDE_CODE_HEADERS)
+    assert response.status_code == 200, response.text
+    assert [name for name, _ in sse_events(response.text)][-1] == "message_stop"
+    sent = node.entries[0].request()
+    assert sent.messages[0] == {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.197.d7d; "
+                                "cc_entrypoint=sdk-cli;You are a Claude agent.\n\nAvailable agent types for the Agent tool: ..."}
+    assert [m["role"] for m in sent.messages] == ["system", "user"]
+    assert sent.sampling.max_tokens == 32000  # the node fits it to the room the prompt leaves
+
+
+async def test_system_messages_fold_in_order_and_clear_at_next_user_message(client, node):
+    turns = [{"role": "system", "content": "first"}, {"role": "user", "content": "a"},
+             {"role": "system", "content": [{"type": "text", "text": "gone"}], "clear_at": "next_user_message"},
+             {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+             {"role": "system", "content": "last", "clear_at": "next_user_message"}]
+    assert (await client.post("/v1/messages", json=HELLO | {"system": "top", "messages": turns})).status_code == 200
+    assert node.entries[0].request().messages == [
+        {"role": "system", "content": "top\n\nfirst\n\nlast"}, {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+
+
+async def test_message_start_reports_the_prompts_tokens(client, node):
+    node.script = lambda entry: [StartEvent(prompt_tokens=17), delta("Hi", finish_reason="stop"), done(prompt_tokens=17)]
+    events = sse_events((await client.post("/v1/messages", json=HELLO | {"stream": True})).text)
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 17
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_call_cut_off_by_max_tokens_is_not_text(client, node, stream):
+    node.script = lambda entry: [delta("<tool_call>\n{\"na"), delta("me\": \"get_wea", finish_reason="length"), done()]
+    response = await client.post("/v1/messages", json=HELLO | {"tools": [WEATHER], "tool_choice": {"type": "any"},
+                                                               "stream": stream})
+    if stream:
+        events = sse_events(response.text)
+        assert not [e for n, e in events if n == "content_block_delta" and e["delta"].get("text")]
+        assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+    else:
+        assert response.json()["content"] == [{"type": "text", "text": ""}]
+        assert response.json()["stop_reason"] == "max_tokens"

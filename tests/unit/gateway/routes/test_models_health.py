@@ -5,18 +5,30 @@ from tests.unit.gateway.conftest import MODEL, beat
 
 
 async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redis):
-    [listed] = (await client.get("/v1/models")).json()["data"]
+    listed, alias = (await client.get("/v1/models")).json()["data"]
     assert (listed["id"], listed["state"], listed["replicas"]) == (MODEL, "not_loaded", [])
+    assert alias == listed | {"id": "default"}  # clients are told to ask for `default`: it is listed
     heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED})
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
     await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
     body = (await client.get("/v1/models")).json()
-    assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model"]  # catalogue order first
+    assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model", "default"]  # catalogue order first
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
-                               "owned_by": "cortex", "state": "ready",
+                               "owned_by": "cortex", "state": "ready", "root": MODEL,
                                "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}]}
     assert body["data"][1]["state"] == "loading"
+    assert body["data"][2] == body["data"][0] | {"id": "default"}
+
+
+async def test_retrieve_a_model_by_id_or_alias(client, redis):
+    await beat(redis, "n1", {MODEL: ModelState.READY, "org/Live-Model": ModelState.READY})
+    by_id = (await client.get(f"/v1/models/{MODEL}")).json()
+    assert (by_id["id"], by_id["root"], by_id["state"]) == (MODEL, MODEL, "ready")
+    assert (await client.get("/v1/models/default")).json() == by_id | {"id": "default"}
+    assert (await client.get("/v1/models/org/Live-Model")).json()["root"] == "org/Live-Model"
+    missing = await client.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 async def test_health(client, fake_server):

@@ -1,0 +1,162 @@
+"""Job events → Responses API objects and stream events.
+
+The text runs through the tool-call parser (when the request has tools) and its pieces become
+output items: a `message` with one `output_text` part, and a `function_call` per call. A whole
+response folds the same events a stream sends, so both carry the same output.
+"""
+
+from collections.abc import AsyncIterator, Iterator
+from itertools import count
+
+from gateway import tool_calls
+from gateway.gather import GatheredChoice
+from gateway.protocol.responses import (
+    IncompleteDetails,
+    Response,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreateParams,
+    ResponseCreatedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItem,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseStreamEvent,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+)
+from gateway.render import JobInfo
+from shared.wire import DeltaEvent, DoneEvent, Usage
+
+
+def response_id(job: JobInfo) -> str:
+    return f"resp_{job.id}"
+
+
+class Output:
+    """Parser pieces → output items and their events, opening and closing items as pieces change kind."""
+
+    def __init__(self, job: JobInfo, parser: tool_calls.ToolCallParser | None):
+        self.job, self.parser = job, parser
+        self.items: list[ResponseOutputItem] = []
+        self.open = False
+
+    def feed(self, text: str) -> Iterator[ResponseStreamEvent]:
+        pieces = self.parser.feed(text) if self.parser else ([tool_calls.Text(text)] if text else [])
+        yield from self._events(pieces)
+
+    def finish(self, cut_off: bool) -> Iterator[ResponseStreamEvent]:
+        yield from self._events(self.parser.finish(cut_off) if self.parser else [])
+        yield from self._close("incomplete" if cut_off else "completed")
+
+    def _events(self, pieces: list[tool_calls.Piece]) -> Iterator[ResponseStreamEvent]:
+        for piece in pieces:
+            if isinstance(piece, tool_calls.Text):
+                if not (self.open and isinstance(self.items[-1], ResponseOutputMessage)):
+                    yield from self._add(ResponseOutputMessage(id=f"msg_{self.job.id}_{len(self.items)}", content=[],
+                                                               status="in_progress"))
+                    self.items[-1].content.append(ResponseOutputText(text=""))
+                    yield ResponseContentPartAddedEvent(item_id=self.items[-1].id, output_index=len(self.items) - 1,
+                                                        part=ResponseOutputText(text=""))
+                self.items[-1].content[0].text += piece.text
+                yield ResponseTextDeltaEvent(item_id=self.items[-1].id, output_index=len(self.items) - 1,
+                                             delta=piece.text)
+            elif isinstance(piece, tool_calls.CallStart):
+                yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}",
+                                                              name=piece.name, arguments="", status="in_progress"))
+            elif piece.text:
+                self.items[-1].arguments += piece.text
+                yield ResponseFunctionCallArgumentsDeltaEvent(item_id=self.items[-1].id,
+                                                              output_index=len(self.items) - 1, delta=piece.text)
+
+    def _add(self, item: ResponseOutputItem) -> Iterator[ResponseStreamEvent]:
+        yield from self._close("completed")
+        self.items.append(item)
+        self.open = True
+        yield ResponseOutputItemAddedEvent(output_index=len(self.items) - 1, item=item.model_copy(deep=True))
+
+    def _close(self, status: str) -> Iterator[ResponseStreamEvent]:
+        if not self.open:
+            return
+        self.open = False
+        item, at = self.items[-1], len(self.items) - 1
+        item.status = status
+        if isinstance(item, ResponseOutputMessage):
+            part = item.content[0]
+            yield ResponseTextDoneEvent(item_id=item.id, output_index=at, text=part.text)
+            yield ResponseContentPartDoneEvent(item_id=item.id, output_index=at, part=part.model_copy())
+        else:
+            yield ResponseFunctionCallArgumentsDoneEvent(item_id=item.id, output_index=at, name=item.name,
+                                                         arguments=item.arguments)
+        yield ResponseOutputItemDoneEvent(output_index=at, item=item.model_copy(deep=True))
+
+
+def response_object(job: JobInfo, body: ResponseCreateParams, output: list[ResponseOutputItem],
+                    usage: Usage | None, finish_reason: str | None) -> Response:
+    """The response as it stands: in progress without usage, else completed or incomplete."""
+    status = "in_progress" if usage is None else "incomplete" if finish_reason == "length" else "completed"
+    return Response(
+        id=response_id(job), created_at=job.created, model=job.model, output=output, status=status,
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+        instructions=body.instructions, metadata=body.metadata,
+        parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature,
+        tool_choice=body.tool_choice or "auto", tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+        top_p=body.top_p, max_output_tokens=body.max_output_tokens, previous_response_id=body.previous_response_id,
+        store=body.store is not False, truncation=body.truncation or "disabled",
+        text=body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {"format": {"type": "text"}},
+        usage=None if usage is None else ResponseUsage(input_tokens=usage.prompt_tokens,
+                                                       output_tokens=usage.completion_tokens,
+                                                       total_tokens=usage.total_tokens),
+    )
+
+
+def assistant_turn(response: Response) -> dict:
+    """The response's output as the chat message a next turn continues from."""
+    text = "".join(p.text for item in response.output if isinstance(item, ResponseOutputMessage) for p in item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in response.output if isinstance(item, ResponseFunctionToolCall)]
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+def response(job: JobInfo, body: ResponseCreateParams, choice: GatheredChoice, usage: Usage,
+             parser: tool_calls.ToolCallParser | None) -> Response:
+    output = Output(job, parser)
+    for _ in [*output.feed(choice.text), *output.finish(choice.finish_reason == "length")]:
+        pass
+    return response_object(job, body, output.items, usage, choice.finish_reason)
+
+
+async def response_events(job: JobInfo, body: ResponseCreateParams, events: AsyncIterator[DeltaEvent | DoneEvent],
+                          parser: tool_calls.ToolCallParser | None) -> AsyncIterator[ResponseStreamEvent]:
+    """response.created, response.in_progress, the output items' events, then response.completed
+    (or response.incomplete when max_output_tokens cut it), numbered in order."""
+    numbers = count()
+
+    def numbered(event: ResponseStreamEvent) -> ResponseStreamEvent:
+        event.sequence_number = next(numbers)
+        return event
+
+    started = response_object(job, body, [], None, None)
+    yield numbered(ResponseCreatedEvent(response=started))
+    yield numbered(ResponseInProgressEvent(response=started))
+    output, finish_reason = Output(job, parser), None
+    async for event in events:
+        if isinstance(event, DoneEvent):
+            for item_event in output.finish(finish_reason == "length"):
+                yield numbered(item_event)
+            final = response_object(job, body, output.items, event.usage, finish_reason)
+            end = ResponseIncompleteEvent if final.status == "incomplete" else ResponseCompletedEvent
+            yield numbered(end(response=final))
+            return
+        for delta in event.choices:
+            for item_event in output.feed(delta.text):
+                yield numbered(item_event)
+            finish_reason = delta.finish_reason or finish_reason

@@ -1,0 +1,87 @@
+"""Real clients against a whole stack (redis-server, the gateway under uvicorn, one node agent)
+serving tiny models: `tiny` (random weights, 256-token context, default_max_tokens 8, alias
+`default`), `tiny-strict` (the same under max_tokens_policy "reject"), and `scripted` (a 32k
+context and a scripted tool call, for Claude Code: see tests/tiny_models.build_scripted)."""
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests import tiny_models
+from tests.stack import Stack, start_stack
+
+# After a tool result the template ends the prompt with "Result:", so the scripted model answers
+# instead of calling the tool again.
+SCRIPTED_TEMPLATE = (
+    "{%- set ns = namespace(answered=false) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{%- set ns.answered = false -%}"
+    "{%- elif '<tool_response>' in m['content'] -%}{%- set ns.answered = true -%}{%- endif -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% if ns.answered %}Result:{% endif %}{%- endif -%}"
+)
+TOOL_CALL = '<tool_call>{"name":"Bash","arguments": {"command" : "ls"} }'  # spelt so that no token repeats
+ANSWER = "Done."
+
+
+@pytest.fixture(scope="session")
+def scripted_dir(tmp_path_factory, smol_tokenizer):
+    def last_token(text: str) -> int:
+        return smol_tokenizer.encode(text, add_special_tokens=False)[-1]
+
+    replies = {last_token("<|im_start|>assistant\n"): TOOL_CALL, last_token("<|im_start|>assistant\nResult:"): ANSWER}
+    return tiny_models.build_scripted(tmp_path_factory.mktemp("scripted"), smol_tokenizer, replies)
+
+
+@pytest.fixture(scope="session")
+def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[Stack]:
+    tiny = tiny_dirs["llama"]
+    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    toml = f"""
+[[models]]
+id = "tiny"
+source = "{tiny}"
+aliases = ["default"]
+dtype = "float32"
+slots = 4
+max_model_len = 256
+default_max_tokens = 8
+
+[[models]]
+id = "tiny-strict"
+source = "{tiny}"
+dtype = "float32"
+slots = 4
+max_model_len = 256
+max_tokens_policy = "reject"
+
+[[models]]
+id = "scripted"
+source = "{scripted_dir}"
+dtype = "float32"
+slots = 2
+max_model_len = 32768
+chat_template = "{template}"
+"""
+    stack = start_stack(tmp_path_factory.mktemp("clients"), toml)
+    try:
+        stack.start_gateway()
+        stack.start_node("node-c", ["tiny", "tiny-strict", "scripted"])
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def stack(clients_stack: Stack) -> Iterator[Stack]:
+    """The stack, checked afterwards for pending entries and stray keys."""
+    yield clients_stack
+    clients_stack.assert_clean()
+
+
+@pytest.fixture
+def openai_client(stack: Stack):
+    import openai
+
+    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0)
