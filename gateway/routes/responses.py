@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway import sse, tool_calls
+from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather
@@ -26,11 +27,11 @@ def _store(ctx: Ctx) -> ResponseStore:
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request) -> Response:
+async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     store = _store(ctx)
     if body.previous_response_id:
         body.continue_from(await store.conversation(body.previous_response_id))
-    job = await submit_request(ctx, body)
+    job = await submit_request(ctx, body, caller)
     profile = ctx.catalog.resolve(body.model)
     parser = tool_calls.make_parser(tool_calls.parser_name(profile)) if body.uses_tools else None
     if body.stream:

@@ -93,7 +93,7 @@ async def test_a_model_the_key_may_not_use(client, node, new_key):
     assert (await client.get("/v1/models", headers=bearer(secret))).json()["data"] == []
     allowed = await new_key("by-alias", models=["default"])  # an alias names the model too
     assert (await client.post("/v1/chat/completions", json=CHAT, headers=bearer(allowed))).status_code == 200
-    assert [m["id"] for m in (await client.get("/v1/models", headers=bearer(allowed))).json()["data"]] == [MODEL]
+    assert [m["id"] for m in (await client.get("/v1/models", headers=bearer(allowed))).json()["data"]] == [MODEL, "default"]
 
 
 async def test_rpm_is_429_with_retry_after_in_each_dialect(app, client, node, new_key):
