@@ -49,7 +49,7 @@ SYSTEMS = {
     "engine": "cortex engine in-process",
     "tf-serve": "tf serve --cb",
     "hf-generate": "HF generate",
-    "ceiling": "capture ceiling (CUDA graph)",
+    "ceiling": "capture ceiling",
 }
 
 TOPICS = [
