@@ -353,7 +353,7 @@ def run_http_system(system: str, base_url: str, make_body, args, waves: list[Wav
             raise RuntimeError(f"{system}: warm-up request failed: {error}")
         time.sleep(1)
     for n in args.concurrency:
-        http_wave(system, base_url, n, 4, make_body, args.timeout)  # this concurrency's shapes
+        http_wave(system, base_url, n, args.warmup_tokens, make_body, args.timeout)  # this concurrency's shapes
         wave = quietest(args, lambda: http_wave(system, base_url, n, args.max_tokens, make_body, args.timeout))
         waves.append(wave)
         log(f"{system} N={n}: {_short(wave)}")
@@ -464,17 +464,17 @@ def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
         if decoding:
             decode_steps.append(end - start)
         now = end - t0
-        for job, job_events in events:
+        for job, job_events in events:  # wire dicts, as the node publishes them
             s = streams[job]
             for event in job_events:
-                if event.type == "delta":
-                    got = sum(len(c.token_ids) for c in event.choices)
+                if event["type"] == "delta":
+                    got = sum(len(c["token_ids"]) for c in event["choices"])
                     if got and math.isnan(s.ttft_s):
                         s.ttft_s = now
                     s.tokens += got
                     s.total_s = now
-                elif event.type == "error":
-                    s.error = f"{event.code}: {event.message}"
+                elif event["type"] == "error":
+                    s.error = f"{event['code']}: {event['message']}"
     wall = time.perf_counter() - t0
     return Wave("engine", n, wall, list(streams.values()), step_ms=percentile(decode_steps, 50) * 1000)
 
@@ -529,7 +529,7 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
     if "hf-generate" in args.systems:
         log("hf-generate: warm-up")
         for n in args.concurrency:
-            hf_generate_wave(loaded, profile, n, 4)
+            hf_generate_wave(loaded, profile, n, args.warmup_tokens)
             wave = quietest(args, lambda: metered(hf_generate_wave, loaded, profile, n, args.max_tokens))
             waves.append(wave)
             log(f"hf-generate N={n}: {_short(wave)}")
@@ -543,7 +543,7 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
         engine = Engine(loaded, profile, "bench")
         log(f"engine: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
         for n in args.concurrency:
-            engine_wave(engine, loaded, profile, n, 4)
+            engine_wave(engine, loaded, profile, n, args.warmup_tokens)
             wave = quietest(args, lambda: metered(engine_wave, engine, loaded, profile, n, args.max_tokens))
             waves.append(wave)
             log(f"engine N={n}: {_short(wave)}; {wave.step_ms:.2f} ms a decode step")
@@ -811,6 +811,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=None,
                    help="completion tokens per stream (default 128; tiny: 256; --quick: 32)")
     p.add_argument("--quick", action="store_true", help="smoke run: N=1,8 with 32 tokens")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens per stream of the warm-up wave before each measured one (default 4; cuda: "
+                        "--max-tokens, so that shapes captured at first use are captured before the measurement)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="every system's device (cuda: cuda:0)")
     p.add_argument("--shape", default=None, choices=sorted(bench_models.SHAPES),
                    help="a random-weight model in this shape instead of the default model (built once, kept under "
@@ -855,6 +858,7 @@ def parse_args(argv=None):
     conc = args.concurrency or ("1,8" if args.quick else "64,128" if tiny else "1,8,32" if cpu else "1,8,32,64")
     args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
     args.max_tokens = args.max_tokens or (32 if args.quick else 256 if tiny else 128)
+    args.warmup_tokens = args.warmup_tokens or (4 if cpu else args.max_tokens)
     args.slots = args.slots or max(16, max(args.concurrency))
     args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     args.device = "cpu" if cpu else "cuda:0"
