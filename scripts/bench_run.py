@@ -5,8 +5,8 @@ Systems (each runs alone, one after another, on the same workload and dtype):
   engine        Cortex's continuous-batching engine driven in-process (no gateway, no Redis)
   gateway       Cortex end to end: HTTP + SSE through the gateway, Redis Streams, one node agent
   tf-serve      `transformers serve --continuous-batching` through its OpenAI-compatible endpoint
-  ceiling       (CUDA only) the same HF forward, one decode token per row over a static cache,
-                captured in a CUDA graph and replayed: what a decode step costs without the host
+  ceiling       (CUDA only) the model's transformers forward, one decode token per row over a
+                static cache, captured in a CUDA graph and replayed: a decode step without the host
 
 Model: the default one (SmolLM2-135M-Instruct's GGUF), or with --shape a random-weight model in a
 real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for every system.
@@ -379,7 +379,7 @@ def model_profile(args, quant: str | None = None):
     if quant and quant != "none":
         extra["quant"] = quant
     return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
-                        dtype=args.dtype, **extra)
+                        dtype=args.dtype, decode=args.decode, **extra)
 
 
 def load_model(args, quant: str | None = None):
@@ -593,6 +593,7 @@ def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
             "[[models]]\n"
             f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
             f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
+            f'decode = "{profile.decode}"\n'
             + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
             + "pin = true\n")  # never unloaded for idleness in the middle of a run
         env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
@@ -715,7 +716,9 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     from rich.table import Table
 
     console = Console(width=max(shutil.get_terminal_size((140, 40)).columns, 140))
-    quant = f" (Cortex rows {meta['quant']})" if meta.get("quant", "none") != "none" else ""
+    cortex = [f"{meta['quant']}"] if meta.get("quant", "none") != "none" else []
+    cortex += [f"decode {meta['decode']}"] if meta.get("decode", "auto") != "auto" else []
+    quant = f" (Cortex rows {', '.join(cortex)})" if cortex else ""
     table = Table(title=f"Cortex benchmark: {meta['model']} {meta['dtype']}{quant}, {meta['max_tokens']} tokens a stream, "
                         f"{meta['cpu_count']} CPUs ({meta['device']})")
     for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
@@ -791,6 +794,7 @@ def machine_info(args) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "cpu"
     return {"model": args.model_id, "shape": args.shape, "dtype": args.dtype, "quant": args.quant,
+            "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots,
             "max_model_len": args.max_model_len, "targets": target_set(args),
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
@@ -822,12 +826,16 @@ def parse_args(argv=None):
                    help="for --shape: a tokenizer folder (see --export-tokenizer); default: the default model's, "
                         "read from its GGUF")
     p.add_argument("--export-tokenizer", default=None, metavar="DIR",
-                   help="save the default model's tokenizer in DIR (for --tokenizer on a host without the GGUF) and exit")
+                   help="save the default model's tokenizer in DIR (for --tokenizer on a host without the GGUF) "
+                        "and exit")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="every system's dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--quant", default="none", choices=["none", "int8"],
                    help="the catalogue's `quant` for the Cortex rows only (engine, gateway); the baselines stay "
                         "unquantised")
+    p.add_argument("--decode", default="auto", choices=["auto", "eager", "static", "graphs", "compiled"],
+                   help="the catalogue's `decode` for the Cortex rows (how the engine runs a decode step; "
+                        "auto: CUDA graphs on a GPU, eager on a CPU)")
     p.add_argument("--url", default=None, help="benchmark this running gateway instead of starting a stack")
     p.add_argument("--model", default="default", help="model name to request from --url (default: default)")
     p.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency, ≥ 16)")
@@ -865,8 +873,8 @@ def parse_args(argv=None):
     if args.shape:
         args.max_model_len = args.max_model_len or 1024
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
-                                      ("ceiling", args.skip_ceiling or cpu or tiny),
-                                      ("gateway", args.skip_gateway), ("tf-serve", args.skip_serve or tiny)] if not skip]
+                                      ("ceiling", args.skip_ceiling or cpu or tiny), ("gateway", args.skip_gateway),
+                                      ("tf-serve", args.skip_serve or tiny)] if not skip]
     return args
 
 
@@ -895,7 +903,8 @@ def main(argv=None) -> int:
         args.model_id, args.model_source = f"random-{args.shape}", str(folder)
         log(f"{args.model_id}: {folder} ({time.perf_counter() - t0:.1f} s)")
     meta = machine_info(args)
-    log(f"systems {', '.join(args.systems)}; N={args.concurrency}; {args.max_tokens} tokens; {args.dtype} on {args.device}; "
+    log(f"systems {', '.join(args.systems)}; N={args.concurrency}; {args.max_tokens} tokens; "
+        f"{args.dtype} on {args.device}; "
         f"{meta['cpu_count']} CPUs, torch {meta['torch_threads']} threads")
     waves: list[Wave] = []
     failures: dict[str, str] = {}
