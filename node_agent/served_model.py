@@ -35,6 +35,20 @@ def _free(engine: Engine) -> None:
         torch.cuda.empty_cache()
 
 
+def _add_each(engine: Engine, jobs: list[tuple[GenerationRequest, list[int], float]]) -> list[tuple[str, CortexError]]:
+    """On the device thread: add each job; returns the jobs the engine refused, with why."""
+    refused = []
+    for request, ids, submitted_ms in jobs:
+        try:
+            engine.add(request, ids, submitted_ms)
+        except CortexError as exc:
+            refused.append((request.job, exc))
+        except Exception as exc:
+            log.exception("job %s could not start", request.job)
+            refused.append((request.job, GenerationFailed(f"{type(exc).__name__}: {exc}")))
+    return refused
+
+
 @dataclass
 class Running:
     entry_id: str
@@ -181,12 +195,21 @@ class ServedModel:
                 log.warning("reading %s: %s; retrying", self.stream, exc)
                 await asyncio.sleep(1)
                 continue
-            # All at once: the device thread takes every queued add between two steps, so a wave of
-            # arrivals joins the batch together instead of one per engine step.
-            await asyncio.gather(*(self._admit(e.entry_id, e.fields, e.stream, e.job_class) for e in entries))
+            prepared = await asyncio.gather(*(self._prepare(e.entry_id, e.fields, e.stream, e.job_class)
+                                              for e in entries))
+            await self._add([job for job in prepared if job is not None])
 
-    async def _admit(self, entry_id: str, fields: dict[bytes, bytes], stream: str = "",
-                     job_class: str = "interactive") -> None:
+    async def _add(self, jobs: list[tuple[GenerationRequest, list[int], float]]) -> None:
+        """Hand a read's jobs to the engine in one call: a wave of arrivals joins one prefill step
+        instead of trickling in one engine step at a time."""
+        if jobs:
+            for job, error in await self.device.call(_add_each, self.engine, jobs):
+                self.fail(job, error)
+
+    async def _prepare(self, entry_id: str, fields: dict[bytes, bytes], stream: str = "",
+                       job_class: str = "interactive") -> tuple[GenerationRequest, list[int], float] | None:
+        """Read, render, tokenise and check one entry; returns what the engine needs, or None
+        when the entry ended here (refused, failed, or a count that needs no engine)."""
         stream = stream or self.stream
         reply = fields.get(b"reply", b"").decode()
         try:
@@ -212,12 +235,13 @@ class ServedModel:
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self.publisher.send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)])
-            await self.device.call(self.engine.add, request, ids, float(entry.submitted_ms))
+            return request, ids, float(entry.submitted_ms)
         except CortexError as exc:
             self.fail(request.job, exc)
         except Exception as exc:
             log.exception("job %s could not start", request.job)
             self.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+        return None
 
     def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
         echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself
