@@ -50,6 +50,7 @@ class Sequence:
     prefilled: int = 0
     finish_reason: str | None = None
     matcher: object | None = None  # an llguidance matcher when the request has a grammar
+    prompt_logprobs: list[dict] | None = None  # wire PromptLogprob entries, when asked; sent on the first delta
 
     @property
     def cached_len(self) -> int:
@@ -158,6 +159,8 @@ class Engine:
                 seed=None if params.seed is None else params.seed + index,
                 detokenizer=IncrementalDetokenizer(self.lm.tokenizer), stops=StopStrings(params.stop),
                 matcher=self.grammars.matcher(params.grammar) if params.grammar else None,
+                prompt_logprobs=None if params.prompt_logprobs is None else [
+                    {"token": self.lm.tokenizer.decode([prompt_ids[0]]), "logprob": None, "top_logprobs": []}],
             ))
         self.jobs[job.id] = job
         self.waiting.extend(job.sequences)
@@ -236,7 +239,9 @@ class Engine:
         device = self.lm.device
         hidden = forward.forward(self.lm.model, self.cache, slice(start, start + len(group)), input_ids.to(device),
                                  positions.to(device), write_pos.to(device), kv_len)
-        for seq, chunk in zip(group, chunks):
+        for i, (seq, chunk) in enumerate(zip(group, chunks)):
+            if seq.prompt_logprobs is not None:
+                self._score_prompt(seq, hidden[i, :chunk])
             seq.prefilled += chunk
         done = [i for i, seq in enumerate(group) if seq.prompt_done]  # a prefix of the group
         if done:
@@ -245,6 +250,16 @@ class Engine:
             self._sample_and_emit(seqs, forward.logits(self.lm.model, last), slice(start, start + len(done)),
                                   [s.prefilled - 1 for s in seqs])
             self.n_decoding += len(done)
+
+    def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Prompt logprobs for this chunk: each position scores the prompt token that follows it."""
+        following = seq.prompt_ids[seq.prefilled + 1: seq.prefilled + hidden.shape[0] + 1]
+        if not following:
+            return
+        logits = forward.logits(self.lm.model, hidden[: len(following)])
+        chosen, tops = token_logprobs(logits, torch.tensor(following, device=logits.device), seq.params.prompt_logprobs)
+        seq.prompt_logprobs += [self._logprob_entry(token, lp) | {"top_logprobs": [self._logprob_entry(t, v) for t, v in top]}
+                                for token, lp, top in zip(following, chosen, tops)]
 
     def _decode(self) -> None:
         rows = self.rows[: self.n_decoding]
@@ -305,7 +320,9 @@ class Engine:
                 seq.finish_reason, stop_sequence = FinishReason.STOP, seq.stops.matched
             elif len(seq.output_ids) >= seq.max_tokens:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
-        seq.job.deltas.append(wire.choice_delta(seq.index, text, token, logprob, seq.finish_reason, stop_sequence))
+        prompt_logprobs = seq.prompt_logprobs if len(seq.output_ids) == 1 else None
+        seq.job.deltas.append(wire.choice_delta(seq.index, text, token, logprob, seq.finish_reason, stop_sequence,
+                                                prompt_logprobs))
 
     def _retire(self) -> None:
         """Take finished sequences out of their rows, packing the rest down (decode rows first)."""

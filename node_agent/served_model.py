@@ -17,7 +17,7 @@ from node_agent.job_reader import JobReader
 from node_agent.limits import completion_budget
 from node_agent.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
-from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, InvalidRequest, JobCancelled,
+from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled,
                            ModelLoadFailed, ModelPoisoned, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import CONSUMER_GROUP, Keys
@@ -229,9 +229,6 @@ class ServedModel:
                 self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
                 return
             sampling = request.sampling
-            if sampling.prompt_logprobs is not None:  # the engine does not compute them yet
-                raise InvalidRequest("echo with logprobs needs the prompt's logprobs, which this node's engine "
-                                     "does not compute yet", param="echo")
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self.publisher.send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)])

@@ -175,11 +175,14 @@ _event_adapter: TypeAdapter = TypeAdapter(Event)
 
 
 def choice_delta(index: int, text: str, token: int, logprob: dict | None, finish_reason: str | None,
-                 stop_sequence: str | None) -> dict:
+                 stop_sequence: str | None, prompt_logprobs: list[dict] | None = None) -> dict:
     """One sequence's news in one engine step, as a `ChoiceDelta` travels (built without pydantic:
     the engine makes one per running sequence per step)."""
-    return {"index": index, "text": text, "token_ids": [token], "logprobs": [logprob] if logprob else None,
-            "finish_reason": finish_reason, "stop_sequence": stop_sequence}
+    delta = {"index": index, "text": text, "token_ids": [token], "logprobs": [logprob] if logprob else None,
+             "finish_reason": finish_reason, "stop_sequence": stop_sequence}
+    if prompt_logprobs is not None:
+        delta["prompt_logprobs"] = prompt_logprobs
+    return delta
 
 
 def delta_event(choices: list[dict]) -> dict:

@@ -124,3 +124,23 @@ def test_context_length_is_checked_before_any_device_work(tiny_llama):
     with pytest.raises(ContextLengthExceeded):
         add(engine, request("k", "Hi", max_tokens=10_000))
     assert not engine.has_work
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile.model_copy(update={"prefill_chunk_tokens": 16}))  # several chunks
+    req = request("j", "Tell me about transformers and attention in detail please", temperature=0, max_tokens=2,
+                  prompt_logprobs=2)
+    ids = prompts.prompt_ids(lm.tokenizer, profile, req)
+    add(engine, req)
+    first = None
+    while engine.has_work:
+        for _, events in engine.step():
+            first = first or next(e["choices"][0] for e in events if e["type"] == "delta")
+    scored = first["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0]["logprob"] is None
+    with torch.no_grad():
+        expected = lm.model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position in (1, 20, len(ids) - 1):  # the logprob of token p given tokens before it
+        assert scored[position]["logprob"] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+        assert len(scored[position]["top_logprobs"]) == 2
