@@ -71,7 +71,7 @@ class Job:
 
     async def _next(self) -> DeltaEvent | DoneEvent:
         item = await self._get()
-        if isinstance(item, StartEvent):  # what it says is kept here; renderers read it
+        while isinstance(item, StartEvent):  # kept here, renderers read it; a retried job starts again
             self.prompt_tokens = item.prompt_tokens
             self.prompt_text = self.prompt_text if item.prompt_text is None else item.prompt_text
             item = await self._get()
