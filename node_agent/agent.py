@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -236,4 +237,5 @@ def run(settings: NodeSettings | None = None) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
+    sys.setswitchinterval(settings.gil_switch_interval_s)
     asyncio.run(NodeAgent(settings).run())

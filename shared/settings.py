@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 
@@ -80,6 +81,9 @@ class NodeSettings(CortexSettings):
     heartbeat_ttl_s: float = 8.0
     claim_idle_ms: int = 30_000  # pending entries idle this long are claimed from dead consumers
     torch_threads: int = 0  # 0: torch's default
+    # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
+    # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
+    gil_switch_interval_s: float = Field(0.0005, gt=0)
     hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
