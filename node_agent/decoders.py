@@ -45,6 +45,7 @@ class EagerDecoder:
     """The step on exactly the running rows (CPU, or a model that cannot be captured)."""
 
     name = "eager"
+    graph_bytes = 0
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache, step: Callable = forward.decode_step):
         self.model, self.cache, self.step = model, cache, step
@@ -72,6 +73,7 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_s = 0.0
+        self.graph_bytes = 0  # device memory the captured graphs' pool took
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         n = len(tokens)
@@ -93,7 +95,7 @@ class StaticDecoder:
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
         with the same values as the replay that follows, so they change nothing."""
-        started = time.perf_counter()
+        started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -110,8 +112,9 @@ class StaticDecoder:
         self.graphs[(batch, kv_len)] = (graph, out)
         elapsed = time.perf_counter() - started
         self.capture_s += elapsed
-        log.info("captured the decode step for %d rows x %d cache columns in %.0f ms (%d graphs, %.1f s in all)",
-                 batch, kv_len, elapsed * 1000, len(self.graphs), self.capture_s)
+        self.graph_bytes += max(torch.cuda.memory_reserved() - reserved, 0)
+        log.info("captured the decode step for %d rows x %d cache columns in %.0f ms (%d graphs, %.1f s and %d MiB "
+                 "in all)", batch, kv_len, elapsed * 1000, len(self.graphs), self.capture_s, self.graph_bytes >> 20)
         return self.graphs[(batch, kv_len)]
 
 

@@ -115,6 +115,8 @@ class Engine:
         )
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
         self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots)
+        weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values() if isinstance(t, torch.Tensor))
+        self.resident_bytes = weights + self.cache.bytes + self.sampling.bytes
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
@@ -130,10 +132,9 @@ class Engine:
         return {i for i in ids if i is not None}
 
     def memory_bytes(self) -> int:
-        """Weights, KV cache and sampling state: what this replica holds on its device."""
-        weights = sum(t.numel() * t.element_size() for t in self.lm.model.state_dict().values()
-                      if isinstance(t, torch.Tensor))
-        return weights + self.cache.bytes + self.sampling.bytes
+        """Weights, KV cache, sampling state and captured graphs: what this replica holds on its
+        device. Plain numbers, so the event loop may read it without touching the device."""
+        return self.resident_bytes + self.decoder.graph_bytes
 
     def release(self) -> None:
         """Drop every tensor (on unload)."""

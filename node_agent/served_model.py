@@ -73,7 +73,7 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
-        self.memory_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
+        self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.last_used_ms = _now_ms()
         self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
         self.running: dict[str, Running] = {}
@@ -90,6 +90,13 @@ class ServedModel:
                          slots_used=self.used_slots, memory_mb=self.memory_mb, last_used_ms=self.last_used_ms,
                          error=self.error)
 
+    @property
+    def memory_mb(self) -> int:
+        """The catalogue's reservation, or what the engine holds once that is more (graphs captured
+        as traffic reaches new shapes make it grow)."""
+        engine = self.engine
+        return max(self.reserved_mb, engine.memory_bytes() >> 20 if engine is not None and engine.decoder else 0)
+
     def idle_expired(self, now_ms: int) -> bool:
         """Idle past its keep_alive (and past any request's keep_alive)."""
         keep_alive_ms = self.profile.keep_alive_s * 1000
@@ -102,7 +109,7 @@ class ServedModel:
                                          self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             await self.device.call(self.device.engines.append, self.engine)
-            self.memory_mb = max(self.memory_mb, await self.device.call(self.engine.memory_bytes) >> 20)
+            self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("loading %s failed: %s", self.profile.id, self.error)
