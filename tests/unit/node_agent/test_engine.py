@@ -17,9 +17,10 @@ def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])  # static: rows padded to buckets, as on a GPU
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_greedy_matches_hf_generate_token_for_token(tiny_dirs, arch):
-    profile = tiny_profile(tiny_dirs[arch], prefill_chunk_tokens=16)  # several chunks per prompt
+def test_greedy_matches_hf_generate_token_for_token(tiny_dirs, arch, decode):
+    profile = tiny_profile(tiny_dirs[arch], prefill_chunk_tokens=16, decode=decode)  # several chunks per prompt
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
     reqs = [request(f"j{i}", p, temperature=0, max_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)]
