@@ -131,7 +131,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py) for `caller`; the caller must `close()` the job."""
     channel = ctx.keys.events(request.job)
-    queue = await ctx.router.subscribe(channel)
+    body = pack(request)  # before subscribing: a request that cannot travel leaves nothing behind
     entry = StreamEntry(
         job=request.job,
         kind=request.kind,
@@ -143,9 +143,10 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         request_id=request_id_var.get(),
         stream=int(stream),
         keep_alive_s=keep_alive_s,
-        body=pack(request),
+        body=body,
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
+    queue = await ctx.router.subscribe(channel)
     try:
         entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
     except BaseException as exc:
