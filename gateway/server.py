@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
 
-from gateway import errors, routes
+from gateway import errors, openapi, routes
 from gateway.auth import warn_if_exposed
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
@@ -73,6 +73,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
                        files_max_bytes=settings.files_max_bytes)
     app.add_middleware(RequestIdMiddleware)
     errors.install(app)
+    app.openapi = partial(openapi.document, app)
     app.include_router(routes.router)
     return app
 

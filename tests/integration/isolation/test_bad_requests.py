@@ -43,6 +43,8 @@ CASES = {
         {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]}, 400),
     "body over the limit (openai)": ("/v1/completions", COMPLETION | {"prompt": HUGE}, 413),
     "prompt too long to tokenise": ("/v1/completions", COMPLETION | {"prompt": "word " * 150_000}, 400),
+    "huge integer inside a tool schema": ("/v1/messages/count_tokens", {"model": MODEL, "messages": MESSAGES["messages"],
+                                          "tools": [{"name": "f", "input_schema": {"type": "object", "x": BIG}}]}, 400),
     "max_tokens over 64 bits": ("/v1/messages", MESSAGES | {"max_tokens": BIG}, 400),
     "100 stop_sequences": ("/v1/messages", MESSAGES | {"stop_sequences": [f"s{i}" for i in range(100)]}, 400),
     "tool with an invalid input_schema": ("/v1/messages", MESSAGES | {"tools": [
