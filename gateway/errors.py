@@ -17,7 +17,7 @@ from gateway.auth import caller_var
 from gateway.protocol import anthropic
 from gateway.protocol.openai import Error, ErrorResponse
 from gateway.request_id import request_id_var
-from shared.errors import BrokerUnavailable, CortexError, InvalidRequest
+from shared.errors import BrokerUnavailable, CortexError, InvalidRequest, RequestTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+    code = {404: "not_found", 405: "method_not_allowed", 413: RequestTooLarge.code}.get(exc.status_code, f"http_{exc.status_code}")
     message = f"{exc.detail}: {request.method} {request.url.path}"
     if is_anthropic(request):
         error = CortexError(message)

@@ -1,9 +1,10 @@
 """The fleet janitor: every `janitor_interval_s` one gateway replica (whoever holds
 `cortex:lock:janitor`) repairs what no request is around to notice:
 
-- jobs a dead node had read: a streaming one ends with a `node_lost` error event (its client has
-  seen tokens that cannot be taken back); a non-streaming one goes back on its stream once
-  (`retries` field); the dead consumer is then deleted from the group;
+- jobs a dead node had read: a streaming one that had sent a token (`Keys.started`) ends with a
+  `node_lost` error event (its client has seen tokens that cannot be taken back); any other goes
+  back on its stream once (`retries` field), so its client only waits longer; the dead consumer
+  and its note of started jobs are then deleted;
 - models with jobs waiting and no live replica are placed again, and replicas are added where
   the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more.
 """
@@ -20,7 +21,7 @@ from shared.wire import ErrorEvent, pack
 
 log = logging.getLogger(__name__)
 
-MAX_DELIVERIES = 2  # a non-streaming job is tried at most this often
+MAX_DELIVERIES = 2  # a job is tried at most this often
 
 
 class Janitor:
@@ -55,27 +56,35 @@ class Janitor:
     async def sweep(self) -> None:
         nodes = await self.ctx.fleet.live_nodes()
         live = {n.node for n in nodes}
+        dead = set()
         for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.jobs("*"))]:
-            await self._reap_dead_consumers(stream, live)
+            dead |= await self._reap_dead_consumers(stream, live)
+        if dead:
+            await self.ctx.redis.delete(*[self.ctx.keys.started(node) for node in dead])
         for profile in self.ctx.catalog.profiles.values():
             await self._keep_replicas(profile)
 
-    async def _reap_dead_consumers(self, stream: str, live: set[str]) -> None:
+    async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
+        """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
         try:
             consumers = await self.ctx.redis.xinfo_consumers(stream, CONSUMER_GROUP)
         except ResponseError:  # no group yet
-            return
+            return set()
+        dead = set()
         for consumer in consumers:
             name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
             if name in live:
                 continue
+            started = await self.ctx.redis.smembers(self.ctx.keys.started(name))
             for pending in await self.ctx.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+",
                                                                count=1000, consumername=name):
-                await self._recover(stream, pending["message_id"], name)
+                await self._recover(stream, pending["message_id"], name, started)
             await self.ctx.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
+            dead.add(name)
             log.info("removed dead consumer %s from %s", name, stream)
+        return dead
 
-    async def _recover(self, stream: str, entry_id: bytes, node: str) -> None:
+    async def _recover(self, stream: str, entry_id: bytes, node: str, started: set[bytes]) -> None:
         entries = await self.ctx.redis.xrange(stream, entry_id, entry_id)
         if not entries:
             await self.ctx.redis.xack(stream, CONSUMER_GROUP, entry_id)
@@ -84,7 +93,7 @@ class Janitor:
         retries = int(fields.get(b"retries", b"0"))
         job = fields.get(b"job", b"?").decode()
         async with self.ctx.redis.pipeline(transaction=True) as pipe:
-            if fields.get(b"stream") == b"1" or retries + 1 >= MAX_DELIVERIES:
+            if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
                 error = NodeLost(f"node {node} was lost while it ran job {job}")
                 pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
                 log.warning("job=%s failed: node %s lost", job, node)
@@ -124,17 +133,7 @@ class Janitor:
 
     async def _waiting(self, model: str) -> int:
         """Entries of any class nobody has read yet."""
-        return sum([await self._unread(stream) for _job_class, stream in queues.streams(self.ctx.keys, model)])
-
-    async def _unread(self, stream: str) -> int:
-        try:
-            groups = await self.ctx.redis.xinfo_groups(stream)
-        except ResponseError:  # no such stream
-            return 0
-        for group in groups:
-            if group["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()):
-                return int(group.get("lag") or 0)
-        return await self.ctx.redis.xlen(stream)
+        return sum((await queues.depth(self.ctx.redis, self.ctx.keys, model))["queued"].values())
 
     async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
         """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""

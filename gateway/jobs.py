@@ -23,7 +23,7 @@ from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.request_id import request_id_var
 from shared import queues
-from shared.errors import BrokerUnavailable, CortexError, Timeout, error_from_code
+from shared.errors import BrokerUnavailable, CortexError, InvalidRequest, Timeout, error_from_code
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,10 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py) for `caller`; the caller must `close()` the job."""
     channel = ctx.keys.events(request.job)
-    queue = await ctx.router.subscribe(channel)
+    try:  # before subscribing: a request that cannot travel leaves nothing behind
+        body = pack(request)
+    except (OverflowError, ValueError, TypeError) as exc:  # free-form JSON (a tool schema) with a huge integer
+        raise InvalidRequest(f"the request cannot be sent to a node ({exc}); integers must fit in 64 bits") from None
     entry = StreamEntry(
         job=request.job,
         kind=request.kind,
@@ -143,9 +146,10 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         request_id=request_id_var.get(),
         stream=int(stream),
         keep_alive_s=keep_alive_s,
-        body=pack(request),
+        body=body,
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
+    queue = await ctx.router.subscribe(channel)
     try:
         entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
     except BaseException as exc:

@@ -10,7 +10,6 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared import queues
-from shared.keys import CONSUMER_GROUP
 from shared.wire import DeltaEvent, DoneEvent
 
 log = logging.getLogger(__name__)
@@ -63,13 +62,9 @@ class Metrics:
                 self.slots_used.labels(model, node.node).set(info.slots_used)
                 self.slots_total.labels(model, node.node).set(info.slots_total)
         for model in ctx.catalog.profiles:
-            running = waiting = 0
-            for _job_class, stream in queues.streams(ctx.keys, model):
-                for group in await _groups(ctx.redis, stream):
-                    running += int(group.get("pending") or 0)
-                    waiting += int(group.get("lag") or 0)
-            self.running.labels(model).set(running)
-            self.waiting.labels(model).set(waiting)
+            depth = await queues.depth(ctx.redis, ctx.keys, model)
+            self.running.labels(model).set(depth["running"])
+            self.waiting.labels(model).set(sum(depth["queued"].values()))
 
     async def refresh_forever(self, ctx) -> None:
         while True:
@@ -78,12 +73,6 @@ class Metrics:
             except Exception as exc:  # Redis away: the gauges keep their last values
                 log.debug("metrics refresh: %s", exc)
             await asyncio.sleep(REFRESH_S)
-
-
-async def _groups(redis, stream: str) -> list[dict]:
-    if not await redis.exists(stream):
-        return []
-    return [g for g in await redis.xinfo_groups(stream) if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())]
 
 
 class RequestTimer:

@@ -36,13 +36,10 @@ async def summary(ctx: GatewayContext) -> list[dict]:
     """Per model (catalogue and live ones): queued jobs by class, running jobs, replicas, oldest wait."""
     nodes = await ctx.fleet.live_nodes()
     models = set(ctx.catalog.profiles) | {m for node in nodes for m in node.models}
-    script = ctx.redis.register_script(queues.QUEUE_STATS_LUA)
     found = []
     for model in sorted(models):
-        pairs = queues.streams(ctx.keys, model)
-        reply = await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
         replicas = sum(1 for node in nodes if node.serves(model) and node.state != "draining")
-        found.append(queues.summarize(model, [c for c, _ in pairs], reply, replicas))
+        found.append(await queues.depth(ctx.redis, ctx.keys, model, replicas))
     return found
 
 

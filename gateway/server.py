@@ -10,8 +10,9 @@ import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
 
-from gateway import errors, routes
+from gateway import errors, openapi, routes
 from gateway.auth import warn_if_exposed
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
 from gateway.fleet import Fleet
@@ -68,8 +69,11 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
             await redis.aclose()
 
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       files_max_bytes=settings.files_max_bytes)
     app.add_middleware(RequestIdMiddleware)
     errors.install(app)
+    app.openapi = partial(openapi.document, app)
     app.include_router(routes.router)
     return app
 

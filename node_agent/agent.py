@@ -48,7 +48,7 @@ class NodeAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
-        self.publisher = Publisher(self.redis, self.keys, on_unheard=self._on_unheard)
+        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
         self.publisher.start()
         for device in devices.discover(self.settings.device):
             thread = DeviceThread(device, loop, self._on_step, self._on_failure)

@@ -10,7 +10,9 @@ from typing import Any, Callable
 
 from node_agent import devices
 from node_agent.engine import Engine
+from shared.errors import GenerationFailed
 from shared.heartbeat import DeviceInfo
+from shared.wire import ErrorEvent
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,15 @@ class DeviceThread:
     def _step(self, engine: Engine) -> None:
         try:
             events = engine.step()
-        except Exception as exc:  # a device error fails this model's jobs, not the thread
+        except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
-            self.loop.call_soon_threadsafe(self.on_failure, engine, exc, engine.fail_all())
-            return
+            jobs = engine.fail_all()
+            if devices.is_device_fault(exc, engine.lm.device):
+                self.loop.call_soon_threadsafe(self.on_failure, engine, exc, jobs)
+                return
+            error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still "
+                                     "served, try again")
+            events = [(job, [ErrorEvent(code=error.code, message=error.message).model_dump()]) for job in jobs]
         if events:
             self.loop.call_soon_threadsafe(self.on_step, engine, events)
 

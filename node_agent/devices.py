@@ -53,3 +53,22 @@ def default_dtype(device: str) -> torch.dtype:
     if device.startswith("cuda") or cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def is_device_fault(exc: BaseException, device: torch.device) -> bool:
+    """Whether a failed engine step left the device broken (out of memory, a CUDA error), so the
+    model must be reloaded, rather than failing on something the next step will not meet again.
+    Call it on the device's thread."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if device.type != "cuda":
+        return False
+    if isinstance(exc, getattr(torch, "AcceleratorError", ())) or "CUDA" in str(exc):
+        return True
+    try:  # an asynchronous fault shows on the next synchronising call
+        torch.ones(1, device=device).add_(1).item()
+        torch.cuda.synchronize(device)
+    except Exception:
+        return True
+    return False
+

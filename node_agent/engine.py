@@ -25,9 +25,9 @@ from node_agent.loader import LoadedModel
 from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
 from shared.catalog import ModelProfile
-from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.errors import ContextLengthExceeded, CortexError, GenerationFailed, InvalidRequest
 from shared.lifecycle import FinishReason
-from shared.wire import DoneEvent, GenerationRequest, SamplingParams, Timings, Usage
+from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, SamplingParams, Timings, Usage
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Job:
     deltas: list[dict] = field(default_factory=list)  # this step's wire choice deltas, not yet emitted
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
+    error: CortexError | None = None  # a failure of its own (one row's host work raised): sent instead of deltas
 
     @property
     def id(self) -> str:
@@ -187,6 +188,14 @@ class Engine:
         self._retire()
         return True
 
+    def _fail_job(self, job: Job, exc: Exception) -> None:
+        """One job's own work raised: end its sequences (retired with the step) and send the error."""
+        log.exception("job %s failed in its own host work; the other rows go on", job.id)
+        job.error = GenerationFailed(f"{type(exc).__name__}: {exc}")
+        for seq in job.sequences:
+            seq.finish_reason = seq.finish_reason or FinishReason.ERROR
+        self.waiting = deque(s for s in self.waiting if s.job is not job)
+
     def fail_all(self) -> list[str]:
         """Forget every job (after a device error); returns their ids."""
         failed = list(self.jobs)
@@ -241,8 +250,11 @@ class Engine:
         hidden = forward.forward(self.lm.model, self.cache, slice(start, start + len(group)), input_ids.to(device),
                                  positions.to(device), write_pos.to(device), kv_len)
         for i, (seq, chunk) in enumerate(zip(group, chunks)):
-            if seq.prompt_logprobs is not None:
-                self._score_prompt(seq, hidden[i, :chunk])
+            if seq.prompt_logprobs is not None and seq.job.error is None:
+                try:
+                    self._score_prompt(seq, hidden[i, :chunk])
+                except Exception as exc:
+                    self._fail_job(seq.job, exc)
             seq.prefilled += chunk
         done = [i for i, seq in enumerate(group) if seq.prompt_done]  # a prefix of the group
         if done:
@@ -290,9 +302,12 @@ class Engine:
         now = _now_ms()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             seq.job.first_token_ms = seq.job.first_token_ms or now
-            if seq.matcher is not None and not constrain.advance(seq.matcher, token):
-                seq.matcher = None
-            self._advance(seq, token, logprobs.get(i))
+            try:
+                if seq.matcher is not None and not constrain.advance(seq.matcher, token):
+                    seq.matcher = None
+                self._advance(seq, token, logprobs.get(i))
+            except Exception as exc:  # this row's host work (grammar, detokeniser, stops): its job alone fails
+                self._fail_job(seq.job, exc)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, asked: list[int], seqs: list[Sequence]) -> dict[int, dict]:
         """Wire logprob entries for the rows that asked (by their index in the batch)."""
@@ -342,6 +357,9 @@ class Engine:
 
     def _collect_events(self) -> list[tuple[str, list[dict]]]:
         out = []
+        for job in [j for j in self.jobs.values() if j.error is not None]:
+            del self.jobs[job.id]
+            out.append((job.id, [ErrorEvent(code=job.error.code, message=job.error.message).model_dump()]))
         for job in [j for j in self.jobs.values() if j.deltas]:
             events = [wire.delta_event(job.deltas)]
             job.deltas = []

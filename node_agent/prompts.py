@@ -6,11 +6,12 @@ does not render tools gets them in the Hermes format (a system block listing the
 import json
 from typing import Any
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
 from shared.catalog import ModelProfile
-from shared.errors import InvalidRequest
-from shared.wire import GenerationRequest
+from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.wire import RENDERING_KWARGS, GenerationRequest
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -88,10 +89,25 @@ def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] 
     return out
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, request: GenerationRequest) -> list[int]:
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token stands for: a text longer than `tokens * this` cannot fit in
+    `tokens`, so it can be refused without tokenising it."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _check_chars(text: str, max_chars: int | None) -> None:
+    if max_chars is not None and len(text) > max_chars:
+        raise ContextLengthExceeded(f"the prompt has {len(text)} characters; no prompt over {max_chars} characters "
+                                    "fits this model's context", param="messages")
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, request: GenerationRequest,
+               max_chars: int | None = None) -> list[int]:
+    """The prompt's token ids; a text over `max_chars` is refused before it is tokenised."""
     if request.kind == "completion":
         if isinstance(request.prompt, list):
             return list(request.prompt)
+        _check_chars(request.prompt or "", max_chars)
         return tokenizer.encode(request.prompt or "", add_special_tokens=True)
     messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages or []]
     tools = request.tools
@@ -101,12 +117,15 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, reques
                 call["function"] = {**call["function"], "arguments": _arguments(call["function"]["arguments"])}
     else:
         messages, tools = hermes_messages(messages, tools), None
-    text = tokenizer.apply_chat_template(
-        messages,
-        tools=tools,
-        chat_template=chat_template(tokenizer, profile),
-        add_generation_prompt=request.add_generation_prompt,
-        tokenize=False,
-        **request.chat_template_kwargs,
-    )
+    if not messages:
+        raise InvalidRequest("messages: nothing to render (no message has content the model can read)",
+                         param="messages")
+    extra = {k: v for k, v in request.chat_template_kwargs.items() if k not in RENDERING_KWARGS}
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=chat_template(tokenizer, profile),
+                                             add_generation_prompt=request.add_generation_prompt, tokenize=False,
+                                             **extra)
+    except jinja2.TemplateError as exc:  # the template itself refused these messages (raise_exception)
+        raise InvalidRequest(f"messages: the model's chat template refused them: {exc}", param="messages") from None
+    _check_chars(text, max_chars)
     return tokenizer.encode(text, add_special_tokens=False)

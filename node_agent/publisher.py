@@ -20,12 +20,15 @@ class Outgoing:
     events: list  # wire events, in order
     ack: tuple[str, str] | None = None  # (stream, entry id) to XACK + XDEL after publishing
     job: str = ""
+    started: bool = False  # a streaming job's first output: noted in `Keys.started` (before it is published)
+    tracked: bool = False  # a streaming job whose note is dropped when it ends (with `ack`)
 
 
 @dataclass
 class Publisher:
     redis: aioredis.Redis
     keys: Keys
+    node: str
     on_unheard: Callable[[str], None]  # a job nobody listens to any more (its gateway is gone)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
@@ -59,18 +62,27 @@ class Publisher:
 
     async def _send(self, outgoing: list[Outgoing]) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        started = self.keys.started(self.node)
         for item in outgoing:
+            if item.started:
+                pipe.sadd(started, item.job)
             for event in item.events:
                 pipe.publish(item.channel, pack(event))
             if item.ack:
                 stream, entry_id = item.ack
                 pipe.xack(stream, CONSUMER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
+                if item.tracked:
+                    pipe.srem(started, item.job)
         results = await pipe.execute()
         receivers = iter(results)
         for item in outgoing:
+            if item.started:
+                next(receivers)
             counts = [next(receivers) for _ in item.events]
             if item.ack:
                 next(receivers), next(receivers)
+                if item.tracked:
+                    next(receivers)
             elif counts and max(counts) == 0:
                 self.on_unheard(item.job)

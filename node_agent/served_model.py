@@ -57,10 +57,20 @@ class Running:
     keep_alive_s: float | None = None
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
+    streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
+    started: bool = False
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+KEEP_ALIVE_MAX_MS = 7 * 24 * 3600 * 1000  # the gateway's bound too (gateway/protocol/bounds.py)
+
+
+def _keep_alive_ms(keep_alive_s: float) -> int:
+    """A request's keep_alive in ms, within bounds whatever came over the wire (inf, nan included)."""
+    return int(min(max(keep_alive_s * 1000, 0), KEEP_ALIVE_MAX_MS)) if keep_alive_s == keep_alive_s else 0
 
 
 class ServedModel:
@@ -73,6 +83,7 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
+        self.max_prompt_chars: int | None = None  # longer prompts cannot fit: refused before tokenising
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.last_used_ms = _now_ms()
         self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
@@ -108,6 +119,8 @@ class ServedModel:
             loaded = await self.device.call(loader.load, self.profile, self.device.device,
                                          self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
+            max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
+            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(loaded.tokenizer)
             await self.device.call(self.device.engines.append, self.engine)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
@@ -227,11 +240,12 @@ class ServedModel:
             self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)), stream)
             return
         self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
-                                            stream=stream, job_class=job_class)
+                                            stream=stream, job_class=job_class, streaming=bool(entry.stream))
         log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
         try:
             self._check_memory()
-            ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request)
+            ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request,
+                                          self.max_prompt_chars)
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
                 self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
                 return
@@ -261,30 +275,43 @@ class ServedModel:
         """Called on the event loop with one engine step's events."""
         batch = []
         for job, job_events in events:
-            running = self.running.get(job)
-            if running is None:
-                continue
-            ended = job_events[-1]["type"] != "delta"
-            batch.append(Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job))
-            if ended:
-                self._release(job)
+            try:
+                if (outgoing := self._outgoing(job, job_events)) is not None:
+                    batch.append(outgoing)
+            except Exception as exc:  # this job's alone: the step's other events still go out
+                log.exception("job %s: its step events could not be handled", job)
+                self.fail(job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         self.publisher.send(batch)
+
+    def _outgoing(self, job: str, job_events: list) -> Outgoing | None:
+        running = self.running.get(job)
+        if running is None:
+            return None
+        ended = job_events[-1]["type"] != "delta"
+        first = running.streaming and not running.started
+        running.started = True
+        outgoing = Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job,
+                            started=first, tracked=running.streaming)
+        if ended:
+            self._release(job)
+        return outgoing
 
     def fail(self, job: str, error: CortexError) -> None:
         running = self.running.get(job)
         if running is not None:
             self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message),
-                         running.stream)
+                         running.stream, job if running.streaming and running.started else "")
             self._release(job)
 
-    def _finish(self, entry_id: str, reply: str, event: ErrorEvent, stream: str = "") -> None:
-        self.publisher.send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id))])
+    def _finish(self, entry_id: str, reply: str, event: ErrorEvent, stream: str = "", started_job: str = "") -> None:
+        self.publisher.send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id),
+                                      job=started_job, tracked=bool(started_job))])
 
     def _release(self, job: str) -> None:
         running = self.running.pop(job, None)
         self.last_used_ms = _now_ms()
         if running is not None and running.keep_alive_s is not None:
-            self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + int(running.keep_alive_s * 1000))
+            self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + _keep_alive_ms(running.keep_alive_s))
         self._slot_freed.set()
 
     async def cancel(self, job: str) -> None:

@@ -85,7 +85,7 @@ class NodeStatus(BaseModel):
 class QueueStatus(BaseModel):
     model: str
     length: int  # XLEN: entries kept in the stream, served or not
-    waiting: int  # not yet read by any node (the group's lag)
+    waiting: int  # not yet read by any node (entries beyond the pending ones)
     in_flight: int  # read by a node, not yet acknowledged (XPENDING)
     consumers: int
     # every priority class and band (shared/queues.py); the fields above are the default stream's
@@ -166,11 +166,10 @@ def read_queue(r: redis.Redis, keys: Keys, model: str) -> QueueStatus | None:
         return QueueStatus(model=model, length=length, waiting=length, in_flight=0, consumers=0,
                            queued=summary["queued"], running=summary["running"],
                            oldest_wait_s=summary["oldest_wait_s"])
-    lag = group.get("lag")
     return QueueStatus(
         model=model,
         length=length,
-        waiting=int(lag) if lag is not None else length,
+        waiting=max(length - int(group["pending"]), 0),  # not the group's lag, which deletions leave stale
         in_flight=int(group["pending"]),
         consumers=int(group["consumers"]),
         queued=summary["queued"],

@@ -96,6 +96,12 @@ class PayloadTooLarge(CortexError):
     status, code, type = 413, "file_too_large", "invalid_request_error"
 
 
+class RequestTooLarge(PayloadTooLarge):
+    """A request body over `max_request_bytes`."""
+
+    code = "request_too_large"
+
+
 class ModelUnavailable(CortexError):
     """No live node serves (or can load) the model."""
 

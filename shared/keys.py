@@ -42,6 +42,11 @@ class Keys:
         """Sorted set: node name -> last heartbeat (ms since the epoch)."""
         return f"{self.prefix}nodes"
 
+    def started(self, node: str) -> str:
+        """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When
+        the node dies the janitor fails these with `node_lost` and puts the others back."""
+        return f"{self.prefix}started:{node}"
+
     def cmd(self, node: str) -> str:
         """Stream of lifecycle commands for one node."""
         return f"{self.prefix}cmd:{node}"

@@ -13,7 +13,7 @@ them most urgent first (`node_agent.job_reader`):
 `priority` follows vLLM's convention (lower is sooner, default 0); within a band jobs are FIFO.
 """
 
-from shared.keys import Keys
+from shared.keys import CONSUMER_GROUP, Keys
 
 CLASSES = ("interactive", "batch")  # most urgent first
 BANDS = ("high", "normal", "low")
@@ -81,7 +81,7 @@ for i, key in ipairs(KEYS) do
     local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
     if r[1] then oldest = r[1][1] end
   end
-  out[i] = {len - n, n, oldest}
+  out[i] = {math.max(len - n, 0), n, oldest}
 end
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}
 """
@@ -103,6 +103,15 @@ for i = 2, #KEYS do
 end
 return ahead + 1
 """
+
+
+async def depth(redis, keys: Keys, model: str, replicas: int = 0) -> dict:
+    """One model's `/v1/queue` entry (`summarize`) from an asyncio client: what is really waiting
+    (entries no node has read, counted from the streams, not the group's `lag`, which deletions
+    can leave stale) and running."""
+    pairs = streams(keys, model)
+    reply = await redis.register_script(QUEUE_STATS_LUA)(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+    return summarize(model, [c for c, _ in pairs], reply, replicas)
 
 
 def streams_before(keys: Keys, model: str, stream: str) -> list[str]:

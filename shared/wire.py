@@ -51,6 +51,15 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = None
 
 
+# `chat_template_kwargs` keys that would change how a prompt is rendered or returned rather than
+# what the template says; the gateway refuses them and nodes never pass them on.
+RENDERING_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class GenerationRequest(Wire):
     """What a node needs to run one job; the gateway has already validated it."""
 

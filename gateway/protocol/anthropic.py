@@ -13,8 +13,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from gateway import tool_calls
+from gateway.protocol.bounds import JsonSchema, MaxTokens, TopK
 from gateway.protocol.lenient import Lenient
 from shared.wire import GenerationRequest, SamplingParams
+
+
+# Anthropic documents no limit; every stop string is scanned for at each token, so keep it small.
+STOP_SEQUENCES_MAX = 16
 
 
 class CacheControlEphemeral(Lenient):
@@ -111,7 +116,7 @@ InputMessage = Annotated[MessageParam | SystemMessageParam, Field(discriminator=
 class Tool(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonSchema
     type: Literal["custom"] | None = None
     cache_control: CacheControlEphemeral | None = None
 
@@ -163,7 +168,7 @@ class ContextManagementConfig(Lenient):
 
 class JSONOutputFormat(Lenient):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JsonSchema = Field(alias="schema")
 
 
 class OutputConfig(Lenient):
@@ -287,18 +292,18 @@ class _MessagesInput(Lenient):
 
 class MessageCreateParams(_MessagesInput):
     model: str
-    max_tokens: int = Field(ge=1)
+    max_tokens: MaxTokens
     messages: list[InputMessage] = Field(min_length=1)
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, not used
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=STOP_SEQUENCES_MAX)] | None = None
     stream: bool = False
     system: str | list[TextBlockParam] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     thinking: ThinkingConfig | None = None
     tool_choice: ToolChoice | None = None
     tools: list[Tool] | None = None
-    top_k: int | None = Field(None, ge=0)
+    top_k: TopK | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     container: dict[str, Any] | str | None = None  # accepted, not used
     diagnostics: dict[str, Any] | None = None  # accepted, not used

@@ -12,11 +12,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from gateway import tool_calls
+from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, ChatTemplateKwargs, Int64, JsonSchema, KeepAlive, MaxTokens,
+                                     StopTokenIds, TokenId, TopK, duration_s)
 from gateway.protocol.lenient import Lenient
 from shared.wire import GenerationRequest, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)]
-LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=LOGIT_BIAS_MAX)]
 
 
 # ---- messages ---------------------------------------------------------------------------
@@ -126,7 +128,7 @@ def _message_for_node(message: BaseModel) -> dict[str, Any]:
 class FunctionObject(Lenient):
     description: str | None = None
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
 
 
@@ -151,7 +153,7 @@ class ChatCompletionNamedToolChoice(Lenient):
 class JSONSchema(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JsonSchema | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -163,20 +165,12 @@ class ResponseFormat(Lenient):
 # ---- requests ---------------------------------------------------------------------------
 
 
-KeepAlive = float | Annotated[str, Field(pattern=r"^-?\d+(\.\d+)?[smh]?$")] | None
-_UNIT_S = {"s": 1, "m": 60, "h": 3600}
-
-
 class _Sampling(Lenient):
     """Sampling fields shared by both request kinds, and their conversion."""
 
     @property
     def keep_alive_s(self) -> float | None:
-        value = self.keep_alive
-        if value is None or isinstance(value, (int, float)):
-            return value
-        unit = value[-1] if value[-1] in _UNIT_S else "s"
-        return float(value.rstrip("smh")) * _UNIT_S[unit]
+        return duration_s(self.keep_alive)
 
     def _sampling(self, **overrides: Any) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -200,9 +194,15 @@ class _Sampling(Lenient):
     @field_validator("logit_bias", check_fields=False)
     @classmethod
     def _token_ids(cls, bias: LogitBias | None) -> LogitBias | None:
-        if bias and not all(key.lstrip("-").isdigit() and int(key) >= 0 for key in bias):
+        if bias and not all(key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_MAX for key in bias):
             raise ValueError("keys must be token ids (non-negative integers as strings)")
         return bias
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: is only allowed when stream is true")
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
@@ -212,14 +212,14 @@ class ChatCompletionRequest(_Sampling):
     logit_bias: LogitBias | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     metadata: dict[str, str] | None = None  # accepted, not used
     n: int = Field(1, ge=1, le=128)
     parallel_tool_calls: bool | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     service_tier: str | None = None  # accepted, not used
     stop: Stop | None = None
     store: bool | None = None  # accepted, not used
@@ -231,15 +231,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
     user: str | None = None
     # extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
-    stop_token_ids: list[int] = []
-    chat_template_kwargs: dict[str, Any] = {}
+    stop_token_ids: StopTokenIds = []
+    chat_template_kwargs: ChatTemplateKwargs = {}
     add_generation_prompt: bool = True
     ignore_eos: bool = False
     keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
-    priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
@@ -296,16 +296,16 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     best_of: int | None = Field(None, ge=1, le=20)
     echo: bool = False
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: LogitBias | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: MaxTokens | None = 16
     n: int = Field(1, ge=1, le=128)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: Stop | None = None
     stream: bool = False
     stream_options: ChatCompletionStreamOptions | None = None
@@ -314,13 +314,13 @@ class CompletionRequest(_Sampling):
     top_p: float | None = Field(None, gt=0, le=1)
     user: str | None = None
     # extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
-    stop_token_ids: list[int] = []
+    stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
     keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
-    priority: int = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
 
     @field_validator("prompt")
     @classmethod
@@ -329,7 +329,7 @@ class CompletionRequest(_Sampling):
             if len(prompt) != 1:
                 raise ValueError("batches of prompts are not supported; send one prompt per request")
             prompt = prompt[0]
-        if isinstance(prompt, list) and not prompt:
+        if not prompt:
             raise ValueError("must not be empty")
         return prompt
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from gateway import tool_calls
+from gateway.protocol.bounds import JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
 from shared.wire import GenerationRequest, SamplingParams
 
@@ -122,7 +123,7 @@ def messages_for_node(items: list) -> list[dict[str, Any]]:
 
 class FunctionTool(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
     type: Literal["function"]
     description: str | None = None
@@ -143,7 +144,7 @@ class ResponseFormatJSONObject(Lenient):
 
 class ResponseFormatTextJSONSchemaConfig(Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JsonSchema = Field(alias="schema")
     type: Literal["json_schema"]
     description: str | None = None
     strict: bool | None = None
@@ -170,7 +171,7 @@ class ResponseCreateParams(Lenient):
     include: list[str] | None = None  # accepted, not used
     input: str | list[ResponseInputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     metadata: dict[str, str] | None = None
     model: str
     parallel_tool_calls: bool | None = None
