@@ -90,6 +90,7 @@ class ServedModel:
         self.running: dict[str, Running] = {}
         self._slot_freed = asyncio.Event()
         self._consumer: asyncio.Task | None = None
+        self._adding: set[asyncio.Task] = set()  # hand-offs of read jobs to the device thread in flight
         self._consuming = False
 
     @property
@@ -196,6 +197,7 @@ class ServedModel:
             self._consuming = False
             self._slot_freed.set()
             await asyncio.gather(self._consumer, return_exceptions=True)
+            await asyncio.gather(*self._adding, return_exceptions=True)
             self._consumer = None
 
     async def _consume(self) -> None:
@@ -217,7 +219,11 @@ class ServedModel:
                 continue
             prepared = await asyncio.gather(*(self._prepare(e.entry_id, e.fields, e.stream, e.job_class)
                                               for e in entries))
-            await self._add([job for job in prepared if job is not None])
+            # Read on while the device thread takes these: it admits every add queued between two
+            # steps, so arrivals a read just missed still join the same prefill.
+            adding = asyncio.create_task(self._add([job for job in prepared if job is not None]))
+            self._adding.add(adding)
+            adding.add_done_callback(self._adding.discard)
 
     async def _add(self, jobs: list[tuple[GenerationRequest, list[int], float]]) -> None:
         """Hand a read's jobs to the engine in one call: a wave of arrivals joins one prefill step
