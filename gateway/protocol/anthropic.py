@@ -280,9 +280,9 @@ class _MessagesInput(Lenient):
         if not self.uses_tools or not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
             output = (self.output_config.format if self.output_config else None) or self.output_format
             return JsonOutput(output.schema_, "output_config") if output else None
-        tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools
-                 if not isinstance(choice, ToolChoiceTool) or t.name == choice.name]
-        return ForcedCall(tools, parallel=isinstance(choice, ToolChoiceAny) and not choice.disable_parallel_tool_use)
+        tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools]
+        named = choice.name if isinstance(choice, ToolChoiceTool) else None
+        return ForcedCall.of(tools, named, parallel=not choice.disable_parallel_tool_use)
 
 
 class MessageCreateParams(_MessagesInput):

@@ -263,9 +263,8 @@ class ChatCompletionRequest(_Sampling):
         """A forced call (`required`, named) or JSON output (`response_format`)."""
         if self.uses_tools and self.tool_choice not in (None, "auto"):
             named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
-            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools
-                     if named is None or t.function.name == named]
-            return ForcedCall(tools, parallel=named is None and self.parallel_tool_calls is not False)
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         if self.response_format is None or self.response_format.type == "text":
             return None
         schema = self.response_format.json_schema.schema_ if self.response_format.json_schema else None

@@ -220,8 +220,8 @@ class ResponseCreateParams(Lenient):
         """A forced call (`required`, a named function) or JSON output (`text.format`)."""
         if self.uses_tools and self.tool_choice not in (None, "auto"):
             named = self.tool_choice.name if isinstance(self.tool_choice, ToolChoiceFunction) else None
-            tools = [{"name": t.name, "parameters": t.parameters} for t in self.tools if named in (None, t.name)]
-            return ForcedCall(tools, parallel=named is None and self.parallel_tool_calls is not False)
+            tools = [{"name": t.name, "parameters": t.parameters} for t in self.tools]
+            return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None

@@ -23,6 +23,11 @@ class ForcedCall:
     tools: list[dict[str, Any]]
     parallel: bool
 
+    @classmethod
+    def of(cls, tools: list[dict[str, Any]], named: str | None, parallel: bool) -> "ForcedCall":
+        """A call of the tool `named`, else of any of `tools`; several only if `parallel` and none is named."""
+        return cls([t for t in tools if named in (None, t["name"])], parallel=named is None and parallel)
+
 
 @dataclass(frozen=True)
 class JsonOutput:
