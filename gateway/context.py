@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
 from gateway.events import EventRouter
-from gateway.fleet import Fleet
+from shared.fleet import Fleet
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from shared.api_keys import KeyStore

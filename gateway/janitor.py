@@ -123,7 +123,7 @@ class Janitor:
 
     async def _replicas_missing(self, profile, waiting: int) -> int:
         """0: enough replicas; 1: none and one is needed; -1: some, and one more is needed."""
-        replicas = [n for n in await self.ctx.fleet.live_nodes() if n.state == "active" and n.serves(profile.id)]
+        replicas = [n for n in await self.ctx.fleet.live_nodes() if n.takes_jobs and n.serves(profile.id)]
         wanted = max(profile.min_replicas, 1 if waiting else 0)
         if replicas and waiting > self.ctx.settings.scale_out_queue_depth * len(replicas):
             wanted = len(replicas) + 1

@@ -17,11 +17,12 @@ from typing import Protocol
 import anyio
 from redis.exceptions import RedisError
 
-from gateway import tool_calls
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.request_id import request_id_var
+from gateway.tools import grammars
+from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import queues
 from shared.errors import BrokerUnavailable, CortexError, InvalidRequest, Timeout, error_from_code
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
@@ -34,12 +35,14 @@ def new_job_id() -> str:
 
 
 class Job:
-    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item], caller: Caller):
+    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item], caller: Caller,
+                 parsers: Parsers = no_parser):
         self.id = request.job
         self.model = request.model
         self.created = int(time.time())
         self.request_id = request_id_var.get()
         self.caller = caller  # whose job it is: its tokens count against the key's budgets
+        self.parsers = parsers  # a fresh tool-call parser per choice of the response, or None without tools
         self.metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
         self._ctx = ctx
         self._queue = queue
@@ -126,7 +129,8 @@ class Job:
 
 
 async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller, *, priority: str = "interactive",
-                 stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None) -> Job:
+                 stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None,
+                 parsers: Parsers = no_parser) -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py) for `caller`; the caller must `close()` the job."""
@@ -158,7 +162,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         if isinstance(exc, RedisError):
             raise BrokerUnavailable(f"could not enqueue the job on {stream}: {exc}") from exc
         raise
-    job = Job(ctx, request, queue, caller)
+    job = Job(ctx, request, queue, caller, parsers)
     job.stream, job.entry_id = stream, entry_id.decode()
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
              entry_id.decode())
@@ -166,24 +170,35 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
 
 
 class ApiRequest(Protocol):
+    """What every dialect's request model offers (gateway/protocol)."""
+
     model: str
-    stream: bool | None
-    keep_alive_s: float | None
+    stream: bool
+
+    @property
+    def uses_tools(self) -> bool: ...
+
+    @property
+    def constraint(self) -> grammars.Constraint: ...
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
-async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller) -> Job:
-    """Resolve the model (404 if unknown), check the caller's key may use it (404/403) and is
-    within its limits (429), make sure a live node serves or loads it (placing it if none does;
-    503 when no node can), submit."""
+async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive") -> Job:
+    """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
+    once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
+    requests, is within its limits (429; batch lines are not rate limited), build the generation
+    request with its grammar (forced tool calls, JSON output) in the model's tool format, make
+    sure a live node serves or loads the model (503 when none can), and submit. The job carries
+    the tool-call parsers its response is rendered with."""
     profile = ctx.catalog.resolve(body.model)
     caller.check_may_use(profile)
-    if caller.key is not None:
+    if caller.key is not None and priority == "interactive":
         await ctx.limiter.admit(caller.key)
+    tool_format = parser_name(profile)
     request = body.to_generation_request(new_job_id(), profile.id)
-    if hasattr(body, "grammar"):  # forced tool calls, JSON output: constrained decoding on the node
-        request.sampling.grammar = body.grammar(tool_calls.parser_name(profile))
+    request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
     await ctx.placer.ensure_placed(profile)
-    return await submit(ctx, request, caller, stream=bool(body.stream), keep_alive_s=getattr(body, "keep_alive_s", None),
-                        rank=getattr(body, "priority", None))
+    return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),
+                        keep_alive_s=getattr(body, "keep_alive_s", None), rank=getattr(body, "priority", None),
+                        parsers=parsers_for(tool_format, body.uses_tools))

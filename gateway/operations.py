@@ -28,7 +28,7 @@ async def unload(ctx, model: str, node: str | None = None) -> list[str]:
 
 async def set_pin(ctx, model: str, pinned: bool) -> None:
     profile = ctx.catalog.resolve(model)
-    await ctx.redis.hset(ctx.keys.pins(), profile.id, "1" if pinned else "0")
+    await ctx.fleet.set_pin(profile.id, pinned)
 
 
 async def drain(ctx, node: str) -> None:

@@ -7,10 +7,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from gateway.fleet import describe
+from shared.fleet import describe
 from shared import queues
 from shared.catalog import ModelProfile
-from shared.commands import NodeCommand
 from shared.errors import InsufficientCapacity, ModelLoadFailed
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
@@ -37,7 +36,7 @@ class Candidate:
 
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
-    return (node.state == "active" and (not profile.nodes or node.node in profile.nodes)
+    return (node.takes_jobs and (not profile.nodes or node.node in profile.nodes)
             and set(profile.labels) <= set(node.labels))
 
 
@@ -95,7 +94,7 @@ class Placer:
                 log.info("no memory estimate for %s here: %s", profile.id, exc)
 
     async def pinned(self) -> set[str]:
-        overrides = {k.decode(): v == b"1" for k, v in (await self.ctx.redis.hgetall(self.ctx.keys.pins())).items()}
+        overrides = await self.ctx.fleet.pins()
         return {m for m, p in self.ctx.catalog.profiles.items() if overrides.get(m, p.pin)}
 
     async def _busy(self, nodes: list[NodeHeartbeat]) -> set[str]:
@@ -142,8 +141,7 @@ class Placer:
         return chosen.node
 
     async def send(self, node: str, cmd: str, model: str = "") -> None:
-        command = NodeCommand(cmd=cmd, model=model, by=f"gateway:{self.ctx.settings.port}", sent_ms=int(time.time() * 1000))
-        await self.ctx.redis.xadd(self.ctx.keys.cmd(node), command.to_fields(), maxlen=1000, approximate=True)
+        await self.ctx.fleet.command(node, cmd, model, by=f"gateway:{self.ctx.settings.port}")
 
     async def _await_loading(self, node: str, model: str) -> None:
         deadline = time.monotonic() + ACK_TIMEOUT_S

@@ -1,6 +1,6 @@
-"""The queues as the gateway sees them: where a waiting job stands, taking back a job nobody has
-read yet, and the per-model summary behind `GET /v1/queue`. One Lua script per question, so each
-answer is one atomic round trip (scripts in shared/queues.py)."""
+"""The queues as the gateway sees them: where a waiting job stands and taking back a job nobody
+has read yet (the per-model summary behind `GET /v1/queue` is `shared.fleet.Fleet.queues`). One Lua
+script per question, so each answer is one atomic round trip (scripts in shared/queues.py)."""
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
@@ -30,17 +30,6 @@ async def position(ctx: GatewayContext, stream: str, entry_id: str) -> int:
 async def withdraw(ctx: GatewayContext, stream: str, entry_id: str) -> bool:
     """Delete the job's entry if no node has read it yet; True if it was withdrawn."""
     return bool(await _position(ctx.redis, ctx.keys, stream, entry_id, take_back=True))
-
-
-async def summary(ctx: GatewayContext) -> list[dict]:
-    """Per model (catalogue and live ones): queued jobs by class, running jobs, replicas, oldest wait."""
-    nodes = await ctx.fleet.live_nodes()
-    models = set(ctx.catalog.profiles) | {m for node in nodes for m in node.models}
-    found = []
-    for model in sorted(models):
-        replicas = sum(1 for node in nodes if node.serves(model) and node.state != "draining")
-        found.append(await queues.depth(ctx.redis, ctx.keys, model, replicas))
-    return found
 
 
 # ---- a streaming client waiting in the queue ----------------------------------------------------

@@ -15,7 +15,7 @@ from gateway.auth import warn_if_exposed
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
-from gateway.fleet import Fleet
+from shared.fleet import Fleet
 from gateway.janitor import Janitor
 from gateway.request_id import RequestIdMiddleware
 from shared import __version__

@@ -13,14 +13,13 @@ import torch
 
 from node_agent import devices
 from node_agent.device_thread import DeviceThread
-from node_agent.engine import Engine
 from node_agent.publisher import Publisher
 from node_agent.served_model import ServedModel
 from shared import __version__
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
-from shared.lifecycle import ModelState
+from shared.lifecycle import ModelState, NodeState
 from shared.redis_conn import connect
 from shared.settings import NodeSettings
 
@@ -38,7 +37,7 @@ class NodeAgent:
         self.name = settings.node_name or f"{socket.gethostname()}-{os.getpid()}"
         self.catalog = Catalog.load(settings.models_file)
         self.started_ms = _now_ms()
-        self.state = "active"
+        self.state = NodeState.ACTIVE
         self.models: dict[str, ServedModel] = {}
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
@@ -51,7 +50,7 @@ class NodeAgent:
         self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
         self.publisher.start()
         for device in devices.discover(self.settings.device):
-            thread = DeviceThread(device, loop, self._on_step, self._on_failure)
+            thread = DeviceThread(device, loop)
             thread.start()
             self.threads[device] = thread
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
@@ -86,10 +85,10 @@ class NodeAgent:
 
     async def drain(self) -> None:
         """Stop taking jobs, let running ones finish, unload everything, stay up idle."""
-        self.state = "draining"
+        self.state = NodeState.DRAINING
         await self._beat()
         await asyncio.gather(*(self.unload_model(m) for m in list(self.models)))
-        self.state = "drained"
+        self.state = NodeState.DRAINED
         await self._beat()
         log.info("node %s drained", self.name)
 
@@ -114,7 +113,7 @@ class NodeAgent:
             command = NodeCommand.from_fields(fields)
             log.info("command %s %s from %s", command.cmd, command.model, command.by or "?")
             if command.cmd == "load":
-                if self.state == "active":
+                if self.state.takes_jobs:
                     await self.load_model(command.model)
             elif command.cmd == "unload":
                 await self.unload_model(command.model)
@@ -149,7 +148,7 @@ class NodeAgent:
         self._stop.set()
 
     async def shutdown(self, tasks: list[asyncio.Task]) -> None:
-        self.state = "draining"
+        self.state = NodeState.DRAINING
         await self._beat()
         await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
         await self.publisher.stop()
@@ -195,20 +194,7 @@ class NodeAgent:
         held = sum(m.memory_mb for m in self.models.values() if m.device.device == info.id)
         return info.model_copy(update={"total_mb": budget, "free_mb": max(budget - held, 0)})
 
-    # ---- events from device threads and the fleet -------------------------------------------------
-
-    def _model_of(self, engine: Engine) -> ServedModel | None:
-        return next((m for m in self.models.values() if m.engine is engine), None)
-
-    def _on_step(self, engine: Engine, events: list[tuple[str, list]]) -> None:
-        model = self._model_of(engine)
-        if model is not None:
-            model.on_step(events)
-
-    def _on_failure(self, engine: Engine, exc: BaseException, jobs: list[str]) -> None:
-        model = self._model_of(engine)
-        if model is not None:
-            model.poison(exc, jobs)
+    # ---- cancellations from the fleet ------------------------------------------------------------
 
     def _on_unheard(self, job: str) -> None:
         log.info("job %s has no listener any more; cancelling it", job)

@@ -1,31 +1,40 @@
 """One OS thread per device. It owns everything on the device (loads, forwards, cache, memory
 queries, unloads); the event loop hands it work through a queue and gets results back with
-`call_soon_threadsafe`. Only ids, text and numbers cross over, never tensors."""
+`call_soon_threadsafe`. Only ids, text and numbers cross over, never tensors.
+
+Each engine is attached with its own sinks (its `ServedModel`'s): a step's events, or the
+device error that ended a step, go straight to the model the engine serves."""
 
 import asyncio
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from node_agent import devices
 from node_agent.engine import Engine
 from shared.errors import GenerationFailed
 from shared.heartbeat import DeviceInfo
-from shared.wire import ErrorEvent
+from shared.wire import ErrorEvent, StepEvents
 
 log = logging.getLogger(__name__)
 
-StepSink = Callable[[Engine, list[tuple[str, list]]], None]
-FailureSink = Callable[[Engine, BaseException, list[str]], None]
+StepSink = Callable[[StepEvents], None]  # called on the event loop with one step's events
+FailureSink = Callable[[BaseException, list[str]], None]  # the device error, and the jobs it failed
+
+
+@dataclass(frozen=True)
+class Sinks:
+    on_step: StepSink
+    on_failure: FailureSink
 
 
 class DeviceThread:
-    def __init__(self, device: str, loop: asyncio.AbstractEventLoop, on_step: StepSink, on_failure: FailureSink):
+    def __init__(self, device: str, loop: asyncio.AbstractEventLoop):
         self.device = device
         self.loop = loop
-        self.on_step, self.on_failure = on_step, on_failure
-        self.engines: list[Engine] = []
+        self._engines: dict[Engine, Sinks] = {}  # touched on the device thread only
         self.last_info: DeviceInfo | None = None  # the latest memory reading, taken on this thread
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = False
@@ -49,6 +58,13 @@ class DeviceThread:
         self._inbox.put(work)
         return future
 
+    async def attach(self, engine: Engine, on_step: StepSink, on_failure: FailureSink) -> None:
+        """Step `engine` from now on, its events and failures going to these sinks."""
+        await self.call(self._engines.__setitem__, engine, Sinks(on_step, on_failure))
+
+    async def detach(self, engine: Engine) -> None:
+        await self.call(self._engines.pop, engine, None)
+
     async def info(self) -> DeviceInfo:
         """The latest memory reading. A new one is asked for each time, but only the first call
         waits for it: a heartbeat must not wait behind a long step, a load or a grammar compile."""
@@ -69,7 +85,7 @@ class DeviceThread:
 
     def _run(self) -> None:
         while not self._stopping:
-            busy = [e for e in self.engines if e.has_work]
+            busy = [e for e in self._engines if e.has_work]
             try:
                 work = self._inbox.get(block=not busy, timeout=None)
             except queue.Empty:
@@ -77,8 +93,8 @@ class DeviceThread:
             while work is not None:
                 work()
                 work = self._drain_one()
-            for engine in busy or [e for e in self.engines if e.has_work]:
-                self._step(engine)
+            for engine in busy or [e for e in self._engines if e.has_work]:
+                self._step(engine, self._engines.get(engine))
 
     def _drain_one(self) -> Callable[[], None] | None:
         try:
@@ -86,20 +102,22 @@ class DeviceThread:
         except queue.Empty:
             return None
 
-    def _step(self, engine: Engine) -> None:
+    def _step(self, engine: Engine, sinks: Sinks | None) -> None:
+        if sinks is None:  # detached by work run just before
+            return
         try:
             events = engine.step()
         except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
             if devices.is_device_fault(exc, engine.lm.device):
-                self.loop.call_soon_threadsafe(self.on_failure, engine, exc, jobs)
+                self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs)
                 return
             error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still "
                                      "served, try again")
             events = [(job, [ErrorEvent(code=error.code, message=error.message).model_dump()]) for job in jobs]
         if events:
-            self.loop.call_soon_threadsafe(self.on_step, engine, events)
+            self.loop.call_soon_threadsafe(sinks.on_step, events)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -6,11 +6,16 @@ slots; batch entries may take at most `batch_free` of them (the node keeps
 `interactive_reserved_slots` for interactive arrivals). Starvation is bounded: a stream whose
 next entry has waited longer than `batch_max_wait_s` gets one entry read ahead of the rest. When
 every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a new job is
-taken within a round trip of its XADD."""
+taken within a round trip of its XADD.
+
+All of a model's stream I/O on the node is here: the consumer group on each stream, the reads,
+the backlog read when a load failed, and leaving the group on unload. Acknowledging a finished
+job rides on the step's pipeline (node_agent/publisher.py)."""
 
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from shared import queues
 from shared.keys import CONSUMER_GROUP, Keys
@@ -69,6 +74,29 @@ class JobReader:
         self.batch_max_wait_ms = int(batch_max_wait_s * 1000)
         self._read = redis.register_script(_READ)
 
+    async def ensure_groups(self) -> None:
+        """Create the group `agents` on every stream of the model (and the streams), where missing."""
+        for _job_class, stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def backlog(self, count: int = 100) -> list[Entry]:
+        """Up to `count` unread entries of any stream, without blocking (empty: none left)."""
+        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {s: ">" for _, s in self.streams},
+                                            count=count)
+        return self._entries(reply)
+
+    async def leave(self) -> None:
+        """Leave the group on every stream (the model is unloaded here)."""
+        for _job_class, stream in self.streams:
+            try:
+                await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, self.consumer)
+            except ResponseError:  # no such stream or group: nothing to leave
+                pass
+
     async def read(self, free: int, batch_free: int) -> list[Entry]:
         """Up to `free` entries (at most `batch_free` of them batch), most urgent first; blocks up
         to BLOCK_MS when there are none."""
@@ -83,8 +111,11 @@ class JobReader:
         count = min(free, batch_free) if batch_free > 0 else free
         blocked = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, dict.fromkeys(readable, ">"),
                                               count=count, block=BLOCK_MS if batch_free > 0 else CAPPED_BLOCK_MS)
+        return self._entries(blocked)
+
+    def _entries(self, reply) -> list[Entry]:
         return [Entry(stream.decode(), entry_id.decode(), self.class_of[stream.decode()], fields)
-                for stream, entries in blocked or [] for entry_id, fields in entries]
+                for stream, entries in reply or [] for entry_id, fields in entries]
 
     def _entry(self, stream: bytes, entry_id: bytes, flat: list[bytes]) -> Entry:
         fields = dict(zip(flat[::2], flat[1::2]))

@@ -1,5 +1,7 @@
 """One model on one node: its engine on a device thread, and the consumer that feeds it from
-`cortex:jobs:{model}`, reading only as many entries as it has free slots."""
+the model's job streams (through its `JobReader`), reading only as many entries as it has free
+slots. The device thread hands each step's events straight to `on_step`, and a device error to
+`poison`."""
 
 import asyncio
 import logging
@@ -20,10 +22,11 @@ from shared.catalog import ModelProfile
 from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled,
                            ModelLoadFailed, ModelPoisoned, NodeLost)
 from shared.heartbeat import ModelInfo
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
-from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, Usage, WireError
+from shared.wire import (DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StepEvents, StreamEntry, Usage,
+                         WireError, ends_job)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ def _keep_alive_ms(keep_alive_s: float) -> int:
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
                  publisher: Publisher, consumer_name: str, settings: NodeSettings):
-        self.profile, self.device, self.redis, self.keys = profile, device, redis, keys
+        self.profile, self.device = profile, device
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
         self.stream = keys.jobs(profile.id)
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
@@ -122,7 +125,7 @@ class ServedModel:
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
             self.max_prompt_chars = max_tokens * prompts.longest_token_chars(loaded.tokenizer)
-            await self.device.call(self.device.engines.append, self.engine)
+            await self.device.attach(self.engine, self.on_step, self.poison)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
@@ -130,7 +133,7 @@ class ServedModel:
             await self._fail_waiting(ModelLoadFailed(f"loading {self.profile.id} on {self.consumer_name} failed: "
                                                      f"{self.error}"))
             return
-        await self._ensure_group()
+        await self.reader.ensure_groups()
         self.state, self.error, self.last_used_ms = ModelState.READY, "", _now_ms()
         self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
@@ -148,41 +151,28 @@ class ServedModel:
     async def _reload(self) -> None:
         await self.stop_consuming()
         engine, self.engine = self.engine, None
-        await self.device.call(self.device.engines.remove, engine)
+        await self.device.detach(engine)
         del engine
         await self.load()
         self.error = "" if self.state == ModelState.READY else self.error
 
     async def _fail_waiting(self, error: CortexError) -> None:
         """Fail the jobs waiting for this model (they waited for this load) with its error."""
-        await self._ensure_group()
-        streams = {stream: ">" for _job_class, stream in self.reader.streams}
-        while reply := await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer_name, streams, count=100):
-            for stream, entries in reply:
-                for entry_id, fields in entries:
-                    self._finish(entry_id.decode(), fields.get(b"reply", b"").decode(),
-                                 ErrorEvent(code=error.code, message=error.message), stream.decode())
+        await self.reader.ensure_groups()
+        while entries := await self.reader.backlog():
+            for e in entries:
+                self._finish(e.entry_id, e.fields.get(b"reply", b"").decode(),
+                             ErrorEvent(code=error.code, message=error.message), e.stream)
 
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""
         await self.drain(grace_s)
         if self.engine is not None:
             engine, self.engine = self.engine, None
-            await self.device.call(self.device.engines.remove, engine)
+            await self.device.detach(engine)
             await self.device.call(_free, engine)
-        try:
-            await self.redis.xgroup_delconsumer(self.stream, CONSUMER_GROUP, self.consumer_name)
-        except ResponseError:
-            pass
+        await self.reader.leave()
         log.info("%s unloaded from %s", self.profile.id, self.device.device)
-
-    async def _ensure_group(self) -> None:
-        for _job_class, stream in self.reader.streams:
-            try:
-                await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
 
     def _batch_free(self, free: int) -> int:
         """Slots batch jobs may take now: they leave `interactive_reserved_slots` to interactive ones."""
@@ -211,7 +201,7 @@ class ServedModel:
                 entries = await self.reader.read(free, self._batch_free(free))  # most urgent first
             except ResponseError as exc:  # the stream or group was deleted under us
                 log.warning("reading %s: %s; recreating the group", self.stream, exc)
-                await self._ensure_group()
+                await self.reader.ensure_groups()
                 continue
             except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
                 log.warning("reading %s: %s; retrying", self.stream, exc)
@@ -277,7 +267,7 @@ class ServedModel:
             raise InsufficientMemory(f"{self.device.device} on {self.consumer_name} has {free} MB free, "
                                      f"below min_free_mb={self.settings.min_free_mb}")
 
-    def on_step(self, events: list[tuple[str, list]]) -> None:
+    def on_step(self, events: StepEvents) -> None:
         """Called on the event loop with one engine step's events."""
         batch = []
         for job, job_events in events:
@@ -293,7 +283,7 @@ class ServedModel:
         running = self.running.get(job)
         if running is None:
             return None
-        ended = job_events[-1]["type"] != "delta"
+        ended = ends_job(job_events)
         first = running.streaming and not running.started
         running.started = True
         outgoing = Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job,

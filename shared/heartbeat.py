@@ -7,7 +7,7 @@ import json
 
 from pydantic import BaseModel
 
-from shared.lifecycle import ModelState
+from shared.lifecycle import ModelState, NodeState
 
 
 class DeviceInfo(BaseModel):
@@ -30,7 +30,7 @@ class ModelInfo(BaseModel):
 class NodeHeartbeat(BaseModel):
     node: str
     version: str
-    state: str = "active"  # active | draining | drained
+    state: NodeState = NodeState.ACTIVE
     labels: list[str] = []
     started_ms: int
     heartbeat_ms: int
@@ -41,7 +41,7 @@ class NodeHeartbeat(BaseModel):
         return {
             "node": self.node,
             "version": self.version,
-            "state": self.state,
+            "state": str(self.state),
             "started_ms": str(self.started_ms),
             "heartbeat_ms": str(self.heartbeat_ms),
             "labels": json.dumps(self.labels),
@@ -60,6 +60,10 @@ class NodeHeartbeat(BaseModel):
     @classmethod
     def empty(cls, node: str) -> "NodeHeartbeat":
         return cls(node=node, version="", started_ms=0, heartbeat_ms=0)
+
+    @property
+    def takes_jobs(self) -> bool:
+        return self.state.takes_jobs
 
     def serves(self, model: str) -> bool:
         info = self.models.get(model)

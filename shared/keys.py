@@ -30,10 +30,6 @@ class Keys:
         """Pub/sub channel: a message is the id of a job to cancel; every node listens."""
         return f"{self.prefix}cancel"
 
-    def result(self, job: str) -> str:
-        """String with TTL: a job's final result, where someone must read it later."""
-        return f"{self.prefix}result:{job}"
-
     def node(self, node: str) -> str:
         """Hash with TTL: one node's heartbeat."""
         return f"{self.prefix}node:{node}"

@@ -1,14 +1,16 @@
-"""The job lifecycle, one enum for every part."""
+"""States every part reads the same way: a node's, a model replica's, a finished choice's."""
 
 from enum import StrEnum
 
 
-class JobState(StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
+class NodeState(StrEnum):
+    ACTIVE = "active"  # takes new jobs
+    DRAINING = "draining"  # takes none; finishes its running ones, then unloads
+    DRAINED = "drained"  # idle, holding nothing, until it is restarted
+
+    @property
+    def takes_jobs(self) -> bool:
+        return self is NodeState.ACTIVE
 
 
 class ModelState(StrEnum):

@@ -80,7 +80,6 @@ class NodeSettings(CortexSettings):
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
-    claim_idle_ms: int = 30_000  # pending entries idle this long are claimed from dead consumers
     torch_threads: int = 0  # 0: torch's default
     # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.

@@ -6,6 +6,7 @@ A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `
 Every message carries the wire version `v`; a part refuses a version it does not speak.
 """
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -151,30 +152,47 @@ class Timings(BaseModel):
     decode_ms: float = 0.0  # first token -> done
 
 
+class EventType(StrEnum):
+    """What a job event says; every event but a delta ends the job, except `start`, which opens it."""
+
+    START = "start"
+    DELTA = "delta"
+    DONE = "done"
+    ERROR = "error"
+
+
+StepEvents = list[tuple[str, list[dict]]]  # one engine step: (job id, its wire events in order) per job with news
+
+
+def ends_job(events: list[dict]) -> bool:
+    """Whether a job's events of one step (wire dicts, as the engine makes them) end it."""
+    return events[-1]["type"] in (EventType.DONE, EventType.ERROR)
+
+
 class StartEvent(Wire):
     """Sent once the node has read the job's prompt and accepted it, before any token: the
     prompt's length (Anthropic's `message_start` reports it) and, for `echo` of a prompt of token
     ids, its text."""
 
-    type: Literal["start"] = "start"
+    type: Literal[EventType.START] = EventType.START
     prompt_tokens: int
     prompt_text: str | None = None
 
 
 class DeltaEvent(Wire):
-    type: Literal["delta"] = "delta"
+    type: Literal[EventType.DELTA] = EventType.DELTA
     choices: list[ChoiceDelta]
 
 
 class DoneEvent(Wire):
-    type: Literal["done"] = "done"
+    type: Literal[EventType.DONE] = EventType.DONE
     usage: Usage
     timings: Timings = Timings()
     node: str = ""
 
 
 class ErrorEvent(Wire):
-    type: Literal["error"] = "error"
+    type: Literal[EventType.ERROR] = EventType.ERROR
     code: str
     message: str
 
@@ -196,7 +214,7 @@ def choice_delta(index: int, text: str, token: int, logprob: dict | None, finish
 
 def delta_event(choices: list[dict]) -> dict:
     """A `DeltaEvent` as it travels."""
-    return {"v": WIRE_VERSION, "type": "delta", "choices": choices}
+    return {"v": WIRE_VERSION, "type": EventType.DELTA, "choices": choices}
 
 
 def pack(message: BaseModel | dict) -> bytes:

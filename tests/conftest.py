@@ -13,8 +13,6 @@ Process fixtures for other parts (a node agent, say) belong next to these and ca
 
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -22,17 +20,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-pytest_plugins = ["tests.model_fixtures"]
 import redis
 
+from shared import processes
+from shared.processes import free_port, redis_answers
+
+pytest_plugins = ["tests.model_fixtures"]
+
 START_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive: Callable[[], bool] = lambda: True) -> None:
@@ -50,18 +45,19 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive:
 
 
 class Service:
-    """A child process with its output in a log file; `stop()` terminates it (then kills)."""
+    """A child process (started by shared.processes, like every part Cortex starts) with its output
+    in a log file; `stop()` terminates it (then kills)."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.name, self.log_path = name, log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.child = processes.start(name, args, env, log_path=log_path)
+        self.proc = self.child.proc
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.child.alive()
 
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self.child.log_tail(chars)
 
     def wait_ready(self, ready: Callable[[], bool], timeout_s: float = START_TIMEOUT_S) -> None:
         try:
@@ -71,25 +67,7 @@ class Service:
             raise RuntimeError(f"{exc}; its log ends:\n{self.log_tail()}") from None
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
-def _redis_pings(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+        return self.child.stop(timeout_s)
 
 
 def _http_ok(url: str) -> bool:
@@ -102,15 +80,13 @@ def _http_ok(url: str) -> bool:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not on PATH (scripts/test installs it)")
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
-    server = Service("redis-server", args, workdir / "redis.log")
+    server = Service("redis-server", processes.redis_server_argv(port, workdir=workdir), workdir / "redis.log")
     url = f"redis://127.0.0.1:{port}/0"
-    server.wait_ready(lambda: _redis_pings(url))
+    server.wait_ready(lambda: redis_answers(url))
     yield url
     server.stop()
 

@@ -4,7 +4,6 @@ uvicorn and node agents, each a real process on a free loopback port."""
 import json
 import os
 import re
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,8 @@ from pathlib import Path
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
-from tests.conftest import Service, _http_ok, _redis_pings, free_port, wait_until
+from shared.processes import free_port, redis_answers, redis_server_argv
+from tests.conftest import Service, _http_ok, wait_until
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
 DOCUMENTED_KEYS = re.compile(r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|lock:placement:.+|lock:janitor|file:.+|files|batch:[^:]+|batches"
@@ -90,9 +90,8 @@ class Stack:
 def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack:
     port = free_port()
     redis_url = f"redis://127.0.0.1:{port}/0"
-    server = Service("redis-server", [shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(root)], root / "redis.log")
-    server.wait_ready(lambda: _redis_pings(redis_url))
+    server = Service("redis-server", redis_server_argv(port, workdir=root), root / "redis.log")
+    server.wait_ready(lambda: redis_answers(redis_url))
     stack_env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_LOG_LEVEL": "INFO"} | env
     if models_toml is not None:
         (root / "models.toml").write_text(models_toml)

@@ -15,24 +15,26 @@ from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.errors import error_body
 from gateway.gather import Gathered, gather
-from gateway.jobs import Job, new_job_id, submit
+from gateway.jobs import Job, submit_request
+from gateway.protocol.anthropic import MessageCreateParams
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.openai_batch import BatchLineError, BatchLineResponse, BatchOutputLine
 from gateway.render.chat import chat_completion
 from gateway.render.completions import completion
+from gateway.render.messages import message
 from shared.errors import CortexError, InvalidRequest
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    request: type[BaseModel]  # has .model, .n, .to_generation_request(job, model)
-    render: Callable[[Job, Gathered], BaseModel]
+    request: type[BaseModel]  # a `gateway.jobs.ApiRequest`
+    render: Callable[[Job, Gathered], BaseModel]  # as the endpoint answers a non-streaming request
 
 
-# `/v1/messages` joins this table when the Anthropic request and renderer exist.
 ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint(ChatCompletionRequest, chat_completion),
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda job, g: chat_completion(job, g, job.parsers)),
     "/v1/completions": Endpoint(CompletionRequest, completion),
+    "/v1/messages": Endpoint(MessageCreateParams, lambda job, g: message(job, g.choices[0], g.usage, job.parsers())),
 }
 
 
@@ -77,19 +79,14 @@ def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
 
 
 async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller) -> Job:
-    """Resolve the line's model, check the batch's key may use it, and queue its job in the batch
-    class as the key's (its tokens count against the key; batch lines are not rate limited)."""
-    profile = ctx.catalog.resolve(parsed.body.model)
-    caller.check_may_use(profile)
-    await ctx.placer.ensure_placed(profile)
-    request = parsed.body.to_generation_request(new_job_id(), profile.id)
-    return await submit(ctx, request, caller, priority="batch", rank=getattr(parsed.body, "priority", None))
+    """Queue the line's job in the batch class as the batch key's, by the path every request takes."""
+    return await submit_request(ctx, parsed.body, caller, priority="batch")
 
 
 async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:
     """Gather the job's events into the endpoint's response, as an output line."""
     async with job:
-        gathered = await gather(job.events(), parsed.body.n)
+        gathered = await gather(job.events(), getattr(parsed.body, "n", 1))
     body = ENDPOINTS[endpoint].render(job, gathered).model_dump(mode="json")
     response = BatchLineResponse(status_code=200, request_id=job.id, body=body)
     return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)

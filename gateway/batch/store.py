@@ -14,9 +14,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.files import visible
-from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, CreateBatchRequest
+from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, BatchRequestCounts, CreateBatchRequest
 from shared.api_keys import ANONYMOUS
-from shared.errors import NotFound
+from shared.errors import InvalidRequest, NotFound
 from shared.keys import Keys
 
 COMPLETION_WINDOW_S = 24 * 3600
@@ -51,11 +51,13 @@ class BatchStore:
         self.redis, self.keys = redis, keys
         self._transition = redis.register_script(_TRANSITION)
 
-    async def create(self, body: CreateBatchRequest, owner: str) -> Batch:
+    async def create(self, body: CreateBatchRequest, owner: str, lines: int = 0) -> Batch:
+        """A new batch, `validating`; `lines`: its request count when known already (the worker counts them)."""
         now = int(time.time())
         batch = Batch(id=new_batch_id(), endpoint=body.endpoint, input_file_id=body.input_file_id,
                       completion_window=body.completion_window, status="validating", created_at=now,
-                      expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata)
+                      expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata,
+                      request_counts=BatchRequestCounts(total=lines))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json") | {"owner": owner}))
             pipe.zadd(self.keys.batches(), {batch.id: time.time() * 1000})
@@ -91,11 +93,22 @@ class BatchStore:
             await self.redis.srem(self.keys.batches_active(), batch_id)
         return had
 
+    async def cancel(self, batch_id: str, owner: str | None) -> Batch:
+        """Ask the batch's worker to stop new lines (lines already running finish); a 404 for
+        another owner's batch, a 400 for one that has ended."""
+        await self.get(batch_id, owner)
+        had = await self.transition(batch_id, "cancelling", from_=("validating", "in_progress"), stamp="cancelling_at")
+        if had not in ("validating", "in_progress", "cancelling", "cancelled"):
+            raise InvalidRequest(f"batch {batch_id} is {had}; it can no longer be cancelled", param="batch_id")
+        return await self.get(batch_id)
+
     async def active(self) -> list[str]:
         return [i.decode() for i in await self.redis.smembers(self.keys.batches_active())]
 
-    async def list(self, *, after: str | None, limit: int, owner: str | None = None) -> BatchList:
-        """Newest first, `limit` per page after the batch `after`, only `owner`'s (None: all)."""
+    async def list(self, *, after: str | None, limit: int, owner: str | None = None,
+                   endpoint: str | None = None) -> BatchList:
+        """Newest first, `limit` per page after the batch `after`, only `owner`'s (None: all), only
+        those for `endpoint` if given."""
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(self.keys.batches(), after)
@@ -105,9 +118,11 @@ class BatchStore:
             ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches(), start, start + LIST_SCAN - 1)]
             for batch_id in ids:
                 try:
-                    found.append(await self.get(batch_id, owner))
+                    batch = await self.get(batch_id, owner)
                 except NotFound:  # another owner's, or deleted between the two reads
                     continue
+                if endpoint in (None, batch.endpoint):
+                    found.append(batch)
             if len(ids) < LIST_SCAN:
                 break
             start += LIST_SCAN

@@ -17,7 +17,7 @@ from gateway.batch.runner import BatchRunner, LeaseLost
 from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
-from gateway.fleet import Fleet
+from shared.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys

@@ -12,9 +12,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway import tool_calls
 from gateway.protocol.bounds import JsonSchema, MaxTokens, TopK
 from gateway.protocol.lenient import Lenient
+from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
 
@@ -277,17 +277,17 @@ class _MessagesInput(Lenient):
         return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                   "parameters": t.input_schema}} for t in self.tools]
 
-    def grammar(self, parser: tool_calls.ParserName) -> str | None:
-        """A forced call (`any`, `tool`) decodes under a grammar that allows only calls: one for
-        `tool` or `disable_parallel_tool_use`, else a bounded number."""
+    @property
+    def constraint(self) -> Constraint:
+        """A forced call (`any`, `tool`): one for `tool` or `disable_parallel_tool_use`, else a
+        bounded number; or JSON output (`output_config.format`)."""
         choice = self.tool_choice
         if not self.uses_tools or not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
             output = (self.output_config.format if self.output_config else None) or self.output_format
-            return tool_calls.checked(tool_calls.json_grammar(output.schema_), "output_config") if output else None
-        tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools
-                 if not isinstance(choice, ToolChoiceTool) or t.name == choice.name]
-        parallel = isinstance(choice, ToolChoiceAny) and not choice.disable_parallel_tool_use
-        return tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+            return JsonOutput(output.schema_, "output_config") if output else None
+        tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools]
+        named = choice.name if isinstance(choice, ToolChoiceTool) else None
+        return ForcedCall.of(tools, named, parallel=not choice.disable_parallel_tool_use)
 
 
 class MessageCreateParams(_MessagesInput):

@@ -7,14 +7,14 @@ Extensions beyond OpenAI (vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`) come after the spec's fields.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from gateway import tool_calls
 from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, ChatTemplateKwargs, Int64, JsonSchema, KeepAlive, MaxTokens,
                                      StopTokenIds, TokenId, TopK, duration_s)
 from gateway.protocol.lenient import Lenient
+from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)]
@@ -258,19 +258,17 @@ class ChatCompletionRequest(_Sampling):
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def grammar(self, parser: tool_calls.ParserName) -> str | None:
-        """Constrained decoding: a forced call (`required`, named) in the model's own format, or
-        JSON output (`response_format`)."""
+    @property
+    def constraint(self) -> Constraint:
+        """A forced call (`required`, named) or JSON output (`response_format`)."""
         if self.uses_tools and self.tool_choice not in (None, "auto"):
             named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
-            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools
-                     if named is None or t.function.name == named]
-            parallel = named is None and self.parallel_tool_calls is not False
-            return tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         if self.response_format is None or self.response_format.type == "text":
             return None
         schema = self.response_format.json_schema.schema_ if self.response_format.json_schema else None
-        return tool_calls.checked(tool_calls.json_grammar(schema or None), "response_format")
+        return JsonOutput(schema or None, "response_format")
 
     @property
     def include_usage(self) -> bool:
@@ -321,6 +319,8 @@ class CompletionRequest(_Sampling):
     ignore_eos: bool = False
     keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
     priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    uses_tools: ClassVar[bool] = False  # completions take no tools
+    constraint: ClassVar[Constraint] = None  # and no grammar
 
     @field_validator("prompt")
     @classmethod

@@ -13,9 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, model_validator
 
-from gateway import tool_calls
 from gateway.protocol.bounds import JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
+from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
 # ---- input items ----------------------------------------------------------------------------
@@ -216,18 +216,17 @@ class ResponseCreateParams(Lenient):
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def grammar(self, parser: tool_calls.ParserName) -> str | None:
+    @property
+    def constraint(self) -> Constraint:
         """A forced call (`required`, a named function) or JSON output (`text.format`)."""
         if self.uses_tools and self.tool_choice not in (None, "auto"):
             named = self.tool_choice.name if isinstance(self.tool_choice, ToolChoiceFunction) else None
-            tools = [{"name": t.name, "parameters": t.parameters} for t in self.tools if named in (None, t.name)]
-            parallel = named is None and self.parallel_tool_calls is not False
-            return tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+            tools = [{"name": t.name, "parameters": t.parameters} for t in self.tools]
+            return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None
-        schema = fmt.schema_ if isinstance(fmt, ResponseFormatTextJSONSchemaConfig) else None
-        return tool_calls.checked(tool_calls.json_grammar(schema), "text.format")
+        return JsonOutput(fmt.schema_ if isinstance(fmt, ResponseFormatTextJSONSchemaConfig) else None, "text.format")
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []

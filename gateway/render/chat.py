@@ -3,7 +3,7 @@ choice's text runs through the model's tool-call parser: calls become `tool_call
 a first delta with id and name, then `function.arguments` pieces) and `finish_reason` becomes
 `tool_calls`."""
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from gateway.gather import Gathered
 from gateway.protocol.openai import (
@@ -20,18 +20,11 @@ from gateway.protocol.openai import (
     ChatCompletionMessageToolCall,
     FunctionCall,
 )
-from gateway.tool_calls import CallStart, Piece, Text, ToolCallParser, collect
 from gateway.render import DEFAULT_FINISH_REASON, JobInfo, completion_usage
+from gateway.tools.parsers import CallStart, Parsers, Piece, Text, ToolCallParser, collect, no_parser
 from shared.wire import DeltaEvent, DoneEvent, TokenLogprob
 
 Delta = ChatCompletionStreamResponseDelta
-Parsers = Callable[[], ToolCallParser | None]  # a fresh parser per choice, or None without tools
-
-
-def _no_tools() -> None:
-    return None
-
-
 def finish_reason(reason: str | None, called: bool) -> str:
     return "tool_calls" if called and reason in (None, "stop") else reason or DEFAULT_FINISH_REASON
 
@@ -52,7 +45,7 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
     return ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(t.model_dump()) for t in tokens])
 
 
-def chat_completion(job: JobInfo, gathered: Gathered, parsers: Parsers = _no_tools) -> ChatCompletion:
+def chat_completion(job: JobInfo, gathered: Gathered, parsers: Parsers = no_parser) -> ChatCompletion:
     choices = []
     for c in gathered.choices:
         message, called = _message(c.text, parsers(), c.finish_reason == "length")
@@ -77,7 +70,7 @@ def _piece_delta(piece: Piece) -> Delta:
 
 async def chat_chunks(
     job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], *, n: int, include_usage: bool,
-    parsers: Parsers = _no_tools,
+    parsers: Parsers = no_parser,
 ) -> AsyncIterator[ChatCompletionChunk]:
     """Role chunk per choice, content chunks, a finish chunk per choice, then the usage chunk."""
 

@@ -7,7 +7,7 @@ the same blocks: text, then `tool_use` blocks whose `input` streams as `input_js
 
 from collections.abc import AsyncIterator, Iterator
 
-from gateway import tool_calls
+from gateway.tools import parsers
 from gateway.gather import GatheredChoice
 from gateway.protocol.anthropic import (
     ContentBlock,
@@ -49,14 +49,14 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None, called: bo
 class Blocks:
     """Parser pieces → content block events, opening and closing blocks as the pieces change kind."""
 
-    def __init__(self, parser: tool_calls.ToolCallParser | None):
+    def __init__(self, parser: parsers.ToolCallParser | None):
         self.parser = parser
         self.index = -1
         self.open: str | int | None = None  # "text", or the index of the open call
         self.called = False
 
     def feed(self, text: str) -> Iterator[StreamEvent]:
-        pieces = self.parser.feed(text) if self.parser else ([tool_calls.Text(text)] if text else [])
+        pieces = self.parser.feed(text) if self.parser else ([parsers.Text(text)] if text else [])
         yield from self._events(pieces)
 
     def finish(self, cut_off: bool) -> Iterator[StreamEvent]:
@@ -65,13 +65,13 @@ class Blocks:
             yield from self._start(TextBlock(text=""), "text")
         yield from self._close()
 
-    def _events(self, pieces: list[tool_calls.Piece]) -> Iterator[StreamEvent]:
+    def _events(self, pieces: list[parsers.Piece]) -> Iterator[StreamEvent]:
         for piece in pieces:
-            if isinstance(piece, tool_calls.Text):
+            if isinstance(piece, parsers.Text):
                 if self.open != "text":
                     yield from self._start(TextBlock(text=""), "text")
                 yield ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=piece.text))
-            elif isinstance(piece, tool_calls.CallStart):
+            elif isinstance(piece, parsers.CallStart):
                 self.called = True
                 yield from self._start(ToolUseBlock(id=f"toolu_{piece.id}", name=piece.name, input={}), piece.index)
             elif piece.text:
@@ -105,7 +105,7 @@ def content_blocks(events: list[StreamEvent]) -> list[ContentBlock]:
     return blocks
 
 
-def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: tool_calls.ToolCallParser | None) -> Message:
+def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: parsers.ToolCallParser | None) -> Message:
     blocks = Blocks(parser)
     events = [*blocks.feed(choice.text), *blocks.finish(choice.finish_reason == "length")]
     return Message(
@@ -117,7 +117,7 @@ def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: tool
 
 
 async def message_events(
-    job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], parser: tool_calls.ToolCallParser | None
+    job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], parser: parsers.ToolCallParser | None
 ) -> AsyncIterator[StreamEvent]:
     """message_start, the content block events, message_delta (stop reason, usage), message_stop.
     message_start waits for the job's first event: by then the node has said the prompt's length."""

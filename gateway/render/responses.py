@@ -8,7 +8,7 @@ response folds the same events a stream sends, so both carry the same output.
 from collections.abc import AsyncIterator, Iterator
 from itertools import count
 
-from gateway import tool_calls
+from gateway.tools import parsers
 from gateway.gather import GatheredChoice
 from gateway.protocol.responses import (
     IncompleteDetails,
@@ -44,22 +44,22 @@ def response_id(job: JobInfo) -> str:
 class Output:
     """Parser pieces → output items and their events, opening and closing items as pieces change kind."""
 
-    def __init__(self, job: JobInfo, parser: tool_calls.ToolCallParser | None):
+    def __init__(self, job: JobInfo, parser: parsers.ToolCallParser | None):
         self.job, self.parser = job, parser
         self.items: list[ResponseOutputItem] = []
         self.open = False
 
     def feed(self, text: str) -> Iterator[ResponseStreamEvent]:
-        pieces = self.parser.feed(text) if self.parser else ([tool_calls.Text(text)] if text else [])
+        pieces = self.parser.feed(text) if self.parser else ([parsers.Text(text)] if text else [])
         yield from self._events(pieces)
 
     def finish(self, cut_off: bool) -> Iterator[ResponseStreamEvent]:
         yield from self._events(self.parser.finish(cut_off) if self.parser else [])
         yield from self._close("incomplete" if cut_off else "completed")
 
-    def _events(self, pieces: list[tool_calls.Piece]) -> Iterator[ResponseStreamEvent]:
+    def _events(self, pieces: list[parsers.Piece]) -> Iterator[ResponseStreamEvent]:
         for piece in pieces:
-            if isinstance(piece, tool_calls.Text):
+            if isinstance(piece, parsers.Text):
                 if not (self.open and isinstance(self.items[-1], ResponseOutputMessage)):
                     yield from self._add(ResponseOutputMessage(id=f"msg_{self.job.id}_{len(self.items)}", content=[],
                                                                status="in_progress"))
@@ -69,7 +69,7 @@ class Output:
                 self.items[-1].content[0].text += piece.text
                 yield ResponseTextDeltaEvent(item_id=self.items[-1].id, output_index=len(self.items) - 1,
                                              delta=piece.text)
-            elif isinstance(piece, tool_calls.CallStart):
+            elif isinstance(piece, parsers.CallStart):
                 yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}",
                                                               name=piece.name, arguments="", status="in_progress"))
             elif piece.text:
@@ -127,7 +127,7 @@ def assistant_turn(response: Response) -> dict:
 
 
 def response(job: JobInfo, body: ResponseCreateParams, choice: GatheredChoice, usage: Usage,
-             parser: tool_calls.ToolCallParser | None) -> Response:
+             parser: parsers.ToolCallParser | None) -> Response:
     output = Output(job, parser)
     for _ in [*output.feed(choice.text), *output.finish(choice.finish_reason == "length")]:
         pass
@@ -135,7 +135,7 @@ def response(job: JobInfo, body: ResponseCreateParams, choice: GatheredChoice, u
 
 
 async def response_events(job: JobInfo, body: ResponseCreateParams, events: AsyncIterator[DeltaEvent | DoneEvent],
-                          parser: tool_calls.ToolCallParser | None) -> AsyncIterator[ResponseStreamEvent]:
+                          parser: parsers.ToolCallParser | None) -> AsyncIterator[ResponseStreamEvent]:
     """response.created, response.in_progress, the output items' events, then response.completed
     (or response.incomplete when max_output_tokens cut it), numbered in order."""
     numbers = count()

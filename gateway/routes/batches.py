@@ -41,9 +41,4 @@ async def retrieve_batch(batch_id: str, ctx: Ctx, caller: CallerDep) -> JSONResp
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
     """Stops new lines; lines already running finish; the output holds what finished."""
-    store = BatchStore(ctx.redis, ctx.keys)
-    await store.get(batch_id, caller.owner)  # another key's batch is a 404
-    had = await store.transition(batch_id, "cancelling", from_=("validating", "in_progress"), stamp="cancelling_at")
-    if had not in ("validating", "in_progress", "cancelling", "cancelled"):
-        raise InvalidRequest(f"batch {batch_id} is {had}; it can no longer be cancelled", param="batch_id")
-    return JSONResponse((await store.get(batch_id)).model_dump())
+    return JSONResponse((await BatchStore(ctx.redis, ctx.keys).cancel(batch_id, caller.owner)).model_dump())

@@ -3,7 +3,6 @@
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway import tool_calls
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
@@ -19,10 +18,9 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     job = await submit_request(ctx, body, caller)
-    parsers = tool_calls.parsers_for(ctx.catalog.resolve(body.model), body.uses_tools)
     if body.stream:
-        chunks = chat_chunks(job, job.events(), n=body.n, include_usage=body.include_usage, parsers=parsers)
+        chunks = chat_chunks(job, job.events(), n=body.n, include_usage=body.include_usage, parsers=job.parsers)
         return await stream_job(request, job, chunks)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), body.n))
-    return JSONResponse(chat_completion(job, gathered, parsers).model_dump(mode="json"))
+    return JSONResponse(chat_completion(job, gathered, job.parsers).model_dump(mode="json"))

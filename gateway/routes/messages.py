@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from gateway import sse, tool_calls
+from gateway import sse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
@@ -34,8 +34,7 @@ PING_INTERVAL_S = 10.0  # a `ping` event after this long without one, so proxies
 async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, caller: CallerDep,
                          x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
     job = await submit_request(ctx, body, caller)
-    profile = ctx.catalog.resolve(body.model)
-    parser = tool_calls.make_parser(tool_calls.parser_name(profile)) if body.uses_tools else None
+    parser = job.parsers()
     if body.stream:
         return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
     async with job:

@@ -4,7 +4,6 @@ how long the oldest queued job has waited."""
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from gateway import queue
 from gateway.context import Ctx
 
 router = APIRouter()
@@ -12,4 +11,6 @@ router = APIRouter()
 
 @router.get("/v1/queue")
 async def queue_summary(ctx: Ctx) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": await queue.summary(ctx)})
+    nodes = await ctx.fleet.live_nodes()
+    found = await ctx.fleet.queues(set(ctx.catalog.profiles) | {m for node in nodes for m in node.models}, nodes)
+    return JSONResponse({"object": "list", "data": [q.model_dump() for q in found]})

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway import sse, tool_calls
+from gateway import sse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
@@ -32,8 +32,7 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
     if body.previous_response_id:
         body.continue_from(await store.conversation(body.previous_response_id))
     job = await submit_request(ctx, body, caller)
-    profile = ctx.catalog.resolve(body.model)
-    parser = tool_calls.make_parser(tool_calls.parser_name(profile)) if body.uses_tools else None
+    parser = job.parsers()
     if body.stream:
         events = response_events(job, body, job.events(), parser)
         if body.store is not False:

@@ -13,18 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import cli
+from gateway.cli import main, run_file
+from shared.processes import free_port
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not on PATH"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -42,11 +37,12 @@ def fake_python(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setattr(sys, "executable", str(script))
     monkeypatch.delenv("CORTEX_REDIS_URL", raising=False)
     monkeypatch.delenv("CORTEX_CONFIG", raising=False)
+    monkeypatch.setenv(run_file.RUN_FILE_ENV, str(tmp_path / "up.json"))
     return tmp_path
 
 
 def up_args(redis_port: int):
-    return cli.build_parser().parse_args(
+    return main.build_parser().parse_args(
         ["up", "--port", str(free_port()), "--redis-port", str(redis_port), "--stop-timeout-s", "3"]
     )
 
@@ -65,7 +61,7 @@ def test_a_dead_child_stops_the_rest_and_fails(fake_python, monkeypatch, capsys)
     monkeypatch.setenv("FAKE_DIES", "node_agent")
     redis_port = free_port()
 
-    code = cli.run_up(up_args(redis_port))
+    code = main.cmd_up(up_args(redis_port))
 
     assert code == 1
     out = capsys.readouterr().out
@@ -82,7 +78,7 @@ def test_sigterm_stops_everything_cleanly(fake_python, monkeypatch, capsys):
     timer.start()
     try:
         started = time.monotonic()
-        code = cli.run_up(up_args(redis_port))
+        code = main.cmd_up(up_args(redis_port))
     finally:
         timer.cancel()
         for sig, handler in saved.items():
@@ -91,6 +87,8 @@ def test_sigterm_stops_everything_cleanly(fake_python, monkeypatch, capsys):
     assert code == 0
     assert time.monotonic() - started < 10
     out = capsys.readouterr().out
+    assert f"find this stack through {fake_python / 'up.json'}" in out
+    assert not (fake_python / "up.json").exists()  # removed on the way out
     assert out.index("stopping node") < out.index("stopping gateway") < out.index("stopping redis")
     assert_nothing_left(fake_python, redis_port)
 
@@ -99,6 +97,6 @@ def test_refuses_a_busy_redis_port(fake_python, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        code = cli.run_up(up_args(busy.getsockname()[1]))
+        code = main.cmd_up(up_args(busy.getsockname()[1]))
     assert code == 2
     assert "CORTEX_UP_REDIS_PORT" in capsys.readouterr().out

@@ -119,3 +119,77 @@ def test_upload_over_the_line_limit_is_413(client):
     with pytest.raises(openai.APIStatusError) as caught:
         client.files.create(file=("big.jsonl", b"{}\n" * 50_001), purpose="batch")
     assert caught.value.status_code == 413 and "50000 lines" in caught.value.message
+
+
+def test_batch_lines_with_a_forced_tool_call_and_a_json_schema(client, batch_stack):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    lines = [chat_line("tool", "Weather in Paris?", max_tokens=64, tools=[weather],
+                       tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+             chat_line("json", "A number, as JSON.", max_tokens=64,
+                       response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})]
+    done = wait_status(client, submit_batch(client, lines), {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    out = {o["custom_id"]: o["response"]["body"]["choices"][0] for o in output_lines(client, done.output_file_id)}
+    (call,) = out["tool"]["message"]["tool_calls"]
+    assert out["tool"]["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(call["function"]["arguments"])["city"], str)
+    answer = json.loads(out["json"]["message"]["content"])
+    assert set(answer) == {"n"} and 0 <= answer["n"] <= 99
+    batch_stack.assert_clean()
+
+
+def test_anthropic_message_batch_round_trip(batch_stack):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=batch_stack.gateway_url, api_key="unused", max_retries=0)
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}
+    requests = [
+        {"custom_id": "hello", "params": {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                                          "messages": [{"role": "user", "content": "Hello"}]}},
+        {"custom_id": "tool", "params": {"model": MODEL, "max_tokens": 64, "tools": [weather],
+                                         "tool_choice": {"type": "tool", "name": "get_weather"},
+                                         "messages": [{"role": "user", "content": "Weather in Paris?"}]}},
+        {"custom_id": "bad", "params": {"model": MODEL, "messages": [{"role": "user", "content": "no max_tokens"}]}},
+    ]
+    batch = client.messages.batches.create(requests=requests)
+    assert batch.type == "message_batch" and batch.processing_status == "in_progress"
+    assert batch.request_counts.processing == 3
+    deadline = time.monotonic() + 300
+    while (batch := client.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.request_counts.succeeded == 2 and batch.request_counts.errored == 1 and batch.ended_at
+    assert [b.id for b in client.messages.batches.list(limit=5).data][0] == batch.id
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert results["hello"].type == "succeeded" and results["hello"].message.usage.output_tokens > 0
+    (use,) = results["tool"].message.content
+    assert use.type == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert results["tool"].message.stop_reason == "tool_use"
+    assert results["bad"].type == "errored" and results["bad"].error.error.type == "invalid_request_error"
+    assert "max_tokens" in results["bad"].error.error.message
+    batch_stack.assert_clean()
+
+
+def test_cancelled_message_batch_reports_canceled_requests(batch_stack):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=batch_stack.gateway_url, api_key="unused", max_retries=0)
+    requests = [{"custom_id": f"r{i}", "params": {"model": MODEL, "max_tokens": 120,
+                                                  "messages": [{"role": "user", "content": PROMPTS[i % 10]}]}}
+                for i in range(100)]
+    batch = client.messages.batches.create(requests=requests)
+    cancelling = client.messages.batches.cancel(batch.id)
+    assert cancelling.processing_status in ("canceling", "ended") and cancelling.cancel_initiated_at
+    deadline = time.monotonic() + 300
+    while (batch := client.messages.batches.retrieve(batch.id)).processing_status != "ended":
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    counts = batch.request_counts
+    assert counts.canceled > 0 and counts.succeeded + counts.errored + counts.canceled == 100
+    results = list(client.messages.batches.results(batch.id))
+    assert len(results) == 100 and sum(r.result.type == "canceled" for r in results) == counts.canceled
+    batch_stack.assert_clean()

@@ -81,7 +81,7 @@ def test_drain_under_traffic_fails_nothing(fleet_stack):
     fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     outcomes, threads = run_requests(fleet_stack, 24, max_tokens=60, spacing_s=0.1)
     time.sleep(0.8)
-    drained = subprocess.run([sys.executable, "-m", "shared.cli", "drain", "n1"], env=fleet_stack.env,
+    drained = subprocess.run([sys.executable, "-m", "gateway.cli", "drain", "n1"], env=fleet_stack.env,
                              capture_output=True, text=True, timeout=60)
     assert drained.returncode == 0, drained.stderr
     join_all(threads, 120)

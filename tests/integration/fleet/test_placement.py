@@ -101,7 +101,7 @@ def test_admin_api_needs_the_key_and_cli_status_shows_the_fleet(fleet_stack):
     fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     response = httpx.post(f"{fleet_stack.gateway_url}/admin/models/tiny-a/pin", timeout=10)
     assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--json"], env=fleet_stack.env,
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json"], env=fleet_stack.env,
                          capture_output=True, text=True, timeout=60)
     status = json.loads(out.stdout)
     [node] = status["nodes"]

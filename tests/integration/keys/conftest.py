@@ -32,7 +32,7 @@ def keys_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
 
 def cortex_keys(stack: Stack, *args: str) -> subprocess.CompletedProcess:
     """`cortex keys ARGS` as an operator runs it, against the stack's Redis."""
-    return subprocess.run([sys.executable, "-m", "shared.cli", "keys", *args], env=stack.env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "keys", *args], env=stack.env, capture_output=True,
                           text=True, timeout=60)
 
 

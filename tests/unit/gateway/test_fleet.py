@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.fleet import Fleet, describe
+from shared.fleet import Fleet, describe
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import KEYS, MODEL, beat
 

@@ -14,7 +14,8 @@ import redis
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.keys import Keys
-from tests.conftest import Service, _http_ok, _redis_pings, free_port
+from shared.processes import free_port, redis_answers
+from tests.conftest import Service, _http_ok
 
 pytestmark = pytest.mark.integration
 KEYS = Keys()
@@ -46,7 +47,7 @@ def test_redis_restart_fails_in_flight_requests_cleanly_then_recovers(tmp_path):
     url = f"redis://127.0.0.1:{port}/0"
     redis_args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     server = Service("redis-server", redis_args, tmp_path / "redis.log")
-    server.wait_ready(lambda: _redis_pings(url))
+    server.wait_ready(lambda: redis_answers(url))
     env = {"CORTEX_REDIS_URL": url, "CORTEX_PORT": str(gateway_port), "CORTEX_REQUEST_TIMEOUT_S": "1",
            "PATH": "/usr/bin:/bin"}
     gateway = Service("gateway", [sys.executable, "-m", "gateway"], tmp_path / "gateway.log", env=env)
@@ -65,7 +66,7 @@ def test_redis_restart_fails_in_flight_requests_cleanly_then_recovers(tmp_path):
         assert httpx.get(f"{base}/health", timeout=5).status_code == 503
 
         server = Service("redis-server", redis_args, tmp_path / "redis2.log")
-        server.wait_ready(lambda: _redis_pings(url))
+        server.wait_ready(lambda: redis_answers(url))
         client = redis.Redis.from_url(url)
         deadline = time.monotonic() + 5
         while not client.exists(KEYS.catalog()) and time.monotonic() < deadline:

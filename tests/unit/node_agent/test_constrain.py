@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gateway import tool_calls
+from gateway.tools.grammars import forced_call_grammar, json_grammar
+from gateway.tools.parsers import parse
 from node_agent import prompts
 from node_agent.engine import Engine
 from shared.errors import InvalidRequest
@@ -21,7 +22,7 @@ TOOLS = [{"name": "set_unit", "parameters": {"type": "object", "properties": {"u
 
 def test_json_schema_output_validates(tiny_llama):
     profile, lm = tiny_llama
-    grammar = tool_calls.json_grammar(SCHEMA)
+    grammar = json_grammar(SCHEMA)
     reqs = [request(f"j{i}", p, temperature=t, seed=i, max_tokens=60, grammar=grammar)
             for i, (p, t) in enumerate([("Hi", 0), ("Give me JSON", 1.0), ("x", 0.7)])]
     results = run(Engine(lm, profile), *reqs)
@@ -33,7 +34,7 @@ def test_json_schema_output_validates(tiny_llama):
 
 def test_json_object_output_parses(tiny_llama):
     profile, lm = tiny_llama
-    req = request("j", "Hi", temperature=0, max_tokens=200, grammar=tool_calls.json_grammar(None))
+    req = request("j", "Hi", temperature=0, max_tokens=200, grammar=json_grammar(None))
     result = run(Engine(lm, profile), req)["j"]
     if result.finish[0] == "stop":
         assert isinstance(json.loads(result.text[0]), dict)
@@ -44,9 +45,9 @@ def test_json_object_output_parses(tiny_llama):
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_forced_tool_call_parses_as_a_call(tiny_llama, parser):
     profile, lm = tiny_llama
-    grammar = tool_calls.forced_call_grammar(parser, TOOLS, parallel=False)
+    grammar = forced_call_grammar(parser, TOOLS, parallel=False)
     result = run(Engine(lm, profile), request("j", "Call a tool", temperature=0, max_tokens=60, grammar=grammar))["j"]
-    parsed = tool_calls.parse(parser, result.text[0])
+    parsed = parse(parser, result.text[0])
     assert parsed.content == "" and len(parsed.calls) == 1
     call = parsed.calls[0]
     assert call.name in ("set_unit", "ping")
@@ -59,7 +60,7 @@ def test_masks_only_touch_rows_with_a_grammar(tiny_llama):
     free = request("free", "Tell me a story", temperature=0, max_tokens=16, ignore_eos=True)
     alone = run(Engine(lm, profile), free)["free"].token_ids[0]
     engine = Engine(lm, profile)
-    constrained = request("c", "JSON please", temperature=0, max_tokens=30, grammar=tool_calls.json_grammar(SCHEMA))
+    constrained = request("c", "JSON please", temperature=0, max_tokens=30, grammar=json_grammar(SCHEMA))
     results = run(engine, constrained, request("free", "Tell me a story", temperature=0, max_tokens=16, ignore_eos=True))
     assert results["free"].token_ids[0] == alone
     json.loads(results["c"].text[0])

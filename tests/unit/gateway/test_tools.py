@@ -1,4 +1,5 @@
-"""Tool-call parsers: every format, streamed in any chunking, gives the same text and calls."""
+"""Tool-call parsers (every format, streamed in any chunking, gives the same text and calls) and
+the grammars of forced calls."""
 
 import json
 
@@ -6,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import tool_calls
-from gateway.tool_calls import collect, make_parser, parse, parser_name
+from gateway.tools import grammars as tool_grammars
+from gateway.tools.parsers import CallStart, Parsed, collect, make_parser, parse, parser_name
 from shared.catalog import ModelProfile
 
 CASES = [
@@ -29,7 +30,7 @@ CASES = [
 ]
 
 
-def streamed(name: str, text: str, cuts: list[int]) -> tool_calls.Parsed:
+def streamed(name: str, text: str, cuts: list[int]) -> Parsed:
     parser, pieces, last = make_parser(name), [], 0
     for cut in sorted(set(cuts)) + [len(text)]:
         pieces += parser.feed(text[last:cut])
@@ -56,7 +57,7 @@ def test_any_chunking_gives_the_same_result(case, cuts):
 def test_arguments_stream_before_the_call_ends():
     parser = make_parser("hermes")
     first = parser.feed('<tool_call>{"name": "f", "arguments": {"city": "Pa')
-    assert isinstance(first[0], tool_calls.CallStart) and first[0].name == "f"
+    assert isinstance(first[0], CallStart) and first[0].name == "f"
     assert "".join(p.text for p in first[1:]) == '{"city": "Pa'
 
 
@@ -75,7 +76,7 @@ def test_parser_by_family_and_catalogue_override(profile, expected):
 def test_forced_call_grammars_compile(parser):
     tools = [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"name": "g"}]
     for parallel in (True, False):
-        tool_calls.checked(tool_calls.forced_call_grammar(parser, tools, parallel=parallel), "tools")
+        tool_grammars.grammar(tool_grammars.ForcedCall(tools, parallel=parallel), parser)
 
 
 CUT_OFF = [  # answers that max_tokens ended inside a call: (parser, text, content, call names)
@@ -115,11 +116,11 @@ def test_forced_calls_are_one_or_a_bounded_number(grammars, smol_tokenizer, pars
     tools = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
 
     def accepts(text: str, parallel: bool) -> bool:
-        matcher = grammars.matcher(tool_calls.forced_call_grammar(parser, tools, parallel=parallel))
+        matcher = grammars.matcher(tool_grammars.forced_call_grammar(parser, tools, parallel=parallel))
         ids = smol_tokenizer.encode(text, add_special_tokens=False) + [smol_tokenizer.eos_token_id]
         return matcher.validate_tokens(ids) == len(ids)
 
     calls = lambda n: separator.join([one] * n)
     assert accepts(calls(1), parallel=False) and not accepts(calls(2), parallel=False)
-    assert accepts(calls(tool_calls.MAX_PARALLEL_CALLS), parallel=True)
-    assert not accepts(calls(tool_calls.MAX_PARALLEL_CALLS + 1), parallel=True)
+    assert accepts(calls(tool_grammars.MAX_PARALLEL_CALLS), parallel=True)
+    assert not accepts(calls(tool_grammars.MAX_PARALLEL_CALLS + 1), parallel=True)

@@ -1,5 +1,4 @@
-"""Tool calls in a model's own output format → structured calls, as the text streams in; and
-the grammars that force a call (or a JSON answer) through constrained decoding on the node.
+"""Tool calls in a model's own output format → structured calls, as the text streams in.
 
 Parsing lives in the gateway, on the text the node streams, so the wire stays text and both
 dialects (OpenAI `tool_calls`, Anthropic `tool_use` blocks) render from the same pieces. One
@@ -22,12 +21,9 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import llguidance
+from typing import Literal
 
 from shared.catalog import ModelProfile
-from shared.errors import InvalidRequest
 
 ParserName = Literal["hermes", "llama3_json", "mistral"]
 
@@ -73,10 +69,16 @@ def make_parser(name: ParserName) -> "ToolCallParser":
     return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
 
 
-def parsers_for(profile: ModelProfile, uses_tools: bool) -> Callable[[], "ToolCallParser | None"]:
-    """What renderers call for each choice: a fresh parser of the model's format, or None."""
-    name = parser_name(profile)
-    return (lambda: make_parser(name)) if uses_tools else (lambda: None)
+Parsers = Callable[[], "ToolCallParser | None"]  # what renderers call per choice: a fresh parser, or None
+
+
+def no_parser() -> None:
+    return None
+
+
+def parsers_for(name: ParserName, uses_tools: bool) -> Parsers:
+    """A fresh parser of the model's format per choice, or None for a request without tools."""
+    return (lambda: make_parser(name)) if uses_tools else no_parser
 
 
 # ---- one call's JSON object ---------------------------------------------------------------
@@ -427,67 +429,3 @@ def collect(pieces: list[Piece]) -> Parsed:
 def parse(name: ParserName, text: str, cut_off: bool = False) -> Parsed:
     parser = make_parser(name)
     return collect(parser.feed(text) + parser.finish(cut_off))
-
-
-# ---- grammars for constrained decoding ------------------------------------------------------
-
-# Compact JSON (no free whitespace): a small model cannot wander into endless blanks.
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
-    return schema if "x-guidance" in schema else {**schema, "x-guidance": _COMPACT}
-
-
-def _json_rule(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
-
-
-def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
-    """A forced call names only the declared arguments (as OpenAI's strict mode does), unless
-    the tool's schema says otherwise: a small model must not invent keys forever."""
-    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
-
-
-def _call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
-    """Tools `[{"name", "parameters"}]` → a schema for one call object of any of them."""
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": t["name"]}, args_key: _closed(t.get("parameters") or {"type": "object"})},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    } for t in tools]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-MAX_PARALLEL_CALLS = 4  # a forced answer holds at most this many calls: a small model would not stop
-
-
-def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, parallel: bool) -> str:
-    """A grammar whose every sentence is exactly one call (or, if `parallel`, 1 to
-    MAX_PARALLEL_CALLS calls) of `tools`, in the model's own format."""
-    def calls(first: str, separator: str) -> str:
-        return f'{first} ("{separator}" {first}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else first
-
-    if parser == "hermes":
-        call = '"<tool_call>\\n" obj "\\n</tool_call>"'
-        start = calls("call", "\\n")
-        return f"start: {start}\ncall: {call}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
-    if parser == "llama3_json":
-        return f"start: {calls('obj', '; ')}\nobj: {_json_rule(_call_schema(tools, 'parameters'))}"
-    return f"start: \"[\" {calls('obj', ', ')} \"]\"\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
-
-
-def json_grammar(schema: dict[str, Any] | None) -> str:
-    """Any JSON object (`json_object`), or one that validates against `schema`."""
-    return f"start: {_json_rule(schema if schema is not None else {'type': 'object'})}"
-
-
-def checked(grammar: str, param: str) -> str:
-    """The grammar, if llguidance can compile it; a 400 naming `param` otherwise."""
-    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar))
-    if error:
-        raise InvalidRequest(f"{param}: cannot be used for constrained decoding: {error.strip()}", param=param)
-    return grammar

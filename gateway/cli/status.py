@@ -1,0 +1,106 @@
+"""What the CLI prints: the fleet (`cortex status`) and API keys (`cortex keys list`) as tables."""
+
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from shared.fleet_status import FleetStatus
+from shared.lifecycle import ModelState
+
+
+def _age(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def _gib(mb: int) -> str:
+    return f"{mb / 1024:.1f}"
+
+
+_STATE_STYLE = {
+    ModelState.READY: "green",
+    ModelState.LOADING: "yellow",
+    ModelState.UNLOADING: "yellow",
+    ModelState.POISONED: "red",
+    ModelState.FAILED: "red",
+}
+
+
+def render_fleet(fleet: FleetStatus, console=None) -> None:
+    console = console or Console()
+    if not fleet.nodes:
+        console.print("No nodes have sent a heartbeat.")
+    else:
+        table = Table(title="Nodes", title_justify="left")
+        for column in ("node", "alive", "heartbeat", "version", "state", "devices (used/total GiB)",
+                       "models (slots used/total, queued, idle)"):
+            table.add_column(column)
+        for n in fleet.nodes:
+            devices = "\n".join(f"{d.id} {d.name} {_gib(d.used_mb)}/{_gib(d.total_mb)}" for d in n.devices)
+            models = "\n".join(
+                f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
+                f" q={m.queue_depth} idle={'busy' if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else '-')}"
+                + (f" ({m.error})" if m.error else "")
+                for name, m in sorted(n.models.items())
+            )
+            table.add_row(
+                n.node,
+                "[green]yes[/]" if n.alive else "[red]no[/]",
+                f"{_age(n.heartbeat_age_s)} ago",
+                n.version,
+                (n.state if not n.error else f"{n.state}: {n.error}") + (f"\n{','.join(n.labels)}" if n.labels else ""),
+                devices or "-",
+                models or "-",
+            )
+        console.print(table)
+    if fleet.queues:
+        table = Table(title="Queues", title_justify="left")
+        for column in ("model", "queued interactive", "queued batch", "running", "oldest wait", "replicas"):
+            table.add_column(column, justify="left" if column == "model" else "right")
+        for q in fleet.queues:
+            oldest = _age(q.oldest_wait_s) if q.oldest_wait_s is not None else "-"
+            table.add_row(q.model, str(q.queued.get("interactive", 0)), str(q.queued.get("batch", 0)),
+                          str(q.running), oldest, str(q.replicas))
+        console.print(table)
+    if fleet.not_loaded:
+        table = Table(title="Catalogue models not loaded on any live node", title_justify="left")
+        for column in ("model", "state", "memory (MiB)", "pinned", "queued"):
+            table.add_column(column, justify="left" if column in ("model", "state") else "right")
+        for c in fleet.not_loaded:
+            table.add_row(c.model, c.state, str(c.memory_mb) if c.memory_mb is not None else "estimated at load",
+                          "yes" if c.pin else "no", str(c.queue_depth))
+        console.print(table)
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ms / 1000)) if ms else "never"
+
+
+def key_summary(k: dict) -> str:
+    limit = lambda n: str(n) if n else "-"
+    return (f"models {','.join(k['models']) or 'all'}; rpm {limit(k['rpm'])}, tpm {limit(k['tpm'])}, "
+            f"tokens/day {limit(k['max_tokens_per_day'])}; expires {_when(k['expires_ms'])}")
+
+
+def render_keys(keys: list[dict], console=None) -> None:
+    console = console or Console(width=None if sys.stdout.isatty() else 160)  # pipes get whole rows
+    if not keys:
+        console.print("No API keys: auth is off on loopback gateways. Create one with `cortex keys create --name NAME`.")
+        return
+    table = Table(title="API keys", title_justify="left")
+    for column in ("name", "key", "state", "models", "rpm/tpm/day", "expires", "requests", "tokens in/out", "today",
+                   "refused"):
+        numeric = column in ("requests", "tokens in/out", "today", "refused")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=column in ("name", "key"))
+    limit = lambda n: str(n) if n else "-"
+    for k in keys:
+        table.add_row(k["name"], k["hint"] + "…", k["state"], ",".join(k["models"]) or "all",
+                      "/".join(limit(k[f]) for f in ("rpm", "tpm", "max_tokens_per_day")), _when(k["expires_ms"]),
+                      str(k["requests"]), f"{k['prompt_tokens']}/{k['completion_tokens']}", str(k["tokens_today"]),
+                      str(k["rejections"]))
+    console.print(table)
