@@ -6,7 +6,7 @@ import redis
 import redis.asyncio as aioredis
 
 from shared import queues
-from shared.cli import read_queue
+from shared.fleet import Fleet
 from shared.keys import CONSUMER_GROUP, Keys
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,8 @@ async def test_a_withdrawn_entry_is_no_waiting_job(redis_url):
     client.xack(stream, CONSUMER_GROUP, first)
     client.xdel(stream, first)  # the node finished it
     assert client.xlen(stream) == 0 and client.xinfo_groups(stream)[0]["lag"] == 1  # the phantom
-    assert read_queue(client, KEYS, "m").waiting == 0
     async with aioredis.Redis.from_url(redis_url) as async_client:
         depth = await queues.depth(async_client, KEYS, "m")
+        status = await Fleet(async_client, KEYS, node_ttl_s=8).queues({"m"}, [])  # what `cortex status` shows
     assert depth["queued"] == {"interactive": 0, "batch": 0} and depth["running"] == 0
+    assert sum(status[0].queued.values()) == 0 and status[0].running == 0

@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from shared.keys import Keys
-from tests.conftest import Service, _http_ok, _redis_pings, free_port
+from shared.processes import free_port, redis_answers
+from tests.conftest import Service, _http_ok
 
 pytestmark = pytest.mark.integration
 PASSWORD = "s3cret-redis-password"
@@ -23,7 +24,7 @@ def test_no_part_logs_the_redis_password(tmp_path):
                                       "--dir", str(tmp_path)], tmp_path / "redis.log")
     services = [server]
     try:
-        server.wait_ready(lambda: _redis_pings(url))
+        server.wait_ready(lambda: redis_answers(url))
         gateway_port = free_port()
         env = os.environ | {"CORTEX_REDIS_URL": url, "CORTEX_LOG_LEVEL": "DEBUG", "CORTEX_PORT": str(gateway_port),
                             "CORTEX_MODELS": "[]", "CORTEX_NODE_NAME": "n1"}
