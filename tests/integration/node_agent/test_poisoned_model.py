@@ -6,6 +6,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+import torch
 
 from node_agent.agent import NodeAgent
 from shared.lifecycle import ModelState
@@ -54,14 +55,25 @@ async def test_device_error_poisons_then_reloads(redis_url, tiny_dirs, tmp_path)
         r = aioredis.Redis.from_url(redis_url)
         assert (await ask(r, agent.keys, "tiny", "ok1"))[-1].type == "done"
 
-        def broken(*args, **kwargs):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        served.engine.lm.model.model.forward = broken
+        forward = served.engine.lm.model.model.forward
+
+        def not_a_device_fault(*args, **kwargs):
+            raise ValueError("a bug in this step")
+        served.engine.lm.model.model.forward = not_a_device_fault
+        events = await ask(r, agent.keys, "tiny", "unlucky")
+        assert events[-1].type == "error" and events[-1].code == "generation_failed"
+        assert served.state == ModelState.READY  # the model is not reloaded for it
+        served.engine.lm.model.model.forward = forward
+        assert (await ask(r, agent.keys, "tiny", "ok2"))[-1].type == "done"
+
+        def device_fault(*args, **kwargs):
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 2.00 GiB")
+        served.engine.lm.model.model.forward = device_fault
         events = await ask(r, agent.keys, "tiny", "bad")
         assert events[-1].type == "error" and events[-1].code == "model_poisoned"
-        assert "illegal memory access" in events[-1].message
+        assert "out of memory" in events[-1].message
         await wait_state(served, ModelState.READY)
-        assert (await ask(r, agent.keys, "tiny", "ok2"))[-1].type == "done"
+        assert (await ask(r, agent.keys, "tiny", "ok3"))[-1].type == "done"
         assert (await r.xpending(agent.keys.jobs("tiny"), "agents"))["pending"] == 0
         await r.aclose()
     finally:
