@@ -78,8 +78,7 @@ class StaticDecoder:
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         n = len(tokens)
         batch, kv_len = bucket(self.batch_sizes, n), bucket(self.kv_sizes, max(positions) + 1)
-        self.staging[0, :n] = torch.tensor(tokens)
-        self.staging[1, :n] = torch.tensor(positions)
+        self.staging[:, :n] = torch.tensor([tokens, positions])
         self.staging[0, n:batch] = 0
         self.staging[1, n:batch] = self.cache.scratch_column
         self.inputs[:, :batch].copy_(self.staging[:, :batch], non_blocking=True)

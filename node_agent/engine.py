@@ -271,8 +271,7 @@ class Engine:
             return
         logits = forward.logits(self.lm.model, hidden[: len(following)])
         chosen, tops = token_logprobs(logits, torch.tensor(following, device=logits.device), seq.params.prompt_logprobs)
-        seq.prompt_logprobs += [self._logprob_entry(token, lp) | {"top_logprobs": [self._logprob_entry(t, v) for t, v in top]}
-                                for token, lp, top in zip(following, chosen, tops)]
+        seq.prompt_logprobs += [self._logprob_entry(token, lp, top) for token, lp, top in zip(following, chosen, tops)]
 
     def _decode(self) -> None:
         rows = self.rows[: self.n_decoding]
@@ -297,10 +296,11 @@ class Engine:
         tokens = sample(logits, self.sampling, rows, noise_at, use)
         if use.penalties:
             self.sampling.record(rows, tokens)
+        ids = tokens.tolist()  # the step's one device->host copy
         asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
-        logprobs = self._logprobs(raw, tokens, asked, [seqs[i] for i in asked]) if asked else {}
+        logprobs = self._logprobs(raw, tokens, ids, asked, [seqs[i] for i in asked]) if asked else {}
         now = _now_ms()
-        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+        for i, (seq, token) in enumerate(zip(seqs, ids)):
             seq.job.first_token_ms = seq.job.first_token_ms or now
             try:
                 if seq.matcher is not None and not constrain.advance(seq.matcher, token):
@@ -309,18 +309,20 @@ class Engine:
             except Exception as exc:  # this row's host work (grammar, detokeniser, stops): its job alone fails
                 self._fail_job(seq.job, exc)
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, asked: list[int], seqs: list[Sequence]) -> dict[int, dict]:
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, ids: list[int], asked: list[int],
+                  seqs: list[Sequence]) -> dict[int, dict]:
         """Wire logprob entries for the rows that asked (by their index in the batch)."""
         index = torch.tensor(asked, device=raw.device)
         top_n = max(s.params.top_logprobs for s in seqs)
         chosen, tops = token_logprobs(raw[index], tokens[index], top_n)
-        out = {}
-        for i, seq, lp, top in zip(asked, seqs, chosen, tops):
-            out[i] = self._logprob_entry(int(tokens[i]), lp) | {
-                "top_logprobs": [self._logprob_entry(t, v) for t, v in top[: seq.params.top_logprobs]]}
-        return out
+        return {i: self._logprob_entry(ids[i], lp, top[: seq.params.top_logprobs])
+                for i, seq, lp, top in zip(asked, seqs, chosen, tops)}
 
-    def _logprob_entry(self, token: int, logprob: float) -> dict:
+    def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
+        """A wire `TokenLogprob` (or `PromptLogprob`): the token, its logprob and its best alternatives."""
+        return self._top_entry(token, logprob) | {"top_logprobs": [self._top_entry(t, v) for t, v in top]}
+
+    def _top_entry(self, token: int, logprob: float) -> dict:
         text = self.lm.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 

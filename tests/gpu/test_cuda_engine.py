@@ -3,21 +3,11 @@ equal uncaptured ones bit for bit, compiled steps agree, a model that cannot be 
 back to eager and stays right."""
 
 import pytest
-import torch
 
 from node_agent import decoders, prompts
 from node_agent.engine import Engine
 from tests.gpu.conftest import ARCHS, load
-from tests.unit.node_agent.engine_driver import request, run
-
-PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
-           "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
-
-
-def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
-    out = lm.model.generate(torch.tensor([prompt_ids], device="cuda"), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device="cuda"))
-    return out[0, len(prompt_ids):].tolist()
+from tests.unit.node_agent.engine_driver import PROMPTS, hf_greedy, request, run
 
 
 def requests(n_tokens: int = 12):

@@ -2,9 +2,22 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 from node_agent import prompts
 from node_agent.engine import Engine, check_fits
 from shared.wire import GenerationRequest, SamplingParams, parse_event
+
+
+PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
+           "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
+
+
+def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
+    """The reference: exactly `n` greedy tokens from HF generate, on the model's own device."""
+    ids = torch.tensor([prompt_ids], device=lm.device)
+    out = lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt_ids):].tolist()
 
 
 @dataclass

@@ -7,10 +7,7 @@ import torch
 from node_agent import decoders, forward
 from node_agent.engine import Engine
 from shared.errors import InvalidRequest
-from tests.unit.node_agent.engine_driver import add, request, run
-
-PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
-           "1 2 3 4 5 6 7 8 9 10", "Why?"]
+from tests.unit.node_agent.engine_driver import PROMPTS, request, run
 
 
 def test_buckets():
@@ -22,7 +19,7 @@ def test_buckets():
 
 def test_padded_static_steps_equal_eager_steps(tiny_llama):
     profile, lm = tiny_llama
-    reqs = [request(f"j{i}", p, temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    reqs = [request(f"j{i}", p, temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i, p in enumerate(PROMPTS[:5])]
     eager = run(Engine(lm, profile.model_copy(update={"decode": "eager"})), *reqs)
     static_engine = Engine(lm, profile.model_copy(update={"decode": "static"}))
     assert isinstance(static_engine.decoder, decoders.StaticDecoder)

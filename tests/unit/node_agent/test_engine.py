@@ -5,16 +5,7 @@ from node_agent import loader, prompts
 from node_agent.engine import Engine
 from shared.errors import ContextLengthExceeded
 from tests.model_fixtures import tiny_profile
-from tests.unit.node_agent.engine_driver import add, request, run
-
-PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
-           "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
-
-
-def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
-    out = lm.model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
+from tests.unit.node_agent.engine_driver import PROMPTS, add, hf_greedy, request, run
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])  # static: rows padded to buckets, as on a GPU
