@@ -17,17 +17,18 @@ from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
 
 MATRIX = sorted(tiny_models.ARCHITECTURES)
-REQUESTS = [request(f"j{i}", p, temperature=0, max_tokens=8 + 2 * i, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+REQUESTS = [request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=8 + 2 * i, ignore_eos=True)  # 36-52 tokens
+            for i, p in enumerate(PROMPTS)]
 
 
 @pytest.fixture(scope="module")
-def references(tiny_dirs):
+def references(small_vocab_dirs):
     """Per architecture: its profile, the loaded model and each job's full-forward greedy tokens."""
     loaded = {}
 
     def get(arch):
         if arch not in loaded:
-            profile = tiny_profile(tiny_dirs[arch], prefill_chunk_tokens=16, slots=4)
+            profile = tiny_profile(small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4)
             lm = loader.load(profile, "cpu")
             expected = {r.job: full_forward_greedy(lm, prompts.prompt_ids(lm.tokenizer, profile, r), r.sampling.max_tokens)
                         for r in REQUESTS}
@@ -48,7 +49,7 @@ def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, dec
     assert {job: r.token_ids[0] for job, r in results.items()} == expected
 
 
-def test_an_architecture_outside_the_matrix_is_refused(tmp_path, smol_tokenizer):
+def test_an_architecture_outside_the_matrix_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not among.*tested.*gemma2.*qwen3_5_text"):
         loader.load(tiny_profile(tmp_path), "cpu")
