@@ -45,6 +45,7 @@ def test_the_matrix_is_what_the_loader_admits():
 @pytest.mark.parametrize("arch", MATRIX)
 def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode):
     profile, lm, expected = references(arch)
+    assert len({token for ids in expected.values() for token in ids}) > 10  # a model repeating a token tests little
     results = run(Engine(lm, profile.model_copy(update={"decode": decode})), *REQUESTS, join_every=2)
     assert {job: r.token_ids[0] for job, r in results.items()} == expected
 
