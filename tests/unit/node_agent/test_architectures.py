@@ -17,7 +17,7 @@ from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
 
 MATRIX = sorted(tiny_models.ARCHITECTURES)
-REQUESTS = [request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=8 + 2 * i, ignore_eos=True)  # 36-52 tokens
+REQUESTS = [request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=6 + i, ignore_eos=True)  # prompts of 36-52 tokens
             for i, p in enumerate(PROMPTS)]
 
 
@@ -45,7 +45,7 @@ def test_the_matrix_is_what_the_loader_admits():
 @pytest.mark.parametrize("arch", MATRIX)
 def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode):
     profile, lm, expected = references(arch)
-    assert len({token for ids in expected.values() for token in ids}) > 10  # a model repeating a token tests little
+    assert len({token for ids in expected.values() for token in ids}) > 8  # a model repeating a token tests little
     results = run(Engine(lm, profile.model_copy(update={"decode": decode})), *REQUESTS, join_every=2)
     assert {job: r.token_ids[0] for job, r in results.items()} == expected
 
