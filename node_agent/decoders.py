@@ -59,8 +59,9 @@ class EagerDecoder:
 
 class StaticDecoder:
     """The step over rows padded to a batch bucket, from static buffers filled by one copy.
-    Padding rows write the cache's scratch position (and keep their linear-attention state) and their logits are dropped. With `capture`
-    (CUDA), each (batch, kv) bucket is captured in a CUDA graph at first use and replayed after."""
+    Padding rows write the cache's scratch position (and keep their linear-attention state) and
+    their logits are dropped. With `capture` (CUDA), each (batch, kv) bucket is captured in a CUDA
+    graph at first use and replayed after."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotCache, slots: int, *, capture: bool,
                  step: Callable = forward.decode_step):
@@ -93,8 +94,11 @@ class StaticDecoder:
 
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
-        with the same values as the replay that follows, so they change nothing."""
+        with the same values as the replay that follows, so they change nothing there; they do
+        move linear-attention states on, which are put back before the replay."""
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        states = self.cache.linear_states()
+        saved = [state.clone() for state in states]
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -102,11 +106,13 @@ class StaticDecoder:
                 for _ in range(2):
                     self._run(batch, kv_len)
             torch.cuda.current_stream().wait_stream(side)
+            _put_back(states, saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._run(batch, kv_len)
         except Exception as exc:
             torch.cuda.synchronize()
+            _put_back(states, saved)
             raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         self.graphs[(batch, kv_len)] = (graph, out)
         elapsed = time.perf_counter() - started
@@ -115,6 +121,11 @@ class StaticDecoder:
         log.info("captured the decode step for %d rows x %d cache columns in %.0f ms (%d graphs, %.1f s and %d MiB "
                  "in all)", batch, kv_len, elapsed * 1000, len(self.graphs), self.capture_s, self.graph_bytes >> 20)
         return self.graphs[(batch, kv_len)]
+
+
+def _put_back(states: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    for state, copy in zip(states, saved):
+        state.copy_(copy)
 
 
 def compiled_step() -> Callable:

@@ -231,7 +231,7 @@ class Engine:
             if budget == 0:
                 break
             chunk = min(len(seq.prompt_ids) - seq.prefilled, budget)
-            if chunks and self.cache.recurrent and chunk != chunks[0]:
+            if chunks and self.cache.has_linear_attention and chunk != chunks[0]:
                 break
             group.append(seq)
             chunks.append(chunk)

@@ -188,13 +188,18 @@ class SlotCache:
         return self.max_len
 
     @property
-    def recurrent(self) -> bool:
-        """Whether some layer folds every token it reads into a state (so padding must never be read)."""
+    def has_linear_attention(self) -> bool:
+        """Whether some layer folds every token it reads into a state (so padding must never reach it)."""
         return any(isinstance(layer, LinearAttentionState) for layer in self.layers)
 
     @property
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors)
+
+    def linear_states(self) -> list[torch.Tensor]:
+        """The tensors a step moves on (so running a step twice is not running it once): what a
+        warm-up before capturing a step must put back."""
+        return [t for layer in self.layers if isinstance(layer, LinearAttentionState) for t in layer.tensors]
 
     def bind(self, rows: slice, write_pos: torch.Tensor, kv_len: int) -> None:
         """Set the rows the next forward runs on, where it writes ([B, T] positions), and how many

@@ -24,13 +24,6 @@ def full_forward_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
     return ids[0, len(prompt_ids):].tolist()
 
 
-def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
-    """The reference: exactly `n` greedy tokens from HF generate, on the model's own device."""
-    ids = torch.tensor([prompt_ids], device=lm.device)
-    out = lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
-    return out[0, len(prompt_ids):].tolist()
-
-
 @dataclass
 class Result:
     text: dict[int, str] = field(default_factory=dict)

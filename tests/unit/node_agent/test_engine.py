@@ -5,7 +5,7 @@ from node_agent import loader, prompts
 from node_agent.engine import Engine
 from shared.errors import ContextLengthExceeded
 from tests.model_fixtures import tiny_profile
-from tests.unit.node_agent.engine_driver import PROMPTS, add, hf_greedy, request, run
+from tests.unit.node_agent.engine_driver import PROMPTS, add, request, run
 
 
 def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):
