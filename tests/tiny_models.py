@@ -29,7 +29,7 @@ ARCHITECTURES = {  # the architecture matrix (node_agent/architectures.py): mode
     "gemma3_text": dict(model_type="gemma3_text", **_SLIDING, **_GEMMA),
     "phi3": dict(model_type="phi3"),
     "olmo2": dict(model_type="olmo2"),
-    "granite": dict(model_type="granite"),
+    "granite": dict(model_type="granite", logits_scaling=8.0),
 }
 
 
