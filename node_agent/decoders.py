@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from node_agent import forward
-from node_agent.kv_cache import SlotKVCache
+from node_agent.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class EagerDecoder:
     name = "eager"
     graph_bytes = 0
 
-    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, step: Callable = forward.decode_step):
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, step: Callable = forward.decode_step):
         self.model, self.cache, self.step = model, cache, step
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        device = self.cache.keys[0].device
+        device = self.cache.device
         inputs = torch.tensor([tokens, positions], device=device)
         kv_len = min(-(-(max(positions) + 1) // EAGER_KV_ROUND) * EAGER_KV_ROUND, self.cache.max_len)
         return self.step(self.model, self.cache, inputs[0], inputs[1], kv_len)
@@ -59,15 +59,16 @@ class EagerDecoder:
 
 class StaticDecoder:
     """The step over rows padded to a batch bucket, from static buffers filled by one copy.
-    Padding rows write the cache's scratch column and their logits are dropped. With `capture`
-    (CUDA), each (batch, kv) bucket is captured in a CUDA graph at first use and replayed after."""
+    Padding rows write the cache's scratch position (and keep their linear-attention state) and
+    their logits are dropped. With `capture` (CUDA), each (batch, kv) bucket is captured in a CUDA
+    graph at first use and replayed after."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, slots: int, *, capture: bool,
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, slots: int, *, capture: bool,
                  step: Callable = forward.decode_step):
         self.model, self.cache, self.step, self.capture = model, cache, step, capture
         self.name = "cuda-graphs" if capture else "static"
         self.batch_sizes, self.kv_sizes = batch_buckets(slots), kv_buckets(cache.max_len)
-        device = cache.keys[0].device
+        device = cache.device
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
         self.staging = torch.zeros(2, slots, dtype=torch.long, pin_memory=device.type == "cuda")
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -93,8 +94,11 @@ class StaticDecoder:
 
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
-        with the same values as the replay that follows, so they change nothing."""
+        with the same values as the replay that follows, so they change nothing there; they do
+        move linear-attention states on, which are put back before the replay."""
         started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        states = self.cache.linear_states()
+        saved = [state.clone() for state in states]
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -102,11 +106,13 @@ class StaticDecoder:
                 for _ in range(2):
                     self._run(batch, kv_len)
             torch.cuda.current_stream().wait_stream(side)
+            _put_back(states, saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._run(batch, kv_len)
         except Exception as exc:
             torch.cuda.synchronize()
+            _put_back(states, saved)
             raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
         self.graphs[(batch, kv_len)] = (graph, out)
         elapsed = time.perf_counter() - started
@@ -117,15 +123,20 @@ class StaticDecoder:
         return self.graphs[(batch, kv_len)]
 
 
+def _put_back(states: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    for state, copy in zip(states, saved):
+        state.copy_(copy)
+
+
 def compiled_step() -> Callable:
     """`decode_step` under torch.compile (fullgraph: no host sync, no graph break)."""
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
-def make(mode: str, model: torch.nn.Module, cache: SlotKVCache, slots: int) -> EagerDecoder | StaticDecoder:
+def make(mode: str, model: torch.nn.Module, cache: SlotCache, slots: int) -> EagerDecoder | StaticDecoder:
     """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
     (compiled, then captured on a GPU)."""
-    cuda = cache.keys[0].device.type == "cuda"
+    cuda = cache.device.type == "cuda"
     if mode == "auto":
         mode = "graphs" if cuda else "eager"
     step = compiled_step() if mode == "compiled" else forward.decode_step

@@ -20,7 +20,7 @@ import torch
 
 from node_agent import constrain, decoders, forward
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
-from node_agent.kv_cache import SlotKVCache
+from node_agent.kv_cache import SlotCache
 from node_agent.loader import LoadedModel
 from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
@@ -108,12 +108,9 @@ class Engine:
         self.max_len = min(profile.max_model_len, loaded.context_len)
         self.slots = profile.slots
         self.vocab = config.vocab_size
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = SlotKVCache(
-            layers=config.num_hidden_layers, slots=self.slots,
-            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim, max_len=self.max_len, dtype=loaded.dtype, device=loaded.device,
-        )
+        self.cache = SlotCache.for_model(config, slots=self.slots, max_len=self.max_len,
+                                         prefill_chunk_tokens=profile.prefill_chunk_tokens, dtype=loaded.dtype,
+                                         device=loaded.device)
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
         self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots)
         weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values() if isinstance(t, torch.Tensor))
@@ -226,12 +223,16 @@ class Engine:
             self.rows.append(seq)
 
     def _prefill(self) -> None:
-        """Read the next chunk of waiting prompts, several sequences together, up to the budget."""
+        """Read the next chunk of waiting prompts, several sequences together, up to the budget.
+        Chunks are right-padded to the widest; a model with linear-attention layers would fold
+        that padding into its recurrent state, so it groups only chunks of the first one's width."""
         budget, group, chunks = self.profile.prefill_chunk_tokens, [], []
         for seq in self.rows[self.n_decoding:]:
             if budget == 0:
                 break
             chunk = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            if chunks and self.cache.has_linear_attention and chunk != chunks[0]:
+                break
             group.append(seq)
             chunks.append(chunk)
             budget -= chunk

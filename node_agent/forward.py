@@ -1,42 +1,59 @@
 """The model's forward over the slot cache, as small pure functions (gpt-fast's manner).
 
 `decode_step` is the fixed-shape step: one token for each of B rows, B and `kv_len` fixed by the
-caller's buckets, every input a tensor, the attention mask built on the device from the rows'
-positions. It has no host sync and no data-dependent Python, so it runs eagerly, compiles with
-`torch.compile(fullgraph=True)` and is captured in a CUDA graph (node_agent/graphs.py) unchanged.
-Prefill uses `forward` with chunks of any width.
+caller's buckets, every input a tensor, the attention masks built on the device from the rows'
+positions (one per layer kind the model has). It has no host sync and no data-dependent Python,
+so it runs eagerly, compiles with `torch.compile(fullgraph=True)` and is captured in a CUDA graph
+(node_agent/decoders.py) unchanged. Prefill uses `forward` with chunks of any width.
 """
 
 import torch
 
-from node_agent.kv_cache import SlotKVCache
+from node_agent.kv_cache import SlotCache
 
 
-def attention_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, 1, T, kv_len] bool: query at position p sees cache columns 0..p."""
-    columns = torch.arange(kv_len, device=positions.device)
-    return (columns[None, None, :] <= positions[:, :, None])[:, None]
+def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.Tensor,
+                    kv_len: int) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
+    """Each layer type's mask ([B, 1, T, columns]; None for linear attention), as the model takes
+    them: one mask when all its layers are of one type, else a mapping by the config's layer type.
+    Boolean for SDPA; additive (0 or the dtype's minimum) for eager attention, which adds it."""
+    masks: dict[str, torch.Tensor | None] = {}
+    for layer_type, layer in zip(cache.layer_types, cache.layers):
+        if layer_type not in masks:
+            masks[layer_type] = layer.attention_mask(positions, kv_len)
+    if model.config._attn_implementation == "eager":
+        minimum = torch.finfo(model.dtype).min
+        masks = {name: None if mask is None else torch.zeros(mask.shape, dtype=model.dtype, device=mask.device)
+                 .masked_fill(~mask, minimum) for name, mask in masks.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def forward(model: torch.nn.Module, cache: SlotKVCache, rows: slice, input_ids: torch.Tensor,
+def forward(model: torch.nn.Module, cache: SlotCache, rows: slice, input_ids: torch.Tensor,
             positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Run cache rows `rows` over `input_ids` [B, T] at `positions`, writing keys/values at
+    """Run cache rows `rows` over `input_ids` [B, T] at `positions`, writing the cache at
     `write_pos`; returns the last hidden states [B, T, H]."""
     cache.bind(rows, write_pos, kv_len)
-    out = model.get_decoder()(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask(positions, kv_len),
+    out = model.get_decoder()(input_ids=input_ids, position_ids=positions,
+                              attention_mask=attention_masks(model, cache, positions, kv_len),
                               past_key_values=cache, use_cache=True)
     return out.last_hidden_state
 
 
 def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits for hidden states [..., H]."""
-    return model.get_output_embeddings()(hidden).float()
+    """float32 logits for hidden states [..., H], scaled and soft-capped as the model's own head does."""
+    out = model.get_output_embeddings()(hidden).float()
+    config = model.config
+    if getattr(config, "logits_scaling", None):  # granite
+        out = out / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):  # gemma2, gemma3
+        out = torch.tanh(out / config.final_logit_softcapping) * config.final_logit_softcapping
+    return out
 
 
-def decode_step(model: torch.nn.Module, cache: SlotKVCache, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
                 kv_len: int) -> torch.Tensor:
-    """One token for each of rows 0..B-1: `tokens` and `positions` are [B]; each row writes its
-    cache column `positions[b]` (the scratch column for padding rows). Returns logits [B, V]."""
+    """One token for each of rows 0..B-1: `tokens` and `positions` are [B]; each row writes at
+    `positions[b]` (the scratch position for padding rows). Returns logits [B, V]."""
     positions = positions[:, None]
     hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len)
     return logits(model, hidden[:, -1])

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from node_agent import devices
+from node_agent import architectures, devices
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -27,13 +26,10 @@ class LoadedModel:
     context_len: int
 
 
-def _check_architecture(files: ModelFiles) -> None:
+def _attention_implementation(files: ModelFiles) -> str:
+    """The attention implementation the model's (tested) architecture runs with."""
     config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelLoadError(
-            f"model_type '{config.model_type}' is not a causal LM transformers can run; "
-            f"supported: {', '.join(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))}"
-        )
+    return architectures.attention_implementation(config.model_type)
 
 
 def _converted_copy(files: ModelFiles, cache_dir: Path | None, dtype: torch.dtype) -> Path | None:
@@ -76,12 +72,12 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     converted = _converted_copy(files, convert_cache, dtype)
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
-    _check_architecture(files)
+    attention = _attention_implementation(files)
     log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
     tokenizer_from = files.tokenizer_folder or files.folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(
-        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation="sdpa"
+        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation=attention
     )
     if converted is not None and files.gguf_file:
         try:

@@ -19,10 +19,29 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(files.folder, gguf_file=files.gguf_file)
 
 
+class TinyDirs(dict):
+    """Folders of tiny random models by architecture (tests/tiny_models.py), each built on first use."""
+
+    def __init__(self, root: Path, tokenizer):
+        super().__init__()
+        self.root, self.tokenizer = root, tokenizer
+
+    def __missing__(self, arch: str) -> Path:
+        self[arch] = tiny_models.build(arch, self.root / arch, self.tokenizer)
+        return self[arch]
+
+
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: tiny_models.build(arch, root / arch, smol_tokenizer) for arch in tiny_models.ARCHITECTURES}
+def tiny_dirs(tmp_path_factory, smol_tokenizer) -> TinyDirs:
+    """With the default model's tokenizer (its chat template, a 49k vocabulary)."""
+    return TinyDirs(tmp_path_factory.mktemp("tiny"), smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_dirs(tmp_path_factory) -> TinyDirs:
+    """With a byte-level tokenizer of 400 tokens trained here: cheaper forwards (the vocabulary
+    dominates a hidden size of 64), and nothing needs the default model installed."""
+    return TinyDirs(tmp_path_factory.mktemp("tiny-small-vocab"), tiny_models.make_tokenizer())
 
 
 def tiny_profile(folder: Path, **overrides) -> ModelProfile:

@@ -9,24 +9,39 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-ARCHITECTURES = {
+_LINEAR_ATTENTION = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=4)  # 3 linear, 1 full
+_SLIDING = dict(sliding_window=8, head_dim=16, num_hidden_layers=4,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+_GEMMA = dict(query_pre_attn_scalar=16, tie_word_embeddings=False)  # tied, its scaled embeddings make one token win
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+
+ARCHITECTURES = {  # the architecture matrix (node_agent/architectures.py): model_type and config overrides
     "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=8),  # every layer sliding
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
-    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, **_MOE),
+    "qwen3_5_text": dict(model_type="qwen3_5_text", **_LINEAR_ATTENTION),
+    "qwen3_next": dict(model_type="qwen3_next", shared_expert_intermediate_size=32, **_LINEAR_ATTENTION, **_MOE),
+    "gemma2": dict(model_type="gemma2", **_SLIDING, **_GEMMA),
+    "gemma3_text": dict(model_type="gemma3_text", **_SLIDING, **_GEMMA),
+    "phi3": dict(model_type="phi3"),
+    "olmo2": dict(model_type="olmo2"),
+    "granite": dict(model_type="granite", logits_scaling=8.0),
 }
 
 
 def build(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
-    """Save a 2-layer random model of `arch` (hidden 64) with `tokenizer` into `folder`."""
-    spec = dict(ARCHITECTURES[arch])
-    config = AutoConfig.for_model(
-        spec.pop("model_type"), vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True, **spec,
-    )
+    """Save a random model of `arch` (hidden 64, 2 layers, unless its entry says otherwise) with
+    `tokenizer` into `folder`."""
+    spec = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    ) | ARCHITECTURES[arch]
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from node_agent import loader
-from tests import tiny_models
 from tests.model_fixtures import tiny_profile
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text"]  # full; linear + full; sliding + full
 
 
 def pytest_collection_modifyitems(items):
@@ -20,9 +19,8 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def gpu_tiny_dirs(tmp_path_factory):
-    root, tokenizer = tmp_path_factory.mktemp("gpu-tiny"), tiny_models.make_tokenizer()
-    return {arch: tiny_models.build(arch, root / arch, tokenizer) for arch in ARCHS}
+def gpu_tiny_dirs(small_vocab_dirs):
+    return small_vocab_dirs
 
 
 def load(folder, **overrides):

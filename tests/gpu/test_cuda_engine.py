@@ -1,13 +1,13 @@
-"""The engine on a GPU: greedy output under CUDA graphs equals HF generate (fp32), captured steps
-equal uncaptured ones bit for bit, compiled steps agree, a model that cannot be captured falls
-back to eager and stays right."""
+"""The engine on a GPU: greedy output under CUDA graphs equals full-forward greedy decoding (fp32) for
+full, sliding-window and linear-attention layers, captured steps equal uncaptured ones bit for bit,
+compiled steps agree, a model that cannot be captured falls back to eager and stays right."""
 
 import pytest
 
 from node_agent import decoders, prompts
 from node_agent.engine import Engine
 from tests.gpu.conftest import ARCHS, load
-from tests.unit.node_agent.engine_driver import PROMPTS, hf_greedy, request, run
+from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
 
 
 def requests(n_tokens: int = 12):
@@ -15,13 +15,13 @@ def requests(n_tokens: int = 12):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_under_graphs_matches_hf_generate(gpu_tiny_dirs, arch):
+def test_greedy_under_graphs_matches_full_forward_greedy(gpu_tiny_dirs, arch):
     profile, lm = load(gpu_tiny_dirs[arch], prefill_chunk_tokens=16, decode="graphs")
     engine = Engine(lm, profile)
     results = run(engine, *requests())
     for req in requests():
         ids = prompts.prompt_ids(lm.tokenizer, profile, req)
-        assert results[req.job].token_ids[0] == hf_greedy(lm, ids, req.sampling.max_tokens), (arch, req.messages)
+        assert results[req.job].token_ids[0] == full_forward_greedy(lm, ids, req.sampling.max_tokens), (arch, req.messages)
     if arch != "qwen3_moe":  # its experts route with host syncs: it falls back to eager (and stays right)
         assert isinstance(engine.decoder, decoders.StaticDecoder) and engine.decoder.graphs
 

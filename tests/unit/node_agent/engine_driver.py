@@ -1,5 +1,6 @@
 """Runs an Engine to completion in-process and gathers what each job said."""
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -13,11 +14,14 @@ PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about 
            "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
 
 
-def hf_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
-    """The reference: exactly `n` greedy tokens from HF generate, on the model's own device."""
+def full_forward_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
+    """The ground truth: `n` greedy tokens, each from a plain full forward over everything so far
+    (no cache, no generation config)."""
     ids = torch.tensor([prompt_ids], device=lm.device)
-    out = lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
-    return out[0, len(prompt_ids):].tolist()
+    with torch.inference_mode():
+        for _ in range(n):
+            ids = torch.cat([ids, lm.model(ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()
 
 
 @dataclass
@@ -41,12 +45,15 @@ def add(engine: Engine, req: GenerationRequest) -> None:
     engine.add(req, ids, 0.0)
 
 
-def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000) -> dict[str, Result]:
+def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000, join_every: int = 0) -> dict[str, Result]:
+    """Run `requests` to completion: all at once, or with `join_every` = k the i-th joins the
+    running batch at step i * k."""
     results = {r.job: Result() for r in requests}
-    for r in requests:
-        add(engine, r)
-    for _ in range(max_steps):
-        if not engine.has_work:
+    arriving = deque(requests)
+    for step in range(max_steps):
+        while arriving and step >= (len(requests) - len(arriving)) * join_every:
+            add(engine, arriving.popleft())
+        if not (engine.has_work or arriving):
             break
         for job, events in engine.step():
             collect(results[job], events)

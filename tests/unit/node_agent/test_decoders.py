@@ -1,12 +1,15 @@
-"""The fixed-shape decode step on CPU: padded buckets never change real rows, the step compiles
-with fullgraph=True (no host sync, no data-dependent Python: what a CUDA graph needs too)."""
+"""The fixed-shape decode step on CPU: padded buckets never change real rows (nor a padding row's
+linear-attention state), the step compiles with fullgraph=True (no host sync, no data-dependent
+Python: what a CUDA graph needs too)."""
 
 import pytest
 import torch
 
-from node_agent import decoders, forward
+from node_agent import decoders, forward, loader
 from node_agent.engine import Engine
+from node_agent.kv_cache import LinearAttentionState
 from shared.errors import InvalidRequest
+from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, request, run
 
 
@@ -30,20 +33,44 @@ def test_padded_static_steps_equal_eager_steps(tiny_llama):
 def test_padding_rows_write_only_the_scratch_column(tiny_llama):
     profile, lm = tiny_llama
     engine = Engine(lm, profile.model_copy(update={"decode": "static", "slots": 4}))
-    before = [k.clone() for k in engine.cache.keys]
+    before = [layer.keys.clone() for layer in engine.cache.layers]
     with torch.inference_mode():
         engine.decoder([5, 6, 7], [0, 1, 2])  # pads to 4 rows; row 3 writes the scratch column
-    for old, new in zip(before, engine.cache.keys):
-        assert torch.equal(old[3, :, : engine.cache.max_len], new[3, :, : engine.cache.max_len])
-        assert not torch.equal(old[0, :, 0], new[0, :, 0])
+    for old, layer in zip(before, engine.cache.layers):
+        assert torch.equal(old[3, :, : engine.cache.max_len], layer.keys[3, :, : engine.cache.max_len])
+        assert not torch.equal(old[0, :, 0], layer.keys[0, :, 0])
 
 
-def test_decode_step_compiles_with_fullgraph(tiny_llama):
-    profile, lm = tiny_llama
-    engine = Engine(lm, profile.model_copy(update={"slots": 4}))
+def test_padding_rows_keep_their_linear_attention_state(small_vocab_dirs):
+    profile = tiny_profile(small_vocab_dirs["qwen3_5_text"], decode="static", slots=4)
+    engine = Engine(loader.load(profile, "cpu"), profile)
+    linear = [layer for layer in engine.cache.layers if isinstance(layer, LinearAttentionState)]
+    for tensor in (t for layer in linear for t in layer.tensors):
+        tensor.normal_()  # row 3 holds a sequence's state (one still reading its prompt, say)
+    before = [[t.clone() for t in layer.tensors] for layer in linear]
+    with torch.inference_mode():
+        engine.decoder([5, 6, 7], [4, 9, 2])  # pads to 4 rows
+    for old, layer in zip(before, linear):
+        for old_tensor, tensor in zip(old, layer.tensors):
+            assert torch.equal(old_tensor[3], tensor[3])
+            assert not torch.equal(old_tensor[:3], tensor[:3])
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in layer.tensors]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])  # full attention; linear attention and full
+def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
+    profile = tiny_profile(small_vocab_dirs[arch], slots=4)
+    lm = loader.load(profile, "cpu")
+    engine = Engine(lm, profile)
     tokens, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 10, 0, engine.cache.scratch_column])
+    start = [t.clone() for t in _cache_tensors(engine.cache)]
     with torch.inference_mode():
         eager = forward.decode_step(lm.model, engine.cache, tokens, positions, 32)
+        for tensor, saved in zip(_cache_tensors(engine.cache), start):  # a linear state moves on at each step
+            tensor.copy_(saved)
         compiled = torch.compile(forward.decode_step, fullgraph=True)(lm.model, engine.cache, tokens, positions, 32)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 

@@ -5,20 +5,7 @@ from node_agent import loader, prompts
 from node_agent.engine import Engine
 from shared.errors import ContextLengthExceeded
 from tests.model_fixtures import tiny_profile
-from tests.unit.node_agent.engine_driver import PROMPTS, add, hf_greedy, request, run
-
-
-@pytest.mark.parametrize("decode", ["eager", "static"])  # static: rows padded to buckets, as on a GPU
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
-def test_greedy_matches_hf_generate_token_for_token(tiny_dirs, arch, decode):
-    profile = tiny_profile(tiny_dirs[arch], prefill_chunk_tokens=16, decode=decode)  # several chunks per prompt
-    lm = loader.load(profile, "cpu")
-    engine = Engine(lm, profile)
-    reqs = [request(f"j{i}", p, temperature=0, max_tokens=12, ignore_eos=True) for i, p in enumerate(PROMPTS)]
-    results = run(engine, *reqs)
-    for req in reqs:
-        ids = prompts.prompt_ids(lm.tokenizer, profile, req)
-        assert results[req.job].token_ids[0] == hf_greedy(lm, ids, 12), req.messages
+from tests.unit.node_agent.engine_driver import PROMPTS, add, request, run
 
 
 def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):

@@ -1,0 +1,73 @@
+"""The architecture matrix: every architecture the loader admits (node_agent/architectures.py),
+as a tiny random model, decodes greedily token for token what plain full forwards without a cache
+decode, under continuous batching with chunked prefill: prompts of different lengths (longer than
+the sliding windows, several chunks each) joining a running batch at different steps, more jobs
+than slots (rows are reused and packed), through the eager decoder and the padded static one; the
+logprobs it reports are the model's own head's (scaled, soft-capped).
+Any other architecture is refused at load."""
+
+import json
+
+import pytest
+import torch
+
+from node_agent import architectures, loader, prompts
+from node_agent.engine import Engine
+from shared.model_files import ModelLoadError
+from tests import tiny_models
+from tests.model_fixtures import tiny_profile
+from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
+
+MATRIX = sorted(tiny_models.ARCHITECTURES)
+REQUESTS = [request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=True)
+            for i, p in enumerate(PROMPTS)]  # prompts of 36-52 tokens
+
+
+def model_logprobs(lm, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """The logprob of each of `tokens` after `prompt_ids` by one full forward, as the model's own
+    head gives it (scaled, soft-capped)."""
+    ids = torch.tensor([prompt_ids + tokens])
+    with torch.inference_mode():
+        logprobs = lm.model(ids, use_cache=False).logits[0, len(prompt_ids) - 1: -1].float().log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(small_vocab_dirs):
+    """Per architecture: its profile, the loaded model, and each job's full-forward greedy tokens
+    and their logprobs."""
+    loaded = {}
+
+    def get(arch):
+        if arch not in loaded:
+            profile = tiny_profile(small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4)
+            lm = loader.load(profile, "cpu")
+            expected = {}
+            for r in REQUESTS:
+                ids = prompts.prompt_ids(lm.tokenizer, profile, r)
+                tokens = full_forward_greedy(lm, ids, r.sampling.max_tokens)
+                expected[r.job] = tokens, model_logprobs(lm, ids, tokens)
+            loaded[arch] = profile, lm, expected
+        return loaded[arch]
+    return get
+
+
+def test_the_matrix_is_what_the_loader_admits():
+    assert set(MATRIX) == set(architectures.ATTENTION)
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])  # static: rows padded to buckets, as on a GPU
+@pytest.mark.parametrize("arch", MATRIX)
+def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode):
+    profile, lm, expected = references(arch)
+    assert len({token for tokens, _ in expected.values() for token in tokens}) > 8  # one token repeated tests little
+    results = run(Engine(lm, profile.model_copy(update={"decode": decode})), *REQUESTS, join_every=2)
+    assert {job: r.token_ids[0] for job, r in results.items()} == {job: tokens for job, (tokens, _) in expected.items()}
+    for job, (_, logprobs) in expected.items():
+        assert [entry.logprob for entry in results[job].logprobs[0]] == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_an_architecture_outside_the_matrix_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not among.*tested.*gemma2.*qwen3_5_text"):
+        loader.load(tiny_profile(tmp_path), "cpu")
