@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import ResponseError
 
-from node_agent import loader, prompts
+from node_agent import loader, prompts, tensor_parallel
 from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
 from node_agent.job_reader import JobReader
@@ -78,8 +78,9 @@ def _keep_alive_ms(keep_alive_s: float) -> int:
 
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
         self.profile, self.device = profile, device
+        self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
         self.stream = keys.jobs(profile.id)
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
@@ -101,16 +102,17 @@ class ServedModel:
         return sum(r.sequences for r in self.running.values())
 
     def info(self) -> ModelInfo:
-        return ModelInfo(state=self.state, device=self.device.device, slots_total=self.profile.slots,
+        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices, slots_total=self.profile.slots,
                          slots_used=self.used_slots, memory_mb=self.memory_mb, last_used_ms=self.last_used_ms,
                          error=self.error)
 
     @property
     def memory_mb(self) -> int:
         """The catalogue's reservation, or what the engine holds once that is more (graphs captured
-        as traffic reaches new shapes make it grow)."""
+        as traffic reaches new shapes make it grow); every rank holds as much as rank 0."""
         engine = self.engine
-        return max(self.reserved_mb, engine.memory_bytes() >> 20 if engine is not None and engine.decoder else 0)
+        held = engine.memory_bytes() * self.profile.tensor_parallel if engine is not None and engine.decoder else 0
+        return max(self.reserved_mb, held >> 20)
 
     def idle_expired(self, now_ms: int) -> bool:
         """Idle past its keep_alive (and past any request's keep_alive)."""
@@ -120,8 +122,12 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
-            loaded = await self.device.call(loader.load, self.profile, self.device.device,
-                                         self.settings.hf_cache, self.settings.convert_cache)
+            if self.profile.tensor_parallel > 1:
+                loaded = await self.device.call(tensor_parallel.load, self.profile, self.devices, self.settings,
+                                                self.consumer_name)
+            else:
+                loaded = await self.device.call(loader.load, self.profile, self.device.device,
+                                                self.settings.hf_cache, self.settings.convert_cache)
             self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
             self.max_prompt_chars = max_tokens * prompts.longest_token_chars(loaded.tokenizer)
@@ -137,7 +143,7 @@ class ServedModel:
         self.state, self.error, self.last_used_ms = ModelState.READY, "", _now_ms()
         self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
-        log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
+        log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
 
     def poison(self, exc: BaseException, jobs: list[str]) -> None:
         """A device error: fail this model's jobs with a 503 that says why, then reload it."""
@@ -150,9 +156,7 @@ class ServedModel:
 
     async def _reload(self) -> None:
         await self.stop_consuming()
-        engine, self.engine = self.engine, None
-        await self.device.detach(engine)
-        del engine
+        await self.free()
         await self.load()
         self.error = "" if self.state == ModelState.READY else self.error
 
@@ -167,12 +171,16 @@ class ServedModel:
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""
         await self.drain(grace_s)
+        await self.free()
+        await self.reader.leave()
+        log.info("%s unloaded from %s", self.profile.id, self.device.device)
+
+    async def free(self) -> None:
+        """Stop stepping the engine and drop it (a tensor-parallel model's other ranks with it)."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
             await self.device.call(_free, engine)
-        await self.reader.leave()
-        log.info("%s unloaded from %s", self.profile.id, self.device.device)
 
     def _batch_free(self, free: int) -> int:
         """Slots batch jobs may take now: they leave `interactive_reserved_slots` to interactive ones."""

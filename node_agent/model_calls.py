@@ -1,0 +1,46 @@
+"""Every call the engine makes into its model and cache, in one place: a prefill forward, logits
+for some hidden states, the fixed-shape decode step, and moving a cache row. On one device they
+run the pure functions of node_agent/forward.py directly; a tensor-parallel model
+(node_agent/tensor_parallel.py) sends each one to its other ranks first, so every rank runs the
+same calls in the same order."""
+
+from collections.abc import Callable
+
+import torch
+
+from node_agent import forward
+from node_agent.kv_cache import SlotKVCache
+from node_agent.loader import LoadedModel
+from shared.catalog import ModelProfile
+
+
+def slot_cache(loaded: LoadedModel, profile: ModelProfile) -> SlotKVCache:
+    """The model's slot cache; under tensor parallelism each rank holds its share of the KV heads."""
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return SlotKVCache(layers=config.num_hidden_layers, slots=profile.slots, kv_heads=kv_heads // loaded.tp_size,
+                       head_dim=head_dim, max_len=min(profile.max_model_len, loaded.context_len), dtype=loaded.dtype,
+                       device=loaded.device)
+
+
+class ModelCalls:
+    """The model calls of one device."""
+
+    step: Callable | None = None  # a decode step the decoder must run as it is (None: its own choice)
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache):
+        self.model, self.cache = model, cache
+
+    def forward(self, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
+                kv_len: int) -> torch.Tensor:
+        return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return forward.logits(self.model, hidden)
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.cache.move_row(src, dst, length)
+
+    def close(self) -> None:
+        """Release what the calls hold beyond tensors (other ranks)."""
