@@ -37,7 +37,28 @@ class Candidate:
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
     return (node.takes_jobs and (not profile.nodes or node.node in profile.nodes)
-            and set(profile.labels) <= set(node.labels))
+            and set(profile.labels) <= set(node.labels) and len(node.devices) >= profile.tensor_parallel)
+
+
+def share_mb(profile: ModelProfile, need_mb: int) -> int:
+    """What each of the model's devices needs: all of it, or a 1/N share (weights and cache) of a
+    model sharded over N devices."""
+    return -(-need_mb // profile.tensor_parallel)
+
+
+def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> int:
+    """Free memory for one share of the model once `evicted` are gone: on the node's emptiest
+    device, or for a model sharded over N devices the N-th emptiest. An evicted model frees its
+    share on each device it holds."""
+    free = {d.id: d.free_mb for d in node.devices}
+    for model in evicted:
+        info = node.models[model]
+        held_on = info.devices or [info.device]
+        for device in held_on:
+            if device in free:
+                free[device] += info.memory_mb // len(held_on)
+    ranked = sorted(free.values(), reverse=True)
+    return ranked[profile.tensor_parallel - 1] if len(ranked) >= profile.tensor_parallel else 0
 
 
 def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[str], busy: set[str],
@@ -51,7 +72,7 @@ def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[st
                 if info.state == ModelState.READY and info.slots_used == 0 and m not in pinned and m not in busy]
         order = (lambda m: (priority.get(m, 0), node.models[m].last_used_ms)) if strategy == "priority" \
             else (lambda m: node.models[m].last_used_ms)
-        found.append(Candidate(node, max((d.free_mb for d in node.devices), default=0), sorted(idle, key=order)))
+        found.append(Candidate(node, room_mb(profile, node, []), sorted(idle, key=order)))
     return found
 
 
@@ -63,20 +84,22 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
         for model in c.evictable:
             if free >= need_mb:
                 break
-            free += c.node.models[model].memory_mb
             evict.append(model)
+            free = room_mb(profile, c.node, evict)
         if free >= need_mb:
             plans.append(Plan(c.node.node, evict, free - need_mb))
     if plans:
         return min(plans, key=lambda p: (len(p.evict), -p.free_mb))
     if not found:
+        devices = f"; {profile.tensor_parallel} devices on one node" if profile.tensor_parallel > 1 else ""
         raise InsufficientCapacity(f"no live node may run {profile.id} "
-                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}); "
-                                   f"live nodes: {fleet_summary}")
-    best = max(found, key=lambda c: c.free_mb + sum(c.node.models[m].memory_mb for m in c.evictable))
-    could = best.free_mb + sum(best.node.models[m].memory_mb for m in best.evictable)
+                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}"
+                                   f"{devices}); live nodes: {fleet_summary}")
+    best = max(found, key=lambda c: room_mb(profile, c.node, c.evictable))
+    could = room_mb(profile, best.node, best.evictable)
+    per_device = f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
     raise InsufficientCapacity(
-        f"{profile.id} needs {need_mb} MB; the best candidate, {best.node.node}, has {best.free_mb} MB free "
+        f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB free "
         f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})")
 
 
@@ -124,7 +147,7 @@ class Placer:
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
         found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
-        need = await asyncio.to_thread(estimate_mb, profile) if found else 0
+        need = share_mb(profile, await asyncio.to_thread(estimate_mb, profile)) if found else 0
         try:
             chosen = plan(profile, need, found, describe(nodes))
         except InsufficientCapacity:
@@ -135,7 +158,8 @@ class Placer:
         for model in chosen.evict:
             log.info("evicting %s from %s for %s (%s)", model, chosen.node, profile.id, strategy)
             await self.send(chosen.node, "unload", model)
-        log.info("placing %s (%d MB) on %s", profile.id, need, chosen.node)
+        log.info("placing %s (%d MB on each of %d devices) on %s", profile.id, need, profile.tensor_parallel,
+                 chosen.node)
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node
