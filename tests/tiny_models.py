@@ -18,14 +18,17 @@ ARCHITECTURES = {
 }
 
 
-def build(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
-    """Save a 2-layer random model of `arch` (hidden 64) with `tokenizer` into `folder`."""
-    spec = dict(ARCHITECTURES[arch])
+def build(arch: str, folder: Path, tokenizer, seed: int = 0, **config: object) -> Path:
+    """Save a 2-layer random model of `arch` (hidden 64) with `tokenizer` into `folder`; `config`
+    overrides fields of its config (`model_type="gpt2"` builds an architecture outside
+    ARCHITECTURES, for tests of what is refused)."""
+    spec = dict(ARCHITECTURES[arch]) | config
     config = AutoConfig.for_model(
-        spec.pop("model_type"), vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True, **spec,
+        spec.pop("model_type"), **{
+            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "initializer_range": 0.2, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            "tie_word_embeddings": True} | spec,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

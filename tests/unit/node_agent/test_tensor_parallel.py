@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU over gloo: an engine on rank 0 (this process) with one spawned worker
+rank equals the engine on one device; what cannot be sharded is refused before any process
+starts; a killed worker fails the next step at once and the group tears down without leftovers."""
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from node_agent import devices, loader, tensor_parallel
+from node_agent.engine import Engine
+from shared.catalog import ModelProfile
+from shared.model_files import ModelLoadError
+from shared.processes import free_port
+from shared.settings import NodeSettings
+from tests.model_fixtures import tiny_profile
+from tests.unit.node_agent import engine_driver as driver
+
+SETTINGS = NodeSettings(tp_timeout_s=20, torch_threads=1)
+CPUS = ["cpu:0", "cpu:1"]
+
+
+def sharded(folder, tensor_parallel: int = 2) -> ModelProfile:
+    return tiny_profile(folder, slots=4, prefill_chunk_tokens=16, tensor_parallel=tensor_parallel)
+
+
+def requests() -> list:
+    """More jobs than slots (rows are packed as they finish), long prompts read in 16-token chunks,
+    n=2, and logprobs of the prompt (lm_head on hidden states every rank must score) and output."""
+    jobs = [driver.request(f"j{i}", p, kind="completion", max_tokens=8 + i, temperature=0, ignore_eos=True)
+            for i, p in enumerate(driver.PROMPTS)]
+    jobs.append(driver.request("echo", driver.PROMPTS[-1], kind="completion", max_tokens=4, temperature=0,
+                               prompt_logprobs=2, logprobs=True, top_logprobs=2, n=2))
+    return jobs
+
+
+def children() -> set[int]:
+    pids = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    return {p for p in pids if os.path.exists(f"/proc/{p}") and "resource_tracker" not in _cmdline(p)}
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode(errors="replace")
+
+
+def test_two_ranks_generate_what_one_device_does(tiny_dirs):
+    folder = tiny_dirs["llama"]
+    single = Engine(loader.load(tiny_profile(folder), "cpu"), sharded(folder, tensor_parallel=1))
+    expected = driver.run(single, *requests())
+    engine = Engine(tensor_parallel.load(sharded(folder), CPUS, SETTINGS), sharded(folder))
+    try:
+        assert engine.cache.keys[0].shape[1] == 1  # rank 0 holds one of the two KV heads
+        got = driver.run(engine, *requests())
+    finally:
+        engine.release()
+    for job, want in expected.items():
+        assert got[job].token_ids == want.token_ids, job
+        assert got[job].text == want.text
+    for mine, theirs in zip(got["echo"].logprobs[0], expected["echo"].logprobs[0]):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert not dist.is_initialized() and not children()
+
+
+def test_a_killed_worker_fails_the_next_step_at_once_and_nothing_is_left(tiny_dirs):
+    profile = sharded(tiny_dirs["llama"])
+    loaded = tensor_parallel.load(profile, CPUS, SETTINGS)
+    engine = Engine(loaded, profile)
+    (worker,) = loaded.group.workers
+    driver.add(engine, driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True))
+    engine.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(tensor_parallel.RankFailed) as failed:
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - started < SETTINGS.tp_timeout_s
+    assert devices.is_device_fault(failed.value, loaded.device)
+    with pytest.raises(tensor_parallel.RankFailed, match="broken"):  # nothing more runs on a broken group
+        engine.step()
+    engine.fail_all()
+    engine.release()
+    assert not dist.is_initialized() and not children() and worker.exitcode == -signal.SIGKILL
+
+
+def config(model_type: str, **fields):
+    return AutoConfig.for_model(model_type, **{"num_attention_heads": 4, "num_key_value_heads": 2} | fields)
+
+
+@pytest.mark.parametrize("model_config, device_ids, reason", [
+    (config("llama"), ["cpu:0"], "tensor_parallel = 2 needs 2 devices on one node; n1 has 1"),
+    (config("gpt2"), CPUS, "model_type 'gpt2' has no tensor-parallel plan"),
+    (config("llama", num_key_value_heads=1), CPUS, r"must divide the attention heads \(4\) and the key/value heads \(1\)"),
+    (config("mistral", sliding_window=64), CPUS, "full-attention layers only"),
+    (config("qwen3_moe", num_experts=4), CPUS, "mixture-of-experts"),
+])
+def test_what_cannot_be_sharded_is_refused_up_front(model_config, device_ids, reason):
+    with pytest.raises(ModelLoadError, match=reason):
+        tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), model_config, device_ids, "n1")
+
+
+def test_a_second_tensor_parallel_model_in_one_process_is_refused():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    try:
+        with pytest.raises(ModelLoadError, match="already runs a tensor-parallel model"):
+            tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), config("llama"), CPUS)
+    finally:
+        dist.destroy_process_group()
