@@ -146,13 +146,17 @@ class ServedModel:
         log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
 
     def poison(self, exc: BaseException, jobs: list[str]) -> None:
-        """A device error: fail this model's jobs with a 503 that says why, then reload it."""
-        self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
-        log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
+        """A device error: fail this model's jobs with a 503 that says why, then reload it (once:
+        jobs handed over before the reload stopped the reader fail here too, with the same error)."""
+        reloading = self.state == ModelState.POISONED
+        if not reloading:
+            self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
+            log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
         for job in set(jobs) | set(self.running):
             self.fail(job, ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name} "
-                                         f"({self.device.device}): {self.error}; it is being reloaded"))
-        asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
+                                         f"({', '.join(self.devices)}): {self.error}; it is being reloaded"))
+        if not reloading:
+            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
 
     async def _reload(self) -> None:
         await self.stop_consuming()
