@@ -25,6 +25,9 @@ def main(rank: int, world: int, address: str, profile_json: str, device: str, hf
     from node_agent.tp_channel import Channel
     from shared.catalog import ModelProfile
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the node's log has rank 0's bar already
     if torch_threads:
         torch.set_num_threads(torch_threads)
     torch_device = devices.torch_device(device)
