@@ -21,7 +21,7 @@ import torch
 from node_agent import constrain, decoders
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
 from node_agent.loader import LoadedModel
-from node_agent.model_calls import ModelCalls, slot_cache
+from node_agent.model_calls import ModelCalls, slot_cache, weight_bytes
 from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
 from shared.catalog import ModelProfile
@@ -112,8 +112,7 @@ class Engine:
         self.calls = loaded.group.calls(loaded.model, self.cache) if loaded.group else ModelCalls(loaded.model, self.cache)
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
         self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots, self.calls.step)
-        weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values() if isinstance(t, torch.Tensor))
-        self.resident_bytes = weights + self.cache.bytes + self.sampling.bytes
+        self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.waiting: deque[Sequence] = deque()

@@ -24,6 +24,12 @@ def slot_cache(loaded: LoadedModel, profile: ModelProfile) -> SlotKVCache:
                        device=loaded.device)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What the model's weights take on this device (a tensor-parallel rank's own shards)."""
+    tensors = [getattr(t, "to_local", lambda t=t: t)() for t in model.state_dict().values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 class ModelCalls:
     """The model calls of one device."""
 

@@ -75,6 +75,10 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ModelLoadError(f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
                              "with tensor_parallel = 1")
+    if profile.quant != "none":
+        raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
+    if profile.quant != "none":
+        raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
     if dist.is_initialized():
         raise ModelLoadError("this node agent already runs a tensor-parallel model (one per node agent process: "
                              "it owns the process group); unload it first or use another node")
@@ -194,6 +198,9 @@ def load(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, n
     check(profile, config, device_ids, node)
     device_ids = device_ids[: profile.tensor_parallel]
     group = RankGroup(profile, device_ids, settings)
+    first = devices.torch_device(device_ids[0])
+    if first.type == "cuda":  # transformers binds each rank's shard to the device LOCAL_RANK names
+        os.environ["LOCAL_RANK"] = str(first.index or 0)
     try:
         group.start()
         loaded = loader.load(profile, device_ids[0], settings.hf_cache, None, tp_size=len(device_ids))

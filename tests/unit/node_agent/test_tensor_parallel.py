@@ -8,7 +8,6 @@ import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
