@@ -69,19 +69,22 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs):
     assert not dist.is_initialized() and not children()
 
 
-def test_a_killed_worker_fails_the_next_step_at_once_and_nothing_is_left(tiny_dirs):
+@pytest.mark.parametrize("how, within_s", [(signal.SIGKILL, (0, 5)), (signal.SIGSTOP, (5, 15))], ids=["killed", "hung"])
+def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(tiny_dirs, how, within_s):
+    """Killed: its connections close and the next step fails at once. Hung: the step fails once
+    the collective timeout (5 s here) passes."""
     profile = sharded(tiny_dirs["llama"])
-    loaded = tensor_parallel.load(profile, CPUS, SETTINGS)
+    loaded = tensor_parallel.load(profile, CPUS, NodeSettings(tp_timeout_s=5, torch_threads=1))
     engine = Engine(loaded, profile)
     (worker,) = loaded.group.workers
     driver.add(engine, driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True))
     engine.step()
-    os.kill(worker.pid, signal.SIGKILL)
+    os.kill(worker.pid, how)
     started = time.monotonic()
     with pytest.raises(tensor_parallel.RankFailed) as failed:
         for _ in range(50):
             engine.step()
-    assert time.monotonic() - started < SETTINGS.tp_timeout_s
+    assert within_s[0] <= time.monotonic() - started < within_s[1]
     assert devices.is_device_fault(failed.value, loaded.device)
     with pytest.raises(tensor_parallel.RankFailed, match="broken"):  # nothing more runs on a broken group
         engine.step()
