@@ -38,6 +38,21 @@ def _free(engine: Engine) -> None:
         torch.cuda.empty_cache()
 
 
+def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
+    """On the device thread: load the model (sharded over `device_ids` when tensor-parallel) and
+    build its engine; a tensor-parallel model's other ranks stop if that fails."""
+    if profile.tensor_parallel > 1:
+        loaded = tensor_parallel.load(profile, device_ids, settings, node)
+    else:
+        loaded = loader.load(profile, device_ids[0], settings.hf_cache, settings.convert_cache)
+    try:
+        return Engine(loaded, profile, node)
+    except BaseException:
+        if loaded.group is not None:
+            loaded.group.close()
+        raise
+
+
 def _add_each(engine: Engine, jobs: list[tuple[GenerationRequest, list[int], float]]) -> list[tuple[str, CortexError]]:
     """On the device thread: add each job; returns the jobs the engine refused, with why."""
     refused = []
@@ -122,15 +137,10 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
-            if self.profile.tensor_parallel > 1:
-                loaded = await self.device.call(tensor_parallel.load, self.profile, self.devices, self.settings,
-                                                self.consumer_name)
-            else:
-                loaded = await self.device.call(loader.load, self.profile, self.device.device,
-                                                self.settings.hf_cache, self.settings.convert_cache)
-            self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
+            self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+                                                 self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
-            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(loaded.tokenizer)
+            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
             await self.device.attach(self.engine, self.on_step, self.poison)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:

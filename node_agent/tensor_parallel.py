@@ -91,7 +91,7 @@ class RankGroup:
         self.profile, self.device_ids = profile, device_ids
         self.timeout = timedelta(seconds=settings.tp_timeout_s)  # for collectives once loaded
         self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.channel: Channel | None = None
+        self.channel: Channel | None = None  # once every rank holds its cache (`calls`)
         self.broken: BaseException | None = None
         spawn = multiprocessing.get_context("spawn")
         self.workers = [
@@ -114,9 +114,14 @@ class RankGroup:
         """Every rank holds its shard: from now on a collective waits `tp_timeout_s` at most."""
         for group in (None, self.channel_group):
             dist.distributed_c10d._set_pg_timeout(self.timeout, group)
-        self.channel = Channel(self.channel_group, hidden_size, dtype)
+        self.hidden_size, self.dtype = hidden_size, dtype
 
     def calls(self, model: torch.nn.Module, cache: SlotKVCache) -> "Rank0Calls":
+        """Rank 0's model calls, once every rank holds its cache (a worker that could not make its
+        own fails this, and with it the load)."""
+        with self.op():
+            dist.barrier(group=self.channel_group)
+        self.channel = Channel(self.channel_group, self.hidden_size, self.dtype)
         return Rank0Calls(model, cache, self)
 
     @contextlib.contextmanager
@@ -133,11 +138,13 @@ class RankGroup:
                 from exc
 
     def close(self) -> None:
-        """Stop every worker (killed if broken or slow), reap it, destroy the process group."""
-        if self.channel is not None and self.broken is None:
+        """Stop every worker (killed if broken, not yet serving ops, or slow), reap it, destroy the
+        process group."""
+        serving = self.channel is not None and self.broken is None
+        if serving:
             with contextlib.suppress(Exception):
                 self.channel.send(Op.STOP)
-        if self.broken is not None:
+        else:
             for worker in self.workers:
                 if worker.is_alive():
                     worker.kill()

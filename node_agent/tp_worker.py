@@ -43,6 +43,7 @@ def main(rank: int, world: int, address: str, profile_json: str, device: str, hf
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))  # the model's collectives
         calls = ModelCalls(loaded.model, slot_cache(loaded, profile))
         channel = Channel(channel_group, loaded.model.config.hidden_size, loaded.dtype)
+        dist.barrier(group=channel_group)  # rank 0 waits here for every rank's cache
         log.info("%s: rank %d of %d on %s ready (pid %d)", profile.id, rank, world, device, os.getpid())
         serve(channel, calls, loaded.device)
         log.info("%s: rank %d stopped", profile.id, rank)
