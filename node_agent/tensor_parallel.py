@@ -24,6 +24,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -79,13 +80,23 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
         raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
     if profile.quant != "none":
         raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
-    if dist.is_initialized():
-        raise ModelLoadError("this node agent already runs a tensor-parallel model (one per node agent process: "
-                             "it owns the process group); unload it first or use another node")
+    RankGroup.refuse_second()
 
 
 class RankGroup:
-    """Rank 0's side of the group: the worker processes and the channel to them."""
+    """Rank 0's side of the group: the worker processes and the channel to them. One at a time
+    per process: it owns the process's default process group."""
+
+    _active: "RankGroup | None" = None
+    _claim = threading.Lock()
+
+    @classmethod
+    def refuse_second(cls) -> None:
+        active = cls._active
+        if active is not None or dist.is_initialized():
+            raise ModelLoadError(f"this node agent already runs tensor-parallel model "
+                                 f"{active.profile.id if active else '(unknown)'}; one per node agent process (it "
+                                 "owns the process group): unload it first or use another node")
 
     def __init__(self, profile: ModelProfile, device_ids: list[str], settings: NodeSettings):
         self.profile, self.device_ids = profile, device_ids
@@ -101,6 +112,13 @@ class RankGroup:
             for rank, device in enumerate(device_ids) if rank > 0]
 
     def start(self) -> None:
+        with RankGroup._claim:  # two loads on two device threads must not both pass the check
+            RankGroup.refuse_second()
+            RankGroup._active = self
+        first = devices.torch_device(self.device_ids[0])
+        if first.type == "cuda":  # transformers binds each rank's shard to the device LOCAL_RANK names
+            os.environ["LOCAL_RANK"] = str(first.index or 0)
+            torch.cuda.set_device(first)
         for worker in self.workers:
             worker.start()
         log.info("%s: rank 0 on %s (this process), workers %s", self.profile.id, self.device_ids[0],
@@ -155,8 +173,10 @@ class RankGroup:
                     log.warning("%s: %s did not stop; killing it", self.profile.id, worker.name)
                     worker.kill()
                     worker.join()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if RankGroup._active is self:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            RankGroup._active = None
         log.info("%s: tensor-parallel group torn down (exit codes %s)", self.profile.id,
                  [w.exitcode for w in self.workers])
 
@@ -205,9 +225,6 @@ def load(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, n
     check(profile, config, device_ids, node)
     device_ids = device_ids[: profile.tensor_parallel]
     group = RankGroup(profile, device_ids, settings)
-    first = devices.torch_device(device_ids[0])
-    if first.type == "cuda":  # transformers binds each rank's shard to the device LOCAL_RANK names
-        os.environ["LOCAL_RANK"] = str(first.index or 0)
     try:
         group.start()
         loaded = loader.load(profile, device_ids[0], settings.hf_cache, None, tp_size=len(device_ids))

@@ -58,6 +58,8 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs):
     engine = Engine(tensor_parallel.load(sharded(folder), CPUS, SETTINGS), sharded(folder))
     try:
         assert engine.cache.keys[0].shape[1] == 1  # rank 0 holds one of the two KV heads
+        with pytest.raises(ModelLoadError, match="already runs tensor-parallel model llama; one per node agent"):
+            tensor_parallel.load(sharded(tiny_dirs["qwen3"]), CPUS, SETTINGS)
         got = driver.run(engine, *requests())
     finally:
         engine.release()
@@ -113,7 +115,7 @@ def test_a_second_tensor_parallel_model_in_one_process_is_refused():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=10))
     try:
-        with pytest.raises(ModelLoadError, match="already runs a tensor-parallel model"):
+        with pytest.raises(ModelLoadError, match="already runs tensor-parallel model"):
             tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), config("llama"), CPUS)
     finally:
         dist.destroy_process_group()
