@@ -59,7 +59,7 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     n = profile.tensor_parallel
     if len(device_ids) < n:
         raise ModelLoadError(f"tensor_parallel = {n} needs {n} devices on one node; {node or 'this node'} has "
-                             f"{len(device_ids)} free for it ({', '.join(device_ids)})")
+                             f"{len(device_ids)} ({', '.join(device_ids)})")
     if not getattr(config, "base_model_tp_plan", None):
         raise ModelLoadError(f"model_type '{config.model_type}' has no tensor-parallel plan in transformers; "
                              f"run it with tensor_parallel = 1")
@@ -76,8 +76,6 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ModelLoadError(f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
                              "with tensor_parallel = 1")
-    if profile.quant != "none":
-        raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
     if profile.quant != "none":
         raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
     RankGroup.refuse_second()
