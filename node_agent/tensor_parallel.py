@@ -34,7 +34,7 @@ from transformers import AutoConfig
 from node_agent import devices, forward, loader, tp_worker
 from node_agent.kv_cache import SlotKVCache
 from node_agent.model_calls import ModelCalls
-from node_agent.tp_channel import Channel, Op
+from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError, locate
 from shared.processes import free_port
@@ -42,16 +42,11 @@ from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_TIMEOUT_S = 300.0  # joining and loading (workers import torch first: slow on a busy host)
 STOP_GRACE_S = 10.0  # a stopped worker gets this long to leave before it is killed
 
 
 class RankFailed(devices.DeviceFault):
     """A rank died, hung past the collective timeout, or raised: the group is out of step."""
-
-
-def backend(device: str) -> str:
-    return "gloo" if devices.is_cpu(device) else "nccl"
 
 
 def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") -> None:
@@ -123,8 +118,8 @@ class RankGroup:
                  ", ".join(f"rank {r} on {d} pid {w.pid}" for r, (d, w) in enumerate(zip(self.device_ids[1:],
                                                                                         self.workers), 1)))
         dist.init_process_group(backend(self.device_ids[0]), init_method=self.address, rank=0,
-                                world_size=len(self.device_ids), timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
-        self.channel_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+                                world_size=len(self.device_ids), timeout=RENDEZVOUS_TIMEOUT)
+        self.channel_group = dist.new_group(backend="gloo", timeout=RENDEZVOUS_TIMEOUT)
 
     def loaded(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Every rank holds its shard: from now on a collective waits `tp_timeout_s` at most."""

@@ -2,14 +2,26 @@
 op header, then the op's payload tensor, both broadcast from rank 0 over a gloo group (CPU
 tensors, whatever the model's device). Workers replay the ops in the order rank 0 sent them, so
 the ranks stay in lock-step by construction. A payload's shape follows from the op and its
-header numbers alone: workers never see anything else of a request."""
+header numbers alone: workers never see anything else of a request.
 
+Also what every rank agrees on before the channel exists: the backend of the model's own
+collectives and how long joining and loading may take."""
+
+from datetime import timedelta
 from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
+from node_agent.devices import is_cpu
+
 HEADER_LEN = 5  # the op, then up to four numbers
+RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # joining and loading (workers import torch first: slow on a busy host)
+
+
+def backend(device: str) -> str:
+    """The model's collectives: gloo between CPU ranks, NCCL between CUDA ranks."""
+    return "gloo" if is_cpu(device) else "nccl"
 
 
 class Op(IntEnum):

@@ -10,6 +10,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from transformers.utils import logging as hf_logging
+
+from node_agent import devices, forward, loader
+from node_agent.model_calls import ModelCalls, slot_cache
+from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend
+from shared.catalog import ModelProfile
 
 IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next op: idle models wait for long
 
@@ -19,14 +25,6 @@ log = logging.getLogger("node_agent.tp_worker")
 def main(rank: int, world: int, address: str, profile_json: str, device: str, hf_cache: str | None,
          timeout_s: float, torch_threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s")
-    from node_agent import devices, loader
-    from node_agent.model_calls import ModelCalls, slot_cache
-    from node_agent.tensor_parallel import RENDEZVOUS_TIMEOUT_S, backend
-    from node_agent.tp_channel import Channel
-    from shared.catalog import ModelProfile
-
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # the node's log has rank 0's bar already
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -37,7 +35,7 @@ def main(rank: int, world: int, address: str, profile_json: str, device: str, hf
     profile = ModelProfile.model_validate_json(profile_json)
     try:
         dist.init_process_group(backend(device), init_method=address, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+                                timeout=RENDEZVOUS_TIMEOUT)
         channel_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         loaded = loader.load(profile, device, hf_cache, None, tp_size=world)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))  # the model's collectives
@@ -58,9 +56,6 @@ def main(rank: int, world: int, address: str, profile_json: str, device: str, hf
 @torch.inference_mode()
 def serve(channel, calls, device: torch.device) -> None:
     """Replay rank 0's ops until STOP."""
-    from node_agent import forward
-    from node_agent.tp_channel import Op
-
     while True:
         op, numbers, payload = channel.receive()
         if payload is not None:
