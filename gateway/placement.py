@@ -5,7 +5,7 @@ replicas placing at once agree, and a replica counts from the moment its node sa
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.fleet import describe
 from shared import queues
@@ -33,6 +33,7 @@ class Candidate:
     node: NodeHeartbeat
     free_mb: int
     evictable: list[str]  # idle, unpinned models, in eviction order
+    must_evict: list[str] = field(default_factory=list)  # the node's tensor-parallel model, for another one
 
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
@@ -61,9 +62,16 @@ def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> i
     return ranked[profile.tensor_parallel - 1] if len(ranked) >= profile.tensor_parallel else 0
 
 
+def sharded_models(node: NodeHeartbeat) -> list[str]:
+    """The tensor-parallel model a node agent holds: one at a time (it owns the process group)."""
+    return [m for m, info in node.models.items() if len(info.devices) > 1 and info.state != ModelState.FAILED]
+
+
 def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[str], busy: set[str],
                priority: dict[str, int], strategy: str) -> list[Candidate]:
-    """Allowed nodes not yet holding `profile`, each with what it could free for it."""
+    """Allowed nodes not yet holding `profile`, each with what it could free for it. A
+    tensor-parallel model goes only where the node's own tensor-parallel model (if any) is idle,
+    and evicts it."""
     found = []
     for node in nodes:
         if not allowed(profile, node) or profile.id in node.models:
@@ -72,7 +80,11 @@ def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[st
                 if info.state == ModelState.READY and info.slots_used == 0 and m not in pinned and m not in busy]
         order = (lambda m: (priority.get(m, 0), node.models[m].last_used_ms)) if strategy == "priority" \
             else (lambda m: node.models[m].last_used_ms)
-        found.append(Candidate(node, room_mb(profile, node, []), sorted(idle, key=order)))
+        must_evict = sharded_models(node) if profile.tensor_parallel > 1 else []
+        if any(m not in idle for m in must_evict):
+            continue
+        found.append(Candidate(node, room_mb(profile, node, must_evict),
+                               [m for m in sorted(idle, key=order) if m not in must_evict], must_evict))
     return found
 
 
@@ -80,7 +92,7 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
     """The node needing the fewest evictions (then with the most room left); 503 when none fits."""
     plans = []
     for c in found:
-        free, evict = c.free_mb, []
+        free, evict = c.free_mb, list(c.must_evict)
         for model in c.evictable:
             if free >= need_mb:
                 break
@@ -91,12 +103,13 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
     if plans:
         return min(plans, key=lambda p: (len(p.evict), -p.free_mb))
     if not found:
-        devices = f"; {profile.tensor_parallel} devices on one node" if profile.tensor_parallel > 1 else ""
+        devices = (f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
+                   if profile.tensor_parallel > 1 else "")
         raise InsufficientCapacity(f"no live node may run {profile.id} "
                                    f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}"
                                    f"{devices}); live nodes: {fleet_summary}")
-    best = max(found, key=lambda c: room_mb(profile, c.node, c.evictable))
-    could = room_mb(profile, best.node, best.evictable)
+    best = max(found, key=lambda c: room_mb(profile, c.node, c.must_evict + c.evictable))
+    could = room_mb(profile, best.node, best.must_evict + best.evictable)
     per_device = f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
     raise InsufficientCapacity(
         f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB free "

@@ -68,6 +68,9 @@ class NodeAgent:
             await asyncio.sleep(0.05)  # a load that races an unload waits for it, then loads again
         if current is not None and current.state != ModelState.FAILED:
             return
+        while profile.tensor_parallel > 1 and any(m.state == ModelState.UNLOADING and len(m.devices) > 1
+                                                  for m in self.models.values()):
+            await asyncio.sleep(0.05)  # placement evicts the node's tensor-parallel model first: let it go
         # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
         ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
         chosen = ranked[: profile.tensor_parallel]

@@ -5,7 +5,7 @@ traffic fails its jobs cleanly, the model reloads with fresh ranks, and nothing 
 what cannot be sharded is a load error the status and the waiting requests show.
 
 One fleet for the module: n1 serves tiny Llama at TP=1 and TP=2, n2 tiny Qwen3 at TP=1 and TP=2
-(a node agent runs one tensor-parallel model)."""
+(a node agent runs one tensor-parallel model at a time; placement swaps them)."""
 
 import json
 import os
@@ -46,6 +46,7 @@ def stack(tmp_path_factory, tiny_dirs, smol_tokenizer):
         "llama-tp4": {"source": str(tiny_dirs["llama"]), "nodes": ["n1"], "tensor_parallel": 4},
         "qwen3-tp1": {"source": str(tiny_dirs["qwen3"]), "nodes": ["n2"]},
         "qwen3-tp2": {"source": str(tiny_dirs["qwen3"]), "nodes": ["n2"], "tensor_parallel": 2},
+        "llama-n2-tp2": {"source": str(tiny_dirs["llama"]), "nodes": ["n2"], "tensor_parallel": 2},
         "gpt2-tp2": {"source": str(gpt2), "nodes": ["n2"], "tensor_parallel": 2},
         "kv1-tp2": {"source": str(one_kv_head), "nodes": ["n2"], "tensor_parallel": 2},
     }
@@ -203,6 +204,13 @@ def test_too_few_devices_is_refused_by_placement_and_by_the_node(stack):
     assert status(stack)["n1"]["models"]["llama-tp4"]["state"] == "failed"
     with pytest.raises(openai.APIStatusError, match="needs 4 devices"):
         complete(stack, "llama-tp4", "Hello", stream=False)
+
+
+def test_a_node_swaps_its_idle_sharded_model_for_another(stack):
+    before = workers(stack.nodes["n2"])
+    assert answers(stack, "llama-n2-tp2", PROMPTS[:3]) == answers(stack, "llama-tp1", PROMPTS[:3])
+    assert "qwen3-tp2" not in stack.models_on("n2")  # placement evicted it: one per node agent
+    assert len(workers(stack.nodes["n2"])) == 1 and not before & workers(stack.nodes["n2"])
 
 
 def test_a_stopped_node_stops_its_ranks(stack):

@@ -31,12 +31,22 @@ def test_a_sharded_model_needs_its_share_free_on_n_devices_of_one_node():
     assert chosen.node == "n2" and chosen.free_mb == 50
 
 
-def test_evicting_frees_a_share_on_each_device_the_evicted_model_holds():
-    full = node("n1", [100, 100], small=idle(400, "cuda:1"), sharded=idle(600, "cuda:0", "cuda:1"))
+def test_evicting_frees_memory_on_the_devices_the_evicted_model_holds():
+    full = node("n1", [100, 100], a=idle(400, "cuda:1"), b=idle(300, "cuda:0"))
     chosen = choose(TP2, 350, full)
-    assert chosen.evict == ["small", "sharded"]  # `small` alone frees cuda:1 only
+    assert chosen.evict == ["a", "b"] and chosen.free_mb == 50  # `a` alone frees cuda:1 only
 
 
 def test_too_few_devices_anywhere_says_so():
     with pytest.raises(InsufficientCapacity, match="2 devices on one node"):
         choose(TP2, 10, node("n1", [1000]))
+
+
+def test_a_node_takes_a_second_sharded_model_only_by_evicting_its_idle_first():
+    sharded = idle(200, "cuda:0", "cuda:1")
+    chosen = choose(TP2, 100, node("n1", [900, 900], first=sharded))
+    assert chosen.evict == ["first"]  # room enough without it, but one process group per node agent
+    busy = sharded.model_copy(update={"slots_used": 1})
+    with pytest.raises(InsufficientCapacity, match="whose tensor-parallel model if any is idle"):
+        choose(TP2, 100, node("n1", [900, 900], first=busy))
+    assert choose(ModelProfile(id="small", source="x"), 100, node("n1", [900, 900], first=busy)).evict == []
