@@ -112,7 +112,8 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
     could = room_mb(profile, best.node, best.must_evict + best.evictable)
     per_device = f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
     raise InsufficientCapacity(
-        f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB free "
+        f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB "
+        "free "
         f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})")
 
 

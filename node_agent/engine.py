@@ -109,7 +109,8 @@ class Engine:
         self.cache = slot_cache(loaded, profile)
         self.max_len = self.cache.max_len
         # every model call goes through here (to all ranks of a tensor-parallel model)
-        self.calls = loaded.group.calls(loaded.model, self.cache) if loaded.group else ModelCalls(loaded.model, self.cache)
+        self.calls = (loaded.group.calls(loaded.model, self.cache) if loaded.group
+                      else ModelCalls(loaded.model, self.cache))
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
         self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots, self.calls.step)
         self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes

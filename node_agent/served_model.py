@@ -117,9 +117,9 @@ class ServedModel:
         return sum(r.sequences for r in self.running.values())
 
     def info(self) -> ModelInfo:
-        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices, slots_total=self.profile.slots,
-                         slots_used=self.used_slots, memory_mb=self.memory_mb, last_used_ms=self.last_used_ms,
-                         error=self.error)
+        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
+                         slots_total=self.profile.slots, slots_used=self.used_slots, memory_mb=self.memory_mb,
+                         last_used_ms=self.last_used_ms, error=self.error)
 
     @property
     def memory_mb(self) -> int:

@@ -102,7 +102,8 @@ def config(model_type: str, **fields):
 @pytest.mark.parametrize("model_config, device_ids, reason", [
     (config("llama"), ["cpu:0"], "tensor_parallel = 2 needs 2 devices on one node; n1 has 1"),
     (config("gpt2"), CPUS, "model_type 'gpt2' has no tensor-parallel plan"),
-    (config("llama", num_key_value_heads=1), CPUS, r"must divide the attention heads \(4\) and the key/value heads \(1\)"),
+    (config("llama", num_key_value_heads=1), CPUS, r"must divide the attention heads \(4\) and the key/value heads "
+                                                   r"\(1\)"),
     (config("mistral", sliding_window=64), CPUS, "full-attention layers only"),
     (config("qwen3_moe", num_experts=4), CPUS, "mixture-of-experts"),
 ])
