@@ -4,8 +4,11 @@ starts; a killed worker fails the next step at once and the group tears down wit
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -120,3 +123,39 @@ def test_a_second_tensor_parallel_model_in_one_process_is_refused():
             tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), config("llama"), CPUS)
     finally:
         dist.destroy_process_group()
+
+
+HOLD_A_GROUP = """
+import sys, time
+from node_agent import tensor_parallel
+from node_agent.engine import Engine
+from shared.catalog import ModelProfile
+from shared.settings import NodeSettings
+profile = ModelProfile.model_validate_json(sys.argv[1])
+engine = Engine(tensor_parallel.load(profile, ["cpu:0", "cpu:1"], NodeSettings(torch_threads=1)), profile)
+print(engine.lm.group.workers[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_of_a_killed_node_agent_leave_too(tiny_dirs):
+    """Rank 0's process killed with -9 (no clean-up at all): its workers see their connection
+    close and exit; none is left behind."""
+    agent = subprocess.Popen([sys.executable, "-c", HOLD_A_GROUP, sharded(tiny_dirs["llama"]).model_dump_json()],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3])
+    try:
+        worker = int(agent.stdout.readline())
+    finally:
+        agent.kill()
+        agent.wait()
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{worker}").exists() and _state(worker) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker}").exists() or _state(worker) == "Z"  # gone (or exited, awaiting its reaper)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
