@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -34,7 +35,7 @@ from transformers import AutoConfig
 from node_agent import devices, forward, loader, tp_worker
 from node_agent.kv_cache import SlotKVCache
 from node_agent.model_calls import ModelCalls
-from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend
+from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError, locate
 from shared.processes import free_port
@@ -94,13 +95,13 @@ class RankGroup:
     def __init__(self, profile: ModelProfile, device_ids: list[str], settings: NodeSettings):
         self.profile, self.device_ids = profile, device_ids
         self.timeout = timedelta(seconds=settings.tp_timeout_s)  # for collectives once loaded
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.port = free_port()  # the rendezvous (a TCP store rank 0 serves); a new one for every load
         self.channel: Channel | None = None  # once every rank holds its cache (`calls`)
         self.broken: BaseException | None = None
         spawn = multiprocessing.get_context("spawn")
         self.workers = [
             spawn.Process(target=tp_worker.main, name=f"cortex-tp-{profile.id}-rank{rank}", daemon=True,
-                          args=(rank, len(device_ids), self.address, profile.model_dump_json(), device,
+                          args=(rank, len(device_ids), self.port, profile.model_dump_json(), device,
                                 settings.hf_cache, settings.tp_timeout_s, settings.torch_threads))
             for rank, device in enumerate(device_ids) if rank > 0]
 
@@ -117,9 +118,23 @@ class RankGroup:
         log.info("%s: rank 0 on %s (this process), workers %s", self.profile.id, self.device_ids[0],
                  ", ".join(f"rank {r} on {d} pid {w.pid}" for r, (d, w) in enumerate(zip(self.device_ids[1:],
                                                                                         self.workers), 1)))
-        dist.init_process_group(backend(self.device_ids[0]), init_method=self.address, rank=0,
-                                world_size=len(self.device_ids), timeout=RENDEZVOUS_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", self.port, len(self.device_ids), is_master=True, timeout=RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=False)
+        self._await_workers(store)
+        dist.init_process_group(backend(self.device_ids[0]), store=store, rank=0, world_size=len(self.device_ids),
+                                timeout=RENDEZVOUS_TIMEOUT)
         self.channel_group = dist.new_group(backend="gloo", timeout=RENDEZVOUS_TIMEOUT)
+
+    def _await_workers(self, store: dist.TCPStore) -> None:
+        """Wait until every worker has joined the store; one that exits first fails the load at once
+        (rather than after the rendezvous timeout)."""
+        deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+        while not store.check([joined_key(rank) for rank in range(1, len(self.device_ids))]):
+            if dead := [w for w in self.workers if not w.is_alive()]:
+                raise RuntimeError(f"{dead[0].name} exited (code {dead[0].exitcode}) before joining; its log says why")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(0.05)
 
     def loaded(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Every rank holds its shard: from now on a collective waits `tp_timeout_s` at most."""

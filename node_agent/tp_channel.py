@@ -19,6 +19,11 @@ HEADER_LEN = 5  # the op, then up to four numbers
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # joining and loading (workers import torch first: slow on a busy host)
 
 
+def joined_key(rank: int) -> str:
+    """The rendezvous store key a worker sets once it is up (rank 0 waits for every one)."""
+    return f"cortex/joined/{rank}"
+
+
 def backend(device: str) -> str:
     """The model's collectives: gloo between CPU ranks, NCCL between CUDA ranks."""
     return "gloo" if is_cpu(device) else "nccl"

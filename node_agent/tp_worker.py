@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from node_agent import devices, forward, loader
 from node_agent.model_calls import ModelCalls, slot_cache
-from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend
+from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 
 IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next op: idle models wait for long
@@ -22,7 +22,7 @@ IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next op: idle models 
 log = logging.getLogger("node_agent.tp_worker")
 
 
-def main(rank: int, world: int, address: str, profile_json: str, device: str, hf_cache: str | None,
+def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_cache: str | None,
          timeout_s: float, torch_threads: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s")
     hf_logging.disable_progress_bar()  # the node's log has rank 0's bar already
@@ -34,8 +34,9 @@ def main(rank: int, world: int, address: str, profile_json: str, device: str, hf
         torch.cuda.set_device(torch_device)
     profile = ModelProfile.model_validate_json(profile_json)
     try:
-        dist.init_process_group(backend(device), init_method=address, rank=rank, world_size=world,
-                                timeout=RENDEZVOUS_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        store.set(joined_key(rank), "1")
+        dist.init_process_group(backend(device), store=store, rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT)
         channel_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         loaded = loader.load(profile, device, hf_cache, None, tp_size=world)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))  # the model's collectives

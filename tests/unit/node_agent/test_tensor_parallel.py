@@ -159,3 +159,10 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def test_a_worker_that_dies_before_joining_fails_the_load_at_once(tiny_dirs):
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match=r"rank1 exited \(code 1\) before joining"):
+        tensor_parallel.load(sharded(tiny_dirs["llama"]), ["cpu:0", "cuda:7"], SETTINGS)  # no such device here
+    assert time.monotonic() - started < 60 and not dist.is_initialized() and not children()
