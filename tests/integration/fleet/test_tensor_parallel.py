@@ -177,6 +177,7 @@ def test_a_node_swaps_its_idle_sharded_model_for_another(stack):
     assert answers(stack, "llama-n2-tp2", PROMPTS[:3]) == answers(stack, "llama-tp1", PROMPTS[:3])
     assert "qwen3-tp2" not in stack.models_on("n2")  # placement evicted it: one per node agent
     assert len(workers(stack.nodes["n2"])) == 1 and not before & workers(stack.nodes["n2"])
+    wait_for(lambda: stack.models_on("n2")["llama-n2-tp2"]["slots_used"] == 0, 10, "n2's heartbeat to say idle")
 
 
 def status(stack) -> dict:
