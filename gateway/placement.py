@@ -5,7 +5,7 @@ replicas placing at once agree, and a replica counts from the moment its node sa
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.fleet import describe
 from shared import queues
@@ -33,16 +33,45 @@ class Candidate:
     node: NodeHeartbeat
     free_mb: int
     evictable: list[str]  # idle, unpinned models, in eviction order
+    must_evict: list[str] = field(default_factory=list)  # the node's tensor-parallel model, for another one
 
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
     return (node.takes_jobs and (not profile.nodes or node.node in profile.nodes)
-            and set(profile.labels) <= set(node.labels))
+            and set(profile.labels) <= set(node.labels) and len(node.devices) >= profile.tensor_parallel)
+
+
+def share_mb(profile: ModelProfile, need_mb: int) -> int:
+    """What each of the model's devices needs: all of it, or a 1/N share (weights and cache) of a
+    model sharded over N devices."""
+    return -(-need_mb // profile.tensor_parallel)
+
+
+def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> int:
+    """Free memory for one share of the model once `evicted` are gone: on the node's emptiest
+    device, or for a model sharded over N devices the N-th emptiest. An evicted model frees its
+    share on each device it holds."""
+    free = {d.id: d.free_mb for d in node.devices}
+    for model in evicted:
+        info = node.models[model]
+        held_on = info.devices or [info.device]
+        for device in held_on:
+            if device in free:
+                free[device] += info.memory_mb // len(held_on)
+    ranked = sorted(free.values(), reverse=True)
+    return ranked[profile.tensor_parallel - 1] if len(ranked) >= profile.tensor_parallel else 0
+
+
+def sharded_models(node: NodeHeartbeat) -> list[str]:
+    """The tensor-parallel model a node agent holds: one at a time (it owns the process group)."""
+    return [m for m, info in node.models.items() if len(info.devices) > 1 and info.state != ModelState.FAILED]
 
 
 def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[str], busy: set[str],
                priority: dict[str, int], strategy: str) -> list[Candidate]:
-    """Allowed nodes not yet holding `profile`, each with what it could free for it."""
+    """Allowed nodes not yet holding `profile`, each with what it could free for it. A
+    tensor-parallel model goes only where the node's own tensor-parallel model (if any) is idle,
+    and evicts it."""
     found = []
     for node in nodes:
         if not allowed(profile, node) or profile.id in node.models:
@@ -51,7 +80,11 @@ def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[st
                 if info.state == ModelState.READY and info.slots_used == 0 and m not in pinned and m not in busy]
         order = (lambda m: (priority.get(m, 0), node.models[m].last_used_ms)) if strategy == "priority" \
             else (lambda m: node.models[m].last_used_ms)
-        found.append(Candidate(node, max((d.free_mb for d in node.devices), default=0), sorted(idle, key=order)))
+        must_evict = sharded_models(node) if profile.tensor_parallel > 1 else []
+        if any(m not in idle for m in must_evict):
+            continue
+        found.append(Candidate(node, room_mb(profile, node, must_evict),
+                               [m for m in sorted(idle, key=order) if m not in must_evict], must_evict))
     return found
 
 
@@ -59,24 +92,28 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
     """The node needing the fewest evictions (then with the most room left); 503 when none fits."""
     plans = []
     for c in found:
-        free, evict = c.free_mb, []
+        free, evict = c.free_mb, list(c.must_evict)
         for model in c.evictable:
             if free >= need_mb:
                 break
-            free += c.node.models[model].memory_mb
             evict.append(model)
+            free = room_mb(profile, c.node, evict)
         if free >= need_mb:
             plans.append(Plan(c.node.node, evict, free - need_mb))
     if plans:
         return min(plans, key=lambda p: (len(p.evict), -p.free_mb))
     if not found:
+        devices = (f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
+                   if profile.tensor_parallel > 1 else "")
         raise InsufficientCapacity(f"no live node may run {profile.id} "
-                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}); "
-                                   f"live nodes: {fleet_summary}")
-    best = max(found, key=lambda c: c.free_mb + sum(c.node.models[m].memory_mb for m in c.evictable))
-    could = best.free_mb + sum(best.node.models[m].memory_mb for m in best.evictable)
+                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}"
+                                   f"{devices}); live nodes: {fleet_summary}")
+    best = max(found, key=lambda c: room_mb(profile, c.node, c.must_evict + c.evictable))
+    could = room_mb(profile, best.node, best.must_evict + best.evictable)
+    per_device = f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
     raise InsufficientCapacity(
-        f"{profile.id} needs {need_mb} MB; the best candidate, {best.node.node}, has {best.free_mb} MB free "
+        f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB "
+        "free "
         f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})")
 
 
@@ -124,7 +161,7 @@ class Placer:
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
         found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
-        need = await asyncio.to_thread(estimate_mb, profile) if found else 0
+        need = share_mb(profile, await asyncio.to_thread(estimate_mb, profile)) if found else 0
         try:
             chosen = plan(profile, need, found, describe(nodes))
         except InsufficientCapacity:
@@ -135,7 +172,8 @@ class Placer:
         for model in chosen.evict:
             log.info("evicting %s from %s for %s (%s)", model, chosen.node, profile.id, strategy)
             await self.send(chosen.node, "unload", model)
-        log.info("placing %s (%d MB) on %s", profile.id, need, chosen.node)
+        log.info("placing %s (%d MB on each of %d devices) on %s", profile.id, need, profile.tensor_parallel,
+                 chosen.node)
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node

@@ -49,7 +49,7 @@ class NodeAgent:
         self.redis = connect(self.settings.redis_url)
         self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
         self.publisher.start()
-        for device in devices.discover(self.settings.device):
+        for device in devices.discover(self.settings.device, self.settings.cpu_devices):
             thread = DeviceThread(device, loop)
             thread.start()
             self.threads[device] = thread
@@ -68,8 +68,14 @@ class NodeAgent:
             await asyncio.sleep(0.05)  # a load that races an unload waits for it, then loads again
         if current is not None and current.state != ModelState.FAILED:
             return
-        device = min(self.threads.values(), key=lambda t: sum(m.device is t for m in self.models.values()))
-        served = ServedModel(profile, device, self.redis, self.keys, self.publisher, self.name, self.settings)
+        while profile.tensor_parallel > 1 and any(m.state == ModelState.UNLOADING and len(m.devices) > 1
+                                                  for m in self.models.values()):
+            await asyncio.sleep(0.05)  # placement evicts the node's tensor-parallel model first: let it go
+        # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
+        ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
+        chosen = ranked[: profile.tensor_parallel]
+        served = ServedModel(profile, chosen[0], self.redis, self.keys, self.publisher, self.name, self.settings,
+                             devices=[t.device for t in chosen])
         self.models[profile.id] = served
         await self._beat()  # show `loading` at once: placement waits for it
         await served.load()
@@ -151,6 +157,7 @@ class NodeAgent:
         self.state = NodeState.DRAINING
         await self._beat()
         await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
+        await asyncio.gather(*(m.free() for m in self.models.values()))  # tensor-parallel workers stop too
         await self.publisher.stop()
         for task in tasks:
             task.cancel()
@@ -187,11 +194,12 @@ class NodeAgent:
         await pipe.execute()
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:
-        """A CPU device with a memory budget reports the budget, less what its models hold."""
+        """A CPU device with a memory budget reports the budget, less what its models hold (a
+        tensor-parallel model holds its share on each of its devices)."""
         budget = self.settings.memory_budget_mb
-        if info.id != "cpu" or not budget:
+        if not devices.is_cpu(info.id) or not budget:
             return info
-        held = sum(m.memory_mb for m in self.models.values() if m.device.device == info.id)
+        held = sum(m.memory_mb // len(m.devices) for m in self.models.values() if info.id in m.devices)
         return info.model_copy(update={"total_mb": budget, "free_mb": max(budget - held, 0)})
 
     # ---- cancellations from the fleet ------------------------------------------------------------

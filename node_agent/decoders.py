@@ -133,10 +133,16 @@ def compiled_step() -> Callable:
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
-def make(mode: str, model: torch.nn.Module, cache: SlotCache, slots: int) -> EagerDecoder | StaticDecoder:
+def make(mode: str, model: torch.nn.Module, cache: SlotCache, slots: int,
+         fixed_step: Callable | None = None) -> EagerDecoder | StaticDecoder:
     """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
-    (compiled, then captured on a GPU)."""
+    (compiled, then captured on a GPU). A `fixed_step` (a tensor-parallel model's, which sends
+    each step to its other ranks) runs as it is: eagerly on a CPU, padded to buckets on a GPU,
+    never compiled or captured."""
     cuda = cache.device.type == "cuda"
+    if fixed_step is not None:
+        return StaticDecoder(model, cache, slots, capture=False, step=fixed_step) if cuda else \
+            EagerDecoder(model, cache, fixed_step)
     if mode == "auto":
         mode = "graphs" if cuda else "eager"
     step = compiled_step() if mode == "compiled" else forward.decode_step

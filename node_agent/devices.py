@@ -10,13 +10,29 @@ from shared.heartbeat import DeviceInfo
 _MB = 1 << 20
 
 
-def discover(requested: str = "auto") -> list[str]:
-    """Device ids this node should use: every CUDA device, or ["cpu"]."""
-    if requested != "auto":
+class DeviceFault(RuntimeError):
+    """A failure that leaves a model unusable on its device(s) (a tensor-parallel rank lost, say):
+    the model is poisoned and reloaded."""
+
+
+def discover(requested: str = "auto", cpu_devices: int = 1) -> list[str]:
+    """Device ids this node should use: every CUDA device, or the CPU: "cpu", or with
+    `cpu_devices` > 1 that many logical CPU devices "cpu:0", "cpu:1", … (for tensor-parallel
+    tests and CPU fleets; they share the host's cores and memory)."""
+    if requested != "auto" and requested != "cpu":
         return [requested]
-    if torch.cuda.is_available():
+    if requested == "auto" and torch.cuda.is_available():
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return ["cpu"]
+    return ["cpu"] if cpu_devices == 1 else [f"cpu:{i}" for i in range(cpu_devices)]
+
+
+def torch_device(device: str) -> torch.device:
+    """The torch device behind a device id: every logical CPU device is torch's one CPU."""
+    return torch.device("cpu") if is_cpu(device) else torch.device(device)
+
+
+def is_cpu(device: str) -> bool:
+    return device == "cpu" or device.startswith("cpu:")
 
 
 def describe(device: str) -> DeviceInfo:
@@ -27,7 +43,7 @@ def describe(device: str) -> DeviceInfo:
         return DeviceInfo(id=device, name=torch.cuda.get_device_name(index), total_mb=total // _MB, free_mb=free // _MB)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return DeviceInfo(id="cpu", name=_cpu_name(), total_mb=pages // _MB, free_mb=available // _MB)
+    return DeviceInfo(id=device, name=_cpu_name(), total_mb=pages // _MB, free_mb=available // _MB)
 
 
 def _cpu_name() -> str:
@@ -50,7 +66,7 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    if device.startswith("cuda") or cpu_has_fast_bf16():
+    if not is_cpu(device) or cpu_has_fast_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -59,7 +75,7 @@ def is_device_fault(exc: BaseException, device: torch.device) -> bool:
     """Whether a failed engine step left the device broken (out of memory, a CUDA error), so the
     model must be reloaded, rather than failing on something the next step will not meet again.
     Call it on the device's thread."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError, DeviceFault)):
         return True
     if device.type != "cuda":
         return False

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent import constrain, decoders, forward
+from node_agent import constrain, decoders
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
-from node_agent.kv_cache import SlotCache
 from node_agent.loader import LoadedModel
+from node_agent.model_calls import ModelCalls, slot_cache, weight_bytes
 from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
 from shared.catalog import ModelProfile
@@ -104,17 +104,16 @@ def check_fits(max_len: int, prompt_len: int, max_tokens: int | None, max_prompt
 class Engine:
     def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = ""):
         self.lm, self.profile, self.node = loaded, profile, node
-        config = loaded.model.config
-        self.max_len = min(profile.max_model_len, loaded.context_len)
         self.slots = profile.slots
-        self.vocab = config.vocab_size
-        self.cache = SlotCache.for_model(config, slots=self.slots, max_len=self.max_len,
-                                         prefill_chunk_tokens=profile.prefill_chunk_tokens, dtype=loaded.dtype,
-                                         device=loaded.device)
+        self.vocab = loaded.model.config.vocab_size
+        self.cache = slot_cache(loaded, profile)
+        self.max_len = self.cache.max_len
+        # every model call goes through here (to all ranks of a tensor-parallel model)
+        self.calls = (loaded.group.calls(loaded.model, self.cache) if loaded.group
+                      else ModelCalls(loaded.model, self.cache))
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
-        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots)
-        weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values() if isinstance(t, torch.Tensor))
-        self.resident_bytes = weights + self.cache.bytes + self.sampling.bytes
+        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots, self.calls.step)
+        self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.waiting: deque[Sequence] = deque()
@@ -135,9 +134,10 @@ class Engine:
         return self.resident_bytes + self.decoder.graph_bytes
 
     def release(self) -> None:
-        """Drop every tensor (on unload)."""
+        """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
         self.fail_all()
-        self.cache = self.sampling = self.decoder = None
+        self.calls.close()
+        self.cache = self.sampling = self.decoder = self.calls = None
         self.lm.model = None
 
     # ---- admission -------------------------------------------------------------------------
@@ -248,8 +248,8 @@ class Engine:
             write_pos[i, :chunk] = positions[i, :chunk]
         kv_len = min(max(s.prefilled + c for s, c in zip(group, chunks)), self.max_len)
         device = self.lm.device
-        hidden = forward.forward(self.lm.model, self.cache, slice(start, start + len(group)), input_ids.to(device),
-                                 positions.to(device), write_pos.to(device), kv_len)
+        hidden = self.calls.forward(slice(start, start + len(group)), input_ids.to(device), positions.to(device),
+                                    write_pos.to(device), kv_len)
         for i, (seq, chunk) in enumerate(zip(group, chunks)):
             if seq.prompt_logprobs is not None and seq.job.error is None:
                 try:
@@ -261,7 +261,7 @@ class Engine:
         if done:
             last = hidden[torch.tensor(done, device=device), torch.tensor([chunks[i] - 1 for i in done], device=device)]
             seqs = [group[i] for i in done]
-            self._sample_and_emit(seqs, forward.logits(self.lm.model, last), slice(start, start + len(done)),
+            self._sample_and_emit(seqs, self.calls.logits(last), slice(start, start + len(done)),
                                   [s.prefilled - 1 for s in seqs])
             self.n_decoding += len(done)
 
@@ -270,7 +270,7 @@ class Engine:
         following = seq.prompt_ids[seq.prefilled + 1: seq.prefilled + hidden.shape[0] + 1]
         if not following:
             return
-        logits = forward.logits(self.lm.model, hidden[: len(following)])
+        logits = self.calls.logits(hidden[: len(following)])
         chosen, tops = token_logprobs(logits, torch.tensor(following, device=logits.device), seq.params.prompt_logprobs)
         seq.prompt_logprobs += [self._logprob_entry(token, lp, top) for token, lp, top in zip(following, chosen, tops)]
 
@@ -354,7 +354,7 @@ class Engine:
         for dst, seq in enumerate(new_rows):
             src = old_index[id(seq)]
             if src != dst:
-                self.cache.move_row(src, dst, seq.cached_len)
+                self.calls.move_row(src, dst, seq.cached_len)
                 self.sampling.move(src, dst)
         self.rows, self.n_decoding = new_rows, len(keep_decoding)
 

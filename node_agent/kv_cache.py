@@ -141,10 +141,10 @@ class LinearAttentionState:
 
 
 def _attention(config, *, slots: int, columns: int, window: int | None, scratch_position: int,
-               dtype: torch.dtype, device: torch.device) -> AttentionKV:
+               dtype: torch.dtype, device: torch.device, ranks: int) -> AttentionKV:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return AttentionKV(slots=slots, kv_heads=kv_heads, head_dim=head_dim, columns=columns, window=window,
+    return AttentionKV(slots=slots, kv_heads=kv_heads // ranks, head_dim=head_dim, columns=columns, window=window,
                        scratch_position=scratch_position, dtype=dtype, device=device)
 
 
@@ -171,13 +171,16 @@ class SlotCache:
 
     @classmethod
     def for_model(cls, config, *, slots: int, max_len: int, prefill_chunk_tokens: int, dtype: torch.dtype,
-                  device: torch.device) -> "SlotCache":
+                  device: torch.device, ranks: int = 1) -> "SlotCache":
+        """The cache of `config`'s layers; under tensor parallelism over `ranks` ranks, each rank's
+        share of the KV heads (tensor parallelism is refused for the other kinds)."""
         window = getattr(config, "sliding_window", None)
         common = dict(slots=slots, scratch_position=max_len, dtype=dtype, device=device)
+        attention = dict(common, ranks=ranks)
         layers = [
             _linear(config, **common) if kind == LINEAR
-            else _attention(config, columns=min(window + prefill_chunk_tokens, max_len), window=window, **common)
-            if kind == SLIDING else _attention(config, columns=max_len, window=None, **common)
+            else _attention(config, columns=min(window + prefill_chunk_tokens, max_len), window=window, **attention)
+            if kind == SLIDING else _attention(config, columns=max_len, window=None, **attention)
             for kind in layer_kinds(config, max_len)
         ]
         return cls(layers, layer_types(config), max_len, torch.device(device))

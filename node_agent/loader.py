@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig, PreTrainedTokenizerBase
 
 from node_agent import architectures, devices
 from shared.catalog import ModelProfile
@@ -24,6 +24,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     context_len: int
+    tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
+    group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tensor_parallel.RankGroup
 
 
 def _attention_implementation(files: ModelFiles) -> str:
@@ -55,7 +57,7 @@ def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
 
 def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
     """Dynamic int8 Linear layers (fbgemm/oneDNN kernels; VNNI where the CPU has it)."""
-    if device != "cpu":
+    if not devices.is_cpu(device):
         raise ModelLoadError("quant = 'int8' runs on CPU devices only; use dtype bfloat16/float16 on GPUs")
     if model.dtype != torch.float32:
         raise ModelLoadError("quant = 'int8' needs dtype float32 weights to quantise from")
@@ -65,8 +67,10 @@ def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 
 def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
-         convert_cache: Path | None = None) -> LoadedModel:
-    """Load on the calling thread (the device thread that will own the model)."""
+         convert_cache: Path | None = None, tp_size: int = 1) -> LoadedModel:
+    """Load on the calling thread (the device thread that will own the model). With `tp_size` > 1
+    every rank calls this at once, in a process group already made (node_agent/tensor_parallel.py),
+    and gets its shard."""
     files = locate(profile, hf_cache)
     dtype = _DTYPES.get(profile.dtype) or (torch.float32 if profile.quant == "int8" else devices.default_dtype(device))
     converted = _converted_copy(files, convert_cache, dtype)
@@ -76,16 +80,18 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
     tokenizer_from = files.tokenizer_folder or files.folder
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
+    sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model = AutoModelForCausalLM.from_pretrained(
-        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation=attention
+        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation=attention, **sharding
     )
     if converted is not None and files.gguf_file:
         try:
             _save_converted(model, tokenizer, converted)
         except Exception as exc:  # a cache that cannot be written only costs time
             log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
-    model.to(device).eval()
+    model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
     if profile.quant == "int8":
         model = quantize_int8(model, device)
     context = getattr(model.config, "max_position_embeddings", None) or profile.max_model_len
-    return LoadedModel(model=model, tokenizer=tokenizer, device=torch.device(device), dtype=dtype, context_len=context)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
+                       context_len=context, tp_size=tp_size)

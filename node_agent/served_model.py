@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import ResponseError
 
-from node_agent import loader, prompts
+from node_agent import loader, prompts, tensor_parallel
 from node_agent.device_thread import DeviceThread
 from node_agent.engine import Engine, check_fits
 from node_agent.job_reader import JobReader
@@ -36,6 +36,21 @@ def _free(engine: Engine) -> None:
     engine.release()
     if engine.lm.device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
+    """On the device thread: load the model (sharded over `device_ids` when tensor-parallel) and
+    build its engine; a tensor-parallel model's other ranks stop if that fails."""
+    if profile.tensor_parallel > 1:
+        loaded = tensor_parallel.load(profile, device_ids, settings, node)
+    else:
+        loaded = loader.load(profile, device_ids[0], settings.hf_cache, settings.convert_cache)
+    try:
+        return Engine(loaded, profile, node)
+    except BaseException:
+        if loaded.group is not None:
+            loaded.group.close()
+        raise
 
 
 def _add_each(engine: Engine, jobs: list[tuple[GenerationRequest, list[int], float]]) -> list[tuple[str, CortexError]]:
@@ -78,8 +93,9 @@ def _keep_alive_ms(keep_alive_s: float) -> int:
 
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
         self.profile, self.device = profile, device
+        self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
         self.stream = keys.jobs(profile.id)
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
@@ -101,16 +117,17 @@ class ServedModel:
         return sum(r.sequences for r in self.running.values())
 
     def info(self) -> ModelInfo:
-        return ModelInfo(state=self.state, device=self.device.device, slots_total=self.profile.slots,
-                         slots_used=self.used_slots, memory_mb=self.memory_mb, last_used_ms=self.last_used_ms,
-                         error=self.error)
+        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
+                         slots_total=self.profile.slots, slots_used=self.used_slots, memory_mb=self.memory_mb,
+                         last_used_ms=self.last_used_ms, error=self.error)
 
     @property
     def memory_mb(self) -> int:
         """The catalogue's reservation, or what the engine holds once that is more (graphs captured
-        as traffic reaches new shapes make it grow)."""
+        as traffic reaches new shapes make it grow); every rank holds as much as rank 0."""
         engine = self.engine
-        return max(self.reserved_mb, engine.memory_bytes() >> 20 if engine is not None and engine.decoder else 0)
+        held = engine.memory_bytes() * self.profile.tensor_parallel if engine is not None and engine.decoder else 0
+        return max(self.reserved_mb, held >> 20)
 
     def idle_expired(self, now_ms: int) -> bool:
         """Idle past its keep_alive (and past any request's keep_alive)."""
@@ -120,11 +137,10 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
-            loaded = await self.device.call(loader.load, self.profile, self.device.device,
-                                         self.settings.hf_cache, self.settings.convert_cache)
-            self.engine = await self.device.call(Engine, loaded, self.profile, self.consumer_name)
+            self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+                                                 self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
-            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(loaded.tokenizer)
+            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
             await self.device.attach(self.engine, self.on_step, self.poison)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
@@ -137,22 +153,24 @@ class ServedModel:
         self.state, self.error, self.last_used_ms = ModelState.READY, "", _now_ms()
         self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
-        log.info("%s ready on %s (%d slots)", self.profile.id, self.device.device, self.profile.slots)
+        log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
 
     def poison(self, exc: BaseException, jobs: list[str]) -> None:
-        """A device error: fail this model's jobs with a 503 that says why, then reload it."""
-        self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
-        log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
+        """A device error: fail this model's jobs with a 503 that says why, then reload it (once:
+        jobs handed over before the reload stopped the reader fail here too, with the same error)."""
+        reloading = self.state == ModelState.POISONED
+        if not reloading:
+            self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
+            log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
         for job in set(jobs) | set(self.running):
             self.fail(job, ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name} "
-                                         f"({self.device.device}): {self.error}; it is being reloaded"))
-        asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
+                                         f"({', '.join(self.devices)}): {self.error}; it is being reloaded"))
+        if not reloading:
+            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
 
     async def _reload(self) -> None:
         await self.stop_consuming()
-        engine, self.engine = self.engine, None
-        await self.device.detach(engine)
-        del engine
+        await self.free()
         await self.load()
         self.error = "" if self.state == ModelState.READY else self.error
 
@@ -167,12 +185,16 @@ class ServedModel:
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""
         await self.drain(grace_s)
+        await self.free()
+        await self.reader.leave()
+        log.info("%s unloaded from %s", self.profile.id, self.device.device)
+
+    async def free(self) -> None:
+        """Stop stepping the engine and drop it (a tensor-parallel model's other ranks with it)."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
             await self.device.call(_free, engine)
-        await self.reader.leave()
-        log.info("%s unloaded from %s", self.profile.id, self.device.device)
 
     def _batch_free(self, free: int) -> int:
         """Slots batch jobs may take now: they leave `interactive_reserved_slots` to interactive ones."""

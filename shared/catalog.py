@@ -46,6 +46,9 @@ class ModelProfile(BaseModel):
     force_chatml: bool = False
     # How this model writes tool calls; None: chosen from the model's family (see gateway/tool_calls.py).
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # Shard the model over this many devices of one node (transformers' TP plan; one worker process
+    # per device beyond the first). Needs heads divisible by it; see docs/operations.md.
+    tensor_parallel: int = Field(1, ge=1, le=64)
     # --- placement -------------------------------------------------------------------------------
     memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
     pin: bool = False  # never evicted, never unloaded for idleness

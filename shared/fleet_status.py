@@ -19,6 +19,7 @@ class DeviceStatus(BaseModel):
 class ModelStatus(BaseModel):
     state: str
     device: str
+    devices: list[str] = []  # every device it holds: one replica spanning several when tensor-parallel
     slots_used: int
     slots_total: int
     memory_mb: int = 0
@@ -55,8 +56,8 @@ class NodeStatus(BaseModel):
             devices=[DeviceStatus(**d.model_dump(), used_mb=d.total_mb - d.free_mb) for d in hb.devices],
             models={
                 name: ModelStatus(
-                    state=str(m.state), device=m.device, slots_used=m.slots_used, slots_total=m.slots_total,
-                    memory_mb=m.memory_mb, last_used_ms=m.last_used_ms,
+                    state=str(m.state), device=m.device, devices=m.devices or [m.device], slots_used=m.slots_used,
+                    slots_total=m.slots_total, memory_mb=m.memory_mb, last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, error=m.error,
                 )
                 for name, m in hb.models.items()

@@ -19,7 +19,8 @@ class DeviceInfo(BaseModel):
 
 class ModelInfo(BaseModel):
     state: ModelState
-    device: str
+    device: str  # the device it runs on (rank 0's, when tensor-parallel)
+    devices: list[str] = []  # every device it holds (several when tensor-parallel); empty: [device]
     slots_total: int = 0
     slots_used: int = 0
     memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)

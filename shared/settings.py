@@ -76,7 +76,11 @@ class NodeSettings(CortexSettings):
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    memory_budget_mb: int = 0  # a CPU device reports this much memory (0: the host's); simulates a fleet
+    memory_budget_mb: int = 0  # each CPU device reports this much memory (0: the host's); simulates a fleet
+    # Logical CPU devices ("cpu:0", "cpu:1", …), each its own device thread, for testing tensor
+    # parallelism without GPUs and for CPU fleets; they share the host's cores and memory.
+    cpu_devices: int = Field(1, ge=1, le=64)
+    tp_timeout_s: float = Field(30.0, gt=0)  # a tensor-parallel collective waiting longer than this fails its model
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0

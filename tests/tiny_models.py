@@ -33,17 +33,18 @@ ARCHITECTURES = {  # the architecture matrix (node_agent/architectures.py): mode
 }
 
 
-def build(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
+def build(arch: str, folder: Path, tokenizer, seed: int = 0, **config: object) -> Path:
     """Save a random model of `arch` (hidden 64, 2 layers, unless its entry says otherwise) with
-    `tokenizer` into `folder`."""
+    `tokenizer` into `folder`; `config` overrides fields of its config (`model_type="gpt2"`
+    builds an architecture outside ARCHITECTURES, for tests of what is refused)."""
     spec = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    ) | ARCHITECTURES[arch]
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    ) | ARCHITECTURES[arch] | config
+    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

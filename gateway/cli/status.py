@@ -45,6 +45,7 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
             models = "\n".join(
                 f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
                 f" q={m.queue_depth} idle={'busy' if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else '-')}"
+                + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
                 + (f" ({m.error})" if m.error else "")
                 for name, m in sorted(n.models.items())
             )

@@ -187,3 +187,20 @@ async def test_table_shows_idle_time_queue_depth_and_labels(r):
         assert expected in text
 
 
+
+
+async def test_a_tensor_parallel_model_is_one_replica_spanning_its_devices(r):
+    keys = Keys()
+    sharded = ModelInfo(state=ModelState.READY, device="cpu:0", devices=["cpu:0", "cpu:1"], slots_total=4)
+    hb = heartbeat("n1", **{MODEL: sharded})
+    hb.devices = [DeviceInfo(id=f"cpu:{i}", name="Intel Xeon", total_mb=500, free_mb=400) for i in range(2)]
+    await publish(r, keys, hb)
+    await r.xgroup_create(keys.jobs(MODEL), CONSUMER_GROUP, id="0", mkstream=True)
+
+    fleet = await Fleet(r, keys, 8).status(NOW_MS)
+
+    assert fleet.nodes[0].models[MODEL].devices == ["cpu:0", "cpu:1"]
+    assert [q.replicas for q in fleet.queues if q.model == MODEL] == [1]
+    console = Console(width=200, record=True)
+    render_fleet(fleet, console)
+    assert "tp=2 on cpu:0+cpu:1" in console.export_text()
