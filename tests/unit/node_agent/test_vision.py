@@ -1,16 +1,20 @@
-"""Vision prompts through the engine: tiny random Qwen2.5-VL (M-RoPE) and Idefics3 (SmolVLM: plain
-rope, tiled images) models with real processors, fed real PNG/JPEG bytes. The engine's greedy
-tokens for an image equal HF's generate on the same processed inputs, alone, across chunk
-boundaries inside the image, and batched with text."""
+"""Vision prompts through the engine: tiny random Qwen2.5-VL (M-RoPE), Qwen3.5 with vision (linear
+attention, M-RoPE), Gemma 3 (sliding windows, images attended both ways) and Idefics3 (SmolVLM:
+tiled images) models with real processors, fed real PNG/JPEG bytes. The engine's greedy tokens
+and prompt logprobs equal HF's on the same processed inputs, alone, across chunk boundaries
+inside the image, and batched with text."""
 
 import pytest
 import torch
+from transformers import AutoConfig
 
-from node_agent import prompts, vision
+from node_agent import prompts, tensor_parallel, vision
 from node_agent.engine import Engine, check_fits
 from shared.errors import InvalidRequest
+from shared.model_files import ModelLoadError
 from shared.wire import GenerationRequest, SamplingParams
 from tests.image_files import image_bytes
+from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent import engine_driver
 
 QUESTION = "Describe this picture in a few words, please, and say what colours it has"
@@ -153,3 +157,10 @@ def test_a_prompt_whose_images_do_not_fit_its_tokens_fails_alone(vl):
                 engine_driver.collect(results[job], events)
     assert [e["code"] for e in errors] == ["generation_failed"] and "image tokens" in errors[0]["message"]
     assert len(results["text"].token_ids[0]) == 3 and not engine.jobs and not engine.rows
+
+
+def test_a_vision_model_is_not_sharded(tiny_vision_dirs):
+    folder = tiny_vision_dirs["qwen2_5_vl"]
+    with pytest.raises(ModelLoadError, match="vision models .* tensor_parallel = 1"):
+        tensor_parallel.check(tiny_profile(folder, vision=True, tensor_parallel=2), AutoConfig.from_pretrained(folder),
+                              ["cpu:0", "cpu:1"])
