@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
+from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
 from gateway.tools import grammars
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
@@ -188,7 +189,8 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
     """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
     once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
     requests, is within its limits (429; batch lines are not rate limited), build the generation
-    request with its grammar (forced tool calls, JSON output) in the model's tool format, make
+    request with its grammar (forced tool calls, JSON output) in the model's tool format and its
+    images checked and carried in the job (400 for a bad one, or any for a text-only model), make
     sure a live node serves or loads the model (503 when none can), and submit. The job carries
     the tool-call parsers its response is rendered with."""
     profile = ctx.catalog.resolve(body.model)
@@ -198,6 +200,7 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
     tool_format = parser_name(profile)
     request = body.to_generation_request(new_job_id(), profile.id)
     request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
+    await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
     await ctx.placer.ensure_placed(profile)
     return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),
                         keep_alive_s=getattr(body, "keep_alive_s", None), rank=getattr(body, "priority", None),

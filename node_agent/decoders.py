@@ -47,14 +47,15 @@ class EagerDecoder:
     name = "eager"
     graph_bytes = 0
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, step: Callable = forward.decode_step):
-        self.model, self.cache, self.step = model, cache, step
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor,
+                 step: Callable = forward.decode_step):
+        self.model, self.cache, self.rope_offsets, self.step = model, cache, rope_offsets, step
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         device = self.cache.device
         inputs = torch.tensor([tokens, positions], device=device)
         kv_len = min(-(-(max(positions) + 1) // EAGER_KV_ROUND) * EAGER_KV_ROUND, self.cache.max_len)
-        return self.step(self.model, self.cache, inputs[0], inputs[1], kv_len)
+        return self.step(self.model, self.cache, inputs[0], inputs[1], self.rope_offsets[: len(tokens)], kv_len)
 
 
 class StaticDecoder:
@@ -63,9 +64,9 @@ class StaticDecoder:
     their logits are dropped. With `capture` (CUDA), each (batch, kv) bucket is captured in a CUDA
     graph at first use and replayed after."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, slots: int, *, capture: bool,
-                 step: Callable = forward.decode_step):
-        self.model, self.cache, self.step, self.capture = model, cache, step, capture
+    def __init__(self, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor, slots: int, *,
+                 capture: bool, step: Callable = forward.decode_step):
+        self.model, self.cache, self.rope_offsets, self.step, self.capture = model, cache, rope_offsets, step, capture
         self.name = "cuda-graphs" if capture else "static"
         self.batch_sizes, self.kv_sizes = batch_buckets(slots), kv_buckets(cache.max_len)
         device = cache.device
@@ -90,7 +91,8 @@ class StaticDecoder:
         return graph[1][:n]
 
     def _run(self, batch: int, kv_len: int) -> torch.Tensor:
-        return self.step(self.model, self.cache, self.inputs[0, :batch], self.inputs[1, :batch], kv_len)
+        return self.step(self.model, self.cache, self.inputs[0, :batch], self.inputs[1, :batch],
+                         self.rope_offsets[:batch], kv_len)
 
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
@@ -133,21 +135,22 @@ def compiled_step() -> Callable:
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
-def make(mode: str, model: torch.nn.Module, cache: SlotCache, slots: int,
+def make(mode: str, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor, slots: int,
          fixed_step: Callable | None = None) -> EagerDecoder | StaticDecoder:
     """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
-    (compiled, then captured on a GPU). A `fixed_step` (a tensor-parallel model's, which sends
+    (compiled, then captured on a GPU). `rope_offsets`: the engine's per-slot rotary offsets, read
+    in place by every step (rows 0..B-1). A `fixed_step` (a tensor-parallel model's, which sends
     each step to its other ranks) runs as it is: eagerly on a CPU, padded to buckets on a GPU,
     never compiled or captured."""
     cuda = cache.device.type == "cuda"
     if fixed_step is not None:
-        return StaticDecoder(model, cache, slots, capture=False, step=fixed_step) if cuda else \
-            EagerDecoder(model, cache, fixed_step)
+        return StaticDecoder(model, cache, rope_offsets, slots, capture=False, step=fixed_step) if cuda else \
+            EagerDecoder(model, cache, rope_offsets, fixed_step)
     if mode == "auto":
         mode = "graphs" if cuda else "eager"
     step = compiled_step() if mode == "compiled" else forward.decode_step
     if mode == "eager" or (mode == "compiled" and not cuda):
-        return EagerDecoder(model, cache, step)
+        return EagerDecoder(model, cache, rope_offsets, step)
     if mode == "graphs" and not cuda:
         raise ValueError("decode = 'graphs' needs a CUDA device")
-    return StaticDecoder(model, cache, slots, capture=cuda, step=step)
+    return StaticDecoder(model, cache, rope_offsets, slots, capture=cuda, step=step)

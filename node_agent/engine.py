@@ -8,7 +8,8 @@ step of node_agent/forward.py, run by a decoder (node_agent/decoders.py: eager, 
 bucket and replayed from a CUDA graph); sampling runs on the device for all rows together
 (node_agent/sampling.py). A step costs one copy in, one forward, one copy out of the chosen ids,
 then per row the detokeniser and stop checks. Events are plain wire dicts (shared/wire.py), one
-list per job per step: no object per token.
+list per job per step: no object per token. A prompt with images is embedded once, at admission
+(node_agent/vision.py), and prefilled from slices of its embeddings like text.
 """
 
 import logging
@@ -16,12 +17,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from node_agent import constrain, decoders
 from node_agent.detokenize import IncrementalDetokenizer, StopStrings
 from node_agent.loader import LoadedModel
 from node_agent.model_calls import ModelCalls, slot_cache, weight_bytes
+from node_agent.vision import VisionPrompt, embed_prompt
 from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
 from shared.catalog import ModelProfile
@@ -77,6 +80,8 @@ class Job:
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
     error: CortexError | None = None  # a failure of its own (one row's host work raised): sent instead of deltas
+    images: dict[str, np.ndarray] | None = None  # a vision prompt's processor inputs, until embedded at admission
+    vision: VisionPrompt | None = None  # its embeddings (and rope positions), shared by its sequences
 
     @property
     def id(self) -> str:
@@ -105,14 +110,16 @@ class Engine:
     def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = ""):
         self.lm, self.profile, self.node = loaded, profile, node
         self.slots = profile.slots
-        self.vocab = loaded.model.config.vocab_size
+        self.vocab = loaded.model.config.get_text_config().vocab_size
         self.cache = slot_cache(loaded, profile)
         self.max_len = self.cache.max_len
         # every model call goes through here (to all ranks of a tensor-parallel model)
         self.calls = (loaded.group.calls(loaded.model, self.cache) if loaded.group
                       else ModelCalls(loaded.model, self.cache))
         self.sampling = SlotSampling(self.slots, self.vocab, loaded.device)
-        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.slots, self.calls.step)
+        self.rope_offsets = torch.zeros(self.slots, dtype=torch.long, device=loaded.device)  # forward.py; moved with rows
+        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.rope_offsets, self.slots,
+                                     self.calls.step)
         self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
@@ -146,12 +153,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.rows or self.waiting)
 
-    def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float) -> None:
-        """Queue a job whose prompt is already tokenised and checked with `check_fits`."""
+    def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float,
+            images: dict[str, np.ndarray] | None = None) -> None:
+        """Queue a job whose prompt is already tokenised and checked with `check_fits`; `images`: a
+        vision model's processor inputs for the prompt's images (node_agent/prompts.vision_prompt)."""
         params = request.sampling
         self._check_token_ids(prompt_ids, params)
         room = self.max_len - len(prompt_ids)
-        job = Job(request=request, submitted_ms=submitted_ms, prompt_tokens=len(prompt_ids))
+        job = Job(request=request, submitted_ms=submitted_ms, prompt_tokens=len(prompt_ids), images=images or None)
         for index in range(params.n):
             job.sequences.append(Sequence(
                 job=job, index=index, prompt_ids=prompt_ids, max_tokens=params.max_tokens or room, params=params,
@@ -219,8 +228,25 @@ class Engine:
         while self.waiting and len(self.rows) < self.slots:
             seq = self.waiting.popleft()
             seq.job.admitted_ms = seq.job.admitted_ms or now
+            if seq.job.images is not None and not self._embed_images(seq.job):
+                continue
             self.sampling.assign(len(self.rows), seq.params, seq.prompt_ids, seq.seed)
+            self.rope_offsets[len(self.rows)] = seq.job.vision.rope_delta if seq.job.vision else 0
             self.rows.append(seq)
+
+    def _embed_images(self, job: Job) -> bool:
+        """Run the vision tower for a job's prompt once (its first sequence admitted); False if that failed."""
+        try:
+            job.vision = embed_prompt(self.lm.model, job.sequences[0].prompt_ids, job.images, self.lm.device)
+            longest = max((end - start for start, end in job.vision.blocks), default=0)
+            if longest > self.profile.prefill_chunk_tokens:
+                raise InvalidRequest(f"an image of {longest} tokens does not fit one prefill chunk "
+                                     f"(prefill_chunk_tokens = {self.profile.prefill_chunk_tokens})")
+        except Exception as exc:
+            self._fail_job(job, exc)
+            return False
+        job.images = None
+        return True
 
     def _prefill(self) -> None:
         """Read the next chunk of waiting prompts, several sequences together, up to the budget.
@@ -228,9 +254,11 @@ class Engine:
         that padding into its recurrent state, so it groups only chunks of the first one's width."""
         budget, group, chunks = self.profile.prefill_chunk_tokens, [], []
         for seq in self.rows[self.n_decoding:]:
-            if budget == 0:
+            if budget <= 0:
                 break
             chunk = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            if seq.job.vision is not None:
+                chunk = seq.job.vision.chunk(seq.prefilled, chunk)
             if chunks and self.cache.has_linear_attention and chunk != chunks[0]:
                 break
             group.append(seq)
@@ -248,8 +276,10 @@ class Engine:
             write_pos[i, :chunk] = positions[i, :chunk]
         kv_len = min(max(s.prefilled + c for s, c in zip(group, chunks)), self.max_len)
         device = self.lm.device
-        hidden = self.calls.forward(slice(start, start + len(group)), input_ids.to(device), positions.to(device),
-                                    write_pos.to(device), kv_len)
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        inputs_embeds, rope_positions, sees_until = self._vision_inputs(group, chunks, input_ids, positions)
+        hidden = self.calls.forward(slice(start, start + len(group)), input_ids, positions, write_pos.to(device), kv_len,
+                                    inputs_embeds=inputs_embeds, rope_positions=rope_positions, sees_until=sees_until)
         for i, (seq, chunk) in enumerate(zip(group, chunks)):
             if seq.prompt_logprobs is not None and seq.job.error is None:
                 try:
@@ -264,6 +294,31 @@ class Engine:
             self._sample_and_emit(seqs, self.calls.logits(last), slice(start, start + len(done)),
                                   [s.prefilled - 1 for s in seqs])
             self.n_decoding += len(done)
+
+    def _vision_inputs(self, group: list[Sequence], chunks: list[int], input_ids: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """A chunk group's embeddings, rope positions and last positions seen, where some row reads
+        a prompt with images (its chunk's slice of each; the other rows embed their tokens and see
+        causally); Nones otherwise."""
+        rows = [(i, seq.job.vision, seq.prefilled, chunk) for i, (seq, chunk) in enumerate(zip(group, chunks))
+                if seq.job.vision is not None]
+        if not rows:
+            return None, None, None
+        embeds = self.lm.model.get_input_embeddings()(input_ids)
+        for i, prompt, start, chunk in rows:
+            embeds[i, :chunk] = prompt.embeds[start: start + chunk]
+        rope = sees_until = None
+        if any(prompt.rope is not None for _, prompt, _, _ in rows):
+            rope = positions[None].repeat(3, 1, 1)
+            for i, prompt, start, chunk in rows:
+                if prompt.rope is not None:
+                    rope[:, i, :chunk] = prompt.rope[:, start: start + chunk]
+        if any(prompt.sees_until is not None for _, prompt, _, _ in rows):
+            sees_until = positions.clone()
+            for i, prompt, start, chunk in rows:
+                if prompt.sees_until is not None:
+                    sees_until[i, :chunk] = prompt.sees_until[start: start + chunk]
+        return embeds, rope, sees_until
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Prompt logprobs for this chunk: each position scores the prompt token that follows it."""
@@ -283,7 +338,7 @@ class Engine:
             logits = self.decoder(tokens, positions)
         except decoders.CaptureFailed as exc:
             log.warning("%s: the decode step cannot be captured (%s); decoding eagerly from now on", self.profile.id, exc)
-            self.decoder = decoders.EagerDecoder(self.lm.model, self.cache)
+            self.decoder = decoders.EagerDecoder(self.lm.model, self.cache, self.rope_offsets)
             logits = self.decoder(tokens, positions)
         self._sample_and_emit(rows, logits, slice(0, len(rows)), positions)
 
@@ -356,6 +411,7 @@ class Engine:
             if src != dst:
                 self.calls.move_row(src, dst, seq.cached_len)
                 self.sampling.move(src, dst)
+                self.rope_offsets[dst] = self.rope_offsets[src]
         self.rows, self.n_decoding = new_rows, len(keep_decoding)
 
     def _collect_events(self) -> list[tuple[str, list[dict]]]:

@@ -4,7 +4,12 @@
 caller's buckets, every input a tensor, the attention masks built on the device from the rows'
 positions (one per layer kind the model has). It has no host sync and no data-dependent Python,
 so it runs eagerly, compiles with `torch.compile(fullgraph=True)` and is captured in a CUDA graph
-(node_agent/decoders.py) unchanged. Prefill uses `forward` with chunks of any width.
+(node_agent/decoders.py) unchanged. Prefill uses `forward` with chunks of any width, of token ids
+or (a prompt with images) embeddings.
+
+A row's cache column is its `position` (the masks, the cache writes); its rotary position is the
+column plus the row's `rope_offset`, which is 0 except after an image in a model with multimodal
+rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/vision.py).
 """
 
 import torch
@@ -12,15 +17,15 @@ import torch
 from node_agent.kv_cache import SlotCache
 
 
-def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.Tensor,
-                    kv_len: int) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
+def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.Tensor, kv_len: int,
+                    sees_until: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
     """Each layer type's mask ([B, 1, T, columns]; None for linear attention), as the model takes
     them: one mask when all its layers are of one type, else a mapping by the config's layer type.
     Boolean for SDPA; additive (0 or the dtype's minimum) for eager attention, which adds it."""
     masks: dict[str, torch.Tensor | None] = {}
     for layer_type, layer in zip(cache.layer_types, cache.layers):
         if layer_type not in masks:
-            masks[layer_type] = layer.attention_mask(positions, kv_len)
+            masks[layer_type] = layer.attention_mask(positions, kv_len, sees_until)
     if model.config._attn_implementation == "eager":
         minimum = torch.finfo(model.dtype).min
         masks = {name: None if mask is None else torch.zeros(mask.shape, dtype=model.dtype, device=mask.device)
@@ -29,12 +34,17 @@ def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.T
 
 
 def forward(model: torch.nn.Module, cache: SlotCache, rows: slice, input_ids: torch.Tensor,
-            positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Run cache rows `rows` over `input_ids` [B, T] at `positions`, writing the cache at
-    `write_pos`; returns the last hidden states [B, T, H]."""
+            positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int, *, inputs_embeds: torch.Tensor | None = None,
+            rope_positions: torch.Tensor | None = None, sees_until: torch.Tensor | None = None) -> torch.Tensor:
+    """Run cache rows `rows` over `input_ids` [B, T] (or `inputs_embeds` [B, T, H]) at `positions`,
+    writing the cache at `write_pos`; returns the last hidden states [B, T, H]. `rope_positions`
+    ([B, T], or [3, B, T] for multimodal rope): the rotary positions, where they differ;
+    `sees_until` ([B, T]): the last position each token sees, where image tokens see their whole
+    image (Gemma 3)."""
     cache.bind(rows, write_pos, kv_len)
-    out = model.get_decoder()(input_ids=input_ids, position_ids=positions,
-                              attention_mask=attention_masks(model, cache, positions, kv_len),
+    out = model.get_decoder()(input_ids=None if inputs_embeds is not None else input_ids, inputs_embeds=inputs_embeds,
+                              position_ids=positions if rope_positions is None else rope_positions,
+                              attention_mask=attention_masks(model, cache, positions, kv_len, sees_until),
                               past_key_values=cache, use_cache=True)
     return out.last_hidden_state
 
@@ -51,9 +61,11 @@ def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
-                kv_len: int) -> torch.Tensor:
-    """One token for each of rows 0..B-1: `tokens` and `positions` are [B]; each row writes at
-    `positions[b]` (the scratch position for padding rows). Returns logits [B, V]."""
+                rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """One token for each of rows 0..B-1: `tokens`, `positions` and `rope_offsets` are [B]; each row
+    writes at `positions[b]` (the scratch position for padding rows) and is rotated to
+    `positions[b] + rope_offsets[b]`. Returns logits [B, V]."""
     positions = positions[:, None]
-    hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len)
+    hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len,
+                     rope_positions=positions + rope_offsets[:, None])
     return logits(model, hidden[:, -1])

@@ -76,12 +76,18 @@ class AttentionKV:
         width = self.width(kv_len)
         return keys[:, :, :width], values[:, :, :width]
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor, kv_len: int, sees_until: torch.Tensor | None = None) -> torch.Tensor:
         """[B, 1, T, width] bool: the query at position p sees the column holding position
-        q = p - ((p - column) mod columns) when 0 <= q and p - q < window."""
+        q = p - ((p - column) mod columns) when 0 <= q and p - q < window; with `sees_until` ([B, T],
+        a prefill chunk's image tokens that attend bidirectionally within their image), also the
+        positions p < q <= sees_until this forward writes."""
         columns = torch.arange(self.width(kv_len), device=positions.device)
         age = (positions[:, :, None] - columns[None, None, :]) % self.columns
-        return ((age <= positions[:, :, None]) & (age < self.window))[:, None]
+        mask = (age <= positions[:, :, None]) & (age < self.window)
+        if sees_until is not None:
+            ahead = (columns[None, None, :] - positions[:, :, None]) % self.columns
+            mask |= (ahead > 0) & (ahead <= (sees_until - positions)[:, :, None])
+        return mask[:, None]
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy what row `src` holds of its first `length` positions into row `dst`."""
@@ -118,7 +124,7 @@ class LinearAttentionState:
         padding = self._per_row(write_pos[:, 0] == self.scratch_position, state)
         state.copy_(torch.where(padding, state, new.to(state.dtype)))
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int) -> None:
+    def attention_mask(self, positions: torch.Tensor, kv_len: int, sees_until: torch.Tensor | None = None) -> None:
         """Linear attention takes no mask: no padding token ever reaches it (see the engine's prefill)."""
         return None
 

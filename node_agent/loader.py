@@ -1,14 +1,16 @@
 """Find a model's files and load it with transformers: local dirs and files, the Hugging Face
-cache (offline), safetensors, GGUF, and files shipped inside Python packages."""
+cache (offline), safetensors, GGUF, and files shipped inside Python packages. Vision models load
+through the image-text-to-text class, with their processor (node_agent/vision.py)."""
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DistributedConfig, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent import architectures, devices
+from node_agent import architectures, devices, vision
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -26,12 +28,19 @@ class LoadedModel:
     context_len: int
     tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
     group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tensor_parallel.RankGroup
+    processor: object | None = None  # a vision model's processor (its tokenizer is `tokenizer`)
 
 
-def _attention_implementation(files: ModelFiles) -> str:
-    """The attention implementation the model's (tested) architecture runs with."""
+def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedConfig, str]:
+    """The model's config and the attention implementation its (tested) architecture runs with."""
     config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
-    return architectures.attention_implementation(config.model_type)
+    if profile.vision and not vision.is_vision(config):
+        raise ModelLoadError(f"the catalogue says {profile.id} reads images (vision = true), but its model_type "
+                             f"'{config.model_type}' is not a supported vision model; supported: "
+                             f"{', '.join(sorted(vision.ATTENTION))}")
+    if vision.is_vision(config):
+        return config, vision.ATTENTION[config.model_type]
+    return config, architectures.attention_implementation(config.model_type)
 
 
 def _converted_copy(files: ModelFiles, cache_dir: Path | None, dtype: torch.dtype) -> Path | None:
@@ -76,14 +85,16 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     converted = _converted_copy(files, convert_cache, dtype)
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
-    attention = _attention_implementation(files)
+    config, attention = _architecture(files, profile)
     log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
     tokenizer_from = files.tokenizer_folder or files.folder
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
+    processor = vision.load_processor(files.folder) if vision.is_vision(config) else None
+    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
+        tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        files.folder, gguf_file=files.gguf_file, dtype=dtype, attn_implementation=attention, **sharding
-    )
+    model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
+    model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
+                                        attn_implementation=attention, **sharding)
     if converted is not None and files.gguf_file:
         try:
             _save_converted(model, tokenizer, converted)
@@ -92,6 +103,6 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
     if profile.quant == "int8":
         model = quantize_int8(model, device)
-    context = getattr(model.config, "max_position_embeddings", None) or profile.max_model_len
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or profile.max_model_len
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
-                       context_len=context, tp_size=tp_size)
+                       context_len=context, tp_size=tp_size, processor=processor)

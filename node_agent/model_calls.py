@@ -16,7 +16,7 @@ from shared.catalog import ModelProfile
 
 def slot_cache(loaded: LoadedModel, profile: ModelProfile) -> SlotCache:
     """The model's slot cache; under tensor parallelism each rank holds its share of the KV heads."""
-    return SlotCache.for_model(loaded.model.config, slots=profile.slots,
+    return SlotCache.for_model(loaded.model.config.get_text_config(), slots=profile.slots,
                                max_len=min(profile.max_model_len, loaded.context_len),
                                prefill_chunk_tokens=profile.prefill_chunk_tokens, dtype=loaded.dtype,
                                device=loaded.device, ranks=loaded.tp_size)
@@ -37,8 +37,10 @@ class ModelCalls:
         self.model, self.cache = model, cache
 
     def forward(self, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                kv_len: int) -> torch.Tensor:
-        return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len)
+                kv_len: int, **vision: torch.Tensor | None) -> torch.Tensor:
+        """A prefill forward; `vision`: a chunk group's `inputs_embeds`, `rope_positions` and
+        `sees_until` where it reads images (node_agent/forward.py)."""
+        return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len, **vision)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return forward.logits(self.model, hidden)

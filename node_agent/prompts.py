@@ -1,12 +1,17 @@
 """Requests to prompt token ids: the model's own chat template (jinja2, through the tokenizer),
 with `tools` and `chat_template_kwargs`, or ChatML for models without one. A template that
 does not render tools gets them in the Hermes format (a system block listing them, calls as
-`<tool_call>` text, results as `<tool_response>` text), which the gateway's `hermes` parser reads."""
+`<tool_call>` text, results as `<tool_response>` text), which the gateway's `hermes` parser reads.
+A vision model renders with its processor's template and reads the job's images through its
+processor (`vision_prompt`)."""
 
+import io
 import json
 from typing import Any
 
 import jinja2
+import numpy as np
+from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
 from shared.catalog import ModelProfile
@@ -32,6 +37,18 @@ def _text_of(content: Any) -> str:
         else:
             raise InvalidRequest(f"unsupported content part type {part.get('type')!r}", param="messages")
     return "".join(parts)
+
+
+def _content(content: Any, images: bool) -> Any:
+    """Content as the template reads it: text, or (for a vision model) text and image parts in order."""
+    if not (images and isinstance(content, list) and any(p.get("type") == "image" for p in content)):
+        return _text_of(content)
+    out = []
+    for part in content:
+        if part.get("type") not in ("text", "image"):
+            raise InvalidRequest(f"unsupported content part type {part.get('type')!r}", param="messages")
+        out.append({"type": "image"} if part["type"] == "image" else {"type": "text", "text": part.get("text", "")})
+    return out
 
 
 def chat_template(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> str | None:
@@ -109,9 +126,46 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, reques
             return list(request.prompt)
         _check_chars(request.prompt or "", max_chars)
         return tokenizer.encode(request.prompt or "", add_special_tokens=True)
-    messages = [{**m, "content": _text_of(m.get("content"))} for m in request.messages or []]
+    return tokenizer.encode(_chat_text(tokenizer, profile, request, max_chars), add_special_tokens=False)
+
+
+def _image(data: bytes, index: int) -> Image.Image:
+    """One of the job's images (the gateway checked it), first frame, as RGB."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"image {index} cannot be read: {exc}", param="messages") from None
+
+
+def vision_prompt(processor: Any, profile: ModelProfile, request: GenerationRequest,
+                  max_chars: int | None = None) -> tuple[list[int], dict[str, np.ndarray]]:
+    """A vision model's prompt: token ids with each image's tokens expanded by the processor, and
+    the processor's image inputs (pixel values, grids) as arrays; none for a prompt without images."""
+    if request.kind == "completion":
+        return prompt_ids(processor.tokenizer, profile, request, max_chars), {}
+    text = _chat_text(processor, profile, request, max_chars, images=True)
+    if not request.images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    placeholders = sum(1 for m in request.messages or [] if isinstance(m.get("content"), list)
+                       for p in m["content"] if p.get("type") == "image")
+    if placeholders != len(request.images):
+        raise InvalidRequest(f"the messages hold {placeholders} image parts for {len(request.images)} images",
+                             param="messages")
+    images = [_image(data, i) for i, data in enumerate(request.images)]
+    inputs = dict(processor(text=[text], images=images, add_special_tokens=False, return_tensors="np"))
+    ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    return ids, inputs
+
+
+def _chat_text(renderer: Any, profile: ModelProfile, request: GenerationRequest, max_chars: int | None,
+               images: bool = False) -> str:
+    """The chat prompt rendered by `renderer`'s template: a tokenizer's, or (`images`) a vision
+    model's processor's, which keeps image parts in place."""
+    messages = [{**m, "content": _content(m.get("content"), images)} for m in request.messages or []]
     tools = request.tools
-    if _template_renders_tools(tokenizer, profile):
+    if _template_renders_tools(renderer, profile):
         for message in messages:
             for call in message.get("tool_calls") or []:
                 call["function"] = {**call["function"], "arguments": _arguments(call["function"]["arguments"])}
@@ -122,10 +176,10 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile, reques
                          param="messages")
     extra = {k: v for k, v in request.chat_template_kwargs.items() if k not in RENDERING_KWARGS}
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, chat_template=chat_template(tokenizer, profile),
-                                             add_generation_prompt=request.add_generation_prompt, tokenize=False,
-                                             **extra)
+        text = renderer.apply_chat_template(messages, tools=tools, chat_template=chat_template(renderer, profile),
+                                            add_generation_prompt=request.add_generation_prompt, tokenize=False,
+                                            **extra)
     except jinja2.TemplateError as exc:  # the template itself refused these messages (raise_exception)
         raise InvalidRequest(f"messages: the model's chat template refused them: {exc}", param="messages") from None
     _check_chars(text, max_chars)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text

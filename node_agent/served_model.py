@@ -8,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import redis.asyncio as aioredis
 import torch
 from redis.exceptions import ResponseError
@@ -53,12 +54,15 @@ def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSe
         raise
 
 
-def _add_each(engine: Engine, jobs: list[tuple[GenerationRequest, list[int], float]]) -> list[tuple[str, CortexError]]:
+Prepared = tuple[GenerationRequest, list[int], float, dict[str, np.ndarray]]  # request, prompt ids, submitted, images
+
+
+def _add_each(engine: Engine, jobs: list[Prepared]) -> list[tuple[str, CortexError]]:
     """On the device thread: add each job; returns the jobs the engine refused, with why."""
     refused = []
-    for request, ids, submitted_ms in jobs:
+    for request, ids, submitted_ms, images in jobs:
         try:
-            engine.add(request, ids, submitted_ms)
+            engine.add(request, ids, submitted_ms, images)
         except CortexError as exc:
             refused.append((request.job, exc))
         except Exception as exc:
@@ -237,7 +241,7 @@ class ServedModel:
             self._adding.add(adding)
             adding.add_done_callback(self._adding.discard)
 
-    async def _add(self, jobs: list[tuple[GenerationRequest, list[int], float]]) -> None:
+    async def _add(self, jobs: list[Prepared]) -> None:
         """Hand a read's jobs to the engine in one call: a wave of arrivals joins one prefill step
         instead of trickling in one engine step at a time."""
         if jobs:
@@ -245,7 +249,7 @@ class ServedModel:
                 self.fail(job, error)
 
     async def _prepare(self, entry_id: str, fields: dict[bytes, bytes], stream: str = "",
-                       job_class: str = "interactive") -> tuple[GenerationRequest, list[int], float] | None:
+                       job_class: str = "interactive") -> Prepared | None:
         """Read, render, tokenise and check one entry; returns what the engine needs, or None
         when the entry ended here (refused, failed, or a count that needs no engine)."""
         stream = stream or self.stream
@@ -262,8 +266,7 @@ class ServedModel:
         log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
         try:
             self._check_memory()
-            ids = await asyncio.to_thread(prompts.prompt_ids, self.engine.lm.tokenizer, self.profile, request,
-                                          self.max_prompt_chars)
+            ids, images = await asyncio.to_thread(self._prompt, request)
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
                 self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
                 return
@@ -271,13 +274,20 @@ class ServedModel:
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self.publisher.send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)])
-            return request, ids, float(entry.submitted_ms)
+            return request, ids, float(entry.submitted_ms), images
         except CortexError as exc:
             self.fail(request.job, exc)
         except Exception as exc:
             log.exception("job %s could not start", request.job)
             self.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         return None
+
+    def _prompt(self, request: GenerationRequest) -> tuple[list[int], dict[str, np.ndarray]]:
+        """In the thread pool: the prompt's token ids, and a vision model's image inputs for it."""
+        lm = self.engine.lm
+        if lm.processor is not None:
+            return prompts.vision_prompt(lm.processor, self.profile, request, self.max_prompt_chars)
+        return prompts.prompt_ids(lm.tokenizer, self.profile, request, self.max_prompt_chars), {}
 
     def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
         echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself

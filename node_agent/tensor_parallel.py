@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent import devices, forward, loader, tp_worker
+from node_agent import devices, forward, loader, tp_worker, vision
 from node_agent.kv_cache import SlotCache
 from node_agent.model_calls import ModelCalls
 from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
@@ -53,6 +53,9 @@ class RankFailed(devices.DeviceFault):
 def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") -> None:
     """Refuse, before any process starts, what tensor parallelism cannot run (ModelLoadError)."""
     n = profile.tensor_parallel
+    if profile.vision or vision.is_vision(config):
+        raise ModelLoadError(f"vision models are not tested with tensor parallelism; run {profile.id} with "
+                             "tensor_parallel = 1")
     if len(device_ids) < n:
         raise ModelLoadError(f"tensor_parallel = {n} needs {n} devices on one node; {node or 'this node'} has "
                              f"{len(device_ids)} ({', '.join(device_ids)})")
@@ -197,7 +200,8 @@ class Rank0Calls(ModelCalls):
         self.group = group
         self.step = self.decode_step
 
-    def forward(self, rows, input_ids, positions, write_pos, kv_len):
+    def forward(self, rows, input_ids, positions, write_pos, kv_len, **vision):
+        """A prefill forward of token ids (vision models run with tensor_parallel = 1: `check`)."""
         with self.group.op():
             self.group.channel.send(Op.FORWARD, rows.start, *input_ids.shape, kv_len,
                                     payload=torch.stack([input_ids, positions, write_pos]))
@@ -209,11 +213,12 @@ class Rank0Calls(ModelCalls):
             self.group.channel.send(Op.LOGITS, flat.shape[0], payload=flat)
             return super().logits(flat).reshape(*hidden.shape[:-1], -1)
 
-    def decode_step(self, model, cache, tokens, positions, kv_len):
-        """The decoder's step (node_agent/forward.py decode_step), run on every rank."""
+    def decode_step(self, model, cache, tokens, positions, rope_offsets, kv_len):
+        """The decoder's step (node_agent/forward.py decode_step), run on every rank. Its rope
+        offsets are all 0 (they move only after an image), so the workers take zeros."""
         with self.group.op():
             self.group.channel.send(Op.DECODE, tokens.shape[0], kv_len, payload=torch.stack([tokens, positions]))
-            return forward.decode_step(model, cache, tokens, positions, kv_len)
+            return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
 
     def move_row(self, src, dst, length):
         with self.group.op():

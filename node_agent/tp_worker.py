@@ -69,6 +69,6 @@ def serve(channel, calls, device: torch.device) -> None:
         elif op == Op.LOGITS:
             calls.logits(payload)
         elif op == Op.DECODE:
-            forward.decode_step(calls.model, calls.cache, payload[0], payload[1], numbers[1])
+            forward.decode_step(calls.model, calls.cache, payload[0], payload[1], torch.zeros_like(payload[1]), numbers[1])
         elif op == Op.MOVE_ROW:
             calls.move_row(*numbers[:3])

@@ -1,4 +1,4 @@
 """Code shared by the gateway and the node agents: settings, Redis keys, wire messages, errors."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 3  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs
+WIRE_VERSION = 4  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs; 4: images

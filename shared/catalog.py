@@ -49,6 +49,9 @@ class ModelProfile(BaseModel):
     # Shard the model over this many devices of one node (transformers' TP plan; one worker process
     # per device beyond the first). Needs heads divisible by it; see docs/operations.md.
     tensor_parallel: int = Field(1, ge=1, le=64)
+    # An image-text-to-text model (Qwen2.5-VL, SmolVLM …) that reads images in messages; the gateway
+    # refuses image input for every other model, and a node refuses to load a text-only model as one.
+    vision: bool = False
     # --- placement -------------------------------------------------------------------------------
     memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
     pin: bool = False  # never evicted, never unloaded for idleness

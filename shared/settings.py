@@ -68,6 +68,14 @@ class GatewaySettings(CortexSettings):
     # beyond loopback; this forces that on a loopback gateway with no key yet too
     require_api_keys: bool = False
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
+    # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
+    # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)
+    image_max_bytes: int = 5 * 1024 * 1024  # an encoded image over this is refused with 400
+    image_max_pixels: int = 16_000_000  # width x height
+    image_max_side: int = 8192  # pixels, either dimension
+    images_per_request: int = 8
+    image_url_hosts: list[str] = []  # hosts whose http(s) image URLs the gateway may fetch; empty: none
+    image_fetch_timeout_s: float = 10.0
 
 
 class NodeSettings(CortexSettings):

@@ -74,6 +74,9 @@ class GenerationRequest(Wire):
     add_generation_prompt: bool = True
     echo: bool = False  # the start event carries the prompt's text (for a prompt of token ids)
     sampling: SamplingParams = SamplingParams()
+    # The messages' images, encoded (PNG, JPEG, WebP, GIF) and checked by the gateway, in order: the
+    # i-th `{"type": "image"}` part of the messages stands for `images[i]` (gateway/images.py).
+    images: list[bytes] = []
 
 
 class StreamEntry(Wire):

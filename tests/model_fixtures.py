@@ -53,3 +53,16 @@ def tiny_profile(folder: Path, **overrides) -> ModelProfile:
 def tiny_llama(tiny_dirs):
     profile = tiny_profile(tiny_dirs["llama"])
     return profile, loader.load(profile, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-vision")
+    return {arch: tiny_models.build_vision(arch, root / arch, smol_tokenizer) for arch in tiny_models.VISION_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session", params=sorted(tiny_models.VISION_ARCHITECTURES))
+def tiny_vision(request, tiny_vision_dirs):
+    """Each tiny vision model, loaded (prefill chunks of 16 tokens: boundaries fall inside images)."""
+    profile = tiny_profile(tiny_vision_dirs[request.param], vision=True, prefill_chunk_tokens=16)
+    return profile, loader.load(profile, "cpu")

@@ -3,6 +3,7 @@ with the default model's tokenizer (so chat templates and detokenisation are rea
 small byte-level tokenizer trained here (`make_tokenizer`) where the default model's GGUF is
 not installed (an offline GPU host)."""
 
+import copy
 from pathlib import Path
 
 import torch
@@ -129,4 +130,129 @@ def build_scripted(folder: Path, tokenizer, replies: dict[int, str], *, context:
             head[following, dim] = 100.0
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+# ---- vision models ----------------------------------------------------------------------------
+
+# A ChatML template that writes each image part as the model's image placeholder (Qwen2-VL's manner).
+VISION_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ IMAGE }}{% elif p['type'] == 'text' %}"
+                 "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True)
+
+
+def _qwen2_5_vl(tokenizer):
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(special)
+    config = Qwen2_5_VLConfig(
+        text_config=TEXT | dict(vocab_size=len(tokenizer), rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                                pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                           initializer_range=0.2),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    # 4 to 16 merged 28x28 patches per image: a few image tokens, a real resize. Its processor (which
+    # wants torchvision for its video half) is saved as its parts: tokenizer, image processor, template.
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer.chat_template = template
+    return config, [tokenizer, image_processor], template
+
+
+def _idefics3(tokenizer):
+    """SmolVLM's architecture: a SigLIP-style tower, pixel shuffle, a Llama; images split into tiles."""
+    from transformers.models.idefics3 import Idefics3Config, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    template = VISION_CHATML.replace("{{ IMAGE }}", "<image>")
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 64},
+                                                max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                                  chat_template=template)  # (32 / 8)^2 patches / scale_factor^2 = 4 tokens per tile
+    config = Idefics3Config(
+        text_config=TEXT | dict(model_type="llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                           patch_size=8, initializer_range=0.2),
+        scale_factor=2, image_token_id=processor.image_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True)
+    return config, [processor], template
+
+
+def _qwen3_5(tokenizer):
+    """Qwen3.5 with vision: linear-attention and full-attention layers, interleaved M-RoPE."""
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_5 import Qwen3_5Config
+
+    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(special)
+    text = {k: v for k, v in TEXT.items() if k != "num_hidden_layers"} | _LINEAR_ATTENTION
+    config = Qwen3_5Config(
+        text_config=text | dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.2),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=True)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer.chat_template = template
+    return config, [tokenizer, image_processor], template
+
+
+def _gemma3(tokenizer):
+    """Gemma 3: sliding-window and full layers, an image's tokens attending to each other both ways."""
+    from transformers.models.gemma3 import Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=names)  # what Gemma's tokenizer config declares
+    template = VISION_CHATML.replace("{{ IMAGE }}", "<start_of_image>")
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, image_seq_length=4, chat_template=template)
+    text = {k: v for k, v in TEXT.items() if k != "num_hidden_layers"} | _SLIDING
+    config = Gemma3Config(
+        text_config=text | dict(query_pre_attn_scalar=16, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                           patch_size=8),
+        mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id, tie_word_embeddings=True, initializer_range=0.2)
+    return config, [processor], template
+
+
+VISION_ARCHITECTURES = {"qwen2_5_vl": _qwen2_5_vl, "idefics3": _idefics3, "qwen3_5": _qwen3_5, "gemma3": _gemma3}
+
+
+def build_vision(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
+    """Save a tiny random vision model of `arch` as transformers would (its image-text-to-text class),
+    with `tokenizer` plus the architecture's image tokens, an image processor and a chat template
+    that places images: what the model's processor loads from."""
+    from transformers import AutoModelForImageTextToText
+
+    config, parts, template = VISION_ARCHITECTURES[arch](copy.deepcopy(tokenizer))
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    projector = getattr(model.model, "multi_modal_projector", None)
+    if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3 starts it at zeros: images would not matter
+        torch.nn.init.normal_(projector.mm_input_projection_weight, std=0.2)
+    model.save_pretrained(folder)
+    for part in parts:
+        part.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(template)
     return folder

@@ -519,6 +519,7 @@ class Model(BaseModel):
     state: str = "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
+    capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
 
 
 class ModelList(BaseModel):

@@ -33,7 +33,8 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
             continue
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
-        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model))
+        data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model,
+                          capabilities=["vision"] if profile and profile.vision else []))
     by_id = {m.id: m for m in data}
     data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})
              for p in catalog.profiles.values() if p.id in by_id for alias in p.aliases]

@@ -85,7 +85,7 @@ def test_over_long_prompt_is_context_length_exceeded(openai_client):
     assert "Paris" in clamped.choices[0].message.content
 
 
-def test_image_for_a_text_only_model_is_refused_by_the_node(openai_client):
+def test_image_for_a_text_only_model_is_refused(openai_client):
     content = [{"type": "text", "text": "What is this?"},
                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
     with pytest.raises(openai.BadRequestError, match="text-only"):

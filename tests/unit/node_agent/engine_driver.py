@@ -30,6 +30,7 @@ class Result:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # when the request asked for them
     done: object = None
     deltas: int = 0
 
@@ -70,5 +71,7 @@ def collect(result: Result, events: list[dict]) -> None:
             result.text[choice.index] = result.text.get(choice.index, "") + choice.text
             result.token_ids.setdefault(choice.index, []).extend(choice.token_ids)
             result.logprobs.setdefault(choice.index, []).extend(choice.logprobs or [])
+            if choice.prompt_logprobs is not None:
+                result.prompt_logprobs[choice.index] = choice.prompt_logprobs
             if choice.finish_reason:
                 result.finish[choice.index] = choice.finish_reason

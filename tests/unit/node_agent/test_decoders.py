@@ -66,12 +66,14 @@ def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
     tokens, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 10, 0, engine.cache.scratch_column])
+    rope_offsets = torch.tensor([0, -4, 0, 0])  # a row after an image in an M-RoPE model rotates behind its column
     start = [t.clone() for t in _cache_tensors(engine.cache)]
     with torch.inference_mode():
-        eager = forward.decode_step(lm.model, engine.cache, tokens, positions, 32)
+        eager = forward.decode_step(lm.model, engine.cache, tokens, positions, rope_offsets, 32)
         for tensor, saved in zip(_cache_tensors(engine.cache), start):  # a linear state moves on at each step
             tensor.copy_(saved)
-        compiled = torch.compile(forward.decode_step, fullgraph=True)(lm.model, engine.cache, tokens, positions, 32)
+        compiled = torch.compile(forward.decode_step, fullgraph=True)(lm.model, engine.cache, tokens, positions,
+                                                                       rope_offsets, 32)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 

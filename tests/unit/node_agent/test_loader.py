@@ -103,3 +103,8 @@ def test_hf_cache_dir_precedence(monkeypatch, tmp_path):
     assert model_files.hf_cache_dir(None) == tmp_path / "hub"
     monkeypatch.delenv("HF_HUB_CACHE")
     assert model_files.hf_cache_dir(None) == tmp_path / "home" / "hub"
+
+
+def test_a_vision_profile_on_a_text_only_model_is_refused(tiny_dirs):
+    with pytest.raises(model_files.ModelLoadError, match="vision = true.*'llama' is not a supported vision model"):
+        loader.load(profile(str(tiny_dirs["llama"])).model_copy(update={"vision": True}), "cpu")

@@ -15,7 +15,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
     body = (await client.get("/v1/models")).json()
     assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model", "default"]  # catalogue order first
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
-                               "owned_by": "cortex", "state": "ready", "root": MODEL,
+                               "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [],
                                "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}]}
     assert body["data"][1]["state"] == "loading"
     assert body["data"][2] == body["data"][0] | {"id": "default"}
