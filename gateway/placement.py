@@ -38,7 +38,8 @@ class Candidate:
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
     return (node.takes_jobs and (not profile.nodes or node.node in profile.nodes)
-            and set(profile.labels) <= set(node.labels) and len(node.devices) >= profile.tensor_parallel)
+            and set(profile.labels) <= set(node.labels)
+            and (profile.tensor_parallel == 1 or len(node.devices) >= profile.tensor_parallel))
 
 
 def share_mb(profile: ModelProfile, need_mb: int) -> int:
