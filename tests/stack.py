@@ -5,6 +5,8 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +100,19 @@ def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack
         stack_env["CORTEX_MODELS_FILE"] = str(root / "models.toml")
     stack = Stack(root=root, redis_url=redis_url, env=stack_env, services=[server])
     return stack
+
+
+@contextmanager
+def serving(root: Path, models_toml: str | None, node: str, models: list[str] | None = None, **env: str) -> Iterator[Stack]:
+    """A stack with one gateway and one node agent loading `models` (see `Stack.start_node`),
+    stopped on the way out."""
+    stack = start_stack(root, models_toml, **env)
+    try:
+        stack.start_gateway()
+        stack.start_node(node, models)
+        yield stack
+    finally:
+        stack.stop()
 
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

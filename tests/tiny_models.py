@@ -144,13 +144,27 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True)
 
 
-def _qwen2_5_vl(tokenizer):
-    from transformers.models.qwen2_5_vl import Qwen2_5_VLConfig
+def _qwen_vision(tokenizer) -> tuple[dict, list, str]:
+    """What Qwen's vision models share: their image tokens (added to `tokenizer`; returned as the
+    config's ids), an image processor making 4 to 16 merged 28x28 patches per image (a few image
+    tokens, a real resize) and a template placing them. The processor (which wants torchvision for
+    its video half) is saved as its parts: tokenizer, image processor, template."""
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": special})
     start, end, image, video = tokenizer.convert_tokens_to_ids(special)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    tokenizer.chat_template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
+    ids = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    return ids, [tokenizer, image_processor], tokenizer.chat_template
+
+
+def _qwen2_5_vl(tokenizer):
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLConfig
+
+    ids, parts, template = _qwen_vision(tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=TEXT | dict(vocab_size=len(tokenizer), rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
                                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -158,15 +172,8 @@ def _qwen2_5_vl(tokenizer):
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
                            initializer_range=0.2),
-        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
-    # 4 to 16 merged 28x28 patches per image: a few image tokens, a real resize. Its processor (which
-    # wants torchvision for its video half) is saved as its parts: tokenizer, image processor, template.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
-                                               merge_size=2, temporal_patch_size=2)
-    template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
-    tokenizer.chat_template = template
-    return config, [tokenizer, image_processor], template
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **ids)
+    return config, parts, template
 
 
 def _idefics3(tokenizer):
@@ -191,12 +198,9 @@ def _idefics3(tokenizer):
 
 def _qwen3_5(tokenizer):
     """Qwen3.5 with vision: linear-attention and full-attention layers, interleaved M-RoPE."""
-    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_5 import Qwen3_5Config
 
-    special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tokenizer.add_special_tokens({"additional_special_tokens": special})
-    start, end, image, video = tokenizer.convert_tokens_to_ids(special)
+    ids, parts, template = _qwen_vision(tokenizer)
     text = {k: v for k, v in TEXT.items() if k != "num_hidden_layers"} | _LINEAR_ATTENTION
     config = Qwen3_5Config(
         text_config=text | dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
@@ -205,13 +209,8 @@ def _qwen3_5(tokenizer):
                                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.2),
-        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
-        tie_word_embeddings=True)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
-                                               merge_size=2, temporal_patch_size=2)
-    template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
-    tokenizer.chat_template = template
-    return config, [tokenizer, image_processor], template
+        tie_word_embeddings=True, **ids)
+    return config, parts, template
 
 
 def _gemma3(tokenizer):

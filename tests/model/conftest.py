@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, serving
 
 # fp32 on every machine, so batched and lone greedy answers agree token for token.
 MODELS_TOML = """
@@ -26,13 +26,8 @@ nodes = ["no-such-node"]
 
 @pytest.fixture(scope="session")
 def smol(tmp_path_factory) -> Iterator[Stack]:
-    stack = start_stack(tmp_path_factory.mktemp("smol"), MODELS_TOML)
-    try:
-        stack.start_gateway()
-        stack.start_node("node-a")
+    with serving(tmp_path_factory.mktemp("smol"), MODELS_TOML, "node-a") as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture

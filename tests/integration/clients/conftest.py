@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests import tiny_models
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, serving
 
 # After a tool result the template ends the prompt with "Result:", so the scripted model answers
 # instead of calling the tool again.
@@ -64,13 +64,8 @@ slots = 2
 max_model_len = 32768
 chat_template = "{template}"
 """
-    stack = start_stack(tmp_path_factory.mktemp("clients"), toml)
-    try:
-        stack.start_gateway()
-        stack.start_node("node-c", ["tiny", "tiny-strict", "scripted"])
+    with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", ["tiny", "tiny-strict", "scripted"]) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture

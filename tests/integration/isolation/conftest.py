@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.fleet.conftest import catalogue
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, serving
 
 MODEL = "tiny-a"
 MAX_REQUEST_BYTES = 1024 * 1024
@@ -15,10 +15,5 @@ MAX_REQUEST_BYTES = 1024 * 1024
 def stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("isolation")
     toml = catalogue(tiny_dirs["llama"], **{MODEL: {"slots": 8}})
-    stack = start_stack(root, toml, CORTEX_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES))
-    try:
-        stack.start_gateway()
-        stack.start_node("n1", models=[MODEL])
+    with serving(root, toml, "n1", [MODEL], CORTEX_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES)) as stack:
         yield stack
-    finally:
-        stack.stop()

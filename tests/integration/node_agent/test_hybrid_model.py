@@ -12,7 +12,7 @@ import pytest
 from node_agent import loader, prompts
 from tests.integration.fleet.conftest import catalogue
 from tests.model_fixtures import tiny_profile
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, serving
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request
 
 pytestmark = pytest.mark.integration
@@ -24,13 +24,8 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, small_vocab_dirs) -> Iterator[Stack]:
     toml = catalogue(small_vocab_dirs["qwen3_5_text"], **{MODEL: {"slots": 4, "prefill_chunk_tokens": 16}})
-    stack = start_stack(tmp_path_factory.mktemp("hybrid"), toml)
-    try:
-        stack.start_gateway()
-        stack.start_node("n1", models=[MODEL])
+    with serving(tmp_path_factory.mktemp("hybrid"), toml, "n1", [MODEL]) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def stream_tokens(client: openai.OpenAI, content: str) -> list[str]:

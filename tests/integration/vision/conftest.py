@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.integration.fleet.conftest import catalogue
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, serving
 
 VISION, VISION_35, TEXT = "tiny-vl", "tiny-vl35", "tiny-text"
 IMAGE_MAX_BYTES = 64 * 1024
@@ -19,13 +19,9 @@ def vision_stack(tmp_path_factory, tiny_dirs, tiny_vision_dirs) -> Iterator[Stac
     toml = "\n".join([catalogue(tiny_vision_dirs["qwen2_5_vl"], **{VISION: vision}),
                       catalogue(tiny_vision_dirs["qwen3_5"], **{VISION_35: vision}),
                       catalogue(tiny_dirs["llama"], **{TEXT: {}})])
-    stack = start_stack(tmp_path_factory.mktemp("vision"), toml, CORTEX_IMAGE_MAX_BYTES=str(IMAGE_MAX_BYTES))
-    try:
-        stack.start_gateway()
-        stack.start_node("n1", models=[VISION, VISION_35, TEXT])
+    with serving(tmp_path_factory.mktemp("vision"), toml, "n1", [VISION, VISION_35, TEXT],
+                 CORTEX_IMAGE_MAX_BYTES=str(IMAGE_MAX_BYTES)) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.fixture
