@@ -37,9 +37,7 @@ def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedC
     if profile.vision and not vision.is_vision(config):
         raise ModelLoadError(f"the catalogue says {profile.id} reads images (vision = true), but its model_type "
                              f"'{config.model_type}' is not a supported vision model; supported: "
-                             f"{', '.join(sorted(vision.ATTENTION))}")
-    if vision.is_vision(config):
-        return config, vision.ATTENTION[config.model_type]
+                             f"{', '.join(sorted(architectures.VISION))}")
     return config, architectures.attention_implementation(config.model_type)
 
 

@@ -25,19 +25,16 @@ import transformers
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
+from node_agent import architectures
+
 log = logging.getLogger(__name__)
 
-# Vision architectures whose prompt path (features, placeholders, rope) is tested, token for token
-# against HF generate (tests/unit/node_agent/test_vision.py), with the attention implementation
-# each runs with; others are refused at load rather than run wrong (Qwen3-VL's deepstack features,
-# for one, need more).
-ATTENTION = {"qwen2_5_vl": "sdpa", "idefics3": "sdpa", "qwen3_5": "sdpa", "gemma3": "sdpa"}
 BIDIRECTIONAL_IMAGES = {"gemma3"}  # an image's tokens attend to each other both ways (HF's token_type_ids masks)
 _TEXT_INPUTS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
 
 
 def is_vision(config: PretrainedConfig) -> bool:
-    return config.model_type in ATTENTION
+    return config.model_type in architectures.VISION
 
 
 def load_processor(folder: Path) -> Any:
