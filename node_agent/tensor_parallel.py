@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent import devices, forward, loader, tp_worker, vision
+from node_agent import devices, forward, kv_cache, loader, tp_worker, vision
 from node_agent.kv_cache import SlotCache
 from node_agent.model_calls import ModelCalls
 from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
@@ -67,11 +67,10 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if heads % n or kv_heads % n:
         raise ModelLoadError(f"tensor_parallel = {n} must divide the attention heads ({heads}) and the key/value "
                              f"heads ({kv_heads}) of {profile.id}")
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or (getattr(config, "layer_types", None) is None
-                                       and getattr(config, "sliding_window", None)):
+    others = sorted(set(kv_cache.layer_types(config)) - {kv_cache.FULL})
+    if others:
         raise ModelLoadError(f"tensor parallelism is tested with full-attention layers only; {profile.id} has "
-                             f"{', '.join(sorted(kinds - {'full_attention'})) or 'sliding-window'} layers")
+                             f"{', '.join(others)} layers")
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ModelLoadError(f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
                              "with tensor_parallel = 1")
