@@ -10,6 +10,7 @@ refused unless its host is in `image_url_hosts`, and only then fetched (size lim
 redirects). Nothing else here does I/O.
 """
 
+import asyncio
 import base64
 import binascii
 import io
@@ -136,6 +137,6 @@ async def take_images(request: GenerationRequest, limits: ImageLimits, *, vision
     for where, content, index in found:
         url = ((content[index].get("image_url") or {}).get("url")) or ""
         data = await image_bytes(url, limits, where)
-        check_image(data, limits, where)
+        await asyncio.to_thread(check_image, data, limits, where)  # decoding pixels: off the event loop
         content[index] = {"type": "image"}
         request.images.append(data)
