@@ -1,3 +1,3 @@
-from node_agent.agent import run
+from node_agent.serving.agent import run
 
 run()

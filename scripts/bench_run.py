@@ -360,7 +360,7 @@ def model_profile(args, quant: str | None = None):
 def load_model(args, quant: str | None = None):
     """Load with Cortex's loader; also return the folder transformers serve reads (for the GGUF,
     the dequantised copy the loader keeps)."""
-    from node_agent import loader
+    from node_agent.model import loader
     from shared import model_files
     from shared.settings import NodeSettings
 
@@ -375,7 +375,7 @@ def load_model(args, quant: str | None = None):
 
 
 def chat_ids(loaded, profile, n: int) -> list[list[int]]:
-    from node_agent import prompts
+    from node_agent.serving import prompts
     from shared.wire import GenerationRequest
 
     return [prompts.prompt_ids(loaded.tokenizer, profile, GenerationRequest(
@@ -416,8 +416,8 @@ def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
 
 
 def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
-    from node_agent import prompts
-    from node_agent.engine import check_fits
+    from node_agent.serving import prompts
+    from node_agent.engine.engine import check_fits
     from shared.wire import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -509,7 +509,7 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
             waves.append(wave)
             log(f"hf-generate N={n}: {_short(wave)}")
     if "engine" in args.systems:
-        from node_agent.engine import Engine
+        from node_agent.engine.engine import Engine
 
         if args.quant != "none":  # the engine gets the quantised model; HF generate kept the plain one
             loaded = None

@@ -37,7 +37,7 @@ class ModelProfile(BaseModel):
     max_tokens_policy: Literal["clamp", "reject"] = "clamp"
     default_max_tokens: int | None = Field(1024, ge=1)  # for requests that give none; None: up to the context
     prefill_chunk_tokens: int = Field(512, ge=16)
-    # How decode steps run (node_agent/decoders.py): "auto" = CUDA graphs on a GPU, eager on a CPU;
+    # How decode steps run (node_agent/model/decoders.py): "auto" = CUDA graphs on a GPU, eager on a CPU;
     # "eager"; "static" (rows padded to batch buckets, not captured); "graphs" (GPU only);
     # "compiled" (torch.compile, then captured on a GPU). A model whose step cannot be captured
     # falls back to eager with a log line.

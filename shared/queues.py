@@ -1,7 +1,7 @@
 """Priority classes and the job streams that carry them.
 
 A stream cannot skip entries, so each model has one stream per (class, band), and nodes read
-them most urgent first (`node_agent.job_reader`):
+them most urgent first (`node_agent.serving.job_reader`):
 
 | class         | band   | stream                          | who                                  |
 |---------------|--------|---------------------------------|--------------------------------------|

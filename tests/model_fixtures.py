@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent import loader
+from node_agent.model import loader
 from shared import model_files
 from shared.catalog import Catalog, ModelProfile
 from tests import tiny_models

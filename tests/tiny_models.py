@@ -17,7 +17,7 @@ _SLIDING = dict(sliding_window=8, head_dim=16, num_hidden_layers=4,
 _GEMMA = dict(query_pre_attn_scalar=16, tie_word_embeddings=False)  # tied, its scaled embeddings make one token win
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
 
-ARCHITECTURES = {  # the architecture matrix (node_agent/architectures.py): model_type and config overrides
+ARCHITECTURES = {  # the architecture matrix (node_agent/model/architectures.py): model_type and config overrides
     "llama": dict(model_type="llama"),
     "mistral": dict(model_type="mistral", sliding_window=8),  # every layer sliding
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

@@ -2,7 +2,7 @@
 integer fits msgpack's 64 bits (token ids and counts far less), `keep_alive` is finite and
 bounded, tool and output schemas are valid JSON Schema, and `chat_template_kwargs` cannot
 change how the prompt is rendered. Token ids are checked against the model's vocabulary on the
-node (`node_agent.engine.Engine.add`), which fails that job alone with a 400."""
+node (`node_agent.engine.engine.Engine.add`), which fails that job alone with a 400."""
 
 from typing import Annotated, Any
 

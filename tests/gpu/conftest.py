@@ -4,7 +4,7 @@ offline GPU host lacks: tiny random models with a tokenizer trained at test time
 import pytest
 import torch
 
-from node_agent import loader
+from node_agent.model import loader
 from tests.model_fixtures import tiny_profile
 
 ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text"]  # full; linear + full; sliding + full

@@ -4,8 +4,9 @@ compiled steps agree, a model that cannot be captured falls back to eager and st
 
 import pytest
 
-from node_agent import decoders, prompts
-from node_agent.engine import Engine
+from node_agent.model import decoders
+from node_agent.serving import prompts
+from node_agent.engine.engine import Engine
 from tests.gpu.conftest import ARCHS, load
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
 

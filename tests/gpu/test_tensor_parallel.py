@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from node_agent import tensor_parallel
-from node_agent.engine import Engine
+from node_agent.tp import tensor_parallel
+from node_agent.engine.engine import Engine
 from shared.settings import NodeSettings
 from tests.gpu.conftest import load
 from tests.model_fixtures import tiny_profile

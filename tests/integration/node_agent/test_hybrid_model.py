@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from node_agent import loader, prompts
+from node_agent.model import loader
+from node_agent.serving import prompts
 from tests.integration.fleet.conftest import catalogue
 from tests.model_fixtures import tiny_profile
 from tests.stack import Stack, serving

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from node_agent.agent import NodeAgent
+from node_agent.serving.agent import NodeAgent
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 from shared.wire import GenerationRequest, SamplingParams, StreamEntry, pack, unpack_event

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from gateway.batch.lines import LineError, parse_line
 from gateway.files import check_batch_input
-from node_agent.job_reader import JobReader
+from node_agent.serving.job_reader import JobReader
 from shared import queues
 from shared.errors import InvalidRequest, PayloadTooLarge
 from shared.keys import CONSUMER_GROUP, Keys

@@ -103,7 +103,7 @@ def test_a_call_cut_off_by_max_tokens_is_never_text(case, cuts):
 
 @pytest.fixture(scope="module")
 def grammars(smol_tokenizer):
-    from node_agent.constrain import Grammars
+    from node_agent.engine.constrain import Grammars
 
     return Grammars(smol_tokenizer, len(smol_tokenizer), {smol_tokenizer.eos_token_id})
 

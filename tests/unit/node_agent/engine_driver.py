@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent import prompts
-from node_agent.engine import Engine, check_fits
+from node_agent.serving import prompts
+from node_agent.engine.engine import Engine, check_fits
 from shared.wire import GenerationRequest, SamplingParams, parse_event
 
 

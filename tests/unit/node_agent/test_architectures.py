@@ -1,4 +1,4 @@
-"""The architecture matrix: every architecture the loader admits (node_agent/architectures.py),
+"""The architecture matrix: every architecture the loader admits (node_agent/model/architectures.py),
 as a tiny random model, decodes greedily token for token what plain full forwards without a cache
 decode, under continuous batching with chunked prefill: prompts of different lengths (longer than
 the sliding windows, several chunks each) joining a running batch at different steps, more jobs
@@ -11,8 +11,9 @@ import json
 import pytest
 import torch
 
-from node_agent import architectures, loader, prompts
-from node_agent.engine import Engine
+from node_agent.model import architectures, loader
+from node_agent.serving import prompts
+from node_agent.engine.engine import Engine
 from shared.model_files import ModelLoadError
 from tests import tiny_models
 from tests.model_fixtures import tiny_profile

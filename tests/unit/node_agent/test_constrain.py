@@ -7,8 +7,8 @@ import pytest
 
 from gateway.tools.grammars import forced_call_grammar, json_grammar
 from gateway.tools.parsers import parse
-from node_agent import prompts
-from node_agent.engine import Engine
+from node_agent.serving import prompts
+from node_agent.engine.engine import Engine
 from shared.errors import InvalidRequest
 from shared.wire import GenerationRequest
 from tests.unit.node_agent.engine_driver import add, request, run

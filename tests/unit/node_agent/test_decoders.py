@@ -5,9 +5,9 @@ Python: what a CUDA graph needs too)."""
 import pytest
 import torch
 
-from node_agent import decoders, forward, loader
-from node_agent.engine import Engine
-from node_agent.kv_cache import LinearAttentionState
+from node_agent.model import decoders, forward, loader
+from node_agent.engine.engine import Engine
+from node_agent.model.kv_cache import LinearAttentionState
 from shared.errors import InvalidRequest
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, request, run

@@ -1,6 +1,6 @@
 from hypothesis import given, settings, strategies as st
 
-from node_agent.detokenize import IncrementalDetokenizer, StopStrings
+from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings
 
 TEXTS = ["héllo wörld 日本語 🎉", "naïve café — “quotes” and emoji 👩‍👩‍👧", "plain ascii text, nothing special"]
 

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from node_agent import loader, prompts
-from node_agent.engine import Engine
+from node_agent.model import loader
+from node_agent.serving import prompts
+from node_agent.engine.engine import Engine
 from shared.errors import ContextLengthExceeded
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, add, request, run

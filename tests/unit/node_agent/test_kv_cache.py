@@ -1,11 +1,11 @@
 """Which cache kind each layer gets from a model's config, and what the sliding-window ring lets
-each query see (unit tests of node_agent/kv_cache.py, no model)."""
+each query see (unit tests of node_agent/model/kv_cache.py, no model)."""
 
 import pytest
 import torch
 from transformers import AutoConfig
 
-from node_agent.kv_cache import FULL, LINEAR, SLIDING, AttentionKV, SlotCache, layer_kinds
+from node_agent.model.kv_cache import FULL, LINEAR, SLIDING, AttentionKV, SlotCache, layer_kinds
 from shared.model_files import ModelLoadError
 
 

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from node_agent import loader
+from node_agent.model import loader
 from shared import model_files
 from shared.catalog import ModelProfile
 from tests.unit.node_agent.engine_driver import request, run
-from node_agent.engine import Engine
+from node_agent.engine.engine import Engine
 
 
 def profile(source: str, **kw) -> ModelProfile:

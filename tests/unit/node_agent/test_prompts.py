@@ -1,6 +1,6 @@
 import pytest
 
-from node_agent import prompts
+from node_agent.serving import prompts
 from shared.catalog import ModelProfile
 from shared.errors import InvalidRequest
 from shared.wire import GenerationRequest

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from node_agent.sampling import (SlotSampling, apply_min_p, apply_penalties, apply_top_k, apply_top_p, sample, stages,
+from node_agent.model.sampling import (SlotSampling, apply_min_p, apply_penalties, apply_top_k, apply_top_p, sample, stages,
                                  token_logprobs, uniform_noise)
 from shared.wire import SamplingParams
 

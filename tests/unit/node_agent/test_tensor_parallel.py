@@ -14,8 +14,9 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent import devices, loader, tensor_parallel
-from node_agent.engine import Engine
+from node_agent.model import devices, loader
+from node_agent.tp import tensor_parallel
+from node_agent.engine.engine import Engine
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError
 from shared.processes import free_port
@@ -135,8 +136,8 @@ def test_a_second_tensor_parallel_model_in_one_process_is_refused():
 
 HOLD_A_GROUP = """
 import sys, time
-from node_agent import tensor_parallel
-from node_agent.engine import Engine
+from node_agent.tp import tensor_parallel
+from node_agent.engine.engine import Engine
 from shared.catalog import ModelProfile
 from shared.settings import NodeSettings
 profile = ModelProfile.model_validate_json(sys.argv[1])

@@ -8,8 +8,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from node_agent import prompts, tensor_parallel, vision
-from node_agent.engine import Engine, check_fits
+from node_agent.serving import prompts
+from node_agent.tp import tensor_parallel
+from node_agent.model import vision
+from node_agent.engine.engine import Engine, check_fits
 from shared.errors import InvalidRequest
 from shared.model_files import ModelLoadError
 from shared.wire import GenerationRequest, SamplingParams

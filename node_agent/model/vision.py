@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-from node_agent import architectures
+from node_agent.model import architectures
 
 log = logging.getLogger(__name__)
 

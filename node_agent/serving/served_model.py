@@ -13,12 +13,14 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import ResponseError
 
-from node_agent import loader, prompts, tensor_parallel
-from node_agent.device_thread import DeviceThread
-from node_agent.engine import Engine, check_fits
-from node_agent.job_reader import JobReader
-from node_agent.limits import completion_budget
-from node_agent.publisher import Outgoing, Publisher
+from node_agent.model import loader
+from node_agent.serving import prompts
+from node_agent.tp import tensor_parallel
+from node_agent.serving.device_thread import DeviceThread
+from node_agent.engine.engine import Engine, check_fits
+from node_agent.serving.job_reader import JobReader
+from node_agent.serving.limits import completion_budget
+from node_agent.serving.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
 from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled,
                            ModelLoadFailed, ModelPoisoned, NodeLost)

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one process per rank beyond 0, owning one device. It joins rank 0's
 process group, loads its shard of the model (with the other ranks), builds its share of the slot
-cache, then replays the ops rank 0 sends (node_agent/tp_channel.py) until STOP. It never sees a
+cache, then replays the ops rank 0 sends (node_agent/tp/tp_channel.py) until STOP. It never sees a
 request: only op numbers and tensors. Any error ends the process, which rank 0 sees at its next
 collective (and poisons the model)."""
 
@@ -12,14 +12,14 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
-from node_agent import devices, forward, loader
-from node_agent.model_calls import ModelCalls, slot_cache
-from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
+from node_agent.model import devices, forward, loader
+from node_agent.model.model_calls import ModelCalls, slot_cache
+from node_agent.tp.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 
 IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next op: idle models wait for long
 
-log = logging.getLogger("node_agent.tp_worker")
+log = logging.getLogger("node_agent.tp.tp_worker")
 
 
 def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_cache: str | None,

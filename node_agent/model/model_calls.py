@@ -1,16 +1,16 @@
 """Every call the engine makes into its model and cache, in one place: a prefill forward, logits
 for some hidden states, the fixed-shape decode step, and moving a cache row. On one device they
-run the pure functions of node_agent/forward.py directly; a tensor-parallel model
-(node_agent/tensor_parallel.py) sends each one to its other ranks first, so every rank runs the
+run the pure functions of node_agent/model/forward.py directly; a tensor-parallel model
+(node_agent/tp/tensor_parallel.py) sends each one to its other ranks first, so every rank runs the
 same calls in the same order."""
 
 from collections.abc import Callable
 
 import torch
 
-from node_agent import forward
-from node_agent.kv_cache import SlotCache
-from node_agent.loader import LoadedModel
+from node_agent.model import forward
+from node_agent.model.kv_cache import SlotCache
+from node_agent.model.loader import LoadedModel
 from shared.catalog import ModelProfile
 
 
@@ -39,7 +39,7 @@ class ModelCalls:
     def forward(self, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
                 kv_len: int, **vision: torch.Tensor | None) -> torch.Tensor:
         """A prefill forward; `vision`: a chunk group's `inputs_embeds`, `rope_positions` and
-        `sees_until` where it reads images (node_agent/forward.py)."""
+        `sees_until` where it reads images (node_agent/model/forward.py)."""
         return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len, **vision)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from node_agent import forward
-from node_agent.kv_cache import SlotCache
+from node_agent.model import forward
+from node_agent.model.kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
 

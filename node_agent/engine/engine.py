@@ -4,12 +4,12 @@ Each `step()` reads admit -> prefill (one chunk group) -> decode (one token for 
 sequence) -> retire, and returns the step's events for every job at once. Running sequences
 occupy cache rows 0..n-1: decoding rows first, then rows still reading their prompt, so each
 forward works on a contiguous block of a static cache. The decode forward is the fixed-shape
-step of node_agent/forward.py, run by a decoder (node_agent/decoders.py: eager, or padded to a
+step of node_agent/model/forward.py, run by a decoder (node_agent/model/decoders.py: eager, or padded to a
 bucket and replayed from a CUDA graph); sampling runs on the device for all rows together
-(node_agent/sampling.py). A step costs one copy in, one forward, one copy out of the chosen ids,
+(node_agent/model/sampling.py). A step costs one copy in, one forward, one copy out of the chosen ids,
 then per row the detokeniser and stop checks. Events are plain wire dicts (shared/wire.py), one
 list per job per step: no object per token. A prompt with images is embedded once, at admission
-(node_agent/vision.py), and prefilled from slices of its embeddings like text.
+(node_agent/model/vision.py), and prefilled from slices of its embeddings like text.
 """
 
 import logging
@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from node_agent import constrain, decoders
-from node_agent.detokenize import IncrementalDetokenizer, StopStrings
-from node_agent.loader import LoadedModel
-from node_agent.model_calls import ModelCalls, slot_cache, weight_bytes
-from node_agent.vision import VisionPrompt, embed_prompt
-from node_agent.sampling import SlotSampling, sample, stages, token_logprobs
+from node_agent.engine import constrain
+from node_agent.model import decoders
+from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings
+from node_agent.model.loader import LoadedModel
+from node_agent.model.model_calls import ModelCalls, slot_cache, weight_bytes
+from node_agent.model.vision import VisionPrompt, embed_prompt
+from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
 from shared import wire
 from shared.catalog import ModelProfile
 from shared.errors import ContextLengthExceeded, CortexError, GenerationFailed, InvalidRequest

@@ -1,6 +1,6 @@
 """Find a model's files and load it with transformers: local dirs and files, the Hugging Face
 cache (offline), safetensors, GGUF, and files shipped inside Python packages. Vision models load
-through the image-text-to-text class, with their processor (node_agent/vision.py)."""
+through the image-text-to-text class, with their processor (node_agent/model/vision.py)."""
 
 import logging
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent import architectures, devices, vision
+from node_agent.model import architectures, devices, vision
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -27,7 +27,7 @@ class LoadedModel:
     dtype: torch.dtype
     context_len: int
     tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
-    group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tensor_parallel.RankGroup
+    group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tp.tensor_parallel.RankGroup
     processor: object | None = None  # a vision model's processor (its tokenizer is `tokenizer`)
 
 
@@ -76,7 +76,7 @@ def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
 def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
          convert_cache: Path | None = None, tp_size: int = 1) -> LoadedModel:
     """Load on the calling thread (the device thread that will own the model). With `tp_size` > 1
-    every rank calls this at once, in a process group already made (node_agent/tensor_parallel.py),
+    every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
     dtype = _DTYPES.get(profile.dtype) or (torch.float32 if profile.quant == "int8" else devices.default_dtype(device))

@@ -4,17 +4,17 @@
 caller's buckets, every input a tensor, the attention masks built on the device from the rows'
 positions (one per layer kind the model has). It has no host sync and no data-dependent Python,
 so it runs eagerly, compiles with `torch.compile(fullgraph=True)` and is captured in a CUDA graph
-(node_agent/decoders.py) unchanged. Prefill uses `forward` with chunks of any width, of token ids
+(node_agent/model/decoders.py) unchanged. Prefill uses `forward` with chunks of any width, of token ids
 or (a prompt with images) embeddings.
 
 A row's cache column is its `position` (the masks, the cache writes); its rotary position is the
 column plus the row's `rope_offset`, which is 0 except after an image in a model with multimodal
-rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/vision.py).
+rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/model/vision.py).
 """
 
 import torch
 
-from node_agent.kv_cache import SlotCache
+from node_agent.model.kv_cache import SlotCache
 
 
 def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.Tensor, kv_len: int,

@@ -10,7 +10,7 @@ taken within a round trip of its XADD.
 
 All of a model's stream I/O on the node is here: the consumer group on each stream, the reads,
 the backlog read when a load failed, and leaving the group on unload. Acknowledging a finished
-job rides on the step's pipeline (node_agent/publisher.py)."""
+job rides on the step's pipeline (node_agent/serving/publisher.py)."""
 
 from dataclasses import dataclass
 

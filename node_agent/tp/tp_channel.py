@@ -13,7 +13,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from node_agent.devices import is_cpu
+from node_agent.model.devices import is_cpu
 
 HEADER_LEN = 5  # the op, then up to four numbers
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # joining and loading (workers import torch first: slow on a busy host)

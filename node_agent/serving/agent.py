@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from node_agent import devices
-from node_agent.device_thread import DeviceThread
-from node_agent.publisher import Publisher
-from node_agent.served_model import ServedModel
+from node_agent.model import devices
+from node_agent.serving.device_thread import DeviceThread
+from node_agent.serving.publisher import Publisher
+from node_agent.serving.served_model import ServedModel
 from shared import __version__
 from shared.catalog import Catalog
 from shared.commands import NodeCommand

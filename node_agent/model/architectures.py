@@ -25,7 +25,7 @@ ATTENTION = {  # model_type -> attn_implementation
     "granite": "sdpa",
 }
 
-# Vision models (image-text-to-text; node_agent/vision.py). Others are refused rather than run
+# Vision models (image-text-to-text; node_agent/model/vision.py). Others are refused rather than run
 # wrong (Qwen3-VL's deepstack features, for one, need more).
 VISION = {"qwen2_5_vl": "sdpa", "idefics3": "sdpa", "qwen3_5": "sdpa", "gemma3": "sdpa"}
 

@@ -2,9 +2,9 @@
 node with transformers' own TP plan.
 
 Rank 0 is the device thread of the model's first device: it runs the engine as for one device.
-Ranks 1..N-1 are worker processes (node_agent/tp_worker.py), spawned one per further device, each
-owning its device. Every model call the engine makes (node_agent/model_calls.py) goes first to
-the workers over one channel of fixed-shape ops (node_agent/tp_channel.py), then runs on rank 0
+Ranks 1..N-1 are worker processes (node_agent/tp/tp_worker.py), spawned one per further device, each
+owning its device. Every model call the engine makes (node_agent/model/model_calls.py) goes first to
+the workers over one channel of fixed-shape ops (node_agent/tp/tp_channel.py), then runs on rank 0
 too, so all ranks run the same forward with the same inputs; only rank 0 samples and emits.
 Loads start the workers (they load with rank 0: `from_pretrained` is collective), unloads stop
 them. A request event (cancel, disconnect, drain, one job's error) only changes what rank 0 sends
@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent import devices, forward, kv_cache, loader, tp_worker, vision
-from node_agent.kv_cache import SlotCache
-from node_agent.model_calls import ModelCalls
-from node_agent.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
+from node_agent.model import devices, forward, kv_cache, loader, vision
+from node_agent.tp import tp_worker
+from node_agent.model.kv_cache import SlotCache
+from node_agent.model.model_calls import ModelCalls
+from node_agent.tp.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError, locate
 from shared.processes import free_port
@@ -213,7 +214,7 @@ class Rank0Calls(ModelCalls):
             return super().logits(flat).reshape(*hidden.shape[:-1], -1)
 
     def decode_step(self, model, cache, tokens, positions, rope_offsets, kv_len):
-        """The decoder's step (node_agent/forward.py decode_step), run on every rank. Its rope
+        """The decoder's step (node_agent/model/forward.py decode_step), run on every rank. Its rope
         offsets are all 0 (they move only after an image), so the workers take zeros."""
         with self.group.op():
             self.group.channel.send(Op.DECODE, tokens.shape[0], kv_len, payload=torch.stack([tokens, positions]))

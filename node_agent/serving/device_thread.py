@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from node_agent import devices
-from node_agent.engine import Engine
+from node_agent.model import devices
+from node_agent.engine.engine import Engine
 from shared.errors import GenerationFailed
 from shared.heartbeat import DeviceInfo
 from shared.wire import ErrorEvent, StepEvents
