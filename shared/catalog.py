@@ -29,8 +29,17 @@ class ModelProfile(BaseModel):
     # "int8": Linear weights quantised per channel, activations dynamically (CPU only; ~4x less
     # memory traffic per decode step, which is what bounds small-batch decode on a CPU).
     quant: Literal["none", "int8"] = "none"
-    slots: int = Field(16, ge=1, le=1024)  # sequences decoded together
-    max_model_len: int = Field(4096, ge=16)  # KV cache length per slot (capped by the model's context)
+    slots: int = Field(16, ge=1, le=1024)  # the most sequences decoded together (vLLM's max_num_seqs)
+    max_model_len: int = Field(4096, ge=16)  # the longest sequence (capped by the model's context)
+    # The paged KV cache (node_agent/model/kv_cache.py): blocks of `block_size` tokens, as many as
+    # `kv_cache_mb` holds; else `kv_memory_fraction` of the device memory free after the weights;
+    # else enough for `slots` sequences of `max_model_len` tokens. Sequences run while blocks last.
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_mb: int | None = Field(None, ge=1)
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1)
+    # Reuse the KV blocks of a prompt's longest cached prefix (multi-turn chats, shared system
+    # prompts, n > 1). Models with linear-attention layers (Qwen3.5, Qwen3-Next) never reuse.
+    prefix_caching: bool = True
     max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context
     # A request's max_tokens beyond the room its prompt leaves: "clamp" runs it with what fits (it
     # ends with `length`, as llama.cpp and Ollama do); "reject" answers 400 context_length_exceeded (OpenAI).

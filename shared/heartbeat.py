@@ -17,6 +17,16 @@ class DeviceInfo(BaseModel):
     free_mb: int
 
 
+class KVCacheStats(BaseModel):
+    block_size: int = 0  # tokens per block
+    blocks_total: int = 0  # blocks in the pool
+    blocks_used: int = 0  # held by running sequences
+    blocks_cached: int = 0  # free, but holding a reusable prefix (evicted LRU when needed)
+    prefix_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # counter: of those, tokens found cached
+    preemptions: int = 0  # counter: sequences preempted (recomputed later) for lack of blocks
+
+
 class ModelInfo(BaseModel):
     state: ModelState
     device: str  # the device it runs on (rank 0's, when tensor-parallel)

@@ -23,13 +23,13 @@ class Grammars:
     """Per model: the llguidance view of its tokenizer (built on first use, ~1 s) and matchers."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: set[int]):
-        self._hf, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_ids)
+        self._hf, self.vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size, eos_token=self._eos)
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
         return self._tokenizer
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -39,18 +39,16 @@ class Grammars:
         return matcher
 
 
-def apply_masks(logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:
-    """Forbid, in place, every token the row's grammar does not allow next (rows without one untouched)."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for j, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
-    index = torch.tensor(rows, device=logits.device)
-    masked = logits[index]
-    llguidance.torch.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
-    logits[index] = masked
+    def bitmask(self, matchers: list[llguidance.LLMatcher | None]) -> tuple[torch.Tensor, list[int]] | None:
+        """llguidance's packed mask of the tokens each row's grammar allows next, for the rows that
+        have one, and those rows; None when no row has a grammar (node_agent/model/runner.py applies it)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        for j, i in enumerate(rows):
+            llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
+        return bitmask, rows
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

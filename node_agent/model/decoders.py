@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from node_agent.model import forward
-from node_agent.model.kv_cache import SlotCache
+from node_agent.model.kv_cache import PagedCache
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class EagerDecoder:
     name = "eager"
     graph_bytes = 0
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor,
+    def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor,
                  step: Callable = forward.decode_step):
         self.model, self.cache, self.rope_offsets, self.step = model, cache, rope_offsets, step
 
@@ -64,7 +64,7 @@ class StaticDecoder:
     their logits are dropped. With `capture` (CUDA), each (batch, kv) bucket is captured in a CUDA
     graph at first use and replayed after."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor, slots: int, *,
+    def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int, *,
                  capture: bool, step: Callable = forward.decode_step):
         self.model, self.cache, self.rope_offsets, self.step, self.capture = model, cache, rope_offsets, step, capture
         self.name = "cuda-graphs" if capture else "static"
@@ -82,7 +82,7 @@ class StaticDecoder:
         batch, kv_len = bucket(self.batch_sizes, n), bucket(self.kv_sizes, max(positions) + 1)
         self.staging[:, :n] = torch.tensor([tokens, positions])
         self.staging[0, n:batch] = 0
-        self.staging[1, n:batch] = self.cache.scratch_column
+        self.staging[1, n:batch] = self.cache.scratch_position
         self.inputs[:, :batch].copy_(self.staging[:, :batch], non_blocking=True)
         if not self.capture:
             return self._run(batch, kv_len)[:n]
@@ -135,7 +135,7 @@ def compiled_step() -> Callable:
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
-def make(mode: str, model: torch.nn.Module, cache: SlotCache, rope_offsets: torch.Tensor, slots: int,
+def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int,
          fixed_step: Callable | None = None) -> EagerDecoder | StaticDecoder:
     """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
     (compiled, then captured on a GPU). `rope_offsets`: the engine's per-slot rotary offsets, read

@@ -1,4 +1,4 @@
-"""The model's forward over the slot cache, as small pure functions (gpt-fast's manner).
+"""The model's forward over the paged cache, as small pure functions (gpt-fast's manner).
 
 `decode_step` is the fixed-shape step: one token for each of B rows, B and `kv_len` fixed by the
 caller's buckets, every input a tensor, the attention masks built on the device from the rows'
@@ -14,18 +14,15 @@ rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/mo
 
 import torch
 
-from node_agent.model.kv_cache import SlotCache
+from node_agent.model.kv_cache import PagedCache
 
 
-def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.Tensor, kv_len: int,
+def attention_masks(model: torch.nn.Module, cache: PagedCache, positions: torch.Tensor, kv_len: int,
                     sees_until: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
     """Each layer type's mask ([B, 1, T, columns]; None for linear attention), as the model takes
     them: one mask when all its layers are of one type, else a mapping by the config's layer type.
     Boolean for SDPA; additive (0 or the dtype's minimum) for eager attention, which adds it."""
-    masks: dict[str, torch.Tensor | None] = {}
-    for layer_type, layer in zip(cache.layer_types, cache.layers):
-        if layer_type not in masks:
-            masks[layer_type] = layer.attention_mask(positions, kv_len, sees_until)
+    masks = cache.attention_masks(positions, kv_len, sees_until)
     if model.config._attn_implementation == "eager":
         minimum = torch.finfo(model.dtype).min
         masks = {name: None if mask is None else torch.zeros(mask.shape, dtype=model.dtype, device=mask.device)
@@ -33,7 +30,7 @@ def attention_masks(model: torch.nn.Module, cache: SlotCache, positions: torch.T
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def forward(model: torch.nn.Module, cache: SlotCache, rows: slice, input_ids: torch.Tensor,
+def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: torch.Tensor,
             positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int, *, inputs_embeds: torch.Tensor | None = None,
             rope_positions: torch.Tensor | None = None, sees_until: torch.Tensor | None = None) -> torch.Tensor:
     """Run cache rows `rows` over `input_ids` [B, T] (or `inputs_embeds` [B, T, H]) at `positions`,
@@ -60,7 +57,7 @@ def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_step(model: torch.nn.Module, cache: SlotCache, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                 rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
     """One token for each of rows 0..B-1: `tokens`, `positions` and `rope_offsets` are [B]; each row
     writes at `positions[b]` (the scratch position for padding rows) and is rotated to

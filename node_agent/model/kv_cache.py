@@ -1,21 +1,24 @@
-"""The slot cache: one row per slot in every layer, each layer of the kind the model's config
-names, plugged into transformers models as their cache.
+"""The paged cache: every attention layer's keys and values in one pool of fixed-size blocks, read
+and written through per-row block tables; linear-attention layers keep one state per row. Plugged
+into transformers models as their cache.
 
-Active sequences occupy rows 0..n-1 (the engine keeps them packed), so a forward over rows
-[a, b) reads views of the cache, never gathers. Each row writes at its own positions, given as a
-tensor (`bind`), which HF's StaticCache (one position vector for the whole batch) cannot do.
-Position `max_len` is the scratch position: padding (of a prefill chunk, or the rows a decode
-bucket adds) writes there, nothing ever reads it, and a row whose first token is padding keeps
-its linear-attention state. Every write is driven by tensors, so a forward over the cache has
-fixed shapes and can be captured in a CUDA graph or compiled.
+A sequence holds a list of blocks (node_agent/engine/blocks.py hands them out); its row's block
+table (`block_tables[row]`, padded with the null block 0) maps position p to the cache slot
+`table[p // block_size] * block_size + p % block_size`. A forward over rows [a, b) writes each
+new token's keys at its slot and attends over the slots of positions 0..kv_len-1 gathered through
+the tables (vLLM's paged attention, as a gather plus SDPA). Padding (of a prefill chunk, or the
+rows a decode bucket adds) has the scratch position `max_len`: it writes into the null block,
+which nothing reads unmasked, and keeps its row's linear-attention state. Every read and write is
+driven by tensors of fixed shape (the tables are [slots, max_blocks]), so a decode step compiles
+with fullgraph=True and is captured in a CUDA graph unchanged.
 
 Layer kinds (`layer_kinds`):
-- full attention: `AttentionKV` with `max_len` columns (position p at column p);
-- sliding window: `AttentionKV` as a ring of `window + prefill_chunk_tokens` columns (position p
-  at column p mod ring), so one prefill chunk never overwrites keys its own queries still need;
+- full attention: `PagedAttention`, each query sees every position up to its own;
+- sliding window: `PagedAttention` with a window: each query sees the last `window` positions
+  (its blocks stay held for the whole sequence, so prefixes stay reusable);
 - linear attention (Qwen3-Next / Qwen3.5 GatedDeltaNet): `LinearAttentionState`, a conv state
   and a recurrent state per row; a row whose forward starts at position 0 starts from zeros (so
-  a reused row never reads its previous sequence's state).
+  a reused row never reads its previous sequence's state). Rows are packed (`move_row`).
 """
 
 import torch
@@ -44,56 +47,58 @@ def layer_kinds(config, max_len: int) -> list[str]:
     return kinds
 
 
-class AttentionKV:
-    """Keys and values of one attention layer: `columns` cache columns per row used as a ring
-    (position p at column p mod columns), plus a scratch column. Full attention is the ring that
-    never wraps (`columns = max_len`, `window = None`); a sliding window of w keeps w + one prefill
-    chunk's columns."""
+def attention_shape(config, ranks: int = 1) -> tuple[int, int]:
+    """(key/value heads on one rank, head dim) of the model's attention layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return kv_heads // ranks, head_dim
 
-    def __init__(self, *, slots: int, kv_heads: int, head_dim: int, columns: int, window: int | None,
-                 scratch_position: int, dtype: torch.dtype, device: torch.device):
-        shape = (slots, kv_heads, columns + 1, head_dim)
+
+def bytes_per_token(config, max_len: int, dtype_bytes: int, ranks: int = 1) -> int:
+    """What one token's keys and values take over all attention layers (on one rank)."""
+    kv_heads, head_dim = attention_shape(config, ranks)
+    attention = sum(kind != LINEAR for kind in layer_kinds(config, max_len))
+    return 2 * attention * kv_heads * head_dim * dtype_bytes
+
+
+class PagedAttention:
+    """Keys and values of one attention layer: slots [(blocks + 1) * block_size, heads, dim], the
+    first block the null block. `window`: a sliding window's length (None: full attention)."""
+
+    def __init__(self, *, blocks: int, block_size: int, kv_heads: int, head_dim: int, window: int | None,
+                 dtype: torch.dtype, device: torch.device):
+        shape = ((blocks + 1) * block_size, kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.columns, self.window, self.scratch_position = columns, window or columns, scratch_position
+        self.window = window
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
 
-    def width(self, kv_len: int) -> int:
-        """Columns a forward attending over positions < kv_len reads."""
-        return min(kv_len, self.columns)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, write_slots: torch.Tensor,
+               read_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys/values ([B, heads, T, dim]) at `write_slots` ([B * T]) and
+        return the slots `read_slots` ([B, W]) names, as [B, heads, W, dim]."""
+        for pool, states in ((self.keys, key_states), (self.values, value_states)):
+            pool.index_copy_(0, write_slots, states.transpose(1, 2).reshape(-1, *pool.shape[1:]).to(pool.dtype))
+        return self.keys[read_slots].transpose(1, 2), self.values[read_slots].transpose(1, 2)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: slice, write_pos: torch.Tensor,
-               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's keys/values ([B, heads, T, dim]) and return the columns to attend."""
-        column = torch.where(write_pos == self.scratch_position, self.columns, write_pos % self.columns)
-        index = column[:, None, :, None].expand_as(key_states)
-        keys, values = self.keys[rows], self.values[rows]
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
-        width = self.width(kv_len)
-        return keys[:, :, :width], values[:, :, :width]
-
-    def attention_mask(self, positions: torch.Tensor, kv_len: int, sees_until: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, 1, T, width] bool: the query at position p sees the column holding position
-        q = p - ((p - column) mod columns) when 0 <= q and p - q < window; with `sees_until` ([B, T],
-        a prefill chunk's image tokens that attend bidirectionally within their image), also the
-        positions p < q <= sees_until this forward writes."""
-        columns = torch.arange(self.width(kv_len), device=positions.device)
-        age = (positions[:, :, None] - columns[None, None, :]) % self.columns
-        mask = (age <= positions[:, :, None]) & (age < self.window)
+    def attention_mask(self, positions: torch.Tensor, width: int, sees_until: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 1, T, width] bool: the query at position p sees position q <= p (within the window);
+        with `sees_until` ([B, T], a prefill chunk's image tokens that attend both ways within
+        their image), also the positions p < q <= sees_until."""
+        columns = torch.arange(width, device=positions.device)[None, None, :]
+        ahead = columns - positions[:, :, None]
+        mask = ahead <= 0
+        if self.window is not None:
+            mask &= ahead > -self.window
         if sees_until is not None:
-            ahead = (columns[None, None, :] - positions[:, :, None]) % self.columns
-            mask |= (ahead > 0) & (ahead <= (sees_until - positions)[:, :, None])
+            mask |= (ahead > 0) & (columns <= sees_until[:, :, None])
         return mask[:, None]
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy what row `src` holds of its first `length` positions into row `dst`."""
-        width = self.width(length)
-        for tensor in self.tensors:
-            tensor[dst, :, :width] = tensor[src, :, :width]
+    def move_row(self, src: int, dst: int) -> None:
+        """Rows own no keys here: their block tables move (`PagedCache.move_row`)."""
 
 
 class LinearAttentionState:
@@ -124,8 +129,8 @@ class LinearAttentionState:
         padding = self._per_row(write_pos[:, 0] == self.scratch_position, state)
         state.copy_(torch.where(padding, state, new.to(state.dtype)))
 
-    def attention_mask(self, positions: torch.Tensor, kv_len: int, sees_until: torch.Tensor | None = None) -> None:
-        """Linear attention takes no mask: no padding token ever reaches it (see the engine's prefill)."""
+    def attention_mask(self, positions: torch.Tensor, width: int, sees_until: torch.Tensor | None = None) -> None:
+        """Linear attention takes no mask: no padding token ever reaches it (see the scheduler)."""
         return None
 
     def conv_inputs(self, rows: slice, write_pos: torch.Tensor, new_inputs: torch.Tensor) -> torch.Tensor:
@@ -141,17 +146,9 @@ class LinearAttentionState:
     def update_recurrent(self, rows: slice, write_pos: torch.Tensor, state: torch.Tensor) -> None:
         self._commit(self.recurrent[rows], state, write_pos)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
+    def move_row(self, src: int, dst: int) -> None:
         for tensor in self.tensors:
             tensor[dst] = tensor[src]
-
-
-def _attention(config, *, slots: int, columns: int, window: int | None, scratch_position: int,
-               dtype: torch.dtype, device: torch.device, ranks: int) -> AttentionKV:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return AttentionKV(slots=slots, kv_heads=kv_heads // ranks, head_dim=head_dim, columns=columns, window=window,
-                       scratch_position=scratch_position, dtype=dtype, device=device)
 
 
 def _linear(config, *, slots: int, scratch_position: int, dtype: torch.dtype, device: torch.device) -> LinearAttentionState:
@@ -162,37 +159,45 @@ def _linear(config, *, slots: int, scratch_position: int, dtype: torch.dtype, de
                                 scratch_position=scratch_position, dtype=dtype, device=device)
 
 
-class SlotCache:
+class PagedCache:
     """Every layer's cache, with the transformers Cache interface the models call: `update` for
-    attention layers, the conv/recurrent state methods for linear-attention ones."""
+    attention layers, the conv/recurrent state methods for linear-attention ones; and the rows'
+    block tables ([slots, max_blocks], set by the runner)."""
 
     is_compileable = True
 
-    def __init__(self, layers: list[AttentionKV | LinearAttentionState], layer_types: list[str], max_len: int,
-                 device: torch.device):
+    def __init__(self, layers: list[PagedAttention | LinearAttentionState], layer_types: list[str], *, slots: int,
+                 max_len: int, blocks: int, block_size: int, device: torch.device):
         self.layers, self.layer_types, self.max_len, self.device = layers, layer_types, max_len, device
+        self.blocks, self.block_size = blocks, block_size
+        self.max_blocks = -(-max_len // block_size)
+        self.block_tables = torch.zeros(slots, self.max_blocks, dtype=torch.long, device=device)
         self._rows = slice(0, 0)
         self._write_pos: torch.Tensor | None = None  # [B, T] position each new token is written at
+        self._write_slots: torch.Tensor | None = None  # [B * T] the cache slot each is written at
+        self._read_slots: torch.Tensor | None = None  # [B, W] the slots of positions 0..W-1
         self._kv_len = 0
 
     @classmethod
-    def for_model(cls, config, *, slots: int, max_len: int, prefill_chunk_tokens: int, dtype: torch.dtype,
-                  device: torch.device, ranks: int = 1) -> "SlotCache":
-        """The cache of `config`'s layers; under tensor parallelism over `ranks` ranks, each rank's
-        share of the KV heads (tensor parallelism is refused for the other kinds)."""
+    def for_model(cls, config, *, slots: int, max_len: int, blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device, ranks: int = 1) -> "PagedCache":
+        """The cache of `config`'s layers with `blocks` blocks; under tensor parallelism over
+        `ranks` ranks, each rank's share of the KV heads (tensor parallelism is refused for the
+        other kinds)."""
         window = getattr(config, "sliding_window", None)
-        common = dict(slots=slots, scratch_position=max_len, dtype=dtype, device=device)
-        attention = dict(common, ranks=ranks)
+        kv_heads, head_dim = attention_shape(config, ranks)
+        paged = dict(blocks=blocks, block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                     device=device)
         layers = [
-            _linear(config, **common) if kind == LINEAR
-            else _attention(config, columns=min(window + prefill_chunk_tokens, max_len), window=window, **attention)
-            if kind == SLIDING else _attention(config, columns=max_len, window=None, **attention)
+            _linear(config, slots=slots, scratch_position=max_len, dtype=dtype, device=device) if kind == LINEAR
+            else PagedAttention(window=window if kind == SLIDING else None, **paged)
             for kind in layer_kinds(config, max_len)
         ]
-        return cls(layers, layer_types(config), max_len, torch.device(device))
+        return cls(layers, layer_types(config), slots=slots, max_len=max_len, blocks=blocks, block_size=block_size,
+                   device=torch.device(device))
 
     @property
-    def scratch_column(self) -> int:
+    def scratch_position(self) -> int:
         """The position padding writes at."""
         return self.max_len
 
@@ -210,13 +215,34 @@ class SlotCache:
         warm-up before capturing a step must put back."""
         return [t for layer in self.layers if isinstance(layer, LinearAttentionState) for t in layer.tensors]
 
+    def width(self, kv_len: int) -> int:
+        """Positions a forward reading positions < kv_len attends over: whole blocks."""
+        return min(-(-kv_len // self.block_size), self.max_blocks) * self.block_size
+
     def bind(self, rows: slice, write_pos: torch.Tensor, kv_len: int) -> None:
-        """Set the rows the next forward runs on, where it writes ([B, T] positions), and how many
-        positions it reads."""
+        """Set the rows the next forward runs on, where it writes ([B, T] positions; the scratch
+        position for padding), and how many positions it reads."""
+        tables = self.block_tables[rows]
+        size = self.block_size
+        index = (write_pos // size).clamp(max=self.max_blocks - 1)
+        slots = tables.gather(1, index) * size + write_pos % size
+        self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
+        blocks = self.width(kv_len) // size
+        offsets = torch.arange(size, device=tables.device)
+        self._read_slots = (tables[:, :blocks, None] * size + offsets).reshape(tables.shape[0], blocks * size)
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
 
+    def attention_masks(self, positions: torch.Tensor, kv_len: int,
+                        sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """Each layer type's mask ([B, 1, T, width] bool; None for linear attention)."""
+        masks: dict[str, torch.Tensor | None] = {}
+        for layer_type, layer in zip(self.layer_types, self.layers):
+            if layer_type not in masks:
+                masks[layer_type] = layer.attention_mask(positions, self.width(kv_len), sees_until)
+        return masks
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self._rows, self._write_pos, self._kv_len)
+        return self.layers[layer_idx].update(key_states, value_states, self._write_slots, self._read_slots)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: the model then hands every conv input to `update_conv_state` (it never updates a
@@ -238,7 +264,12 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Move row `src` (which holds `length` positions) to row `dst` (packing rows)."""
+    def set_tables(self, tables: torch.Tensor) -> None:
+        """Rows 0..n-1's block tables ([n, max_blocks], host memory), copied in one go."""
+        self.block_tables[: tables.shape[0]].copy_(tables, non_blocking=True)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move row `src`'s per-row state to row `dst` (packing rows); its block table moves with
+        the next `set_tables`."""
         for layer in self.layers:
-            layer.move_row(src, dst, length)
+            layer.move_row(src, dst)

@@ -1,25 +1,56 @@
-"""Every call the engine makes into its model and cache, in one place: a prefill forward, logits
-for some hidden states, the fixed-shape decode step, and moving a cache row. On one device they
-run the pure functions of node_agent/model/forward.py directly; a tensor-parallel model
-(node_agent/tp/tensor_parallel.py) sends each one to its other ranks first, so every rank runs the
-same calls in the same order."""
+"""Every call the engine's runner makes into its model and cache, in one place: a prefill forward,
+logits for some hidden states, the fixed-shape decode step, setting the rows' block tables and
+moving a row's state. On one device they run the pure functions of node_agent/model/forward.py
+directly; a tensor-parallel model (node_agent/tp/tensor_parallel.py) sends each one to its other
+ranks first, so every rank runs the same calls in the same order.
+
+The cache's size (`kv_blocks`): the profile's `kv_cache_mb` of keys and values; else its
+`kv_memory_fraction` of the memory the device has free once the weights are loaded (vLLM's
+`gpu_memory_utilization`); else enough for `slots` sequences of `max_model_len` tokens. The
+placement estimate (shared/memory.py) follows the same rule."""
 
 from collections.abc import Callable
 
 import torch
 
-from node_agent.model import forward
-from node_agent.model.kv_cache import SlotCache
+from node_agent.model import devices, forward
+from node_agent.model.kv_cache import PagedCache, bytes_per_token
 from node_agent.model.loader import LoadedModel
 from shared.catalog import ModelProfile
+from shared.model_files import ModelLoadError
+
+_MB = 1 << 20
 
 
-def slot_cache(loaded: LoadedModel, profile: ModelProfile) -> SlotCache:
-    """The model's slot cache; under tensor parallelism each rank holds its share of the KV heads."""
-    return SlotCache.for_model(loaded.model.config.get_text_config(), slots=profile.slots,
-                               max_len=min(profile.max_model_len, loaded.context_len),
-                               prefill_chunk_tokens=profile.prefill_chunk_tokens, dtype=loaded.dtype,
-                               device=loaded.device, ranks=loaded.tp_size)
+def context_length(loaded: LoadedModel, profile: ModelProfile) -> int:
+    return min(profile.max_model_len, loaded.context_len)
+
+
+def kv_blocks(loaded: LoadedModel, profile: ModelProfile) -> int:
+    """How many blocks the paged cache holds (every rank of a tensor-parallel model as many)."""
+    config, max_len = loaded.model.config.get_text_config(), context_length(loaded, profile)
+    block_bytes = bytes_per_token(config, max_len, loaded.dtype.itemsize) * profile.block_size
+    if not block_bytes:  # no attention layer reads keys: one block per row keeps the tables valid
+        return profile.slots
+    if profile.kv_cache_mb is not None:
+        blocks = profile.kv_cache_mb * _MB // block_bytes
+    elif profile.kv_memory_fraction is not None:
+        free_mb = devices.describe(str(loaded.device) if loaded.device.type == "cuda" else "cpu").free_mb
+        blocks = int(free_mb * _MB * profile.kv_memory_fraction) // (block_bytes // loaded.tp_size or 1)
+    else:
+        blocks = profile.slots * -(-max_len // profile.block_size)
+    if blocks < 1:
+        raise ModelLoadError(f"{profile.id}: a KV budget of {profile.kv_cache_mb} MB holds no block of "
+                             f"{profile.block_size} tokens ({block_bytes} bytes each)")
+    return blocks
+
+
+def paged_cache(loaded: LoadedModel, profile: ModelProfile) -> PagedCache:
+    """The model's paged cache; under tensor parallelism each rank holds its share of the KV heads."""
+    return PagedCache.for_model(loaded.model.config.get_text_config(), slots=profile.slots,
+                                max_len=context_length(loaded, profile), blocks=kv_blocks(loaded, profile),
+                                block_size=profile.block_size, dtype=loaded.dtype, device=loaded.device,
+                                ranks=loaded.tp_size)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -33,7 +64,7 @@ class ModelCalls:
 
     step: Callable | None = None  # a decode step the decoder must run as it is (None: its own choice)
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache):
+    def __init__(self, model: torch.nn.Module, cache: PagedCache):
         self.model, self.cache = model, cache
 
     def forward(self, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
@@ -45,8 +76,12 @@ class ModelCalls:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return forward.logits(self.model, hidden)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        self.cache.move_row(src, dst, length)
+    def set_tables(self, tables: torch.Tensor) -> None:
+        """Rows 0..n-1's block tables ([n, max_blocks] int64, host memory)."""
+        self.cache.set_tables(tables)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
 
     def close(self) -> None:
         """Release what the calls hold beyond tensors (other ranks)."""

@@ -72,8 +72,10 @@ class SlotSampling:
         return [self.temperature, self.top_p, self.top_k, self.min_p, self.repetition, self.presence,
                 self.frequency, self.seed, self.counts, self.in_prompt, self.bias]
 
-    def assign(self, row: int, params: SamplingParams, prompt_ids: list[int], seed: int | None) -> None:
-        """Give row `row` to a new sequence with these parameters (seed None: a random one)."""
+    def assign(self, row: int, params: SamplingParams, prompt_ids: list[int], seed: int | None,
+               output_ids: list[int] = ()) -> None:
+        """Give row `row` to a sequence with these parameters (seed None: a random one) that has
+        output `output_ids` so far (a preempted sequence resuming)."""
         greedy = params.temperature < GREEDY_BELOW
         values = {self.temperature: 0.0 if greedy else params.temperature, self.top_p: params.top_p,
                   self.top_k: params.top_k, self.min_p: params.min_p, self.repetition: params.repetition_penalty,
@@ -82,6 +84,9 @@ class SlotSampling:
         for tensor, value in values.items():
             tensor[row] = value
         self.counts[row] = 0
+        if output_ids:
+            self.counts[row].index_add_(0, torch.tensor(list(output_ids), device=self.counts.device),
+                                        torch.ones(len(output_ids), device=self.counts.device))
         self.in_prompt[row] = False
         if params.repetition_penalty != 1.0 and prompt_ids:
             self.in_prompt[row, torch.tensor(prompt_ids, device=self.in_prompt.device)] = True

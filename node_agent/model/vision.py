@@ -83,9 +83,8 @@ class VisionPrompt:
         return length
 
 
-def _blocks(placeholders: torch.Tensor) -> list[tuple[int, int]]:
+def _blocks(flags: list[bool]) -> list[tuple[int, int]]:
     """The [start, end) runs of image tokens."""
-    flags = placeholders.tolist()
     runs, start = [], None
     for i, flag in enumerate(flags + [False]):
         if flag and start is None:
@@ -94,6 +93,15 @@ def _blocks(placeholders: torch.Tensor) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+def bidirectional_spans(config: PretrainedConfig, prompt_ids: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) runs of image tokens that attend to each other both ways (none for models
+    whose image tokens read causally)."""
+    if config.model_type not in BIDIRECTIONAL_IMAGES:
+        return []
+    token = image_token_id(config)
+    return _blocks([i == token for i in prompt_ids])
 
 
 def _call(method: Any, arrays: dict[str, torch.Tensor], **fixed: Any) -> Any:
@@ -130,7 +138,7 @@ def embed_prompt(model: torch.nn.Module, prompt_ids: list[int], images: dict[str
     embeds = embeds.clone()
     embeds[placeholders] = features
     if model.config.model_type in BIDIRECTIONAL_IMAGES:
-        blocks = _blocks(placeholders)
+        blocks = _blocks(placeholders.tolist())
         sees_until = torch.arange(len(prompt_ids), device=device)
         for start, end in blocks:
             sees_until[start:end] = end - 1

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from node_agent.model import devices, forward, kv_cache, loader, vision
 from node_agent.tp import tp_worker
-from node_agent.model.kv_cache import SlotCache
+from node_agent.model.kv_cache import PagedCache
 from node_agent.model.model_calls import ModelCalls
 from node_agent.tp.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
@@ -75,6 +75,9 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ModelLoadError(f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
                              "with tensor_parallel = 1")
+    if profile.kv_memory_fraction is not None:
+        raise ModelLoadError("every rank must hold as many KV blocks, and kv_memory_fraction sizes each device's cache "
+                             f"from its own free memory: give {profile.id} a kv_cache_mb instead")
     if profile.quant != "none":
         raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
     RankGroup.refuse_second()
@@ -145,7 +148,7 @@ class RankGroup:
             dist.distributed_c10d._set_pg_timeout(self.timeout, group)
         self.hidden_size, self.dtype = hidden_size, dtype
 
-    def calls(self, model: torch.nn.Module, cache: SlotCache) -> "Rank0Calls":
+    def calls(self, model: torch.nn.Module, cache: PagedCache) -> "Rank0Calls":
         """Rank 0's model calls, once every rank holds its cache (a worker that could not make its
         own fails this, and with it the load)."""
         with self.op():
@@ -195,7 +198,7 @@ class RankGroup:
 class Rank0Calls(ModelCalls):
     """Rank 0's model calls: each is sent to the workers, then run here."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotCache, group: RankGroup):
+    def __init__(self, model: torch.nn.Module, cache: PagedCache, group: RankGroup):
         super().__init__(model, cache)
         self.group = group
         self.step = self.decode_step
@@ -220,10 +223,15 @@ class Rank0Calls(ModelCalls):
             self.group.channel.send(Op.DECODE, tokens.shape[0], kv_len, payload=torch.stack([tokens, positions]))
             return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
 
-    def move_row(self, src, dst, length):
+    def set_tables(self, tables):
         with self.group.op():
-            self.group.channel.send(Op.MOVE_ROW, src, dst, length)
-            super().move_row(src, dst, length)
+            self.group.channel.send(Op.TABLES, *tables.shape, payload=tables)
+            super().set_tables(tables)
+
+    def move_row(self, src, dst):
+        with self.group.op():
+            self.group.channel.send(Op.MOVE_ROW, src, dst)
+            super().move_row(src, dst)
 
     def close(self) -> None:
         self.group.close()

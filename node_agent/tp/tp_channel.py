@@ -33,8 +33,9 @@ class Op(IntEnum):
     FORWARD = 1  # rows start, batch, width, kv_len; payload int64 [3, batch, width]: ids, positions, write columns
     LOGITS = 2  # rows; payload [rows, hidden] in the model's dtype: hidden states to run the lm_head on
     DECODE = 3  # batch, kv_len; payload int64 [2, batch]: tokens, positions
-    MOVE_ROW = 4  # src, dst, length; no payload
+    MOVE_ROW = 4  # src, dst; no payload
     STOP = 5  # no payload: leave the loop, tear down
+    TABLES = 6  # rows, max_blocks; payload int64 [rows, max_blocks]: rows 0..rows-1's block tables
 
 
 def payload_shape(op: Op, numbers: list[int], hidden_size: int) -> tuple[int, ...] | None:
@@ -44,6 +45,8 @@ def payload_shape(op: Op, numbers: list[int], hidden_size: int) -> tuple[int, ..
         return numbers[0], hidden_size
     if op == Op.DECODE:
         return 2, numbers[0]
+    if op == Op.TABLES:
+        return numbers[0], numbers[1]
     return None
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from node_agent.model import devices, forward, loader
-from node_agent.model.model_calls import ModelCalls, slot_cache
+from node_agent.model.model_calls import ModelCalls, paged_cache
 from node_agent.tp.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 
@@ -40,7 +40,7 @@ def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_ca
         channel_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         loaded = loader.load(profile, device, hf_cache, None, tp_size=world)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))  # the model's collectives
-        calls = ModelCalls(loaded.model, slot_cache(loaded, profile))
+        calls = ModelCalls(loaded.model, paged_cache(loaded, profile))
         channel = Channel(channel_group, loaded.model.config.hidden_size, loaded.dtype)
         dist.barrier(group=channel_group)  # rank 0 waits here for every rank's cache
         log.info("%s: rank %d of %d on %s ready (pid %d)", profile.id, rank, world, device, os.getpid())
@@ -71,4 +71,6 @@ def serve(channel, calls, device: torch.device) -> None:
         elif op == Op.DECODE:
             forward.decode_step(calls.model, calls.cache, payload[0], payload[1], torch.zeros_like(payload[1]), numbers[1])
         elif op == Op.MOVE_ROW:
-            calls.move_row(*numbers[:3])
+            calls.move_row(*numbers[:2])
+        elif op == Op.TABLES:
+            calls.set_tables(payload)

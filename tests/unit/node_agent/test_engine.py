@@ -37,7 +37,7 @@ def test_more_jobs_than_slots_wait_and_finish(tiny_llama):
     engine = Engine(lm, profile.model_copy(update={"slots": 2}))
     results = run(engine, *[request(f"j{i}", p, temperature=0, max_tokens=5) for i, p in enumerate(PROMPTS)])
     assert all(r.done is not None for r in results.values())
-    assert engine.rows == [] and not engine.jobs
+    assert engine.scheduler.rows == [] and not engine.jobs and engine.pool.used == 0
 
 
 def test_seeded_sampling_reproduces_and_unseeded_varies(tiny_llama):
@@ -93,7 +93,7 @@ def test_cancel_frees_the_slot_and_emits_nothing_more(tiny_llama):
     jobs = set()
     while engine.has_work:
         jobs |= {job for job, _ in engine.step()}
-    assert jobs == {"b"} and engine.rows == [] and not engine.jobs
+    assert jobs == {"b"} and engine.scheduler.rows == [] and not engine.jobs and engine.pool.used == 0
 
 
 def test_context_length_is_checked_before_any_device_work(tiny_llama):

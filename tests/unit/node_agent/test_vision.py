@@ -158,7 +158,7 @@ def test_a_prompt_whose_images_do_not_fit_its_tokens_fails_alone(vl):
             if job == "text":
                 engine_driver.collect(results[job], events)
     assert [e["code"] for e in errors] == ["generation_failed"] and "image tokens" in errors[0]["message"]
-    assert len(results["text"].token_ids[0]) == 3 and not engine.jobs and not engine.rows
+    assert len(results["text"].token_ids[0]) == 3 and not engine.jobs and not engine.scheduler.rows and engine.pool.used == 0
 
 
 def test_a_vision_model_is_not_sharded(tiny_vision_dirs):

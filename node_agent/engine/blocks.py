@@ -1,0 +1,120 @@
+"""The KV block pool's bookkeeping: which blocks are free, which hold a cached prefix, who holds
+what. Plain Python, no tensors: the blocks themselves live in the model side's paged cache
+(node_agent/model/kv_cache.py), this only hands out their ids.
+
+Block 0 is the null block: padding writes there and block tables are padded with it, so it is
+never handed out. A full block is identified by a hash chain over the token ids it holds and every
+block before it (`chain_hashes`), so two sequences that start with the same tokens name the same
+hashes, block for block. A block nobody holds any more keeps its contents and its hash: it is
+reused by the next sequence that asks for that hash, or evicted, least recently released first,
+when a block is needed and no never-used block is left (vLLM's and SGLang's prefix caching).
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+
+NULL_BLOCK = 0
+
+
+def chain_hashes(tokens: list[int], block_size: int, parent: bytes, start: int = 0) -> list[bytes]:
+    """The hashes of the full blocks of `tokens` from block `start` on; `parent` is the hash of
+    block `start - 1` (or the root: what else changes the cache's contents, such as its dtype)."""
+    hashes = []
+    for begin in range(start * block_size, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.blake2b(parent + array("q", tokens[begin: begin + block_size]).tobytes(),
+                                 digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    """`blocks` usable blocks (ids 1..blocks) of `block_size` tokens each. With `caching` off, a
+    released block forgets its contents at once."""
+
+    def __init__(self, blocks: int, block_size: int, caching: bool = True):
+        self.blocks, self.block_size, self.caching = blocks, block_size, caching
+        self.refs = [0] * (blocks + 1)
+        self.hash_of: list[bytes | None] = [None] * (blocks + 1)
+        self.by_hash: dict[bytes, int] = {}
+        self.empty: list[int] = list(range(blocks, 0, -1))  # never used or forgotten: popped from the end
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # released, still cached: oldest first
+
+    @property
+    def free(self) -> int:
+        """Blocks that can be handed out now (evicting cached ones if need be)."""
+        return len(self.empty) + len(self.evictable)
+
+    @property
+    def used(self) -> int:
+        return self.blocks - self.free
+
+    @property
+    def cached(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return len(self.evictable)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` fresh blocks, held once each; the caller checked `free`."""
+        if n > self.free:
+            raise RuntimeError(f"asked for {n} blocks with {self.free} free")
+        out = []
+        for _ in range(n):
+            if self.empty:
+                block = self.empty.pop()
+            else:
+                block, _ = self.evictable.popitem(last=False)
+                del self.by_hash[self.hash_of[block]]
+                self.hash_of[block] = None
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def match(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (not yet held: see `hold`)."""
+        found = []
+        for h in hashes:
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        """Hold cached blocks (from `match`) once more each."""
+        for block in blocks:
+            if self.refs[block] == 0:
+                del self.evictable[block]
+            self.refs[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Let go of a sequence's blocks. Its last blocks go first in the eviction order: a prefix
+        is worth more than the tail that follows it."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if self.caching and self.hash_of[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self._forget(block)
+                    self.empty.append(block)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """`block` is full and holds what `block_hash` names: later sequences may reuse it. A hash
+        already cached in another block keeps that block (this one is then just held)."""
+        if self.caching and block_hash not in self.by_hash and self.hash_of[block] is None:
+            self.by_hash[block_hash] = block
+            self.hash_of[block] = block_hash
+
+    def _forget(self, block: int) -> None:
+        if self.hash_of[block] is not None:
+            del self.by_hash[self.hash_of[block]]
+            self.hash_of[block] = None
+
+    def reset(self) -> None:
+        """Forget everything (after a device fault the cache's contents are not to be trusted)."""
+        self.__init__(self.blocks, self.block_size, self.caching)

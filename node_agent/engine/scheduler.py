@@ -1,0 +1,301 @@
+"""The scheduler: which sequences run, which KV blocks they hold, and what each step computes. No
+tensors and no text: it turns its sequences into a `StepPlan` (node_agent/model/step.py) for the
+runner, and takes back the tokens sampled and the sequences that finished (vLLM v1's Scheduler).
+
+Each `schedule()`:
+1. **Decode blocks.** Every decoding sequence gets a block when its next token starts one. With
+   none left, the newest running sequence is preempted: its blocks are released (their full blocks
+   stay cached) and it goes back to the front of the queue, to be recomputed from its tokens
+   (vLLM's recompute mode), never failed.
+2. **Admission**, first come first served, while a row is free and the blocks of its prompt (less
+   its longest cached prefix, plus one token) are: it holds the cached blocks and reads only the
+   rest. The sequences of one n > 1 job after the first wait until the first has read the prompt,
+   then find its blocks cached and share them.
+3. **Prefill**: the next chunk of the waiting prompts, several sequences together, up to
+   `prefill_chunk_tokens` (a model with linear-attention layers groups only chunks of equal width:
+   right padding would be folded into its state; a bidirectional image is never split).
+4. **Decode**: one token for every decoding sequence.
+Full blocks are registered in the pool by their hash chain as soon as they are planned, so the next
+step's admissions can reuse them.
+"""
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from node_agent.engine.blocks import BlockPool, chain_hashes
+from node_agent.model.step import DecodeRow, PrefillChunk, RowSetup, StepPlan
+from shared.wire import SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    key: int
+    job: "JobEntry"
+    index: int
+    tokens: list[int]  # the prompt, then the tokens sampled so far
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    computed: int = 0  # tokens whose keys and values are in its blocks
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # of the full blocks of its tokens, as far as computed
+    registered: int = 0  # of its blocks offered to the pool's prefix cache
+    decoding: bool = False  # read all it had to read; one token a step from now on
+    done: bool = False
+    admitted: int = 0  # admission order (the newest is preempted first)
+    synced: tuple[int, int] = (-1, 0)  # (row, blocks) the runner's block table last had
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.params.prompt_logprobs is not None and not self.output_ids
+
+
+@dataclass(eq=False)
+class JobEntry:
+    id: str
+    sequences: list[Sequence] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # image token runs a chunk never splits
+    cacheable: bool = True  # its blocks may be shared (no images, a model without linear attention)
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # prompt tokens looked up in the prefix cache
+    hits: int = 0  # of those, found cached
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_seqs: int, chunk_tokens: int, linear_attention: bool,
+                 root_hash: bytes):
+        self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
+        self.linear_attention, self.root_hash = linear_attention, root_hash
+        self.waiting: deque[Sequence] = deque()
+        self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest read their prompt
+        self.n_decoding = 0
+        self.jobs: dict[str, JobEntry] = {}
+        self.stats = PrefixStats()
+        self._keys = itertools.count()
+        self._admissions = itertools.count(1)
+        self._moves: list[tuple[int, int]] = []  # row moves not yet handed to the runner
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int],
+            spans: list[tuple[int, int]] = (), images: bool = False) -> list[int]:
+        """Queue a job's sequences (one per seed); returns their keys."""
+        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention)
+        for index, seed in enumerate(seeds):
+            entry.sequences.append(Sequence(next(self._keys), entry, index, list(prompt_ids), len(prompt_ids),
+                                            params, seed))
+        self.jobs[job] = entry
+        self.waiting.extend(entry.sequences)
+        return [s.key for s in entry.sequences]
+
+    def finish(self, keys: set[int]) -> None:
+        """These sequences are done (or their job failed or was cancelled): free their rows and blocks."""
+        if not keys:
+            return
+        for job in list(self.jobs.values()):
+            for seq in job.sequences:
+                if seq.key in keys and not seq.done:
+                    seq.done = True
+                    if seq in self.waiting:
+                        self.waiting.remove(seq)
+                    elif seq in self.rows:
+                        self._release(seq)
+            if all(s.done for s in job.sequences):
+                del self.jobs[job.id]
+        self._pack()
+
+    def abort(self, job: str) -> list[int]:
+        """Drop a job's sequences; returns their keys."""
+        entry = self.jobs.get(job)
+        keys = {s.key for s in entry.sequences} if entry else set()
+        self.finish(keys)
+        return sorted(keys)
+
+    def clear(self) -> None:
+        """Forget every sequence (after a device fault: the cache's contents are not to be trusted)."""
+        self.waiting.clear()
+        self.rows.clear()
+        self.jobs.clear()
+        self.n_decoding = 0
+        self._moves.clear()
+        self.pool.reset()
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.registered, seq.synced = [], 0, (-1, 0)
+        self.rows.remove(seq)
+
+    def _pack(self) -> None:
+        """Rows of the sequences that left are filled by those after them, decoding rows first."""
+        decoding = [s for s in self.rows if s.decoding]
+        reading = [s for s in self.rows if not s.decoding]
+        self.rows, self.n_decoding = decoding + reading, len(decoding)
+        for dst, seq in enumerate(self.rows):
+            if seq.synced[0] not in (dst, -1):
+                self._moves.append((seq.synced[0], dst))
+                seq.synced = (dst, -1)  # its block table goes to its new row
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        self._grow_decoding()
+        plan = StepPlan(setups=self._admit())
+        plan.prefill = self._chunks()
+        plan.decode = [DecodeRow(row, s.tokens[-1], s.computed) for row, s in enumerate(self.rows[: self.n_decoding])]
+        for seq in self.rows[: self.n_decoding]:
+            seq.computed += 1
+        self._register(self.rows)
+        plan.moves, self._moves = self._moves, []
+        plan.tables = self._tables()
+        plan.rows = len(self.rows)
+        sampled = self.rows[: self.n_decoding] + [self.rows[c.row] for c in plan.prefill if c.samples]
+        plan.samples = [s.key for s in sampled]
+        plan.sample_params = [s.params for s in sampled]
+        plan.sample_positions = [len(s.tokens) - 1 for s in sampled]
+        return plan
+
+    def update(self, keys: list[int], tokens: list[int]) -> None:
+        """The tokens sampled for these sequences (a plan's `samples`); those that finished their
+        prompt decode from now on."""
+        by_key = {s.key: s for s in self.rows}
+        for key, token in zip(keys, tokens):
+            seq = by_key.get(key)
+            if seq is not None:
+                seq.tokens.append(token)
+                seq.decoding = True
+        self._pack()
+
+    def _grow_decoding(self) -> None:
+        """A block for every decoding sequence whose next token starts one, preempting the newest
+        sequences while none is free."""
+        for seq in list(self.rows[: self.n_decoding]):
+            if seq not in self.rows or seq.computed < len(seq.blocks) * self.pool.block_size:
+                continue
+            while self.pool.free == 0:
+                victim = max(self.rows, key=lambda s: s.admitted)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                seq.blocks += self.pool.allocate(1)
+        self._pack()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give back a running sequence's blocks; it is recomputed from its tokens later."""
+        self._release(seq)
+        seq.computed, seq.decoding = 0, False
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _admit(self) -> list[RowSetup]:
+        setups = []
+        while self.waiting and len(self.rows) < self.max_seqs:
+            seq = self.waiting[0]
+            first = seq.job.sequences[0]
+            if seq is not first and seq.job.cacheable and self.pool.caching and not first.decoding \
+                    and first.computed < first.prompt_len:
+                break  # an n > 1 job's other sequences share the first one's prompt blocks once it has read them
+            cached = self._cached_prefix(seq)
+            holding = sum(self.pool.refs[b] == 0 for b in cached)
+            need = self.pool.blocks_for(len(seq.tokens) + 1) - len(cached)
+            if self.pool.free - holding < need:
+                break
+            self.waiting.popleft()
+            self.pool.hold(cached)
+            seq.blocks = cached + self.pool.allocate(need)
+            seq.registered, seq.computed = len(cached), len(cached) * self.pool.block_size
+            seq.admitted = next(self._admissions)
+            seq.synced = (len(self.rows), 0)
+            setups.append(RowSetup(len(self.rows), seq.job.id, seq.params, seq.tokens[: seq.prompt_len],
+                                   seq.output_ids, seq.seed))
+            self.rows.append(seq)
+        return setups
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of the sequence's longest cached prefix, leaving at least one token to
+        read (its logits give the next token)."""
+        if not (self.pool.caching and seq.job.cacheable) or seq.scores_prompt:
+            return []
+        size = self.pool.block_size
+        usable = (len(seq.tokens) - 1) // size
+        self._hash(seq, usable)
+        cached = self.pool.match(seq.hashes[:usable])
+        if not seq.output_ids:  # a first admission (a resumed sequence's prompt was counted once)
+            self.stats.queries += seq.prompt_len
+            self.stats.hits += len(cached) * size
+        return cached
+
+    def _chunks(self) -> list[PrefillChunk]:
+        budget, chunks = self.chunk_tokens, []
+        for row in range(self.n_decoding, len(self.rows)):
+            seq = self.rows[row]
+            if budget <= 0:
+                break
+            n = self._chunk_length(seq, min(len(seq.tokens) - seq.computed, budget))
+            if chunks and self.linear_attention and n != len(chunks[0].tokens):
+                break
+            end = seq.computed + n
+            chunks.append(PrefillChunk(
+                key=seq.key, row=row, job=seq.job.id, tokens=seq.tokens[seq.computed: end], start=seq.computed,
+                samples=end == len(seq.tokens),
+                score_top=seq.params.prompt_logprobs if seq.scores_prompt else None,
+                following=seq.tokens[seq.computed + 1: min(end + 1, seq.prompt_len)] if seq.scores_prompt else []))
+            seq.computed = end
+            budget -= n
+            if end < len(seq.tokens):
+                break  # the budget ran out inside this prompt: the sequences that sample are a prefix
+        return chunks
+
+    def _chunk_length(self, seq: Sequence, length: int) -> int:
+        """At most `length` tokens from where the sequence is, ending outside every image that
+        attends both ways (unless one starting there is longer)."""
+        start, end = seq.computed, seq.computed + length
+        for span_start, span_end in seq.job.spans:
+            if span_start < end < span_end:
+                return span_start - start if span_start > start else span_end - start
+        return length
+
+    def _register(self, seqs: list[Sequence]) -> None:
+        """Offer the full blocks planned so far to later sequences (their keys and values are
+        written by the forward this plan runs, before any later plan reads them)."""
+        if not self.pool.caching:
+            return
+        size = self.pool.block_size
+        for seq in seqs:
+            full = seq.computed // size
+            if not seq.job.cacheable or seq.registered >= full:
+                continue
+            self._hash(seq, full)
+            for i in range(seq.registered, full):
+                self.pool.register(seq.blocks[i], seq.hashes[i])
+            seq.registered = full
+
+    def _hash(self, seq: Sequence, blocks: int) -> None:
+        """Extend the sequence's hash chain over its first `blocks` full blocks."""
+        if len(seq.hashes) < blocks:
+            size = self.pool.block_size
+            seq.hashes += chain_hashes(seq.tokens[: blocks * size], size, seq.hashes[-1] if seq.hashes
+                                       else self.root_hash, start=len(seq.hashes))
+
+    def _tables(self) -> dict[int, list[int]]:
+        """The block tables of the rows whose sequence or blocks changed since the runner last had them."""
+        tables = {}
+        for row, seq in enumerate(self.rows):
+            if seq.synced != (row, len(seq.blocks)):
+                tables[row] = seq.blocks
+                seq.synced = (row, len(seq.blocks))
+        return tables
+

@@ -1,0 +1,217 @@
+"""The model runner: turns a `StepPlan` into tensors, runs the forwards and samples, and returns a
+`StepResult` of token ids and numbers. It owns everything on the device for one model: the paged
+cache, the per-row sampling state and rope offsets, the block tables, the decoder, a prompt's image
+embeddings. It never sees requests, text or Redis (vLLM v1's GPUModelRunner).
+
+A step: apply the plan's row moves and new rows, copy the changed block tables in one go, run the
+decode step for the decoding rows (node_agent/model/decoders.py) and one prefill forward for the
+chunk group, then sample every row that has a next token (the decoding rows, then the chunks that
+finished their prompt: rows 0..k-1) with one call and one device->host copy of the ids.
+"""
+
+import logging
+
+import llguidance.torch
+import numpy as np
+import torch
+
+from node_agent.model import decoders
+from node_agent.model.loader import LoadedModel
+from node_agent.model.model_calls import ModelCalls, paged_cache, weight_bytes
+from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
+from node_agent.model.step import PrefillChunk, PromptScores, Sampled, StepPlan, StepResult
+from node_agent.model.vision import VisionPrompt, embed_prompt
+from shared.catalog import ModelProfile
+
+log = logging.getLogger(__name__)
+
+Bitmask = tuple[torch.Tensor, list[int]]  # llguidance's packed token bitmask, and the sampled rows it is for
+
+
+class Runner:
+    def __init__(self, loaded: LoadedModel, profile: ModelProfile):
+        self.lm, self.profile = loaded, profile
+        self.vocab = loaded.model.config.get_text_config().vocab_size
+        self.cache = paged_cache(loaded, profile)
+        self.calls = (loaded.group.calls(loaded.model, self.cache) if loaded.group
+                      else ModelCalls(loaded.model, self.cache))  # every model call (to all ranks when sharded)
+        self.sampling = SlotSampling(profile.slots, self.vocab, loaded.device)
+        self.rope_offsets = torch.zeros(profile.slots, dtype=torch.long, device=loaded.device)  # moved with rows
+        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.rope_offsets, profile.slots,
+                                     self.calls.step)
+        self.tables = torch.zeros(profile.slots, self.cache.max_blocks, dtype=torch.long,
+                                  pin_memory=loaded.device.type == "cuda")
+        self.images: dict[str, tuple[list[int], dict[str, np.ndarray]]] = {}  # a job's prompt and processor inputs,
+        # until its images are embedded
+        self.vision: dict[str, VisionPrompt] = {}  # a job's prompt embeddings, while it runs
+        self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
+        log.info("%s: %d KV blocks of %d tokens (%d MiB); decodes with %s steps", profile.id, self.cache.blocks,
+                 self.cache.block_size, self.cache.bytes >> 20, self.decoder.name)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def memory_bytes(self) -> int:
+        return self.resident_bytes + self.decoder.graph_bytes
+
+    def add_images(self, job: str, prompt_ids: list[int], images: dict[str, np.ndarray]) -> None:
+        """A vision prompt's processor inputs (node_agent/serving/prompts.vision_prompt), embedded at
+        its job's first chunk."""
+        self.images[job] = prompt_ids, images
+
+    def forget(self, job: str) -> None:
+        self.images.pop(job, None)
+        self.vision.pop(job, None)
+
+    def close(self) -> None:
+        self.calls.close()
+        self.cache = self.sampling = self.decoder = self.calls = None
+        self.lm.model = None
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, bitmask: Bitmask | None = None) -> StepResult:
+        result = StepResult()
+        self._place(plan)
+        parts = []
+        if plan.decode:
+            parts.append(self._decode(plan))
+        if plan.prefill:
+            last = self._prefill(plan.prefill, len(plan.decode), result)
+            if last is not None:
+                parts.append(last)
+        if plan.samples:
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+            result.sampled = self._sample(logits, plan, bitmask)
+        return result
+
+    def _place(self, plan: StepPlan) -> None:
+        for src, dst in plan.moves:
+            self.calls.move_row(src, dst)
+            self.sampling.move(src, dst)
+            self.rope_offsets[dst] = self.rope_offsets[src]
+        for setup in plan.setups:
+            self.sampling.assign(setup.row, setup.params, setup.prompt_ids, setup.seed, setup.output_ids)
+            prompt = self.vision.get(setup.job)
+            self.rope_offsets[setup.row] = prompt.rope_delta if prompt else 0
+        if plan.tables:
+            for row, blocks in plan.tables.items():
+                self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+                self.tables[row, len(blocks):] = 0
+            self.calls.set_tables(self.tables[: plan.rows])
+
+    def _decode(self, plan: StepPlan) -> torch.Tensor:
+        tokens, positions = [d.token for d in plan.decode], [d.position for d in plan.decode]
+        try:
+            return self.decoder(tokens, positions)
+        except decoders.CaptureFailed as exc:
+            log.warning("%s: the decode step cannot be captured (%s); decoding eagerly from now on", self.profile.id,
+                        exc)
+            self.decoder = decoders.EagerDecoder(self.lm.model, self.cache, self.rope_offsets)
+            return self.decoder(tokens, positions)
+
+    def _prefill(self, chunks: list[PrefillChunk], start: int, result: StepResult) -> torch.Tensor | None:
+        """One forward over the chunk group (rows start.., right-padded to the widest chunk);
+        returns the logits of the chunks that sample."""
+        device, width = self.lm.device, max(len(c.tokens) for c in chunks)
+        input_ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.zeros(len(chunks), width, dtype=torch.long)
+        write_pos = torch.full((len(chunks), width), self.cache.scratch_position, dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.tokens)
+            input_ids[i, :n] = torch.tensor(chunk.tokens)
+            positions[i] = torch.arange(chunk.start, chunk.start + width).clamp(max=self.max_len - 1)
+            write_pos[i, :n] = positions[i, :n]
+        kv_len = min(max(c.start + len(c.tokens) for c in chunks), self.max_len)
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        embeds, rope, sees_until = self._vision_inputs(chunks, input_ids, positions, start, result)
+        hidden = self.calls.forward(slice(start, start + len(chunks)), input_ids, positions, write_pos.to(device),
+                                    kv_len, inputs_embeds=embeds, rope_positions=rope, sees_until=sees_until)
+        for i, chunk in enumerate(chunks):
+            if chunk.score_top is not None and chunk.following:
+                result.prompt_scores[chunk.key] = self._score(chunk, hidden[i, : len(chunk.following)])
+        done = [i for i, chunk in enumerate(chunks) if chunk.samples]  # a prefix of the group
+        if not done:
+            return None
+        last = hidden[torch.tensor(done, device=device), torch.tensor([len(chunks[i].tokens) - 1 for i in done],
+                                                                       device=device)]
+        return self.calls.logits(last)
+
+    def _vision_inputs(self, chunks: list[PrefillChunk], input_ids: torch.Tensor, positions: torch.Tensor,
+                       start: int, result: StepResult
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """A chunk group's embeddings, rope positions and last positions seen, where some row reads
+        a prompt with images (its chunk's slice of each; the other rows embed their tokens and see
+        causally); Nones otherwise. A job's images are embedded at its first chunk."""
+        rows = []
+        for i, chunk in enumerate(chunks):
+            prompt = self._embedded(chunk, result)
+            if prompt is not None:
+                self.rope_offsets[start + i] = prompt.rope_delta
+                rows.append((i, prompt, chunk.start, len(chunk.tokens)))
+        if not rows:
+            return None, None, None
+        embeds = self.lm.model.get_input_embeddings()(input_ids)
+        for i, prompt, begin, n in rows:
+            embeds[i, :n] = prompt.embeds[begin: begin + n]
+        rope = sees_until = None
+        if any(prompt.rope is not None for _, prompt, _, _ in rows):
+            rope = positions[None].repeat(3, 1, 1)
+            for i, prompt, begin, n in rows:
+                if prompt.rope is not None:
+                    rope[:, i, :n] = prompt.rope[:, begin: begin + n]
+        if any(prompt.sees_until is not None for _, prompt, _, _ in rows):
+            sees_until = positions.clone()
+            for i, prompt, begin, n in rows:
+                if prompt.sees_until is not None:
+                    sees_until[i, :n] = prompt.sees_until[begin: begin + n]
+        return embeds, rope, sees_until
+
+    def _embedded(self, chunk: PrefillChunk, result: StepResult) -> VisionPrompt | None:
+        """The chunk's job's prompt embeddings (running the vision tower once per job); None for a
+        text prompt, or when its images failed (the job fails; the chunk's writes go unread)."""
+        if chunk.job in self.vision or chunk.job not in self.images:
+            return self.vision.get(chunk.job)
+        try:
+            self.vision[chunk.job] = embed_prompt(self.lm.model, *self.images.pop(chunk.job), self.lm.device)
+        except Exception as exc:
+            log.exception("job %s: its images could not be embedded", chunk.job)
+            result.failed[chunk.job] = exc
+            return None
+        return self.vision[chunk.job]
+
+    def _score(self, chunk: PrefillChunk, hidden: torch.Tensor) -> PromptScores:
+        """Prompt logprobs for this chunk: each position scores the prompt token that follows it."""
+        logits = self.calls.logits(hidden)
+        chosen, tops = token_logprobs(logits, torch.tensor(chunk.following, device=logits.device), chunk.score_top)
+        return PromptScores(chunk.start, chunk.following, chosen, tops)
+
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, bitmask: Bitmask | None) -> list[Sampled]:
+        params = plan.sample_params
+        use = stages(params)
+        raw = logits
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, *bitmask)
+        rows = slice(0, len(params))
+        noise_at = torch.tensor(plan.sample_positions, device=logits.device) if use.sampling else None
+        tokens = sample(logits, self.sampling, rows, noise_at, use)
+        if use.penalties:
+            self.sampling.record(rows, tokens)
+        ids = tokens.tolist()  # the step's one device->host copy
+        out = [Sampled(token) for token in ids]
+        asked = [i for i, p in enumerate(params) if p.logprobs]
+        if asked:
+            index = torch.tensor(asked, device=raw.device)
+            chosen, tops = token_logprobs(raw[index], tokens[index], max(params[i].top_logprobs for i in asked))
+            for i, logprob, top in zip(asked, chosen, tops):
+                out[i].logprob, out[i].top = logprob, top[: params[i].top_logprobs]
+        return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Forbid, in place, every token a row's grammar does not allow (rows without one untouched)."""
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits[index]
+    llguidance.torch.apply_token_bitmask_inplace(masked, bitmask.to(logits.device))
+    logits[index] = masked

@@ -1,0 +1,88 @@
+"""The records between the engine's scheduler and the model's runner: what one step runs
+(`StepPlan`, built by node_agent/engine/scheduler.py with no tensor in it) and what it gave
+(`StepResult`, token ids and numbers). They are the only seam between the two (vLLM v1's
+SchedulerOutput and ModelRunnerOutput).
+
+Rows: sequences occupy rows 0..n-1 of the runner's per-row state (sampling parameters, rope
+offsets, linear-attention states, block tables), decoding rows first, then rows still reading
+their prompt; the plan's moves keep them packed.
+"""
+
+from dataclasses import dataclass, field
+
+from shared.wire import SamplingParams
+
+
+@dataclass
+class RowSetup:
+    """A sequence takes `row`: its sampling parameters, and the tokens the penalties count."""
+
+    row: int
+    job: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # a preempted sequence's tokens so far (it resumes from them)
+    seed: int | None
+
+
+@dataclass
+class PrefillChunk:
+    """The next `len(tokens)` tokens of a sequence, written from position `start`."""
+
+    key: int  # the sequence's
+    row: int
+    job: str
+    tokens: list[int]
+    start: int
+    samples: bool  # the chunk ends what the sequence has to read: its next token is sampled
+    score_top: int | None = None  # prompt logprobs asked (with this many alternatives)
+    following: list[int] = field(default_factory=list)  # the prompt tokens each position scores
+
+
+@dataclass
+class DecodeRow:
+    row: int
+    token: int  # the last token, fed at `position`
+    position: int
+
+
+@dataclass
+class StepPlan:
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) row moves, in order, first
+    setups: list[RowSetup] = field(default_factory=list)
+    tables: dict[int, list[int]] = field(default_factory=dict)  # row -> its blocks, for rows that changed
+    rows: int = 0  # rows in use after the moves and setups
+    decode: list[DecodeRow] = field(default_factory=list)  # rows 0..len-1
+    prefill: list[PrefillChunk] = field(default_factory=list)  # contiguous rows after the decoding ones
+    samples: list[int] = field(default_factory=list)  # sequence keys sampled, rows 0..len-1 in order
+    sample_params: list[SamplingParams] = field(default_factory=list)  # theirs, in the same order
+    sample_positions: list[int] = field(default_factory=list)  # each one's last position (its draw's noise)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+@dataclass
+class Sampled:
+    token: int
+    logprob: float | None = None  # when asked
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class PromptScores:
+    """Prompt logprobs of one chunk: for each position from `start`, the following prompt token's
+    logprob and the best alternatives."""
+
+    start: int
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]]
+
+
+@dataclass
+class StepResult:
+    sampled: list[Sampled] = field(default_factory=list)  # in `StepPlan.samples` order
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # by sequence key
+    failed: dict[str, Exception] = field(default_factory=dict)  # jobs whose own work raised (an image, say)
