@@ -1,6 +1,6 @@
-"""The fixed-shape decode step on CPU: padded buckets never change real rows (nor a padding row's
-linear-attention state), the step compiles with fullgraph=True (no host sync, no data-dependent
-Python: what a CUDA graph needs too)."""
+"""The fixed-shape decode step on CPU: padded buckets write only the null block (and keep a
+padding row's linear-attention state), the step over block tables compiles with fullgraph=True (no
+host sync, no data-dependent Python: what a CUDA graph needs too)."""
 
 import pytest
 import torch
@@ -30,15 +30,24 @@ def test_padded_static_steps_equal_eager_steps(tiny_llama):
     assert {j: r.token_ids for j, r in static.items()} == {j: r.token_ids for j, r in eager.items()}
 
 
-def test_padding_rows_write_only_the_scratch_column(tiny_llama):
+def _tables(cache, rows: int) -> torch.Tensor:
+    """Rows 0..rows-1 hold blocks 1..rows, one each."""
+    tables = torch.zeros(rows, cache.max_blocks, dtype=torch.long)
+    tables[:, 0] = torch.arange(1, rows + 1)
+    return tables
+
+
+def test_padding_rows_write_only_the_null_block(tiny_llama):
     profile, lm = tiny_llama
     engine = Engine(lm, profile.model_copy(update={"decode": "static", "slots": 4}))
-    before = [layer.keys.clone() for layer in engine.cache.layers]
+    cache, size = engine.cache, engine.cache.block_size
+    cache.set_tables(_tables(cache, 4))  # row 3 (padding below) holds block 4
+    before = [layer.keys.clone() for layer in cache.layers]
     with torch.inference_mode():
-        engine.decoder([5, 6, 7], [0, 1, 2])  # pads to 4 rows; row 3 writes the scratch column
-    for old, layer in zip(before, engine.cache.layers):
-        assert torch.equal(old[3, :, : engine.cache.max_len], layer.keys[3, :, : engine.cache.max_len])
-        assert not torch.equal(old[0, :, 0], layer.keys[0, :, 0])
+        engine.decoder([5, 6, 7], [0, 1, 2])  # pads to 4 rows; row 3 writes the null block
+    for old, layer in zip(before, cache.layers):
+        changed = (old != layer.keys).any(-1).any(-1).nonzero().flatten().tolist()
+        assert set(changed) - {0} == {size, 2 * size + 1, 3 * size + 2}  # slot 0: the null block's first
 
 
 def test_padding_rows_keep_their_linear_attention_state(small_vocab_dirs):
@@ -65,7 +74,8 @@ def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
     profile = tiny_profile(small_vocab_dirs[arch], slots=4)
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
-    tokens, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 10, 0, engine.cache.scratch_column])
+    engine.cache.set_tables(_tables(engine.cache, 4))
+    tokens, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 10, 0, engine.cache.scratch_position])
     rope_offsets = torch.tensor([0, -4, 0, 0])  # a row after an image in an M-RoPE model rotates behind its column
     start = [t.clone() for t in _cache_tensors(engine.cache)]
     with torch.inference_mode():
