@@ -1,0 +1,53 @@
+"""The block pool's bookkeeping (node_agent/engine/blocks.py): hash chains, holding and releasing,
+reuse of cached prefixes, least-recently-released eviction. No model."""
+
+import pytest
+
+from node_agent.engine.blocks import BlockPool, chain_hashes
+
+ROOT = b"root"
+
+
+def test_hash_chains_name_a_block_by_everything_before_it():
+    a = chain_hashes(list(range(40)), 16, ROOT)
+    b = chain_hashes(list(range(32)) + [7] * 8, 16, ROOT)
+    c = chain_hashes([99] + list(range(1, 40)), 16, ROOT)
+    assert len(a) == 2 and a == b  # only full blocks; the partial third differs and is not hashed
+    assert a[0] != c[0] and a[1] != c[1]  # a different first token changes every later block
+    assert chain_hashes(list(range(48)), 16, a[1], start=2) == chain_hashes(list(range(48)), 16, ROOT)[2:]
+    assert chain_hashes(list(range(40)), 16, b"other root") != a
+
+
+def test_released_blocks_stay_cached_until_evicted_oldest_first():
+    pool = BlockPool(4, 16)
+    first, second = pool.allocate(2), pool.allocate(2)
+    hashes = [bytes([i]) for i in range(4)]
+    for block, h in zip(first + second, hashes):
+        pool.register(block, h)
+    pool.release(first)
+    pool.release(second)
+    assert (pool.free, pool.used, pool.cached) == (4, 0, 4)
+    assert pool.match(hashes[:2]) == first
+    pool.allocate(1)  # evicts the oldest released: first's last block (a tail goes before its prefix)
+    assert pool.match(hashes[:2]) == first[:1] and pool.cached == 3
+
+
+def test_held_blocks_are_shared_and_never_evicted():
+    pool = BlockPool(3, 16)
+    blocks = pool.allocate(2)
+    pool.register(blocks[0], b"h")
+    pool.hold(pool.match([b"h"]))  # a second sequence shares the first block
+    assert pool.refs[blocks[0]] == 2
+    pool.release(blocks)
+    assert pool.used == 1 and pool.match([b"h"]) == blocks[:1]
+    assert len(pool.allocate(2)) == 2 and pool.free == 0  # the shared block was not evicted
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+
+
+def test_without_caching_a_released_block_is_forgotten():
+    pool = BlockPool(2, 16, caching=False)
+    block = pool.allocate(1)
+    pool.register(block[0], b"h")
+    pool.release(block)
+    assert pool.match([b"h"]) == [] and pool.cached == 0 and pool.free == 2
