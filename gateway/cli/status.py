@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.fleet_status import FleetStatus
+from shared.heartbeat import KVCacheStats
 from shared.lifecycle import ModelState
 
 
@@ -20,6 +21,15 @@ def _age(seconds: float) -> str:
 
 def _gib(mb: int) -> str:
     return f"{mb / 1024:.1f}"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part // whole}%" if whole else "-"  # floored: 100% only when all of it
+
+
+def _kv(kv: KVCacheStats) -> str:
+    return (f"KV {_percent(kv.blocks_used, kv.blocks_total)} ({kv.blocks_used}/{kv.blocks_total} blk)"
+            f" prefix {_percent(kv.prefix_hits, kv.prefix_queries)}")
 
 
 _STATE_STYLE = {
@@ -47,6 +57,7 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
                 f" q={m.queue_depth} idle={'busy' if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else '-')}"
                 + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
                 + (f" ({m.error})" if m.error else "")
+                + (f"\n  {_kv(m.kv)}" if m.kv is not None else "")
                 for name, m in sorted(n.models.items())
             )
             table.add_row(
