@@ -1,15 +1,19 @@
-"""Prometheus metrics, named in vLLM's style under the `cortex:` prefix.
+"""Prometheus metrics, named in vLLM's style under the `cortex:` prefix; the KV cache's and prefix
+cache's under vLLM's own names (`vllm:`).
 
 Per-request figures are observed as a job's events arrive (one observation per engine step, not
-per token); fleet gauges are refreshed from heartbeats and streams every `REFRESH_S`."""
+per token); fleet gauges, and the nodes' own counters, are refreshed from heartbeats and streams
+every `REFRESH_S`."""
 
 import asyncio
 import logging
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared import queues
+from shared.heartbeat import KVCacheStats, NodeHeartbeat
 from shared.wire import DeltaEvent, DoneEvent
 
 log = logging.getLogger(__name__)
@@ -46,12 +50,15 @@ class Metrics:
         self.memory_total = g("node_memory_total_bytes", "Device memory, from heartbeats.", ["node", "device"])
         self.slots_used = g("model_slots_used", "Slots taken, from heartbeats.", ["model", "node"])
         self.slots_total = g("model_slots_total", "Slots, from heartbeats.", ["model", "node"])
+        self.kv_cache = KVCacheCollector()
+        self.registry.register(self.kv_cache)
 
     def request(self, model: str, submitted: float) -> "RequestTimer":
         return RequestTimer(self, model, submitted)
 
     async def refresh(self, ctx) -> None:
         nodes = await ctx.fleet.live_nodes()
+        self.kv_cache.update(nodes)
         for gauge in (self.memory_used, self.memory_total, self.slots_used, self.slots_total):
             gauge.clear()
         for node in nodes:
@@ -73,6 +80,40 @@ class Metrics:
             except Exception as exc:  # Redis away: the gauges keep their last values
                 log.debug("metrics refresh: %s", exc)
             await asyncio.sleep(REFRESH_S)
+
+
+_KV_COUNTERS = (  # (name, KVCacheStats field, help); exposed with `_total` appended
+    ("vllm:prefix_cache_queries", "prefix_queries", "Prefix cache queries, in prompt tokens looked up."),
+    ("vllm:prefix_cache_hits", "prefix_hits", "Prefix cache hits, in prompt tokens found cached."),
+    ("vllm:num_preemptions", "preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+)
+
+
+class KVCacheCollector:
+    """Each replica's KV cache and prefix cache, from the latest heartbeats, labelled model and node.
+
+    The counters are the node's own, exposed as they are (not counted here): a replica that restarts
+    starts them again from zero, which Prometheus reads as a counter reset."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[tuple[str, str], KVCacheStats] = {}  # (model, node) -> its latest figures
+
+    def update(self, nodes: list[NodeHeartbeat]) -> None:
+        self.replicas = {(model, node.node): info.kv for node in nodes for model, info in node.models.items()
+                         if info.kv is not None}
+
+    def collect(self):
+        labels = ["model", "node"]
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0..1: blocks held by running sequences"
+                                  " over the pool (blocks only holding a cached prefix are free).", labels=labels)
+        counters = [(CounterMetricFamily(name, doc, labels=labels), field) for name, field, doc in _KV_COUNTERS]
+        for (model, node), kv in self.replicas.items():
+            usage.add_metric([model, node], kv.usage)
+            for family, field in counters:
+                family.add_metric([model, node], getattr(kv, field))
+        yield usage
+        for family, _ in counters:
+            yield family
 
 
 class RequestTimer:

@@ -5,7 +5,7 @@ import json
 
 from pydantic import BaseModel
 
-from shared.heartbeat import NodeHeartbeat
+from shared.heartbeat import KVCacheStats, NodeHeartbeat
 
 
 class DeviceStatus(BaseModel):
@@ -26,6 +26,7 @@ class ModelStatus(BaseModel):
     last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
+    kv: KVCacheStats | None = None  # its KV cache and prefix cache; None until its engine is built
     error: str = ""
 
 
@@ -58,7 +59,8 @@ class NodeStatus(BaseModel):
                 name: ModelStatus(
                     state=str(m.state), device=m.device, devices=m.devices or [m.device], slots_used=m.slots_used,
                     slots_total=m.slots_total, memory_mb=m.memory_mb, last_used_ms=m.last_used_ms,
-                    idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, error=m.error,
+                    idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
+                    error=m.error,
                 )
                 for name, m in hb.models.items()
             },

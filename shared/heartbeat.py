@@ -18,6 +18,8 @@ class DeviceInfo(BaseModel):
 
 
 class KVCacheStats(BaseModel):
+    """A replica's paged KV cache and prefix cache; the counters count from the engine's start."""
+
     block_size: int = 0  # tokens per block
     blocks_total: int = 0  # blocks in the pool
     blocks_used: int = 0  # held by running sequences
@@ -25,6 +27,11 @@ class KVCacheStats(BaseModel):
     prefix_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # counter: of those, tokens found cached
     preemptions: int = 0  # counter: sequences preempted (recomputed later) for lack of blocks
+
+    @property
+    def usage(self) -> float:
+        """The share of the pool held by running sequences, 0..1 (cached blocks are free)."""
+        return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
 class ModelInfo(BaseModel):
@@ -36,6 +43,7 @@ class ModelInfo(BaseModel):
     memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)
     last_used_ms: int = 0  # when a job last ended (or the model became ready)
     error: str = ""  # why it is poisoned or failed
+    kv: KVCacheStats | None = None  # None: the engine is not built yet
 
 
 class NodeHeartbeat(BaseModel):

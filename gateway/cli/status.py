@@ -6,7 +6,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from shared.fleet_status import FleetStatus
+from shared.fleet_status import FleetStatus, ModelStatus
+from shared.heartbeat import KVCacheStats
 from shared.lifecycle import ModelState
 
 
@@ -20,6 +21,23 @@ def _age(seconds: float) -> str:
 
 def _gib(mb: int) -> str:
     return f"{mb / 1024:.1f}"
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part // whole}%" if whole else "-"  # floored: 100% only when all of it
+
+
+def _model(name: str, m: ModelStatus) -> str:
+    idle = "busy" if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else "-")
+    return (f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
+            f" q={m.queue_depth} idle={idle}"
+            + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
+            + (f" ({m.error})" if m.error else ""))
+
+
+def _kv(kv: KVCacheStats) -> str:
+    return (f"KV {_percent(kv.blocks_used, kv.blocks_total)} ({kv.blocks_used}/{kv.blocks_total} blk)"
+            f" prefix {_percent(kv.prefix_hits, kv.prefix_queries)}")
 
 
 _STATE_STYLE = {
@@ -38,26 +56,18 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
     else:
         table = Table(title="Nodes", title_justify="left")
         for column in ("node", "alive", "heartbeat", "version", "state", "devices (used/total GiB)",
-                       "models (slots used/total, queued, idle)"):
+                       "models (slots used/total, queued, idle)", "KV cache"):
             table.add_column(column)
         for n in fleet.nodes:
             devices = "\n".join(f"{d.id} {d.name} {_gib(d.used_mb)}/{_gib(d.total_mb)}" for d in n.devices)
-            models = "\n".join(
-                f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
-                f" q={m.queue_depth} idle={'busy' if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else '-')}"
-                + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
-                + (f" ({m.error})" if m.error else "")
-                for name, m in sorted(n.models.items())
-            )
-            table.add_row(
-                n.node,
-                "[green]yes[/]" if n.alive else "[red]no[/]",
-                f"{_age(n.heartbeat_age_s)} ago",
-                n.version,
-                (n.state if not n.error else f"{n.state}: {n.error}") + (f"\n{','.join(n.labels)}" if n.labels else ""),
-                devices or "-",
-                models or "-",
-            )
+            state = n.state if not n.error else f"{n.state}: {n.error}"
+            node = [n.node, "[green]yes[/]" if n.alive else "[red]no[/]", f"{_age(n.heartbeat_age_s)} ago", n.version,
+                    state + (f"\n{','.join(n.labels)}" if n.labels else ""), devices or "-"]
+            # a row per model, so that its KV cache stays beside it however the lines wrap
+            rows = [(_model(name, m), _kv(m.kv) if m.kv is not None else "") for name, m in sorted(n.models.items())]
+            rows = rows or [("-", "")]
+            for i, row in enumerate(rows):
+                table.add_row(*(node if i == 0 else [""] * len(node)), *row, end_section=i == len(rows) - 1)
         console.print(table)
     if fleet.queues:
         table = Table(title="Queues", title_justify="left")

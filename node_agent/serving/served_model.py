@@ -125,7 +125,8 @@ class ServedModel:
     def info(self) -> ModelInfo:
         return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
                          slots_total=self.profile.slots, slots_used=self.used_slots, memory_mb=self.memory_mb,
-                         last_used_ms=self.last_used_ms, error=self.error)
+                         last_used_ms=self.last_used_ms, error=self.error,
+                         kv=self.engine.kv_stats() if self.engine is not None else None)
 
     @property
     def memory_mb(self) -> int:

@@ -112,6 +112,13 @@ def test_metrics_count_what_was_served(fleet_stack):
                  "cortex:model_slots_total"):
         assert name in families, name
     assert [s.value for s in families["cortex:node_memory_total_bytes"].samples] == [500 * 2**20]
+    # the node's KV cache, through its heartbeat, under vLLM's names
+    (usage,) = families["vllm:kv_cache_usage_perc"].samples
+    assert usage.labels == {"model": "tiny-a", "node": "n1"} and 0 <= usage.value <= 1
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+        assert families[name].type == "counter"
+        assert [(s.name, s.labels) for s in families[name].samples] == [(f"{name}_total", usage.labels)]
+    assert families["vllm:prefix_cache_queries"].samples[0].value > 0  # five prompts were looked up
 
 
 @pytest.mark.models(**{"tiny-a": {"max_replicas": 2, "slots": 1}})

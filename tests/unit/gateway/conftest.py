@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from gateway.server import create_app
 from shared.catalog import DEFAULT_MODEL_ID
-from shared.heartbeat import ModelInfo, NodeHeartbeat
+from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
@@ -113,14 +113,16 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def beat(
-    redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active"
+    redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active",
+    kv: dict[str, KVCacheStats] | None = None,
 ) -> NodeHeartbeat:
-    """Write a heartbeat as a node agent would."""
+    """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures."""
     now_ms = int((time.time() - age_s) * 1000)
     models = {MODEL: ModelState.READY} if models is None else models
+    kv = kv or {}
     heartbeat = NodeHeartbeat(
         node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
-        models={name: ModelInfo(state=s, device="cpu", slots_total=4) for name, s in models.items()},
+        models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name)) for name, s in models.items()},
     )
     await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())
     await redis.zadd(KEYS.nodes(), {node: now_ms})

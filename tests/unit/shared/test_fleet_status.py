@@ -8,7 +8,7 @@ from rich.console import Console
 
 from gateway.cli.status import render_fleet
 from shared.fleet import Fleet
-from shared.heartbeat import DeviceInfo, ModelInfo, NodeHeartbeat
+from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 
@@ -204,3 +204,28 @@ async def test_a_tensor_parallel_model_is_one_replica_spanning_its_devices(r):
     console = Console(width=200, record=True)
     render_fleet(fleet, console)
     assert "tp=2 on cpu:0+cpu:1" in console.export_text()
+
+
+async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
+    keys = Keys()
+    warm = KVCacheStats(block_size=16, blocks_total=400, blocks_used=148, blocks_cached=52, prefix_queries=1000,
+                        prefix_hits=819, preemptions=2)
+    cold = KVCacheStats(block_size=16, blocks_total=100, blocks_used=29)
+    await publish(r, keys, heartbeat("n1", **{
+        MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=16, slots_used=3, kv=warm),
+        "cold": ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, kv=cold),
+        "loading": ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=4),
+    }))
+
+    fleet = await Fleet(r, keys, 8).status(NOW_MS)
+
+    models = fleet.nodes[0].models
+    assert models[MODEL].kv == warm and models["loading"].kv is None
+    assert json.loads(fleet.model_dump_json())["nodes"][0]["models"][MODEL]["kv"]["prefix_hits"] == 819
+    console = Console(record=True, width=200, color_system=None)
+    render_fleet(fleet, console)
+    rows = [line.split("│")[7:9] for line in console.export_text().splitlines() if line.count("│") == 9]
+    kv_by_model = {model.split()[0]: kv.strip() for model, kv in rows}  # a row per model, its KV cache beside it
+    assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81%",  # floored, not rounded
+                           "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
+                           "loading": ""}  # no engine yet
