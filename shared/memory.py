@@ -1,6 +1,11 @@
 """How much device memory one replica of a model needs: its weights (as the dtype it will run in)
-plus the KV cache for all its slots, plus a margin for activations. Read from the files' headers
-only, so the gateway can place a model no node has loaded yet."""
+plus its paged KV cache, plus a margin for activations. Read from the files' headers only, so the
+gateway can place a model no node has loaded yet.
+
+The KV cache follows the node's rule (node_agent/model/model_calls.py `kv_blocks`): the profile's
+`kv_cache_mb`, else enough blocks for `slots` sequences of `max_model_len` tokens. Only attention
+layers hold keys and values (a linear-attention layer's state is small). A `kv_memory_fraction`
+takes what the device has free at load: placement counts the slots' worth for it."""
 
 import json
 from functools import lru_cache
@@ -14,8 +19,13 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MARGIN = 1.10  # activations, workspace
 
 
-def kv_cache_bytes(*, layers: int, kv_heads: int, head_dim: int, slots: int, max_len: int, dtype_bytes: int) -> int:
-    return 2 * layers * kv_heads * head_dim * slots * (max_len + 1) * dtype_bytes
+def kv_cache_bytes(profile: ModelProfile, *, layers: int, kv_heads: int, head_dim: int, max_len: int,
+                   dtype_bytes: int) -> int:
+    """The paged cache's bytes: `kv_cache_mb`, else blocks for `slots` sequences of `max_len` tokens."""
+    if profile.kv_cache_mb is not None:
+        return profile.kv_cache_mb * _MB
+    tokens = profile.slots * -(-max_len // profile.block_size) * profile.block_size
+    return 2 * layers * kv_heads * head_dim * tokens * dtype_bytes
 
 
 def _gguf_facts(path: Path) -> tuple[int, dict]:
@@ -48,8 +58,9 @@ def _safetensors_facts(folder: Path) -> tuple[int, dict]:
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
-    shape = dict(layers=config["num_hidden_layers"], kv_heads=config.get("num_key_value_heads") or heads,
-                 head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+    kinds = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    shape = dict(layers=sum(kind != "linear_attention" for kind in kinds),
+                 kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                  context=config.get("max_position_embeddings") or 0)
     return total, shape
 
@@ -62,7 +73,7 @@ def _estimate(profile_json: str) -> int:
     params, shape = _gguf_facts(files.folder / files.gguf_file) if files.gguf_file else _safetensors_facts(files.folder)
     weights = params * (1 if profile.quant == "int8" else dtype_bytes)
     max_len = min(profile.max_model_len, shape.pop("context") or profile.max_model_len)
-    cache = kv_cache_bytes(slots=profile.slots, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
+    cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
     return int((weights + cache) * MARGIN / _MB) + 1
 
 
