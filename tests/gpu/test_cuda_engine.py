@@ -1,6 +1,8 @@
-"""The engine on a GPU: greedy output under CUDA graphs equals full-forward greedy decoding (fp32) for
-full, sliding-window and linear-attention layers, captured steps equal uncaptured ones bit for bit,
-compiled steps agree, a model that cannot be captured falls back to eager and stays right."""
+"""The engine on a GPU: greedy output under CUDA graphs (paged decode: block tables read inside the
+captured step) equals full-forward greedy decoding (fp32) for full, sliding-window and
+linear-attention layers, with prefix hits and preemption too; captured steps equal uncaptured ones
+bit for bit, compiled steps agree, a model that cannot be captured falls back to eager and stays
+right."""
 
 import pytest
 
@@ -42,3 +44,18 @@ def test_compiled_steps_agree_with_eager(gpu_tiny_dirs):
     eager = run(Engine(lm, profile.model_copy(update={"decode": "eager"})), *requests())
     compiled = run(Engine(lm, profile.model_copy(update={"decode": "compiled"})), *requests())
     assert {j: r.token_ids for j, r in compiled.items()} == {j: r.token_ids for j, r in eager.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_prefix_hits_and_preemption_under_graphs_match_full_forward_greedy(gpu_tiny_dirs, arch):
+    profile, lm = load(gpu_tiny_dirs[arch], prefill_chunk_tokens=16, decode="graphs", block_size=8)
+    engine = Engine(lm, profile)
+    engine.pool.__init__(24, 8)  # 192 tokens: six prompts of ~40 and their answers cannot all run at once
+    first = run(engine, *requests(24))
+    again = run(engine, *[r.model_copy(update={"job": r.job + "-again"}) for r in requests(24)], join_every=1)
+    stats = engine.kv_stats()
+    assert stats.prefix_hits > 0 and stats.preemptions > 0 and stats.blocks_used == 0
+    for req in requests(24):
+        ids = prompts.prompt_ids(lm.tokenizer, profile, req)
+        expected = full_forward_greedy(lm, ids, req.sampling.max_tokens)
+        assert first[req.job].token_ids[0] == expected and again[req.job + "-again"].token_ids[0] == expected

@@ -76,7 +76,6 @@ def test_preemption_under_block_pressure_finishes_every_sequence_as_unpressured(
     tight = profile.model_copy(update={"kv_cache_mb": None})
     engine = Engine(lm, tight)
     engine.pool.__init__(blocks, profile.block_size)  # a tiny budget
-    engine.scheduler.pool = engine.pool
     assert tokens(run(engine, *reqs)) == unpressured
     assert engine.kv_stats().preemptions > 0 and engine.pool.used == 0
 
