@@ -84,7 +84,8 @@ class PagedAttention:
             pool.index_copy_(0, write_slots, states.transpose(1, 2).reshape(-1, *pool.shape[1:]).to(pool.dtype))
         return self.keys[read_slots].transpose(1, 2), self.values[read_slots].transpose(1, 2)
 
-    def attention_mask(self, positions: torch.Tensor, width: int, sees_until: torch.Tensor | None = None) -> torch.Tensor:
+    def attention_mask(self, positions: torch.Tensor, width: int,
+                       sees_until: torch.Tensor | None = None) -> torch.Tensor:
         """[B, 1, T, width] bool: the query at position p sees position q <= p (within the window);
         with `sees_until` ([B, T], a prefill chunk's image tokens that attend both ways within
         their image), also the positions p < q <= sees_until."""
@@ -151,7 +152,8 @@ class LinearAttentionState:
             tensor[dst] = tensor[src]
 
 
-def _linear(config, *, slots: int, scratch_position: int, dtype: torch.dtype, device: torch.device) -> LinearAttentionState:
+def _linear(config, *, slots: int, scratch_position: int, dtype: torch.dtype,
+            device: torch.device) -> LinearAttentionState:
     k_dim, v_dim = config.linear_key_head_dim, config.linear_value_head_dim
     conv_dim = 2 * k_dim * config.linear_num_key_heads + v_dim * config.linear_num_value_heads
     return LinearAttentionState(slots=slots, conv_dim=conv_dim, kernel=config.linear_conv_kernel_dim,
@@ -252,7 +254,8 @@ class PagedCache:
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:
         return self.layers[layer_idx].conv[self._rows]  # only tested for None: the inputs come from update_conv_state
 
-    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          **kwargs) -> torch.Tensor:
         return self.layers[layer_idx].conv_inputs(self._rows, self._write_pos, conv_states)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor:

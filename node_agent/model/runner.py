@@ -148,7 +148,9 @@ class Runner:
             prompt = self._embedded(chunk, result)
             if prompt is not None:
                 self.rope_offsets[start + i] = prompt.rope_delta
-                rows.append((i, prompt, chunk.start, len(chunk.tokens)))
+                # a preempted sequence reads its output again after the prompt: plain tokens there
+                in_prompt = max(0, min(len(chunk.tokens), prompt.embeds.shape[0] - chunk.start))
+                rows.append((i, prompt, chunk.start, in_prompt))
         if not rows:
             return None, None, None
         embeds = self.lm.model.get_input_embeddings()(input_ids)
@@ -160,6 +162,7 @@ class Runner:
             for i, prompt, begin, n in rows:
                 if prompt.rope is not None:
                     rope[:, i, :n] = prompt.rope[:, begin: begin + n]
+                    rope[:, i, n:] += prompt.rope_delta
         if any(prompt.sees_until is not None for _, prompt, _, _ in rows):
             sees_until = positions.clone()
             for i, prompt, begin, n in rows:
