@@ -166,3 +166,19 @@ def test_a_vision_model_is_not_sharded(tiny_vision_dirs):
     with pytest.raises(ModelLoadError, match="vision models .* tensor_parallel = 1"):
         tensor_parallel.check(tiny_profile(folder, vision=True, tensor_parallel=2), AutoConfig.from_pretrained(folder),
                               ["cpu:0", "cpu:1"])
+
+
+def test_a_preempted_image_prompt_resumes_with_the_tokens_hf_gives(vl):
+    """Three image prompts in a cache that holds their prompts but not their answers: the newest is
+    preempted while decoding and recomputed from its prompt and output (image embeddings, then its
+    tokens after the prompt)."""
+    profile, lm = vl
+    requests = [image_request(f"img{i}", image_bytes(size=(64 + 8 * i, 64)), max_tokens=24) for i in range(3)]
+    engine = Engine(lm, profile)
+    size = engine.pool.block_size
+    engine.pool.__init__(sum(-(-(len(prompts.vision_prompt(lm.processor, profile, r)[0]) + 1) // size)
+                             for r in requests), size)
+    results = run(engine, *requests)
+    assert engine.kv_stats().preemptions > 0 and engine.pool.used == 0
+    for r in requests:
+        assert results[r.job].token_ids[0] == hf_greedy(lm, r, 24)
