@@ -58,10 +58,6 @@ class StepPlan:
     sample_params: list[SamplingParams] = field(default_factory=list)  # theirs, in the same order
     sample_positions: list[int] = field(default_factory=list)  # each one's last position (its draw's noise)
 
-    @property
-    def empty(self) -> bool:
-        return not (self.decode or self.prefill)
-
 
 @dataclass
 class Sampled:
