@@ -123,4 +123,4 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks(tiny_llama):
         expected = lm.model(torch.tensor([ids])).logits[0].log_softmax(-1)
     for position in (1, 20, len(ids) - 1):  # the logprob of token p given tokens before it
         assert scored[position].logprob == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
-        assert len(scored[position]["top_logprobs"]) == 2
+        assert len(scored[position].top_logprobs) == 2
