@@ -111,9 +111,10 @@ class StreamEntry(Wire):
         return unpack(self.body, GenerationRequest)
 
 
-class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """A part of an event: built by keyword only, so a misspelt field is a TypeError where it is
-    built, and refused (a WireError) where it is read."""
+    built, and refused (a WireError) where it is read. Fields at their defaults stay off the wire
+    (a delta of one token is half the bytes); an event itself always carries every field, `v` too."""
 
 
 class TopLogprob(_Struct, kw_only=True):
@@ -162,7 +163,7 @@ class Timings(_Struct, kw_only=True):
     decode_ms: float = 0.0  # first token -> done
 
 
-class _Event(_Struct, tag_field="type", kw_only=True):
+class _Event(_Struct, tag_field="type", omit_defaults=False, kw_only=True):
     """A job event; `type` (the tag) says which. Every event but a delta ends the job, except
     `start`, which opens it."""
 
