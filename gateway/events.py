@@ -17,11 +17,11 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent, WireError, unpack_event
+from shared.wire import Event, WireError, unpack_event
 
 log = logging.getLogger(__name__)
 
-Item = StartEvent | DeltaEvent | DoneEvent | ErrorEvent | CortexError  # what a job's queue holds
+Item = Event | CortexError  # what a job's queue holds
 
 CONNECT_WAIT_S = 1.0  # how long a new job waits for a (re)connecting router before a 503
 SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms a SUBSCRIBE in well under a millisecond

@@ -17,7 +17,7 @@ from redis.exceptions import LockError, RedisError, ResponseError
 from shared import queues
 from shared.errors import ModelUnavailable, NodeLost
 from shared.keys import CONSUMER_GROUP
-from shared.wire import ErrorEvent, pack
+from shared.wire import ErrorEvent, pack_event
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Janitor:
         async with self.ctx.redis.pipeline(transaction=True) as pipe:
             if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
                 error = NodeLost(f"node {node} was lost while it ran job {job}")
-                pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
+                pipe.publish(fields[b"reply"], pack_event(ErrorEvent(code=error.code, message=error.message)))
                 log.warning("job=%s failed: node %s lost", job, node)
             else:
                 pipe.xadd(stream, {**fields, b"retries": str(retries + 1).encode()})
@@ -140,7 +140,7 @@ class Janitor:
         for _job_class, stream in queues.streams(self.ctx.keys, model):
             for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
                 async with self.ctx.redis.pipeline(transaction=True) as pipe:
-                    pipe.publish(fields[b"reply"], pack(ErrorEvent(code=error.code, message=error.message)))
+                    pipe.publish(fields[b"reply"], pack_event(ErrorEvent(code=error.code, message=error.message)))
                     pipe.xdel(stream, entry_id)
                     await pipe.execute()
         log.warning("failed the jobs waiting for %s: %s", model, error.message)

@@ -418,7 +418,7 @@ def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
 def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
     from node_agent.serving import prompts
     from node_agent.engine.engine import check_fits
-    from shared.wire import GenerationRequest, SamplingParams
+    from shared.wire import DeltaEvent, ErrorEvent, GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat",
@@ -439,17 +439,17 @@ def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
         if decoding:
             decode_steps.append(end - start)
         now = end - t0
-        for job, job_events in events:  # wire dicts, as the node publishes them
+        for job, job_events in events:  # the events the node publishes
             s = streams[job]
             for event in job_events:
-                if event["type"] == "delta":
-                    got = sum(len(c["token_ids"]) for c in event["choices"])
+                if isinstance(event, DeltaEvent):
+                    got = sum(len(c.token_ids) for c in event.choices)
                     if got and math.isnan(s.ttft_s):
                         s.ttft_s = now
                     s.tokens += got
                     s.total_s = now
-                elif event["type"] == "error":
-                    s.error = f"{event['code']}: {event['message']}"
+                elif isinstance(event, ErrorEvent):
+                    s.error = f"{event.code}: {event.message}"
     wall = time.perf_counter() - t0
     return Wave("engine", n, wall, list(streams.values()), step_ms=percentile(decode_steps, 50) * 1000)
 

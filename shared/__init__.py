@@ -1,4 +1,5 @@
 """Code shared by the gateway and the node agents: settings, Redis keys, wire messages, errors."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 4  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs; 4: images
+WIRE_VERSION = 5  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs; 4: images;
+# 5: events are msgspec Structs: unknown fields refused in every part, fields at their defaults left out of parts

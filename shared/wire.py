@@ -6,11 +6,11 @@ A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `
 Every message carries the wire version `v`; a part refuses a version it does not speak.
 """
 
-from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+import msgspec
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared import WIRE_VERSION
 
@@ -111,17 +111,23 @@ class StreamEntry(Wire):
         return unpack(self.body, GenerationRequest)
 
 
-class TopLogprob(BaseModel):
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A part of an event: built by keyword only, so a misspelt field is a TypeError where it is
+    built, and refused (a WireError) where it is read. Fields at their defaults stay off the wire
+    (a delta of one token is half the bytes); an event itself always carries every field, `v` too."""
+
+
+class TopLogprob(_Struct, kw_only=True):
     token: str
     logprob: float
     bytes: list[int]
 
 
-class TokenLogprob(TopLogprob):
+class TokenLogprob(TopLogprob, kw_only=True):
     top_logprobs: list[TopLogprob] = []
 
 
-class PromptLogprob(BaseModel):
+class PromptLogprob(_Struct, kw_only=True):
     """One prompt token's logprob (`SamplingParams.prompt_logprobs`)."""
 
     token: str
@@ -129,7 +135,9 @@ class PromptLogprob(BaseModel):
     top_logprobs: list[TopLogprob] = []
 
 
-class ChoiceDelta(BaseModel):
+class ChoiceDelta(_Struct, kw_only=True):
+    """One sequence's news in one engine step."""
+
     index: int = 0
     text: str = ""
     token_ids: list[int] = []
@@ -140,7 +148,7 @@ class ChoiceDelta(BaseModel):
     stop_sequence: str | None = None  # the stop string that ended the choice, if one did
 
 
-class Usage(BaseModel):
+class Usage(_Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -149,86 +157,69 @@ class Usage(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
-class Timings(BaseModel):
+class Timings(_Struct, kw_only=True):
     queue_ms: float = 0.0  # submitted -> admitted by an engine
     prefill_ms: float = 0.0  # admitted -> first token
     decode_ms: float = 0.0  # first token -> done
 
 
-class EventType(StrEnum):
-    """What a job event says; every event but a delta ends the job, except `start`, which opens it."""
+class _Event(_Struct, tag_field="type", omit_defaults=False, kw_only=True):
+    """A job event; `type` (the tag) says which. Every event but a delta ends the job, except
+    `start`, which opens it."""
 
-    START = "start"
-    DELTA = "delta"
-    DONE = "done"
-    ERROR = "error"
+    v: int = WIRE_VERSION
 
-
-StepEvents = list[tuple[str, list[dict]]]  # one engine step: (job id, its wire events in order) per job with news
-
-
-def ends_job(events: list[dict]) -> bool:
-    """Whether a job's events of one step (wire dicts, as the engine makes them) end it."""
-    return events[-1]["type"] in (EventType.DONE, EventType.ERROR)
+    @property
+    def type(self) -> str:
+        return self.__struct_config__.tag
 
 
-class StartEvent(Wire):
+class StartEvent(_Event, tag="start", kw_only=True):
     """Sent once the node has read the job's prompt and accepted it, before any token: the
     prompt's length (Anthropic's `message_start` reports it) and, for `echo` of a prompt of token
     ids, its text."""
 
-    type: Literal[EventType.START] = EventType.START
     prompt_tokens: int
     prompt_text: str | None = None
 
 
-class DeltaEvent(Wire):
-    type: Literal[EventType.DELTA] = EventType.DELTA
+class DeltaEvent(_Event, tag="delta", kw_only=True):
     choices: list[ChoiceDelta]
 
 
-class DoneEvent(Wire):
-    type: Literal[EventType.DONE] = EventType.DONE
+class DoneEvent(_Event, tag="done", kw_only=True):
     usage: Usage
-    timings: Timings = Timings()
+    timings: Timings = msgspec.field(default_factory=Timings)
     node: str = ""
 
 
-class ErrorEvent(Wire):
-    type: Literal[EventType.ERROR] = EventType.ERROR
+class ErrorEvent(_Event, tag="error", kw_only=True):
     code: str
     message: str
 
 
-Event = Annotated[StartEvent | DeltaEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
-_event_adapter: TypeAdapter = TypeAdapter(Event)
+Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent
+StepEvents = list[tuple[str, list[Event]]]  # one engine step: (job id, its events in order) per job with news
+_event_encoder = msgspec.msgpack.Encoder()
+_event_decoder = msgspec.msgpack.Decoder(Event)
 
 
-def choice_delta(index: int, text: str, token: int, logprob: dict | None, finish_reason: str | None,
-                 stop_sequence: str | None, prompt_logprobs: list[dict] | None = None) -> dict:
-    """One sequence's news in one engine step, as a `ChoiceDelta` travels (built without pydantic:
-    the engine makes one per running sequence per step)."""
-    delta = {"index": index, "text": text, "token_ids": [token], "logprobs": [logprob] if logprob else None,
-             "finish_reason": finish_reason, "stop_sequence": stop_sequence}
-    if prompt_logprobs is not None:
-        delta["prompt_logprobs"] = prompt_logprobs
-    return delta
+def ends_job(events: list[Event]) -> bool:
+    """Whether a job's events of one step end it."""
+    return isinstance(events[-1], DoneEvent | ErrorEvent)
 
 
-def delta_event(choices: list[dict]) -> dict:
-    """A `DeltaEvent` as it travels."""
-    return {"v": WIRE_VERSION, "type": EventType.DELTA, "choices": choices}
+def pack(message: BaseModel) -> bytes:
+    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
 
 
-def pack(message: BaseModel | dict) -> bytes:
-    data = message if isinstance(message, dict) else message.model_dump(mode="python")
-    return msgpack.packb(data, use_bin_type=True)
+def _version_error(got: Any) -> WireError:
+    return WireError(f"wire version {got!r} is not {WIRE_VERSION}; upgrade the older part")
 
 
 def _check_version(data: Any) -> None:
     if not isinstance(data, dict) or int(data.get("v", -1)) != WIRE_VERSION:
-        got = data.get("v") if isinstance(data, dict) else None
-        raise WireError(f"wire version {got!r} is not {WIRE_VERSION}; upgrade the older part")
+        raise _version_error(data.get("v") if isinstance(data, dict) else None)
 
 
 def unpack(raw: bytes, model: type[BaseModel]) -> Any:
@@ -240,13 +231,30 @@ def unpack(raw: bytes, model: type[BaseModel]) -> Any:
         raise WireError(f"bad {model.__name__}: {exc}") from exc
 
 
-def unpack_event(raw: bytes) -> StartEvent | DeltaEvent | DoneEvent | ErrorEvent:
-    return parse_event(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+def pack_event(event: Event) -> bytes:
+    return _event_encoder.encode(event)
 
 
-def parse_event(data: Any) -> StartEvent | DeltaEvent | DoneEvent | ErrorEvent:
-    _check_version(data)
+class _Versioned(msgspec.Struct):
+    """Any message's wire version, whatever else it holds."""
+
+    v: Any = None
+
+
+def unpack_event(raw: bytes) -> Event:
     try:
-        return _event_adapter.validate_python(data)
-    except ValidationError as exc:
-        raise WireError(f"bad event: {exc}") from exc
+        event = _event_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise _refusal(raw, exc) from exc
+    if event.v != WIRE_VERSION:
+        raise _version_error(event.v)
+    return event
+
+
+def _refusal(raw: bytes, exc: msgspec.DecodeError) -> WireError:
+    """Why an event was refused: another wire version (whose events may differ), else what is wrong with it."""
+    try:
+        got = msgspec.msgpack.decode(raw, type=_Versioned).v
+    except msgspec.DecodeError:  # not a msgpack map at all
+        got = WIRE_VERSION
+    return _version_error(got) if got != WIRE_VERSION else WireError(f"bad event: {exc}")

@@ -42,7 +42,7 @@ def chat_logprobs(tokens: list[TokenLogprob] | None) -> ChoiceLogprobs | None:
     """Wire logprobs → `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`."""
     if tokens is None:
         return None
-    return ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(t.model_dump()) for t in tokens])
+    return ChoiceLogprobs(content=[ChatCompletionTokenLogprob.model_validate(t, from_attributes=True) for t in tokens])
 
 
 def chat_completion(job: JobInfo, gathered: Gathered, parsers: Parsers = no_parser) -> ChatCompletion:

@@ -9,7 +9,8 @@ Each `step()` reads schedule -> run -> output:
   prefill forward, sampling for every row with a next token; it returns token ids and numbers;
 - the output processor (node_agent/engine/output.py) detokenises, applies stop strings, feeds the
   grammars and builds each job's wire events; the sequences it finishes leave the scheduler.
-A step's events are plain wire dicts (shared/wire.py), one list per job.
+A step's events are typed wire events (shared/wire.py: msgspec Structs the gateway decodes as they are), one
+list per job.
 """
 
 import hashlib

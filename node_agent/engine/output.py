@@ -15,10 +15,10 @@ import torch
 from node_agent.engine import constrain
 from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings
 from node_agent.model.step import PromptScores, Sampled
-from shared import wire
 from shared.errors import CortexError, GenerationFailed
 from shared.lifecycle import FinishReason
-from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StepEvents, Timings, Usage
+from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PromptLogprob, StepEvents,
+                         Timings, TokenLogprob, TopLogprob, Usage)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class SequenceOutput:
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
     matcher: llguidance.LLMatcher | None = None  # when the request has a grammar
-    prompt_logprobs: list[dict] | None = None  # wire PromptLogprob entries, when asked; sent on the first delta
+    prompt_logprobs: list[PromptLogprob] | None = None  # when asked; sent on the first delta
     tokens: int = 0
     finish_reason: str | None = None
 
@@ -46,7 +46,7 @@ class JobOutput:
     submitted_ms: float
     prompt_tokens: int
     sequences: list[SequenceOutput] = field(default_factory=list)
-    deltas: list[dict] = field(default_factory=list)  # this step's wire choice deltas, not yet emitted
+    deltas: list[ChoiceDelta] = field(default_factory=list)  # this step's choice deltas, not yet emitted
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
     error: CortexError | None = None  # a failure of its own: sent instead of deltas
@@ -115,7 +115,7 @@ class OutputProcessor:
         if seq is None or seq.prompt_logprobs is None:
             return
         del seq.prompt_logprobs[scores.start + 1:]  # a sequence preempted while reading reads it again
-        seq.prompt_logprobs += [self._logprob_entry(token, lp, top)
+        seq.prompt_logprobs += [self._prompt_logprob(token, lp, top)
                                 for token, lp, top in zip(scores.tokens, scores.logprobs, scores.tops)]
 
     def sampled(self, keys: list[int], sampled: list[Sampled]) -> None:
@@ -128,7 +128,7 @@ class OutputProcessor:
             try:
                 if seq.matcher is not None and not constrain.advance(seq.matcher, out.token):
                     seq.matcher = None
-                logprob = self._logprob_entry(out.token, out.logprob, out.top) if out.logprob is not None else None
+                logprob = self._token_logprob(out.token, out.logprob, out.top) if out.logprob is not None else None
                 self._advance(seq, out.token, logprob)
             except Exception as exc:  # this row's host work (grammar, detokeniser, stops): its job alone fails
                 log.exception("job %s: a sequence's output could not be processed", seq.job.id)
@@ -138,7 +138,7 @@ class OutputProcessor:
         """Keys of the sequences that finished (or whose job failed) and are still known."""
         return [key for key, seq in self.sequences.items() if seq.finish_reason]
 
-    def _advance(self, seq: SequenceOutput, token: int, logprob: dict | None) -> None:
+    def _advance(self, seq: SequenceOutput, token: int, logprob: TokenLogprob | None) -> None:
         seq.tokens += 1
         params = seq.job.request.sampling
         stop_sequence = None
@@ -151,17 +151,18 @@ class OutputProcessor:
             elif seq.tokens >= seq.max_tokens:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
         prompt_logprobs = seq.prompt_logprobs if seq.tokens == 1 else None
-        seq.job.deltas.append(wire.choice_delta(seq.index, text, token, logprob, seq.finish_reason, stop_sequence,
-                                                prompt_logprobs))
+        seq.job.deltas.append(ChoiceDelta(
+            index=seq.index, text=text, token_ids=[token], logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=prompt_logprobs, finish_reason=seq.finish_reason, stop_sequence=stop_sequence))
 
     def collect(self) -> StepEvents:
         """Every job's events of this step; a job that ended is forgotten after."""
         out = []
         for job in list(self.jobs.values()):
             if job.error is not None:
-                out.append((job.id, [ErrorEvent(code=job.error.code, message=job.error.message).model_dump()]))
+                out.append((job.id, [ErrorEvent(code=job.error.code, message=job.error.message)]))
             elif job.deltas:
-                events = [wire.delta_event(job.deltas)]
+                events = [DeltaEvent(choices=job.deltas)]
                 job.deltas = []
                 if job.finished:
                     events.append(self._done(job))
@@ -172,22 +173,28 @@ class OutputProcessor:
                 del self.jobs[job.id]
         return out
 
-    def _done(self, job: JobOutput) -> dict:
+    def _done(self, job: JobOutput) -> DoneEvent:
         now = _now_ms()
         return DoneEvent(
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences)),
             timings=Timings(queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
                             prefill_ms=job.first_token_ms - job.admitted_ms, decode_ms=now - job.first_token_ms),
             node=self.node,
-        ).model_dump()
+        )
 
-    def _first_prompt_entry(self, token: int) -> dict:
-        return {"token": self.tokenizer.decode([token]), "logprob": None, "top_logprobs": []}
+    def _first_prompt_entry(self, token: int) -> PromptLogprob:
+        return PromptLogprob(token=self.tokenizer.decode([token]), logprob=None)
 
-    def _logprob_entry(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict:
-        """A wire `TokenLogprob` (or `PromptLogprob`): the token, its logprob and its best alternatives."""
-        return self._top_entry(token, logprob) | {"top_logprobs": [self._top_entry(t, v) for t, v in top]}
+    def _prompt_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> PromptLogprob:
+        return PromptLogprob(token=self.tokenizer.decode([token]), logprob=logprob,
+                             top_logprobs=[self._top(t, v) for t, v in top])
 
-    def _top_entry(self, token: int, logprob: float) -> dict:
+    def _token_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+        """The token, its logprob and its best alternatives."""
         text = self.tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()),
+                            top_logprobs=[self._top(t, v) for t, v in top])
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self.tokenizer.decode([token])
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))

@@ -115,7 +115,7 @@ class DeviceThread:
                 return
             error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still "
                                      "served, try again")
-            events = [(job, [ErrorEvent(code=error.code, message=error.message).model_dump()]) for job in jobs]
+            events = [(job, [ErrorEvent(code=error.code, message=error.message)]) for job in jobs]
         if events:
             self.loop.call_soon_threadsafe(sinks.on_step, events)
 

@@ -9,7 +9,7 @@ from typing import Callable
 import redis.asyncio as aioredis
 
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.wire import pack
+from shared.wire import Event, pack_event
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Outgoing:
     channel: str
-    events: list  # wire events, in order
+    events: list[Event]  # in order
     ack: tuple[str, str] | None = None  # (stream, entry id) to XACK + XDEL after publishing
     job: str = ""
     started: bool = False  # a streaming job's first output: noted in `Keys.started` (before it is published)
@@ -67,7 +67,7 @@ class Publisher:
             if item.started:
                 pipe.sadd(started, item.job)
             for event in item.events:
-                pipe.publish(item.channel, pack(event))
+                pipe.publish(item.channel, pack_event(event))
             if item.ack:
                 stream, entry_id = item.ack
                 pipe.xack(stream, CONSUMER_GROUP, entry_id)

@@ -28,8 +28,8 @@ from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
-from shared.wire import (DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StepEvents, StreamEntry, Usage,
-                         WireError, ends_job)
+from shared.wire import (DoneEvent, ErrorEvent, Event, GenerationRequest, StartEvent, StepEvents, StreamEntry,
+                         Usage, WireError, ends_job)
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class ServedModel:
             self._check_memory()
             ids, images = await asyncio.to_thread(self._prompt, request)
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
-                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name).model_dump()])])
+                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name)])])
                 return
             sampling = request.sampling
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
@@ -314,7 +314,7 @@ class ServedModel:
                 self.fail(job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         self.publisher.send(batch)
 
-    def _outgoing(self, job: str, job_events: list) -> Outgoing | None:
+    def _outgoing(self, job: str, job_events: list[Event]) -> Outgoing | None:
         running = self.running.get(job)
         if running is None:
             return None

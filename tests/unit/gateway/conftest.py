@@ -17,7 +17,7 @@ from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
-from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack
+from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack_event
 
 KEYS = Keys()
 MODEL = DEFAULT_MODEL_ID
@@ -74,7 +74,7 @@ class ScriptedNode:
                 while entry.job not in self.cancelled:
                     await asyncio.sleep(0.005)
                 return
-            await self.redis.publish(entry.reply, pack(step))
+            await self.redis.publish(entry.reply, pack_event(step))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from gateway import events
 from gateway.events import EventRouter
 from shared.errors import BrokerUnavailable, GenerationFailed
-from shared.wire import DeltaEvent, pack
+from shared.wire import DeltaEvent, pack_event
 from tests.unit.gateway.conftest import delta, done
 
 
@@ -38,9 +38,9 @@ async def test_routes_each_channel_to_its_queue(router, redis):
     assert await redis.pubsub_numsub("cortex:events:a", "cortex:events:b") == [
         (b"cortex:events:a", 1), (b"cortex:events:b", 1),
     ]  # confirmed by Redis before subscribe() returned
-    await redis.publish("cortex:events:b", pack(delta("for b")))
-    await redis.publish("cortex:events:a", pack(done()))
-    await redis.publish("cortex:events:nobody", pack(delta("dropped")))
+    await redis.publish("cortex:events:b", pack_event(delta("for b")))
+    await redis.publish("cortex:events:a", pack_event(done()))
+    await redis.publish("cortex:events:nobody", pack_event(delta("dropped")))
     assert (await asyncio.wait_for(queue_b.get(), 1)).choices[0].text == "for b"
     assert (await asyncio.wait_for(queue_a.get(), 1)).type == "done"
     assert queue_a.empty() and queue_b.empty()
@@ -69,7 +69,7 @@ async def test_one_connection_for_many_jobs(redis_factory, redis):
     await router.start()
     queues = [await router.subscribe(f"cortex:events:{i}") for i in range(20)]
     for i in range(20):
-        await redis.publish(f"cortex:events:{i}", pack(delta(str(i))))
+        await redis.publish(f"cortex:events:{i}", pack_event(delta(str(i))))
     assert [(await asyncio.wait_for(q.get(), 1)).choices[0].text for q in queues] == [str(i) for i in range(20)]
     assert len(made) == 1
     await router.stop()
@@ -88,7 +88,7 @@ async def test_redis_going_away_fails_in_flight_jobs_then_recovers(fast_checks, 
             await asyncio.sleep(0.02)
     assert len(router.connects) == 2  # the on-connect hook ran again (catalogue rewritten)
     queue = await router.subscribe("cortex:events:c")
-    await redis.publish("cortex:events:c", pack(delta("back")))
+    await redis.publish("cortex:events:c", pack_event(delta("back")))
     assert isinstance(await asyncio.wait_for(queue.get(), 1), DeltaEvent)
 
 

@@ -8,7 +8,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.auth import ANONYMOUS_CALLER
 from gateway.jobs import new_job_id, submit
 from shared.errors import BrokerUnavailable, ContextLengthExceeded, Timeout
-from shared.wire import ErrorEvent, GenerationRequest, SamplingParams, StreamEntry, pack
+from shared.wire import ErrorEvent, GenerationRequest, SamplingParams, StreamEntry, pack_event
 from tests.unit.gateway.conftest import KEYS, MODEL, delta, done
 
 
@@ -36,8 +36,8 @@ async def test_entry_fields_and_events(ctx, redis):
     entry = StreamEntry.from_fields(fields)
     assert (entry.job, entry.kind, entry.priority, entry.max_tokens) == (job.id, "completion", "batch", 9)
     assert entry.reply == KEYS.events(job.id) and entry.request().prompt == "x"
-    await redis.publish(entry.reply, pack(delta("a")))
-    await redis.publish(entry.reply, pack(done()))
+    await redis.publish(entry.reply, pack_event(delta("a")))
+    await redis.publish(entry.reply, pack_event(done()))
     async with job:
         got = [event async for event in job.events()]
     assert [e.type for e in got] == ["delta", "done"] and job.finished
@@ -57,7 +57,7 @@ async def test_close_before_done_publishes_cancel(ctx, redis):
 async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
-    await redis.publish(KEYS.events(job.id), pack(ErrorEvent(code="context_length_exceeded", message="too long")))
+    await redis.publish(KEYS.events(job.id), pack_event(ErrorEvent(code="context_length_exceeded", message="too long")))
     with pytest.raises(ContextLengthExceeded, match="too long"):
         async with job:
             async for _ in job.events():

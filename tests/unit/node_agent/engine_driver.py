@@ -7,7 +7,7 @@ import torch
 
 from node_agent.serving import prompts
 from node_agent.engine.engine import Engine, check_fits
-from shared.wire import GenerationRequest, SamplingParams, parse_event
+from shared.wire import DoneEvent, Event, GenerationRequest, SamplingParams, pack_event, unpack_event
 
 
 PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
@@ -61,9 +61,10 @@ def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000, j
     return results
 
 
-def collect(result: Result, events: list[dict]) -> None:
-    for event in map(parse_event, events):  # the engine's events are wire dicts; check their shape too
-        if event.type == "done":
+def collect(result: Result, events: list[Event]) -> None:
+    for event in events:
+        assert unpack_event(pack_event(event)) == event  # as a gateway reads it: its fields' types hold too
+        if isinstance(event, DoneEvent):
             result.done = event
             continue
         result.deltas += 1

@@ -25,8 +25,8 @@ def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):
                 add(engine, request(f"b{i}", p, temperature=0, max_tokens=20))
         for job, events in engine.step():
             for e in events:
-                if e["type"] == "delta":
-                    got[job] += [t for c in e["choices"] for t in c["token_ids"]]
+                if e.type == "delta":
+                    got[job] += [t for c in e.choices for t in c.token_ids]
         steps += 1
     for i in range(len(PROMPTS)):
         assert got[f"b{i}"] == alone[i][0]
@@ -116,11 +116,11 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks(tiny_llama):
     first = None
     while engine.has_work:
         for _, events in engine.step():
-            first = first or next(e["choices"][0] for e in events if e["type"] == "delta")
-    scored = first["prompt_logprobs"]
-    assert len(scored) == len(ids) and scored[0]["logprob"] is None
+            first = first or next(e.choices[0] for e in events if e.type == "delta")
+    scored = first.prompt_logprobs
+    assert len(scored) == len(ids) and scored[0].logprob is None
     with torch.no_grad():
         expected = lm.model(torch.tensor([ids])).logits[0].log_softmax(-1)
     for position in (1, 20, len(ids) - 1):  # the logprob of token p given tokens before it
-        assert scored[position]["logprob"] == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
-        assert len(scored[position]["top_logprobs"]) == 2
+        assert scored[position].logprob == pytest.approx(float(expected[position - 1, ids[position]]), abs=1e-4)
+        assert len(scored[position].top_logprobs) == 2

@@ -154,10 +154,10 @@ def test_a_prompt_whose_images_do_not_fit_its_tokens_fails_alone(vl):
     errors = []
     while engine.has_work:
         for job, events in engine.step():
-            errors += [e for e in events if e["type"] == "error"]
+            errors += [e for e in events if e.type == "error"]
             if job == "text":
                 engine_driver.collect(results[job], events)
-    assert [e["code"] for e in errors] == ["generation_failed"] and "image tokens" in errors[0]["message"]
+    assert [e.code for e in errors] == ["generation_failed"] and "image tokens" in errors[0].message
     assert len(results["text"].token_ids[0]) == 3 and not engine.jobs and not engine.scheduler.rows and engine.pool.used == 0
 
 

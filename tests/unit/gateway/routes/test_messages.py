@@ -199,8 +199,8 @@ async def test_ping_while_the_model_is_quiet(client, node, monkeypatch):
             if step == "sleep":
                 await asyncio.sleep(0.2)
                 continue
-            from shared.wire import pack
-            await node.redis.publish(entry.reply, pack(step))
+            from shared.wire import pack_event
+            await node.redis.publish(entry.reply, pack_event(step))
 
     node._answer = answer
     events = sse_events((await client.post("/v1/messages", json=HELLO | {"stream": True})).text)
