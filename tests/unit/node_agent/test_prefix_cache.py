@@ -8,6 +8,7 @@ import pytest
 from node_agent.engine.engine import Engine
 from node_agent.model import loader
 from shared.errors import ContextLengthExceeded
+from shared.wire import DeltaEvent
 from tests import tiny_models
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, add, request, run
@@ -123,8 +124,8 @@ def test_64_long_prompts_run_together_in_a_budget_of_16_full_contexts(tmp_path, 
         out: dict[str, list[int]] = {}
         while engine.has_work:
             for job, events in engine.step():
-                out.setdefault(job, []).extend(t for e in events if e["type"] == "delta"
-                                               for c in e["choices"] for t in c["token_ids"])
+                out.setdefault(job, []).extend(t for e in events if isinstance(e, DeltaEvent)
+                                               for c in e.choices for t in c.token_ids)
             decoding.append(engine.scheduler.n_decoding)
         return out
 
