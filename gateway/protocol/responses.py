@@ -57,6 +57,7 @@ class Reasoning(Lenient):
 
 class ResponseCreateParams(Lenient):
     background: bool | None = None
+    client_metadata: dict[str, Any] | None = None  # accepted, not used (the Codex CLI sends its session's ids)
     include: list[str] | None = None  # accepted, not used
     input: ResponseInput
     instructions: str | None = None
