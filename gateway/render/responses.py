@@ -72,8 +72,9 @@ class Output:
                                              delta=piece.text)
             elif isinstance(piece, parsers.CallStart):
                 namespace, name = self.offer.called(piece.name)
-                yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}", name=name,
-                                                              namespace=namespace, arguments="", status="in_progress"))
+                yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}",
+                                                              name=name, namespace=namespace, arguments="",
+                                                              status="in_progress"))
             elif piece.text:
                 self.items[-1].arguments += piece.text
                 yield ResponseFunctionCallArgumentsDeltaEvent(item_id=self.items[-1].id,

@@ -113,7 +113,8 @@ max_model_len = 32768
 chat_template = "{template}"
 tool_parser = "llama3_json"
 """
-    with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", ["tiny", "tiny-strict", "scripted", "codex"]) as stack:
+    models = ["tiny", "tiny-strict", "scripted", "codex"]
+    with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", models) as stack:
         yield stack
 
 

@@ -51,8 +51,8 @@ def test_codex_exec_on_its_defaults_with_a_tool_round_trip(codex, stack, tmp_pat
     (project / "cortex-notes.txt").write_text("hello\n")
     log = stack.root / "gateway.log"
     logged_before = log.read_text().count("\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(codex_home(tmp_path, stack.gateway_url)),
-           "CORTEX_API_KEY": "unused"}
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CORTEX_API_KEY": "unused",
+           "CODEX_HOME": str(codex_home(tmp_path, stack.gateway_url))}
 
     done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "What files are here?"], cwd=project, env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

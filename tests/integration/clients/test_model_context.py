@@ -14,4 +14,5 @@ def test_a_context_capped_by_the_model_is_logged_at_load_and_shown_in_v1_models(
     node_log = (stack.root / "node-node-c.log").read_text()
     assert (f"WARNING node_agent.model.loader: codex runs with a context of {CODEX_CONTEXT} tokens: max_model_len = "
             f"32768 in the catalogue is above the model's own context of {CODEX_CONTEXT} tokens") in node_log
-    assert "INFO node_agent.model.loader: tiny runs with a context of 256 tokens (max_model_len; its own is 512)" in node_log
+    assert ("INFO node_agent.model.loader: tiny runs with a context of 256 tokens (max_model_len; its own is 512)"
+            in node_log)

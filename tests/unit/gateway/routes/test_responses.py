@@ -160,7 +160,8 @@ async def test_namespace_functions_are_offered_and_hosted_tools_left_out_with_a_
     caplog.set_level(logging.INFO, logger="gateway.streaming")
     node.script = namespaced_call_script
     body = {"model": "default", "stream": stream, "tools": CODEX_TOOLS, "tool_choice": "auto",
-            "input": [{"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "x"}]}]}
+            "input": [{"type": "message", "id": "msg_1", "role": "user",
+                       "content": [{"type": "input_text", "text": "x"}]}]}
     response = await client.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     assert response.headers["warning"] == ('299 cortex "the model was not offered tools[2] (web_search): Cortex offers '
