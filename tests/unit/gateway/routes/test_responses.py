@@ -199,3 +199,12 @@ async def test_namespace_functions_are_offered_and_hosted_tools_left_out_with_a_
 async def test_only_function_tools_means_no_warning(client, node):
     response = await client.post("/v1/responses", json={"model": "default", "input": "x", "tools": [WEATHER]})
     assert response.status_code == 200 and "warning" not in response.headers
+
+
+async def test_a_namespaced_function_forced_by_tool_choice_decodes_under_a_grammar(client, node):
+    response = await client.post("/v1/responses", json={
+        "model": "default", "input": "x", "tools": CODEX_TOOLS,
+        "tool_choice": {"type": "function", "name": "multi_agent_v1.close_agent"}})
+    assert response.status_code == 200, response.text
+    grammar = node.entries[0].request().sampling.grammar
+    assert "multi_agent_v1.close_agent" in grammar and "get_weather" not in grammar
