@@ -56,12 +56,22 @@ def error_response(exc: CortexError, request: Request | None = None, headers: di
         body, status = anthropic_error_body(exc), anthropic_status(exc)
     else:
         body, status = error_body(exc), exc.status
+    _log_refusal(request, status, exc.message)
     return JSONResponse(body, status_code=status, headers=exc.headers | (headers or {}))
 
 
+def _log_refusal(request: Request | None, status: int, message: str) -> None:
+    """Every 4xx the gateway answers, logged once at INFO with its request id and reason (5xx are
+    logged where they are raised, at WARNING or with their traceback)."""
+    if 400 <= status < 500:
+        where = f"{request.method} {request.url.path}" if request is not None else "-"
+        log.info("request=%s key=%s %s → %d %s", request_id_var.get(), caller_var.get(), where, status, message)
+
+
 def _field(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(part) for part in loc[1:]] if loc and loc[0] == "body" else [str(part) for part in loc]
-    return ".".join(parts) or None
+    """A field's path (`input.0.content.1`), without pydantic's labels of union members (`list[…]`)."""
+    parts = [str(part) for part in (loc[1:] if loc and loc[0] == "body" else loc)]
+    return ".".join(part for part in parts if "[" not in part) or None
 
 
 def _problem(error: dict[str, Any]) -> tuple[str, str | None]:
@@ -107,6 +117,7 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         error.status = exc.status_code
         return error_response(error, request, exc.headers)
     body = ErrorResponse(error=Error(message=message, type="invalid_request_error", code=code))
+    _log_refusal(request, exc.status_code, message)
     return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
 

@@ -25,10 +25,11 @@ Frames = Callable[[Job, AsyncIterator[BaseModel]], AsyncIterator[bytes]]
 
 
 async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel],
-                     frames: Frames | None = None) -> StreamingResponse:
+                     frames: Frames | None = None, headers: dict[str, str] | None = None) -> StreamingResponse:
     """Wait for the job's first event (errors before it are plain HTTP errors), then stream
     `chunks` (rendered from `job.events()`) as SSE frames: by default OpenAI's, ending with
-    `data: [DONE]`; `frames` frames them another way (Anthropic's named events)."""
+    `data: [DONE]`; `frames` frames them another way (Anthropic's named events). `headers` go
+    out with the response."""
     make = frames or _frames
     first = asyncio.ensure_future(job.first_event())
     try:
@@ -40,7 +41,7 @@ async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel
     body = make(job, chunks)
     if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
         body = queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)))
-    return JobStreamResponse(job, body, {queue.QUEUE_POSITION_HEADER: str(place)})
+    return JobStreamResponse(job, body, {queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}))
 
 
 async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:

@@ -71,6 +71,14 @@ class ModelProfile(BaseModel):
     min_replicas: int = Field(0, ge=0)
     max_replicas: int = Field(1, ge=1)
 
+    def effective_context(self, model_len: int | None) -> tuple[int, str | None]:
+        """The longest sequence a replica runs: `max_model_len`, capped by the model's own context
+        (`model_len`; None: the model does not say, and `max_model_len` stands), with why when capped."""
+        if model_len is None or self.max_model_len <= model_len:
+            return self.max_model_len, None
+        return model_len, (f"max_model_len = {self.max_model_len} in the catalogue is above the model's own context "
+                           f"of {model_len} tokens")
+
 
 BUILTIN = [
     ModelProfile(

@@ -41,6 +41,7 @@ class ModelInfo(BaseModel):
     slots_total: int = 0
     slots_used: int = 0
     memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)
+    max_model_len: int = 0  # the longest sequence it runs (the catalogue's, capped by the model's own); 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready)
     error: str = ""  # why it is poisoned or failed
     kv: KVCacheStats | None = None  # None: the engine is not built yet

@@ -72,7 +72,7 @@ def _estimate(profile_json: str) -> int:
     dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)  # "auto" may pick bf16; fp32 is the safe guess
     params, shape = _gguf_facts(files.folder / files.gguf_file) if files.gguf_file else _safetensors_facts(files.folder)
     weights = params * (1 if profile.quant == "int8" else dtype_bytes)
-    max_len = min(profile.max_model_len, shape.pop("context") or profile.max_model_len)
+    max_len, _ = profile.effective_context(shape.pop("context") or None)
     cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
     return int((weights + cache) * MARGIN / _MB) + 1
 

@@ -30,7 +30,8 @@ def _percent(part: int, whole: int) -> str:
 def _model(name: str, m: ModelStatus) -> str:
     idle = "busy" if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else "-")
     return (f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
-            f" q={m.queue_depth} idle={idle}"
+            + (f" ctx={m.max_model_len}" if m.max_model_len else "")
+            + f" q={m.queue_depth} idle={idle}"
             + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
             + (f" ({m.error})" if m.error else ""))
 
@@ -56,7 +57,7 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
     else:
         table = Table(title="Nodes", title_justify="left")
         for column in ("node", "alive", "heartbeat", "version", "state", "devices (used/total GiB)",
-                       "models (slots used/total, queued, idle)", "KV cache"):
+                       "models (slots used/total, context, queued, idle)", "KV cache"):
             table.add_column(column)
         for n in fleet.nodes:
             devices = "\n".join(f"{d.id} {d.name} {_gib(d.used_mb)}/{_gib(d.total_mb)}" for d in n.devices)

@@ -520,6 +520,7 @@ class Model(BaseModel):
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
     capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
+    max_model_len: int | None = None  # vLLM's: the longest sequence its replicas run; None until one is loaded
 
 
 class ModelList(BaseModel):

@@ -2,136 +2,25 @@
 spec order.
 
 A request converts itself to the same `shared.wire.GenerationRequest` a chat request becomes:
-`instructions` → a system message; input messages → chat messages (`developer` → system,
-`input_text`/`output_text` parts → text, `input_image` → `image_url`); `function_call` items →
-assistant `tool_calls`; `function_call_output` items → `tool` messages; a stored response's
-conversation (`previous_response_id`) goes first. Hosted tools (web search, file search …) are
-not served: a tool type other than `function` is a 400.
+`instructions` → a system message; input items → chat messages (gateway/protocol/responses_input.py);
+a stored response's conversation (`previous_response_id`) goes first; the functions its tools offer
+(gateway/protocol/responses_tools.py: `function` tools and namespaces' functions; hosted and
+built-in tools are left out, and the response says so) → chat tools.
 """
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from gateway.protocol.bounds import JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
+from gateway.protocol.responses_input import AdditionalTools, ResponseInput, messages_for_node
+from gateway.protocol.responses_tools import (Function, Offer, Tool, ToolChoice, ToolChoiceAllowed, ToolChoiceFunction,
+                                              ToolChoiceUnservable, offered_name)
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
-# ---- input items ----------------------------------------------------------------------------
-
-
-class ResponseInputText(Lenient):
-    type: Literal["input_text"]
-    text: str
-
-
-class ResponseInputImage(Lenient):
-    type: Literal["input_image"]
-    detail: Literal["low", "high", "auto"] = "auto"
-    file_id: str | None = None
-    image_url: str | None = None
-
-
-class ResponseOutputTextParam(Lenient):
-    type: Literal["output_text"]
-    text: str
-
-
-class ResponseOutputRefusalParam(Lenient):
-    type: Literal["refusal"]
-    refusal: str
-
-
-ContentPart = Annotated[ResponseInputText | ResponseInputImage | ResponseOutputTextParam | ResponseOutputRefusalParam,
-                        Field(discriminator="type")]
-
-
-class EasyInputMessage(Lenient):
-    """A message, whether sent by hand (`{"role", "content"}`) or echoed back from an output."""
-
-    content: str | list[ContentPart]
-    role: Literal["user", "assistant", "system", "developer"]
-    type: Literal["message"] = "message"
-
-
-class ResponseFunctionToolCallParam(Lenient):
-    arguments: str
-    call_id: str
-    name: str
-    type: Literal["function_call"]
-
-
-class FunctionCallOutput(Lenient):
-    call_id: str
-    output: str | list[ContentPart]
-    type: Literal["function_call_output"]
-
-
-class ResponseReasoningItemParam(Lenient):
-    """Echoed back by agent clients; the served models see nothing of it."""
-
-    type: Literal["reasoning"]
-
-
-def _item_type(value: Any) -> str:
-    return (value.get("type") if isinstance(value, dict) else getattr(value, "type", None)) or "message"
-
-
-ResponseInputItem = Annotated[
-    Annotated[EasyInputMessage, Tag("message")]
-    | Annotated[ResponseFunctionToolCallParam, Tag("function_call")]
-    | Annotated[FunctionCallOutput, Tag("function_call_output")]
-    | Annotated[ResponseReasoningItemParam, Tag("reasoning")],
-    Discriminator(_item_type),
-]
-
-
-def _text(content: str | list) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(getattr(p, "text", None) or getattr(p, "refusal", "") for p in content)
-
-
-def _parts(content: str | list) -> str | list[dict[str, Any]]:
-    """Message content as chat content: text, or parts with images as `image_url`."""
-    if isinstance(content, str) or not any(isinstance(p, ResponseInputImage) for p in content):
-        return _text(content)
-    return [{"type": "image_url", "image_url": {"url": p.image_url or ""}} if isinstance(p, ResponseInputImage)
-            else {"type": "text", "text": _text([p])} for p in content]
-
-
-def messages_for_node(items: list) -> list[dict[str, Any]]:
-    """Input items → chat messages; consecutive calls join the assistant message before them."""
-    out: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, EasyInputMessage):
-            role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _parts(item.content)})
-        elif isinstance(item, ResponseFunctionToolCallParam):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-            if not (out and out[-1]["role"] == "assistant"):
-                out.append({"role": "assistant", "content": ""})
-            out[-1].setdefault("tool_calls", []).append(call)
-        elif isinstance(item, FunctionCallOutput):
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
-    return out
-
-
-# ---- tools and text format ---------------------------------------------------------------------
-
-
-class FunctionTool(Lenient):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    parameters: JsonSchema | None = None
-    strict: bool | None = None
-    type: Literal["function"]
-    description: str | None = None
-
-
-class ToolChoiceFunction(Lenient):
-    name: str
-    type: Literal["function"]
+# ---- text format and reasoning -------------------------------------------------------------------
 
 
 class ResponseFormatText(Lenient):
@@ -168,8 +57,9 @@ class Reasoning(Lenient):
 
 class ResponseCreateParams(Lenient):
     background: bool | None = None
+    client_metadata: dict[str, Any] | None = None  # accepted, not used (the Codex CLI sends its session's ids)
     include: list[str] | None = None  # accepted, not used
-    input: str | list[ResponseInputItem]
+    input: ResponseInput
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     metadata: dict[str, str] | None = None
@@ -184,23 +74,43 @@ class ResponseCreateParams(Lenient):
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=2)
     text: ResponseTextConfig | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
-    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    tools: list[Tool] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
     truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt too long is a 400 either way
     user: str | None = None  # accepted, not used
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)  # the previous response's conversation
+    _offer: Offer = PrivateAttr(default_factory=Offer)
 
     @model_validator(mode="after")
     def _supported(self) -> "ResponseCreateParams":
         if self.background:
             raise ValueError("background: is not supported; stream the response instead")
-        named = self.tool_choice.name if isinstance(self.tool_choice, ToolChoiceFunction) else None
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError("tool_choice: requires tools")
-        if named is not None and named not in {t.name for t in self.tools}:
-            raise ValueError(f"tool_choice: names function '{named}', which is not in tools")
+        self._offer.add("tools", self.tools or [])
+        for i, item in enumerate(self.input):
+            if isinstance(item, AdditionalTools):
+                self._offer.add(f"input[{i}].tools", item.tools)
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoiceUnservable):
+            raise ValueError(f"tool_choice: forces a {choice.type} tool, which does not run here "
+                             f"(Cortex offers models function tools only)")
+        if choice not in (None, "none") and not self._offer.functions:
+            raise ValueError("tool_choice: requires function tools")
+        for name in self._chosen or []:
+            if name not in self._offer.functions:
+                raise ValueError(f"tool_choice: names function '{name}', which is not in tools")
         return self
+
+    @property
+    def _chosen(self) -> list[str] | None:
+        """The functions `tool_choice` names (`namespace.function` for a namespace's); None: any."""
+        choice = self.tool_choice
+        if isinstance(choice, ToolChoiceFunction):
+            return [choice.name]
+        if isinstance(choice, ToolChoiceAllowed):
+            return [offered_name(t.get("namespace"), str(t.get("name"))) for t in choice.tools
+                    if t.get("type") == "function"]
+        return None
 
     def continue_from(self, history: list[dict[str, Any]]) -> None:
         """Put the conversation of `previous_response_id` before this request's input."""
@@ -209,19 +119,31 @@ class ResponseCreateParams(Lenient):
     @property
     def conversation(self) -> list[dict[str, Any]]:
         """The turns so far, this request's input last (what a stored response keeps)."""
-        new = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else messages_for_node(self.input)
-        return [*self._history, *new]
+        return [*self._history, *messages_for_node(self.input)]
+
+    @property
+    def offer(self) -> Offer:
+        """What the request's tools offer the model, and what they leave out."""
+        return self._offer
+
+    @property
+    def functions(self) -> list[Function]:
+        """The functions the model is offered: those `tool_choice` allows (all, unless `allowed_tools`)."""
+        allowed = self._chosen if isinstance(self.tool_choice, ToolChoiceAllowed) else None
+        return [f for name, f in self._offer.functions.items() if allowed is None or name in allowed]
 
     @property
     def uses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.functions) and self.tool_choice != "none"
 
     @property
     def constraint(self) -> Constraint:
-        """A forced call (`required`, a named function) or JSON output (`text.format`)."""
-        if self.uses_tools and self.tool_choice not in (None, "auto"):
-            named = self.tool_choice.name if isinstance(self.tool_choice, ToolChoiceFunction) else None
-            tools = [{"name": t.name, "parameters": t.parameters} for t in self.tools]
+        """A forced call (`required`, a named function, allowed tools `required`) or JSON output (`text.format`)."""
+        choice = self.tool_choice
+        if self.uses_tools and (choice == "required" or isinstance(choice, ToolChoiceFunction)
+                                or isinstance(choice, ToolChoiceAllowed) and choice.mode == "required"):
+            named = choice.name if isinstance(choice, ToolChoiceFunction) else None
+            tools = [{"name": f.name, "parameters": f.tool.parameters} for f in self.functions]
             return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
@@ -230,8 +152,7 @@ class ResponseCreateParams(Lenient):
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
-                 for t in self.tools] if self.uses_tools else None
+        tools = [f.for_node() for f in self.functions] if self.uses_tools else None
         return GenerationRequest(
             job=job, model=model, kind="chat", messages=system + self.conversation, tools=tools,
             sampling=SamplingParams(
@@ -266,6 +187,7 @@ class ResponseFunctionToolCall(BaseModel):
     name: str
     type: Literal["function_call"] = "function_call"
     id: str
+    namespace: str | None = None  # a namespace tool's function: `name` is the function's own name
     status: Literal["in_progress", "completed", "incomplete"]
 
 

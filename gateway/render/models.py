@@ -16,14 +16,18 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
     """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
     each with its replicas and its best state, only those `may_use` (given a model's id and aliases)
     allows; then each alias (`default` …) as an entry of its own whose `root` is the model it names
-    (a model's `root` is itself). `created` is when the earliest node holding it started (0 when none does)."""
+    (a model's `root` is itself). `created` is when the earliest node holding it started (0 when none does);
+    `max_model_len` the shortest context its loaded replicas run with (None while none is loaded)."""
     replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
+    context: dict[str, int] = {}
     for node in nodes:
         for model, info in node.models.items():
             replicas.setdefault(model, []).append(
                 ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total))
             created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
+            if info.max_model_len:
+                context[model] = min(context.get(model, info.max_model_len), info.max_model_len)
     serving = (ModelState.READY, ModelState.LOADING)
     extra = sorted(m for m in replicas if m not in catalog.profiles and any(r.state in serving for r in replicas[m]))
     data = []
@@ -34,7 +38,8 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
         data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model,
-                          capabilities=["vision"] if profile and profile.vision else []))
+                          capabilities=["vision"] if profile and profile.vision else [],
+                          max_model_len=context.get(model)))
     by_id = {m.id: m for m in data}
     data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})
              for p in catalog.profiles.values() if p.id in by_id for alias in p.aliases]

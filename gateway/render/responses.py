@@ -33,6 +33,7 @@ from gateway.protocol.responses import (
     ResponseTextDoneEvent,
     ResponseUsage,
 )
+from gateway.protocol.responses_tools import Offer, offered_name
 from gateway.render import JobInfo
 from shared.wire import DeltaEvent, DoneEvent, Usage
 
@@ -44,8 +45,8 @@ def response_id(job: JobInfo) -> str:
 class Output:
     """Parser pieces → output items and their events, opening and closing items as pieces change kind."""
 
-    def __init__(self, job: JobInfo, parser: parsers.ToolCallParser | None):
-        self.job, self.parser = job, parser
+    def __init__(self, job: JobInfo, parser: parsers.ToolCallParser | None, offer: Offer):
+        self.job, self.parser, self.offer = job, parser, offer
         self.items: list[ResponseOutputItem] = []
         self.open = False
 
@@ -70,8 +71,10 @@ class Output:
                 yield ResponseTextDeltaEvent(item_id=self.items[-1].id, output_index=len(self.items) - 1,
                                              delta=piece.text)
             elif isinstance(piece, parsers.CallStart):
+                namespace, name = self.offer.called(piece.name)
                 yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}",
-                                                              name=piece.name, arguments="", status="in_progress"))
+                                                              name=name, namespace=namespace, arguments="",
+                                                              status="in_progress"))
             elif piece.text:
                 self.items[-1].arguments += piece.text
                 yield ResponseFunctionCallArgumentsDeltaEvent(item_id=self.items[-1].id,
@@ -108,7 +111,8 @@ def response_object(job: JobInfo, body: ResponseCreateParams, output: list[Respo
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
         instructions=body.instructions, metadata=body.metadata,
         parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature,
-        tool_choice=body.tool_choice or "auto", tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+        tool_choice=body.tool_choice or "auto",
+        tools=[t.model_dump(exclude_none=True, by_alias=True) for t in body.tools or []],
         top_p=body.top_p, max_output_tokens=body.max_output_tokens, previous_response_id=body.previous_response_id,
         store=body.store is not False, truncation=body.truncation or "disabled",
         text=body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {"format": {"type": "text"}},
@@ -121,14 +125,15 @@ def response_object(job: JobInfo, body: ResponseCreateParams, output: list[Respo
 def assistant_turn(response: Response) -> dict:
     """The response's output as the chat message a next turn continues from."""
     text = "".join(p.text for item in response.output if isinstance(item, ResponseOutputMessage) for p in item.content)
-    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+    calls = [{"id": item.call_id, "type": "function",
+              "function": {"name": offered_name(item.namespace, item.name), "arguments": item.arguments}}
              for item in response.output if isinstance(item, ResponseFunctionToolCall)]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 def response(job: JobInfo, body: ResponseCreateParams, choice: GatheredChoice, usage: Usage,
              parser: parsers.ToolCallParser | None) -> Response:
-    output = Output(job, parser)
+    output = Output(job, parser, body.offer)
     for _ in [*output.feed(choice.text), *output.finish(choice.finish_reason == "length")]:
         pass
     return response_object(job, body, output.items, usage, choice.finish_reason)
@@ -147,7 +152,7 @@ async def response_events(job: JobInfo, body: ResponseCreateParams, events: Asyn
     started = response_object(job, body, [], None, None)
     yield numbered(ResponseCreatedEvent(response=started))
     yield numbered(ResponseInProgressEvent(response=started))
-    output, finish_reason = Output(job, parser), None
+    output, finish_reason = Output(job, parser, body.offer), None
     async for event in events:
         if isinstance(event, DoneEvent):
             for item_event in output.finish(finish_reason == "length"):

@@ -32,18 +32,27 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
     if body.previous_response_id:
         body.continue_from(await store.conversation(body.previous_response_id))
     job = await submit_request(ctx, body, caller)
-    parser = job.parsers()
+    parser, headers = job.parsers(), _warning(job, body)
     if body.stream:
         events = response_events(job, body, job.events(), parser)
         if body.store is not False:
             events = store.kept_at_the_end(events, body.conversation)
-        return await stream_job(request, job, events, frames=_frames)
+        return await stream_job(request, job, events, frames=_frames, headers=headers)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), 1))
     answer = response(job, body, gathered.choices[0], gathered.usage, parser)
     if body.store is not False:
         await store.put(answer, body.conversation)
-    return JSONResponse(answer.model_dump(mode="json"))
+    return JSONResponse(answer.model_dump(mode="json"), headers=headers)
+
+
+def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
+    """A `Warning` header (and a log line) naming the tools the model was not offered."""
+    warning = body.offer.warning
+    if warning is None:
+        return {}
+    log.info("job=%s request=%s %s", job.id, job.request_id, warning)
+    return {"Warning": f'299 cortex "{warning}"'}  # tool types and names only: no quotes, nothing beyond ASCII
 
 
 @router.get("/v1/responses/{response_id}")

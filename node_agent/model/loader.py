@@ -73,6 +73,34 @@ def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+_SCALED_ROPE = ("yarn", "linear", "dynamic")  # types whose `factor` stretches the trained context (vLLM's rule)
+
+
+def own_context(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model is made for: its config's positions, stretched by a RoPE
+    scaling (yarn, linear, dynamic) its config sets; None when the config does not say."""
+    trained = next((value for key in _CONTEXT_KEYS if isinstance(value := getattr(config, key, None), int)), None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if trained is None or rope.get("rope_type") not in _SCALED_ROPE or not rope.get("factor"):
+        return trained
+    base = rope.get("original_max_position_embeddings") if rope["rope_type"] == "yarn" else None
+    return int((base or trained) * rope["factor"])
+
+
+def _log_context(profile: ModelProfile, own: int | None) -> None:
+    """The context a replica will run with, and why when it is not the catalogue's."""
+    max_len, capped = profile.effective_context(own)
+    if capped:
+        log.warning("%s runs with a context of %d tokens: %s; lower max_model_len to %d, or serve the model with a "
+                    "RoPE scaling (yarn) in its config.json if it supports one", profile.id, max_len, capped, own)
+    elif own is None:
+        log.info("%s runs with a context of %d tokens (max_model_len; its config does not give its own)",
+                 profile.id, max_len)
+    else:
+        log.info("%s runs with a context of %d tokens (max_model_len; its own is %d)", profile.id, max_len, own)
+
+
 def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
          convert_cache: Path | None = None, tp_size: int = 1) -> LoadedModel:
     """Load on the calling thread (the device thread that will own the model). With `tp_size` > 1
@@ -101,6 +129,7 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
     if profile.quant == "int8":
         model = quantize_int8(model, device)
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or profile.max_model_len
+    context = own_context(model.config.get_text_config())
+    _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
-                       context_len=context, tp_size=tp_size, processor=processor)
+                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor)

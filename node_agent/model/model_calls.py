@@ -23,7 +23,7 @@ _MB = 1 << 20
 
 
 def context_length(loaded: LoadedModel, profile: ModelProfile) -> int:
-    return min(profile.max_model_len, loaded.context_len)
+    return profile.effective_context(loaded.context_len)[0]
 
 
 def kv_blocks(loaded: LoadedModel, profile: ModelProfile) -> int:

@@ -125,6 +125,7 @@ class ServedModel:
     def info(self) -> ModelInfo:
         return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
                          slots_total=self.profile.slots, slots_used=self.used_slots, memory_mb=self.memory_mb,
+                         max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.last_used_ms, error=self.error,
                          kv=self.engine.kv_stats() if self.engine is not None else None)
 

@@ -1,9 +1,17 @@
 """Real clients against a whole stack (redis-server, the gateway under uvicorn, one node agent)
 serving tiny models: `tiny` (random weights, 256-token context, default_max_tokens 8, alias
-`default`), `tiny-strict` (the same under max_tokens_policy "reject"), and `scripted` (a 32k
-context and a scripted tool call, for Claude Code: see tests/tiny_models.build_scripted)."""
+`default`), `tiny-strict` (the same under max_tokens_policy "reject"), `scripted` (a 32k
+context and a scripted tool call, for Claude Code: see tests/tiny_models.build_scripted) and
+`codex` (the same for the Codex CLI, whose own context of 16k is below the catalogue's 32k).
 
+Clients from npm are installed into ~/.cache/cortex/clients (outside the repo) on first use and
+kept there for later runs (`npm_client`); without npm or its registry their tests are skipped."""
+
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,7 +30,29 @@ SCRIPTED_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% if ns.answered %}Result:{% endif %}{%- endif -%}"
 )
 TOOL_CALL = '<tool_call>{"name":"Bash","arguments": {"command" : "ls"} }'  # spelt so that no token repeats
+# Codex's tool names take an underscore, as `<tool_call>` does: the bare JSON call (llama3_json) has only one.
+CODEX_TOOL_CALL = '{"name":"exec_command","arguments": {"cmd" : "ls"} }'
+CODEX_CONTEXT = 16384  # its config's max_position_embeddings; the catalogue asks 32768
 ANSWER = "Done."
+
+CLIENTS_DIR = Path(os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cache" / "cortex" / "clients"))
+
+
+def npm_client(folder: str, package: str, binary: str) -> Path:
+    """`binary` of the npm `package`, installed into CLIENTS_DIR/`folder` the first time; skips the
+    test, saying why, when npm or its registry cannot be had."""
+    prefix = CLIENTS_DIR / folder
+    path = prefix / "node_modules" / ".bin" / binary
+    if not path.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.skip(f"npm is not installed, so {package} cannot be (apt-get install nodejs npm)")
+        prefix.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), package],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 or not path.exists():
+            pytest.skip(f"npm could not install {package} (registry unreachable?): {done.stderr.strip()[-500:]}")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +65,17 @@ def scripted_dir(tmp_path_factory, smol_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[Stack]:
+def codex_dir(tmp_path_factory, smol_tokenizer):
+    def last_token(text: str) -> int:
+        return smol_tokenizer.encode(text, add_special_tokens=False)[-1]
+
+    replies = {last_token("<|im_start|>assistant\n"): CODEX_TOOL_CALL,
+               last_token("<|im_start|>assistant\nResult:"): ANSWER}
+    return tiny_models.build_scripted(tmp_path_factory.mktemp("codex"), smol_tokenizer, replies, context=CODEX_CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
     tiny = tiny_dirs["llama"]
     template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     toml = f"""
@@ -63,8 +103,18 @@ dtype = "float32"
 slots = 2
 max_model_len = 32768
 chat_template = "{template}"
+
+[[models]]
+id = "codex"
+source = "{codex_dir}"
+dtype = "float32"
+slots = 2
+max_model_len = 32768
+chat_template = "{template}"
+tool_parser = "llama3_json"
 """
-    with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", ["tiny", "tiny-strict", "scripted"]) as stack:
+    models = ["tiny", "tiny-strict", "scripted", "codex"]
+    with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", models) as stack:
         yield stack
 
 

@@ -9,33 +9,19 @@ without npm or the registry the test is skipped and says why."""
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.integration.clients.conftest import ANSWER
+from tests.integration.clients.conftest import ANSWER, npm_client
 
-CLIENTS_DIR = Path(os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cache" / "cortex" / "clients"))
-PACKAGE = "@anthropic-ai/claude-code"
 RUN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="session")
 def claude() -> Path:
-    prefix = CLIENTS_DIR / "claude-code"
-    binary = prefix / "node_modules" / ".bin" / "claude"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.skip("npm is not installed, so Claude Code cannot be (apt-get install nodejs npm)")
-        prefix.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), PACKAGE],
-                              capture_output=True, text=True, timeout=600)
-        if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"npm could not install {PACKAGE} (registry unreachable?): {done.stderr.strip()[-500:]}")
-    return binary
+    return npm_client("claude-code", "@anthropic-ai/claude-code", "claude")
 
 
 def run_claude(claude: Path, stack, project: Path, *args: str) -> subprocess.CompletedProcess:

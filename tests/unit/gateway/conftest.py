@@ -114,15 +114,17 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 async def beat(
     redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active",
-    kv: dict[str, KVCacheStats] | None = None,
+    kv: dict[str, KVCacheStats] | None = None, max_model_len: int = 0,
 ) -> NodeHeartbeat:
-    """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures."""
+    """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures, and all run
+    with `max_model_len` (0: not said)."""
     now_ms = int((time.time() - age_s) * 1000)
     models = {MODEL: ModelState.READY} if models is None else models
     kv = kv or {}
     heartbeat = NodeHeartbeat(
         node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
-        models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name)) for name, s in models.items()},
+        models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name), max_model_len=max_model_len)
+                for name, s in models.items()},
     )
     await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())
     await redis.zadd(KEYS.nodes(), {node: now_ms})

@@ -41,7 +41,7 @@ def no_redis_named(monkeypatch, tmp_path):
 
 def test_status_json_carries_nodes_idle_queue_depth_and_not_loaded(redis_url, monkeypatch, capsys):
     client = redis.Redis.from_url(redis_url)
-    publish(client, **{MODEL: ModelInfo(state=ModelState.READY, device="cpu",
+    publish(client, **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", max_model_len=8192,
                                         last_used_ms=int(time.time() * 1000) - 10_000)})
     client.hset(Keys().catalog(), mapping={MODEL: json.dumps({"id": MODEL}), "cold": json.dumps({"id": "cold"})})
     client.xadd(Keys().jobs(MODEL), {"job": "j"})
@@ -54,6 +54,7 @@ def test_status_json_carries_nodes_idle_queue_depth_and_not_loaded(redis_url, mo
     assert node["node"] == "n1" and node["alive"] and node["state"] == "active"
     model = node["models"][MODEL]
     assert model["queue_depth"] == 1 and model["idle_s"] == pytest.approx(10, abs=5)
+    assert model["max_model_len"] == 8192
     assert [c["model"] for c in data["not_loaded"]] == ["cold"]
 
 

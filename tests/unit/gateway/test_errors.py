@@ -87,3 +87,21 @@ async def test_gateway_keeps_serving_after_bad_requests(client, node):
     await client.post(URL, json=HELLO | {"temperature": 5})
     response = await client.post(URL, json=HELLO)
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "Hello!"
+
+
+@pytest.mark.parametrize("method, url, body, status, reason", [
+    ("POST", URL, {"model": "default"}, 400, "messages: Field required"),
+    ("POST", URL, HELLO | {"model": "nope"}, 404, "The model 'nope' does not exist."),
+    ("GET", "/v1/nowhere", None, 404, "Not Found: GET /v1/nowhere"),
+    ("POST", "/v1/messages", {"model": "default", "max_tokens": 1}, 400, "messages: Field required"),
+    ("POST", "/v1/responses", {"model": "default", "input": [{"id": "msg_1"}]}, 400, "items are not kept by id"),
+])
+async def test_every_4xx_is_logged_once_at_info_with_its_request_id_and_reason(client, caplog, method, url, body,
+                                                                              status, reason):
+    caplog.set_level(logging.INFO, logger="gateway")
+    response = await client.request(method, url, json=body, headers={"x-request-id": "req-4xx"})
+    assert response.status_code == status
+    lines = [r for r in caplog.records if "request=req-4xx " in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].levelno == logging.INFO and f"{method} {url} → {status}" in lines[0].getMessage()
+    assert reason in lines[0].getMessage()

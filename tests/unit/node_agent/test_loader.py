@@ -1,11 +1,13 @@
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
-from node_agent.model import loader
+from node_agent.model import loader, model_calls
 from shared import model_files
 from shared.catalog import ModelProfile
 from tests.unit.node_agent.engine_driver import request, run
@@ -108,3 +110,36 @@ def test_hf_cache_dir_precedence(monkeypatch, tmp_path):
 def test_a_vision_profile_on_a_text_only_model_is_refused(tiny_dirs):
     with pytest.raises(model_files.ModelLoadError, match="vision = true.*'llama' is not a supported vision model"):
         loader.load(profile(str(tiny_dirs["llama"])).model_copy(update={"vision": True}), "cpu")
+
+
+def test_a_catalogue_context_above_the_models_own_is_capped_with_a_warning_that_says_why(tiny_dirs, caplog):
+    caplog.set_level(logging.INFO, logger="node_agent.model.loader")
+    too_long = profile(str(tiny_dirs["llama"])).model_copy(update={"max_model_len": 4096})
+    lm = loader.load(too_long, "cpu")  # the tiny model's config: max_position_embeddings = 512
+    assert model_calls.context_length(lm, too_long) == 512
+    [said] = [r for r in caplog.records if "context" in r.getMessage()]
+    assert said.levelno == logging.WARNING and said.getMessage().startswith(
+        "t runs with a context of 512 tokens: max_model_len = 4096 in the catalogue is above the model's own "
+        "context of 512 tokens; lower max_model_len to 512")
+    caplog.clear()
+    within = profile(str(tiny_dirs["llama"]))
+    assert model_calls.context_length(loader.load(within, "cpu"), within) == 128
+    [said] = [r for r in caplog.records if "context" in r.getMessage()]
+    assert said.levelno == logging.INFO and said.getMessage() == (
+        "t runs with a context of 128 tokens (max_model_len; its own is 512)")
+
+
+@pytest.mark.parametrize("fields, own", [
+    ({"max_position_embeddings": 8192}, 8192),
+    ({"max_position_embeddings": 32768, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 131072),
+    ({"max_position_embeddings": 163840, "rope_scaling": {
+        "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}}, 163840),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, 8192),
+    ({"max_position_embeddings": 131072, "rope_scaling": {  # llama3's scaling is already in its positions
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0}}, 131072),
+])
+def test_a_models_own_context_counts_the_rope_scaling_its_config_sets(fields, own):
+    assert loader.own_context(AutoConfig.for_model("llama", **fields)) == own
+    assert loader.own_context(AutoConfig.for_model("gpt2", n_positions=1024)) == 1024

@@ -7,8 +7,10 @@ from tests.unit.gateway.conftest import MODEL, beat
 async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redis):
     listed, alias = (await client.get("/v1/models")).json()["data"]
     assert (listed["id"], listed["state"], listed["replicas"]) == (MODEL, "not_loaded", [])
+    assert listed["max_model_len"] is None  # known once a replica has loaded it
     assert alias == listed | {"id": "default"}  # clients are told to ask for `default`: it is listed
-    heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED})
+    heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED},
+                           max_model_len=8192)
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
     await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
@@ -16,8 +18,9 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
     assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model", "default"]  # catalogue order first
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
                                "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [],
-                               "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}]}
-    assert body["data"][1]["state"] == "loading"
+                               "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}],
+                               "max_model_len": 8192}  # the context the replica runs with, as vLLM shows it
+    assert body["data"][1]["state"] == "loading" and body["data"][1]["max_model_len"] is None  # not loaded yet
     assert body["data"][2] == body["data"][0] | {"id": "default"}
 
 

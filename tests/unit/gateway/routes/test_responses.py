@@ -1,13 +1,14 @@
 """POST/GET/DELETE /v1/responses against a scripted node, through the official openai SDK."""
 
 import json
+import logging
 
 import httpx
 import openai
 import pytest
 
 from shared.wire import StartEvent
-from tests.unit.gateway.conftest import KEYS, MODEL, delta, done
+from tests.unit.gateway.conftest import KEYS, MODEL, delta, done, hello_script
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -132,9 +133,78 @@ async def test_structured_output_and_forced_calls_send_a_grammar(client, node, f
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "web_search"}]}, "tools.0"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"tools": [{"type": "no_such_tool"}]}, "tools.0"), ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
     ({"background": True}, "background"), ({"temperature": 3}, "temperature"), ({"input": 5}, "input"),
 ])
 async def test_what_is_not_served_is_a_400(client, node, fields, param):
     response = await client.post("/v1/responses", json={"model": "default", "input": "x"} | fields)
     assert response.status_code == 400 and response.json()["error"]["param"].startswith(param)
+
+
+# What the Codex CLI sends by default: function tools, a namespace of functions, and a hosted web search.
+CLOSE = {"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+         "parameters": {"type": "object", "properties": {"target": {"type": "string"}}, "required": ["target"]}}
+CODEX_TOOLS = [WEATHER, {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [CLOSE]},
+               {"type": "web_search", "external_web_access": False}]
+
+
+def namespaced_call_script(entry):
+    return [delta('<tool_call>\n{"name": "multi_agent_v1.close_agent", "arguments": {"target": "a1"}}\n</tool_call>',
+                  finish_reason="stop"), done()]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_namespace_functions_are_offered_and_hosted_tools_left_out_with_a_warning(client, node, caplog, stream):
+    caplog.set_level(logging.INFO, logger="gateway.streaming")
+    node.script = namespaced_call_script
+    body = {"model": "default", "stream": stream, "tools": CODEX_TOOLS, "tool_choice": "auto",
+            "input": [{"type": "message", "id": "msg_1", "role": "user",
+                       "content": [{"type": "input_text", "text": "x"}]}]}
+    response = await client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["warning"] == ('299 cortex "the model was not offered tools[2] (web_search): Cortex offers '
+                                           'models function tools only (hosted and built-in tools do not run here)"')
+    sent = node.entries[0].request()
+    assert [t["function"]["name"] for t in sent.tools] == ["get_weather", "multi_agent_v1.close_agent"]
+    assert sent.tools[1]["function"]["description"] == "Sub-agents. Close an agent."
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        assert [(i["type"], i["namespace"], i["name"]) for i in added] == [
+            ("function_call", "multi_agent_v1", "close_agent")]
+        reply = events[-1]["response"]
+    else:
+        reply = response.json()
+    [call] = reply["output"]
+    assert (call["type"], call["namespace"], call["name"], json.loads(call["arguments"])) == (
+        "function_call", "multi_agent_v1", "close_agent", {"target": "a1"})
+    assert [t["type"] for t in reply["tools"]] == ["function", "namespace", "web_search"]  # echoed as sent
+    [logged] = [r for r in caplog.records if "was not offered" in r.getMessage()]
+    assert f"request={response.headers['x-request-id']}" in logged.getMessage()
+
+    node.script = hello_script
+    again = await client.post("/v1/responses", json={"model": "default", "previous_response_id": reply["id"],
+                                                      "tools": CODEX_TOOLS, "input": [
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "closed", "id": "fco_1",
+         "status": "completed"}]})
+    assert again.status_code == 200, again.text
+    assert node.entries[1].request().messages[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call["call_id"], "type": "function", "function": {
+            "name": "multi_agent_v1.close_agent", "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "closed"}]
+
+
+async def test_only_function_tools_means_no_warning(client, node):
+    response = await client.post("/v1/responses", json={"model": "default", "input": "x", "tools": [WEATHER]})
+    assert response.status_code == 200 and "warning" not in response.headers
+
+
+async def test_a_namespaced_function_forced_by_tool_choice_decodes_under_a_grammar(client, node):
+    response = await client.post("/v1/responses", json={
+        "model": "default", "input": "x", "tools": CODEX_TOOLS,
+        "tool_choice": {"type": "function", "name": "multi_agent_v1.close_agent"}})
+    assert response.status_code == 200, response.text
+    grammar = node.entries[0].request().sampling.grammar
+    assert "multi_agent_v1.close_agent" in grammar and "get_weather" not in grammar
