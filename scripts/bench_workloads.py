@@ -283,12 +283,14 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
     if any(r["other_cpu_pct"] > NOISY_PCT for r in results):
         console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during some runs: their figures "
                       "are noisy; compare ratios, or rerun on a quiet machine[/yellow]")
-    rt = Table(title="Cortex's gateway / each peer, same run (times: below 1 is Cortex faster; tok/s: above 1)")
-    for col, justify in [("ratio", "left"), ("value", "right"), ("", "left")]:
-        rt.add_column(col, justify=justify)
-    for r in rat:
-        rt.add_row(r["name"], f"{r['value']:.2f}", "(noisy)" if r["noisy"] else "")
-    console.print(rt)
+    if rat:
+        console.print("Cortex's gateway / each peer, same run (times: below 1 is Cortex faster; tok/s: above 1):")
+        rt = Table()
+        for col, justify in [("ratio", "left"), ("value", "right"), ("", "left")]:
+            rt.add_column(col, justify=justify)
+        for r in rat:
+            rt.add_row(r["name"], f"{r['value']:.2f}", "(noisy)" if r["noisy"] else "")
+        console.print(rt)
     for r in results:
         if r["errors"]:
             console.print(f"[red]{r['system']}: {r['errors']} failed requests; first: {r['first_error']}[/red]")
