@@ -85,9 +85,16 @@ async def _multiturn(served: Served, texts, args) -> tuple[float, list[list[Stre
         return time.perf_counter() - t0, [t.result() for t in tasks]
 
 
+def _within_timeout(coroutine, args):
+    try:
+        return asyncio.run(coroutine)
+    except TimeoutError:
+        raise RuntimeError(f"the {args.workload} workload took more than --timeout {args.timeout:.0f} s") from None
+
+
 def multiturn_run(served: Served, texts, args) -> dict:
     with CpuMeter() as cpu:
-        wall, agents = asyncio.run(_multiturn(served, texts, args))
+        wall, agents = _within_timeout(_multiturn(served, texts, args), args)
     every = [s for turns in agents for s in turns]
     ok = [s for s in every if s.error is None]
     first = [turns[0].ttft_s for turns in agents if turns and turns[0].error is None]
@@ -135,7 +142,7 @@ async def _shared_prefix(served: Served, texts, args) -> tuple[float, list[Strea
 
 def shared_prefix_run(served: Served, texts, args) -> dict:
     with CpuMeter() as cpu:
-        wall, streams = asyncio.run(_shared_prefix(served, texts, args))
+        wall, streams = _within_timeout(_shared_prefix(served, texts, args), args)
     ok = [s for s in streams if s.error is None]
     summary = Wave(served.system, args.concurrency[0], wall, streams, cpu.other_pct, cpu.cores).summary()
     summary.update(requests=len(streams), prompt_tokens=max((s.prompt_tokens or 0 for s in ok), default=0) or None,
