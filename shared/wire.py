@@ -151,6 +151,7 @@ class ChoiceDelta(_Struct, kw_only=True):
 class Usage(_Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those read from the node's prefix cache
 
     @property
     def total_tokens(self) -> int:

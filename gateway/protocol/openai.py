@@ -364,10 +364,15 @@ class CompletionRequest(_Sampling):
 # ---- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class ChatCompletionTokenLogprobTop(BaseModel):

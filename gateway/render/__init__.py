@@ -2,7 +2,7 @@
 
 from typing import Protocol
 
-from gateway.protocol.openai import CompletionUsage
+from gateway.protocol.openai import CompletionUsage, PromptTokensDetails
 from shared.wire import Usage
 
 
@@ -21,6 +21,7 @@ def completion_usage(usage: Usage) -> CompletionUsage:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
 
 

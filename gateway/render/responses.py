@@ -12,6 +12,7 @@ from gateway.tools import parsers
 from gateway.gather import GatheredChoice
 from gateway.protocol.responses import (
     IncompleteDetails,
+    InputTokensDetails,
     Response,
     ResponseCompletedEvent,
     ResponseContentPartAddedEvent,
@@ -117,6 +118,8 @@ def response_object(job: JobInfo, body: ResponseCreateParams, output: list[Respo
         store=body.store is not False, truncation=body.truncation or "disabled",
         text=body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {"format": {"type": "text"}},
         usage=None if usage is None else ResponseUsage(input_tokens=usage.prompt_tokens,
+                                                       input_tokens_details=InputTokensDetails(
+                                                           cached_tokens=usage.cached_tokens),
                                                        output_tokens=usage.completion_tokens,
                                                        total_tokens=usage.total_tokens),
     )

@@ -174,7 +174,7 @@ class Engine:
     def step(self) -> StepEvents:
         """Run one engine step; returns (job id, wire events) for every job that has news."""
         plan = self.scheduler.schedule()
-        self.output.admitted([s.job for s in plan.setups])
+        self.output.admitted({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups})
         result = self.runner.run(plan, self.output.bitmask(plan.samples))
         for job, exc in result.failed.items():
             self.output.fail_job(job, exc)

@@ -49,6 +49,7 @@ class JobOutput:
     deltas: list[ChoiceDelta] = field(default_factory=list)  # this step's choice deltas, not yet emitted
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
+    cached_tokens: int = 0  # of its prompt, read from the prefix cache
     error: CortexError | None = None  # a failure of its own: sent instead of deltas
 
     @property
@@ -90,11 +91,12 @@ class OutputProcessor:
         self.jobs.pop(job_id, None)
         self.forget(keys)
 
-    def admitted(self, jobs: list[str]) -> None:
+    def admitted(self, cached_tokens: dict[str, int]) -> None:
+        """Jobs whose sequences took rows this step, with the prompt tokens their first found cached."""
         now = _now_ms()
-        for job in jobs:
-            if job in self.jobs:
-                self.jobs[job].admitted_ms = self.jobs[job].admitted_ms or now
+        for job_id, cached in cached_tokens.items():
+            if (job := self.jobs.get(job_id)) is not None:
+                job.admitted_ms, job.cached_tokens = job.admitted_ms or now, job.cached_tokens or cached
 
     def bitmask(self, keys: list[int]) -> tuple[torch.Tensor, list[int]] | None:
         """The grammar masks of the rows about to be sampled (`keys`, in row order), where some has a grammar."""
@@ -176,7 +178,8 @@ class OutputProcessor:
     def _done(self, job: JobOutput) -> DoneEvent:
         now = _now_ms()
         return DoneEvent(
-            usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences)),
+            usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences),
+                        cached_tokens=job.cached_tokens),
             timings=Timings(queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
                             prefill_ms=job.first_token_ms - job.admitted_ms, decode_ms=now - job.first_token_ms),
             node=self.node,

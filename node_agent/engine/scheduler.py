@@ -61,6 +61,7 @@ class JobEntry:
     sequences: list[Sequence] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # image token runs a chunk never splits
     cacheable: bool = True  # its blocks may be shared (no images, a model without linear attention)
+    cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
 
 
 @dataclass
@@ -236,6 +237,8 @@ class Scheduler:
         if not seq.output_ids:  # a first admission (a resumed sequence's prompt was counted once)
             self.stats.queries += seq.prompt_len
             self.stats.hits += len(cached) * size
+            if seq.index == 0:
+                seq.job.cached_tokens = len(cached) * size
         return cached
 
     def _chunks(self) -> list[PrefillChunk]:

@@ -27,8 +27,9 @@ def delta(text: str, index: int = 0, **fields) -> DeltaEvent:
     return DeltaEvent(choices=[ChoiceDelta(index=index, text=text, **fields)])
 
 
-def done(prompt_tokens: int = 5, completion_tokens: int = 3) -> DoneEvent:
-    return DoneEvent(usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens), node="n1")
+def done(prompt_tokens: int = 5, completion_tokens: int = 3, cached_tokens: int = 0) -> DoneEvent:
+    return DoneEvent(usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                 cached_tokens=cached_tokens), node="n1")
 
 
 WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled

@@ -34,10 +34,11 @@ def test_a_cached_prefix_gives_the_tokens_of_a_cold_run(tiny_llama):
     engine = Engine(lm, profile)
     run(engine, first)
     before = engine.kv_stats()
-    warm = tokens(run(engine, later))
+    warm = run(engine, later)
     stats = engine.kv_stats()
-    assert warm == cold
+    assert tokens(warm) == cold
     assert stats.prefix_hits - before.prefix_hits >= 3 * profile.block_size  # the system prompt's blocks at least
+    assert warm["t2"].done.usage.cached_tokens == stats.prefix_hits - before.prefix_hits  # reported to the client
     assert stats.blocks_used == 0 and stats.blocks_cached > 0
 
 

@@ -31,7 +31,7 @@ async def test_non_stream_answer(client, node):
         {"index": 0, "message": {"role": "assistant", "content": "Hello!", "refusal": None},
          "logprobs": None, "finish_reason": "stop"}
     ]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_stream_chunk_order(client, node):
@@ -51,7 +51,7 @@ async def test_stream_chunk_order(client, node):
     ]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, None, "stop"]
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_stream_without_usage_has_no_usage_chunk(client, node):
@@ -199,3 +199,11 @@ async def test_concurrent_streams_share_one_router(client, node, app):
     assert all(sse_payloads(r.text)[-1] == "[DONE]" for r in responses)
     assert len({e.job for e in node.entries}) == 8
     assert app.state.ctx.router.in_flight == 0
+
+
+async def test_prompt_tokens_read_from_the_prefix_cache_are_reported(client, node):
+    node.script = lambda entry: [delta("Hi", 0, finish_reason="stop"), done(prompt_tokens=40, cached_tokens=32)]
+    body = (await client.post("/v1/chat/completions", json=HELLO)).json()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    responses = (await client.post("/v1/responses", json={"model": "default", "input": "hi"})).json()
+    assert responses["usage"]["input_tokens_details"] == {"cached_tokens": 32}

@@ -18,7 +18,7 @@ async def test_non_stream(client, node):
     assert entry.kind == "completion" and entry.request().prompt == "Once upon"
     assert body["id"] == f"cmpl-{entry.job}" and body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "Hello!", "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_token_prompt(client, node):
