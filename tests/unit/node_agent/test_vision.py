@@ -173,6 +173,8 @@ def test_a_preempted_image_prompt_resumes_with_the_tokens_hf_gives(vl):
     preempted while decoding and recomputed from its prompt and output (image embeddings, then its
     tokens after the prompt)."""
     profile, lm = vl
+    if lm.model.config.model_type not in ("qwen2_5_vl", "gemma3"):
+        pytest.skip("the resume path is covered by an M-RoPE model and one whose images attend both ways")
     requests = [image_request(f"img{i}", image_bytes(size=(64 + 8 * i, 64)), max_tokens=24) for i in range(3)]
     engine = Engine(lm, profile)
     size = engine.pool.block_size
