@@ -25,6 +25,7 @@ import redis
 from pydantic import ValidationError
 
 from gateway import operations
+from gateway.cli.embedded_redis import default_data_dir
 from gateway.cli.run_file import settings_for_cli
 from gateway.cli.status import key_summary, render_fleet, render_keys
 from gateway.cli.up import UP_REDIS_PORT, run_up
@@ -176,6 +177,12 @@ def _count_arg(value: str) -> int:
     return int(value)
 
 
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"on or off, not {value!r}")
+    return value == "on"
+
+
 def _models_arg(value: str) -> list[str]:
     models = [m.strip() for m in value.split(",") if m.strip()]
     if not models:
@@ -211,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-port", type=int, default=int(os.environ.get("CORTEX_UP_REDIS_PORT", UP_REDIS_PORT)),
                    help="port of the embedded redis-server (CORTEX_UP_REDIS_PORT, default %(default)s); "
                         "ignored when CORTEX_REDIS_URL is set")
+    p.add_argument("--redis-dir", default=os.environ.get("CORTEX_UP_REDIS_DIR") or str(default_data_dir()),
+                   help="where the embedded Redis keeps its append-only file and snapshots (CORTEX_UP_REDIS_DIR, "
+                        "default %(default)s); one `cortex up` at a time")
+    p.add_argument("--redis-persistence", type=_on_off, metavar="{on,off}",
+                   default=os.environ.get("CORTEX_UP_REDIS_PERSISTENCE", "on"),
+                   help="off: the embedded Redis keeps nothing across a restart, for tests "
+                        "(CORTEX_UP_REDIS_PERSISTENCE, default %(default)s)")
     p.add_argument("--stop-timeout-s", type=float,
                    help="how long each child may take to stop before it is killed (default: the node's "
                         "shutdown_grace_s + 10, 10 for the others); a second Ctrl-C kills at once")
