@@ -22,6 +22,7 @@ from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.redis_conn import connect, redact
+from shared.redis_health import warn_if_not_durable
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         metrics = asyncio.create_task(ctx.metrics.refresh_forever(ctx), name="metrics")
         log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), redact(settings.redis_url))
         await warn_if_exposed(ctx)
+        await warn_if_not_durable(redis, log)
         try:
             yield
         finally:

@@ -134,6 +134,24 @@ class BrokerUnavailable(CortexError):
     status, code, type = 503, "broker_unavailable", "service_unavailable"
 
 
+class BrokerOutOfMemory(BrokerUnavailable):
+    """Redis answers but refuses writes: it reached its `maxmemory` (policy `noeviction`)."""
+
+    code = "redis_out_of_memory"
+
+
+class BrokerReadOnly(BrokerUnavailable):
+    """Redis answers but refuses writes: it is a read-only replica."""
+
+    code = "redis_read_only"
+
+
+class BrokerCannotPersist(BrokerUnavailable):
+    """Redis answers but refuses writes: it could not write its snapshot or append-only file to disk."""
+
+    code = "redis_cannot_persist"
+
+
 class JobCancelled(CortexError):
     """Someone (an operator, a shutdown) cancelled the job while a client still waited for it."""
 

@@ -5,7 +5,11 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, RedisError, TimeoutError
+
+from shared.errors import BrokerCannotPersist, BrokerOutOfMemory, BrokerReadOnly, BrokerUnavailable
+
+MESSAGE_CHARS = 300  # of a Redis error quoted in a message (a pipeline's error quotes its commands' values)
 
 
 def connect(url: str, **kwargs) -> aioredis.Redis:
@@ -22,3 +26,19 @@ def redact(url: str) -> str:
     """The URL with its password hidden, for log lines and messages."""
     parts = urlsplit(url)
     return url.replace(f":{parts.password}@", ":***@") if parts.password else url
+
+
+def broker_error(exc: RedisError, doing: str = "") -> BrokerUnavailable:
+    """The 503 a client gets for a Redis failure, naming the cause: Redis out of memory, a read-only
+    replica, a disk Redis cannot write to, or Redis unreachable. `doing`: what failed, for the message."""
+    what = f"{doing}: " if doing else ""
+    if isinstance(exc, OutOfMemoryError):
+        return BrokerOutOfMemory(f"{what}Redis refuses writes: it is out of memory (used memory > maxmemory); "
+                                 "an operator must free some (delete files, finished batches) or raise maxmemory")
+    if isinstance(exc, ReadOnlyError):
+        return BrokerReadOnly(f"{what}Redis refuses writes: it is a read-only replica; point CORTEX_REDIS_URL at "
+                              "the primary")
+    if str(exc).startswith("MISCONF"):
+        return BrokerCannotPersist(f"{what}Redis refuses writes: it cannot save to disk (MISCONF); an operator must "
+                                   "check its disk and log")
+    return BrokerUnavailable(f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}")

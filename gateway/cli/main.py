@@ -34,6 +34,7 @@ from shared.api_keys import KeySpec, KeyStore
 from shared.catalog import Catalog
 from shared.errors import CortexError
 from shared.fleet import Fleet
+from shared import redis_health
 from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings, NodeSettings
 
@@ -94,7 +95,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 async def _read_fleet(settings: GatewaySettings):
     client = connect(settings.redis_url)
     try:
-        return await Fleet(client, settings.keys, settings.node_ttl_s).status()
+        fleet = await Fleet(client, settings.keys, settings.node_ttl_s).status()
+        try:
+            fleet.redis = await redis_health.inspect(client)
+        except redis.ResponseError as exc:  # INFO not allowed (an ACL): the fleet table still helps
+            print(f"cortex status: cannot read how Redis keeps its data: {exc}", file=sys.stderr)
+        return fleet
     finally:
         await client.aclose()
 

@@ -52,6 +52,11 @@ _STATE_STYLE = {
 
 def render_fleet(fleet: FleetStatus, console=None) -> None:
     console = console or Console()
+    if fleet.redis is not None:
+        r = fleet.redis
+        console.print(f"Redis {r.version}: {r.memory}; persistence: {r.persistence}; eviction: {r.eviction_policy}")
+        for warning in r.warnings:
+            console.print(f"[red]warning:[/] {warning}")
     if not fleet.nodes:
         console.print("No nodes have sent a heartbeat.")
     else:

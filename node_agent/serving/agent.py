@@ -21,6 +21,7 @@ from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
 from shared.redis_conn import connect
+from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class NodeAgent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
+        await warn_if_not_durable(self.redis, log)
         self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
         self.publisher.start()
         for device in devices.discover(self.settings.device, self.settings.cpu_devices):

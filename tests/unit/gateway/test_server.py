@@ -32,7 +32,10 @@ def beat(client: redis.Redis, node: str = "n1") -> None:
 
 def test_gateway_process(gateway_url, redis_url):
     response = httpx.get(f"{gateway_url}/health", headers={"x-request-id": "r-1"})
-    assert (response.status_code, response.json(), response.headers["x-request-id"]) == (200, {"status": "ok"}, "r-1")
+    assert (response.status_code, response.json()["status"], response.headers["x-request-id"]) == (200, "ok", "r-1")
+    reading = response.json()["redis"]  # the test Redis keeps nothing on disk: /health says so
+    assert (reading["persistence"], reading["eviction_policy"], reading["maxmemory_mb"]) == ("none", "noeviction", 0)
+    assert 0 < reading["used_memory_mb"] < 100 and "Redis keeps nothing on disk" in reading["warnings"][0]
     catalog = redis.Redis.from_url(redis_url).hgetall(KEYS.catalog())
     assert json.loads(catalog[DEFAULT_MODEL_ID.encode()])["aliases"] == ["default"]
     response = httpx.post(f"{gateway_url}/v1/chat/completions", json=HELLO)
