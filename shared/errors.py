@@ -102,6 +102,12 @@ class RequestTooLarge(PayloadTooLarge):
     code = "request_too_large"
 
 
+class FilesQuotaExceeded(PayloadTooLarge):
+    """Storing a file would bring every file kept past `files_max_total_bytes`."""
+
+    code = "files_quota_exceeded"
+
+
 class ModelUnavailable(CortexError):
     """No live node serves (or can load) the model."""
 

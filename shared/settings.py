@@ -56,6 +56,7 @@ class GatewaySettings(CortexSettings):
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
     files_max_lines: int = 50_000  # a batch input file with more lines is refused with 413
+    files_max_total_bytes: int = Field(1 << 30, gt=0)  # every file kept together; an upload past it is refused with 413
     # streaming clients that wait in the queue get `: queued position=N` comments this often
     queue_position_poll_s: float = 0.25
     queued_after_s: float = 0.1  # no first token within this long: look up the queue position

@@ -265,10 +265,12 @@ class BatchRunner:
         fields = {"request_counts": {"total": total, "completed": completed, "failed": failed}}
         if out:
             fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
-                                                                purpose="batch_output", owner=self.owner.name)).id
+                                                                purpose="batch_output", owner=self.owner.name,
+                                                                quota_bytes=None)).id
         if err:
             fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
-                                                               purpose="batch_output", owner=self.owner.name)).id
+                                                               purpose="batch_output", owner=self.owner.name,
+                                                               quota_bytes=None)).id
         await self.store.update(self.id, **fields)
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
         await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)
