@@ -166,6 +166,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         raise
     job = Job(ctx, request, queue, caller, parsers)
     job.stream, job.entry_id = stream, entry_id.decode()
+    ctx.router.track(channel, stream, job.entry_id)  # while queued, it may wait out a Redis restart
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
              entry_id.decode())
     return job

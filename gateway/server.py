@@ -51,6 +51,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         router = EventRouter(
             redis_factory or partial(pubsub_client, settings.redis_url),
             on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
+            outage_wait_s=settings.redis_outage_wait_s,
         )
         app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
         janitor = Janitor(ctx)

@@ -52,6 +52,7 @@ class GatewaySettings(CortexSettings):
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
+    redis_outage_wait_s: float = 30.0  # jobs queued when Redis goes away wait this long for it to come back
     max_request_bytes: int = 8 * 1024 * 1024  # a request body over this is refused with 413 (not /v1/files)
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413

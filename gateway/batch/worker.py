@@ -63,7 +63,7 @@ async def resume_batches(ctx: dict) -> None:
 async def startup(ctx: dict, settings: BatchSettings) -> None:
     keys = settings.keys
     redis = connect(settings.redis_url)
-    router = EventRouter(partial(pubsub_client, settings.redis_url))
+    router = EventRouter(partial(pubsub_client, settings.redis_url), outage_wait_s=settings.redis_outage_wait_s)
     catalog = Catalog.load(settings.models_file)
     ctx["settings"] = settings
     ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
