@@ -1,5 +1,8 @@
-"""Redis connections with retry and backoff, the same for every part."""
+"""Redis connections with retry and backoff, the same for every part; the errors clients get when Redis
+fails; and `Outage`, which keeps a retrying loop's log to two lines per outage."""
 
+import logging
+import time
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -42,3 +45,25 @@ def broker_error(exc: RedisError, doing: str = "") -> BrokerUnavailable:
         return BrokerCannotPersist(f"{what}Redis refuses writes: it cannot save to disk (MISCONF); an operator must "
                                    "check its disk and log")
     return BrokerUnavailable(f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}")
+
+
+class Outage:
+    """One loop's view of Redis going away: its first failure is logged (a warning), the retries are
+    not, and Redis answering again is (once)."""
+
+    def __init__(self, log: logging.Logger, what: str):
+        self.log, self.what = log, what
+        self.since: float | None = None  # monotonic time of the first failure of this outage
+
+    def failed(self, exc: BaseException) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+            self.log.warning("%s failed: %s; retrying quietly until it works", self.what, str(exc) or type(exc).__name__)
+
+    def ok(self) -> bool:
+        """Call after a success; True when it ends an outage."""
+        if self.since is None:
+            return False
+        self.log.info("%s works again after %.1fs", self.what, time.monotonic() - self.since)
+        self.since = None
+        return True

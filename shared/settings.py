@@ -115,7 +115,7 @@ class BatchSettings(GatewaySettings):
     toml_table: ClassVar[str] = "batch"
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
-    batch_max_tries: int = 3  # a line whose node died (or Redis blinked) is retried this often
+    batch_max_tries: int = 3  # tries of a line whose node died (waiting for Redis to come back costs none)
     batch_lease_s: float = 15.0  # a dead worker's batches are resumed by another this long after
     batch_resume_every_s: int = 5  # how often each worker looks for batches nobody runs (1-60)
     batch_max_concurrent: int = 16  # batches one worker runs at once

@@ -1,9 +1,12 @@
 """`cortex batch-worker`: an arq worker that runs batches. arq only orchestrates: `run_batch`
 runs one batch (its lines go to the job streams as `batch`-class jobs), and the `resume_batches`
 cron task re-enqueues active batches whose lease expired (their worker died), so a batch survives
-a restart of any worker or gateway. Start as many workers as you like: the lease keeps one
-worker per batch."""
+a restart of any worker or gateway, or of Redis: when arq loses Redis for longer than its client's
+retries, the worker stops its batches and starts arq again until Redis answers (`serve`). Start as
+many workers as you like: the lease keeps one worker per batch."""
 
+import asyncio
+import dataclasses
 import logging
 import uuid
 from functools import partial
@@ -12,6 +15,9 @@ from typing import Any
 from arq import cron
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
 from gateway.batch.runner import BatchRunner, LeaseLost
 from gateway.batch.store import BatchStore
@@ -21,7 +27,7 @@ from shared.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
-from shared.redis_conn import connect, redact
+from shared.redis_conn import Outage, connect, redact
 from shared.redis_health import warn_if_not_durable
 from shared.settings import BatchSettings
 
@@ -41,6 +47,9 @@ async def run_batch(ctx: dict, batch_id: str) -> None:
         await BatchRunner(ctx["cortex"], ctx["settings"], batch_id).run()
     except LeaseLost as exc:
         log.warning("%s; leaving the batch to it", exc)
+    except (RedisError, OSError) as exc:
+        log.warning("batch %s stopped: Redis failed (%s); it resumes from what Redis holds once Redis answers and "
+                    "its lease expires", batch_id, exc)
 
 
 class QuietCron(logging.Filter):
@@ -85,7 +94,8 @@ def create_worker(settings: BatchSettings) -> Worker:
         functions=[func(run_batch, timeout=RUN_BATCH_TIMEOUT_S, max_tries=1000)],
         cron_jobs=[cron(resume_batches, second=set(range(0, 60, every_s)), run_at_startup=True, unique=True,
                         timeout=60)],
-        redis_settings=RedisSettings.from_dsn(settings.redis_url),
+        redis_settings=dataclasses.replace(RedisSettings.from_dsn(settings.redis_url), retry_on_error=[
+            ConnectionError, TimeoutError], retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5)),  # as connect()
         queue_name=settings.keys.arq_queue(),
         on_startup=partial(startup, settings=settings),
         on_shutdown=shutdown,
@@ -96,7 +106,43 @@ def create_worker(settings: BatchSettings) -> Worker:
     )
 
 
+async def serve(settings: BatchSettings) -> None:
+    """Run the worker until a signal stops it; when Redis fails under arq, stop its batches (they resume
+    once their leases expire) and start it again."""
+    outage = Outage(log, "batch worker")
+    while True:
+        worker = create_worker(settings)
+        try:
+            await worker.async_run()
+            return
+        except asyncio.CancelledError:  # SIGINT/SIGTERM: arq cancels its main task
+            return
+        except (RedisError, OSError) as exc:
+            outage.failed(exc)
+        finally:
+            await close(worker)
+        await asyncio.sleep(1)
+
+
+async def close(worker: Worker) -> None:
+    """arq's `Worker.close`, for a worker whose Redis may be gone: cancel its tasks, run our shutdown,
+    close its pool."""
+    for task in worker.tasks.values():
+        task.cancel()
+    await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+    worker.tasks.clear()
+    if "cortex" in worker.ctx:
+        await shutdown(worker.ctx)
+    pool = worker.ctx.get("redis")
+    if pool is not None:
+        try:
+            await pool.delete(worker.health_check_key)
+        except (RedisError, OSError):
+            pass
+        await pool.close(close_connection_pool=True)
+
+
 def run(settings: BatchSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("arq.worker").addFilter(QuietCron())
-    create_worker(settings).run()
+    asyncio.run(serve(settings))

@@ -20,7 +20,8 @@ from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
-from shared.redis_conn import connect
+from shared.errors import BrokerUnavailable, CortexError
+from shared.redis_conn import Outage, connect
 from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
@@ -42,6 +43,7 @@ class NodeAgent:
         self.models: dict[str, ServedModel] = {}
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
+        self._redis_run_id: str | None = None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -49,7 +51,8 @@ class NodeAgent:
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
-        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
+        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard,
+                                   on_lost=self._on_lost)
         self.publisher.start()
         for device in devices.discover(self.settings.device, self.settings.cpu_devices):
             thread = DeviceThread(device, loop)
@@ -102,9 +105,11 @@ class NodeAgent:
 
     async def _command_listener(self) -> None:
         stream, last_id = self.keys.cmd(self.name), "0-0"
+        outage = Outage(log, "command listener")
         while True:
             try:
                 reply = await self.redis.xread({stream: last_id}, block=1000, count=10)
+                outage.ok()
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         last_id = entry_id
@@ -113,7 +118,7 @@ class NodeAgent:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("command listener: %s; retrying", exc)
+                outage.failed(exc)
                 await asyncio.sleep(1)
 
     async def _obey(self, fields: dict[bytes, bytes]) -> None:
@@ -133,11 +138,13 @@ class NodeAgent:
     async def _keep_alive_loop(self) -> None:
         """Unload models idle past their keep_alive (apart from the heartbeat: an unload may wait
         for a job to finish, and a late heartbeat would make the node look dead)."""
+        outage = Outage(log, "keep_alive check")
         while True:
             try:
                 await self._unload_idle()
+                outage.ok()
             except Exception as exc:
-                log.warning("keep_alive check failed: %s", exc)
+                outage.failed(exc)
             await asyncio.sleep(min(self.settings.heartbeat_s, 1.0))
 
     async def _unload_idle(self) -> None:
@@ -174,12 +181,25 @@ class NodeAgent:
     # ---- heartbeat ---------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        outage = Outage(log, "heartbeat")
         while True:
             try:
                 await self._beat()
+                await self._notice_redis_restart()
+                outage.ok()
             except Exception as exc:  # Redis away: keep serving, keep trying
-                log.warning("heartbeat failed: %s", exc)
+                outage.failed(exc)
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _notice_redis_restart(self) -> None:
+        """A new Redis process (its run_id changed) may have come back from its append-only file
+        without the last second's writes: each model settles the entries Redis holds for it."""
+        run_id = (await self.redis.info("server"))["run_id"]
+        if self._redis_run_id not in (None, run_id):
+            log.info("Redis restarted (run_id %s, was %s)", run_id[:8], self._redis_run_id[:8])
+            for model in self.models.values():
+                model.redis_came_back()
+        self._redis_run_id = run_id
 
     async def _beat(self) -> None:
         now = _now_ms()
@@ -210,21 +230,28 @@ class NodeAgent:
         log.info("job %s has no listener any more; cancelling it", job)
         asyncio.get_running_loop().create_task(self._cancel(job))
 
-    async def _cancel(self, job: str) -> None:
+    def _on_lost(self, job: str) -> None:
+        error = BrokerUnavailable(f"node {self.name} lost its connection to Redis while it ran job {job}; "
+                                  "its output was lost")
+        asyncio.get_running_loop().create_task(self._cancel(job, error))
+
+    async def _cancel(self, job: str, error: CortexError | None = None) -> None:
         for model in self.models.values():
-            await model.cancel(job)
+            await model.cancel(job, error)
 
     async def _cancel_listener(self) -> None:
+        outage = Outage(log, "cancel listener")
         while True:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.keys.cancel())
+                outage.ok()
                 async for message in pubsub.listen():
                     await self._cancel(message["data"].decode())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("cancel listener: %s; reconnecting", exc)
+                outage.failed(exc)
                 await asyncio.sleep(1)
 
 
