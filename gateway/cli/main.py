@@ -7,6 +7,7 @@
     cortex batch-worker            # an arq worker running batches (as many as you like)
     cortex status [--json]         # nodes, devices, memory, models, slots, queues (from Redis)
     cortex keys create --name NAME # API keys: create | list | show | revoke (in Redis)
+    cortex backup PATH             # a snapshot of Redis (keys, files, batches, responses) copied to PATH
 
 Flags override settings; everything else comes from `CORTEX_*` variables and the TOML file named
 by `CORTEX_CONFIG` (see `shared/settings.py`). Verbs that read Redis find the stack `cortex up`
@@ -19,12 +20,14 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import redis
 from pydantic import ValidationError
 
 from gateway import operations
+from gateway.cli import backup
 from gateway.cli.embedded_redis import default_data_dir
 from gateway.cli.run_file import settings_for_cli
 from gateway.cli.status import key_summary, render_fleet, render_keys
@@ -103,6 +106,25 @@ async def _read_fleet(settings: GatewaySettings):
         return fleet
     finally:
         await client.aclose()
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    settings = settings_for_cli()
+    return asyncio.run(_backup(settings, Path(args.path)))
+
+
+async def _backup(settings: GatewaySettings, path: Path) -> int:
+    client = connect(settings.redis_url)
+    try:
+        size = await backup.backup(client, path)
+    except (backup.BackupFailed, redis.RedisError, OSError) as exc:
+        print(f"cortex backup: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await client.aclose()
+    print(f"wrote {path} ({size} bytes): a snapshot of every key. To restore it, stop the stack, put it in place of "
+          "dump.rdb in Redis's directory and remove appendonlydir/ beside it (docs/operations.md#backup-and-restore)")
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -263,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = keys.add_parser("revoke", parents=[common], help="refuse a key from now on (its record and usage stay)")
     k.add_argument("name")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("backup", parents=[common], help="snapshot Redis (BGSAVE) and copy the snapshot to PATH")
+    p.add_argument("path", help="where to write the snapshot (an RDB file)")
+    p.set_defaults(func=cmd_backup)
 
     p = sub.add_parser("status", parents=[common], help="show nodes, devices, models, slots and queues")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
