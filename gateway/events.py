@@ -24,6 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP
+from shared.redis_conn import BACKOFF_MAX_S
 from shared.wire import Event, WireError, unpack_event
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms a SUBSCRIBE in well under a millisec
 POLL_S = 1.0  # the reader wakes at least this often to check the connection
 PING_AFTER_IDLE_S = 5.0  # nothing heard for this long: send a PING
 DEAD_AFTER_IDLE_S = 15.0  # not even the PING answered: the connection is dead
-BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0
+BACKOFF_MIN_S = 0.05
 
 
 def pubsub_client(url: str) -> aioredis.Redis:

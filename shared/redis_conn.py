@@ -13,12 +13,13 @@ from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, R
 from shared.errors import BrokerCannotPersist, BrokerOutOfMemory, BrokerReadOnly, BrokerUnavailable
 
 MESSAGE_CHARS = 300  # of a Redis error quoted in a message (a pipeline's error quotes its commands' values)
+BACKOFF_MAX_S = 2.0  # the longest wait between two tries to reach Redis, for every part
 
 
 def connect(url: str, **kwargs) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        retry=Retry(ExponentialBackoff(cap=BACKOFF_MAX_S, base=0.05), retries=5),
         retry_on_error=[ConnectionError, TimeoutError],
         health_check_interval=30,
         **kwargs,

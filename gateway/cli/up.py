@@ -28,7 +28,7 @@ from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings, NodeSettings
 
 UP_REDIS_PORT = 31379
-REDIS_MIN_UP_S = 10.0  # a Redis that dies sooner after it started is not started again (a crash loop)
+REDIS_RESTARTS, REDIS_RESTART_WINDOW_S = 3, 60.0  # more restarts of Redis than this within the window: a crash loop
 
 
 async def read_models(redis_url: str, keys: Keys) -> list[tuple[str, str, str, bool, str]]:
@@ -177,12 +177,15 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
         log(f"`cortex status` and the other verbs find this stack through {run_file.write()}")
         watch = ReadinessWatch(redis_url, gateway_settings.keys, base_url, node_settings.models)
         next_poll = 0.0
+        redis_restarts: list[float] = []  # when the embedded Redis was started again
         while not sup.signals:
             dead = sup.first_dead()
-            if dead is not None and dead.name == "redis" and time.monotonic() - dead.started >= REDIS_MIN_UP_S:
+            recent = [t for t in redis_restarts if time.monotonic() - t < REDIS_RESTART_WINDOW_S]
+            if dead is not None and dead.name == "redis" and len(recent) < REDIS_RESTARTS:
                 log(f"redis-server exited with code {dead.proc.returncode}; its log ({redis_log}) ends:\n"
                     f"{_tail(redis_log)}\nstarting it again (the other parts reconnect)")
                 child = sup.restart(dead, embedded.argv())
+                redis_restarts = recent + [time.monotonic()]
                 if processes.wait_for_redis(redis_url, child, timeout_s=60):
                     log(f"redis-server is back on {redis_url} (pid {child.proc.pid})")
                 continue

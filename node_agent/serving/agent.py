@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+from redis.exceptions import RedisError
 
 from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
@@ -21,7 +22,7 @@ from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
 from shared.errors import BrokerUnavailable, CortexError
-from shared.redis_conn import Outage, connect
+from shared.redis_conn import BACKOFF_MAX_S, Outage, connect
 from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
@@ -44,6 +45,7 @@ class NodeAgent:
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
         self._redis_run_id: str | None = None
+        self._cancelling: set[str] = set()  # jobs being cancelled (their unheard steps say so only once)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -163,20 +165,29 @@ class NodeAgent:
         self._stop.set()
 
     async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+        """Finish or fail running jobs, free the devices, and take the heartbeat away (when Redis
+        answers: else it expires by itself, and the janitor settles what Redis still holds for us)."""
         self.state = NodeState.DRAINING
-        await self._beat()
+        await self._quietly(self._beat())
         await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
         await asyncio.gather(*(m.free() for m in self.models.values()))  # tensor-parallel workers stop too
         await self.publisher.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.redis.delete(self.keys.node(self.name))
-        await self.redis.zrem(self.keys.nodes(), self.name)
+        await self._quietly(self.redis.delete(self.keys.node(self.name)))
+        await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
         for thread in self.threads.values():
             thread.stop()
         await self.redis.aclose()
         log.info("node %s stopped", self.name)
+
+    @staticmethod
+    async def _quietly(redis_call) -> None:
+        try:
+            await redis_call
+        except (RedisError, OSError) as exc:
+            log.warning("shutting down without Redis: %s", exc)
 
     # ---- heartbeat ---------------------------------------------------------------------------
 
@@ -227,13 +238,26 @@ class NodeAgent:
     # ---- cancellations from the fleet ------------------------------------------------------------
 
     def _on_unheard(self, job: str) -> None:
-        log.info("job %s has no listener any more; cancelling it", job)
-        asyncio.get_running_loop().create_task(self._cancel(job))
+        """Nobody listens to the job: its client left without a cancel reaching us, or its gateway died
+        or lost Redis. The latter subscribes again to its queued jobs: give it time before reading more."""
+        if self._cancel_soon(job):
+            log.info("job %s has no listener any more; cancelling it", job)
 
     def _on_lost(self, job: str) -> None:
-        error = BrokerUnavailable(f"node {self.name} lost its connection to Redis while it ran job {job}; "
-                                  "its output was lost")
-        asyncio.get_running_loop().create_task(self._cancel(job, error))
+        self._cancel_soon(job, BrokerUnavailable(f"node {self.name} lost its connection to Redis while it ran job "
+                                                 f"{job}; its output was lost"))
+
+    def _cancel_soon(self, job: str, error: CortexError | None = None) -> bool:
+        """Cancel a running job (once, however many of its steps report it) and pause reading new ones;
+        False when there is nothing to do."""
+        if job in self._cancelling or not any(job in m.running for m in self.models.values()):
+            return False
+        self._cancelling.add(job)
+        for model in self.models.values():
+            model.pause_reading(BACKOFF_MAX_S + 0.5)  # a gateway's router tries Redis at least this often
+        task = asyncio.get_running_loop().create_task(self._cancel(job, error))
+        task.add_done_callback(lambda _: self._cancelling.discard(job))
+        return True
 
     async def _cancel(self, job: str, error: CortexError | None = None) -> None:
         for model in self.models.values():

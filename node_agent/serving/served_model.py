@@ -119,6 +119,7 @@ class ServedModel:
         self._adding: set[asyncio.Task] = set()  # hand-offs of read jobs to the device thread in flight
         self._consuming = False
         self._settle = False  # Redis came back: settle the entries it holds for jobs no longer here
+        self._read_after = 0.0  # monotonic time before which the consumer reads nothing (pause_reading)
 
     @property
     def used_slots(self) -> int:
@@ -222,6 +223,11 @@ class ServedModel:
             await asyncio.gather(*self._adding, return_exceptions=True)
             self._consumer = None
 
+    def pause_reading(self, seconds: float) -> None:
+        """Read no new job for `seconds`: a gateway that lost Redis is subscribing again to its jobs
+        still queued, and a job read before it listens again fails there (gateway/events.py)."""
+        self._read_after = max(self._read_after, time.monotonic() + seconds)
+
     def redis_came_back(self) -> None:
         """Redis restarted (from its append-only file, which may lack its last second): before its next
         read the consumer acknowledges what Redis holds as delivered to this node but no job here runs
@@ -248,6 +254,9 @@ class ServedModel:
                 if free <= 0:
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
+                    continue
+                if (paused_s := self._read_after - time.monotonic()) > 0:
+                    await asyncio.sleep(paused_s)
                     continue
                 entries = await self.reader.read(free, self._batch_free(free))  # most urgent first
                 outage.ok()

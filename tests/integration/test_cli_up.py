@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.cli import main, run_file, up
+from gateway.cli import main, run_file
 from shared.processes import free_port, redis_answers, redis_server_argv, start
 from tests.conftest import wait_until
 
@@ -146,7 +146,6 @@ def test_what_redis_holds_survives_a_restart_of_the_stack(fake_python, monkeypat
 
 def test_a_killed_redis_is_started_again_with_its_data(fake_python, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_DIES", "")
-    monkeypatch.setattr(up, "REDIS_MIN_UP_S", 0.0)
     args = up_args(free_port(), fake_python / "data")
 
     def kill_redis(client):
