@@ -81,8 +81,18 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
     return app
 
 
+class QuietHealth(logging.Filter):
+    """uvicorn logs every request; a load balancer's or compose's healthcheck polling `/health` every
+    few seconds would fill the log with nothing. A healthy answer is dropped; a 503 is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) == 5 and args[2] == "/health" and args[4] == 200)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.access").addFilter(QuietHealth())
 
 
 def run(settings: GatewaySettings) -> None:

@@ -108,6 +108,10 @@ def chat(prompt: str, max_tokens: int = 8, **body) -> dict:
 
 
 def test_an_idle_stack_logs_nothing(up):
+    status = up.cortex("status")
+    assert status.returncode == 0, status.stderr
+    assert "persistence: append-only file (fsync everysec) + snapshots (save 3600 1 300 100 60 10000)" in status.stdout
+    assert "warning" not in status.stdout
     time.sleep(3)  # start-up lines settle
     before = up.log()
     time.sleep(8)  # ~8 batch resume rounds, 16 heartbeats and janitor sweeps

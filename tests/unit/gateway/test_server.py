@@ -30,7 +30,7 @@ def beat(client: redis.Redis, node: str = "n1") -> None:
     client.zadd(KEYS.nodes(), {node: now_ms})
 
 
-def test_gateway_process(gateway_url, redis_url):
+def test_gateway_process(gateway_url, redis_url, tmp_path):
     response = httpx.get(f"{gateway_url}/health", headers={"x-request-id": "r-1"})
     assert (response.status_code, response.json()["status"], response.headers["x-request-id"]) == (200, "ok", "r-1")
     reading = response.json()["redis"]  # the test Redis keeps nothing on disk: /health says so
@@ -42,6 +42,9 @@ def test_gateway_process(gateway_url, redis_url):
     assert response.status_code == 503 and response.json()["error"]["code"] == "insufficient_capacity"
     assert [(m["id"], m["state"]) for m in httpx.get(f"{gateway_url}/v1/models").json()["data"]] == [
         (DEFAULT_MODEL_ID, "not_loaded"), ("default", "not_loaded")]
+    log = (tmp_path / "gateway.log").read_text()  # a healthcheck polling /health fills no log; the rest is there
+    assert '"GET /health HTTP/1.1" 200' not in log and '"GET /v1/models HTTP/1.1" 200' in log
+    assert "Redis keeps nothing on disk" in log  # the one warning at start: the test Redis has no persistence
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
