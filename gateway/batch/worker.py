@@ -6,8 +6,10 @@ retries, the worker stops its batches and starts arq again until Redis answers (
 many workers as you like: the lease keeps one worker per batch."""
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import signal
 import uuid
 from functools import partial
 from typing import Any
@@ -102,26 +104,37 @@ def create_worker(settings: BatchSettings) -> Worker:
         max_jobs=settings.batch_max_concurrent + 1,  # + the cron task
         poll_delay=settings.arq_poll_delay_s,
         keep_result=0,
-        handle_signals=True,
+        handle_signals=False,  # serve() handles them, also between two runs of arq
     )
 
 
 async def serve(settings: BatchSettings) -> None:
-    """Run the worker until a signal stops it; when Redis fails under arq, stop its batches (they resume
+    """Run the worker until SIGINT/SIGTERM; when Redis fails under arq, stop its batches (they resume
     once their leases expire) and start it again."""
     outage = Outage(log, "batch worker")
-    while True:
-        worker = create_worker(settings)
+    stopping = asyncio.Event()
+    current: list[Worker] = []
+
+    def on_signal(signum: int) -> None:
+        stopping.set()
+        if current:
+            current[0].handle_sig(signum)  # arq's own: cancels its tasks and its main loop
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(signum, on_signal, signum)
+    while not stopping.is_set():
+        current[:] = [worker := create_worker(settings)]
         try:
             await worker.async_run()
             return
-        except asyncio.CancelledError:  # SIGINT/SIGTERM: arq cancels its main task
+        except asyncio.CancelledError:  # a signal: arq cancelled its main task
             return
         except (RedisError, OSError) as exc:
             outage.failed(exc)
         finally:
             await close(worker)
-        await asyncio.sleep(1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), 1)
 
 
 async def close(worker: Worker) -> None:
