@@ -59,7 +59,8 @@ class Outage:
     def failed(self, exc: BaseException) -> None:
         if self.since is None:
             self.since = time.monotonic()
-            self.log.warning("%s failed: %s; retrying quietly until it works", self.what, str(exc) or type(exc).__name__)
+            self.log.warning("%s failed: %s; retrying quietly until it works", self.what,
+                             str(exc) or type(exc).__name__)
 
     def ok(self) -> bool:
         """Call after a success; True when it ends an outage."""

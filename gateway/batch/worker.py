@@ -19,7 +19,8 @@ from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, RedisError, TimeoutError
+from redis import exceptions as redis_errors
+from redis.exceptions import RedisError
 
 from gateway.batch.runner import BatchRunner, LeaseLost
 from gateway.batch.store import BatchStore
@@ -29,7 +30,7 @@ from shared.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
-from shared.redis_conn import Outage, connect, redact
+from shared.redis_conn import BACKOFF_MAX_S, Outage, connect, redact
 from shared.redis_health import warn_if_not_durable
 from shared.settings import BatchSettings
 
@@ -90,14 +91,19 @@ async def shutdown(ctx: dict) -> None:
         await cortex.redis.aclose()
 
 
+def arq_redis(url: str) -> RedisSettings:
+    """arq's connection, retrying as `shared.redis_conn.connect` does: a short blip of Redis goes unnoticed."""
+    return dataclasses.replace(RedisSettings.from_dsn(url), retry=Retry(ExponentialBackoff(BACKOFF_MAX_S, 0.05), 5),
+                               retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
+
+
 def create_worker(settings: BatchSettings) -> Worker:
     every_s = min(max(settings.batch_resume_every_s, 1), 60)
     return Worker(
         functions=[func(run_batch, timeout=RUN_BATCH_TIMEOUT_S, max_tries=1000)],
         cron_jobs=[cron(resume_batches, second=set(range(0, 60, every_s)), run_at_startup=True, unique=True,
                         timeout=60)],
-        redis_settings=dataclasses.replace(RedisSettings.from_dsn(settings.redis_url), retry_on_error=[
-            ConnectionError, TimeoutError], retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), 5)),  # as connect()
+        redis_settings=arq_redis(settings.redis_url),
         queue_name=settings.keys.arq_queue(),
         on_startup=partial(startup, settings=settings),
         on_shutdown=shutdown,

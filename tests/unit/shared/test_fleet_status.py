@@ -234,8 +234,9 @@ async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
 
 
 def test_status_shows_how_redis_keeps_its_data_and_its_warnings():
-    redis = RedisHealth(version="7.0.15", aof=False, appendfsync="everysec", snapshots="", eviction_policy="allkeys-lru",
-                        used_memory_mb=900.0, maxmemory_mb=1024.0, warnings=["Redis may evict keys when full"])
+    redis = RedisHealth(version="7.0.15", aof=False, appendfsync="everysec", snapshots="",
+                        eviction_policy="allkeys-lru", used_memory_mb=900.0, maxmemory_mb=1024.0,
+                        warnings=["Redis may evict keys when full"])
     console = Console(record=True, width=200, color_system=None)
 
     render_fleet(FleetStatus(now_ms=NOW_MS, nodes=[], queues=[], redis=redis), console)
