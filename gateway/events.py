@@ -266,6 +266,7 @@ class EventRouter:
                 resumed += 1
             elif key in self._queues and key not in self._heard:
                 self._queues[key].put_nowait(BrokerUnavailable(why))
+                self._entries.pop(key, None)  # failed: never parked again
         log.info("event router: Redis is back; %d of %d queued jobs wait on", resumed, len(confirmations))
 
     async def _still_queued(self, stream: str, entry_id: str, listening_for_ms: float) -> bool:

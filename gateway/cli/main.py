@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(CORTEX_UP_REDIS_PERSISTENCE, default %(default)s)")
     p.add_argument("--stop-timeout-s", type=float,
                    help="how long each child may take to stop before it is killed (default: the node's "
-                        "shutdown_grace_s + 10, 10 for the others); a second Ctrl-C kills at once")
+                        "shutdown_grace_s + 10, 60 for Redis, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("models", parents=[common], help="load, unload, pin or unpin a model across the fleet")

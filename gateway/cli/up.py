@@ -28,6 +28,7 @@ from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings, NodeSettings
 
 UP_REDIS_PORT = 31379
+REDIS_STOP_TIMEOUT_S = 60.0
 REDIS_RESTARTS, REDIS_RESTART_WINDOW_S = 3, 60.0  # more restarts of Redis than this within the window: a crash loop
 
 
@@ -91,7 +92,8 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _start_redis(sup: processes.Supervisor, embedded: EmbeddedRedis, env: dict[str, str], log):
+def _start_redis(sup: processes.Supervisor, embedded: EmbeddedRedis, env: dict[str, str], log,
+                 stop_timeout_s: float):
     """Start the embedded redis-server and wait until it answers (a restored snapshot is loaded,
     then written to the append-only file); None, having said why, if it cannot."""
     restoring = embedded.restoring()
@@ -99,7 +101,7 @@ def _start_redis(sup: processes.Supervisor, embedded: EmbeddedRedis, env: dict[s
         log(f"{embedded.data_dir} holds a snapshot and no append-only file: loading the snapshot, then "
             "writing the append-only file")
     try:
-        child = sup.start("redis", embedded.argv(), env)
+        child = sup.start("redis", embedded.argv(), env, stop_timeout_s=stop_timeout_s)
     except FileNotFoundError:
         log("redis-server is not on PATH: install it (apt-get install redis-server) or set CORTEX_REDIS_URL")
         return None
@@ -154,7 +156,9 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
                 log(f"cannot use the Redis data directory: {exc}")
                 return 2
             redis_url = embedded.url
-            child = _start_redis(sup, embedded, env, log)
+            # on SIGTERM Redis fsyncs its file, then writes a last snapshot: ~10 s for 1 GiB
+            child = _start_redis(sup, embedded, env, log,
+                                 args.stop_timeout_s if args.stop_timeout_s is not None else REDIS_STOP_TIMEOUT_S)
             if child is None:
                 redis_log = None
                 return 1
