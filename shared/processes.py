@@ -150,7 +150,9 @@ def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | 
     if durable:
         if workdir is None:
             raise ValueError("a durable redis-server needs a workdir for its files")
-        argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", SNAPSHOTS]
+        # a failed snapshot (a fork refused for memory) does not stop writes: the append-only file has them
+        argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", SNAPSHOTS,
+                 "--stop-writes-on-bgsave-error", "no"]
     else:
         argv += ["--save", "", "--appendonly", "no"]
     if workdir is not None:

@@ -71,7 +71,8 @@ def _warnings(health: RedisHealth, info: dict) -> list[str]:
     if health.aof and info.get("aof_last_write_status", "ok") != "ok":
         found.append("Redis could not write its append-only file: it refuses writes until it can")
     if info.get("rdb_last_bgsave_status", "ok") != "ok":
-        found.append("Redis's last snapshot failed: it refuses writes until one succeeds (MISCONF)")
+        found.append("Redis's last snapshot failed (its log says why)" + (
+            "" if health.aof else "; with stop-writes-on-bgsave-error yes it refuses writes until one succeeds"))
     if health.maxmemory_mb and health.used_memory_mb >= FULL_AT * health.maxmemory_mb:
         found.append(f"Redis is nearly full ({health.memory}): writes are refused (503) once it is; delete "
                      "files or raise maxmemory")

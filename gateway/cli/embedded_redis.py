@@ -82,6 +82,7 @@ class EmbeddedRedis:
         try:
             client.config_set("appendfsync", "everysec")
             client.config_set("save", processes.SNAPSHOTS)
+            client.config_set("stop-writes-on-bgsave-error", "no")
             client.config_set("appendonly", "yes")
             deadline = time.monotonic() + AOF_ON_TIMEOUT_S
             while time.monotonic() < deadline:

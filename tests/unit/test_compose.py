@@ -68,4 +68,5 @@ def test_redis_is_durable_on_a_named_volume(compose):
     options = dict(zip(command[1::2], command[2::2]))
     assert options["--appendonly"] == "yes" and options["--appendfsync"] == "everysec"
     assert options["--save"] == SNAPSHOTS and options["--maxmemory-policy"] == "noeviction"
+    assert options["--stop-writes-on-bgsave-error"] == "no"  # the append-only file holds every write
     assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]
