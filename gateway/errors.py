@@ -1,6 +1,6 @@
 """Every error the gateway returns, mapped in one place: typed `CortexError`s carry their own
 status; request validation → 400 naming the field; malformed JSON → 400; unknown routes → 404;
-Redis down → 503. Routes under `/v1/messages` answer in Anthropic's shape
+Redis down or refusing writes → 503 naming the cause. Routes under `/v1/messages` answer in Anthropic's shape
 `{"type": "error", "error": {"type", "message"}}`; all others in OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`."""
 
@@ -17,7 +17,8 @@ from gateway.auth import caller_var
 from gateway.protocol import anthropic
 from gateway.protocol.openai import Error, ErrorResponse
 from gateway.request_id import request_id_var
-from shared.errors import BrokerUnavailable, CortexError, InvalidRequest, RequestTooLarge
+from shared.errors import CortexError, InvalidRequest, RequestTooLarge
+from shared.redis_conn import broker_error
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 
 async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
-    return await _on_cortex_error(request, BrokerUnavailable(f"Redis is unavailable: {exc}"))
+    return await _on_cortex_error(request, broker_error(exc))
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

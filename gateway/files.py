@@ -2,10 +2,11 @@
 batch worker sees them and they survive restarts: `cortex:file:{id}` is a hash of the file's
 metadata fields plus `content`, and `cortex:files` lists the ids by creation time.
 
-Limits (GatewaySettings): `files_max_bytes` (64 MiB) per upload and `files_max_lines` (50,000)
-per batch input file; an upload over either is refused with 413. Redis holds the whole content
-in memory, so size Redis for the files you keep (delete them, or let batches' files be deleted
-with `DELETE /v1/files/{id}`).
+Limits (GatewaySettings): `files_max_bytes` (64 MiB) per upload, `files_max_lines` (50,000) per batch
+input file, and `files_max_total_bytes` (1 GiB) for every file kept (`cortex:files:bytes` counts them);
+an upload over any is refused with 413. Redis holds every file in memory and on disk until it is
+deleted (`DELETE /v1/files/{id}`). Batch output files count towards the total but are never refused:
+a finished batch keeps its results, and later uploads wait for room.
 
 Each file belongs to the API key that uploaded it (its batch's key, for batch output): the hash's
 `owner` field. Other keys never see it; the admin key sees every file.
@@ -18,10 +19,29 @@ import redis.asyncio as aioredis
 
 from gateway.protocol.openai_batch import FileList, FileObject
 from shared.api_keys import ANONYMOUS
-from shared.errors import InvalidRequest, NotFound, PayloadTooLarge
+from shared.errors import FilesQuotaExceeded, InvalidRequest, NotFound, PayloadTooLarge
 from shared.keys import Keys
 
 PURPOSES = ("batch",)  # what clients may upload; batches write `batch_output`
+
+# KEYS: file hash, files zset, bytes counter. ARGV: id, created, size, quota (0: none), meta, owner, content.
+# Returns {1, total} when stored, {0, total} when it would pass the quota.
+_CREATE = """
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local size, quota = tonumber(ARGV[3]), tonumber(ARGV[4])
+if quota > 0 and total + size > quota then return {0, total} end
+redis.call('HSET', KEYS[1], 'meta', ARGV[5], 'owner', ARGV[6], 'content', ARGV[7])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return {1, redis.call('INCRBY', KEYS[3], size)}
+"""
+# KEYS: file hash, files zset, bytes counter. ARGV: id. Returns whether the file existed.
+_DELETE = """
+local size = redis.call('HSTRLEN', KEYS[1], 'content')
+local deleted = redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if deleted == 1 and redis.call('EXISTS', KEYS[3]) == 1 then redis.call('DECRBY', KEYS[3], size) end
+return deleted
+"""
 
 
 def new_file_id() -> str:
@@ -47,16 +67,34 @@ class FileStore:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys):
         self.redis, self.keys = redis, keys
+        self._create = redis.register_script(_CREATE)
+        self._delete = redis.register_script(_DELETE)
 
-    async def create(self, content: bytes, *, filename: str, purpose: str, owner: str) -> FileObject:
+    async def create(self, content: bytes, *, filename: str, purpose: str, owner: str,
+                     quota_bytes: int | None) -> FileObject:
+        """Store a file; with `quota_bytes`, refuse it (413) if every file kept would then pass it."""
         meta = FileObject(id=new_file_id(), bytes=len(content), created_at=int(time.time()), filename=filename,
                           purpose=purpose)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.file(meta.id), mapping={"meta": meta.model_dump_json(), "owner": owner,
-                                                        "content": content})
-            pipe.zadd(self.keys.files(), {meta.id: time.time()})
-            await pipe.execute()
+        await self._count_once()
+        stored, total = await self._create(
+            keys=[self.keys.file(meta.id), self.keys.files(), self.keys.files_bytes()],
+            args=[meta.id, time.time(), len(content), quota_bytes or 0, meta.model_dump_json(), owner, content])
+        if not stored:
+            raise FilesQuotaExceeded(f"storing this file ({len(content)} bytes) would bring the files kept to "
+                                  f"{total + len(content)} bytes, over files_max_total_bytes={quota_bytes}; delete "
+                                     "files you no longer need (DELETE /v1/files/{id})", param="file")
         return meta
+
+    async def _count_once(self) -> None:
+        """Start `cortex:files:bytes` from the files already kept (those stored before it existed)."""
+        if await self.redis.exists(self.keys.files_bytes()):
+            return
+        ids = await self.redis.zrange(self.keys.files(), 0, -1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in ids:
+                pipe.hstrlen(self.keys.file(file_id.decode()), "content")
+            sizes = await pipe.execute() if ids else []
+        await self.redis.set(self.keys.files_bytes(), sum(sizes), nx=True)
 
     async def _field(self, file_id: str, field: str, owner: str | None) -> bytes:
         raw, file_owner = await self.redis.hmget(self.keys.file(file_id), [field, "owner"])
@@ -72,10 +110,8 @@ class FileStore:
 
     async def delete(self, file_id: str, owner: str | None = None) -> None:
         await self._field(file_id, "owner", owner)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.file(file_id))
-            pipe.zrem(self.keys.files(), file_id)
-            deleted, _ = await pipe.execute()
+        deleted = await self._delete(keys=[self.keys.file(file_id), self.keys.files(), self.keys.files_bytes()],
+                                     args=[file_id])
         if not deleted:
             raise NotFound(f"no file with id {file_id!r}", param="file_id")
 

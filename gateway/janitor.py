@@ -17,6 +17,7 @@ from redis.exceptions import LockError, RedisError, ResponseError
 from shared import queues
 from shared.errors import ModelUnavailable, NodeLost
 from shared.keys import CONSUMER_GROUP
+from shared.redis_conn import Outage
 from shared.wire import ErrorEvent, pack_event
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Janitor:
 
     async def _run(self) -> None:
         interval = self.ctx.settings.janitor_interval_s
+        outage = Outage(log, "janitor")
         while True:
             await asyncio.sleep(interval)
             try:
@@ -48,8 +50,9 @@ class Janitor:
                         await self.sweep()
                     finally:
                         await lock.release()
+                outage.ok()
             except (RedisError, OSError) as exc:
-                log.warning("janitor: %s", exc)
+                outage.failed(exc)
             except Exception:
                 log.exception("janitor round failed")
 

@@ -25,7 +25,8 @@ from gateway.request_id import request_id_var
 from gateway.tools import grammars
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import queues
-from shared.errors import BrokerUnavailable, CortexError, InvalidRequest, Timeout, error_from_code
+from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
+from shared.redis_conn import broker_error
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
 
 log = logging.getLogger(__name__)
@@ -161,10 +162,11 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         with anyio.CancelScope(shield=True):
             await ctx.router.unsubscribe(channel)
         if isinstance(exc, RedisError):
-            raise BrokerUnavailable(f"could not enqueue the job on {stream}: {exc}") from exc
+            raise broker_error(exc, f"could not enqueue the job on {stream}") from exc
         raise
     job = Job(ctx, request, queue, caller, parsers)
     job.stream, job.entry_id = stream, entry_id.decode()
+    ctx.router.track(channel, stream, job.entry_id)  # while queued, it may wait out a Redis restart
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
              entry_id.decode())
     return job

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from gateway.context import GatewayContext
 from shared import queues
@@ -62,7 +63,10 @@ async def queued_frames(job, first: asyncio.Future, place: int, frames: AsyncIte
                 yield f": queued position={place}\n\n".encode()
             await asyncio.wait({first}, timeout=ctx.settings.queue_position_poll_s)
             if not first.done() and place > 0:
-                place = await position(ctx, job.stream, job.entry_id)
+                try:
+                    place = await position(ctx, job.stream, job.entry_id)
+                except RedisError:  # Redis restarting: the job waits on (gateway/events.py), so does its place
+                    pass
         try:
             first.result()
         except CortexError as exc:

@@ -22,6 +22,7 @@ from shared import __version__
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.redis_conn import connect, redact
+from shared.redis_health import warn_if_not_durable
 from shared.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         router = EventRouter(
             redis_factory or partial(pubsub_client, settings.redis_url),
             on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
+            outage_wait_s=settings.redis_outage_wait_s,
         )
         app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
         janitor = Janitor(ctx)
@@ -59,6 +61,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         metrics = asyncio.create_task(ctx.metrics.refresh_forever(ctx), name="metrics")
         log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), redact(settings.redis_url))
         await warn_if_exposed(ctx)
+        await warn_if_not_durable(redis, log)
         try:
             yield
         finally:
@@ -78,8 +81,18 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
     return app
 
 
+class QuietHealth(logging.Filter):
+    """uvicorn logs every request; a load balancer's or compose's healthcheck polling `/health` every
+    few seconds would fill the log with nothing. A healthy answer is dropped; a 503 is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (len(args) == 5 and args[2] == "/health" and args[4] == 200)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.access").addFilter(QuietHealth())
 
 
 def run(settings: GatewaySettings) -> None:

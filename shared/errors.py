@@ -102,6 +102,12 @@ class RequestTooLarge(PayloadTooLarge):
     code = "request_too_large"
 
 
+class FilesQuotaExceeded(PayloadTooLarge):
+    """Storing a file would bring every file kept past `files_max_total_bytes`."""
+
+    code = "files_quota_exceeded"
+
+
 class ModelUnavailable(CortexError):
     """No live node serves (or can load) the model."""
 
@@ -132,6 +138,24 @@ class NodeLost(CortexError):
 
 class BrokerUnavailable(CortexError):
     status, code, type = 503, "broker_unavailable", "service_unavailable"
+
+
+class BrokerOutOfMemory(BrokerUnavailable):
+    """Redis answers but refuses writes: it reached its `maxmemory` (policy `noeviction`)."""
+
+    code = "redis_out_of_memory"
+
+
+class BrokerReadOnly(BrokerUnavailable):
+    """Redis answers but refuses writes: it is a read-only replica."""
+
+    code = "redis_read_only"
+
+
+class BrokerCannotPersist(BrokerUnavailable):
+    """Redis answers but refuses writes: it could not write its snapshot or append-only file to disk."""
+
+    code = "redis_cannot_persist"
 
 
 class JobCancelled(CortexError):

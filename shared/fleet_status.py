@@ -6,6 +6,7 @@ import json
 from pydantic import BaseModel
 
 from shared.heartbeat import KVCacheStats, NodeHeartbeat
+from shared.redis_health import RedisHealth
 
 
 class DeviceStatus(BaseModel):
@@ -104,3 +105,4 @@ class FleetStatus(BaseModel):
     nodes: list[NodeStatus]
     queues: list[QueueStatus]
     not_loaded: list[CatalogModelStatus] = []
+    redis: RedisHealth | None = None  # how Redis keeps its data and how full it is (None: not read)

@@ -78,6 +78,10 @@ class Keys:
         """Sorted set: file id -> created_at (unix seconds), for listing."""
         return f"{self.prefix}files"
 
+    def files_bytes(self) -> str:
+        """String: the bytes of every file kept, against `files_max_total_bytes`."""
+        return f"{self.prefix}files:bytes"
+
     def batch(self, batch_id: str) -> str:
         """Hash: one batch object, one JSON value per OpenAI field (``status``, ``request_counts`` ...)."""
         return f"{self.prefix}batch:{batch_id}"

@@ -32,6 +32,8 @@ class Child:
     proc: subprocess.Popen
     stop_timeout_s: float | None = None  # None: the supervisor's
     log_path: Path | None = None  # where its stdout and stderr go (None: the supervisor's own)
+    env: dict[str, str] | None = None
+    started: float = field(default_factory=time.monotonic)
     _log: IO[bytes] | None = None
 
     def alive(self) -> bool:
@@ -63,12 +65,13 @@ class Child:
 
 
 def start(name: str, argv: list[str], env: dict[str, str] | None = None, *, log_path: Path | None = None,
-          stop_timeout_s: float | None = None, cwd: Path | None = None) -> Child:
-    """Start one child in its own process group, its output to `log_path` when given."""
-    log = open(log_path, "wb") if log_path is not None else None
+          stop_timeout_s: float | None = None, cwd: Path | None = None, append: bool = False) -> Child:
+    """Start one child in its own process group, its output to `log_path` when given (after what
+    the file holds, with `append`)."""
+    log = open(log_path, "ab" if append else "wb") if log_path is not None else None
     proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT if log else None, process_group=0, preexec_fn=_die_with_parent)
-    return Child(name, proc, stop_timeout_s, log_path, log)
+    return Child(name, proc, stop_timeout_s, log_path, env, _log=log)
 
 
 @dataclass
@@ -83,6 +86,14 @@ class Supervisor:
         child = start(name, argv, env, **options)
         self.children.append(child)
         return child
+
+    def restart(self, child: Child, argv: list[str] | None = None) -> Child:
+        """Start a dead child again (with `argv`, or its own), in its place in the stopping order."""
+        child.stop(0)
+        again = start(child.name, argv or list(child.proc.args), child.env, log_path=child.log_path,
+                      stop_timeout_s=child.stop_timeout_s, append=True)
+        self.children[self.children.index(child)] = again
+        return again
 
     def first_dead(self) -> Child | None:
         return next((c for c in self.children if not c.alive()), None)
@@ -123,12 +134,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | None = None) -> list[str]:
-    """A private redis-server on loopback without persistence; FileNotFoundError when none is installed."""
+# Redis's own default snapshot schedule (after 1 h and 1 change, 5 min and 100, 1 min and 10,000)
+SNAPSHOTS = "3600 1 300 100 60 10000"
+
+
+def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | None = None,
+                      durable: bool = False) -> list[str]:
+    """A private redis-server on loopback; FileNotFoundError when none is installed. `durable`: an
+    append-only file fsynced every second plus snapshots, both in `workdir` (what `cortex up` runs);
+    otherwise nothing is kept across a restart (tests)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise FileNotFoundError("redis-server is not on PATH")
-    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1"]
+    if durable:
+        if workdir is None:
+            raise ValueError("a durable redis-server needs a workdir for its files")
+        # a failed snapshot (a fork refused for memory) does not stop writes: the append-only file has them
+        argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", SNAPSHOTS,
+                 "--stop-writes-on-bgsave-error", "no"]
+    else:
+        argv += ["--save", "", "--appendonly", "no"]
     if workdir is not None:
         argv += ["--dir", str(workdir)]
     if logfile is not None:

@@ -52,10 +52,12 @@ class GatewaySettings(CortexSettings):
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
+    redis_outage_wait_s: float = 30.0  # jobs queued when Redis goes away wait this long for it to come back
     max_request_bytes: int = 8 * 1024 * 1024  # a request body over this is refused with 413 (not /v1/files)
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
     files_max_lines: int = 50_000  # a batch input file with more lines is refused with 413
+    files_max_total_bytes: int = Field(1 << 30, gt=0)  # every file kept together; an upload past it is refused with 413
     # streaming clients that wait in the queue get `: queued position=N` comments this often
     queue_position_poll_s: float = 0.25
     queued_after_s: float = 0.1  # no first token within this long: look up the queue position
@@ -113,7 +115,7 @@ class BatchSettings(GatewaySettings):
     toml_table: ClassVar[str] = "batch"
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
-    batch_max_tries: int = 3  # a line whose node died (or Redis blinked) is retried this often
+    batch_max_tries: int = 3  # tries of a line whose node died (waiting for Redis to come back costs none)
     batch_lease_s: float = 15.0  # a dead worker's batches are resumed by another this long after
     batch_resume_every_s: int = 5  # how often each worker looks for batches nobody runs (1-60)
     batch_max_concurrent: int = 16  # batches one worker runs at once

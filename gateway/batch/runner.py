@@ -9,9 +9,11 @@ while it runs) works on it. Inference stays on the job streams: a line is one `b
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+
 
 from redis.exceptions import RedisError
 
@@ -28,8 +30,8 @@ from shared.settings import BatchSettings
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (NodeLost, BrokerUnavailable, Timeout, ModelUnavailable)  # worth another try of the line
-RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
+RETRYABLE = (NodeLost, Timeout, ModelUnavailable)  # worth another try of the line (`batch_max_tries` in all)
+RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)  # also while Redis is away or full, which costs a line no try
 STATUS_POLL_S = 0.5  # how often a running batch looks for a cancel
 
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
@@ -50,6 +52,7 @@ class BatchRunner:
         self.stop_reason: str | None = None  # cancelled | expired
         self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
         self.running: dict[int, asyncio.Task] = {}
+        self.broken: BaseException | None = None  # a line failed on Redis (it cannot be recorded): the run stops
 
     def key(self, what: str) -> str:
         return self.keys.batch_lines(self.id, what)
@@ -93,7 +96,8 @@ class BatchRunner:
             for task in (work, keeper):
                 task.cancel()
             await asyncio.gather(work, keeper, return_exceptions=True)
-            await self.release()
+            with contextlib.suppress(RedisError, OSError):  # else the lease expires by itself
+                await self.release()
 
     async def _run(self) -> None:
         try:
@@ -160,24 +164,42 @@ class BatchRunner:
                 while len(self.running) >= self.settings.batch_lines_in_flight and not self.stop_reason:
                     await asyncio.wait(set(self.running.values()), timeout=STATUS_POLL_S,
                                        return_when=asyncio.FIRST_COMPLETED)
+                    self._check_broken()
                 if self.stop_reason:
                     break
                 task = asyncio.create_task(self._line(line_no, content[line_no], batch.endpoint))
                 self.running[line_no] = task
-                task.add_done_callback(lambda _t, n=line_no: self.running.pop(n, None))
+                task.add_done_callback(lambda t, n=line_no: self._line_done(n, t))
             while self.running:
                 await asyncio.wait(set(self.running.values()))
+                self._check_broken()
         finally:
+            for task in self.running.values():
+                task.cancel()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+
+    def _line_done(self, line_no: int, task: asyncio.Task) -> None:
+        self.running.pop(line_no, None)
+        if not task.cancelled() and task.exception() is not None and self.broken is None:
+            self.broken = task.exception()
+
+    def _check_broken(self) -> None:
+        """A line that could not be recorded (Redis failed) stops the run: the batch resumes, from what
+        Redis holds, once its lease expires."""
+        if self.broken is not None:
+            raise self.broken
 
     async def _watch(self, batch: Batch) -> None:
         """Notice a cancel (or the completion window closing): start no more lines, and take back
         the lines still waiting on the streams; lines a node already runs finish."""
         while self.stop_reason is None:
             await asyncio.sleep(STATUS_POLL_S)
-            await self._read_owner()
-            status = (await self.store.get(self.id)).status
+            try:
+                await self._read_owner()
+                status = (await self.store.get(self.id)).status
+            except (RedisError, OSError):  # Redis away: look again next time
+                continue
             if status == "cancelling":
                 self.stop_reason = "cancelled"
             elif batch.expires_at and time.time() > batch.expires_at:
@@ -221,23 +243,30 @@ class BatchRunner:
             await self._record(line_no, "out", result)
 
     async def _attempts(self, line_no: int, parsed: lines.ParsedLine, endpoint: str) -> BatchOutputLine:
-        for attempt in range(self.settings.batch_max_tries):
+        tries, waits = 0, 0
+        while True:
             job = None
             try:
                 job = await lines.start(self.ctx, parsed, self.owner)
                 await self.redis.hincrby(self.key("tries"), str(line_no), 1)
                 await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
                 return await lines.finish(job, parsed, endpoint)
+            except BrokerUnavailable as exc:  # Redis away (or full): not the line's fault, it costs no try
+                if self.stop_reason:
+                    exc.job_id = job.id if job else ""
+                    raise
+                await asyncio.sleep(RETRY_BACKOFF_S[min(waits, len(RETRY_BACKOFF_S) - 1)])
+                waits += 1
             except RETRYABLE as exc:
-                if attempt + 1 >= self.settings.batch_max_tries or self.stop_reason:
+                tries += 1
+                if tries >= self.settings.batch_max_tries or self.stop_reason:
                     exc.job_id = job.id if job else ""
                     raise
                 log.info("batch %s line %d: %s; trying again", self.id, line_no, exc.message)
-                await asyncio.sleep(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
+                await asyncio.sleep(RETRY_BACKOFF_S[min(tries - 1, len(RETRY_BACKOFF_S) - 1)])
             except (CortexError, JobCancelled) as exc:
                 exc.job_id = job.id if job else ""
                 raise
-        raise AssertionError("unreachable")
 
     async def _record(self, line_no: int, kind: str, line: BatchOutputLine) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -265,10 +294,12 @@ class BatchRunner:
         fields = {"request_counts": {"total": total, "completed": completed, "failed": failed}}
         if out:
             fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
-                                                                purpose="batch_output", owner=self.owner.name)).id
+                                                                purpose="batch_output", owner=self.owner.name,
+                                                                quota_bytes=None)).id
         if err:
             fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
-                                                               purpose="batch_output", owner=self.owner.name)).id
+                                                               purpose="batch_output", owner=self.owner.name,
+                                                               quota_bytes=None)).id
         await self.store.update(self.id, **fields)
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
         await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)

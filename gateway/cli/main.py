@@ -7,6 +7,7 @@
     cortex batch-worker            # an arq worker running batches (as many as you like)
     cortex status [--json]         # nodes, devices, memory, models, slots, queues (from Redis)
     cortex keys create --name NAME # API keys: create | list | show | revoke (in Redis)
+    cortex backup PATH             # a snapshot of Redis (keys, files, batches, responses) copied to PATH
 
 Flags override settings; everything else comes from `CORTEX_*` variables and the TOML file named
 by `CORTEX_CONFIG` (see `shared/settings.py`). Verbs that read Redis find the stack `cortex up`
@@ -19,12 +20,15 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import redis
 from pydantic import ValidationError
 
 from gateway import operations
+from gateway.cli import backup
+from gateway.cli.embedded_redis import default_data_dir
 from gateway.cli.run_file import settings_for_cli
 from gateway.cli.status import key_summary, render_fleet, render_keys
 from gateway.cli.up import UP_REDIS_PORT, run_up
@@ -33,6 +37,7 @@ from shared.api_keys import KeySpec, KeyStore
 from shared.catalog import Catalog
 from shared.errors import CortexError
 from shared.fleet import Fleet
+from shared import redis_health
 from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings, NodeSettings
 
@@ -93,9 +98,33 @@ def cmd_status(args: argparse.Namespace) -> int:
 async def _read_fleet(settings: GatewaySettings):
     client = connect(settings.redis_url)
     try:
-        return await Fleet(client, settings.keys, settings.node_ttl_s).status()
+        fleet = await Fleet(client, settings.keys, settings.node_ttl_s).status()
+        try:
+            fleet.redis = await redis_health.inspect(client)
+        except redis.ResponseError as exc:  # INFO not allowed (an ACL): the fleet table still helps
+            print(f"cortex status: cannot read how Redis keeps its data: {exc}", file=sys.stderr)
+        return fleet
     finally:
         await client.aclose()
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    settings = settings_for_cli()
+    return asyncio.run(_backup(settings, Path(args.path)))
+
+
+async def _backup(settings: GatewaySettings, path: Path) -> int:
+    client = connect(settings.redis_url)
+    try:
+        size = await backup.backup(client, path)
+    except (backup.BackupFailed, redis.RedisError, OSError) as exc:
+        print(f"cortex backup: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await client.aclose()
+    print(f"wrote {path} ({size} bytes): a snapshot of every key. To restore it, stop the stack, put it in place of "
+          "dump.rdb in Redis's directory and remove appendonlydir/ beside it (docs/operations.md#backup-and-restore)")
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -176,6 +205,12 @@ def _count_arg(value: str) -> int:
     return int(value)
 
 
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"on or off, not {value!r}")
+    return value == "on"
+
+
 def _models_arg(value: str) -> list[str]:
     models = [m.strip() for m in value.split(",") if m.strip()]
     if not models:
@@ -211,9 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-port", type=int, default=int(os.environ.get("CORTEX_UP_REDIS_PORT", UP_REDIS_PORT)),
                    help="port of the embedded redis-server (CORTEX_UP_REDIS_PORT, default %(default)s); "
                         "ignored when CORTEX_REDIS_URL is set")
+    p.add_argument("--redis-dir", default=os.environ.get("CORTEX_UP_REDIS_DIR") or str(default_data_dir()),
+                   help="where the embedded Redis keeps its append-only file and snapshots (CORTEX_UP_REDIS_DIR, "
+                        "default %(default)s); one `cortex up` at a time")
+    p.add_argument("--redis-persistence", type=_on_off, metavar="{on,off}",
+                   default=os.environ.get("CORTEX_UP_REDIS_PERSISTENCE", "on"),
+                   help="off: the embedded Redis keeps nothing across a restart, for tests "
+                        "(CORTEX_UP_REDIS_PERSISTENCE, default %(default)s)")
     p.add_argument("--stop-timeout-s", type=float,
                    help="how long each child may take to stop before it is killed (default: the node's "
-                        "shutdown_grace_s + 10, 10 for the others); a second Ctrl-C kills at once")
+                        "shutdown_grace_s + 10, 60 for Redis, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("models", parents=[common], help="load, unload, pin or unpin a model across the fleet")
@@ -243,6 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = keys.add_parser("revoke", parents=[common], help="refuse a key from now on (its record and usage stay)")
     k.add_argument("name")
     p.set_defaults(func=cmd_keys)
+
+    p = sub.add_parser("backup", parents=[common], help="snapshot Redis (BGSAVE) and copy the snapshot to PATH")
+    p.add_argument("path", help="where to write the snapshot (an RDB file)")
+    p.set_defaults(func=cmd_backup)
 
     p = sub.add_parser("status", parents=[common], help="show nodes, devices, models, slots and queues")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")

@@ -52,6 +52,12 @@ _STATE_STYLE = {
 
 def render_fleet(fleet: FleetStatus, console=None) -> None:
     console = console or Console()
+    if fleet.redis is not None:
+        r = fleet.redis
+        console.print(f"Redis {r.version}: {r.memory}; persistence: {r.persistence}; eviction: {r.eviction_policy}",
+                      soft_wrap=True)
+        for warning in r.warnings:
+            console.print(f"[red]warning:[/] {warning}", soft_wrap=True)
     if not fleet.nodes:
         console.print("No nodes have sent a heartbeat.")
     else:

@@ -1,8 +1,9 @@
-"""`cortex up` (what `scripts/serve` runs): a private redis-server (unless `CORTEX_REDIS_URL` names
-one), a gateway, a batch worker and one node agent, each a process (`python -m gateway`, `python -m
-gateway.batch`, `python -m node_agent`) under `shared.processes.Supervisor`, in the foreground. It
-says when the gateway answers and each model is ready, leaves a run file so that other `cortex`
-verbs find this Redis, and on Ctrl-C stops everything and removes the run file."""
+"""`cortex up` (what `scripts/serve` runs): a private, durable redis-server (unless `CORTEX_REDIS_URL`
+names one; gateway/cli/embedded_redis.py), a gateway, a batch worker and one node agent, each a
+process (`python -m gateway`, `python -m gateway.batch`, `python -m node_agent`) under
+`shared.processes.Supervisor`, in the foreground. It says when the gateway answers and each model is
+ready, leaves a run file so that other `cortex` verbs find this Redis, starts Redis again if it dies
+(the other parts reconnect), and on Ctrl-C stops everything and removes the run file."""
 
 import argparse
 import asyncio
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 from redis.exceptions import RedisError
 
+from gateway.cli.embedded_redis import DataDirBusy, EmbeddedRedis
 from gateway.cli.run_file import RunFile
 from shared import processes
 from shared.fleet import Fleet
@@ -26,6 +28,8 @@ from shared.redis_conn import connect, redact
 from shared.settings import GatewaySettings, NodeSettings
 
 UP_REDIS_PORT = 31379
+REDIS_STOP_TIMEOUT_S = 60.0
+REDIS_RESTARTS, REDIS_RESTART_WINDOW_S = 3, 60.0  # more restarts of Redis than this within the window: a crash loop
 
 
 async def read_models(redis_url: str, keys: Keys) -> list[tuple[str, str, str, bool, str]]:
@@ -88,6 +92,32 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
+def _start_redis(sup: processes.Supervisor, embedded: EmbeddedRedis, env: dict[str, str], log,
+                 stop_timeout_s: float):
+    """Start the embedded redis-server and wait until it answers (a restored snapshot is loaded,
+    then written to the append-only file); None, having said why, if it cannot."""
+    restoring = embedded.restoring()
+    if restoring:
+        log(f"{embedded.data_dir} holds a snapshot and no append-only file: loading the snapshot, then "
+            "writing the append-only file")
+    try:
+        child = sup.start("redis", embedded.argv(), env, stop_timeout_s=stop_timeout_s)
+    except FileNotFoundError:
+        log("redis-server is not on PATH: install it (apt-get install redis-server) or set CORTEX_REDIS_URL")
+        return None
+    if not processes.wait_for_redis(embedded.url, child, timeout_s=300 if restoring else 15):
+        log(f"redis-server did not start; its log ({embedded.logfile}) ends:\n{_tail(embedded.logfile)}")
+        return None
+    if restoring:
+        try:
+            embedded.turn_aof_on()
+        except (RedisError, TimeoutError) as exc:
+            log(f"could not turn the append-only file on: {exc}; its log ({embedded.logfile}) ends:\n"
+                f"{_tail(embedded.logfile)}")
+            return None
+    return child
+
+
 def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_settings: NodeSettings) -> int:
     def log(message: str) -> None:
         print(f"[cortex up] {message}", flush=True)
@@ -117,19 +147,22 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
             if not processes.port_free("127.0.0.1", port):
                 log(f"port {port} for the embedded Redis is in use; set CORTEX_UP_REDIS_PORT, or CORTEX_REDIS_URL to use that Redis")
                 return 2
-            redis_url = f"redis://127.0.0.1:{port}/0"
             fd, redis_log = tempfile.mkstemp(prefix="cortex-redis-", suffix=".log")
             os.close(fd)
+            embedded = EmbeddedRedis(port, Path(args.redis_dir) if args.redis_persistence else None, redis_log)
             try:
-                child = sup.start("redis", processes.redis_server_argv(port, logfile=redis_log), env)
-            except FileNotFoundError:
-                log("redis-server is not on PATH: install it (apt-get install redis-server) or set CORTEX_REDIS_URL")
+                embedded.hold_data_dir()
+            except (DataDirBusy, OSError) as exc:
+                log(f"cannot use the Redis data directory: {exc}")
                 return 2
-            if not processes.wait_for_redis(redis_url, child):
-                log(f"redis-server did not start; its log ({redis_log}) ends:\n{_tail(redis_log)}")
+            redis_url = embedded.url
+            # on SIGTERM Redis fsyncs its file, then writes a last snapshot: ~10 s for 1 GiB
+            child = _start_redis(sup, embedded, env, log,
+                                 args.stop_timeout_s if args.stop_timeout_s is not None else REDIS_STOP_TIMEOUT_S)
+            if child is None:
                 redis_log = None
                 return 1
-            log(f"redis-server on {redis_url} (pid {child.proc.pid}, no persistence)")
+            log(f"redis-server on {redis_url} (pid {child.proc.pid}, {embedded.describe()})")
         env["CORTEX_REDIS_URL"] = redis_url
 
         gateway_env = env | {"CORTEX_HOST": gateway_settings.host, "CORTEX_PORT": str(gateway_settings.port)}
@@ -148,8 +181,18 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
         log(f"`cortex status` and the other verbs find this stack through {run_file.write()}")
         watch = ReadinessWatch(redis_url, gateway_settings.keys, base_url, node_settings.models)
         next_poll = 0.0
+        redis_restarts: list[float] = []  # when the embedded Redis was started again
         while not sup.signals:
             dead = sup.first_dead()
+            recent = [t for t in redis_restarts if time.monotonic() - t < REDIS_RESTART_WINDOW_S]
+            if dead is not None and dead.name == "redis" and len(recent) < REDIS_RESTARTS:
+                log(f"redis-server exited with code {dead.proc.returncode}; its log ({redis_log}) ends:\n"
+                    f"{_tail(redis_log)}\nstarting it again (the other parts reconnect)")
+                child = sup.restart(dead, embedded.argv())
+                redis_restarts = recent + [time.monotonic()]
+                if processes.wait_for_redis(redis_url, child, timeout_s=60):
+                    log(f"redis-server is back on {redis_url} (pid {child.proc.pid})")
+                continue
             if dead is not None:
                 log(f"{dead.name} exited with code {dead.proc.returncode}; stopping the rest")
                 if dead.name == "redis" and redis_log:

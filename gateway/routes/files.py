@@ -35,7 +35,8 @@ async def upload_file(ctx: Ctx, caller: CallerDep, file: UploadFile = File(...),
     content = await _read_capped(file, limit)
     check_batch_input(content, max_bytes=limit, max_lines=ctx.settings.files_max_lines)
     meta = await FileStore(ctx.redis, ctx.keys).create(content, filename=file.filename or "upload.jsonl", purpose=purpose,
-                                                       owner=caller.name)
+                                                       owner=caller.name,
+                                                       quota_bytes=ctx.settings.files_max_total_bytes)
     return JSONResponse(meta.model_dump())
 
 

@@ -1,4 +1,6 @@
-"""`GET /health`: 200 while Redis answers PING, 503 otherwise."""
+"""`GET /health`: 200 while Redis answers PING, 503 otherwise. The body also says how Redis keeps its
+data (persistence, eviction policy), its memory used against `maxmemory`, and warns when it would lose
+what users store (shared/redis_health.py); a Redis that refuses INFO or CONFIG is still healthy."""
 
 import asyncio
 
@@ -7,6 +9,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
 from gateway.context import Ctx
+from shared.redis_health import inspect
 
 router = APIRouter()
 
@@ -20,4 +23,10 @@ async def health(ctx: Ctx) -> JSONResponse:
             await ctx.redis.ping()
     except (RedisError, OSError, TimeoutError) as exc:
         return JSONResponse({"status": "unavailable", "redis": str(exc) or "no answer to PING"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    try:
+        async with asyncio.timeout(PING_TIMEOUT_S):
+            found = await inspect(ctx.redis)
+        reading = found.model_dump(exclude={"version"}) | {"persistence": found.persistence}
+    except (RedisError, OSError, TimeoutError) as exc:
+        reading = {"error": f"could not read INFO and CONFIG: {exc or 'no answer'}"}
+    return JSONResponse({"status": "ok", "redis": reading})

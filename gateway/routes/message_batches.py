@@ -35,7 +35,8 @@ def _view(request: Request, batch: Batch) -> JSONResponse:
 async def create_message_batch(body: MessageBatchCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
     content = input_lines([(r.custom_id, r.params) for r in body.requests])
     file = await FileStore(ctx.redis, ctx.keys).create(content, filename="message_batch.jsonl", purpose="batch",
-                                                       owner=caller.name)
+                                                       owner=caller.name,
+                                                       quota_bytes=ctx.settings.files_max_total_bytes)
     batch = await BatchStore(ctx.redis, ctx.keys).create(
         CreateBatchRequest(input_file_id=file.id, endpoint=ENDPOINT, completion_window="24h"), owner=caller.name,
         lines=len(body.requests))

@@ -41,9 +41,31 @@ def describe(device: str) -> DeviceInfo:
         index = torch.device(device).index or 0
         free, total = torch.cuda.mem_get_info(index)
         return DeviceInfo(id=device, name=torch.cuda.get_device_name(index), total_mb=total // _MB, free_mb=free // _MB)
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return DeviceInfo(id=device, name=_cpu_name(), total_mb=pages // _MB, free_mb=available // _MB)
+    total, available = host_memory()
+    return DeviceInfo(id=device, name=_cpu_name(), total_mb=total // _MB, free_mb=available // _MB)
+
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def host_memory() -> tuple[int, int]:
+    """The host's (total, available) memory in bytes. Available is the kernel's MemAvailable: what
+    can be allocated without swapping, page cache included (a host that has read model files keeps
+    gigabytes of it), not MemFree. Without /proc/meminfo (or a kernel older than 3.14), MemFree."""
+    try:
+        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        return _kib(fields["MemTotal"]), _kib(fields["MemAvailable"])
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+
+
+def _kib(value: str) -> int:
+    """`  8388608 kB` -> bytes."""
+    number, unit = value.split()
+    if unit != "kB":
+        raise ValueError(f"unexpected unit {unit!r} in /proc/meminfo")
+    return int(number) * 1024
 
 
 def _cpu_name() -> str:

@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+from redis.exceptions import RedisError
 
 from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
@@ -20,7 +21,9 @@ from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
-from shared.redis_conn import connect
+from shared.errors import BrokerUnavailable, CortexError
+from shared.redis_conn import BACKOFF_MAX_S, Outage, connect
+from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -41,13 +44,17 @@ class NodeAgent:
         self.models: dict[str, ServedModel] = {}
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
+        self._redis_run_id: str | None = None
+        self._cancelling: set[str] = set()  # jobs being cancelled (their unheard steps say so only once)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
-        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard)
+        await warn_if_not_durable(self.redis, log)
+        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard,
+                                   on_lost=self._on_lost)
         self.publisher.start()
         for device in devices.discover(self.settings.device, self.settings.cpu_devices):
             thread = DeviceThread(device, loop)
@@ -100,9 +107,11 @@ class NodeAgent:
 
     async def _command_listener(self) -> None:
         stream, last_id = self.keys.cmd(self.name), "0-0"
+        outage = Outage(log, "command listener")
         while True:
             try:
                 reply = await self.redis.xread({stream: last_id}, block=1000, count=10)
+                outage.ok()
                 for _stream, entries in reply or []:
                     for entry_id, fields in entries:
                         last_id = entry_id
@@ -111,7 +120,7 @@ class NodeAgent:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("command listener: %s; retrying", exc)
+                outage.failed(exc)
                 await asyncio.sleep(1)
 
     async def _obey(self, fields: dict[bytes, bytes]) -> None:
@@ -131,11 +140,13 @@ class NodeAgent:
     async def _keep_alive_loop(self) -> None:
         """Unload models idle past their keep_alive (apart from the heartbeat: an unload may wait
         for a job to finish, and a late heartbeat would make the node look dead)."""
+        outage = Outage(log, "keep_alive check")
         while True:
             try:
                 await self._unload_idle()
+                outage.ok()
             except Exception as exc:
-                log.warning("keep_alive check failed: %s", exc)
+                outage.failed(exc)
             await asyncio.sleep(min(self.settings.heartbeat_s, 1.0))
 
     async def _unload_idle(self) -> None:
@@ -154,30 +165,52 @@ class NodeAgent:
         self._stop.set()
 
     async def shutdown(self, tasks: list[asyncio.Task]) -> None:
+        """Finish or fail running jobs, free the devices, and take the heartbeat away (when Redis
+        answers: else it expires by itself, and the janitor settles what Redis still holds for us)."""
         self.state = NodeState.DRAINING
-        await self._beat()
+        await self._quietly(self._beat())
         await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
         await asyncio.gather(*(m.free() for m in self.models.values()))  # tensor-parallel workers stop too
         await self.publisher.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.redis.delete(self.keys.node(self.name))
-        await self.redis.zrem(self.keys.nodes(), self.name)
+        await self._quietly(self.redis.delete(self.keys.node(self.name)))
+        await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
         for thread in self.threads.values():
             thread.stop()
         await self.redis.aclose()
         log.info("node %s stopped", self.name)
 
+    @staticmethod
+    async def _quietly(redis_call) -> None:
+        try:
+            await redis_call
+        except (RedisError, OSError) as exc:
+            log.warning("shutting down without Redis: %s", exc)
+
     # ---- heartbeat ---------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        outage = Outage(log, "heartbeat")
         while True:
             try:
                 await self._beat()
+                await self._notice_redis_restart()
+                outage.ok()
             except Exception as exc:  # Redis away: keep serving, keep trying
-                log.warning("heartbeat failed: %s", exc)
+                outage.failed(exc)
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _notice_redis_restart(self) -> None:
+        """A new Redis process (its run_id changed) may have come back from its append-only file
+        without the last second's writes: each model settles the entries Redis holds for it."""
+        run_id = (await self.redis.info("server"))["run_id"]
+        if self._redis_run_id not in (None, run_id):
+            log.info("Redis restarted (run_id %s, was %s)", run_id[:8], self._redis_run_id[:8])
+            for model in self.models.values():
+                model.redis_came_back()
+        self._redis_run_id = run_id
 
     async def _beat(self) -> None:
         now = _now_ms()
@@ -205,24 +238,44 @@ class NodeAgent:
     # ---- cancellations from the fleet ------------------------------------------------------------
 
     def _on_unheard(self, job: str) -> None:
-        log.info("job %s has no listener any more; cancelling it", job)
-        asyncio.get_running_loop().create_task(self._cancel(job))
+        """Nobody listens to the job: its client left without a cancel reaching us, or its gateway died
+        or lost Redis. The latter subscribes again to its queued jobs: give it time before reading more."""
+        if self._cancel_soon(job):
+            log.info("job %s has no listener any more; cancelling it", job)
 
-    async def _cancel(self, job: str) -> None:
+    def _on_lost(self, job: str) -> None:
+        self._cancel_soon(job, BrokerUnavailable(f"node {self.name} lost its connection to Redis while it ran job "
+                                                 f"{job}; its output was lost"))
+
+    def _cancel_soon(self, job: str, error: CortexError | None = None) -> bool:
+        """Cancel a running job (once, however many of its steps report it) and pause reading new ones;
+        False when there is nothing to do."""
+        if job in self._cancelling or not any(job in m.running for m in self.models.values()):
+            return False
+        self._cancelling.add(job)
         for model in self.models.values():
-            await model.cancel(job)
+            model.pause_reading(BACKOFF_MAX_S + 0.5)  # a gateway's router tries Redis at least this often
+        task = asyncio.get_running_loop().create_task(self._cancel(job, error))
+        task.add_done_callback(lambda _: self._cancelling.discard(job))
+        return True
+
+    async def _cancel(self, job: str, error: CortexError | None = None) -> None:
+        for model in self.models.values():
+            await model.cancel(job, error)
 
     async def _cancel_listener(self) -> None:
+        outage = Outage(log, "cancel listener")
         while True:
             try:
                 pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.keys.cancel())
+                outage.ok()
                 async for message in pubsub.listen():
                     await self._cancel(message["data"].decode())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("cancel listener: %s; reconnecting", exc)
+                outage.failed(exc)
                 await asyncio.sleep(1)
 
 

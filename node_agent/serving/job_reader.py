@@ -9,8 +9,9 @@ every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a 
 taken within a round trip of its XADD.
 
 All of a model's stream I/O on the node is here: the consumer group on each stream, the reads,
-the backlog read when a load failed, and leaving the group on unload. Acknowledging a finished
-job rides on the step's pipeline (node_agent/serving/publisher.py)."""
+the backlog read when a load failed, leaving the group on unload, and settling entries Redis still
+holds for this node that it no longer runs. Acknowledging a finished job rides on the step's
+pipeline (node_agent/serving/publisher.py)."""
 
 from dataclasses import dataclass
 
@@ -96,6 +97,26 @@ class JobReader:
                 await self.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, self.consumer)
             except ResponseError:  # no such stream or group: nothing to leave
                 pass
+
+    async def pending(self) -> list[tuple[str, str]]:
+        """(stream, entry id) of every entry Redis has delivered to this node and not seen acknowledged."""
+        found = []
+        for _job_class, stream in self.streams:
+            try:
+                entries = await self.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=10_000,
+                                                          consumername=self.consumer)
+            except ResponseError:  # no such stream or group
+                continue
+            found += [(stream, entry["message_id"].decode()) for entry in entries]
+        return found
+
+    async def settle(self, entries: list[tuple[str, str]]) -> None:
+        """Acknowledge and delete entries whose jobs ended here (their acks were lost)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, entry_id in entries:
+                pipe.xack(stream, CONSUMER_GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+            await pipe.execute()
 
     async def read(self, free: int, batch_free: int) -> list[Entry]:
         """Up to `free` entries (at most `batch_free` of them batch), most urgent first; blocks up

@@ -1,5 +1,12 @@
 """Sends engine results to Redis: every step's events for every job, with the acks of jobs that
-ended, in one pipelined round trip. One task drains a queue, so events keep their order."""
+ended, in one pipelined round trip. One task drains a queue, so events keep their order.
+
+When Redis does not take a round trip (it restarted, or is unreachable for longer than the
+client's retries), its events are lost and never sent again (a listener would get them twice or
+out of order). What must still happen is kept and retried until Redis answers: each ended job's
+acknowledgement, with an error event in place of its lost ones (a gateway still listening learns
+the job failed rather than waiting for a `done` that will not come). Each job still running whose
+events were lost is reported to `on_lost`, which fails it."""
 
 import asyncio
 import logging
@@ -7,11 +14,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.wire import Event, pack_event
+from shared.redis_conn import Outage
+from shared.wire import ErrorEvent, Event, pack_event
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
 
 
 @dataclass
@@ -30,8 +42,11 @@ class Publisher:
     keys: Keys
     node: str
     on_unheard: Callable[[str], None]  # a job nobody listens to any more (its gateway is gone)
+    on_lost: Callable[[str], None] = lambda job: None  # a running job whose events Redis did not take
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
+    _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
+    _outage: Outage = field(default_factory=lambda: Outage(log, "publisher"))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="publisher")
@@ -49,16 +64,36 @@ class Publisher:
 
     async def _run(self) -> None:
         while True:
-            batches = [await self._queue.get()]
+            try:
+                batches = [await asyncio.wait_for(self._queue.get(), RETRY_S if self._kept else None)]
+            except TimeoutError:
+                batches = []
             while not self._queue.empty():
                 batches.append(self._queue.get_nowait())
+            kept, self._kept = self._kept, []
+            outgoing = kept + [o for b in batches for o in b]
             try:
-                await self._send([o for b in batches for o in b])
+                await self._send(outgoing)
+                self._outage.ok()
+            except (RedisError, OSError) as exc:
+                self._outage.failed(exc)
+                self._keep(outgoing)
             except Exception:
                 log.exception("publishing %d batches failed", len(batches))
             finally:
                 for _ in batches:
                     self._queue.task_done()
+
+    def _keep(self, failed: list[Outgoing]) -> None:
+        """After a failed round trip: keep each ended job's acknowledgement (its lost events replaced
+        by one error event) to retry; report each running job whose events were lost."""
+        for item in failed:
+            if item.ack:
+                error = BrokerUnavailable(f"node {self.node} lost its connection to Redis; the job's output was lost")
+                events = [ErrorEvent(code=error.code, message=error.message)] if item.events else []
+                self._kept.append(Outgoing(item.channel, events, item.ack, item.job, tracked=item.tracked))
+            elif item.events and item.job:
+                self.on_lost(item.job)
 
     async def _send(self, outgoing: list[Outgoing]) -> None:
         pipe = self.redis.pipeline(transaction=False)

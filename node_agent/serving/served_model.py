@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis.asyncio as aioredis
 import torch
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from node_agent.model import loader
 from node_agent.serving import prompts
@@ -27,6 +27,7 @@ from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, Jo
 from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
+from shared.redis_conn import Outage
 from shared.settings import NodeSettings
 from shared.wire import (DoneEvent, ErrorEvent, Event, GenerationRequest, StartEvent, StepEvents, StreamEntry,
                          Usage, WireError, ends_job)
@@ -117,6 +118,8 @@ class ServedModel:
         self._consumer: asyncio.Task | None = None
         self._adding: set[asyncio.Task] = set()  # hand-offs of read jobs to the device thread in flight
         self._consuming = False
+        self._settle = False  # Redis came back: settle the entries it holds for jobs no longer here
+        self._read_after = 0.0  # monotonic time before which the consumer reads nothing (pause_reading)
 
     @property
     def used_slots(self) -> int:
@@ -220,21 +223,53 @@ class ServedModel:
             await asyncio.gather(*self._adding, return_exceptions=True)
             self._consumer = None
 
+    def pause_reading(self, seconds: float) -> None:
+        """Read no new job for `seconds`: a gateway that lost Redis is subscribing again to its jobs
+        still queued, and a job read before it listens again fails there (gateway/events.py)."""
+        self._read_after = max(self._read_after, time.monotonic() + seconds)
+
+    def redis_came_back(self) -> None:
+        """Redis restarted (from its append-only file, which may lack its last second): before its next
+        read the consumer acknowledges what Redis holds as delivered to this node but no job here runs
+        (jobs whose acks Redis lost)."""
+        self._settle = True
+        self._slot_freed.set()
+
+    async def _settle_orphans(self) -> None:
+        self._settle = False
+        running = {r.entry_id for r in self.running.values()}
+        orphans = [(stream, entry_id) for stream, entry_id in await self.reader.pending() if entry_id not in running]
+        if orphans:
+            await self.reader.settle(orphans)
+            log.info("%s: acknowledged %d entries Redis held for jobs no longer running here", self.profile.id,
+                     len(orphans))
+
     async def _consume(self) -> None:
+        outage = Outage(log, f"reading {self.stream}")
         while self._consuming:
             free = self.profile.slots - self.used_slots
-            if free <= 0:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
             try:
+                if self._settle:  # here, between reads: every entry read so far is in `running` or has ended
+                    await self._settle_orphans()
+                if free <= 0:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
+                if (paused_s := self._read_after - time.monotonic()) > 0:
+                    await asyncio.sleep(paused_s)
+                    continue
                 entries = await self.reader.read(free, self._batch_free(free))  # most urgent first
-            except ResponseError as exc:  # the stream or group was deleted under us
-                log.warning("reading %s: %s; recreating the group", self.stream, exc)
-                await self.reader.ensure_groups()
+                outage.ok()
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):  # the stream or group was deleted under us (a Redis that kept nothing)
+                    log.warning("reading %s: %s; recreating the group", self.stream, exc)
+                    await self._recreate_groups(outage)
+                else:  # Redis refuses: out of memory, read-only, cannot persist
+                    outage.failed(exc)
+                    await asyncio.sleep(1)
                 continue
-            except (ConnectionError, OSError, aioredis.ConnectionError) as exc:
-                log.warning("reading %s: %s; retrying", self.stream, exc)
+            except (OSError, RedisError) as exc:
+                outage.failed(exc)
                 await asyncio.sleep(1)
                 continue
             prepared = await asyncio.gather(*(self._prepare(e.entry_id, e.fields, e.stream, e.job_class)
@@ -244,6 +279,13 @@ class ServedModel:
             adding = asyncio.create_task(self._add([job for job in prepared if job is not None]))
             self._adding.add(adding)
             adding.add_done_callback(self._adding.discard)
+
+    async def _recreate_groups(self, outage: Outage) -> None:
+        try:
+            await self.reader.ensure_groups()
+        except RedisError as exc:
+            outage.failed(exc)
+            await asyncio.sleep(1)
 
     async def _add(self, jobs: list[Prepared]) -> None:
         """Hand a read's jobs to the engine in one call: a wave of arrivals joins one prefill step
@@ -346,11 +388,11 @@ class ServedModel:
             self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + _keep_alive_ms(running.keep_alive_s))
         self._slot_freed.set()
 
-    async def cancel(self, job: str) -> None:
-        """Drop the job from the engine; a client still listening is told it was cancelled."""
+    async def cancel(self, job: str, error: CortexError | None = None) -> None:
+        """Drop the job from the engine; a client still listening is told it was cancelled (or `error`)."""
         if job in self.running and self.engine is not None:
             await self.device.call(self.engine.cancel, job)
-            self.fail(job, JobCancelled(f"job {job} was cancelled"))
+            self.fail(job, error or JobCancelled(f"job {job} was cancelled"))
 
     async def drain(self, grace_s: float) -> None:
         """Stop reading; let running jobs finish within `grace_s`, fail the rest."""

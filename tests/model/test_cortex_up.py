@@ -23,10 +23,12 @@ UP_TIMEOUT_S = 240.0  # a first GGUF load dequantises for ~30 s on a busy 2-core
 
 @pytest.fixture(scope="module")
 def user_env(tmp_path_factory) -> dict[str, str]:
-    """A shell with no CORTEX_* settings but the ports (31313/31379 may be taken on this machine)."""
+    """A shell with no CORTEX_* settings but the ports (31313/31379 may be taken on this machine) and
+    Redis's data directory."""
     root = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORTEX_")}
     return env | {"CORTEX_RUN_FILE": str(root / "up.json"), "CORTEX_PORT": str(free_port()),
+                  "CORTEX_UP_REDIS_DIR": str(root / "redis"),  # not the user's own data directory
                   "CORTEX_UP_REDIS_PORT": str(free_port()), "CORTEX_NODE_NAME": "up-node", "CORTEX_TORCH_THREADS": "1",
                   "LOG_DIR": str(root)}
 

@@ -1,11 +1,12 @@
-"""compose.yaml parses, names the three services, gives the node agent a GPU, and sets only
-variables that are real settings."""
+"""compose.yaml parses, names the services, keeps Redis on a volume with persistence on, gives the node
+agent a GPU, and sets only variables that are real settings."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
+from shared.processes import SNAPSHOTS
 from shared.settings import GatewaySettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +60,13 @@ def test_gateway_listens_on_all_interfaces_on_the_published_port(compose):
     gateway = compose["services"]["gateway"]
     assert gateway["environment"]["CORTEX_HOST"] == "0.0.0.0"
     assert f"{gateway['environment']['CORTEX_PORT']}:31313" in gateway["ports"]
+
+
+def test_redis_is_durable_on_a_named_volume(compose):
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    options = dict(zip(command[1::2], command[2::2]))
+    assert options["--appendonly"] == "yes" and options["--appendfsync"] == "everysec"
+    assert options["--save"] == SNAPSHOTS and options["--maxmemory-policy"] == "noeviction"
+    assert options["--stop-writes-on-bgsave-error"] == "no"  # the append-only file holds every write
+    assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]

@@ -3,6 +3,9 @@
 import logging
 
 import pytest
+from redis import exceptions as redis_exceptions
+
+from shared.redis_conn import broker_error
 
 from tests.unit.gateway.conftest import MODEL, beat
 
@@ -105,3 +108,19 @@ async def test_every_4xx_is_logged_once_at_info_with_its_request_id_and_reason(c
     assert len(lines) == 1, [r.getMessage() for r in lines]
     assert lines[0].levelno == logging.INFO and f"{method} {url} → {status}" in lines[0].getMessage()
     assert reason in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("exc, code, says", [
+    (redis_exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."), "redis_out_of_memory",
+     "out of memory"),
+    (redis_exceptions.ReadOnlyError("You can't write against a read only replica."), "redis_read_only",
+     "read-only replica"),
+    (redis_exceptions.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to "
+                                    "persist to disk."), "redis_cannot_persist", "cannot save to disk"),
+    (redis_exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+     "broker_unavailable", "Redis is unavailable: Error 111"),
+])
+def test_redis_refusing_is_a_503_naming_the_cause(exc, code, says):
+    error = broker_error(exc, "could not enqueue the job")
+    assert (error.status, error.code) == (503, code)
+    assert error.message.startswith("could not enqueue the job: ") and says in error.message

@@ -8,6 +8,7 @@ import pytest
 from gateway import events
 from gateway.events import EventRouter
 from shared.errors import BrokerUnavailable, GenerationFailed
+from shared.keys import CONSUMER_GROUP
 from shared.wire import DeltaEvent, pack_event
 from tests.unit.gateway.conftest import delta, done
 
@@ -98,3 +99,66 @@ async def test_stop_fails_jobs_in_flight(redis_factory):
     queue = await router.subscribe("cortex:events:a")
     await router.stop()
     assert isinstance(queue.get_nowait(), BrokerUnavailable)
+
+
+async def queued_job(router, redis, channel: str, *, read: bool = False) -> asyncio.Queue:
+    """A job subscribed, enqueued and tracked as the gateway does it (read by a node when `read`)."""
+    queue = await router.subscribe(channel)
+    if not await redis.exists("cortex:jobs:m"):
+        await redis.xgroup_create("cortex:jobs:m", CONSUMER_GROUP, id="0", mkstream=True)
+    entry_id = (await redis.xadd("cortex:jobs:m", {"job": channel})).decode()
+    router.track(channel, "cortex:jobs:m", entry_id)
+    if read:
+        await redis.xreadgroup(CONSUMER_GROUP, "node-a", {"cortex:jobs:m": ">"}, count=1)
+    return queue
+
+
+async def reconnected(router) -> None:
+    async with asyncio.timeout(5):
+        while not router.connected:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_queued_job_waits_for_redis_and_is_served_when_its_entry_is_still_there(fast_checks, router,
+                                                                                          fake_server, redis):
+    waiting = await queued_job(router, redis, "cortex:events:w")
+    running = await router.subscribe("cortex:events:r")
+    await redis.publish("cortex:events:r", pack_event(delta("heard")))
+    assert isinstance(await asyncio.wait_for(running.get(), 1), DeltaEvent)
+
+    fake_server.connected = False
+    assert isinstance(await asyncio.wait_for(running.get(), 2), BrokerUnavailable)  # its events may be lost
+    await asyncio.sleep(0.2)
+    assert waiting.empty()  # the queued one waits
+    fake_server.connected = True
+    await reconnected(router)
+    await asyncio.sleep(0.1)
+    await redis.publish("cortex:events:w", pack_event(delta("served")))
+    assert (await asyncio.wait_for(waiting.get(), 1)).choices[0].text == "served"
+
+
+async def test_a_queued_job_whose_entry_was_lost_or_read_meanwhile_fails(fast_checks, router, fake_server, redis):
+    lost = await queued_job(router, redis, "cortex:events:lost")
+    read = await queued_job(router, redis, "cortex:events:read", read=True)
+    await redis.delete("cortex:jobs:m")  # as a Redis that kept nothing
+    await redis.xgroup_create("cortex:jobs:m", CONSUMER_GROUP, id="0", mkstream=True)
+    read_late = await queued_job(router, redis, "cortex:events:late", read=True)
+
+    fake_server.connected = False
+    await asyncio.sleep(0.3)
+    fake_server.connected = True
+    await reconnected(router)
+    for queue in (lost, read, read_late):  # read 0.3 s before the router listened again: its events may be lost
+        item = await asyncio.wait_for(queue.get(), 2)
+        assert isinstance(item, BrokerUnavailable) and "lost or read while Redis restarted" in item.message
+
+
+async def test_a_queued_job_fails_when_redis_stays_away(fast_checks, redis_factory, fake_server, redis):
+    router = EventRouter(redis_factory, outage_wait_s=0.3)
+    await router.start()
+    queue = await queued_job(router, redis, "cortex:events:w")
+    fake_server.connected = False
+    item = await asyncio.wait_for(queue.get(), 5)
+    assert isinstance(item, BrokerUnavailable) and "did not come back within 0.3s" in item.message
+    fake_server.connected = True
+    await router.stop()

@@ -11,6 +11,8 @@ from shared.fleet import Fleet
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
+from shared.fleet_status import FleetStatus
+from shared.redis_health import RedisHealth
 
 NOW_MS = 1_800_000_000_000
 MODEL = "SmolLM2-135M-Instruct"
@@ -229,3 +231,16 @@ async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
     assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81%",  # floored, not rounded
                            "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
                            "loading": ""}  # no engine yet
+
+
+def test_status_shows_how_redis_keeps_its_data_and_its_warnings():
+    redis = RedisHealth(version="7.0.15", aof=False, appendfsync="everysec", snapshots="",
+                        eviction_policy="allkeys-lru", used_memory_mb=900.0, maxmemory_mb=1024.0,
+                        warnings=["Redis may evict keys when full"])
+    console = Console(record=True, width=200, color_system=None)
+
+    render_fleet(FleetStatus(now_ms=NOW_MS, nodes=[], queues=[], redis=redis), console)
+
+    text = console.export_text()
+    assert "Redis 7.0.15: 900.0 MB used of 1024 MB maxmemory; persistence: none; eviction: allkeys-lru" in text
+    assert "warning: Redis may evict keys when full" in text

@@ -1,0 +1,111 @@
+"""The node's publisher and job reader when Redis goes away, against a real redis-server: lost events
+are not sent twice, running jobs whose events were lost are reported, an ended job's acknowledgement
+(with an error event for its lost ones) waits for Redis; entries Redis still holds for this node can
+be listed and settled."""
+
+import asyncio
+import shutil
+
+import pytest
+import redis.asyncio as aioredis
+
+from node_agent.serving import publisher as publisher_module
+from node_agent.serving.job_reader import JobReader
+from node_agent.serving.publisher import Outgoing, Publisher
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.processes import free_port, redis_answers, redis_server_argv
+from shared.redis_conn import connect
+from shared.wire import unpack_event
+from tests.conftest import Service
+from tests.unit.gateway.conftest import delta, done
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
+KEYS = Keys()
+
+
+class DurableServer:
+    """A durable redis-server on one port, stopped and started again on the same files."""
+
+    def __init__(self, tmp_path):
+        self.port, self.tmp_path, self.starts = free_port(), tmp_path, 0
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.start()
+
+    def start(self) -> None:
+        self.starts += 1
+        argv = redis_server_argv(self.port, workdir=self.tmp_path, durable=True)
+        self.server = Service("redis-server", argv, self.tmp_path / f"redis-{self.starts}.log")
+        self.server.wait_ready(lambda: redis_answers(self.url))
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def server(tmp_path):
+    found = DurableServer(tmp_path)
+    yield found
+    found.stop()
+
+
+async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_nothing_twice(server, monkeypatch):
+    monkeypatch.setattr(publisher_module, "RETRY_S", 5.0)  # time to listen once Redis is back, before the retry
+    admin = aioredis.Redis.from_url(server.url)
+    stream = KEYS.jobs("m")
+    await admin.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    entry = (await admin.xadd(stream, {"job": "ended"})).decode()
+    await admin.xreadgroup(CONSUMER_GROUP, "node-a", {stream: ">"})
+    await admin.aclose()
+    client = connect(server.url)
+    lost: list[str] = []
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, on_lost=lost.append)
+    publisher.start()
+    server.stop()
+
+    publisher.send([Outgoing("cortex:events:running", [delta("lost")], job="running"),
+                    Outgoing("cortex:events:ended", [delta("lost too"), done()], (stream, entry), "ended")])
+    await asyncio.wait_for(publisher.flush(), 30)  # redis-py's retries gave up: the round trip failed
+    assert lost == ["running"]
+    server.start()
+    listener = aioredis.Redis.from_url(server.url)
+    assert (await listener.xpending(stream, CONSUMER_GROUP))["pending"] == 1  # the ack waits for the retry
+    pubsub = listener.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("cortex:events:ended", "cortex:events:running")
+
+    messages = []
+    async with asyncio.timeout(20):
+        while not messages:
+            if (message := await pubsub.get_message(timeout=0.1)) is not None:
+                messages.append(message)
+    await asyncio.sleep(0.3)
+    while (message := await pubsub.get_message(timeout=0.1)) is not None:
+        messages.append(message)
+    (only,) = messages  # nothing of the failed round trip again, only the ended job's error in its place
+    assert only["channel"] == b"cortex:events:ended"
+    event = unpack_event(only["data"])
+    assert (event.type, event.code) == ("error", "broker_unavailable")
+    assert "node-a lost its connection to Redis" in event.message
+    assert (await listener.xpending(stream, CONSUMER_GROUP))["pending"] == 0 and await listener.xlen(stream) == 0
+    await publisher.stop()
+    await client.aclose()
+    await listener.aclose()
+
+
+async def test_the_reader_lists_and_settles_what_redis_holds_for_this_node(server):
+    client = aioredis.Redis.from_url(server.url)
+    reader = JobReader(client, KEYS, "m", "node-a", batch_max_wait_s=60)
+    await reader.ensure_groups()
+    first = (await client.xadd(KEYS.jobs("m"), {"job": "1"})).decode()
+    second = (await client.xadd(KEYS.jobs("m", "batch"), {"job": "2"})).decode()
+    assert [e.entry_id for e in await reader.read(free=4, batch_free=4)] == [first, second]
+    other = JobReader(client, KEYS, "m", "node-b", batch_max_wait_s=60)
+    third = (await client.xadd(KEYS.jobs("m"), {"job": "3"})).decode()
+    await other.read(free=4, batch_free=4)
+
+    assert sorted(await reader.pending()) == sorted([(KEYS.jobs("m"), first), (KEYS.jobs("m", "batch"), second)])
+    await reader.settle([(KEYS.jobs("m"), first)])
+    assert await reader.pending() == [(KEYS.jobs("m", "batch"), second)]
+    assert [e[0].decode() for e in await client.xrange(KEYS.jobs("m"))] == [third]  # acked and deleted
+    assert (await client.xpending(KEYS.jobs("m"), CONSUMER_GROUP))["pending"] == 1  # node-b's
+    await client.aclose()
