@@ -1,34 +1,42 @@
 """The engine for one model, on its device thread: a scheduler, a model runner and an output
 processor with plain records between them (vLLM v1's and mini-sglang's split).
 
-Each `step()` reads schedule -> run -> output:
+Each `core_step()` reads schedule -> run -> token checks:
 - the scheduler (node_agent/engine/scheduler.py) admits sequences by free KV blocks, reusing a
   prompt's cached prefix, preempts when decode runs out of blocks, and plans the step: rows to
   move and set up, block tables, one prefill chunk group, the decoding rows (a `StepPlan`);
 - the runner (node_agent/model/runner.py) runs it on the device: the fixed-shape decode step, the
-  prefill forward, sampling for every row with a next token; it returns token ids and numbers;
-- the output processor (node_agent/engine/output.py) detokenises, applies stop strings, feeds the
-  grammars and builds each job's wire events; the sequences it finishes leave the scheduler.
-A step's events are typed wire events (shared/wire.py: msgspec Structs the gateway decodes as they are), one
-list per job.
+  prefill forward, sampling for every row with a next token (under the grammars' masks); it
+  returns token ids and numbers;
+- the core feeds the grammars and ends sequences on what needs no text (EOS, stop token ids,
+  max_tokens), and returns a `StepOutput` record (node_agent/engine/records.py).
+The output processor (node_agent/engine/output.py) turns records into each job's wire events:
+it detokenises and applies stop strings; the sequences it ends come back through `stop()`. On a
+node it runs in the model's output process (node_agent/serving/output_process.py), off the
+device's process; `step()` runs both here, one after the other (tests, the in-process bench).
 """
 
 import hashlib
 import logging
 import random
+import time
+from dataclasses import dataclass
 
+import llguidance
 import numpy as np
 
 from node_agent.engine import constrain
 from node_agent.engine.blocks import BlockPool
 from node_agent.engine.output import OutputProcessor
+from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
 from node_agent.model import vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
-from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.errors import ContextLengthExceeded, CortexError, GenerationFailed, InvalidRequest
 from shared.heartbeat import KVCacheStats
+from shared.lifecycle import FinishReason
 from shared.wire import GenerationRequest, SamplingParams, StepEvents
 
 log = logging.getLogger(__name__)
@@ -59,8 +67,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_seqs=profile.slots, chunk_tokens=profile.prefill_chunk_tokens,
                                    linear_attention=cache.has_linear_attention, root_hash=root)
         self.eos_ids = self._eos_ids()
-        self.output = OutputProcessor(loaded.tokenizer, constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids),
-                                      self.eos_ids, node)
+        self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
+        self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key
+        self._opened: list[JobOpened] = []  # jobs added since the last step
+        self.output = OutputProcessor(loaded.tokenizer, node)  # the text side when `step()` runs it here
 
     def _eos_ids(self) -> set[int]:
         ids = {self.lm.tokenizer.eos_token_id}
@@ -81,8 +91,9 @@ class Engine:
         return self.runner.decoder
 
     @property
-    def jobs(self) -> dict:
-        return self.output.jobs
+    def jobs(self) -> set[str]:
+        """Jobs not yet over, on either side."""
+        return set(self.scheduler.jobs) | {o.job for o in self._opened} | set(self.output.jobs)
 
     @property
     def has_work(self) -> bool:
@@ -124,12 +135,12 @@ class Engine:
         max_tokens = min(params.max_tokens or self.max_len - len(prompt_ids), self.max_len - len(prompt_ids),
                          pool_tokens - len(prompt_ids))
         seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
+        matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
         keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images))
-        try:
-            self.output.add(request, prompt_ids, submitted_ms, keys, max_tokens)
-        except Exception:
-            self.scheduler.abort(request.job)
-            raise
+        for key, matcher in zip(keys, matchers):
+            self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
+        self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),
+                                      prompt_ids[0] if params.prompt_logprobs is not None else None))
         if images:
             self.runner.add_images(request.job, prompt_ids, images)
 
@@ -154,39 +165,91 @@ class Engine:
 
     def cancel(self, job_id: str) -> bool:
         """Drop a job's sequences at once; no events are sent for it."""
-        if job_id not in self.output.jobs:
-            return False
-        self.output.drop(job_id, self.scheduler.abort(job_id))
-        self.runner.forget(job_id)
-        return True
+        known = job_id in self.jobs
+        self._end(self.scheduler.abort(job_id), job_id)
+        self._opened = [o for o in self._opened if o.job != job_id]
+        self.output.drop(job_id)
+        return known
 
     def fail_all(self) -> list[str]:
         """Forget every job (after a device error); returns their ids."""
-        failed = list(self.output.jobs)
+        failed = sorted(self.jobs)
         for job in failed:
-            self.output.drop(job, self.scheduler.abort(job))
-            self.runner.forget(job)
+            self.cancel(job)
         self.scheduler.clear()
         return failed
+
+    def stop(self, keys: list[int]) -> None:
+        """Sequences the output processor ended (a stop string, or its own work failed for the job)."""
+        self._end(keys)
+
+    def _end(self, keys: list[int], job: str | None = None) -> None:
+        """These sequences are over: free them, and a job's runner state once none of its sequences is left."""
+        self.scheduler.finish(set(keys))
+        jobs = {self.sequences.pop(key).job for key in keys if key in self.sequences} | ({job} if job else set())
+        for gone in jobs - set(self.scheduler.jobs):
+            self.runner.forget(gone)
 
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> StepEvents:
-        """Run one engine step; returns (job id, wire events) for every job that has news."""
-        plan = self.scheduler.schedule()
-        self.output.admitted({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups})
-        result = self.runner.run(plan, self.output.bitmask(plan.samples))
-        for job, exc in result.failed.items():
-            self.output.fail_job(job, exc)
-        for key, scores in result.prompt_scores.items():
-            self.output.scores(key, scores)
-        self.output.sampled(plan.samples, result.sampled)
-        self.scheduler.update(plan.samples, [s.token for s in result.sampled])
-        events = self.output.collect()
-        finished = self.output.finished()
-        self.scheduler.finish(set(finished))
-        self.output.forget(finished)
-        for job, _ in events:
-            if job not in self.output.jobs:
-                self.runner.forget(job)
+        """One engine step with its output processed here; returns (job id, wire events) for every job
+        that has news."""
+        events, stopped = self.output.process(self.core_step())
+        self.stop(stopped)
         return events
+
+    def core_step(self) -> StepOutput:
+        """One engine step: schedule, run, end what the tokens end; text is the output processor's."""
+        plan = self.scheduler.schedule()
+        out = StepOutput(0.0, opened=self._opened)
+        self._opened = []
+        out.admitted = list({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups}.items())
+        result = self.runner.run(plan, self.grammars.bitmask([self.sequences[key].matcher for key in plan.samples]))
+        for job, exc in result.failed.items():
+            self._fail(out, job, exc)
+        out.scores = [PromptScoresOut(key, s.start, s.tokens, s.logprobs, s.tops)
+                      for key, s in result.prompt_scores.items()]
+        ended = []
+        for key, sampled in zip(plan.samples, result.sampled):
+            if (seq := self.sequences.get(key)) is None:  # its job failed this step
+                continue
+            try:
+                finish = seq.advance(sampled.token, self.eos_ids)
+            except Exception as exc:  # the grammar's host work: this job alone fails
+                self._fail(out, seq.job, exc)
+                continue
+            out.tokens.append(TokenOut(key, sampled.token, finish, sampled.logprob, sampled.top))
+            if finish:
+                ended.append(key)
+        self.scheduler.update(plan.samples, [s.token for s in result.sampled])
+        self._end(ended)
+        out.time_ms = time.time() * 1000
+        return out
+
+    def _fail(self, out: StepOutput, job: str, exc: Exception) -> None:
+        """One job's own work raised: end its sequences; the output processor sends the error."""
+        log.error("job %s failed in its own work (%s: %s); the other rows go on", job, type(exc).__name__, exc)
+        error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
+        out.failed.append(JobFailed(job, error.code, error.message))
+        self._end(self.scheduler.abort(job), job)
+
+
+@dataclass(eq=False)
+class CoreSequence:
+    """A sequence's token-level state: its grammar and what ends it without text."""
+
+    job: str
+    params: SamplingParams
+    max_tokens: int
+    matcher: llguidance.LLMatcher | None = None
+    tokens: int = 0
+
+    def advance(self, token: int, eos_ids: set[int]) -> str | None:
+        """Count the token and feed the grammar; the finish reason it gives, if it ends the sequence."""
+        self.tokens += 1
+        if self.matcher is not None and not constrain.advance(self.matcher, token):
+            self.matcher = None
+        if (token in eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if self.tokens >= self.max_tokens else None

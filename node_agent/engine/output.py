@@ -1,48 +1,39 @@
-"""The output processor: turns what the runner sampled into each job's wire events. It owns every
-sequence's text side: the incremental detokeniser, stop strings, the grammar matcher (its mask for
-the next step, and the token fed back), max_tokens, logprob entries; and each job's timings and
-usage. It decides which sequences finished; the scheduler frees them (vLLM v1's OutputProcessor,
-here on the device thread, between two steps).
+"""The output processor: turns the engine core's step records (node_agent/engine/records.py) into
+each job's wire events. It owns every sequence's text side: the incremental detokeniser, stop
+strings, logprob entries; and each job's timings and usage. It ends the sequences whose stop
+string it meets and says which, for the core to free (vLLM v1's OutputProcessor). It needs only
+the tokenizer: on a node it runs in the model's output process, away from the device.
 """
 
 import logging
-import time
 from dataclasses import dataclass, field
 
-import llguidance
-import torch
-
-from node_agent.engine import constrain
 from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings
-from node_agent.model.step import PromptScores, Sampled
+from node_agent.engine.records import JobOpened, PromptScoresOut, StepOutput, TokenOut
 from shared.errors import CortexError, GenerationFailed
 from shared.lifecycle import FinishReason
-from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PromptLogprob, StepEvents,
-                         Timings, TokenLogprob, TopLogprob, Usage)
+from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, PromptLogprob, StepEvents, Timings,
+                         TokenLogprob, TopLogprob, Usage)
 
 log = logging.getLogger(__name__)
-
-
-def _now_ms() -> float:
-    return time.time() * 1000
 
 
 @dataclass(eq=False)
 class SequenceOutput:
     job: "JobOutput"
+    key: int
     index: int
-    max_tokens: int
     detokenizer: IncrementalDetokenizer
     stops: StopStrings
-    matcher: llguidance.LLMatcher | None = None  # when the request has a grammar
     prompt_logprobs: list[PromptLogprob] | None = None  # when asked; sent on the first delta
     tokens: int = 0
     finish_reason: str | None = None
+    core_ended: bool = False  # the core ended it (a token's finish, or its job failed there): nothing to hand back
 
 
 @dataclass(eq=False)
 class JobOutput:
-    request: GenerationRequest
+    id: str
     submitted_ms: float
     prompt_tokens: int
     sequences: list[SequenceOutput] = field(default_factory=list)
@@ -50,11 +41,7 @@ class JobOutput:
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
     cached_tokens: int = 0  # of its prompt, read from the prefix cache
-    error: CortexError | None = None  # a failure of its own: sent instead of deltas
-
-    @property
-    def id(self) -> str:
-        return self.request.job
+    error: ErrorEvent | None = None  # a failure of its own: sent instead of deltas
 
     @property
     def finished(self) -> bool:
@@ -62,112 +49,106 @@ class JobOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, grammars: constrain.Grammars, eos_ids: set[int], node: str):
-        self.tokenizer, self.grammars, self.eos_ids, self.node = tokenizer, grammars, eos_ids, node
+    def __init__(self, tokenizer, node: str):
+        self.tokenizer, self.node = tokenizer, node
         self.jobs: dict[str, JobOutput] = {}
         self.sequences: dict[int, SequenceOutput] = {}  # by the scheduler's sequence key
 
-    def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float, keys: list[int],
-            max_tokens: int) -> None:
-        """A job's sequences (by the scheduler's keys); raises InvalidRequest for a grammar that cannot be used."""
-        params = request.sampling
-        matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in keys]
-        job = JobOutput(request, submitted_ms, len(prompt_ids))
-        for index, (key, matcher) in enumerate(zip(keys, matchers)):
-            seq = SequenceOutput(job, index, max_tokens, IncrementalDetokenizer(self.tokenizer),
-                                 StopStrings(params.stop), matcher,
-                                 None if params.prompt_logprobs is None else [self._first_prompt_entry(prompt_ids[0])])
+    def process(self, out: StepOutput) -> tuple[StepEvents, list[int]]:
+        """One step's record: every job's events of this step, and the keys of the sequences ended
+        here that the core still runs (for `Engine.stop`)."""
+        for opened in out.opened:
+            self._open(opened)
+        for job_id, cached in out.admitted:
+            if (job := self.jobs.get(job_id)) is not None:
+                job.admitted_ms, job.cached_tokens = job.admitted_ms or out.time_ms, job.cached_tokens or cached
+        for scores in out.scores:
+            self._scores(scores)
+        for token in out.tokens:
+            self._sampled(token, out.time_ms)
+        for failed in out.failed:
+            self.fail_job(failed.job, ErrorEvent(code=failed.code, message=failed.message), core_ended=True)
+        events = self._collect(out.time_ms)
+        stopped = [key for key, seq in self.sequences.items() if seq.finish_reason and not seq.core_ended]
+        for key in [key for key, seq in self.sequences.items() if seq.finish_reason]:
+            del self.sequences[key]
+        return events, stopped
+
+    def drop(self, job_id: str) -> None:
+        """A job that ended elsewhere (cancelled, failed on the node): no more events for it."""
+        job = self.jobs.pop(job_id, None)
+        for seq in job.sequences if job else []:
+            self.sequences.pop(seq.key, None)
+
+    def fail_job(self, job_id: str, error: ErrorEvent, core_ended: bool = False) -> None:
+        """End a job's sequences and send `error` instead of its deltas."""
+        job = self.jobs.get(job_id)
+        if job is None or job.error is not None:
+            return
+        job.error = error
+        for seq in job.sequences:
+            seq.finish_reason = seq.finish_reason or FinishReason.ERROR
+            seq.core_ended = seq.core_ended or core_ended
+
+    def _open(self, opened: JobOpened) -> None:
+        job = JobOutput(opened.job, opened.submitted_ms, opened.prompt_tokens)
+        first = None if opened.first_prompt_token is None else self._first_prompt_entry(opened.first_prompt_token)
+        for index, key in enumerate(opened.keys):
+            seq = SequenceOutput(job, key, index, IncrementalDetokenizer(self.tokenizer), StopStrings(opened.stops),
+                                 None if first is None else [first])
             job.sequences.append(seq)
             self.sequences[key] = seq
         self.jobs[job.id] = job
 
-    def forget(self, keys: list[int]) -> None:
-        """Sequences the scheduler let go of (their job's last events are collected already)."""
-        for key in keys:
-            self.sequences.pop(key, None)
-
-    def drop(self, job_id: str, keys: list[int]) -> None:
-        """A cancelled job: no more events."""
-        self.jobs.pop(job_id, None)
-        self.forget(keys)
-
-    def admitted(self, cached_tokens: dict[str, int]) -> None:
-        """Jobs whose sequences took rows this step, with the prompt tokens their first found cached."""
-        now = _now_ms()
-        for job_id, cached in cached_tokens.items():
-            if (job := self.jobs.get(job_id)) is not None:
-                job.admitted_ms, job.cached_tokens = job.admitted_ms or now, job.cached_tokens or cached
-
-    def bitmask(self, keys: list[int]) -> tuple[torch.Tensor, list[int]] | None:
-        """The grammar masks of the rows about to be sampled (`keys`, in row order), where some has a grammar."""
-        return self.grammars.bitmask([self.sequences[key].matcher for key in keys])
-
-    def fail_job(self, job_id: str, exc: Exception) -> None:
-        """One job's own work raised: end its sequences and send the error instead of its deltas."""
-        job = self.jobs.get(job_id)
-        if job is None or job.error is not None:
-            return
-        log.error("job %s failed in its own work (%s: %s); the other rows go on", job_id, type(exc).__name__, exc)
-        job.error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
-        for seq in job.sequences:
-            seq.finish_reason = seq.finish_reason or FinishReason.ERROR
-
-    def scores(self, key: int, scores: PromptScores) -> None:
-        seq = self.sequences.get(key)
+    def _scores(self, scores: PromptScoresOut) -> None:
+        seq = self.sequences.get(scores.key)
         if seq is None or seq.prompt_logprobs is None:
             return
         del seq.prompt_logprobs[scores.start + 1:]  # a sequence preempted while reading reads it again
         seq.prompt_logprobs += [self._prompt_logprob(token, lp, top)
                                 for token, lp, top in zip(scores.tokens, scores.logprobs, scores.tops)]
 
-    def sampled(self, keys: list[int], sampled: list[Sampled]) -> None:
-        now = _now_ms()
-        for key, out in zip(keys, sampled):
-            seq = self.sequences[key]
-            if seq.finish_reason:
-                continue
-            seq.job.first_token_ms = seq.job.first_token_ms or now
-            try:
-                if seq.matcher is not None and not constrain.advance(seq.matcher, out.token):
-                    seq.matcher = None
-                logprob = self._token_logprob(out.token, out.logprob, out.top) if out.logprob is not None else None
-                self._advance(seq, out.token, logprob)
-            except Exception as exc:  # this row's host work (grammar, detokeniser, stops): its job alone fails
-                log.exception("job %s: a sequence's output could not be processed", seq.job.id)
-                self.fail_job(seq.job.id, exc)
+    def _sampled(self, out: TokenOut, now_ms: float) -> None:
+        seq = self.sequences.get(out.key)
+        if seq is None or seq.finish_reason:  # ended here a step ago: the core had sampled on
+            return
+        seq.job.first_token_ms = seq.job.first_token_ms or now_ms
+        seq.core_ended = out.finish is not None
+        try:
+            logprob = self._token_logprob(out.token, out.logprob, out.top) if out.logprob is not None else None
+            self._advance(seq, out, logprob)
+        except Exception as exc:  # this row's host work (detokeniser, stops): its job alone fails
+            log.exception("job %s: a sequence's output could not be processed", seq.job.id)
+            error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
+            self.fail_job(seq.job.id, ErrorEvent(code=error.code, message=error.message))
 
-    def finished(self) -> list[int]:
-        """Keys of the sequences that finished (or whose job failed) and are still known."""
-        return [key for key, seq in self.sequences.items() if seq.finish_reason]
-
-    def _advance(self, seq: SequenceOutput, token: int, logprob: TokenLogprob | None) -> None:
+    def _advance(self, seq: SequenceOutput, out: TokenOut, logprob: TokenLogprob | None) -> None:
         seq.tokens += 1
-        params = seq.job.request.sampling
-        stop_sequence = None
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        token, stop_sequence = out.token, None
+        if out.finish == FinishReason.STOP:  # EOS or a stop token id: not part of the text
             text, seq.finish_reason = seq.stops.flush(), FinishReason.STOP
         else:
             text, hit_stop = seq.stops.feed(seq.detokenizer.add(token))
             if hit_stop:
                 seq.finish_reason, stop_sequence = FinishReason.STOP, seq.stops.matched
-            elif seq.tokens >= seq.max_tokens:
+            elif out.finish == FinishReason.LENGTH:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
         prompt_logprobs = seq.prompt_logprobs if seq.tokens == 1 else None
         seq.job.deltas.append(ChoiceDelta(
             index=seq.index, text=text, token_ids=[token], logprobs=None if logprob is None else [logprob],
             prompt_logprobs=prompt_logprobs, finish_reason=seq.finish_reason, stop_sequence=stop_sequence))
 
-    def collect(self) -> StepEvents:
+    def _collect(self, now_ms: float) -> StepEvents:
         """Every job's events of this step; a job that ended is forgotten after."""
         out = []
         for job in list(self.jobs.values()):
             if job.error is not None:
-                out.append((job.id, [ErrorEvent(code=job.error.code, message=job.error.message)]))
+                out.append((job.id, [job.error]))
             elif job.deltas:
                 events = [DeltaEvent(choices=job.deltas)]
                 job.deltas = []
                 if job.finished:
-                    events.append(self._done(job))
+                    events.append(self._done(job, now_ms))
                 out.append((job.id, events))
             else:
                 continue
@@ -175,8 +156,7 @@ class OutputProcessor:
                 del self.jobs[job.id]
         return out
 
-    def _done(self, job: JobOutput) -> DoneEvent:
-        now = _now_ms()
+    def _done(self, job: JobOutput, now: float) -> DoneEvent:
         return DoneEvent(
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences),
                         cached_tokens=job.cached_tokens),

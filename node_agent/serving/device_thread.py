@@ -2,8 +2,9 @@
 queries, unloads); the event loop hands it work through a queue and gets results back with
 `call_soon_threadsafe`. Only ids, text and numbers cross over, never tensors.
 
-Each engine is attached with its own sinks (its `ServedModel`'s): a step's events, or the
-device error that ended a step, go straight to the model the engine serves."""
+Each engine is attached with its own sinks (its `ServedModel`'s): a step's record goes, from this
+thread, straight to the model's output process (node_agent/serving/output_link.py), which turns
+it into events; an error that ended a step goes to the model on the event loop."""
 
 import asyncio
 import logging
@@ -12,16 +13,16 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from node_agent.model import devices
 from node_agent.engine.engine import Engine
-from shared.errors import GenerationFailed
+from node_agent.engine.records import StepOutput
+from node_agent.model import devices
 from shared.heartbeat import DeviceInfo
-from shared.wire import ErrorEvent, StepEvents
 
 log = logging.getLogger(__name__)
 
-StepSink = Callable[[StepEvents], None]  # called on the event loop with one step's events
-FailureSink = Callable[[BaseException, list[str]], None]  # the device error, and the jobs it failed
+StepSink = Callable[[StepOutput], None]  # called on the device thread with one step's record
+FailureSink = Callable[[BaseException, list[str], bool], None]  # on the loop: the error, the jobs it failed,
+# and whether the device itself is at fault
 
 
 @dataclass(frozen=True)
@@ -106,18 +107,14 @@ class DeviceThread:
         if sinks is None:  # detached by work run just before
             return
         try:
-            events = engine.step()
+            out = engine.core_step()
         except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
-            if devices.is_device_fault(exc, engine.lm.device):
-                self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs)
-                return
-            error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still "
-                                     "served, try again")
-            events = [(job, [ErrorEvent(code=error.code, message=error.message)]) for job in jobs]
-        if events:
-            self.loop.call_soon_threadsafe(sinks.on_step, events)
+            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, devices.is_device_fault(exc, engine.lm.device))
+            return
+        if not out.empty:
+            sinks.on_step(out)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -26,8 +27,9 @@ log = logging.getLogger(__name__)
 RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
 
 
-@dataclass
-class Outgoing:
+class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One job's events of one step (a Struct: the node hands these to its output process)."""
+
     channel: str
     events: list[Event]  # in order
     ack: tuple[str, str] | None = None  # (stream, entry id) to XACK + XDEL after publishing

@@ -1,7 +1,8 @@
-"""One model on one node: its engine on a device thread, and the consumer that feeds it from
-the model's job streams (through its `JobReader`), reading only as many entries as it has free
-slots. The device thread hands each step's events straight to `on_step`, and a device error to
-`poison`."""
+"""One model on one node: its engine on a device thread, its output process, and the consumer that
+feeds it from the model's job streams (through its `JobReader`), reading only as many entries as
+it has free slots. The device thread hands each step's record straight to the output process
+(through its `OutputLink`), which publishes the events and says which jobs ended; a device error,
+or the output process dying, poisons the model (its jobs fail, it is reloaded)."""
 
 import asyncio
 import logging
@@ -20,6 +21,8 @@ from node_agent.serving.device_thread import DeviceThread
 from node_agent.engine.engine import Engine, check_fits
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.limits import completion_budget
+from node_agent.serving.output_link import OutputLink
+from node_agent.serving.output_process import Feedback, Route
 from node_agent.serving.publisher import Outgoing, Publisher
 from shared.catalog import ModelProfile
 from shared.errors import (CortexError, GenerationFailed, InsufficientMemory, JobCancelled,
@@ -29,8 +32,7 @@ from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.redis_conn import Outage
 from shared.settings import NodeSettings
-from shared.wire import (DoneEvent, ErrorEvent, Event, GenerationRequest, StartEvent, StepEvents, StreamEntry,
-                         Usage, WireError, ends_job)
+from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, Usage, WireError
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,6 @@ class Running:
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
-    started: bool = False
 
 
 def _now_ms() -> int:
@@ -98,6 +99,10 @@ def _keep_alive_ms(keep_alive_s: float) -> int:
     return int(min(max(keep_alive_s * 1000, 0), KEEP_ALIVE_MAX_MS)) if keep_alive_s == keep_alive_s else 0
 
 
+class OutputProcessExited(RuntimeError):
+    pass
+
+
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
                  publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
@@ -109,6 +114,7 @@ class ServedModel:
         self.state = ModelState.LOADING
         self.error = ""
         self.engine: Engine | None = None
+        self.link: OutputLink | None = None  # to the model's output process, while loaded
         self.max_prompt_chars: int | None = None  # longer prompts cannot fit: refused before tokenising
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.last_used_ms = _now_ms()
@@ -148,15 +154,22 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
+            self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
+                                        node=self.consumer_name, model=self.profile.id,
+                                        log_level=self.settings.log_level),
+                                   self.on_feedback, self.on_output_exit)
+            await self.link.start()  # it starts up while the model loads
             self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
                                                  self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
             self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
-            await self.device.attach(self.engine, self.on_step, self.poison)
+            self.link.open(self.engine.lm.tokenizer)
+            await self.device.attach(self.engine, self.link.step, self.on_failure)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("loading %s failed: %s", self.profile.id, self.error)
+            await self._close_link()
             await self._fail_waiting(ModelLoadFailed(f"loading {self.profile.id} on {self.consumer_name} failed: "
                                                      f"{self.error}"))
             return
@@ -165,6 +178,32 @@ class ServedModel:
         self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
         log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
+
+    def on_failure(self, exc: BaseException, jobs: list[str], device_fault: bool) -> None:
+        """A step failed on the device thread (its jobs are out of the engine): a fault of the device
+        poisons the model; anything else fails those jobs only."""
+        if device_fault:
+            self.poison(exc, jobs)
+            return
+        error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still served, "
+                                 "try again")
+        for job in jobs:
+            self.fail(job, error)
+
+    def on_output_exit(self, reason: str) -> None:
+        """The output process died: like a device fault, the jobs in flight fail and the model is reloaded."""
+        self.poison(OutputProcessExited(reason), list(self.running))
+
+    def on_feedback(self, feedback: Feedback) -> None:
+        """From the output process: sequences to free, jobs that ended, jobs to cancel."""
+        if feedback.stopped and self.engine is not None:
+            self.device.call(self.engine.stop, feedback.stopped)
+        for job in feedback.ended:
+            self._release(job)
+        for job in feedback.unheard:
+            self.publisher.on_unheard(job)
+        for job in feedback.lost:
+            self.publisher.on_lost(job)
 
     def poison(self, exc: BaseException, jobs: list[str]) -> None:
         """A device error: fail this model's jobs with a 503 that says why, then reload it (once:
@@ -201,11 +240,18 @@ class ServedModel:
         log.info("%s unloaded from %s", self.profile.id, self.device.device)
 
     async def free(self) -> None:
-        """Stop stepping the engine and drop it (a tensor-parallel model's other ranks with it)."""
+        """Stop stepping the engine and drop it (a tensor-parallel model's other ranks with it); the
+        output process publishes what it holds and exits."""
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
             await self.device.call(_free, engine)
+        await self._close_link()
+
+    async def _close_link(self) -> None:
+        if self.link is not None:
+            link, self.link = self.link, None
+            await link.close()
 
     def _batch_free(self, free: int) -> int:
         """Slots batch jobs may take now: they leave `interactive_reserved_slots` to interactive ones."""
@@ -314,12 +360,15 @@ class ServedModel:
             self._check_memory()
             ids, images = await asyncio.to_thread(self._prompt, request)
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
-                self.on_step([(request.job, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.consumer_name)])])
+                self._send([Outgoing(entry.reply, [DoneEvent(usage=Usage(prompt_tokens=len(ids)),
+                                                             node=self.consumer_name)], (stream, entry_id))])
+                self._release(request.job)
                 return
             sampling = request.sampling
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
-            self.publisher.send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)])
+            self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
+                       [Route(request.job, entry.reply, stream, entry_id, bool(entry.stream))])
             return request, ids, float(entry.submitted_ms), images
         except CortexError as exc:
             self.fail(request.job, exc)
@@ -345,41 +394,25 @@ class ServedModel:
             raise InsufficientMemory(f"{self.device.device} on {self.consumer_name} has {free} MB free, "
                                      f"below min_free_mb={self.settings.min_free_mb}")
 
-    def on_step(self, events: StepEvents) -> None:
-        """Called on the event loop with one engine step's events."""
-        batch = []
-        for job, job_events in events:
-            try:
-                if (outgoing := self._outgoing(job, job_events)) is not None:
-                    batch.append(outgoing)
-            except Exception as exc:  # this job's alone: the step's other events still go out
-                log.exception("job %s: its step events could not be handled", job)
-                self.fail(job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
-        self.publisher.send(batch)
-
-    def _outgoing(self, job: str, job_events: list[Event]) -> Outgoing | None:
-        running = self.running.get(job)
-        if running is None:
-            return None
-        ended = ends_job(job_events)
-        first = running.streaming and not running.started
-        running.started = True
-        outgoing = Outgoing(running.reply, job_events, (running.stream, running.entry_id) if ended else None, job,
-                            started=first, tracked=running.streaming)
-        if ended:
-            self._release(job)
-        return outgoing
-
     def fail(self, job: str, error: CortexError) -> None:
         running = self.running.get(job)
         if running is not None:
             self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message),
-                         running.stream, job if running.streaming and running.started else "")
+                         running.stream, job, running.streaming)
             self._release(job)
 
-    def _finish(self, entry_id: str, reply: str, event: ErrorEvent, stream: str = "", started_job: str = "") -> None:
-        self.publisher.send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id),
-                                      job=started_job, tracked=bool(started_job))])
+    def _finish(self, entry_id: str, reply: str, event: ErrorEvent, stream: str = "", job: str = "",
+                tracked: bool = False) -> None:
+        self._send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id), job=job,
+                             tracked=tracked)])
+
+    def _send(self, items: list[Outgoing], routes: list[Route] = ()) -> None:
+        """Through the output process while it runs (after the events it holds for these jobs); else
+        straight from here (a model that failed to load, or whose output process died)."""
+        if self.link is not None and self.link.alive:
+            self.link.publish(items, routes)
+        else:
+            self.publisher.send(items)
 
     def _release(self, job: str) -> None:
         running = self.running.pop(job, None)

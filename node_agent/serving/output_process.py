@@ -1,0 +1,184 @@
+"""A model's output process: the per-token work of a node, away from the process that owns the
+device (vLLM v1 detokenises in its front-end process for the same reason: one GIL).
+
+The node (node_agent/serving/output_link.py) starts one per loaded model and writes it, over a
+socket pair, length-prefixed msgpack `Message`s: the model's tokenizer once (`Open`), each
+engine step's record (`Step`, written by the device thread itself), and what the node itself has
+to say about a job (`Publish`: its start event with the job's `Route`, a failure, a cancel). This
+process detokenises, applies stop strings, builds and packs the wire events, and publishes them
+with the acks of the jobs that end (node_agent/serving/publisher.py). It answers with `Feedback`:
+sequences its stop strings ended (the engine frees them, a step later at most), jobs that ended
+(the node frees their slots), jobs nobody listens to or whose events Redis lost.
+
+It exits when the node closes its end, after publishing what it holds. The node notices it dying
+(the feedback socket closes) and treats it as a device fault: the model's jobs in flight fail and
+the model is reloaded.
+
+    python -m node_agent.serving.output_process CONFIG_JSON INBOX_FD FEEDBACK_FD
+"""
+
+import asyncio
+import json
+import logging
+import pickle
+import signal
+import socket
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import msgspec
+
+from node_agent.engine.output import OutputProcessor
+from node_agent.engine.records import StepOutput
+from node_agent.serving.publisher import Outgoing, Publisher
+from shared.keys import Keys
+from shared.redis_conn import connect
+from shared.wire import Event, ends_job
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct("<I")  # each message: its length, then its msgpack bytes
+
+
+class Route(msgspec.Struct, array_like=True):
+    """Where a job's events go and which stream entry its end acknowledges."""
+
+    job: str
+    channel: str
+    stream: str
+    entry_id: str
+    streaming: bool = False  # a client streams it: its first output is noted in `Keys.started`
+    started: bool = False
+
+
+class Open(msgspec.Struct, tag=True, array_like=True):
+    tokenizer: bytes  # pickled: the model's Hugging Face tokenizer
+
+
+class Publish(msgspec.Struct, tag=True, array_like=True):
+    items: list[Outgoing]  # an item that acknowledges a job ends it here too
+    routes: list[Route] = []  # jobs the engine will run
+
+
+class Step(msgspec.Struct, tag=True, array_like=True):
+    out: StepOutput
+
+
+Message = Open | Publish | Step
+
+
+class Feedback(msgspec.Struct, array_like=True, omit_defaults=True):
+    stopped: list[int] = []  # sequence keys a stop string ended (or whose job's text side failed)
+    ended: list[str] = []  # jobs whose last events are published and acknowledged
+    unheard: list[str] = []  # jobs nobody listens to any more
+    lost: list[str] = []  # running jobs whose events Redis did not take
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stopped or self.ended or self.unheard or self.lost)
+
+
+def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
+    data = encoder.encode(message)
+    return FRAME.pack(len(data)) + data
+
+
+@dataclass
+class OutputSide:
+    """What the process does with each message: the text side of every job, and its routes."""
+
+    node: str
+    publisher: Publisher
+    send_feedback: Callable[["Feedback"], None]
+    output: OutputProcessor | None = None
+    routes: dict[str, Route] = field(default_factory=dict)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, Step):
+            self.step(message.out)
+        elif isinstance(message, Publish):
+            self.publish(message)
+        else:
+            self.output = OutputProcessor(pickle.loads(message.tokenizer), self.node)
+
+    def step(self, out: StepOutput) -> None:
+        events, stopped = self.output.process(out)
+        batch, ended = [], []
+        for job, job_events in events:
+            if (item := self._outgoing(job, job_events)) is not None:
+                batch.append(item)
+                if item.ack:
+                    ended.append(job)
+        self.publisher.send(batch)
+        if stopped or ended:
+            self.send_feedback(Feedback(stopped=stopped, ended=ended))
+
+    def publish(self, message: Publish) -> None:
+        for route in message.routes:
+            self.routes[route.job] = route
+        for item in message.items:
+            if item.ack and item.job:  # the node ended it (failed, cancelled): no more events from the engine's side
+                self.routes.pop(item.job, None)
+                if self.output is not None:
+                    self.output.drop(item.job)
+        self.publisher.send(message.items)
+
+    def _outgoing(self, job: str, events: list[Event]) -> Outgoing | None:
+        route = self.routes.get(job)
+        if route is None:  # the node ended it already
+            return None
+        ended = ends_job(events)
+        first = route.streaming and not route.started
+        route.started = True
+        if ended:
+            del self.routes[job]
+        return Outgoing(route.channel, events, (route.stream, route.entry_id) if ended else None, job,
+                        started=first, tracked=route.streaming)
+
+
+async def serve(config: dict, inbox: socket.socket, feedback: socket.socket) -> None:
+    reader, inbox_writer = await asyncio.open_unix_connection(sock=inbox)  # a writer dropped closes its socket
+    _, writer = await asyncio.open_unix_connection(sock=feedback)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(Message)
+
+    def send_feedback(message: Feedback) -> None:
+        writer.write(frame(message, encoder))
+
+    redis = connect(config["redis_url"])
+    publisher = Publisher(redis, Keys(config["key_prefix"]), config["node"],
+                          on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
+                          on_lost=lambda job: send_feedback(Feedback(lost=[job])))
+    publisher.start()
+    side = OutputSide(config["node"], publisher, send_feedback)
+    while True:
+        try:
+            size, = FRAME.unpack(await reader.readexactly(FRAME.size))
+            message = decoder.decode(await reader.readexactly(size))
+        except asyncio.IncompleteReadError:  # the node closed its end (or is gone)
+            break
+        try:
+            side.handle(message)
+        except Exception:  # a bug here must not pass silently; the node reloads the model when this exits
+            log.exception("%s: the output process failed", config["model"])
+            raise
+    await publisher.stop()
+    writer.close()
+    inbox_writer.close()
+    await redis.aclose()
+
+
+def main(argv: list[str]) -> None:
+    config = json.loads(argv[0])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the node's to handle: it closes our inbox
+    logging.basicConfig(level=config.get("log_level", "INFO"),
+                        format=f"%(asctime)s %(levelname)s output[{config['model']}] %(name)s: %(message)s")
+    inbox = socket.socket(fileno=int(argv[1]))
+    feedback = socket.socket(fileno=int(argv[2]))
+    asyncio.run(serve(config, inbox, feedback))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
