@@ -54,6 +54,22 @@ def percentile(values: list[float], q: float) -> float:
 
 NOISY_PCT = 5  # other processes' CPU share (of the whole machine) above which a wave is flagged
 OWN_GROUPS: dict[int, str] = {}  # process groups this run started (the stack, transformers serve) -> name
+_SUBPROCESSES = {"node_agent.serving.output_process": "node output"}  # a part's own children, named apart
+_names: dict[int, str] = {}  # pid -> its name in the table
+
+
+def _name(pid: int, group: int) -> str | None:
+    if pid == os.getpid():
+        return "bench"
+    if (name := OWN_GROUPS.get(group)) is None:
+        return None
+    if pid not in _names:
+        try:
+            cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            cmdline = ""
+        _names[pid] = next((n for module, n in _SUBPROCESSES.items() if module in cmdline), name)
+    return _names[pid]
 
 
 def _jiffies() -> tuple[int, int, dict[str, int]]:
@@ -70,8 +86,7 @@ def _jiffies() -> tuple[int, int, dict[str, int]]:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = "bench" if int(entry.name) == os.getpid() else OWN_GROUPS.get(int(stat[2]))
-        if name:
+        if name := _name(int(entry.name), int(stat[2])):
             ours[name] = ours.get(name, 0) + int(stat[11]) + int(stat[12])
     return busy, total, ours
 

@@ -285,7 +285,14 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
             waves.append(wave)
             log(f"hf-generate N={n}: {_short(wave)}")
     if "engine" in args.systems:
+        import torch
+
         from node_agent.engine.engine import Engine
+        from node_agent.model import devices
+
+        torch_default = torch.get_num_threads()
+        threads = devices.node_torch_threads(args.threads, [args.device]) or torch_default
+        torch.set_num_threads(threads)  # as the node sets them: the same engine in both rows
 
         if args.quant != "none":  # the engine gets the quantised model; HF generate kept the plain one
             loaded = None
@@ -297,8 +304,9 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
             engine_wave(engine, loaded, profile, n, args.warmup_tokens)
             wave = quietest(args, lambda: metered(engine_wave, engine, loaded, profile, n, args.max_tokens))
             waves.append(wave)
-            log(f"engine N={n}: {_short(wave)}; {wave.step_ms:.2f} ms a decode step")
+            log(f"engine N={n}: {_short(wave)}; {wave.step_ms:.2f} ms a decode step; torch {threads} threads")
         del engine
+        torch.set_num_threads(torch_default)
         free_memory(args)
     if "ceiling" in args.systems:
         cache_len = max(map(len, chat_ids(loaded, profile, max(args.concurrency)))) + args.max_tokens
@@ -520,7 +528,8 @@ def parse_args(argv=None):
                    help="KV cache length per slot (default: the catalogue's 4096; --shape: 1024; multiturn and "
                         "shared-prefix: 8192, for Cortex and vLLM alike)")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads for every system (default: torch's own, one per core)")
+                   help="torch threads for every system (default: each one's own; Cortex's node, and its engine "
+                        "in-process, take all cores but one on a CPU)")
     p.add_argument("--skip-serve", action="store_true", help="skip transformers serve (baseline b)")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate (baseline a)")
     p.add_argument("--skip-engine", action="store_true", help="skip the in-process engine (c)")

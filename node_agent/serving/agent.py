@@ -282,7 +282,8 @@ class NodeAgent:
 def run(settings: NodeSettings | None = None) -> None:
     settings = settings or NodeSettings()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    threads = devices.node_torch_threads(settings.torch_threads, devices.discover(settings.device, settings.cpu_devices))
+    if threads:
+        torch.set_num_threads(threads)
     sys.setswitchinterval(settings.gil_switch_interval_s)
     asyncio.run(NodeAgent(settings).run())
