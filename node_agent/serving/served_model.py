@@ -206,20 +206,23 @@ class ServedModel:
             self.publisher.on_lost(job)
 
     def poison(self, exc: BaseException, jobs: list[str]) -> None:
-        """A device error: fail this model's jobs with a 503 that says why, then reload it (once:
-        jobs handed over before the reload stopped the reader fail here too, with the same error)."""
-        reloading = self.state == ModelState.POISONED
-        if not reloading:
+        """A device error: fail this model's jobs with a 503 that says why, stop reading, then reload
+        it (once: jobs the reader handed over before it stopped fail too, with the same error)."""
+        if self.state != ModelState.POISONED:
             self.state, self.error = ModelState.POISONED, f"{type(exc).__name__}: {exc}"
             log.error("%s is poisoned (%s); reloading it", self.profile.id, self.error)
+            self._consuming = False  # the slots freed below must not wake the reader
+            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
+        self._fail_poisoned(jobs)
+
+    def _fail_poisoned(self, jobs: list[str] = ()) -> None:
         for job in set(jobs) | set(self.running):
             self.fail(job, ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name} "
                                          f"({', '.join(self.devices)}): {self.error}; it is being reloaded"))
-        if not reloading:
-            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
 
     async def _reload(self) -> None:
         await self.stop_consuming()
+        self._fail_poisoned()  # handed over by the reader's last read: the engine they went to is dropped
         await self.free()
         await self.load()
         self.error = "" if self.state == ModelState.READY else self.error
