@@ -13,6 +13,25 @@ def test_multibyte_characters_are_never_split_across_deltas(smol_tokenizer):
         assert "".join(deltas) == text
 
 
+class DecodeOnly:
+    """A tokenizer with no Rust backend (SentencePiece- or Python-based): only `decode`."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=40), st.sampled_from(["rust", "python"]))
+def test_deltas_add_up_to_the_whole_decode(smol_tokenizer, ids, path):
+    """Any ids (special tokens, bytes of split characters included), on either path: the deltas
+    are the plain decode of all of them."""
+    detok = IncrementalDetokenizer(smol_tokenizer if path == "rust" else DecodeOnly(smol_tokenizer))
+    assert (detok.stream is not None) == (path == "rust")
+    text = "".join(detok.add(i) for i in ids)
+    full = smol_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert text == full.rstrip("\ufffd") or text == full
+
+
 def test_stop_string_split_over_many_deltas_is_caught_and_withheld():
     stops = StopStrings(["STOP here"])
     out = []
