@@ -27,6 +27,7 @@ import numpy as np
 
 from node_agent.engine import constrain
 from node_agent.engine.blocks import BlockPool
+from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
@@ -70,7 +71,8 @@ class Engine:
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key
         self._opened: list[JobOpened] = []  # jobs added since the last step
-        self.output = OutputProcessor(loaded.tokenizer, node)  # the text side when `step()` runs it here
+        self.text = TokenizerText.of(loaded.tokenizer)  # what the output processor decodes with, here or there
+        self.output = OutputProcessor(self.text, node)  # the text side when `step()` runs it here
 
     def _eos_ids(self) -> set[int]:
         ids = {self.lm.tokenizer.eos_token_id}

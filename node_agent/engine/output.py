@@ -8,7 +8,7 @@ the tokenizer: on a node it runs in the model's output process, away from the de
 import logging
 from dataclasses import dataclass, field
 
-from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings
+from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings, TokenizerText
 from node_agent.engine.records import JobOpened, PromptScoresOut, StepOutput, TokenOut
 from shared.errors import CortexError, GenerationFailed
 from shared.lifecycle import FinishReason
@@ -49,7 +49,7 @@ class JobOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, node: str):
+    def __init__(self, tokenizer: TokenizerText, node: str):
         self.tokenizer, self.node = tokenizer, node
         self.jobs: dict[str, JobOutput] = {}
         self.sequences: dict[int, SequenceOutput] = {}  # by the scheduler's sequence key

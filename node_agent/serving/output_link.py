@@ -10,7 +10,6 @@ event loop; its end (the process exited or was killed) is reported once to `on_e
 import asyncio
 import json
 import logging
-import pickle
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Callable
 
 import msgspec
 
+from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
 from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Route, Step, frame
 from node_agent.serving.publisher import Outgoing
@@ -57,8 +57,8 @@ class OutputLink:
         reader, self._feedback = await asyncio.open_unix_connection(sock=feedback)  # dropped, it would close
         self._reading = asyncio.create_task(self._read(reader), name=f"output-feedback-{self.config['model']}")
 
-    def open(self, tokenizer) -> None:
-        self._write(Open(pickle.dumps(tokenizer)))
+    def open(self, text: TokenizerText) -> None:
+        self._write(Open(text.dumps()))
 
     def step(self, out: StepOutput) -> None:
         """One engine step's record; called on the device thread."""

@@ -20,7 +20,6 @@ the model is reloaded.
 import asyncio
 import json
 import logging
-import pickle
 import signal
 import socket
 import struct
@@ -30,6 +29,7 @@ from typing import Callable
 
 import msgspec
 
+from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import StepOutput
 from node_agent.serving.publisher import Outgoing, Publisher
@@ -54,7 +54,7 @@ class Route(msgspec.Struct, array_like=True):
 
 
 class Open(msgspec.Struct, tag=True, array_like=True):
-    tokenizer: bytes  # pickled: the model's Hugging Face tokenizer
+    tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
 
 
 class Publish(msgspec.Struct, tag=True, array_like=True):
@@ -101,7 +101,7 @@ class OutputSide:
         elif isinstance(message, Publish):
             self.publish(message)
         else:
-            self.output = OutputProcessor(pickle.loads(message.tokenizer), self.node)
+            self.output = OutputProcessor(TokenizerText.loads(message.tokenizer), self.node)
 
     def step(self, out: StepOutput) -> None:
         events, stopped = self.output.process(out)

@@ -163,7 +163,7 @@ class ServedModel:
                                                  self.consumer_name)
             max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
             self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
-            self.link.open(self.engine.lm.tokenizer)
+            self.link.open(self.engine.text)
             await self.device.attach(self.engine, self.link.step, self.on_failure)
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
         except Exception as exc:
