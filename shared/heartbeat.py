@@ -86,5 +86,7 @@ class NodeHeartbeat(BaseModel):
         return self.state.takes_jobs
 
     def serves(self, model: str) -> bool:
+        """Ready, loading, or poisoned: a poisoned model reloads itself, and jobs for it wait for that
+        (rather than being placed elsewhere, or failed as if nobody could run it)."""
         info = self.models.get(model)
-        return info is not None and info.state in (ModelState.READY, ModelState.LOADING)
+        return info is not None and info.state in (ModelState.READY, ModelState.LOADING, ModelState.POISONED)

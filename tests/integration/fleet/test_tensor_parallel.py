@@ -143,6 +143,8 @@ def test_disconnects_at_random_points_leave_the_ranks_in_step(stack):
 
 
 def test_a_killed_worker_fails_in_flight_jobs_cleanly_then_the_model_reloads(stack):
+    """The jobs running when a rank dies fail with `model_poisoned`, at once; jobs still queued wait
+    for the reload and are served by it."""
     n1 = stack.nodes["n1"]
     (victim,) = workers(n1)
     outcomes: list = []
@@ -152,7 +154,7 @@ def test_a_killed_worker_fails_in_flight_jobs_cleanly_then_the_model_reloads(sta
             complete(stack, "llama-tp2", PROMPTS[i], stream=i % 2 == 0, max_tokens=200)
             outcomes.append("ok")
         except openai.APIError as exc:
-            outcomes.append(exc)
+            outcomes.append((exc, time.monotonic()))
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
@@ -160,12 +162,12 @@ def test_a_killed_worker_fails_in_flight_jobs_cleanly_then_the_model_reloads(sta
     time.sleep(0.5)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    join_all(threads, TP_TIMEOUT_S + 20)
-    assert time.monotonic() - killed < TP_TIMEOUT_S + 5
-    failed = [o for o in outcomes if o != "ok"]
-    assert failed and all("model_poisoned" in str(getattr(o, "body", "")) + str(o) for o in failed), outcomes
     wait_for(lambda: stack.models_on("n1")["llama-tp2"]["state"] == "poisoned", 10, "the heartbeat to say poisoned")
     assert "RankFailed" in stack.models_on("n1")["llama-tp2"]["error"]
+    join_all(threads, TP_TIMEOUT_S + 120)
+    failed = [o for o in outcomes if o != "ok"]
+    assert failed and all("model_poisoned" in str(getattr(exc, "body", "")) + str(exc) for exc, _ in failed), outcomes
+    assert all(at - killed < TP_TIMEOUT_S + 5 for _, at in failed)
     wait_for(lambda: ready(stack, "n1", "llama-tp2"), 120, "llama-tp2 to reload")
     assert gone(victim) and len(workers(n1)) == 1
     assert answers(stack, "llama-tp2", PROMPTS[:4]) == answers(stack, "llama-tp1", PROMPTS[:4])
