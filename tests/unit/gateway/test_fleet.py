@@ -21,13 +21,13 @@ async def test_live_nodes(fleet, redis):
     assert [n.node for n in await fleet.live_nodes()] == ["a", "b"]
 
 
-@pytest.mark.parametrize("state", [ModelState.READY, ModelState.LOADING])
-async def test_served_when_ready_or_loading(fleet, redis, state):
+@pytest.mark.parametrize("state", [ModelState.READY, ModelState.LOADING, ModelState.POISONED])
+async def test_served_when_ready_loading_or_reloading_after_a_fault(fleet, redis, state):
     await beat(redis, "a", {MODEL: state})
     assert await fleet.is_served(MODEL)
 
 
-@pytest.mark.parametrize("state", [ModelState.POISONED, ModelState.UNLOADING, ModelState.FAILED])
+@pytest.mark.parametrize("state", [ModelState.UNLOADING, ModelState.FAILED])
 async def test_not_served_otherwise(fleet, redis, state):
     await beat(redis, "a", {MODEL: state})
     assert not await fleet.is_served(MODEL)
