@@ -8,7 +8,6 @@ its writes (asyncio buffers them), so the two cannot wait on each other. Feedbac
 event loop; its end (the process exited or was killed) is reported once to `on_exit`."""
 
 import asyncio
-import json
 import logging
 import socket
 import subprocess
@@ -47,9 +46,8 @@ class OutputLink:
         feedback, feedback_child = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "node_agent.serving.output_process", json.dumps(self.config),
-                 str(inbox_child.fileno()), str(feedback_child.fileno())],
-                pass_fds=(inbox_child.fileno(), feedback_child.fileno()))
+                [sys.executable, "-m", "node_agent.serving.output_process", str(inbox_child.fileno()),
+                 str(feedback_child.fileno())], pass_fds=(inbox_child.fileno(), feedback_child.fileno()))
         finally:
             inbox_child.close()
             feedback_child.close()
@@ -58,7 +56,8 @@ class OutputLink:
         self._reading = asyncio.create_task(self._read(reader), name=f"output-feedback-{self.config['model']}")
 
     def open(self, text: TokenizerText) -> None:
-        self._write(Open(text.dumps()))
+        """Its settings and the model's tokenizer: the first message (the URL may hold Redis's password)."""
+        self._write(Open(**self.config, tokenizer=text.dumps()))
 
     def step(self, out: StepOutput) -> None:
         """One engine step's record; called on the device thread."""

@@ -2,7 +2,8 @@
 device (vLLM v1 detokenises in its front-end process for the same reason: one GIL).
 
 The node (node_agent/serving/output_link.py) starts one per loaded model and writes it, over a
-socket pair, length-prefixed msgpack `Message`s: the model's tokenizer once (`Open`), each
+socket pair, length-prefixed msgpack `Message`s: its settings and the model's tokenizer first
+(`Open`; nothing secret goes on the command line, which `ps` shows), each
 engine step's record (`Step`, written by the device thread itself), and what the node itself has
 to say about a job (`Publish`: its start event with the job's `Route`, a failure, a cancel). This
 process detokenises, applies stop strings, builds and packs the wire events, and publishes them
@@ -14,11 +15,10 @@ It exits when the node closes its end, after publishing what it holds. The node 
 (the feedback socket closes) and treats it as a device fault: the model's jobs in flight fail and
 the model is reloaded.
 
-    python -m node_agent.serving.output_process CONFIG_JSON INBOX_FD FEEDBACK_FD
+    python -m node_agent.serving.output_process INBOX_FD FEEDBACK_FD
 """
 
 import asyncio
-import json
 import logging
 import signal
 import socket
@@ -54,6 +54,11 @@ class Route(msgspec.Struct, array_like=True):
 
 
 class Open(msgspec.Struct, tag=True, array_like=True):
+    redis_url: str
+    key_prefix: str
+    node: str
+    model: str
+    log_level: str
     tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
 
 
@@ -89,10 +94,9 @@ def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
 class OutputSide:
     """What the process does with each message: the text side of every job, and its routes."""
 
-    node: str
+    output: OutputProcessor
     publisher: Publisher
     send_feedback: Callable[["Feedback"], None]
-    output: OutputProcessor | None = None
     routes: dict[str, Route] = field(default_factory=dict)
 
     def handle(self, message: Message) -> None:
@@ -101,7 +105,7 @@ class OutputSide:
         elif isinstance(message, Publish):
             self.publish(message)
         else:
-            self.output = OutputProcessor(TokenizerText.loads(message.tokenizer), self.node)
+            raise ValueError("the output process was opened twice")
 
     def step(self, out: StepOutput) -> None:
         events, stopped = self.output.process(out)
@@ -121,8 +125,7 @@ class OutputSide:
         for item in message.items:
             if item.ack and item.job:  # the node ended it (failed, cancelled): no more events from the engine's side
                 self.routes.pop(item.job, None)
-                if self.output is not None:
-                    self.output.drop(item.job)
+                self.output.drop(item.job)
         self.publisher.send(message.items)
 
     def _outgoing(self, job: str, events: list[Event]) -> Outgoing | None:
@@ -138,31 +141,38 @@ class OutputSide:
                         started=first, tracked=route.streaming)
 
 
-async def serve(config: dict, inbox: socket.socket, feedback: socket.socket) -> None:
+async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     reader, inbox_writer = await asyncio.open_unix_connection(sock=inbox)  # a writer dropped closes its socket
     _, writer = await asyncio.open_unix_connection(sock=feedback)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(Message)
 
+    async def receive() -> Message | None:
+        try:
+            size, = FRAME.unpack(await reader.readexactly(FRAME.size))
+            return decoder.decode(await reader.readexactly(size))
+        except asyncio.IncompleteReadError:  # the node closed its end (or is gone)
+            return None
+
     def send_feedback(message: Feedback) -> None:
         writer.write(frame(message, encoder))
 
-    redis = connect(config["redis_url"])
-    publisher = Publisher(redis, Keys(config["key_prefix"]), config["node"],
+    opened = await receive()
+    if not isinstance(opened, Open):
+        return
+    logging.basicConfig(level=opened.log_level,
+                        format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s")
+    redis = connect(opened.redis_url)
+    publisher = Publisher(redis, Keys(opened.key_prefix), opened.node,
                           on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
                           on_lost=lambda job: send_feedback(Feedback(lost=[job])))
     publisher.start()
-    side = OutputSide(config["node"], publisher, send_feedback)
-    while True:
-        try:
-            size, = FRAME.unpack(await reader.readexactly(FRAME.size))
-            message = decoder.decode(await reader.readexactly(size))
-        except asyncio.IncompleteReadError:  # the node closed its end (or is gone)
-            break
+    side = OutputSide(OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node), publisher, send_feedback)
+    while (message := await receive()) is not None:
         try:
             side.handle(message)
         except Exception:  # a bug here must not pass silently; the node reloads the model when this exits
-            log.exception("%s: the output process failed", config["model"])
+            log.exception("%s: the output process failed", opened.model)
             raise
     await publisher.stop()
     writer.close()
@@ -171,13 +181,8 @@ async def serve(config: dict, inbox: socket.socket, feedback: socket.socket) -> 
 
 
 def main(argv: list[str]) -> None:
-    config = json.loads(argv[0])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the node's to handle: it closes our inbox
-    logging.basicConfig(level=config.get("log_level", "INFO"),
-                        format=f"%(asctime)s %(levelname)s output[{config['model']}] %(name)s: %(message)s")
-    inbox = socket.socket(fileno=int(argv[1]))
-    feedback = socket.socket(fileno=int(argv[2]))
-    asyncio.run(serve(config, inbox, feedback))
+    asyncio.run(serve(socket.socket(fileno=int(argv[0])), socket.socket(fileno=int(argv[1]))))
 
 
 if __name__ == "__main__":

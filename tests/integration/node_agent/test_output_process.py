@@ -50,6 +50,7 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
             while not (served := agent.models.get("tiny")) or served.state != ModelState.READY:
                 await asyncio.sleep(0.05)
         first = served.link.process
+        assert not any(redis_url in str(arg) for arg in first.args)  # `ps` shows it: no Redis URL (password) there
         in_flight = await submit(r, agent.keys, "in-flight", 480)
         started = await events_of(in_flight, lambda events: events[-1].type == "delta")
         os.kill(first.pid, signal.SIGKILL)
