@@ -117,6 +117,12 @@ def require_admin(request: Request, ctx: Ctx) -> None:
         raise Unauthorized("a valid admin key is required (Authorization: Bearer <key>)")
 
 
+async def require_dashboard(request: Request, ctx: Ctx) -> None:
+    """The dashboard's data: open while auth is off (loopback, no key exists), else the admin key's."""
+    if await auth_required(ctx):
+        require_admin(request, ctx)
+
+
 async def warn_if_exposed(ctx: GatewayContext) -> None:
     """At start: say loudly when the gateway listens beyond loopback with no key to let anyone in."""
     settings = ctx.settings

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
+from gateway.dashboard import Dashboard
 from gateway.events import EventRouter
 from shared.fleet import Fleet
 from gateway.limits import Limiter
@@ -28,6 +29,7 @@ class GatewayContext:
     router: EventRouter
     fleet: Fleet
     metrics: Metrics = field(default_factory=Metrics)
+    dashboard: Dashboard = field(default_factory=Dashboard)
     placer: "Placer" = None  # set right after construction: it needs the context
     api_keys: KeyStore = field(init=False)
     limiter: Limiter = field(init=False)

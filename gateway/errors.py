@@ -58,6 +58,7 @@ def error_response(exc: CortexError, request: Request | None = None, headers: di
     else:
         body, status = error_body(exc), exc.status
     _log_refusal(request, status, exc.message)
+    _keep(request, status, exc.code)
     return JSONResponse(body, status_code=status, headers=exc.headers | (headers or {}))
 
 
@@ -67,6 +68,13 @@ def _log_refusal(request: Request | None, status: int, message: str) -> None:
     if 400 <= status < 500:
         where = f"{request.method} {request.url.path}" if request is not None else "-"
         log.info("request=%s key=%s %s → %d %s", request_id_var.get(), caller_var.get(), where, status, message)
+
+
+def _keep(request: Request | None, status: int, code: str) -> None:
+    """The error on the dashboard's list of recent ones (gateway/dashboard.py)."""
+    ctx = getattr(request.app.state, "ctx", None) if request is not None else None
+    if ctx is not None:
+        ctx.dashboard.error(status, code, request.method, request.url.path, request_id_var.get(), caller_var.get())
 
 
 def _field(loc: tuple[Any, ...]) -> str | None:
@@ -119,6 +127,7 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(error, request, exc.headers)
     body = ErrorResponse(error=Error(message=message, type="invalid_request_error", code=code))
     _log_refusal(request, exc.status_code, message)
+    _keep(request, exc.status_code, code)
     return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
 

@@ -79,6 +79,7 @@ class Metrics:
                 await self.refresh(ctx)
             except Exception as exc:  # Redis away: the gauges keep their last values
                 log.debug("metrics refresh: %s", exc)
+            ctx.dashboard.sample(self)
             await asyncio.sleep(REFRESH_S)
 
 

@@ -3,11 +3,11 @@
 from fastapi import APIRouter, Depends
 
 from gateway.auth import authenticate
-from gateway.routes import (admin, batches, chat, completions, files, health, keys, message_batches, messages, models,
-                            queue, responses)
+from gateway.routes import (admin, batches, chat, completions, dashboard, files, health, keys, message_batches, messages,
+                            models, queue, responses)
 
 router = APIRouter()
 for module in (chat, completions, message_batches, messages, responses, models, files, batches, queue):  # an API key's routes
     router.include_router(module.router, dependencies=[Depends(authenticate)])
-for module in (health, admin, keys):
+for module in (health, admin, keys, dashboard):
     router.include_router(module.router)
