@@ -76,13 +76,9 @@ Message = Open | Publish | Step
 
 class Feedback(msgspec.Struct, array_like=True, omit_defaults=True):
     stopped: list[int] = []  # sequence keys a stop string ended (or whose job's text side failed)
-    ended: list[str] = []  # jobs whose last events are published and acknowledged
+    ended: list[str] = []  # jobs whose last events (and acknowledgement) went to the publisher
     unheard: list[str] = []  # jobs nobody listens to any more
     lost: list[str] = []  # running jobs whose events Redis did not take
-
-    @property
-    def empty(self) -> bool:
-        return not (self.stopped or self.ended or self.unheard or self.lost)
 
 
 def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
