@@ -69,10 +69,11 @@ CHAT = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "cont
 
 @pytest.fixture
 def full_redis(redis_url) -> Iterator[redis.Redis]:
-    """The session's Redis at its maxmemory (noeviction) until the test ends."""
+    """The session's Redis past its maxmemory (noeviction) until the test ends: every write is refused,
+    however its memory moves meanwhile (client buffers shrink, other clients come and go)."""
     client = redis.Redis.from_url(redis_url)
     beat(client)
-    client.config_set("maxmemory", client.info("memory")["used_memory"] + 1024)
+    client.config_set("maxmemory", client.info("memory")["used_memory"] // 2)
     yield client
     client.config_set("maxmemory", 0)
 

@@ -19,7 +19,9 @@ def compose() -> dict:
 
 
 def test_names_its_services(compose):
-    assert set(compose["services"]) == {"redis", "gateway", "batch-worker", "node-agent"}
+    default = {name for name, service in compose["services"].items() if not service.get("profiles")}
+    assert default == {"redis", "gateway", "batch-worker", "node-agent"}
+    assert set(compose["services"]) - default == {"prometheus", "grafana"}  # `--profile monitoring`
     assert compose["services"]["redis"]["image"].startswith("redis:7")
 
 
