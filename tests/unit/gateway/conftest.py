@@ -35,7 +35,7 @@ def done(prompt_tokens: int = 5, completion_tokens: int = 3, cached_tokens: int 
 
 WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled (then say so)
 
-Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str]]
+Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str | asyncio.Event]]
 
 
 def hello_script(entry: StreamEntry) -> list:
@@ -72,6 +72,9 @@ class ScriptedNode:
         [(_, listeners)] = await self.redis.pubsub_numsub(entry.reply)
         self.subscribers_at_read.append(listeners)
         for step in self.script(entry):
+            if isinstance(step, asyncio.Event):  # a gate the test opens
+                await step.wait()
+                continue
             if step == WAIT_FOR_CANCEL:
                 while entry.job not in self.cancelled:
                     await asyncio.sleep(0.005)

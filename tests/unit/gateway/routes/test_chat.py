@@ -151,16 +151,17 @@ async def test_timeout_is_504_and_cancels(client, node, app):
     assert node.cancelled == [node.entries[0].job]
 
 
-def _http_scope(path: str) -> dict:
+def _http_scope(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
     return {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "root_path": "", "headers": headers or [(b"content-type", b"application/json")],
         "client": ("127.0.0.1", 5555), "server": ("gateway", 80),
     }
 
 
-async def _call_then_disconnect(app, body: dict, *, after: bytes | None) -> list[dict]:
+async def _call_then_disconnect(app, body: dict, *, after: bytes | None,
+                                headers: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
     """Drive the ASGI app directly; the client disconnects once a body part contains `after`
     (or, with `after=None`, right after sending the request)."""
     gone = asyncio.Event()
@@ -181,7 +182,7 @@ async def _call_then_disconnect(app, body: dict, *, after: bytes | None) -> list
     if after is None:
         asyncio.get_running_loop().call_later(0.1, gone.set)
     async with asyncio.timeout(5):
-        await app(_http_scope("/v1/chat/completions"), receive, send)
+        await app(_http_scope("/v1/chat/completions", headers), receive, send)
     return sent
 
 
