@@ -16,7 +16,7 @@ from shared import event_log
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.processes import free_port, redis_answers, redis_server_argv
 from shared.redis_conn import connect
-from shared.wire import StartEvent, unpack_event
+from shared.wire import StartEvent, pack_event, unpack_event
 from tests.conftest import Service
 from tests.unit.gateway.conftest import delta, done
 
@@ -146,6 +146,24 @@ async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_a
     assert [e.type for e in said] == ["start", "delta", "delta", "done"]
     assert "".join(e.choices[0].text for e in said if e.type == "delta") == "Hello"
     assert unheard == ["gone"] and publisher._logs == {"gone": publisher_module.NO_LOG}
+    await publisher.stop()
+    await client.aclose()
+    await admin.aclose()
+
+
+async def test_an_event_log_is_capped_however_long_its_job_runs(redis_url, monkeypatch):
+    monkeypatch.setattr(event_log, "MAXLEN", 50)
+    admin = aioredis.Redis.from_url(redis_url)
+    log_key = KEYS.event_log("long")
+    await admin.xadd(log_key, {event_log.RECORD: b"{}"})
+    client = connect(redis_url)
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None)
+    publisher.start()
+    for i in range(1000):
+        publisher.send([Outgoing("cortex:events:long", [delta(str(i))], job="long")])
+    await publisher.flush()
+    assert 50 <= await admin.xlen(log_key) <= 50 + 100  # MAXLEN ~: whole nodes of 100 entries are trimmed
+    assert (await admin.xrevrange(log_key, count=1))[0][1] == {b"0": pack_event(delta("999"))}
     await publisher.stop()
     await client.aclose()
     await admin.aclose()
