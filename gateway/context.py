@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, Request
 
 from gateway.dashboard import Dashboard
+from gateway.detach import Departures
 from gateway.events import EventRouter
 from shared.fleet import Fleet
 from gateway.limits import Limiter
@@ -33,13 +34,15 @@ class GatewayContext:
     placer: "Placer" = None  # set right after construction: it needs the context
     api_keys: KeyStore = field(init=False)
     limiter: Limiter = field(init=False)
+    departures: "Departures" = field(init=False)
 
     def __post_init__(self) -> None:
         from gateway.placement import Placer
 
         self.placer = Placer(self)
         self.api_keys = KeyStore(self.redis, self.keys)
-        self.limiter = Limiter(self.redis, self.keys, self.metrics)
+        self.limiter = Limiter(self.redis, self.keys, self.metrics, self.settings.stream_retention_s)
+        self.departures = Departures(self)
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -1,5 +1,6 @@
 """The event router: ONE Redis pub/sub connection per gateway process, shared by every job in
-flight, routing each `cortex:events:{job}` message to that job's `asyncio.Queue`.
+flight, routing each `cortex:events:{job}` message to the `asyncio.Queue` of each listener of that
+job here (the request that submitted it, and clients resuming it: gateway/resume.py).
 
 A job subscribes before it is enqueued, and `subscribe` returns only once Redis has confirmed
 the subscription: pub/sub drops what nobody hears, so an earlier XADD could lose the first
@@ -58,7 +59,7 @@ class EventRouter:
         self._outage_wait_s = outage_wait_s  # how long queued jobs wait for Redis to come back
         self._client: aioredis.Redis | None = None
         self._pubsub: PubSub | None = None
-        self._queues: dict[bytes, asyncio.Queue[Item]] = {}
+        self._queues: dict[bytes, list[asyncio.Queue[Item]]] = {}  # channel -> its listeners' queues
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._entries: dict[bytes, tuple[str, str]] = {}  # channel -> its job's (stream, entry id)
         self._heard: set[bytes] = set()  # channels an event came on
@@ -74,6 +75,7 @@ class EventRouter:
 
     @property
     def in_flight(self) -> int:
+        """Jobs with a listener here."""
         return len(self._queues)
 
     async def start(self) -> None:
@@ -100,14 +102,19 @@ class EventRouter:
             raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
         key = channel.encode()
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        confirmed = asyncio.get_running_loop().create_future()
-        self._queues[key], self._confirmations[key] = queue, confirmed
+        listeners = self._queues.setdefault(key, [])
+        listeners.append(queue)
+        if len(listeners) == 1:  # the first listener here: subscribe
+            self._confirmations[key] = asyncio.get_running_loop().create_future()
+        confirmed = self._confirmations.get(key)
         try:
-            await pubsub.subscribe(key)
-            async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
-                await confirmed
+            if len(listeners) == 1:
+                await pubsub.subscribe(key)
+            if confirmed is not None:  # else subscribed (and confirmed) for an earlier listener
+                async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+                    await asyncio.shield(confirmed)
         except BaseException as exc:
-            await self.unsubscribe(channel)
+            await self.unsubscribe(channel, queue)
             if isinstance(exc, RedisError | OSError | TimeoutError):
                 raise BrokerUnavailable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
             raise
@@ -119,8 +126,14 @@ class EventRouter:
         if (key := channel.encode()) in self._queues:
             self._entries[key] = (stream, entry_id)
 
-    async def unsubscribe(self, channel: str) -> None:
+    async def unsubscribe(self, channel: str, queue: asyncio.Queue[Item]) -> None:
+        """Stop routing `channel` to `queue`; the last listener here unsubscribes. Idempotent."""
         key = channel.encode()
+        listeners = self._queues.get(key, [])
+        if queue in listeners:
+            listeners.remove(queue)
+        if listeners:
+            return
         self._confirmations.pop(key, None)
         self._entries.pop(key, None)
         self._heard.discard(key)
@@ -187,13 +200,15 @@ class EventRouter:
 
     def _dispatch(self, message: dict) -> None:
         kind, channel = message["type"], message["channel"]
-        if kind == "message" and (queue := self._queues.get(channel)) is not None:
+        if kind == "message" and (listeners := self._queues.get(channel)):
             self._heard.add(channel)
             try:
-                queue.put_nowait(unpack_event(message["data"]))
+                item = unpack_event(message["data"])
             except WireError as exc:
                 log.error("refusing an event on %s: %s", channel.decode(), exc)
-                queue.put_nowait(GenerationFailed(f"the node sent an event this gateway cannot read: {exc}"))
+                item = GenerationFailed(f"the node sent an event this gateway cannot read: {exc}")
+            for queue in listeners:
+                queue.put_nowait(item)
         elif kind == "subscribe" and (confirmed := self._confirmations.pop(channel, None)) is not None:
             if not confirmed.done():
                 confirmed.set_result(None)
@@ -202,11 +217,11 @@ class EventRouter:
         """Close the connection; jobs that heard an event (or all, without `park`) fail with a 503,
         queued ones wait for Redis to come back."""
         self._connected.clear()
-        for key, queue in list(self._queues.items()):
+        for key in list(self._queues):
             if park and key in self._entries and key not in self._heard:
                 self._parked.add(key)
                 continue
-            queue.put_nowait(BrokerUnavailable(why))
+            self._tell(key, BrokerUnavailable(why))
             self._forget(key)
         for confirmed in self._confirmations.values():
             if not confirmed.done():
@@ -224,6 +239,10 @@ class EventRouter:
                 except (RedisError, OSError):
                     pass
 
+    def _tell(self, key: bytes, error: CortexError) -> None:
+        for queue in self._queues.get(key, []):
+            queue.put_nowait(error)
+
     def _forget(self, key: bytes) -> None:
         self._queues.pop(key, None)
         self._entries.pop(key, None)
@@ -234,7 +253,7 @@ class EventRouter:
         """Queued jobs that waited `outage_wait_s` for Redis fail."""
         if self._parked and asyncio.get_running_loop().time() - self._parked_at > self._outage_wait_s:
             for key in list(self._parked):
-                self._queues[key].put_nowait(BrokerUnavailable(
+                self._tell(key, BrokerUnavailable(
                     f"Redis did not come back within {self._outage_wait_s:g}s while the job was queued"))
                 self._forget(key)
         if not self._parked:
@@ -265,7 +284,7 @@ class EventRouter:
             if waiting:
                 resumed += 1
             elif key in self._queues and key not in self._heard:
-                self._queues[key].put_nowait(BrokerUnavailable(why))
+                self._tell(key, BrokerUnavailable(why))
                 self._entries.pop(key, None)  # failed: never parked again
         log.info("event router: Redis is back; %d of %d queued jobs wait on", resumed, len(confirmations))
 

@@ -6,7 +6,11 @@
   back on its stream once (`retries` field), so its client only waits longer; the dead consumer
   and its note of started jobs are then deleted;
 - models with jobs waiting and no live replica are placed again, and replicas are added where
-  the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more.
+  the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more;
+- background responses whose job ended are stored (gateway/background.py).
+
+An error event the janitor sends goes to the job's event log too (if it has one), so a client
+resuming the job learns how it ended.
 """
 
 import asyncio
@@ -14,7 +18,8 @@ import logging
 
 from redis.exceptions import LockError, RedisError, ResponseError
 
-from shared import queues
+from gateway import background
+from shared import event_log, queues
 from shared.errors import ModelUnavailable, NodeLost
 from shared.keys import CONSUMER_GROUP
 from shared.redis_conn import Outage
@@ -66,6 +71,14 @@ class Janitor:
             await self.ctx.redis.delete(*[self.ctx.keys.started(node) for node in dead])
         for profile in self.ctx.catalog.profiles.values():
             await self._keep_replicas(profile)
+        await background.settle_ended(self.ctx)
+
+    def _fail(self, pipe, fields: dict[bytes, bytes], error: ErrorEvent) -> None:
+        """Queue on `pipe` the job's end with `error`: in its log (if any), then to its listeners."""
+        packed = pack_event(error)
+        if job := fields.get(b"job", b"").decode():
+            event_log.append(pipe, self.ctx.keys.event_log(job), [packed], self.ctx.settings.stream_retention_s)
+        pipe.publish(fields[b"reply"], packed)
 
     async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
         """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
@@ -98,7 +111,7 @@ class Janitor:
         async with self.ctx.redis.pipeline(transaction=True) as pipe:
             if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
                 error = NodeLost(f"node {node} was lost while it ran job {job}")
-                pipe.publish(fields[b"reply"], pack_event(ErrorEvent(code=error.code, message=error.message)))
+                self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
                 log.warning("job=%s failed: node %s lost", job, node)
             else:
                 pipe.xadd(stream, {**fields, b"retries": str(retries + 1).encode()})
@@ -143,7 +156,7 @@ class Janitor:
         for _job_class, stream in queues.streams(self.ctx.keys, model):
             for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
                 async with self.ctx.redis.pipeline(transaction=True) as pipe:
-                    pipe.publish(fields[b"reply"], pack_event(ErrorEvent(code=error.code, message=error.message)))
+                    self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
                     pipe.xdel(stream, entry_id)
                     await pipe.execute()
         log.warning("failed the jobs waiting for %s: %s", model, error.message)

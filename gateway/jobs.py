@@ -1,18 +1,24 @@
 """Submit a job and follow it to its end.
 
 `submit` subscribes to the job's event channel (confirmed by Redis) and only then XADDs the
-job to `cortex:jobs:{model}`. `Job.events()` yields its deltas up to the `done` event; an error
+job to `cortex:jobs:{model}`; a job a client may resume gets its event log (`shared.event_log`)
+in the same round trip, first. `Job.events()` yields its deltas up to the `done` event; an error
 event raises the typed error the node reported. `Job.close()` always runs (the routes see to
 it): a job that did not finish is cancelled on `cortex:cancel`, and the subscription is dropped,
-so nothing is left behind but the stream entry the nodes acknowledge.
+so nothing is left behind but the stream entry the nodes acknowledge. When the client went away,
+`Job.detach()` runs instead: its job's `on_disconnect` says whether it is cancelled at once, after
+`disconnect_grace_s` unless someone resumes it (gateway/detach.py), or never (`background`).
 """
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
 
 import anyio
 from redis.exceptions import RedisError
@@ -24,7 +30,7 @@ from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
 from gateway.tools import grammars
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
-from shared import queues
+from shared import event_log, queues
 from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
 from shared.redis_conn import broker_error
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
@@ -36,27 +42,61 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+class OnDisconnect(StrEnum):
+    """What a client going away does to its job."""
+
+    CANCEL = "cancel"  # at once: nobody can resume it (not streamed)
+    GRACE = "grace"  # after `disconnect_grace_s`, unless a client resumes it meanwhile
+    KEEP = "keep"  # nothing: it runs to its end (`background`)
+
+
+@dataclass
+class Resumable:
+    """How a resumable job is rendered again (the first entry of its event log): its dialect, what
+    that dialect's renderer needs besides the events (`spec`), and whose it is."""
+
+    dialect: str  # chat | completions | messages | responses
+    spec: dict[str, Any] = field(default_factory=dict)
+    on_disconnect: OnDisconnect = OnDisconnect.GRACE
+    owner: str = ""  # the API key's name (`Caller.name`); only that caller may resume it
+    metered: bool = False  # its tokens count against `owner`'s limits
+    model: str = ""
+    created: int = 0
+    tools: str | None = None  # the tool-call parser's format, when the request has tools
+    prompt_text: str | None = None  # the prompt's text, when the request asked to echo it
+
+    def dumps(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, raw: bytes) -> "Resumable":
+        fields = json.loads(raw)
+        return cls(**fields | {"on_disconnect": OnDisconnect(fields["on_disconnect"])})
+
+
 class Job:
-    def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item], caller: Caller,
-                 parsers: Parsers = no_parser):
-        self.id = request.job
-        self.model = request.model
-        self.created = int(time.time())
+    def __init__(self, ctx: GatewayContext, job: str, model: str, queue: asyncio.Queue[Item], caller: Caller, *,
+                 parsers: Parsers = no_parser, metered: bool = False, prompt_text: str | None = None,
+                 on_disconnect: OnDisconnect = OnDisconnect.CANCEL, created: int | None = None, timed: bool = True):
+        self.id = job
+        self.model = model
+        self.created = int(time.time()) if created is None else created
         self.request_id = request_id_var.get()
         self.caller = caller  # whose job it is: its tokens count against the key's budgets
         self.parsers = parsers  # a fresh tool-call parser per choice of the response, or None without tools
-        self.metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
+        self.metered = metered
+        self.on_disconnect = on_disconnect
+        self.after = -1  # the number of the last frame the client has seen (a resumed stream goes on after it)
         self._ctx = ctx
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
         self.prompt_tokens = 0  # the prompt's length, once the node's start event told it
-        # the prompt's text when the request asked to echo it: a text prompt's own, else the node's decoding
-        self.prompt_text = request.prompt if request.echo and isinstance(request.prompt, str) else None
+        self.prompt_text = prompt_text  # the prompt's text when the request asked to echo it
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
-        self.stream = ""  # the job stream it was queued on, and its entry id there
+        self.stream = ""  # the job stream it was queued on, and its entry id there ("": not known here)
         self.entry_id = ""
-        self._timer = ctx.metrics.request(self.model, time.monotonic())
+        self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -87,7 +127,8 @@ class Job:
             log.info("job=%s request=%s key=%s failed on the node: %s: %s", self.id, self.request_id, self.caller.name,
                      item.code, item.message)
             raise error_from_code(item.code, item.message)
-        self._timer.on_event(item)
+        if self._timer is not None:
+            self._timer.on_event(item)
         if isinstance(item, DoneEvent):
             self.finished = True
             log.info(
@@ -96,7 +137,8 @@ class Job:
                 item.node or "?", item.timings.queue_ms, item.timings.prefill_ms, item.timings.decode_ms,
             )
             if self.metered:
-                await self._ctx.limiter.record(self.caller.name, self.id, item.usage)
+                once = None if self.on_disconnect == OnDisconnect.CANCEL else self._ctx.keys.metered(self.id)
+                await self._ctx.limiter.record(self.caller.name, self.id, item.usage, once=once)
         return item
 
     async def _get(self) -> Item:
@@ -121,7 +163,25 @@ class Job:
                     await self._ctx.redis.publish(self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
-            await self._ctx.router.unsubscribe(self._ctx.keys.events(self.id))
+            await self._unsubscribe()
+
+    async def detach(self) -> None:
+        """The client went away (or this gateway is stopping): close the job, unless it may run on
+        without it (`on_disconnect`). Idempotent, like `close`."""
+        if self.finished or self.on_disconnect == OnDisconnect.CANCEL:
+            return await self.close()
+        if self.closed:
+            return
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            await self._unsubscribe()
+            if self.on_disconnect == OnDisconnect.GRACE:
+                await self._ctx.departures.left(self.id)
+            log.info("job=%s request=%s key=%s: its client went away; the job runs on (%s)", self.id,
+                     self.request_id, self.caller.name, self.on_disconnect)
+
+    async def _unsubscribe(self) -> None:
+        await self._ctx.router.unsubscribe(self._ctx.keys.events(self.id), self._queue)
 
     async def __aenter__(self) -> "Job":
         return self
@@ -132,10 +192,11 @@ class Job:
 
 async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller, *, priority: str = "interactive",
                  stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None,
-                 parsers: Parsers = no_parser) -> Job:
+                 parsers: Parsers = no_parser, resumable: Resumable | None = None) -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
-    sooner; see shared/queues.py) for `caller`; the caller must `close()` the job."""
+    sooner; see shared/queues.py) for `caller`, with its event log first when it is `resumable`;
+    the caller must `close()` (or `detach()`) the job."""
     channel = ctx.keys.events(request.job)
     try:  # before subscribing: a request that cannot travel leaves nothing behind
         body = pack(request)
@@ -150,25 +211,35 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         submitted_ms=int(time.time() * 1000),
         reply=channel,
         request_id=request_id_var.get(),
-        stream=int(stream),
+        stream=int(stream or resumable is not None),  # a resumable job's client may have seen tokens
         keep_alive_s=keep_alive_s,
         body=body,
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
-    queue = await ctx.router.subscribe(channel)
+    metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
+    job = Job(ctx, request.job, request.model, await ctx.router.subscribe(channel), caller, parsers=parsers,
+              metered=metered, prompt_text=request.prompt if request.echo and isinstance(request.prompt, str) else None,
+              on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL)
     try:
-        entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
+        async with ctx.redis.pipeline(transaction=False) as pipe:
+            if resumable is not None:
+                resumable.owner, resumable.metered, resumable.model = caller.name, metered, request.model
+                resumable.created, resumable.prompt_text = job.created, job.prompt_text
+                log_key = ctx.keys.event_log(request.job)
+                pipe.xadd(log_key, {event_log.RECORD: resumable.dumps()})
+                pipe.expire(log_key, ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s))
+            pipe.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
+            entry_id = (await pipe.execute())[-1]
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
-            await ctx.router.unsubscribe(channel)
+            await job._unsubscribe()
         if isinstance(exc, RedisError):
             raise broker_error(exc, f"could not enqueue the job on {stream}") from exc
         raise
-    job = Job(ctx, request, queue, caller, parsers)
     job.stream, job.entry_id = stream, entry_id.decode()
     ctx.router.track(channel, stream, job.entry_id)  # while queued, it may wait out a Redis restart
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
-             entry_id.decode())
+             job.entry_id)
     return job
 
 
@@ -187,14 +258,16 @@ class ApiRequest(Protocol):
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
-async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive") -> Job:
+async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
+                         resumable: Resumable | None = None) -> Job:
     """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
     once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
     requests, is within its limits (429; batch lines are not rate limited), build the generation
     request with its grammar (forced tool calls, JSON output) in the model's tool format and its
     images checked and carried in the job (400 for a bad one, or any for a text-only model), make
     sure a live node serves or loads the model (503 when none can), and submit. The job carries
-    the tool-call parsers its response is rendered with."""
+    the tool-call parsers its response is rendered with (seeded by its id, so a resumed stream
+    names the same calls); a `resumable` one keeps its events for clients that resume it."""
     profile = ctx.catalog.resolve(body.model)
     caller.check_may_use(profile)
     if caller.key is not None and priority == "interactive":
@@ -204,6 +277,8 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
     request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
     await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
     await ctx.placer.ensure_placed(profile)
+    if resumable is not None:
+        resumable.tools = tool_format if body.uses_tools else None
     return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),
                         keep_alive_s=getattr(body, "keep_alive_s", None), rank=getattr(body, "priority", None),
-                        parsers=parsers_for(tool_format, body.uses_tools))
+                        parsers=parsers_for(tool_format, body.uses_tools, request.job), resumable=resumable)

@@ -75,9 +75,12 @@ redis.call('HINCRBY', KEYS[1], 'requests', 1)
 return {'ok', 0}
 """
 
-# KEYS: 1 the key's record, 2 its tokens window, 3 today's tokens. ARGV: 1 prompt tokens,
-# 2 completion tokens, 3 the job id, 4 the day counter's TTL in seconds.
+# KEYS: 1 the key's record, 2 its tokens window, 3 today's tokens, and optionally 4 the job's
+# "metered" marker (a job several clients read is counted once). ARGV: 1 prompt tokens,
+# 2 completion tokens, 3 the job id, 4 the day counter's TTL in seconds, 5 the marker's TTL.
+# Returns the tokens counted, or -1 when the marker says they were already.
 RECORD_LUA = _NOW + """
+if KEYS[4] and not redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[5]) then return -1 end
 local total = tonumber(ARGV[1]) + tonumber(ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[2])
@@ -103,8 +106,9 @@ def ms_to_end_of_day(now_s: float | None = None) -> int:
 
 
 class Limiter:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, metrics: Metrics):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, metrics: Metrics, once_ttl_s: int = 600):
         self.keys, self.metrics = keys, metrics
+        self.once_ttl_s = once_ttl_s  # how long a job's "metered" marker outlives it (its event log's retention)
         self._admit = redis.register_script(ADMIT_LUA)
         self._record = redis.register_script(RECORD_LUA)
 
@@ -127,17 +131,20 @@ class Limiter:
         log.info("request=%s key=%s refused (429): %s", request_id_var.get(), name, refusal.message)
         raise refusal
 
-    async def record(self, name: str, job: str, usage: Usage) -> None:
+    async def record(self, name: str, job: str, usage: Usage, *, once: str | None = None) -> None:
         """Count a finished job's real tokens against key `name` (its per-minute and per-day budgets
-        and its usage counters). A Redis failure here loses the count, never the answer."""
-        self.metrics.key_prompt_tokens.labels(name).inc(usage.prompt_tokens)
-        self.metrics.key_completion_tokens.labels(name).inc(usage.completion_tokens)
+        and its usage counters); with `once` (the job's `Keys.metered`), only the first time. A
+        Redis failure here loses the count, never the answer."""
+        counted = None
         try:
-            await self._record(
+            counted = await self._record(
                 keys=[self.keys.api_key(name), self.keys.rate_window(name, "tokens"),
-                      self.keys.daily_tokens(name, utc_day())],
-                args=[usage.prompt_tokens, usage.completion_tokens, job, DAY_TTL_S],
+                      self.keys.daily_tokens(name, utc_day()), *([once] if once else [])],
+                args=[usage.prompt_tokens, usage.completion_tokens, job, DAY_TTL_S, self.once_ttl_s],
             )
         except RedisError as exc:
             log.warning("job=%s key=%s: could not count its %d+%d tokens: %s", job, name, usage.prompt_tokens,
                         usage.completion_tokens, exc)
+        if counted != -1:
+            self.metrics.key_prompt_tokens.labels(name).inc(usage.prompt_tokens)
+            self.metrics.key_completion_tokens.labels(name).inc(usage.completion_tokens)

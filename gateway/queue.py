@@ -40,15 +40,15 @@ QUEUE_POSITION_HEADER = "x-cortex-queue-position"
 
 async def first_event_or_position(job, first: asyncio.Future) -> int:
     """Wait briefly for the job's first event (0: it came, or a node is already on the job and
-    it will come); else return the job's queue position, so the response can start at once."""
+    it will come); else return the job's queue position, so the response can start at once. A
+    job whose entry is not known here (a resumed one) waits for its first event."""
     ctx = job._ctx
     done, _ = await asyncio.wait({first}, timeout=ctx.settings.queued_after_s)
-    if not done:
+    if not done and job.entry_id:
         place = await position(ctx, job.stream, job.entry_id)
         if place > 0:
             return place
-        await first  # a node has it: the first token is a prefill away
-    first.result()  # an error before any output is still an HTTP status
+    await first  # a node has it: the first token is a prefill away; an error before any output is an HTTP status
     return 0
 
 

@@ -1,6 +1,10 @@
 """Stored `/v1/responses` responses: one Redis string each (`cortex:response:{id}`, JSON of the
 response and the conversation it ends), expiring after `responses_ttl_s`. Every gateway
-replica reads them, so `previous_response_id` works whichever replica answers."""
+replica reads them, so `previous_response_id` works whichever replica answers.
+
+A `background` response is held as it was queued (`hold`: the response, and the job's stream
+entry under `pending`) and listed in `Keys.background_responses` until it is stored finished
+(`put`); gateway/background.py renders it in between from its job's event log."""
 
 import json
 from collections.abc import AsyncIterator
@@ -21,25 +25,40 @@ class ResponseStore:
     async def put(self, response: Response, conversation: list[dict[str, Any]]) -> None:
         """Keep `response`, with the conversation so far and its own turn last."""
         value = {"response": response.model_dump(mode="json"), "conversation": [*conversation, assistant_turn(response)]}
-        await self.redis.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
+            pipe.zrem(self.keys.background_responses(), response.id)
+            await pipe.execute()
 
-    async def _read(self, response_id: str) -> dict[str, Any] | None:
+    async def hold(self, response: Response, stream: str, entry_id: str) -> None:
+        """Keep a background response as it is queued, until it is `put` finished."""
+        value = {"response": response.model_dump(mode="json"), "pending": {"stream": stream, "entry": entry_id}}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
+            pipe.zadd(self.keys.background_responses(), {response.id: response.created_at * 1000})
+            await pipe.execute()
+
+    async def read(self, response_id: str) -> dict[str, Any] | None:
+        """`{"response", "conversation"}`, or `{"response", "pending"}` for a background one not yet finished."""
         raw = await self.redis.get(self.keys.response(response_id))
         return json.loads(raw) if raw is not None else None
 
-    async def get(self, response_id: str) -> dict[str, Any]:
-        if (stored := await self._read(response_id)) is None:
-            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
-        return stored["response"]
-
     async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        if (stored := await self._read(response_id)) is None:
+        if (stored := await self.read(response_id)) is None:
             raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
+                                           param="previous_response_id")
+        if "pending" in stored:
+            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' is still "
+                                           f"{stored['response']['status']}; continue from it once it has finished.",
                                            param="previous_response_id")
         return stored["conversation"]
 
     async def delete(self, response_id: str) -> None:
-        if not await self.redis.delete(self.keys.response(response_id)):
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.response(response_id))
+            pipe.zrem(self.keys.background_responses(), response_id)
+            deleted, _ = await pipe.execute()
+        if not deleted:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
     async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent],

@@ -68,6 +68,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
             warm_up.cancel()
             metrics.cancel()
             await janitor.stop()
+            await ctx.departures.stop()
             await router.stop()
             await redis.aclose()
 

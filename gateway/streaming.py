@@ -1,10 +1,16 @@
 """A job streamed as server-sent events. The response owns the job: whatever ends the stream
-(the done event, an error, the client going away, or the body never being sent at all), the
-job is closed, which cancels it on the node if it had not finished."""
+(the done event, an error, or the body never being sent at all), the job is closed, which
+cancels it on the node if it had not finished; when the client goes away (or this gateway stops),
+the job is detached instead, and runs on as its `on_disconnect` says (gateway/jobs.py).
+
+Every frame of a job's stream is numbered (its SSE `id:`), counting the dialect's objects from 0;
+a resumed stream (gateway/resume.py) renders the job's events again and sends only the frames
+after the one the client saw last (`Job.after`)."""
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import anyio
 from pydantic import BaseModel
@@ -13,13 +19,14 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import queue, sse
-from gateway.disconnect import unless_disconnected
+from gateway.disconnect import ClientDisconnected, unless_disconnected
 from gateway.errors import error_body
 from gateway.jobs import Job
 from shared.errors import CortexError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
 Frames = Callable[[Job, AsyncIterator[BaseModel]], AsyncIterator[bytes]]
 
@@ -34,9 +41,9 @@ async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel
     first = asyncio.ensure_future(job.first_event())
     try:
         place = await unless_disconnected(request, queue.first_event_or_position(job, first))
-    except BaseException:
+    except BaseException as exc:
         first.cancel()
-        await job.close()
+        await (job.detach() if isinstance(exc, ClientDisconnected) else job.close())
         raise
     body = make(job, chunks)
     if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
@@ -49,10 +56,19 @@ async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:
     yield  # an async generator that fails at once
 
 
+async def numbered(job: Job, chunks: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]:
+    """Each chunk with its number (from 0), leaving out those the client has seen (up to `job.after`)."""
+    number = -1
+    async for chunk in chunks:
+        number += 1
+        if number > job.after:
+            yield number, chunk
+
+
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
     try:
-        async for chunk in chunks:
-            yield sse.data(chunk)
+        async for number, chunk in numbered(job, chunks):
+            yield sse.data(chunk, number)
     except CortexError as exc:  # after the headers went out, an error travels in the stream
         log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
                  exc.message)
@@ -67,13 +83,16 @@ class JobStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Stream until the body ends or the client disconnects, whichever ASGI version the
-        server speaks, then close the job."""
+        server speaks; then close the job, or detach it if the client went away first."""
+        ended = False
         try:
             async with anyio.create_task_group() as task_group:
 
                 async def stream() -> None:
+                    nonlocal ended
                     try:
                         await self.stream_response(send)
+                        ended = True
                     except OSError:  # ASGI 2.4 servers raise on send once the client is gone
                         pass
                     task_group.cancel_scope.cancel()
@@ -81,5 +100,5 @@ class JobStreamResponse(StreamingResponse):
                 task_group.start_soon(stream)
                 await self.listen_for_disconnect(receive)
                 task_group.cancel_scope.cancel()
-        finally:
-            await self.job.close()
+        finally:  # not ended: the client went away, or the server is stopping (cancelled)
+            await (self.job.close() if ended else self.job.detach())

@@ -26,6 +26,22 @@ class Keys:
         """Pub/sub channel carrying one job's token events."""
         return f"{self.prefix}events:{job}"
 
+    def event_log(self, job: str) -> str:
+        """Stream: one job's events kept for resuming (`shared.event_log`): the gateway's record of
+        the request first, then one entry per engine step. Capped; it expires `stream_retention_s`
+        after the job ends."""
+        return f"{self.prefix}eventlog:{job}"
+
+    def detached(self, job: str) -> str:
+        """String with PX: the token of the last client that stopped reading the job; whoever
+        wrote it cancels the job after `disconnect_grace_s` if it is still the last and nobody reads."""
+        return f"{self.prefix}detached:{job}"
+
+    def metered(self, job: str) -> str:
+        """String with TTL: set once a resumable job's tokens were counted against its key (so a
+        resumed reader that sees the end too does not count them again)."""
+        return f"{self.prefix}metered:{job}"
+
     def cancel(self) -> str:
         """Pub/sub channel: a message is the id of a job to cancel; every node listens."""
         return f"{self.prefix}cancel"
@@ -67,6 +83,11 @@ class Keys:
         """String with TTL (`responses_ttl_s`): a stored `/v1/responses` response and the
         conversation it ends (JSON), for `GET` and `previous_response_id`."""
         return f"{self.prefix}response:{response_id}"
+
+    def background_responses(self) -> str:
+        """Sorted set: ids of `background` responses not yet stored as finished -> submitted (ms);
+        the janitor stores each once its job ends."""
+        return f"{self.prefix}responses:background"
 
     # ---- files and batches (`/v1/files`, `/v1/batches`, the arq batch worker) ----------------
 

@@ -31,6 +31,9 @@ class CortexSettings(BaseSettings):
     key_prefix: str = "cortex:"
     models_file: Path | None = None  # models.toml; the built-in catalogue when absent
     log_level: str = "INFO"
+    # A streamed or background job's events are kept in Redis (`Keys.event_log`) this long after it
+    # ends, for clients that resume; nodes keep the log alive while the job runs.
+    stream_retention_s: int = Field(600, ge=1)
 
     @classmethod
     def settings_customise_sources(
@@ -69,6 +72,9 @@ class GatewaySettings(CortexSettings):
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
     require_api_keys: bool = False
+    # A streaming client that disconnects (without `background`) leaves its job running this long:
+    # resuming within it keeps the job; after it, the job is cancelled (0: at once).
+    disconnect_grace_s: float = Field(10.0, ge=0)
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
     # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)

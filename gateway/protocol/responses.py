@@ -84,8 +84,8 @@ class ResponseCreateParams(Lenient):
 
     @model_validator(mode="after")
     def _supported(self) -> "ResponseCreateParams":
-        if self.background:
-            raise ValueError("background: is not supported; stream the response instead")
+        if self.background and self.store is False:
+            raise ValueError("background: requires store (a background response is kept to be fetched later)")
         self._offer.add("tools", self.tools or [])
         for i, item in enumerate(self.input):
             if isinstance(item, AdditionalTools):
@@ -229,9 +229,10 @@ class Response(BaseModel):
     tool_choice: Any
     tools: list[dict[str, Any]]
     top_p: float | None
+    background: bool = False
     max_output_tokens: int | None
     previous_response_id: str | None
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     store: bool
     text: dict[str, Any]
     truncation: str

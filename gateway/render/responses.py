@@ -2,11 +2,15 @@
 
 The text runs through the tool-call parser (when the request has tools) and its pieces become
 output items: a `message` with one `output_text` part, and a `function_call` per call. A whole
-response folds the same events a stream sends, so both carry the same output.
+response folds the same events a stream sends, so both carry the same output. What a response
+says besides its output comes from its request, kept as a `ResponseSpec`, so that a gateway that
+never saw the request renders it from the job's event log (resumed streams, background responses).
 """
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from itertools import count
+from typing import Any
 
 from gateway.tools import parsers
 from gateway.gather import GatheredChoice
@@ -34,20 +38,57 @@ from gateway.protocol.responses import (
     ResponseTextDoneEvent,
     ResponseUsage,
 )
-from gateway.protocol.responses_tools import Offer, offered_name
+from gateway.protocol.responses_tools import offered_name
 from gateway.render import JobInfo
-from shared.wire import DeltaEvent, DoneEvent, Usage
+from shared.errors import JobCancelled
+from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, Event, StartEvent, Usage
 
 
 def response_id(job: JobInfo) -> str:
     return f"resp_{job.id}"
 
 
+@dataclass
+class ResponseSpec:
+    """A response's request, as far as rendering it needs: the fields the response echoes, and the
+    (namespace, name) each offered function is reported under, by the name the model knows it by."""
+
+    fields: dict[str, Any]
+    functions: dict[str, tuple[str | None, str]]
+
+    @classmethod
+    def of(cls, body: ResponseCreateParams) -> "ResponseSpec":
+        fields = dict(
+            instructions=body.instructions, metadata=body.metadata,
+            parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature,
+            tool_choice=body.tool_choice or "auto",
+            tools=[t.model_dump(mode="json", exclude_none=True, by_alias=True) for t in body.tools or []],
+            top_p=body.top_p, max_output_tokens=body.max_output_tokens, previous_response_id=body.previous_response_id,
+            store=body.store is not False, truncation=body.truncation or "disabled", background=bool(body.background),
+            text=(body.text.model_dump(mode="json", exclude_none=True, by_alias=True) if body.text
+                  else {"format": {"type": "text"}}),
+        )
+        if not isinstance(fields["tool_choice"], str):
+            fields["tool_choice"] = body.tool_choice.model_dump(mode="json")
+        return cls(fields, {name: body.offer.called(name) for name in body.offer.functions})
+
+    def dump(self) -> dict[str, Any]:
+        return {"fields": self.fields, "functions": self.functions}
+
+    @classmethod
+    def load(cls, data: dict[str, Any]) -> "ResponseSpec":
+        return cls(data["fields"], {name: tuple(called) for name, called in data["functions"].items()})
+
+    def called(self, name: str) -> tuple[str | None, str]:
+        """The (namespace, name) a call of `name` is reported under."""
+        return self.functions.get(name, (None, name))
+
+
 class Output:
     """Parser pieces → output items and their events, opening and closing items as pieces change kind."""
 
-    def __init__(self, job: JobInfo, parser: parsers.ToolCallParser | None, offer: Offer):
-        self.job, self.parser, self.offer = job, parser, offer
+    def __init__(self, job: JobInfo, parser: parsers.ToolCallParser | None, spec: ResponseSpec):
+        self.job, self.parser, self.spec = job, parser, spec
         self.items: list[ResponseOutputItem] = []
         self.open = False
 
@@ -72,7 +113,7 @@ class Output:
                 yield ResponseTextDeltaEvent(item_id=self.items[-1].id, output_index=len(self.items) - 1,
                                              delta=piece.text)
             elif isinstance(piece, parsers.CallStart):
-                namespace, name = self.offer.called(piece.name)
+                namespace, name = self.spec.called(piece.name)
                 yield from self._add(ResponseFunctionToolCall(id=f"fc_{piece.id}", call_id=f"call_{piece.id}",
                                                               name=name, namespace=namespace, arguments="",
                                                               status="in_progress"))
@@ -103,20 +144,14 @@ class Output:
         yield ResponseOutputItemDoneEvent(output_index=at, item=item.model_copy(deep=True))
 
 
-def response_object(job: JobInfo, body: ResponseCreateParams, output: list[ResponseOutputItem],
-                    usage: Usage | None, finish_reason: str | None) -> Response:
-    """The response as it stands: in progress without usage, else completed or incomplete."""
-    status = "in_progress" if usage is None else "incomplete" if finish_reason == "length" else "completed"
+def response_object(job: JobInfo, spec: ResponseSpec, output: list[ResponseOutputItem], usage: Usage | None,
+                    finish_reason: str | None, status: str | None = None, error: dict | None = None) -> Response:
+    """The response as it stands: in progress without usage, else completed or incomplete (or `status`)."""
+    status = status or ("in_progress" if usage is None else "incomplete" if finish_reason == "length" else "completed")
     return Response(
-        id=response_id(job), created_at=job.created, model=job.model, output=output, status=status,
+        id=response_id(job), created_at=job.created, model=job.model, output=output, status=status, error=error,
         incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-        instructions=body.instructions, metadata=body.metadata,
-        parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature,
-        tool_choice=body.tool_choice or "auto",
-        tools=[t.model_dump(exclude_none=True, by_alias=True) for t in body.tools or []],
-        top_p=body.top_p, max_output_tokens=body.max_output_tokens, previous_response_id=body.previous_response_id,
-        store=body.store is not False, truncation=body.truncation or "disabled",
-        text=body.text.model_dump(exclude_none=True, by_alias=True) if body.text else {"format": {"type": "text"}},
+        **spec.fields,
         usage=None if usage is None else ResponseUsage(input_tokens=usage.prompt_tokens,
                                                        input_tokens_details=InputTokensDetails(
                                                            cached_tokens=usage.cached_tokens),
@@ -134,15 +169,38 @@ def assistant_turn(response: Response) -> dict:
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def response(job: JobInfo, body: ResponseCreateParams, choice: GatheredChoice, usage: Usage,
+def response(job: JobInfo, spec: ResponseSpec, choice: GatheredChoice, usage: Usage,
              parser: parsers.ToolCallParser | None) -> Response:
-    output = Output(job, parser, body.offer)
+    output = Output(job, parser, spec)
     for _ in [*output.feed(choice.text), *output.finish(choice.finish_reason == "length")]:
         pass
-    return response_object(job, body, output.items, usage, choice.finish_reason)
+    return response_object(job, spec, output.items, usage, choice.finish_reason)
 
 
-async def response_events(job: JobInfo, body: ResponseCreateParams, events: AsyncIterator[DeltaEvent | DoneEvent],
+def folded(job: JobInfo, spec: ResponseSpec, events: Iterable[Event], parser: parsers.ToolCallParser | None) -> Response:
+    """The response as a job's events so far make it (a background response being polled): queued
+    until the node takes the job, in progress with the output so far, then completed or incomplete,
+    failed (with the error), or cancelled."""
+    output, finish_reason, status = Output(job, parser, spec), None, "queued"
+    for event in events:
+        status = "in_progress"
+        if isinstance(event, DoneEvent):
+            for _ in output.finish(finish_reason == "length"):
+                pass
+            return response_object(job, spec, output.items, event.usage, finish_reason)
+        if isinstance(event, ErrorEvent):
+            cancelled = event.code == JobCancelled.code
+            return response_object(job, spec, output.items, None, None, status="cancelled" if cancelled else "failed",
+                                   error=None if cancelled else {"code": event.code, "message": event.message})
+        if not isinstance(event, StartEvent):
+            for delta in event.choices:
+                for _ in output.feed(delta.text):
+                    pass
+                finish_reason = delta.finish_reason or finish_reason
+    return response_object(job, spec, output.items, None, None, status=status)
+
+
+async def response_events(job: JobInfo, spec: ResponseSpec, events: AsyncIterator[DeltaEvent | DoneEvent],
                           parser: parsers.ToolCallParser | None) -> AsyncIterator[ResponseStreamEvent]:
     """response.created, response.in_progress, the output items' events, then response.completed
     (or response.incomplete when max_output_tokens cut it), numbered in order."""
@@ -152,15 +210,15 @@ async def response_events(job: JobInfo, body: ResponseCreateParams, events: Asyn
         event.sequence_number = next(numbers)
         return event
 
-    started = response_object(job, body, [], None, None)
+    started = response_object(job, spec, [], None, None)
     yield numbered(ResponseCreatedEvent(response=started))
     yield numbered(ResponseInProgressEvent(response=started))
-    output, finish_reason = Output(job, parser, body.offer), None
+    output, finish_reason = Output(job, parser, spec), None
     async for event in events:
         if isinstance(event, DoneEvent):
             for item_event in output.finish(finish_reason == "length"):
                 yield numbered(item_event)
-            final = response_object(job, body, output.items, event.usage, finish_reason)
+            final = response_object(job, spec, output.items, event.usage, finish_reason)
             end = ResponseIncompleteEvent if final.status == "incomplete" else ResponseCompletedEvent
             yield numbered(end(response=final))
             return

@@ -1,4 +1,4 @@
-"""`POST /v1/completions`."""
+"""`POST /v1/completions`, and `GET /v1/completions/{id}?stream=true` to resume a stream."""
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -7,9 +7,10 @@ from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather
-from gateway.jobs import submit_request
+from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.openai import CompletionRequest
 from gateway.render.completions import completion, completion_chunks
+from gateway.resume import ResumeAt, on_disconnect, resume
 from gateway.streaming import stream_job
 
 router = APIRouter()
@@ -17,10 +18,22 @@ router = APIRouter()
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
-    job = await submit_request(ctx, body, caller)
+    spec = {"n": body.n, "include_usage": body.include_usage, "echo": body.echo}
+    resumable = Resumable("completions", spec, on_disconnect(request)) if body.stream else None
+    job = await submit_request(ctx, body, caller, resumable=resumable)
     if body.stream:
-        chunks = completion_chunks(job, job.events(), n=body.n, include_usage=body.include_usage, echo=body.echo)
-        return await stream_job(request, job, chunks)
+        return await stream_job(request, job, _chunks(job, spec))
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), body.n))
     return JSONResponse(completion(job, gathered, body.echo).model_dump(mode="json"))
+
+
+@router.get("/v1/completions/{completion_id}", response_model=None)
+async def resume_completion(completion_id: str, ctx: Ctx, request: Request, caller: CallerDep,
+                            at: ResumeAt) -> Response:
+    job = await resume(ctx, caller, "completions", completion_id, "cmpl-", at)
+    return await stream_job(request, job, _chunks(job, job.record.spec))
+
+
+def _chunks(job: Job, spec: dict):
+    return completion_chunks(job, job.events(), n=spec["n"], include_usage=spec["include_usage"], echo=spec["echo"])

@@ -1,4 +1,5 @@
-"""Anthropic `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+"""Anthropic `POST /v1/messages` and `POST /v1/messages/count_tokens`, and `GET
+/v1/messages/{id}?stream=true` to resume a stream.
 
 The key comes as `x-api-key` (or `Authorization: Bearer`); `anthropic-version` is accepted. Token counts
 come from a `count` job: the node that serves the model renders the prompt with the model's
@@ -19,10 +20,11 @@ from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.errors import anthropic_error_body
 from gateway.gather import gather
-from gateway.jobs import Job, submit_request
+from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
 from gateway.render.messages import message, message_events
-from gateway.streaming import log, stream_job
+from gateway.resume import ResumeAt, on_disconnect, resume
+from gateway.streaming import log, numbered, stream_job
 from shared.errors import CortexError
 
 router = APIRouter()
@@ -33,13 +35,21 @@ PING_INTERVAL_S = 10.0  # a `ping` event after this long without one, so proxies
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, caller: CallerDep,
                          x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
-    job = await submit_request(ctx, body, caller)
+    job = await submit_request(ctx, body, caller,
+                               resumable=Resumable("messages", {}, on_disconnect(request)) if body.stream else None)
     parser = job.parsers()
     if body.stream:
         return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), 1))
     return JSONResponse(message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json"))
+
+
+@router.get("/v1/messages/{message_id}", response_model=None)
+async def resume_message(message_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt,
+                         x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
+    job = await resume(ctx, caller, "messages", message_id, "msg_", at)
+    return await stream_job(request, job, message_events(job, job.events(), job.parsers()), frames=_frames)
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
@@ -52,9 +62,10 @@ async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Reques
 
 
 async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
-    """Named SSE events; a `ping` after message_start and whenever the model is quiet for
-    PING_INTERVAL_S; an error after the headers went out travels as an `error` event."""
+    """Named SSE events, numbered; a `ping` (not numbered) after message_start and whenever the
+    model is quiet for PING_INTERVAL_S; an error after the headers went out travels as an `error` event."""
     pending: asyncio.Future | None = None
+    events = numbered(job, events)
     try:
         while True:
             pending = pending or asyncio.ensure_future(anext(events))
@@ -62,8 +73,8 @@ async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[b
             if not done:
                 yield sse.event("ping", PingEvent())
                 continue
-            item, pending = pending.result(), None
-            yield sse.event(item.type, item)
+            (number, item), pending = pending.result(), None
+            yield sse.event(item.type, item, number)
             if item.type == "message_start":
                 yield sse.event("ping", PingEvent())
     except StopAsyncIteration:

@@ -1,21 +1,23 @@
-"""OpenAI Responses API: `POST /v1/responses` (stream and not), `GET` and `DELETE
-/v1/responses/{id}`. A response is stored (`store`, default true) so that a later request can
-continue from it with `previous_response_id`."""
+"""OpenAI Responses API: `POST /v1/responses` (stream and not, `background`), `GET` (streamed
+again with `stream=true&starting_after=N`), `DELETE` and `POST .../cancel` of `/v1/responses/{id}`.
+A response is stored (`store`, default true) so that a later request can continue from it with
+`previous_response_id`."""
 
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from gateway import sse
+from gateway import background, sse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather
-from gateway.jobs import Job, submit_request
+from gateway.jobs import Job, OnDisconnect, Resumable, submit_request
 from gateway.protocol.responses import ResponseCreateParams, ResponseDeleted, ResponseErrorEvent, ResponseStreamEvent
-from gateway.render.responses import response, response_events
+from gateway.render.responses import ResponseSpec, response, response_events, response_object
 from gateway.responses_store import ResponseStore
+from gateway.resume import ResumeAt, resume
 from gateway.streaming import log, stream_job
 from shared.errors import CortexError
 
@@ -28,22 +30,33 @@ def _store(ctx: Ctx) -> ResponseStore:
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
-    store = _store(ctx)
+    store, spec = _store(ctx), ResponseSpec.of(body)
     if body.previous_response_id:
-        body.continue_from(await store.conversation(body.previous_response_id))
-    job = await submit_request(ctx, body, caller)
+        body.continue_from(await background.conversation(ctx, body.previous_response_id))
+    kept = body.conversation if body.store is not False else None
+    resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept},
+                          OnDisconnect.KEEP if body.background else OnDisconnect.GRACE)
+    job = await submit_request(ctx, body, caller, resumable=resumable if body.stream or body.background else None)
     parser, headers = job.parsers(), _warning(job, body)
+    if body.background:
+        queued = response_object(job, spec, [], None, None, status="queued")
+        await store.hold(queued, job.stream, job.entry_id)
+        if not body.stream:
+            await job.detach()
+            return JSONResponse(queued.model_dump(mode="json"), headers=headers)
     if body.stream:
-        events = response_events(job, body, job.events(), parser)
-        if body.store is not False:
-            events = store.kept_at_the_end(events, body.conversation)
-        return await stream_job(request, job, events, frames=_frames, headers=headers)
+        return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), 1))
-    answer = response(job, body, gathered.choices[0], gathered.usage, parser)
-    if body.store is not False:
-        await store.put(answer, body.conversation)
+    answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
+    if kept is not None:
+        await store.put(answer, kept)
     return JSONResponse(answer.model_dump(mode="json"), headers=headers)
+
+
+def _events(job: Job, spec: ResponseSpec, parser, store: ResponseStore, kept: list | None):
+    events = response_events(job, spec, job.events(), parser)
+    return events if kept is None else store.kept_at_the_end(events, kept)
 
 
 def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
@@ -55,9 +68,19 @@ def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
     return {"Warning": f'299 cortex "{warning}"'}  # tool types and names only: no quotes, nothing beyond ASCII
 
 
-@router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, ctx: Ctx) -> JSONResponse:
-    return JSONResponse(await _store(ctx).get(response_id))
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def retrieve_response(response_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt) -> Response:
+    if not at.stream:
+        return JSONResponse(await background.current(ctx, response_id))
+    job = await resume(ctx, caller, "responses", response_id, "resp_", at)
+    spec = ResponseSpec.load(job.record.spec["response"])
+    events = _events(job, spec, job.parsers(), _store(ctx), job.record.spec["conversation"])
+    return await stream_job(request, job, events, frames=_frames)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    return JSONResponse(await background.cancel(ctx, caller, response_id))
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -67,10 +90,12 @@ async def delete_response(response_id: str, ctx: Ctx) -> JSONResponse:
 
 
 async def _frames(job: Job, events: AsyncIterator[ResponseStreamEvent]) -> AsyncIterator[bytes]:
-    """Named SSE events; an error after the headers went out travels as an `error` event."""
+    """Named SSE events, numbered by their `sequence_number`; an error after the headers went out
+    travels as an `error` event."""
     try:
         async for event in events:
-            yield sse.event(event.type, event)
+            if event.sequence_number > job.after:
+                yield sse.event(event.type, event, event.sequence_number)
     except CortexError as exc:
         log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
         yield sse.event("error", ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param))

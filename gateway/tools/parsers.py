@@ -16,6 +16,8 @@ anything else is kept whole and parsed at its end; what does not parse comes bac
 except a call that `max_tokens` cut off (`finish(cut_off=True)`): that is never content.
 """
 
+import hashlib
+import itertools
 import json
 import re
 import uuid
@@ -49,10 +51,6 @@ class CallArgs:
 Piece = Text | CallStart | CallArgs
 
 
-def new_call_id() -> str:
-    return uuid.uuid4().hex[:24]
-
-
 def parser_name(profile: ModelProfile) -> ParserName:
     """The catalogue's `tool_parser`, else a guess from the model's name and source."""
     if profile.tool_parser:
@@ -65,8 +63,9 @@ def parser_name(profile: ModelProfile) -> ParserName:
     return "hermes"
 
 
-def make_parser(name: ParserName) -> "ToolCallParser":
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
+def make_parser(name: ParserName, seed: str | None = None) -> "ToolCallParser":
+    """A parser of format `name`; with a `seed`, its calls' ids follow from it (see `ToolCallParser.call_id`)."""
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name](seed)
 
 
 Parsers = Callable[[], "ToolCallParser | None"]  # what renderers call per choice: a fresh parser, or None
@@ -76,9 +75,14 @@ def no_parser() -> None:
     return None
 
 
-def parsers_for(name: ParserName, uses_tools: bool) -> Parsers:
-    """A fresh parser of the model's format per choice, or None for a request without tools."""
-    return (lambda: make_parser(name)) if uses_tools else no_parser
+def parsers_for(name: ParserName, uses_tools: bool, job: str) -> Parsers:
+    """A fresh parser of the model's format per choice, or None for a request without tools. The
+    n-th parser's call ids follow from the job's id and n: a stream rendered again from the job's
+    events (a client resuming it) names its calls as the first rendering did."""
+    if not uses_tools:
+        return no_parser
+    numbers = itertools.count()
+    return lambda: make_parser(name, f"{job}:{next(numbers)}")
 
 
 # ---- one call's JSON object ---------------------------------------------------------------
@@ -87,7 +91,7 @@ _OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?
 _MAX_OPENING = 400  # an opening longer than this is not the streamable shape
 
 
-def _call_from_json(text: str, index: int) -> list[Piece] | None:
+def _call_from_json(text: str, index: int, call_id: str) -> list[Piece] | None:
     """A whole `{"name", "arguments"|"parameters"}` object → its pieces; None if it is not one."""
     try:
         obj = json.loads(text)
@@ -103,7 +107,7 @@ def _call_from_json(text: str, index: int) -> list[Piece] | None:
             return None
     if not isinstance(args, dict):
         return None
-    return [CallStart(index, new_call_id(), obj["name"]), CallArgs(index, json.dumps(args, ensure_ascii=False))]
+    return [CallStart(index, call_id, obj["name"]), CallArgs(index, json.dumps(args, ensure_ascii=False))]
 
 
 class _Call:
@@ -112,8 +116,8 @@ class _Call:
     is not part of it); otherwise it keeps the text to parse whole at the end. Either way it
     notices where the outer object ends (`closed`, and `rest` is what came after)."""
 
-    def __init__(self, index: int):
-        self.index = index
+    def __init__(self, index: int, call_id: str):
+        self.index, self.call_id = index, call_id
         self.buf = ""  # the text read so far, until it streams
         self.streaming = False
         self.depth = 0
@@ -139,7 +143,7 @@ class _Call:
         self._scan(self.buf[before:match.end()], collect=False)
         self.streaming = True
         name = json.loads(f'"{match.group(1)}"')
-        return [CallStart(self.index, new_call_id(), name), *self._scan(self.buf[match.end():], collect=True)]
+        return [CallStart(self.index, self.call_id, name), *self._scan(self.buf[match.end():], collect=True)]
 
     def _scan(self, text: str, collect: bool) -> list[Piece]:
         args = []
@@ -179,7 +183,7 @@ class _Call:
         """Pieces still owed at the call's end; None if it was not a call (the caller keeps the text)."""
         if self.streaming:
             return []
-        return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index)
+        return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index, self.call_id)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -198,7 +202,8 @@ class ToolCallParser:
     answer ended at `max_tokens` (a call left open then is dropped, not shown as text).
     Whitespace between text and calls is dropped, so `content` is the model's words only."""
 
-    def __init__(self):
+    def __init__(self, seed: str | None = None):
+        self.seed = seed
         self.calls = 0
         self._held_ws = ""
         self._after_call = False
@@ -212,6 +217,12 @@ class ToolCallParser:
         body = text.rstrip()
         self._held_ws = text[len(body):]
         return [Text(body)] if body else []
+
+    def call_id(self, index: int) -> str:
+        """The id of the parser's `index`-th call: from its seed when it has one, else random."""
+        if self.seed is None:
+            return uuid.uuid4().hex[:24]
+        return hashlib.sha256(f"{self.seed}:{index}".encode()).hexdigest()[:24]
 
     def _call_began(self) -> None:
         self._dropped_ws, self._held_ws = self._held_ws, ""
@@ -238,8 +249,8 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, seed: str | None = None):
+        super().__init__(seed)
         self._pending = ""
         self._call: _Call | None = None
         self._call_text = ""
@@ -259,7 +270,7 @@ class HermesParser(ToolCallParser):
             if self._call is None:
                 out += self._text(before)
                 self._call_began()
-                self._call, self._call_text = _Call(self.calls), ""
+                self._call, self._call_text = _Call(self.calls, self.call_id(self.calls)), ""
             else:
                 out += self._into_call(before)
                 out += self._end_call()
@@ -295,8 +306,8 @@ class Llama3JsonParser(ToolCallParser):
 
     PREFIX = "<|python_tag|>"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, seed: str | None = None):
+        super().__init__(seed)
         self._mode: Literal["undecided", "text", "calls"] = "undecided"
         self._buf = ""
         self._call: _Call | None = None
@@ -324,7 +335,7 @@ class Llama3JsonParser(ToolCallParser):
                 text = text.lstrip().lstrip(";").lstrip()
                 if not text:
                     return out
-                self._call, self._call_text = _Call(self.calls), ""
+                self._call, self._call_text = _Call(self.calls, self.call_id(self.calls)), ""
             self._call_text += text
             out += self._call.feed(text)
             if not self._call.closed:
@@ -353,8 +364,8 @@ class MistralParser(ToolCallParser):
 
     MARKER = "[TOOL_CALLS]"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, seed: str | None = None):
+        super().__init__(seed)
         self._mode: Literal["undecided", "text", "calls"] = "undecided"
         self._buf = ""
 
@@ -389,7 +400,7 @@ class MistralParser(ToolCallParser):
             return [] if cut_off else self._text(raw)
         pieces: list[Piece] = []
         for i, item in enumerate(items):
-            call = _call_from_json(json.dumps(item), i) if isinstance(item, dict) else None
+            call = _call_from_json(json.dumps(item), i, self.call_id(i)) if isinstance(item, dict) else None
             if call is None:
                 return [] if cut_off else self._text(raw)
             pieces += call

@@ -54,7 +54,7 @@ class NodeAgent:
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
         self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard,
-                                   on_lost=self._on_lost)
+                                   on_lost=self._on_lost, retention_s=self.settings.stream_retention_s)
         self.publisher.start()
         for device in devices.discover(self.settings.device, self.settings.cpu_devices):
             thread = DeviceThread(device, loop)
@@ -238,8 +238,9 @@ class NodeAgent:
     # ---- cancellations from the fleet ------------------------------------------------------------
 
     def _on_unheard(self, job: str) -> None:
-        """Nobody listens to the job: its client left without a cancel reaching us, or its gateway died
-        or lost Redis. The latter subscribes again to its queued jobs: give it time before reading more."""
+        """Nobody listens to the job, which has no event log (no client can resume it): its client left
+        without a cancel reaching us, or its gateway died or lost Redis. The latter subscribes again to
+        its queued jobs: give it time before reading more."""
         if self._cancel_soon(job):
             log.info("job %s has no listener any more; cancelling it", job)
 

@@ -29,7 +29,7 @@ STOP_TIMEOUT_S = 10.0  # for the process to publish what it holds and exit, befo
 
 class OutputLink:
     def __init__(self, config: dict, on_feedback: Callable[[Feedback], None], on_exit: Callable[[str], None]):
-        self.config = config  # redis_url, key_prefix, node, model, log_level
+        self.config = config  # redis_url, key_prefix, node, model, log_level, stream_retention_s
         self.on_feedback, self.on_exit = on_feedback, on_exit
         self.process: subprocess.Popen | None = None
         self._inbox: socket.socket | None = None

@@ -60,6 +60,7 @@ class Open(msgspec.Struct, tag=True, array_like=True):
     model: str
     log_level: str
     tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
+    stream_retention_s: int = 600  # how long a job's event log lives after it ends
 
 
 class Publish(msgspec.Struct, tag=True, array_like=True):
@@ -161,7 +162,8 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     redis = connect(opened.redis_url)
     publisher = Publisher(redis, Keys(opened.key_prefix), opened.node,
                           on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
-                          on_lost=lambda job: send_feedback(Feedback(lost=[job])))
+                          on_lost=lambda job: send_feedback(Feedback(lost=[job])),
+                          retention_s=opened.stream_retention_s)
     publisher.start()
     side = OutputSide(OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node), publisher, send_feedback)
     while (message := await receive()) is not None:

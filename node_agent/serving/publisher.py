@@ -6,10 +6,17 @@ client's retries), its events are lost and never sent again (a listener would ge
 out of order). What must still happen is kept and retried until Redis answers: each ended job's
 acknowledgement, with an error event in place of its lost ones (a gateway still listening learns
 the job failed rather than waiting for a `done` that will not come). Each job still running whose
-events were lost is reported to `on_lost`, which fails it."""
+events were lost is reported to `on_lost`, which fails it.
+
+A job a client may resume has an event log (`shared.event_log`, made by the gateway): each step's
+events for it are appended there too, in the same round trip, and the log's expiry is renewed
+while it runs and set once more when it ends. Such a job runs on when nobody listens (its client
+may come back, or asked it to run on); a job without a log nobody listens to is reported to
+`on_unheard`, which cancels it."""
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from shared import event_log
 from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import Outage
@@ -25,6 +33,7 @@ from shared.wire import ErrorEvent, Event, pack_event
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
+NO_LOG = -1.0  # in `Publisher._logs`: the job has no event log
 
 
 class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -45,10 +54,12 @@ class Publisher:
     node: str
     on_unheard: Callable[[str], None]  # a job nobody listens to any more (its gateway is gone)
     on_lost: Callable[[str], None] = lambda job: None  # a running job whose events Redis did not take
+    retention_s: int = 600  # a job's event log lives this long after it ends (`stream_retention_s`)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
     _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
     _outage: Outage = field(default_factory=lambda: Outage(log, "publisher"))
+    _logs: dict[str, float] = field(default_factory=dict)  # job -> when its log's expiry is due again, or NO_LOG
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="publisher")
@@ -100,26 +111,47 @@ class Publisher:
     async def _send(self, outgoing: list[Outgoing]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         started = self.keys.started(self.node)
+        now = time.monotonic()
+        expiring = []
         for item in outgoing:
+            packed = [pack_event(event) for event in item.events]
+            expiring.append(self._append_to_log(pipe, item, packed, now))
             if item.started:
                 pipe.sadd(started, item.job)
-            for event in item.events:
-                pipe.publish(item.channel, pack_event(event))
+            for event in packed:
+                pipe.publish(item.channel, event)
             if item.ack:
                 stream, entry_id = item.ack
                 pipe.xack(stream, CONSUMER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
                 if item.tracked:
                     pipe.srem(started, item.job)
-        results = await pipe.execute()
-        receivers = iter(results)
-        for item in outgoing:
+        replies = iter(await pipe.execute())
+        for item, expire in zip(outgoing, expiring):
+            logged = None if expire is None else next(replies) is not None
+            if expire:
+                next(replies)
             if item.started:
-                next(receivers)
-            counts = [next(receivers) for _ in item.events]
+                next(replies)
+            counts = [next(replies) for _ in item.events]
             if item.ack:
-                next(receivers), next(receivers)
+                next(replies), next(replies)
                 if item.tracked:
-                    next(receivers)
-            elif counts and max(counts) == 0:
+                    next(replies)
+                self._logs.pop(item.job, None)
+                continue
+            if logged is False:
+                self._logs[item.job] = NO_LOG
+            elif expire:
+                self._logs[item.job] = now + self.retention_s / 2
+            if counts and max(counts) == 0 and not logged:
                 self.on_unheard(item.job)
+
+    def _append_to_log(self, pipe, item: Outgoing, packed: list[bytes], now: float) -> bool | None:
+        """Queue the item's events for its job's log, with the log's expiry when it is due (first
+        write, half the retention since the last, the job's end); None if the job has no log."""
+        if not item.job or not packed or (due := self._logs.get(item.job)) == NO_LOG:
+            return None
+        expire = item.ack is not None or due is None or now >= due
+        event_log.append(pipe, self.keys.event_log(item.job), packed, self.retention_s if expire else None)
+        return expire

@@ -156,7 +156,8 @@ class ServedModel:
         try:
             self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
                                         node=self.consumer_name, model=self.profile.id,
-                                        log_level=self.settings.log_level),
+                                        log_level=self.settings.log_level,
+                                        stream_retention_s=self.settings.stream_retention_s),
                                    self.on_feedback, self.on_output_exit)
             await self.link.start()  # it starts up while the model loads
             self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
@@ -233,7 +234,8 @@ class ServedModel:
         while entries := await self.reader.backlog():
             for e in entries:
                 self._finish(e.entry_id, e.fields.get(b"reply", b"").decode(),
-                             ErrorEvent(code=error.code, message=error.message), e.stream)
+                             ErrorEvent(code=error.code, message=error.message), e.stream,
+                             e.fields.get(b"job", b"").decode())
 
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""

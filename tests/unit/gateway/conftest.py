@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI
 
 from gateway.server import create_app
+from shared import event_log
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import Keys
@@ -32,9 +33,9 @@ def done(prompt_tokens: int = 5, completion_tokens: int = 3, cached_tokens: int 
                                  cached_tokens=cached_tokens), node="n1")
 
 
-WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled
+WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled (then say so)
 
-Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str]]
+Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str | asyncio.Event]]
 
 
 def hello_script(entry: StreamEntry) -> list:
@@ -71,11 +72,23 @@ class ScriptedNode:
         [(_, listeners)] = await self.redis.pubsub_numsub(entry.reply)
         self.subscribers_at_read.append(listeners)
         for step in self.script(entry):
+            if isinstance(step, asyncio.Event):  # a gate the test opens
+                await step.wait()
+                continue
             if step == WAIT_FOR_CANCEL:
                 while entry.job not in self.cancelled:
                     await asyncio.sleep(0.005)
+                await self.publish(entry, ErrorEvent(code="cancelled", message=f"job {entry.job} was cancelled"))
                 return
-            await self.redis.publish(entry.reply, pack_event(step))
+            await self.publish(entry, step)
+
+    async def publish(self, entry: StreamEntry, event) -> None:
+        """As a node does: to the job's event log (if it has one), then to its channel."""
+        packed = pack_event(event)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            event_log.append(pipe, KEYS.event_log(entry.job), [packed], 600)
+            pipe.publish(entry.reply, packed)
+            await pipe.execute()
 
 
 @pytest.fixture

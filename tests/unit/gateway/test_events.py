@@ -49,12 +49,28 @@ async def test_routes_each_channel_to_its_queue(router, redis):
 
 
 async def test_unsubscribe(router, redis):
-    await router.subscribe("cortex:events:a")
-    await router.unsubscribe("cortex:events:a")
-    await router.unsubscribe("cortex:events:a")  # twice is fine
+    queue = await router.subscribe("cortex:events:a")
+    await router.unsubscribe("cortex:events:a", queue)
+    await router.unsubscribe("cortex:events:a", queue)  # twice is fine
     await asyncio.sleep(0.05)
     assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 0)]
     assert router.in_flight == 0
+
+
+async def test_several_listeners_of_one_job_each_hear_it_and_the_last_unsubscribes(router, redis):
+    first = await router.subscribe("cortex:events:a")
+    second = await router.subscribe("cortex:events:a")  # a client resuming it on the same replica
+    assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 1)]  # one subscription
+    await redis.publish("cortex:events:a", pack_event(delta("both")))
+    for queue in (first, second):
+        assert (await asyncio.wait_for(queue.get(), 1)).choices[0].text == "both"
+    await router.unsubscribe("cortex:events:a", first)
+    await redis.publish("cortex:events:a", pack_event(delta("still")))
+    assert (await asyncio.wait_for(second.get(), 1)).choices[0].text == "still"
+    assert first.empty()
+    await router.unsubscribe("cortex:events:a", second)
+    await asyncio.sleep(0.05)
+    assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 0)]
 
 
 async def test_unreadable_event_fails_the_job_clearly(router, redis):

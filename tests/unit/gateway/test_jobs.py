@@ -74,10 +74,10 @@ async def test_timeout_waiting_for_the_next_event(ctx, redis):
 
 
 async def test_enqueue_failure_is_503_and_leaves_no_subscription(ctx, monkeypatch):
-    async def broken_xadd(*args, **kwargs):
+    async def broken_execute(*args, **kwargs):
         raise RedisConnectionError("gone")
 
-    monkeypatch.setattr(ctx.redis, "xadd", broken_xadd)
+    monkeypatch.setattr(type(ctx.redis.pipeline()), "execute", broken_execute)
     with pytest.raises(BrokerUnavailable, match="could not enqueue"):
         await submit(ctx, request(), ANONYMOUS_CALLER)
     assert ctx.router.in_flight == 0

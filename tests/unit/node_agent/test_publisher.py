@@ -1,7 +1,7 @@
 """The node's publisher and job reader when Redis goes away, against a real redis-server: lost events
 are not sent twice, running jobs whose events were lost are reported, an ended job's acknowledgement
 (with an error event for its lost ones) waits for Redis; entries Redis still holds for this node can
-be listed and settled."""
+be listed and settled; a job's steps go to its event log, if it has one."""
 
 import asyncio
 import shutil
@@ -12,10 +12,11 @@ import redis.asyncio as aioredis
 from node_agent.serving import publisher as publisher_module
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.publisher import Outgoing, Publisher
+from shared import event_log
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.processes import free_port, redis_answers, redis_server_argv
 from shared.redis_conn import connect
-from shared.wire import unpack_event
+from shared.wire import StartEvent, pack_event, unpack_event
 from tests.conftest import Service
 from tests.unit.gateway.conftest import delta, done
 
@@ -109,3 +110,60 @@ async def test_the_reader_lists_and_settles_what_redis_holds_for_this_node(serve
     assert [e[0].decode() for e in await client.xrange(KEYS.jobs("m"))] == [third]  # acked and deleted
     assert (await client.xpending(KEYS.jobs("m"), CONSUMER_GROUP))["pending"] == 1  # node-b's
     await client.aclose()
+
+
+async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_and_runs_on_unheard(redis_url):
+    admin = aioredis.Redis.from_url(redis_url)
+    log_key = KEYS.event_log("kept")
+    await admin.xadd(log_key, {event_log.RECORD: b"{}"})  # as the gateway makes it
+    await admin.expire(log_key, 5)
+    client = connect(redis_url)
+    unheard: list[str] = []
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=unheard.append, retention_s=100)
+    publisher.start()
+
+    publisher.send([Outgoing("cortex:events:kept", [StartEvent(prompt_tokens=3)], job="kept"),
+                    Outgoing("cortex:events:gone", [StartEvent(prompt_tokens=3)], job="gone")])
+    await publisher.flush()
+    assert 95 <= await admin.ttl(log_key) <= 100  # its first write sets the expiry to the retention
+    assert unheard == ["gone"]  # nobody listens to either; only the job without a log is cancelled
+    assert not await admin.exists(KEYS.event_log("gone"))  # no log is ever made by the node
+
+    await admin.expire(log_key, 50)
+    publisher.send([Outgoing("cortex:events:kept", [delta("Hel")], job="kept")])
+    await publisher.flush()
+    assert 45 <= await admin.ttl(log_key) <= 50  # not due again yet: no EXPIRE this step
+    stream = KEYS.jobs("m")
+    await admin.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    entry = (await admin.xadd(stream, {"job": "kept"})).decode()
+    await admin.xreadgroup(CONSUMER_GROUP, "node-a", {stream: ">"})
+    publisher.send([Outgoing("cortex:events:kept", [delta("lo"), done()], (stream, entry), "kept")])
+    await publisher.flush()
+    assert 95 <= await admin.ttl(log_key) <= 100  # the end sets it once more
+    entries = await admin.xrange(log_key)
+    assert [list(fields) for _, fields in entries] == [[b"record"], [b"0"], [b"0"], [b"0", b"1"]]
+    said = [event for _, fields in entries for event in event_log.events(fields)]
+    assert [e.type for e in said] == ["start", "delta", "delta", "done"]
+    assert "".join(e.choices[0].text for e in said if e.type == "delta") == "Hello"
+    assert unheard == ["gone"] and publisher._logs == {"gone": publisher_module.NO_LOG}
+    await publisher.stop()
+    await client.aclose()
+    await admin.aclose()
+
+
+async def test_an_event_log_is_capped_however_long_its_job_runs(redis_url, monkeypatch):
+    monkeypatch.setattr(event_log, "MAXLEN", 50)
+    admin = aioredis.Redis.from_url(redis_url)
+    log_key = KEYS.event_log("long")
+    await admin.xadd(log_key, {event_log.RECORD: b"{}"})
+    client = connect(redis_url)
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None)
+    publisher.start()
+    for i in range(1000):
+        publisher.send([Outgoing("cortex:events:long", [delta(str(i))], job="long")])
+    await publisher.flush()
+    assert 50 <= await admin.xlen(log_key) <= 50 + 100  # MAXLEN ~: whole nodes of 100 entries are trimmed
+    assert (await admin.xrevrange(log_key, count=1))[0][1] == {b"0": pack_event(delta("999"))}
+    await publisher.stop()
+    await client.aclose()
+    await admin.aclose()

@@ -11,11 +11,19 @@ from tests.unit.gateway.conftest import KEYS, MODEL, WAIT_FOR_CANCEL, delta, don
 HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def sse_payloads(text: str) -> list:
-    """The `data:` payloads of an SSE body, JSON-decoded except `[DONE]`."""
-    frames = [frame for frame in text.split("\n\n") if frame]
-    assert all(frame.startswith("data: ") for frame in frames), frames
-    return [frame[6:] if frame == "data: [DONE]" else json.loads(frame[6:]) for frame in frames]
+def sse_payloads(text: str, first_id: int = 0) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except `[DONE]`; the frames that carry an
+    `id:` (all but `[DONE]` and a final error) are numbered on from `first_id`."""
+    payloads, ids = [], []
+    for frame in filter(None, text.split("\n\n")):
+        lines = frame.split("\n")
+        if lines[0].startswith("id: "):
+            ids.append(int(lines.pop(0)[4:]))
+        assert len(lines) == 1 and lines[0].startswith("data: "), frame
+        payloads.append(lines[0][6:] if lines[0] == "data: [DONE]" else json.loads(lines[0][6:]))
+    assert ids == list(range(first_id, first_id + len(ids)))
+    assert len(ids) >= len(payloads) - 2  # only [DONE] and an error frame go unnumbered
+    return payloads
 
 
 async def test_non_stream_answer(client, node):
@@ -75,11 +83,13 @@ async def test_job_entry_and_subscription_before_enqueue(client, node):
     assert (generation.sampling.seed, generation.sampling.top_k) == (3, 5)
 
 
-async def test_no_keys_left_but_the_job_stream(client, node, redis):
+async def test_no_keys_left_but_the_job_stream_and_the_streamed_jobs_event_log(client, node, redis):
     before = set(await redis.keys("*"))
     await client.post("/v1/chat/completions", json=HELLO)
     await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
-    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode()}
+    streamed = KEYS.event_log(node.entries[1].job)
+    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode(), streamed.encode()}
+    assert 0 < await redis.ttl(streamed) <= 600 + 5  # stream_retention_s + request_timeout_s: a node renews it
     assert await redis.pubsub_channels() == [KEYS.cancel().encode()]  # only the node's own
     assert node.cancelled == []
 
@@ -141,16 +151,17 @@ async def test_timeout_is_504_and_cancels(client, node, app):
     assert node.cancelled == [node.entries[0].job]
 
 
-def _http_scope(path: str) -> dict:
+def _http_scope(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
     return {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "root_path": "", "headers": headers or [(b"content-type", b"application/json")],
         "client": ("127.0.0.1", 5555), "server": ("gateway", 80),
     }
 
 
-async def _call_then_disconnect(app, body: dict, *, after: bytes | None) -> list[dict]:
+async def _call_then_disconnect(app, body: dict, *, after: bytes | None,
+                                headers: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
     """Drive the ASGI app directly; the client disconnects once a body part contains `after`
     (or, with `after=None`, right after sending the request)."""
     gone = asyncio.Event()
@@ -171,21 +182,25 @@ async def _call_then_disconnect(app, body: dict, *, after: bytes | None) -> list
     if after is None:
         asyncio.get_running_loop().call_later(0.1, gone.set)
     async with asyncio.timeout(5):
-        await app(_http_scope("/v1/chat/completions"), receive, send)
+        await app(_http_scope("/v1/chat/completions", headers), receive, send)
     return sent
 
 
-async def test_cancel_published_when_streaming_client_goes_away(app, node, redis):
+async def test_a_streamed_job_whose_client_went_away_is_cancelled_after_the_grace(app, node, redis):
+    app.state.ctx.settings.disconnect_grace_s = 0.3
     node.script = lambda entry: [delta("Hel"), delta("lo"), WAIT_FOR_CANCEL]
     sent = await _call_then_disconnect(app, HELLO | {"stream": True}, after=b'"lo"')
     assert sent[0]["status"] == 200
-    await asyncio.sleep(0.05)
-    assert node.cancelled == [node.entries[0].job]
+    await asyncio.sleep(0.1)
+    assert node.cancelled == []  # the client may come back
     assert await redis.pubsub_numsub(node.entries[0].reply) == [(node.entries[0].reply.encode(), 0)]
+    await asyncio.sleep(0.4)
+    assert node.cancelled == [node.entries[0].job]
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cancel_published_when_waiting_client_goes_away(app, node, stream):
+    app.state.ctx.settings.disconnect_grace_s = 0
     node.script = lambda entry: [WAIT_FOR_CANCEL]  # no output yet: the model is still loading, say
     await _call_then_disconnect(app, HELLO | {"stream": stream}, after=None)
     await asyncio.sleep(0.05)

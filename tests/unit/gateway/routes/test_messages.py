@@ -16,14 +16,18 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city",
 HEADERS = {"x-api-key": "anything", "anthropic-version": "2023-06-01"}
 
 
-def sse_events(text: str) -> list[tuple[str, dict]]:
-    out = []
+def sse_events(text: str, first_id: int = 0) -> list[tuple[str, dict]]:
+    """(name, payload) of each named event; those but `ping` and `error` are numbered on from `first_id`."""
+    out, ids = [], []
     for frame in filter(None, text.split("\n\n")):
-        name_line, data_line = frame.split("\n")
+        name_line, *id_line, data_line = frame.split("\n")
         assert name_line.startswith("event: ") and data_line.startswith("data: "), frame
         payload = json.loads(data_line[6:])
         assert payload["type"] == name_line[7:]
+        assert bool(id_line) == (payload["type"] not in ("ping", "error")), frame
+        ids += [int(line.removeprefix("id: ")) for line in id_line]
         out.append((name_line[7:], payload))
+    assert ids == list(range(first_id, first_id + len(ids)))
     return out
 
 

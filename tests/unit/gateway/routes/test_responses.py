@@ -136,7 +136,7 @@ async def test_structured_output_and_forced_calls_send_a_grammar(client, node, f
     ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"tools": [{"type": "no_such_tool"}]}, "tools.0"), ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
-    ({"background": True}, "background"), ({"temperature": 3}, "temperature"), ({"input": 5}, "input"),
+    ({"background": True, "store": False}, "background"), ({"temperature": 3}, "temperature"), ({"input": 5}, "input"),
 ])
 async def test_what_is_not_served_is_a_400(client, node, fields, param):
     response = await client.post("/v1/responses", json={"model": "default", "input": "x"} | fields)
