@@ -23,6 +23,7 @@ from gateway.events import Item
 from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
 from gateway.tools import grammars
+from gateway.tracing import JobTrace, span
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import queues
 from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
@@ -38,7 +39,7 @@ def new_job_id() -> str:
 
 class Job:
     def __init__(self, ctx: GatewayContext, request: GenerationRequest, queue: asyncio.Queue[Item], caller: Caller,
-                 parsers: Parsers = no_parser):
+                 trace: JobTrace, parsers: Parsers = no_parser):
         self.id = request.job
         self.model = request.model
         self.created = int(time.time())
@@ -57,6 +58,7 @@ class Job:
         self.stream = ""  # the job stream it was queued on, and its entry id there
         self.entry_id = ""
         self._timer = ctx.metrics.request(self.model, time.monotonic())
+        self.trace = trace  # its part of the request's trace (gateway/tracing.py)
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -84,12 +86,14 @@ class Job:
             raise item
         if isinstance(item, ErrorEvent):
             self.finished = True
+            self.trace.failed(item.code)
             log.info("job=%s request=%s key=%s failed on the node: %s: %s", self.id, self.request_id, self.caller.name,
                      item.code, item.message)
             raise error_from_code(item.code, item.message)
         self._timer.on_event(item)
         if isinstance(item, DoneEvent):
             self.finished = True
+            self.trace.done(item)
             log.info(
                 "job=%s request=%s key=%s done: %d+%d tokens, node %s, queue %.0fms prefill %.0fms decode %.0fms",
                 self.id, self.request_id, self.caller.name, item.usage.prompt_tokens, item.usage.completion_tokens,
@@ -103,9 +107,11 @@ class Job:
         timeout_s = self._ctx.settings.request_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._queue.get()
+                item = await self._queue.get()
         except TimeoutError:
             raise Timeout(f"no event from model {self.model} for job {self.id} in {timeout_s:g}s") from None
+        self.trace.taken()
+        return item
 
     async def close(self) -> None:
         """Cancel the job unless it finished, and unsubscribe. Idempotent; runs to the end even
@@ -113,6 +119,7 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        self.trace.taken()
         with anyio.CancelScope(shield=True):
             if not self.finished:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
@@ -141,6 +148,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         body = pack(request)
     except (OverflowError, ValueError, TypeError) as exc:  # free-form JSON (a tool schema) with a huge integer
         raise InvalidRequest(f"the request cannot be sent to a node ({exc}); integers must fit in 64 bits") from None
+    trace = JobTrace(request.job, request.model)
     entry = StreamEntry(
         job=request.job,
         kind=request.kind,
@@ -152,6 +160,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         request_id=request_id_var.get(),
         stream=int(stream),
         keep_alive_s=keep_alive_s,
+        traceparent=trace.traceparent,
         body=body,
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
@@ -159,13 +168,15 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
     try:
         entry_id = await ctx.redis.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
     except BaseException as exc:
+        trace.taken()
         with anyio.CancelScope(shield=True):
             await ctx.router.unsubscribe(channel)
         if isinstance(exc, RedisError):
             raise broker_error(exc, f"could not enqueue the job on {stream}") from exc
         raise
-    job = Job(ctx, request, queue, caller, parsers)
+    job = Job(ctx, request, queue, caller, trace, parsers)
     job.stream, job.entry_id = stream, entry_id.decode()
+    trace.queued(stream, job.entry_id)
     ctx.router.track(channel, stream, job.entry_id)  # while queued, it may wait out a Redis restart
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
              entry_id.decode())
@@ -195,15 +206,17 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
     images checked and carried in the job (400 for a bad one, or any for a text-only model), make
     sure a live node serves or loads the model (503 when none can), and submit. The job carries
     the tool-call parsers its response is rendered with."""
-    profile = ctx.catalog.resolve(body.model)
-    caller.check_may_use(profile)
-    if caller.key is not None and priority == "interactive":
-        await ctx.limiter.admit(caller.key)
-    tool_format = parser_name(profile)
-    request = body.to_generation_request(new_job_id(), profile.id)
-    request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
-    await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
-    await ctx.placer.ensure_placed(profile)
+    with span("admission"):
+        profile = ctx.catalog.resolve(body.model)
+        caller.check_may_use(profile)
+        if caller.key is not None and priority == "interactive":
+            await ctx.limiter.admit(caller.key)
+        tool_format = parser_name(profile)
+        request = body.to_generation_request(new_job_id(), profile.id)
+        request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
+        await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
+    with span("placement"):
+        await ctx.placer.ensure_placed(profile)
     return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),
                         keep_alive_s=getattr(body, "keep_alive_s", None), rank=getattr(body, "priority", None),
                         parsers=parsers_for(tool_format, body.uses_tools))

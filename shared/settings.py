@@ -31,6 +31,7 @@ class CortexSettings(BaseSettings):
     key_prefix: str = "cortex:"
     models_file: Path | None = None  # models.toml; the built-in catalogue when absent
     log_level: str = "INFO"
+    otlp_endpoint: str = ""  # an OTLP/HTTP collector (http://HOST:4318) for traces (shared/tracing.py); '': off
 
     @classmethod
     def settings_customise_sources(
