@@ -30,10 +30,11 @@ def traces_url(endpoint: str) -> str:
     return endpoint if endpoint.endswith(TRACES_PATH) else endpoint + TRACES_PATH
 
 
-def configure(service: str, endpoint: str, instance: str = "") -> None:
-    """Export this process's spans over OTLP/HTTP to `endpoint`, as `service`; '' leaves tracing off."""
+def configure(service: str, endpoint: str, instance: str = "") -> trace.TracerProvider | None:
+    """Export this process's spans over OTLP/HTTP to `endpoint`, as `service`; '' leaves tracing off.
+    Returns the provider it installed (it flushes at exit, or on `force_flush`)."""
     if not endpoint:
-        return
+        return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -44,6 +45,7 @@ def configure(service: str, endpoint: str, instance: str = "") -> None:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
     install(provider)
     log.info("tracing: %s sends spans to %s", service, traces_url(endpoint))
+    return provider
 
 
 def install(provider: trace.TracerProvider | None) -> None:

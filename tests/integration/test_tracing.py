@@ -35,7 +35,7 @@ async def fleet(redis_url, tiny_dirs, tmp_path):
     gateway = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(120):
-            while not server.started or (served := agent.models.get("tiny")) is None or served.state != ModelState.READY:
+            while not (server.started and (served := agent.models.get("tiny")) and served.state == ModelState.READY):
                 await asyncio.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -87,5 +87,6 @@ async def test_a_streamed_request_is_one_trace_across_gateway_and_node(spans, fl
     assert job.start_time <= tokenize.start_time < tokenize.end_time <= prefill.start_time
     assert prefill.start_time < prefill.end_time == decode.start_time < decode.end_time == job.end_time
     assert job.end_time <= request.end_time
-    admitted = [r.getMessage() for r in caplog.records if r.name.startswith("node_agent") and "admitted" in r.getMessage()]
+    admitted = [r.getMessage() for r in caplog.records
+                if r.name.startswith("node_agent") and "admitted" in r.getMessage()]
     assert admitted and admitted[0].endswith(f" trace={trace_id:032x}")  # the node's log line names the trace
