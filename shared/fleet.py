@@ -94,8 +94,10 @@ class Fleet:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         scored = await self._redis.zrange(self._keys.nodes(), 0, -1, withscores=True)
         heartbeats = await self._heartbeats([name for name, _ in scored]) if scored else []
-        nodes = sorted((NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
-                        for (name, score), hb in zip(scored, heartbeats)), key=lambda n: n.node)
+        by_name = sorted(zip(scored, heartbeats), key=lambda pair: pair[0][0])  # heartbeats stay with their nodes
+        heartbeats = [hb for _, hb in by_name]
+        nodes = [NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
+                 for (name, score), hb in by_name]
         catalog = {k.decode(): v for k, v in (await self._redis.hgetall(self._keys.catalog())).items()}
         models = {m for n in nodes for m in n.models} | set(catalog)
         async for key in self._redis.scan_iter(match=self._keys.jobs("") + "*", count=500):
