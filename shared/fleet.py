@@ -1,8 +1,8 @@
 """The fleet as Redis holds it, read once for everyone: the gateway (placement, `/v1/queue`,
 errors), the batch worker and `cortex status`. Nodes come from heartbeats (`cortex:nodes` zset of
 node → last heartbeat ms; `cortex:node:{node}` hashes); queues from one Lua script per model
-(shared/queues.py). The fleet operations that are plain Redis commands live here too: a command
-to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
+(shared/queues.py), all in one pipeline. The fleet operations that are plain Redis commands live
+here too: a command to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
 
 import logging
 import time
@@ -76,12 +76,15 @@ class Fleet:
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
-        """Per model: queued jobs by class, running jobs, replicas taking jobs, oldest wait."""
+        """Per model: queued jobs by class, running jobs, replicas taking jobs, oldest wait (one round trip)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
+        streams = {model: queues.streams(self._keys, model) for model in sorted(models)}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pairs in streams.values():
+                await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP], client=pipe)
+            replies = await pipe.execute() if streams else []
         found = []
-        for model in sorted(models):
-            pairs = queues.streams(self._keys, model)
-            reply = await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+        for (model, pairs), reply in zip(streams.items(), replies):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
             found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas)))
         return found
