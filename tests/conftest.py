@@ -23,9 +23,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from shared import processes, tracing
 from shared.processes import free_port, redis_answers
@@ -105,7 +102,12 @@ def redis_url(redis_server: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
+def spans():
+    # the SDK is imported here: a GPU host's offline bundle (../shared/gpu/offline-bundle) has only the API
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
