@@ -29,6 +29,7 @@ from gateway.events import Item
 from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
 from gateway.tools import grammars
+from gateway.tracing import JobTrace, span
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import event_log, queues
 from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
@@ -77,7 +78,8 @@ class Resumable:
 class Job:
     def __init__(self, ctx: GatewayContext, job: str, model: str, queue: asyncio.Queue[Item], caller: Caller, *,
                  parsers: Parsers = no_parser, metered: bool = False, prompt_text: str | None = None,
-                 on_disconnect: OnDisconnect = OnDisconnect.CANCEL, created: int | None = None, timed: bool = True):
+                 on_disconnect: OnDisconnect = OnDisconnect.CANCEL, created: int | None = None, timed: bool = True,
+                 trace: JobTrace | None = None):
         self.id = job
         self.model = model
         self.created = int(time.time()) if created is None else created
@@ -97,6 +99,7 @@ class Job:
         self.stream = ""  # the job stream it was queued on, and its entry id there ("": not known here)
         self.entry_id = ""
         self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
+        self.trace = trace or JobTrace(job, model)  # its part of the request's trace (gateway/tracing.py)
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -124,6 +127,7 @@ class Job:
             raise item
         if isinstance(item, ErrorEvent):
             self.finished = True
+            self.trace.failed(item.code)
             log.info("job=%s request=%s key=%s failed on the node: %s: %s", self.id, self.request_id, self.caller.name,
                      item.code, item.message)
             raise error_from_code(item.code, item.message)
@@ -131,6 +135,7 @@ class Job:
             self._timer.on_event(item)
         if isinstance(item, DoneEvent):
             self.finished = True
+            self.trace.done(item)
             log.info(
                 "job=%s request=%s key=%s done: %d+%d tokens, node %s, queue %.0fms prefill %.0fms decode %.0fms",
                 self.id, self.request_id, self.caller.name, item.usage.prompt_tokens, item.usage.completion_tokens,
@@ -145,9 +150,11 @@ class Job:
         timeout_s = self._ctx.settings.request_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._queue.get()
+                item = await self._queue.get()
         except TimeoutError:
             raise Timeout(f"no event from model {self.model} for job {self.id} in {timeout_s:g}s") from None
+        self.trace.taken()
+        return item
 
     async def close(self) -> None:
         """Cancel the job unless it finished, and unsubscribe. Idempotent; runs to the end even
@@ -155,6 +162,7 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        self.trace.taken()
         with anyio.CancelScope(shield=True):
             if not self.finished:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
@@ -202,6 +210,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         body = pack(request)
     except (OverflowError, ValueError, TypeError) as exc:  # free-form JSON (a tool schema) with a huge integer
         raise InvalidRequest(f"the request cannot be sent to a node ({exc}); integers must fit in 64 bits") from None
+    trace = JobTrace(request.job, request.model)
     entry = StreamEntry(
         job=request.job,
         kind=request.kind,
@@ -213,13 +222,14 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         request_id=request_id_var.get(),
         stream=int(stream or resumable is not None),  # a resumable job's client may have seen tokens
         keep_alive_s=keep_alive_s,
+        traceparent=trace.traceparent,
         body=body,
     )
     stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
     metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
     job = Job(ctx, request.job, request.model, await ctx.router.subscribe(channel), caller, parsers=parsers,
               metered=metered, prompt_text=request.prompt if request.echo and isinstance(request.prompt, str) else None,
-              on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL)
+              on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL, trace=trace)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
             if resumable is not None:
@@ -231,12 +241,14 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
             pipe.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
             entry_id = (await pipe.execute())[-1]
     except BaseException as exc:
+        trace.taken()
         with anyio.CancelScope(shield=True):
             await job._unsubscribe()
         if isinstance(exc, RedisError):
             raise broker_error(exc, f"could not enqueue the job on {stream}") from exc
         raise
     job.stream, job.entry_id = stream, entry_id.decode()
+    trace.queued(stream, job.entry_id)
     ctx.router.track(channel, stream, job.entry_id)  # while queued, it may wait out a Redis restart
     log.info("job=%s request=%s key=%s queued on %s as %s", job.id, job.request_id, caller.name, stream,
              job.entry_id)
@@ -268,15 +280,17 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
     sure a live node serves or loads the model (503 when none can), and submit. The job carries
     the tool-call parsers its response is rendered with (seeded by its id, so a resumed stream
     names the same calls); a `resumable` one keeps its events for clients that resume it."""
-    profile = ctx.catalog.resolve(body.model)
-    caller.check_may_use(profile)
-    if caller.key is not None and priority == "interactive":
-        await ctx.limiter.admit(caller.key)
-    tool_format = parser_name(profile)
-    request = body.to_generation_request(new_job_id(), profile.id)
-    request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
-    await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
-    await ctx.placer.ensure_placed(profile)
+    with span("admission"):
+        profile = ctx.catalog.resolve(body.model)
+        caller.check_may_use(profile)
+        if caller.key is not None and priority == "interactive":
+            await ctx.limiter.admit(caller.key)
+        tool_format = parser_name(profile)
+        request = body.to_generation_request(new_job_id(), profile.id)
+        request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
+        await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
+    with span("placement"):
+        await ctx.placer.ensure_placed(profile)
     if resumable is not None:
         resumable.tools = tool_format if body.uses_tools else None
     return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),

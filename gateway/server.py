@@ -18,7 +18,8 @@ from gateway.events import EventRouter, pubsub_client
 from shared.fleet import Fleet
 from gateway.janitor import Janitor
 from gateway.request_id import RequestIdMiddleware
-from shared import __version__
+from gateway.tracing import TraceLogFormatter, TracingMiddleware
+from shared import __version__, tracing
 from shared.catalog import Catalog
 from shared.keys import Keys
 from shared.redis_conn import connect, redact
@@ -75,6 +76,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        files_max_bytes=settings.files_max_bytes)
+    app.add_middleware(TracingMiddleware)  # inside RequestIdMiddleware: a request's span names its request id
     app.add_middleware(RequestIdMiddleware)
     errors.install(app)
     app.openapi = partial(openapi.document, app)
@@ -92,13 +94,16 @@ class QuietHealth(logging.Filter):
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    handler = logging.StreamHandler()
+    handler.setFormatter(TraceLogFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("uvicorn.access").addFilter(QuietHealth())
 
 
 def run(settings: GatewaySettings) -> None:
     """Serve the gateway in the foreground until SIGINT/SIGTERM."""
     setup_logging(settings.log_level)
+    tracing.configure("cortex-gateway", settings.otlp_endpoint, instance=f"{settings.host}:{settings.port}")
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -1,8 +1,8 @@
 """The fleet as Redis holds it, read once for everyone: the gateway (placement, `/v1/queue`,
 errors), the batch worker and `cortex status`. Nodes come from heartbeats (`cortex:nodes` zset of
 node → last heartbeat ms; `cortex:node:{node}` hashes); queues from one Lua script per model
-(shared/queues.py). The fleet operations that are plain Redis commands live here too: a command
-to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
+(shared/queues.py), all in one pipeline. The fleet operations that are plain Redis commands live
+here too: a command to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
 
 import logging
 import time
@@ -76,12 +76,15 @@ class Fleet:
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
-        """Per model: queued jobs by class, running jobs, replicas taking jobs, oldest wait."""
+        """Per model: queued jobs by class, running jobs, replicas taking jobs, oldest wait (one round trip)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
+        streams = {model: queues.streams(self._keys, model) for model in sorted(models)}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for pairs in streams.values():
+                await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP], client=pipe)
+            replies = await pipe.execute() if streams else []
         found = []
-        for model in sorted(models):
-            pairs = queues.streams(self._keys, model)
-            reply = await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+        for (model, pairs), reply in zip(streams.items(), replies):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
             found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas)))
         return found
@@ -94,8 +97,10 @@ class Fleet:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         scored = await self._redis.zrange(self._keys.nodes(), 0, -1, withscores=True)
         heartbeats = await self._heartbeats([name for name, _ in scored]) if scored else []
-        nodes = sorted((NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
-                        for (name, score), hb in zip(scored, heartbeats)), key=lambda n: n.node)
+        by_name = sorted(zip(scored, heartbeats), key=lambda pair: pair[0][0])  # heartbeats stay with their nodes
+        heartbeats = [hb for _, hb in by_name]
+        nodes = [NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
+                 for (name, score), hb in by_name]
         catalog = {k.decode(): v for k, v in (await self._redis.hgetall(self._keys.catalog())).items()}
         models = {m for n in nodes for m in n.models} | set(catalog)
         async for key in self._redis.scan_iter(match=self._keys.jobs("") + "*", count=500):

@@ -34,6 +34,7 @@ class CortexSettings(BaseSettings):
     # A streamed or background job's events are kept in Redis (`Keys.event_log`) this long after it
     # ends, for clients that resume; nodes keep the log alive while the job runs.
     stream_retention_s: int = Field(600, ge=1)
+    otlp_endpoint: str = ""  # an OTLP/HTTP collector (http://HOST:4318) for traces (shared/tracing.py); '': off
 
     @classmethod
     def settings_customise_sources(

@@ -1,16 +1,17 @@
 """Messages between the gateway and the nodes.
 
 A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
-`priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`) plus `body`, the msgpack of a
-`GenerationRequest`. Token events travel on `cortex:events:{job}` as msgpack of one `Event`.
-Every message carries the wire version `v`; a part refuses a version it does not speak.
+`priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`, `traceparent` when the request is
+traced) plus `body`, the msgpack of a `GenerationRequest`. Token events travel on
+`cortex:events:{job}` as msgpack of one `Event`. Every message carries the wire version `v`; a part
+refuses a version it does not speak.
 """
 
 from typing import Any, Literal
 
 import msgpack
 import msgspec
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared import WIRE_VERSION
 
@@ -93,6 +94,8 @@ class StreamEntry(Wire):
     stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
     keep_alive_s: float | None = None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
     retries: int = 0  # times the janitor put it back after its node was lost
+    # the W3C trace context of the gateway's request span, when traced (shared/tracing.py)
+    traceparent: str | None = Field(None, pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
     body: bytes
 
     def to_fields(self) -> dict[str, str | int | float | bytes]:

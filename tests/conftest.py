@@ -6,6 +6,8 @@
   conftest next to your tests to configure the gateway (e.g. `CORTEX_MODELS_FILE`).
 - `gateway_url` (function): `python -m gateway` on a free port against `redis_url`; yields
   its base URL (`http://127.0.0.1:P`) once `/health` answers 200.
+- `spans` (function): tracing on in this process (shared/tracing.py), every span kept in memory;
+  yields the OpenTelemetry SDK's in-memory exporter.
 
 Process fixtures for other parts (a node agent, say) belong next to these and can reuse
 `free_port`, `wait_until` and `Service`.
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import processes
+from shared import processes, tracing
 from shared.processes import free_port, redis_answers
 
 pytest_plugins = ["tests.model_fixtures"]
@@ -97,6 +99,22 @@ def redis_url(redis_server: str) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server
+
+
+@pytest.fixture
+def spans():
+    # the SDK is imported here: a GPU host's offline bundle (../shared/gpu/offline-bundle) has only the API
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.install(provider)
+    yield exporter
+    tracing.install(None)
+    provider.shutdown()
 
 
 @pytest.fixture

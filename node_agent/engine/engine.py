@@ -203,8 +203,9 @@ class Engine:
 
     def core_step(self) -> StepOutput:
         """One engine step: schedule, run, end what the tokens end; text is the output processor's."""
+        started_ms = time.time() * 1000
         plan = self.scheduler.schedule()
-        out = StepOutput(0.0, opened=self._opened)
+        out = StepOutput(0.0, started_ms, opened=self._opened)
         self._opened = []
         out.admitted = list({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups}.items())
         result = self.runner.run(plan, self.grammars.bitmask([self.sequences[key].matcher for key in plan.samples]))

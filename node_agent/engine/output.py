@@ -61,7 +61,7 @@ class OutputProcessor:
             self._open(opened)
         for job_id, cached in out.admitted:
             if (job := self.jobs.get(job_id)) is not None:
-                job.admitted_ms, job.cached_tokens = job.admitted_ms or out.time_ms, job.cached_tokens or cached
+                job.admitted_ms, job.cached_tokens = job.admitted_ms or out.started_ms, job.cached_tokens or cached
         for scores in out.scores:
             self._scores(scores)
         for token in out.tokens:

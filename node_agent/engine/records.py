@@ -54,7 +54,8 @@ class JobFailed(_Record):
 
 
 class StepOutput(_Record):
-    time_ms: float  # when the step ended (admission and first-token times)
+    time_ms: float  # when the step ended (first-token times)
+    started_ms: float  # when it began (admission times: a prompt prefilled in one step was admitted then)
     opened: list[JobOpened] = []  # jobs added since the last step, before any of their tokens
     admitted: list[tuple[str, int]] = []  # jobs whose sequences took rows this step, with their cached prompt tokens
     scores: list[PromptScoresOut] = []

@@ -16,7 +16,7 @@ from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
-from shared import __version__
+from shared import __version__, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
@@ -287,4 +287,6 @@ def run(settings: NodeSettings | None = None) -> None:
     if threads:
         torch.set_num_threads(threads)
     sys.setswitchinterval(settings.gil_switch_interval_s)
-    asyncio.run(NodeAgent(settings).run())
+    agent = NodeAgent(settings)
+    tracing.configure("cortex-node", settings.otlp_endpoint, instance=agent.name)
+    asyncio.run(agent.run())

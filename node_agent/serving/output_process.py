@@ -35,7 +35,7 @@ from node_agent.engine.records import StepOutput
 from node_agent.serving.publisher import Outgoing, Publisher
 from shared.keys import Keys
 from shared.redis_conn import connect
-from shared.wire import Event, ends_job
+from shared.wire import DoneEvent, Event, Timings, ends_job
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Feedback(msgspec.Struct, array_like=True, omit_defaults=True):
     ended: list[str] = []  # jobs whose last events (and acknowledgement) went to the publisher
     unheard: list[str] = []  # jobs nobody listens to any more
     lost: list[str] = []  # running jobs whose events Redis did not take
+    timings: dict[str, Timings] = {}  # of the `ended` jobs that finished: their done event's (the node's spans)
 
 
 def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
@@ -106,15 +107,17 @@ class OutputSide:
 
     def step(self, out: StepOutput) -> None:
         events, stopped = self.output.process(out)
-        batch, ended = [], []
+        batch, ended, timings = [], [], {}
         for job, job_events in events:
             if (item := self._outgoing(job, job_events)) is not None:
                 batch.append(item)
                 if item.ack:
                     ended.append(job)
+                    if isinstance(job_events[-1], DoneEvent):
+                        timings[job] = job_events[-1].timings
         self.publisher.send(batch)
         if stopped or ended:
-            self.send_feedback(Feedback(stopped=stopped, ended=ended))
+            self.send_feedback(Feedback(stopped=stopped, ended=ended, timings=timings))
 
     def publish(self, message: Publish) -> None:
         for route in message.routes:

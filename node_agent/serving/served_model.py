@@ -20,6 +20,7 @@ from node_agent.tp import tensor_parallel
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.engine.engine import Engine, check_fits
 from node_agent.serving.job_reader import JobReader
+from node_agent.serving.job_trace import JobTrace
 from node_agent.serving.limits import completion_budget
 from node_agent.serving.output_link import OutputLink
 from node_agent.serving.output_process import Feedback, Route
@@ -32,7 +33,7 @@ from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.redis_conn import Outage
 from shared.settings import NodeSettings
-from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, Usage, WireError
+from shared.wire import DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, Timings, Usage, WireError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Running:
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
+    trace: JobTrace | None = None  # when its request is traced: its spans are made when it ends
 
 
 def _now_ms() -> int:
@@ -200,7 +202,7 @@ class ServedModel:
         if feedback.stopped and self.engine is not None:
             self.device.call(self.engine.stop, feedback.stopped)
         for job in feedback.ended:
-            self._release(job)
+            self._release(job, feedback.timings.get(job))
         for job in feedback.unheard:
             self.publisher.on_unheard(job)
         for job in feedback.lost:
@@ -358,12 +360,18 @@ class ServedModel:
             log.error("refusing entry %s on %s: %s", entry_id, self.stream, exc)
             self._finish(entry_id, reply, ErrorEvent(code="invalid_request", message=str(exc)), stream)
             return
+        trace = JobTrace.of(entry, entry_id, self.consumer_name)
         self.running[request.job] = Running(entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
-                                            stream=stream, job_class=job_class, streaming=bool(entry.stream))
-        log.info("job=%s request=%s admitted from %s", request.job, entry.request_id, entry_id)
+                                            stream=stream, job_class=job_class, streaming=bool(entry.stream),
+                                            trace=trace)
+        log.info("job=%s request=%s admitted from %s%s", request.job, entry.request_id, entry_id,
+                 f" trace={entry.traceparent.split('-')[1]}" if entry.traceparent else "")
         try:
             self._check_memory()
+            tokenizing_ns = time.time_ns()
             ids, images = await asyncio.to_thread(self._prompt, request)
+            if trace is not None:
+                trace.tokenized_ns = (tokenizing_ns, time.time_ns())
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
                 self._send([Outgoing(entry.reply, [DoneEvent(usage=Usage(prompt_tokens=len(ids)),
                                                              node=self.consumer_name)], (stream, entry_id))])
@@ -402,6 +410,8 @@ class ServedModel:
     def fail(self, job: str, error: CortexError) -> None:
         running = self.running.get(job)
         if running is not None:
+            if running.trace is not None:
+                running.trace.error = error.code
             self._finish(running.entry_id, running.reply, ErrorEvent(code=error.code, message=error.message),
                          running.stream, job, running.streaming)
             self._release(job)
@@ -419,8 +429,11 @@ class ServedModel:
         else:
             self.publisher.send(items)
 
-    def _release(self, job: str) -> None:
+    def _release(self, job: str, timings: Timings | None = None) -> None:
+        """The job ended (`timings`: its done event's, when it finished): its slots are free."""
         running = self.running.pop(job, None)
+        if running is not None and running.trace is not None:
+            running.trace.end(timings)
         self.last_used_ms = _now_ms()
         if running is not None and running.keep_alive_s is not None:
             self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + _keep_alive_ms(running.keep_alive_s))

@@ -21,8 +21,15 @@ def compose() -> dict:
 def test_names_its_services(compose):
     default = {name for name, service in compose["services"].items() if not service.get("profiles")}
     assert default == {"redis", "gateway", "batch-worker", "node-agent"}
-    assert set(compose["services"]) - default == {"prometheus", "grafana"}  # `--profile monitoring`
+    assert set(compose["services"]) - default == {"prometheus", "grafana", "jaeger"}  # `--profile monitoring`
     assert compose["services"]["redis"]["image"].startswith("redis:7")
+
+
+def test_traces_are_off_unless_asked_and_jaeger_can_receive_them(compose):
+    assert compose["x-cortex-env"]["CORTEX_OTLP_ENDPOINT"] == "${CORTEX_OTLP_ENDPOINT:-}"  # empty unless set
+    for name in SETTINGS:
+        assert compose["services"][name]["environment"]["CORTEX_OTLP_ENDPOINT"] == "${CORTEX_OTLP_ENDPOINT:-}"
+    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in compose["services"]["jaeger"]["command"]
 
 
 def test_gateway_and_node_are_built_from_the_dockerfile(compose):

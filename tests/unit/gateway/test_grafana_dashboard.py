@@ -50,9 +50,9 @@ def test_the_dashboard_is_a_grafana_dashboard_on_the_provisioned_prometheus():
 def test_the_monitoring_profile_mounts_what_it_names():
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     monitoring = {name: s for name, s in compose.items() if "monitoring" in s.get("profiles", [])}
-    assert set(monitoring) == {"prometheus", "grafana"}
+    assert set(monitoring) == {"prometheus", "grafana", "jaeger"}
     for service in monitoring.values():
-        for mount in service["volumes"]:
+        for mount in service.get("volumes", []):
             source = mount.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), source

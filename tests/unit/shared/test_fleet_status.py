@@ -95,6 +95,18 @@ async def test_queue_depth_splits_waiting_from_in_flight(r):
     assert (queue.queued["interactive"], queue.running, queue.replicas) == (3, 2, 0)
 
 
+async def test_replicas_count_the_live_nodes_whatever_their_heartbeat_order(r):
+    keys = Keys()
+    ready = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4)
+    await publish(r, keys, heartbeat("a-live", age_s=1, **{MODEL: ready}))
+    await publish(r, keys, heartbeat("b-dead", age_s=30, other=ready))  # Redis lists it first: older
+
+    fleet = await Fleet(r, keys, 8).status(NOW_MS)
+
+    assert [(n.node, n.alive) for n in fleet.nodes] == [("a-live", True), ("b-dead", False)]
+    assert {q.model: q.replicas for q in fleet.queues} == {MODEL: 1, "other": 0}
+
+
 async def test_stream_without_group_counts_everything_as_waiting(r):
     keys = Keys()
     await r.xadd(keys.jobs("other"), {"job": "j"})
