@@ -26,7 +26,7 @@ def test_the_readme_examples_need_no_key(keys_stack):
     base, json_header = keys_stack.replicas[0], ("-H", "Content-Type: application/json")
     streamed = curl("-N", f"{base}/v1/chat/completions", *json_header, "-d", json.dumps(
         {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 8, "messages": QUESTION}))
-    assert streamed.startswith("data: {") and streamed.rstrip().endswith("data: [DONE]")
+    assert streamed.startswith("id: 0\ndata: {") and streamed.rstrip().endswith("data: [DONE]")  # numbered frames
     answer = json.loads(curl(f"{base}/v1/chat/completions", *json_header, "-d", json.dumps(
         {"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": QUESTION})))
     assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] >= 1
