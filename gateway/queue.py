@@ -17,9 +17,8 @@ POSITION_CAP = 10_000  # positions are counted exactly up to this many jobs ahea
 
 
 async def _position(redis: aioredis.Redis, keys: Keys, stream: str, entry_id: str, *, take_back: bool) -> int:
-    model = queues.model_of(keys, stream) or ""
     script = redis.register_script(queues.QUEUE_POSITION_LUA)
-    ahead = queues.streams_before(keys, model, stream)
+    ahead = queues.streams_before(keys, stream)
     return int(await script(keys=[stream, *ahead], args=[entry_id, CONSUMER_GROUP, POSITION_CAP, "1" if take_back else "0"]))
 
 

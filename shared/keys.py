@@ -22,6 +22,35 @@ class Keys:
         suffix += "" if band == "normal" else f":{band}"
         return f"{self.prefix}jobs:{model}{suffix}"
 
+    def node_jobs(self, model: str, node: str, job_class: str = "interactive", band: str = "normal") -> str:
+        """Stream (group ``agents``): jobs the gateway routed to `node` because its cache holds their
+        prefix or it ran their session's last turn (``jobs:{model}[:{class}][:{band}]:@{node}``); only
+        that node reads it, before the shared stream of the same class and band. The janitor moves
+        what waits there too long, or whose node is gone, to `moved_jobs`."""
+        return f"{self.jobs(model, job_class, band)}:@{node}"
+
+    def moved_jobs(self, model: str, job_class: str = "interactive", band: str = "normal") -> str:
+        """Stream (group ``agents``): jobs that left a node's own stream (`node_jobs`) unserved, each
+        under its first entry id; every node reads it beside the shared stream, oldest first."""
+        return f"{self.jobs(model, job_class, band)}:moved"
+
+    def prefixes(self, model: str, node: str) -> str:
+        """Hash with TTL (the node's heartbeat TTL, renewed by its heartbeats): conversation prefixes
+        whose KV `node`'s cache holds for `model`, as the gateway names them (`shared.prefix_marks`)
+        -> the tokens they span. Entries leave as the engine evicts their blocks; bounded by the cache."""
+        return f"{self.prefix}prefixes:{model}:@{node}"
+
+    def session(self, model: str, session: str) -> str:
+        """String with TTL (`session_ttl_s`): the node that ran the last turn of a session (a hash of
+        the request's `prompt_cache_key`, `user`, `metadata.user_id` or `x-cortex-session`)."""
+        return f"{self.prefix}session:{model}:{session}"
+
+    def routing(self, model: str) -> str:
+        """Hash: counters of how the gateways routed `model`'s jobs: ``cache``, ``session`` (to a
+        node), ``shared`` (no node held anything), ``full`` (a node held it but had no room),
+        ``moved`` (left a node's own stream unserved)."""
+        return f"{self.prefix}routing:{model}"
+
     def events(self, job: str) -> str:
         """Pub/sub channel carrying one job's token events."""
         return f"{self.prefix}events:{job}"

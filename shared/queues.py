@@ -11,7 +11,15 @@ them most urgent first (`node_agent.serving.job_reader`):
 | `batch`       | high / normal / low | `cortex:jobs:{model}:batch[:high/:low]` | `/v1/batches` lines |
 
 `priority` follows vLLM's convention (lower is sooner, default 0); within a band jobs are FIFO.
+
+Each of these has two neighbours of the same class and band (cache-aware routing, gateway/routing.py):
+a node's own stream (`:@{node}`), for jobs routed to the node whose cache holds their prefix, which
+only that node reads, before the rest of the band; and the moved stream (`:moved`), for jobs that
+left an own stream unserved (their node was full for `affinity_wait_ms`, or is gone), which every
+node reads beside the shared stream, the older entry first, so a moved job keeps its place.
 """
+
+from dataclasses import dataclass
 
 from shared.keys import CONSUMER_GROUP, Keys
 
@@ -26,23 +34,49 @@ def band(priority: int | None) -> str:
     return "high" if priority < 0 else "low"
 
 
-def streams(keys: Keys, model: str, classes: tuple[str, ...] = CLASSES) -> list[tuple[str, str]]:
-    """(class, stream key) for every stream of `model`, most urgent first."""
-    return [(c, keys.jobs(model, c, b)) for c in classes for b in BANDS]
+def streams(keys: Keys, model: str, classes: tuple[str, ...] = CLASSES, nodes: tuple[str, ...] = ()
+            ) -> list[tuple[str, str]]:
+    """(class, stream key) for the streams of `model` in the order a node reads them: by class and
+    band, most urgent first, and within a band the own streams of `nodes` (`Keys.node_jobs`), then
+    the moved stream, then the shared one (a node takes the moved and shared streams oldest first)."""
+    return [(c, s) for c in classes for b in BANDS
+            for s in [*(keys.node_jobs(model, n, c, b) for n in nodes), keys.moved_jobs(model, c, b), keys.jobs(model, c, b)]]
 
 
-def model_of(keys: Keys, stream: str) -> str | None:
-    """The model a job stream key belongs to (None for a key that is not a job stream)."""
+@dataclass(frozen=True)
+class StreamName:
+    """What a job stream's key says: its model, class, band and whose it is (`node`: a node's own
+    stream; `moved`: the moved stream; neither: the shared stream)."""
+
+    model: str
+    job_class: str
+    band: str
+    node: str | None = None
+    moved: bool = False
+
+
+def parse(keys: Keys, stream: str) -> StreamName | None:
+    """The parts of a job stream key (None for a key that is not a job stream)."""
     prefix = keys.jobs("")
     if not stream.startswith(prefix):
         return None
-    rest = stream[len(prefix):]
+    rest, node, moved = stream[len(prefix):], None, False
+    if ":@" in rest:
+        rest, node = rest.rsplit(":@", 1)
+    elif rest.endswith(":moved"):
+        rest, moved = rest[: -len(":moved")], True
     for c in CLASSES:
         for b in BANDS:
             suffix = keys.jobs("", c, b)[len(prefix):]
             if suffix and rest.endswith(suffix):
-                return rest[: -len(suffix)]
-    return rest
+                return StreamName(rest[: -len(suffix)], c, b, node, moved)
+    return StreamName(rest, "interactive", "normal", node, moved)
+
+
+def model_of(keys: Keys, stream: str) -> str | None:
+    """The model a job stream key belongs to (None for a key that is not a job stream)."""
+    name = parse(keys, stream)
+    return name.model if name else None
 
 
 def entry_ms(entry_id: str | bytes) -> int:
@@ -114,9 +148,13 @@ async def depth(redis, keys: Keys, model: str, replicas: int = 0) -> dict:
     return summarize(model, [c for c, _ in pairs], reply, replicas)
 
 
-def streams_before(keys: Keys, model: str, stream: str) -> list[str]:
-    """The streams of `model` that nodes read before `stream` (more urgent ones)."""
-    ordered = [s for _, s in streams(keys, model)]
+def streams_before(keys: Keys, stream: str) -> list[str]:
+    """The streams of its model that are read before `stream`: the more urgent ones, and a node's own
+    stream of the band before the shared one (for a node's own stream, as that node reads them)."""
+    name = parse(keys, stream)
+    if name is None:
+        return []
+    ordered = [s for _, s in streams(keys, name.model, nodes=(name.node,) if name.node is not None else ())]
     return ordered[: ordered.index(stream)] if stream in ordered else []
 
 

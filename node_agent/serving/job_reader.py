@@ -1,9 +1,11 @@
 """Reads a model's job streams most urgent first (shared/queues.py): interactive before batch,
-and within a class the high band, then normal, then low.
+and within a class the high band, then normal, then low; within a band this node's own stream
+first (jobs routed here for its cache, gateway/routing.py), then the moved and shared streams,
+whichever's next entry is older.
 
 One Lua script reads them in that order in one round trip, as many entries as there are free
 slots; batch entries may take at most `batch_free` of them (the node keeps
-`interactive_reserved_slots` for interactive arrivals). Starvation is bounded: a stream whose
+`interactive_reserved_slots` for interactive arrivals). Starvation is bounded: a band whose
 next entry has waited longer than `batch_max_wait_s` gets one entry read ahead of the rest. When
 every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a new job is
 taken within a round trip of its XADD.
@@ -23,38 +25,73 @@ from shared.keys import CONSUMER_GROUP, Keys
 
 BLOCK_MS = 1000
 CAPPED_BLOCK_MS = 50  # batch may take no slot now; read again soon, for when one of its jobs ends
+STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 
-# KEYS: streams, most urgent first. ARGV: group, consumer, wanted, then per stream: cap, max wait ms
-# (0: never promoted). Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
+# KEYS: per band, most urgent first, its three streams: this node's own, the moved one, the shared one.
+# ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
+# interactive, 2: batch) and its max wait ms (0: never promoted).
+# Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
 _READ = """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local caps, waits, out = {}, {}, {}
-for i = 1, #KEYS do caps[i] = tonumber(ARGV[2 + 2 * i]); waits[i] = tonumber(ARGV[3 + 2 * i]) end
-local function take(i, n)
-  n = math.min(n, want, caps[i])
-  if n <= 0 then return end
-  local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', KEYS[i], '>')
-  if not r then return end
-  for _, e in ipairs(r[1][2]) do out[#out + 1] = {KEYS[i], e[1], e[2]} end
-  want, caps[i] = want - #r[1][2], caps[i] - #r[1][2]
+local out = {}
+local function before(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
 end
-local function next_unread_ms(key)
+local function head(key)
+  if redis.call('XLEN', key) == 0 then return nil end
   local p = redis.pcall('XPENDING', key, group)
   local start = '-'
   if type(p) == 'table' and not p.err and p[1] > 0 then start = '(' .. p[3] end
   local r = redis.call('XRANGE', key, start, '+', 'COUNT', 1)
-  if not r[1] then return nil end
-  return tonumber(string.match(r[1][1], '^(%d+)'))
+  if r[1] then return r[1][1] end
+  return nil
 end
-for i = 1, #KEYS do
-  if waits[i] > 0 and want > 0 and caps[i] > 0 then
-    local ms = next_unread_ms(KEYS[i])
-    if ms and now - ms > waits[i] then take(i, 1) end
+local function read(key, n)
+  local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', key, '>')
+  if not r then return 0 end
+  for _, e in ipairs(r[1][2]) do out[#out + 1] = {key, e[1], e[2]} end
+  return #r[1][2]
+end
+local function take(g, n)
+  local c = tonumber(ARGV[4 + 2 * g])
+  n = math.min(n, want, caps[c])
+  if n <= 0 then return end
+  local moved, shared = KEYS[3 * g - 1], KEYS[3 * g]
+  local got = read(KEYS[3 * g - 2], n)
+  while got < n do
+    local m = head(moved)
+    if m == nil then
+      got = got + read(shared, n - got)
+      break
+    end
+    local s = head(shared)
+    local k = read((s == nil or before(m, s)) and moved or shared, 1)
+    if k == 0 then break end
+    got = got + k
+  end
+  want, caps[c] = want - got, caps[c] - got
+end
+for g = 1, #KEYS / 3 do
+  local c, wait = tonumber(ARGV[4 + 2 * g]), tonumber(ARGV[5 + 2 * g])
+  if wait > 0 and want > 0 and caps[c] > 0 then
+    local oldest, key
+    for i = 3 * g - 2, 3 * g do
+      local h = head(KEYS[i])
+      if h and (oldest == nil or before(h, oldest)) then oldest, key = h, KEYS[i] end
+    end
+    if oldest and now - tonumber(string.match(oldest, '^(%d+)')) > wait then
+      local k = read(key, 1)
+      want, caps[c] = want - k, caps[c] - k
+    end
   end
 end
-for i = 1, #KEYS do take(i, want) end
+for g = 1, #KEYS / 3 do take(g, want) end
 return out
 """
 
@@ -70,7 +107,7 @@ class Entry:
 class JobReader:
     def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, consumer: str, batch_max_wait_s: float):
         self.redis, self.consumer = redis, consumer
-        self.streams = queues.streams(keys, model)  # (class, stream), most urgent first
+        self.streams = queues.streams(keys, model, nodes=(consumer,))  # (class, stream), as read
         self.class_of = {stream: job_class for job_class, stream in self.streams}
         self.batch_max_wait_ms = int(batch_max_wait_s * 1000)
         self._read = redis.register_script(_READ)
@@ -120,11 +157,21 @@ class JobReader:
 
     async def read(self, free: int, batch_free: int) -> list[Entry]:
         """Up to `free` entries (at most `batch_free` of them batch), most urgent first; blocks up
-        to BLOCK_MS when there are none."""
-        args: list = [CONSUMER_GROUP, self.consumer, free]
-        for job_class, _ in self.streams:
+        to BLOCK_MS when there are none. A stream deleted meanwhile (the janitor removes the own
+        streams of a node it thought gone) is made again."""
+        try:
+            return await self._read_streams(free, batch_free)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_groups()
+            return await self._read_streams(free, batch_free)
+
+    async def _read_streams(self, free: int, batch_free: int) -> list[Entry]:
+        args: list = [CONSUMER_GROUP, self.consumer, free, free, batch_free]
+        for job_class, _ in self.streams[::STREAMS_PER_BAND]:
             batch = job_class == "batch"
-            args += [batch_free if batch else free, self.batch_max_wait_ms if batch else 0]
+            args += [2 if batch else 1, self.batch_max_wait_ms if batch else 0]
         reply = await self._read(keys=[s for _, s in self.streams], args=args)
         if reply:
             return [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply]

@@ -21,7 +21,7 @@ M = "m"
 @pytest.fixture
 async def r(redis_url):
     client = aioredis.Redis.from_url(redis_url)
-    for _, stream in queues.streams(KEYS, M):
+    for _, stream in queues.streams(KEYS, M, nodes=("n1", "n2")):
         await client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
     yield client
     await client.aclose()
@@ -59,7 +59,7 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
     first = await add(r, "interactive", "normal", "a")
     mine = await add(r, "interactive", "normal", "b")
     await add(r, "batch", "normal", "x")  # batch never counts ahead of interactive
-    ahead = queues.streams_before(KEYS, M, stream)
+    ahead = queues.streams_before(KEYS, stream)
 
     async def position(entry, take_back="0"):
         return await script(keys=[stream, *ahead], args=[entry, CONSUMER_GROUP, 1000, take_back])
@@ -70,7 +70,30 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
     assert await position(mine, "1") == 1 and await r.xlen(stream) == 1  # withdrawn: only `a` is left
 
 
+async def test_own_stream_first_then_moved_and_shared_oldest_first(r):
+    """Within a band a node takes its own stream's jobs first, then the moved and shared streams'
+    by age (a moved job keeps the place its first entry id gives it); the band order still holds."""
+    await add(r, "interactive", "normal", "s-old")
+    moved_id = (await r.xadd(KEYS.jobs(M), {"job": "tmp"})).decode()  # an id between the two shared jobs
+    await r.xdel(KEYS.jobs(M), moved_id)
+    await add(r, "interactive", "normal", "s-new")
+    await r.xadd(KEYS.moved_jobs(M), {"job": "moved"}, id=moved_id)
+    await r.xadd(KEYS.node_jobs(M, "n1"), {"job": "mine"})
+    await r.xadd(KEYS.node_jobs(M, "n2"), {"job": "theirs"})
+    await r.xadd(KEYS.node_jobs(M, "n1", "interactive", "low"), {"job": "mine-low"})
+    await add(r, "interactive", "high", "high")
+    reader = JobReader(r, KEYS, M, "n1", batch_max_wait_s=60)
+    got = await reader.read(free=10, batch_free=0)
+    assert [e.fields[b"job"] for e in got] == [b"high", b"mine", b"s-old", b"moved", b"s-new", b"mine-low"]
+    assert await r.xlen(KEYS.node_jobs(M, "n2")) == 1  # another node's own stream is not read here
+
+
 def test_bands_and_stream_names():
+    assert queues.parse(KEYS, "cortex:jobs:a:b:batch:high:@n-1") == queues.StreamName("a:b", "batch", "high", "n-1")
+    assert queues.parse(KEYS, "cortex:jobs:a:moved") == queues.StreamName("a", "interactive", "normal", moved=True)
+    assert queues.streams_before(KEYS, KEYS.node_jobs(M, "n1", "interactive", "low")) == [
+        KEYS.node_jobs(M, "n1", "interactive", "high"), KEYS.moved_jobs(M, "interactive", "high"),
+        KEYS.jobs(M, "interactive", "high"), KEYS.node_jobs(M, "n1"), KEYS.moved_jobs(M), KEYS.jobs(M)]
     assert [queues.band(p) for p in (-5, 0, None, 3)] == ["high", "normal", "normal", "low"]
     assert KEYS.jobs(M) == "cortex:jobs:m" and KEYS.jobs(M, "batch") == "cortex:jobs:m:batch"
     assert queues.model_of(KEYS, "cortex:jobs:a:b:batch:high") == "a:b"
