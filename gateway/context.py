@@ -19,6 +19,7 @@ from shared.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from gateway.placement import Placer
+    from gateway.routing import Routing
 
 
 @dataclass
@@ -35,11 +36,14 @@ class GatewayContext:
     api_keys: KeyStore = field(init=False)
     limiter: Limiter = field(init=False)
     departures: "Departures" = field(init=False)
+    routing: "Routing" = field(init=False)
 
     def __post_init__(self) -> None:
         from gateway.placement import Placer
+        from gateway.routing import Routing
 
         self.placer = Placer(self)
+        self.routing = Routing(self)
         self.api_keys = KeyStore(self.redis, self.keys)
         self.limiter = Limiter(self.redis, self.keys, self.metrics, self.settings.stream_retention_s)
         self.departures = Departures(self)

@@ -5,6 +5,10 @@
   `node_lost` error event (its client has seen tokens that cannot be taken back); any other goes
   back on its stream once (`retries` field), so its client only waits longer; the dead consumer
   and its note of started jobs are then deleted;
+- jobs routed to a node's own stream (gateway/routing.py) that waited there longer than
+  `affinity_wait_ms`, or whose node is dead, draining or without the model, go to the moved stream
+  every node reads, keeping their place (`shared.queues.MOVE_LUA`); a gone node's own streams are
+  deleted once empty;
 - models with jobs waiting and no live replica are placed again, and replicas are added where
   the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more;
 - background responses whose job ended are stored (gateway/background.py).
@@ -15,6 +19,7 @@ resuming the job learns how it ended.
 
 import asyncio
 import logging
+import time
 
 from redis.exceptions import LockError, RedisError, ResponseError
 
@@ -68,6 +73,8 @@ class Janitor:
         dead = set()
         for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.jobs("*"))]:
             dead |= await self._reap_dead_consumers(stream, live)
+            if (name := queues.parse(self.ctx.keys, stream)) is not None and name.node is not None:
+                await self._move_waiting(stream, name, {n.node: n for n in nodes}.get(name.node))
         if dead:
             await self.ctx.redis.delete(*[self.ctx.keys.started(node) for node in dead])
         for profile in self.ctx.catalog.profiles.values():
@@ -101,6 +108,18 @@ class Janitor:
             log.info("removed dead consumer %s from %s", name, stream)
         return dead
 
+    async def _move_waiting(self, stream: str, name: queues.StreamName, node: NodeHeartbeat | None) -> None:
+        """Move what waits on a node's own stream to the moved stream: all of it when the node is gone,
+        draining or without the model (then the stream goes once empty), else what waited too long."""
+        serving = node is not None and node.takes_jobs and node.serves(name.model)
+        newest = str(int(time.time() * 1000) - self.ctx.settings.affinity_wait_ms) if serving else "+"
+        script = self.ctx.redis.register_script(queues.MOVE_LUA)
+        moved = await script(keys=[stream, self.ctx.keys.moved_jobs(name.model, name.job_class, name.band)],
+                             args=[CONSUMER_GROUP, newest, 1000, "0" if node is not None else "1"])
+        if moved:
+            await self.ctx.redis.hincrby(self.ctx.keys.routing(name.model), "moved", moved)
+            log.info("moved %d jobs from %s (%s)", moved, stream, "waited too long" if serving else "node gone")
+
     async def _recover(self, stream: str, entry_id: bytes, node: str, started: set[bytes]) -> None:
         entries = await self.ctx.redis.xrange(stream, entry_id, entry_id)
         if not entries:
@@ -115,7 +134,10 @@ class Janitor:
                 self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
                 log.warning("job=%s failed: node %s lost", job, node)
             else:
-                pipe.xadd(stream, {**fields, b"retries": str(retries + 1).encode()})
+                name = queues.parse(self.ctx.keys, stream)
+                again = (stream if name is None or name.node is None
+                         else self.ctx.keys.moved_jobs(name.model, name.job_class, name.band))
+                pipe.xadd(again, {**fields, b"retries": str(retries + 1).encode()})
                 log.warning("job=%s requeued: node %s lost", job, node)
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(stream, entry_id)
@@ -124,7 +146,7 @@ class Janitor:
     async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat]) -> None:
         """`nodes`: the live nodes as this sweep read them (once for every model: a fleet of 100 nodes
         and 100 models would parse 10,000 heartbeats a second otherwise); read again to place."""
-        waiting = await self._waiting(profile.id)
+        waiting = await self._waiting(profile.id, nodes)
         if self._replicas_missing(profile, waiting, nodes) == 0:
             return
         try:
@@ -150,9 +172,10 @@ class Janitor:
             return 0
         return -1 if replicas else 1
 
-    async def _waiting(self, model: str) -> int:
-        """Entries of any class nobody has read yet."""
-        return sum((await queues.depth(self.ctx.redis, self.ctx.keys, model))["queued"].values())
+    async def _waiting(self, model: str, nodes: list[NodeHeartbeat]) -> int:
+        """Entries of any class nobody has read yet (on the own streams of its nodes too)."""
+        serving = tuple(n.node for n in nodes if n.serves(model))
+        return sum((await queues.depth(self.ctx.redis, self.ctx.keys, model, nodes=serving))["queued"].values())
 
     async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
         """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""

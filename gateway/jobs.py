@@ -28,10 +28,11 @@ from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
+from gateway.routing import session_hint
 from gateway.tools import grammars
 from gateway.tracing import JobTrace, span
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
-from shared import event_log, queues
+from shared import event_log, prefix_marks, queues
 from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
 from shared.redis_conn import broker_error
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
@@ -79,7 +80,7 @@ class Job:
     def __init__(self, ctx: GatewayContext, job: str, model: str, queue: asyncio.Queue[Item], caller: Caller, *,
                  parsers: Parsers = no_parser, metered: bool = False, prompt_text: str | None = None,
                  on_disconnect: OnDisconnect = OnDisconnect.CANCEL, created: int | None = None, timed: bool = True,
-                 trace: JobTrace | None = None):
+                 trace: JobTrace | None = None, session: str = ""):
         self.id = job
         self.model = model
         self.created = int(time.time()) if created is None else created
@@ -100,6 +101,7 @@ class Job:
         self.entry_id = ""
         self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
         self.trace = trace or JobTrace(job, model)  # its part of the request's trace (gateway/tracing.py)
+        self.session = session  # its session's name (`shared.prefix_marks.session`), for routing its next turn
 
     async def first_event(self) -> None:
         """Wait for the first event, so that an error before any output (context too long, the
@@ -141,6 +143,11 @@ class Job:
                 self.id, self.request_id, self.caller.name, item.usage.prompt_tokens, item.usage.completion_tokens,
                 item.node or "?", item.timings.queue_ms, item.timings.prefill_ms, item.timings.decode_ms,
             )
+            if self.session and item.node:
+                try:
+                    await self._ctx.routing.ran(self.model, self.session, item.node)
+                except RedisError as exc:
+                    log.warning("job=%s: could not note where its session ran: %s", self.id, exc)
             if self.metered:
                 once = None if self.on_disconnect == OnDisconnect.CANCEL else self._ctx.keys.metered(self.id)
                 await self._ctx.limiter.record(self.caller.name, self.id, item.usage, once=once)
@@ -200,11 +207,12 @@ class Job:
 
 async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller, *, priority: str = "interactive",
                  stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None,
-                 parsers: Parsers = no_parser, resumable: Resumable | None = None) -> Job:
+                 parsers: Parsers = no_parser, resumable: Resumable | None = None, session: str = "") -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py) for `caller`, with its event log first when it is `resumable`;
-    the caller must `close()` (or `detach()`) the job."""
+    the caller must `close()` (or `detach()`) the job. It goes to a node's own stream where
+    `ctx.routing` says (its cache holds the prefix, or its `session` ran there last)."""
     channel = ctx.keys.events(request.job)
     try:  # before subscribing: a request that cannot travel leaves nothing behind
         body = pack(request)
@@ -225,11 +233,14 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         traceparent=trace.traceparent,
         body=body,
     )
-    stream = ctx.keys.jobs(request.model, priority, queues.band(rank))
+    band = queues.band(rank)
+    route = await ctx.routing.route(request, session, priority, band)
+    stream = (ctx.keys.node_jobs(request.model, route.node, priority, band) if route.node
+              else ctx.keys.jobs(request.model, priority, band))
     metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
     job = Job(ctx, request.job, request.model, await ctx.router.subscribe(channel), caller, parsers=parsers,
               metered=metered, prompt_text=request.prompt if request.echo and isinstance(request.prompt, str) else None,
-              on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL, trace=trace)
+              on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL, trace=trace, session=session)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
             if resumable is not None:
@@ -238,6 +249,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
                 log_key = ctx.keys.event_log(request.job)
                 pipe.xadd(log_key, {event_log.RECORD: resumable.dumps()})
                 pipe.expire(log_key, ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s))
+            pipe.hincrby(ctx.keys.routing(request.model), route.outcome, 1)
             pipe.xadd(stream, entry.to_fields(), maxlen=ctx.settings.stream_maxlen, approximate=True)
             entry_id = (await pipe.execute())[-1]
     except BaseException as exc:
@@ -289,10 +301,13 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
         request = body.to_generation_request(new_job_id(), profile.id)
         request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
         await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
+        ctx.routing.prepare(request)
+        hint = session_hint(body) if ctx.settings.routing != "none" else ""
     with span("placement"):
         await ctx.placer.ensure_placed(profile)
     if resumable is not None:
         resumable.tools = tool_format if body.uses_tools else None
     return await submit(ctx, request, caller, priority=priority, stream=bool(body.stream),
                         keep_alive_s=getattr(body, "keep_alive_s", None), rank=getattr(body, "priority", None),
-                        parsers=parsers_for(tool_format, body.uses_tools, request.job), resumable=resumable)
+                        parsers=parsers_for(tool_format, body.uses_tools, request.job), resumable=resumable,
+                        session=prefix_marks.session(caller.name, hint) if hint else "")

@@ -18,6 +18,7 @@ from gateway.events import EventRouter, pubsub_client
 from shared.fleet import Fleet
 from gateway.janitor import Janitor
 from gateway.request_id import RequestIdMiddleware
+from gateway.routing import SessionHeaderMiddleware
 from gateway.tracing import TraceLogFormatter, TracingMiddleware
 from shared import __version__, tracing
 from shared.catalog import Catalog
@@ -76,6 +77,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        files_max_bytes=settings.files_max_bytes)
+    app.add_middleware(SessionHeaderMiddleware)
     app.add_middleware(TracingMiddleware)  # inside RequestIdMiddleware: a request's span names its request id
     app.add_middleware(RequestIdMiddleware)
     errors.install(app)

@@ -76,9 +76,11 @@ class Fleet:
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
-        """Per model: queued jobs by class, running jobs, replicas taking jobs, oldest wait (one round trip)."""
+        """Per model: queued jobs by class (the own streams of `nodes` too), running jobs, replicas taking
+        jobs, oldest wait (one round trip)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
-        streams = {model: queues.streams(self._keys, model) for model in sorted(models)}
+        streams = {model: queues.streams(self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model)))
+                   for model in sorted(models)}
         async with self._redis.pipeline(transaction=False) as pipe:
             for pairs in streams.values():
                 await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP], client=pipe)

@@ -139,11 +139,34 @@ return ahead + 1
 """
 
 
-async def depth(redis, keys: Keys, model: str, replicas: int = 0) -> dict:
+# KEYS[1]: a node's own stream; KEYS[2]: the moved stream of its class and band. ARGV: group, the
+# newest entry id to move (ms; '+': all), the most to move, '1' to delete the own stream once empty.
+# Moves the entries nobody has read, oldest first, each under its own id where the moved stream
+# allows (else just after the moved stream's last id), so it keeps its place. Returns how many moved.
+MOVE_LUA = _LUA_PENDING + """
+local n, maxp = pending(KEYS[1], ARGV[1])
+local entries = redis.call('XRANGE', KEYS[1], maxp and ('(' .. maxp) or '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
+for _, e in ipairs(entries) do
+  local added = redis.pcall('XADD', KEYS[2], e[1], unpack(e[2]))
+  if type(added) == 'table' and added.err then
+    local info = redis.call('XINFO', 'STREAM', KEYS[2])
+    local last
+    for i = 1, #info, 2 do if info[i] == 'last-generated-id' then last = info[i + 1] end end
+    local ms, seq = string.match(last, '(%d+)-(%d+)')
+    redis.call('XADD', KEYS[2], ms .. '-' .. (tonumber(seq) + 1), unpack(e[2]))
+  end
+  redis.call('XDEL', KEYS[1], e[1])
+end
+if ARGV[4] == '1' and redis.call('XLEN', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
+return #entries
+"""
+
+
+async def depth(redis, keys: Keys, model: str, replicas: int = 0, nodes: tuple[str, ...] = ()) -> dict:
     """One model's `/v1/queue` entry (`summarize`) from an asyncio client: what is really waiting
     (entries no node has read, counted from the streams, not the group's `lag`, which deletions
-    can leave stale) and running."""
-    pairs = streams(keys, model)
+    can leave stale) and running; with the own streams of `nodes`."""
+    pairs = streams(keys, model, nodes=nodes)
     reply = await redis.register_script(QUEUE_STATS_LUA)(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
     return summarize(model, [c for c, _ in pairs], reply, replicas)
 

@@ -76,6 +76,13 @@ class GatewaySettings(CortexSettings):
     # A streaming client that disconnects (without `background`) leaves its job running this long:
     # resuming within it keeps the job; after it, the job is cancelled (0: at once).
     disconnect_grace_s: float = Field(10.0, ge=0)
+    # Cache-aware routing (gateway/routing.py): `cache` sends a job to the node whose cache holds the
+    # longest prefix of its conversation, else to where its session last ran; `session` only the
+    # latter; `none`: every job to the shared stream. A routed job waiting longer than
+    # `affinity_wait_ms` on its node goes back to every node; a session is remembered `session_ttl_s`.
+    routing: Literal["cache", "session", "none"] = "cache"
+    affinity_wait_ms: int = Field(2000, ge=0)
+    session_ttl_s: int = Field(3600, ge=1)
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
     # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)

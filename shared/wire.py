@@ -78,6 +78,9 @@ class GenerationRequest(Wire):
     # The messages' images, encoded (PNG, JPEG, WebP, GIF) and checked by the gateway, in order: the
     # i-th `{"type": "image"}` part of the messages stands for `images[i]` (gateway/images.py).
     images: list[bytes] = []
+    # The conversation's prefixes as the gateway names them (`shared.prefix_marks`): each mark with
+    # the characters of the messages up to it. The node reports the marks its cache comes to hold.
+    prefix_marks: list[tuple[str, int]] = []
 
 
 class StreamEntry(Wire):

@@ -218,6 +218,7 @@ class ChatCompletionRequest(_Sampling):
     n: int = Field(1, ge=1, le=128)
     parallel_tool_calls: bool | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
+    prompt_cache_key: str | None = None  # routes the conversation to the node that ran it (gateway/routing.py)
     response_format: ResponseFormat | None = None
     seed: Int64 | None = None
     service_tier: str | None = None  # accepted, not used
@@ -229,7 +230,7 @@ class ChatCompletionRequest(_Sampling):
     top_p: float | None = Field(None, gt=0, le=1)
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
-    user: str | None = None
+    user: str | None = None  # a session for routing when there is no prompt_cache_key
     # extensions
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)

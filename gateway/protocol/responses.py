@@ -66,7 +66,7 @@ class ResponseCreateParams(Lenient):
     model: str
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
-    prompt_cache_key: str | None = None  # accepted, not used
+    prompt_cache_key: str | None = None  # routes the conversation to the node that ran it (gateway/routing.py)
     reasoning: Reasoning | None = None
     safety_identifier: str | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
@@ -78,7 +78,7 @@ class ResponseCreateParams(Lenient):
     tools: list[Tool] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
     truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt too long is a 400 either way
-    user: str | None = None  # accepted, not used
+    user: str | None = None  # a session for routing when there is no prompt_cache_key
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)  # the previous response's conversation
     _offer: Offer = PrivateAttr(default_factory=Offer)
 

@@ -8,6 +8,11 @@ block before it (`chain_hashes`), so two sequences that start with the same toke
 hashes, block for block. A block nobody holds any more keeps its contents and its hash: it is
 reused by the next sequence that asks for that hash, or evicted, least recently released first,
 when a block is needed and no never-used block is left (vLLM's and SGLang's prefix caching).
+
+A block may carry marks: the names the gateway gives a conversation's prefixes
+(`shared.prefix_marks`), anchored on the block that ends them. A mark is held while one of its
+blocks is cached; when the last is evicted it is `dropped`, and the node takes it out of what it
+tells the gateways (`Keys.prefixes`). At most `2 * blocks` marks are kept, the oldest dropped first.
 """
 
 import hashlib
@@ -40,6 +45,9 @@ class BlockPool:
         self.by_hash: dict[bytes, int] = {}
         self.empty: list[int] = list(range(blocks, 0, -1))  # never used or forgotten: popped from the end
         self.evictable: OrderedDict[int, None] = OrderedDict()  # released, still cached: oldest first
+        self.anchors: OrderedDict[str, set[bytes]] = OrderedDict()  # mark -> the block hashes it ends on, oldest first
+        self.marks: dict[bytes, set[str]] = {}  # block hash -> the marks anchored on it
+        self.dropped: list[str] = []  # marks no cached block holds any more, not yet taken
 
     @property
     def free(self) -> int:
@@ -68,8 +76,7 @@ class BlockPool:
                 block = self.empty.pop()
             else:
                 block, _ = self.evictable.popitem(last=False)
-                del self.by_hash[self.hash_of[block]]
-                self.hash_of[block] = None
+                self._forget(block)
             self.refs[block] = 1
             out.append(block)
         return out
@@ -111,10 +118,48 @@ class BlockPool:
             self.hash_of[block] = block_hash
 
     def _forget(self, block: int) -> None:
-        if self.hash_of[block] is not None:
-            del self.by_hash[self.hash_of[block]]
+        if (block_hash := self.hash_of[block]) is not None:
+            del self.by_hash[block_hash]
             self.hash_of[block] = None
+            for mark in self.marks.pop(block_hash, ()):
+                self._unanchor(mark, block_hash)
+
+    # ---- marks ------------------------------------------------------------------------------
+
+    def mark(self, block_hash: bytes, mark: str) -> bool:
+        """Anchor `mark` on the cached block named `block_hash`; True if the mark is new (no cached
+        block held it). A hash no block holds (caching off, or evicted already) anchors nothing."""
+        if block_hash not in self.by_hash:
+            return False
+        anchors = self.anchors.get(mark)
+        new = anchors is None
+        if new:
+            anchors = self.anchors[mark] = set()
+            while len(self.anchors) > 2 * self.blocks:
+                oldest = next(iter(self.anchors))
+                for held in list(self.anchors[oldest]):
+                    self.marks[held].discard(oldest)
+                    self._unanchor(oldest, held)
+        else:
+            self.anchors.move_to_end(mark)
+        anchors.add(block_hash)
+        self.marks.setdefault(block_hash, set()).add(mark)
+        return new
+
+    def _unanchor(self, mark: str, block_hash: bytes) -> None:
+        anchors = self.anchors[mark]
+        anchors.discard(block_hash)
+        if not anchors:
+            del self.anchors[mark]
+            self.dropped.append(mark)
+
+    def take_dropped(self) -> list[str]:
+        """The marks dropped since the last call."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def reset(self) -> None:
         """Forget everything (after a device fault the cache's contents are not to be trusted)."""
+        dropped = self.dropped + list(self.anchors)
         self.__init__(self.blocks, self.block_size, self.caching)
+        self.dropped = dropped

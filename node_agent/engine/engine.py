@@ -71,6 +71,7 @@ class Engine:
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key
         self._opened: list[JobOpened] = []  # jobs added since the last step
+        self._marking: dict[str, list[tuple[str, int]]] = {}  # job -> its prefix marks, until its prompt is read
         self.text = TokenizerText.of(loaded.tokenizer)  # what the output processor decodes with, here or there
         self.output = OutputProcessor(self.text, node)  # the text side when `step()` runs it here
 
@@ -145,6 +146,8 @@ class Engine:
                                       prompt_ids[0] if params.prompt_logprobs is not None else None))
         if images:
             self.runner.add_images(request.job, prompt_ids, images)
+        elif request.prefix_marks and self.pool.caching:
+            self._marking[request.job] = prefix_tokens(request.prefix_marks, len(prompt_ids))
 
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Token ids the request names must exist in this model's vocabulary."""
@@ -170,6 +173,7 @@ class Engine:
         known = job_id in self.jobs
         self._end(self.scheduler.abort(job_id), job_id)
         self._opened = [o for o in self._opened if o.job != job_id]
+        self._marking.pop(job_id, None)
         self.output.drop(job_id)
         return known
 
@@ -226,9 +230,25 @@ class Engine:
             if finish:
                 ended.append(key)
         self.scheduler.update(plan.samples, [s.token for s in result.sampled])
+        self._mark_prefixes(out)
         self._end(ended)
         out.time_ms = time.time() * 1000
         return out
+
+    def _mark_prefixes(self, out: StepOutput) -> None:
+        """Anchor the prefix marks of the jobs whose prompt is now cached on the blocks that end them;
+        report the marks newly held and those whose blocks were evicted (`StepOutput.held`, `dropped`)."""
+        size = self.pool.block_size
+        for job, marks in list(self._marking.items()):
+            hashes = self.scheduler.prompt_hashes(job)
+            if hashes is None:
+                continue
+            del self._marking[job]
+            for mark, tokens in marks:
+                block = tokens // size - 1
+                if 0 <= block < len(hashes) and self.pool.mark(hashes[block], mark):
+                    out.held.append((mark, tokens))
+        out.dropped = self.pool.take_dropped()
 
     def _fail(self, out: StepOutput, job: str, exc: Exception) -> None:
         """One job's own work raised: end its sequences; the output processor sends the error."""
@@ -236,6 +256,15 @@ class Engine:
         error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
         out.failed.append(JobFailed(job, error.code, error.message))
         self._end(self.scheduler.abort(job), job)
+
+
+def prefix_tokens(marks: list[tuple[str, int]], prompt_tokens: int) -> list[tuple[str, int]]:
+    """Each prefix mark (`shared.prefix_marks`: its name and the characters of the messages up to it)
+    with the prompt tokens it spans: the last spans the prompt, the others their share of it by
+    characters (the chat template's text around each message is about even)."""
+    total = marks[-1][1] or 1
+    return [(mark, prompt_tokens if i == len(marks) - 1 else prompt_tokens * chars // total)
+            for i, (mark, chars) in enumerate(marks)]
 
 
 @dataclass(eq=False)

@@ -61,7 +61,10 @@ class StepOutput(_Record):
     scores: list[PromptScoresOut] = []
     tokens: list[TokenOut] = []
     failed: list[JobFailed] = []
+    held: list[tuple[str, int]] = []  # prefix marks newly held by the cache, with the tokens they span
+    dropped: list[str] = []  # prefix marks the cache no longer holds
 
     @property
     def empty(self) -> bool:
-        return not (self.opened or self.admitted or self.scores or self.tokens or self.failed)
+        return not (self.opened or self.admitted or self.scores or self.tokens or self.failed or self.held
+                    or self.dropped)

@@ -125,6 +125,15 @@ class Scheduler:
         self.finish(keys)
         return sorted(keys)
 
+    def prompt_hashes(self, job: str) -> list[bytes] | None:
+        """The hash chain of a job's prompt blocks once its first sequence has read its prompt (they are
+        cached then); None while it is still reading, [] for a job that is gone or not cacheable."""
+        entry = self.jobs.get(job)
+        if entry is None or not entry.cacheable or not self.pool.caching:
+            return []
+        first = entry.sequences[0]
+        return first.hashes if first.decoding else None
+
     def clear(self) -> None:
         """Forget every sequence (after a device fault: the cache's contents are not to be trusted)."""
         self.waiting.clear()

@@ -175,7 +175,8 @@ class NodeAgent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._quietly(self.redis.delete(self.keys.node(self.name)))
+        await self._quietly(self.redis.delete(self.keys.node(self.name),
+                                              *(self.keys.prefixes(model, self.name) for model in self.models)))
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
         for thread in self.threads.values():
             thread.stop()
@@ -224,6 +225,8 @@ class NodeAgent:
         pipe.hset(key, mapping=beat.to_hash())
         pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
         pipe.zadd(self.keys.nodes(), {self.name: now})
+        for model in self.models:  # what their caches hold lives as long as the heartbeat
+            pipe.pexpire(self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
         await pipe.execute()
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:

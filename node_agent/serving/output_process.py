@@ -32,6 +32,7 @@ import msgspec
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import StepOutput
+from node_agent.serving.cache_index import CacheIndex
 from node_agent.serving.publisher import Outgoing, Publisher
 from shared.keys import Keys
 from shared.redis_conn import connect
@@ -61,6 +62,7 @@ class Open(msgspec.Struct, tag=True, array_like=True):
     log_level: str
     tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
     stream_retention_s: int = 600  # how long a job's event log lives after it ends
+    heartbeat_ttl_s: float = 8.0  # what the cache's prefix marks (`Keys.prefixes`) live without a renewal
 
 
 class Publish(msgspec.Struct, tag=True, array_like=True):
@@ -106,6 +108,8 @@ class OutputSide:
             raise ValueError("the output process was opened twice")
 
     def step(self, out: StepOutput) -> None:
+        if out.held or out.dropped:
+            self.publisher.cache_index.note(out.held, out.dropped)
         events, stopped = self.output.process(out)
         batch, ended, timings = [], [], {}
         for job, job_events in events:
@@ -163,10 +167,12 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     logging.basicConfig(level=opened.log_level,
                         format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s")
     redis = connect(opened.redis_url)
-    publisher = Publisher(redis, Keys(opened.key_prefix), opened.node,
+    keys = Keys(opened.key_prefix)
+    index = CacheIndex(keys.prefixes(opened.model, opened.node), int(opened.heartbeat_ttl_s * 1000))
+    publisher = Publisher(redis, keys, opened.node,
                           on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
                           on_lost=lambda job: send_feedback(Feedback(lost=[job])),
-                          retention_s=opened.stream_retention_s)
+                          retention_s=opened.stream_retention_s, cache_index=index)
     publisher.start()
     side = OutputSide(OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node), publisher, send_feedback)
     while (message := await receive()) is not None:

@@ -24,6 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from node_agent.serving.cache_index import CacheIndex
 from shared import event_log
 from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP, Keys
@@ -60,6 +61,7 @@ class Publisher:
     _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
     _outage: Outage = field(default_factory=lambda: Outage(log, "publisher"))
     _logs: dict[str, float] = field(default_factory=dict)  # job -> when its log's expiry is due again, or NO_LOG
+    cache_index: CacheIndex | None = None  # the model's prefix marks, written with each round trip
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="publisher")
@@ -126,7 +128,13 @@ class Publisher:
                 pipe.xdel(stream, entry_id)
                 if item.tracked:
                     pipe.srem(started, item.job)
-        replies = iter(await pipe.execute())
+        marks = self.cache_index.write(pipe) if self.cache_index is not None else None  # replies after the items'
+        try:
+            replies = iter(await pipe.execute())
+        except BaseException:
+            if marks is not None:
+                self.cache_index.restore(marks)
+            raise
         for item, expire in zip(outgoing, expiring):
             logged = None if expire is None else next(replies) is not None
             if expire:

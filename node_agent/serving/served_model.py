@@ -159,7 +159,8 @@ class ServedModel:
             self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
                                         node=self.consumer_name, model=self.profile.id,
                                         log_level=self.settings.log_level,
-                                        stream_retention_s=self.settings.stream_retention_s),
+                                        stream_retention_s=self.settings.stream_retention_s,
+                                        heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
                                    self.on_feedback, self.on_output_exit)
             await self.link.start()  # it starts up while the model loads
             self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,

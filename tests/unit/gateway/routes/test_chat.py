@@ -83,12 +83,14 @@ async def test_job_entry_and_subscription_before_enqueue(client, node):
     assert (generation.sampling.seed, generation.sampling.top_k) == (3, 5)
 
 
-async def test_no_keys_left_but_the_job_stream_and_the_streamed_jobs_event_log(client, node, redis):
+async def test_no_keys_left_but_the_job_stream_the_routing_counts_and_the_streamed_jobs_event_log(client, node, redis):
     before = set(await redis.keys("*"))
     await client.post("/v1/chat/completions", json=HELLO)
     await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
     streamed = KEYS.event_log(node.entries[1].job)
-    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode(), streamed.encode()}
+    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode(), streamed.encode(),
+                                                   KEYS.routing(MODEL).encode()}
+    assert await redis.hgetall(KEYS.routing(MODEL)) == {b"shared": b"2"}  # one fake node: nothing to route by
     assert 0 < await redis.ttl(streamed) <= 600 + 5  # stream_retention_s + request_timeout_s: a node renews it
     assert await redis.pubsub_channels() == [KEYS.cancel().encode()]  # only the node's own
     assert node.cancelled == []

@@ -1,0 +1,136 @@
+"""Cache-aware routing: which node's own job stream a job goes to, if any (TGI's split: the policy
+is here, the nodes only report what their caches hold).
+
+For each job, among the live nodes taking jobs that have its model ready:
+1. `cache`: the node whose cache holds the longest prefix of the conversation (`Keys.prefixes`,
+   written by the nodes from their engines' real cache state; marks in `shared.prefix_marks`);
+2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
+   `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
+3. else, or when that node has no room, the shared stream as before: whichever node frees a slot first.
+A node has room when its last heartbeat shows a free sequence slot and its own stream of the job's
+class and band holds fewer jobs than it has slots. The setting `routing` picks `cache` (1-3),
+`session` (2-3) or `none` (3 only). A job that waits on a node's own stream longer than
+`affinity_wait_ms`, or whose node dies, drains or drops the model, is moved by the janitor to the
+moved stream every node reads (gateway/janitor.py). Counts per model and outcome: `Keys.routing`.
+"""
+
+import asyncio
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from shared import prefix_marks
+from shared.heartbeat import NodeHeartbeat
+from shared.lifecycle import ModelState
+from shared.wire import GenerationRequest
+
+SESSION_HEADER = b"x-cortex-session"
+NODES_FRESH_S = 0.5  # the live nodes are read at most this often (their heartbeats come every 2 s)
+OUTCOMES = ("cache", "session", "full", "shared")  # `full`: a node held it but had no room; `moved`: the janitor's
+
+session_header_var: ContextVar[str] = ContextVar("session_header", default="")
+
+
+class SessionHeaderMiddleware:
+    """Keeps the request's `x-cortex-session` header for routing (pure ASGI, streams pass through)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        hint = dict(scope["headers"]).get(SESSION_HEADER, b"")
+        token = session_header_var.set(hint.decode("utf-8", "replace")[:256])
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            session_header_var.reset(token)
+
+
+def session_hint(body) -> str:
+    """The request's session, as its dialect names one: OpenAI's `prompt_cache_key` or `user`,
+    Anthropic's `metadata.user_id`, or the `x-cortex-session` header; '' for none."""
+    metadata = getattr(body, "metadata", None)
+    return (getattr(body, "prompt_cache_key", None) or getattr(body, "user", None)
+            or getattr(metadata, "user_id", None) or session_header_var.get())
+
+
+@dataclass(frozen=True)
+class Route:
+    node: str | None  # its own stream, or None: the shared stream
+    outcome: str  # one of OUTCOMES
+
+
+SHARED = Route(None, "shared")
+
+
+class Routing:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self._nodes: list[NodeHeartbeat] = []
+        self._read_at = -NODES_FRESH_S
+        self._lock = asyncio.Lock()
+
+    @property
+    def mode(self) -> str:
+        return self.ctx.settings.routing
+
+    def prepare(self, request: GenerationRequest) -> None:
+        """Name the request's prefixes, so its node reports them once they are cached."""
+        if self.mode == "cache":
+            request.prefix_marks = prefix_marks.marks(request)
+
+    async def _live(self) -> list[NodeHeartbeat]:
+        async with self._lock:
+            if time.monotonic() - self._read_at >= NODES_FRESH_S:
+                self._nodes = await self.ctx.fleet.serving_nodes()
+                self._read_at = time.monotonic()
+            return self._nodes
+
+    async def route(self, request: GenerationRequest, session: str, job_class: str, band: str) -> Route:
+        """Where the job goes (see the module's docstring)."""
+        if self.mode == "none" or not (request.prefix_marks or session):
+            return SHARED
+        model, keys = request.model, self.ctx.keys
+        nodes = [n for n in await self._live()
+                 if (info := n.models.get(model)) is not None and info.state == ModelState.READY]
+        if len(nodes) < 2:
+            return SHARED
+        marks = [mark for mark, _ in request.prefix_marks] if self.mode == "cache" else []
+        async with self.ctx.redis.pipeline(transaction=False) as pipe:
+            for node in nodes:
+                pipe.xlen(keys.node_jobs(model, node.node, job_class, band))
+                if marks:
+                    pipe.hmget(keys.prefixes(model, node.node), marks)
+            if session:
+                pipe.get(keys.session(model, session))
+            replies = await pipe.execute()
+        step = 2 if marks else 1
+        queued = dict(zip((n.node for n in nodes), replies[0::step]))
+        if marks:
+            held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])}
+            best = max(nodes, key=lambda n: (held[n.node], -n.models[model].slots_used))
+            if held[best.node] > 0:
+                return Route(best.node, "cache") if _has_room(best, model, queued[best.node]) else Route(None, "full")
+        last = replies[-1].decode() if session and replies[-1] else None
+        for node in nodes:
+            if node.node == last:
+                return Route(node.node, "session") if _has_room(node, model, queued[node.node]) else Route(None, "full")
+        return SHARED
+
+    async def ran(self, model: str, session: str, node: str) -> None:
+        """The session's last turn ran on `node`: its next goes there too (`session_ttl_s`)."""
+        await self.ctx.redis.set(self.ctx.keys.session(model, session), node, ex=self.ctx.settings.session_ttl_s)
+
+
+def _longest(found: list[bytes | None]) -> int:
+    """Tokens of the longest prefix a node holds (its marks' replies, in the request's order)."""
+    return max((int(tokens) for tokens in found if tokens is not None), default=0)
+
+
+def _has_room(node: NodeHeartbeat, model: str, queued: int) -> bool:
+    info = node.models[model]
+    return info.slots_used < info.slots_total and queued < info.slots_total

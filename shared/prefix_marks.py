@@ -1,0 +1,44 @@
+"""Names for a conversation's prefixes that the gateway can compute without a tokenizer, and that
+a node's cache can vouch for (cache-aware routing, gateway/routing.py).
+
+A chat request's marks are a hash chain over its messages: the first names the model, the tools and
+the template's arguments with the first message; each next one adds one message. Two requests share
+a mark exactly when they share every message up to it (so turn 2 of a conversation shares turn 1's
+last mark). Each mark travels with the characters of the messages up to it, from which the node
+estimates the tokens it spans (node_agent/engine/engine.prefix_tokens), anchors it on the cached
+block that ends there, and reports it held (`Keys.prefixes`) until that block is evicted.
+"""
+
+import hashlib
+import json
+
+from shared.wire import GenerationRequest
+
+MAX_MARKS = 32  # a long conversation keeps its first 2 and its last 30: where a next turn or a shared system prompt matches
+DIGEST_BYTES = 12
+
+
+def _canonical(value) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+
+
+def marks(request: GenerationRequest) -> list[tuple[str, int]]:
+    """(mark, characters up to it) for each message prefix of a chat request; none for other kinds
+    and for requests with images (their prompts are not cached)."""
+    if request.kind != "chat" or not request.messages or request.images:
+        return []
+    chain = hashlib.blake2b(_canonical([request.model, request.tools, request.chat_template_kwargs]),
+                            digest_size=DIGEST_BYTES).digest()
+    found, chars = [], 0
+    for message in request.messages:
+        data = _canonical(message)
+        chain = hashlib.blake2b(chain + data, digest_size=DIGEST_BYTES).digest()
+        chars += len(data)
+        found.append((chain.hex(), chars))
+    return found if len(found) <= MAX_MARKS else found[:2] + found[2 - MAX_MARKS:]
+
+
+def session(owner: str, hint: str) -> str:
+    """The name a session hint (`prompt_cache_key`, `user`, ...) is kept under: a hash, so neither the
+    hint nor whose it is shows in Redis, and two API keys' equal hints stay apart."""
+    return hashlib.blake2b(f"{owner}\0{hint}".encode(), digest_size=DIGEST_BYTES).hexdigest()
