@@ -135,8 +135,10 @@ class Janitor:
                 log.warning("job=%s failed: node %s lost", job, node)
             else:
                 name = queues.parse(self.ctx.keys, stream)
-                again = (stream if name is None or name.node is None
-                         else self.ctx.keys.moved_jobs(name.model, name.job_class, name.band))
+                again = stream
+                if name is not None and name.node is not None:  # a node's own stream: to every node
+                    again = self.ctx.keys.moved_jobs(name.model, name.job_class, name.band)
+                    pipe.hincrby(self.ctx.keys.routing(name.model), "moved", 1)
                 pipe.xadd(again, {**fields, b"retries": str(retries + 1).encode()})
                 log.warning("job=%s requeued: node %s lost", job, node)
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
