@@ -12,7 +12,6 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared import queues
 from shared.heartbeat import KVCacheStats, NodeHeartbeat
 from shared.wire import DeltaEvent, DoneEvent
 
@@ -50,8 +49,13 @@ class Metrics:
         self.memory_total = g("node_memory_total_bytes", "Device memory, from heartbeats.", ["node", "device"])
         self.slots_used = g("model_slots_used", "Slots taken, from heartbeats.", ["model", "node"])
         self.slots_total = g("model_slots_total", "Slots, from heartbeats.", ["model", "node"])
+        self.prefix_hit_rate = g("prefix_cache_hit_rate", "Prompt tokens found in prefix caches over those looked "
+                                 "up, all replicas of the model together (their counters since they started).",
+                                 ["model"])
         self.kv_cache = KVCacheCollector()
         self.registry.register(self.kv_cache)
+        self.routing = RoutingCollector()
+        self.registry.register(self.routing)
 
     def request(self, model: str, submitted: float) -> "RequestTimer":
         return RequestTimer(self, model, submitted)
@@ -68,10 +72,14 @@ class Metrics:
             for model, info in node.models.items():
                 self.slots_used.labels(model, node.node).set(info.slots_used)
                 self.slots_total.labels(model, node.node).set(info.slots_total)
-        for model in ctx.catalog.profiles:
-            depth = await queues.depth(ctx.redis, ctx.keys, model)
-            self.running.labels(model).set(depth["running"])
-            self.waiting.labels(model).set(sum(depth["queued"].values()))
+        found = await ctx.fleet.queues(set(ctx.catalog.profiles), nodes)
+        self.routing.routed = {q.model: q.routed for q in found}
+        self.prefix_hit_rate.clear()
+        for q in found:
+            self.running.labels(q.model).set(q.running)
+            self.waiting.labels(q.model).set(sum(q.queued.values()))
+            if q.prefix_hit_rate is not None:
+                self.prefix_hit_rate.labels(q.model).set(q.prefix_hit_rate)
 
     async def refresh_forever(self, ctx) -> None:
         while True:
@@ -115,6 +123,24 @@ class KVCacheCollector:
         yield usage
         for family, _ in counters:
             yield family
+
+
+class RoutingCollector:
+    """`cortex:routed_jobs_total{model, outcome}`: jobs by how the gateways routed them, fleet-wide
+    (every gateway counts in `Keys.routing`; see gateway/routing.py for the outcomes)."""
+
+    def __init__(self) -> None:
+        self.routed: dict[str, dict[str, int]] = {}  # model -> outcome -> jobs
+
+    def collect(self):
+        family = CounterMetricFamily("cortex:routed_jobs", "Jobs by routing outcome: cache (to the node holding their "
+                                     "prefix), session (to where their session last ran), full (such a node had no "
+                                     "room), shared (nothing to route by), moved (left a node's own stream unserved).",
+                                     labels=["model", "outcome"])
+        for model, counts in self.routed.items():
+            for outcome, jobs in counts.items():
+                family.add_metric([model, outcome], jobs)
+        yield family
 
 
 class RequestTimer:

@@ -82,13 +82,16 @@ class Fleet:
         streams = {model: queues.streams(self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model)))
                    for model in sorted(models)}
         async with self._redis.pipeline(transaction=False) as pipe:
-            for pairs in streams.values():
+            for model, pairs in streams.items():
                 await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP], client=pipe)
+                pipe.hgetall(self._keys.routing(model))
             replies = await pipe.execute() if streams else []
         found = []
-        for (model, pairs), reply in zip(streams.items(), replies):
+        for (model, pairs), reply, routed in zip(streams.items(), replies[0::2], replies[1::2]):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
-            found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas)))
+            found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas),
+                                     routed={k.decode(): int(v) for k, v in routed.items()},
+                                     prefix_hit_rate=prefix_hit_rate(model, nodes)))
         return found
 
     # ---- everything, for `cortex status` --------------------------------------------------
@@ -132,6 +135,14 @@ class Fleet:
     async def pins(self) -> dict[str, bool]:
         """The pin overrides set with `set_pin`."""
         return {k.decode(): v == b"1" for k, v in (await self._redis.hgetall(self._keys.pins())).items()}
+
+
+def prefix_hit_rate(model: str, nodes: list[NodeHeartbeat]) -> float | None:
+    """The share of prompt tokens `model`'s replicas on `nodes` found in their prefix caches, all
+    together (None before any prompt was looked up)."""
+    stats = [info.kv for node in nodes if (info := node.models.get(model)) is not None and info.kv is not None]
+    queries = sum(kv.prefix_queries for kv in stats)
+    return sum(kv.prefix_hits for kv in stats) / queries if queries else None
 
 
 def describe(nodes: list[NodeHeartbeat]) -> str:

@@ -79,6 +79,8 @@ class QueueStatus(BaseModel):
     replicas: int  # live replicas taking jobs
     oldest_wait_s: float | None  # the longest any queued job has waited
     oldest_wait_s_by_class: dict[str, float | None]
+    routed: dict[str, int] = {}  # jobs by how the gateways routed them (`Keys.routing`): cache, session, full, shared, moved
+    prefix_hit_rate: float | None = None  # prompt tokens found cached over those looked up, all its replicas together
 
 
 class CatalogModelStatus(BaseModel):

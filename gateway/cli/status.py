@@ -78,12 +78,15 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
         console.print(table)
     if fleet.queues:
         table = Table(title="Queues", title_justify="left")
-        for column in ("model", "queued interactive", "queued batch", "running", "oldest wait", "replicas"):
+        for column in ("model", "queued interactive", "queued batch", "running", "oldest wait", "replicas",
+                       "routed cache/session/full/shared/moved", "prefix hits"):
             table.add_column(column, justify="left" if column == "model" else "right")
         for q in fleet.queues:
             oldest = _age(q.oldest_wait_s) if q.oldest_wait_s is not None else "-"
+            routed = "/".join(str(q.routed.get(k, 0)) for k in ("cache", "session", "full", "shared", "moved"))
+            hits = f"{q.prefix_hit_rate:.0%}" if q.prefix_hit_rate is not None else "-"
             table.add_row(q.model, str(q.queued.get("interactive", 0)), str(q.queued.get("batch", 0)),
-                          str(q.running), oldest, str(q.replicas))
+                          str(q.running), oldest, str(q.replicas), routed, hits)
         console.print(table)
     if fleet.not_loaded:
         table = Table(title="Catalogue models not loaded on any live node", title_justify="left")

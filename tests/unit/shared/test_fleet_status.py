@@ -238,7 +238,8 @@ async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
     assert json.loads(fleet.model_dump_json())["nodes"][0]["models"][MODEL]["kv"]["prefix_hits"] == 819
     console = Console(record=True, width=200, color_system=None)
     render_fleet(fleet, console)
-    rows = [line.split("│")[7:9] for line in console.export_text().splitlines() if line.count("│") == 9]
+    nodes_table = console.export_text().split("Queues")[0]
+    rows = [line.split("│")[7:9] for line in nodes_table.splitlines() if line.count("│") == 9]
     kv_by_model = {model.split()[0]: kv.strip() for model, kv in rows}  # a row per model, its KV cache beside it
     assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81%",  # floored, not rounded
                            "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
