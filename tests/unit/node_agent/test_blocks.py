@@ -51,3 +51,30 @@ def test_without_caching_a_released_block_is_forgotten():
     pool.register(block[0], b"h")
     pool.release(block)
     assert pool.match([b"h"]) == [] and pool.cached == 0 and pool.free == 2
+
+
+def test_a_mark_is_held_while_a_block_it_ends_on_is_cached():
+    pool = BlockPool(2, 16)
+    a, b = pool.allocate(1), pool.allocate(1)
+    pool.register(a[0], b"A")
+    pool.register(b[0], b"B")
+    assert pool.mark(b"A", "m1") and not pool.mark(b"A", "m1")  # new the first time only
+    assert not pool.mark(b"B", "m1")  # a second block it ends on (another conversation's estimate)
+    assert not pool.mark(b"Z", "m2") and "m2" not in pool.anchors  # no cached block has that hash
+    pool.release(a)
+    pool.release(b)
+    pool.allocate(1)  # evicts A
+    assert pool.take_dropped() == []  # m1 still ends on B
+    pool.allocate(1)  # evicts B
+    assert pool.take_dropped() == ["m1"] and pool.take_dropped() == [] and pool.anchors == {}
+
+
+def test_marks_are_bounded_by_twice_the_blocks_oldest_first_and_a_reset_drops_them_all():
+    pool = BlockPool(1, 16)
+    [block] = pool.allocate(1)
+    pool.register(block, b"A")
+    for i in range(3):
+        pool.mark(b"A", f"m{i}")
+    assert pool.take_dropped() == ["m0"] and list(pool.anchors) == ["m1", "m2"]
+    pool.reset()
+    assert sorted(pool.take_dropped()) == ["m1", "m2"] and pool.anchors == {} and pool.marks == {}

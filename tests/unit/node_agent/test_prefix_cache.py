@@ -7,6 +7,7 @@ import pytest
 
 from node_agent.engine.engine import Engine
 from node_agent.model import loader
+from shared import prefix_marks
 from shared.errors import ContextLengthExceeded
 from shared.wire import DeltaEvent
 from tests import tiny_models
@@ -140,3 +141,50 @@ def test_64_long_prompts_run_together_in_a_budget_of_16_full_contexts(tmp_path, 
         alone = Engine(lm, profile)
         start(alone, job)
         assert finish(alone)[job] == together[job]
+
+
+def _marked(job: str, *turns: str, **sampling):
+    req = chat(job, *turns, **sampling)
+    req.prefix_marks = prefix_marks.marks(req)
+    return req
+
+
+def _drive(engine: Engine, *requests) -> tuple[list[tuple[str, int]], list[str]]:
+    """Run `requests` to their end; the prefix marks the engine's records said were held and dropped."""
+    for req in requests:
+        add(engine, req)
+    held, dropped = [], []
+    while engine.has_work:
+        out = engine.core_step()
+        held += out.held
+        dropped += out.dropped
+        engine.stop(engine.output.process(out)[1])
+    return held, dropped
+
+
+def test_the_engine_reports_the_prefix_marks_its_cache_holds_until_their_blocks_are_evicted(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile)
+    req = _marked("m1", "Hello there", max_tokens=2)
+    held, dropped = _drive(engine, req)
+    prompt = engine.kv_stats().prefix_queries
+    marks = [mark for mark, _ in req.prefix_marks]
+    assert [mark for mark, _ in held] == marks and held[-1][1] == prompt and dropped == []
+    assert 0 < held[0][1] < prompt  # the system prompt's share of the prompt
+    assert _drive(engine, _marked("m2", "Hello there", max_tokens=2)) == ([], [])  # held already: nothing new
+    evicted = set()
+    for i in range(40):  # other conversations fill the cache until the first one's blocks are evicted
+        other = _marked(f"o{i}", "Hello there", max_tokens=1)
+        other.messages[0]["content"] = f"{i} {SYSTEM}"
+        other.prefix_marks = prefix_marks.marks(other)
+        evicted |= set(_drive(engine, other)[1])
+        if set(marks) <= evicted:
+            break
+    assert set(marks) <= evicted
+
+
+def test_jobs_without_marks_or_with_caching_off_report_none(tiny_llama):
+    profile, lm = tiny_llama
+    assert _drive(Engine(lm, profile), chat("plain", "Hello there", max_tokens=2)) == ([], [])
+    off = Engine(lm, profile.model_copy(update={"prefix_caching": False}))
+    assert _drive(off, _marked("off", "Hello there", max_tokens=2)) == ([], [])
