@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from node_agent.serving import publisher as publisher_module
+from node_agent.serving.cache_index import CacheIndex
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.publisher import Outgoing, Publisher
 from shared import event_log
@@ -167,3 +168,31 @@ async def test_an_event_log_is_capped_however_long_its_job_runs(redis_url, monke
     await publisher.stop()
     await client.aclose()
     await admin.aclose()
+
+
+async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_failed_one(server):
+    client = connect(server.url)
+    key = KEYS.prefixes("m", "node-a")
+    admin = aioredis.Redis.from_url(server.url)
+    await admin.hset(key, mapping={"stale": 1})  # an earlier engine's
+    index = CacheIndex(key, ttl_ms=8000)
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, cache_index=index)
+    publisher.start()
+    index.note([("a", 16), ("b", 48)], [])
+    publisher.send([])
+    await publisher.flush()
+    assert await admin.hgetall(key) == {b"a": b"16", b"b": b"48"} and 0 < await admin.pttl(key) <= 8000
+    await admin.aclose()
+    server.stop()
+    index.note([("c", 64)], ["a"])
+    publisher.send([])
+    await asyncio.wait_for(publisher.flush(), 30)  # failed: the changes are kept
+    index.note([("a", 16)], ["c"])  # newer news of the same marks wins
+    server.start()
+    publisher.send([])
+    await publisher.flush()
+    admin = aioredis.Redis.from_url(server.url)
+    assert await admin.hgetall(key) == {b"a": b"16", b"b": b"48"}
+    await publisher.stop()
+    await admin.aclose()
+    await client.aclose()
