@@ -178,6 +178,7 @@ class Job:
                     await self._ctx.redis.publish(self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
+            self._ctx.routing.ended(self.id)
             await self._unsubscribe()
 
     async def detach(self) -> None:

@@ -11,8 +11,8 @@ For each job, among the live nodes taking jobs that have its model ready and roo
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
 3. else, or when that node has no room, the shared stream as before: whichever node frees a slot first.
-A node has room when its last heartbeat shows a free sequence slot and its own stream of the job's
-class and band holds fewer jobs than it has slots. The setting `routing` picks `cache` (1-3),
+A node has room when its last heartbeat shows a free sequence slot, less the jobs this gateway
+routed there since, and its own stream of the job's class and band holds fewer jobs than it has slots. The setting `routing` picks `cache` (1-3),
 `session` (2-3) or `none` (3 only). A job that waits on a node's own stream longer than
 `affinity_wait_ms`, or whose node dies, drains or drops the model, is moved by the janitor to the
 moved stream every node reads (gateway/janitor.py). Counts per model and outcome: `Keys.routing`.
@@ -69,6 +69,7 @@ class Route:
 
 
 SHARED = Route(None, "shared")
+FULL = Route(None, "full")  # a node held it (or ran its session) but had no room, or was the dearer
 
 
 class Routing:
@@ -77,7 +78,8 @@ class Routing:
         self._nodes: list[NodeHeartbeat] = []
         self._read_at = -NODES_FRESH_S
         self._lock = asyncio.Lock()
-        self._sent: dict[str, list[tuple[int, int]]] = {}  # node -> (when, prompt tokens) routed there, newest last
+        # node -> job -> (when, prompt tokens): the jobs this gateway routed there that have not ended here
+        self._sent: dict[str, dict[str, tuple[int, int]]] = {}
 
     @property
     def mode(self) -> str:
@@ -115,32 +117,46 @@ class Routing:
             replies = await pipe.execute()
         step = 2 if marks else 1
         queued = dict(zip((n.node for n in nodes), replies[0::step]))
-        roomy = [n for n in nodes if _has_room(n, model, queued[n.node])]
+        roomy = [n for n in nodes if self._has_room(n, model, queued[n.node])]
         prompt = request.prefix_marks[-1][1] if request.prefix_marks else 0  # its tokens, as the marks count them
         if marks:
             held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])}
             if any(held.values()):
                 best = min(roomy, default=None,
                            key=lambda n: (prompt - held[n.node] + self._active(n, model), -held[n.node]))
-                return self._sent_to(best, prompt, "cache") if best and held[best.node] else Route(None, "full")
+                return self._sent_to(best, request.job, prompt, "cache") if best and held[best.node] else FULL
         last = replies[-1].decode() if session and replies[-1] else None
         for node in nodes:
             if node.node == last:
-                return self._sent_to(node, prompt, "session") if node in roomy else Route(None, "full")
+                return self._sent_to(node, request.job, prompt, "session") if node in roomy else FULL
         return SHARED
+
+    def _since_heartbeat(self, node: NodeHeartbeat) -> dict[str, tuple[int, int]]:
+        """The jobs this gateway routed to `node` after its last heartbeat that have not ended here."""
+        sent = self._sent.get(node.node, {})
+        for job in [job for job, (when, _) in sent.items() if when <= node.heartbeat_ms]:
+            del sent[job]  # the heartbeat counts it, if it still runs
+        return sent
 
     def _active(self, node: NodeHeartbeat, model: str) -> int:
         """Tokens `node`'s running sequences of `model` hold, as far as this gateway knows: its last
-        heartbeat's KV blocks in use, and the prompts routed there since."""
+        heartbeat's KV blocks in use, and the prompts of the jobs routed there since."""
         kv = node.models[model].kv
-        sent = self._sent.get(node.node, [])
-        while sent and sent[0][0] <= node.heartbeat_ms:
-            sent.pop(0)
-        return (kv.blocks_used * kv.block_size if kv else 0) + sum(tokens for _, tokens in sent)
+        return (kv.blocks_used * kv.block_size if kv else 0) + sum(t for _, t in self._since_heartbeat(node).values())
 
-    def _sent_to(self, node: NodeHeartbeat, prompt_tokens: int, outcome: str) -> Route:
-        self._sent.setdefault(node.node, []).append((int(time.time() * 1000), prompt_tokens))
+    def _has_room(self, node: NodeHeartbeat, model: str, queued: int) -> bool:
+        """A free sequence slot (its heartbeat's, less the jobs routed there since) and a short own stream."""
+        info = node.models[model]
+        return info.slots_used + len(self._since_heartbeat(node)) < info.slots_total and queued < info.slots_total
+
+    def _sent_to(self, node: NodeHeartbeat, job: str, prompt_tokens: int, outcome: str) -> Route:
+        self._sent.setdefault(node.node, {})[job] = (int(time.time() * 1000), prompt_tokens)
         return Route(node.node, outcome)
+
+    def ended(self, job: str) -> None:
+        """The job ended here (done, failed or cancelled): its node's load no longer counts it."""
+        for sent in self._sent.values():
+            sent.pop(job, None)
 
     async def ran(self, model: str, session: str, node: str) -> None:
         """The session's last turn ran on `node`: its next goes there too (`session_ttl_s`)."""
@@ -150,8 +166,3 @@ class Routing:
 def _longest(found: list[bytes | None]) -> int:
     """Tokens of the longest prefix a node holds (its marks' replies, in the request's order)."""
     return max((int(tokens) for tokens in found if tokens is not None), default=0)
-
-
-def _has_room(node: NodeHeartbeat, model: str, queued: int) -> bool:
-    info = node.models[model]
-    return info.slots_used < info.slots_total and queued < info.slots_total

@@ -459,7 +459,7 @@ def machine_info(args) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     device = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "cpu"
     workload = {k: getattr(args, k) for k in ("agents", "turns", "system_tokens", "user_tokens", "answer_tokens",
-                                              "requests", "prefix_tokens")} if args.workload != "streams" else {}
+                                              "think_ms", "requests", "prefix_tokens")} if args.workload != "streams" else {}
     return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
             "quant": args.quant, "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots, "nodes": args.nodes,
@@ -495,6 +495,9 @@ def parse_args(argv=None):
     w.add_argument("--system-tokens", type=int, default=None,
                    help="multiturn: tokens of each agent's system prompt (default ~2500; --quick: 500)")
     w.add_argument("--user-tokens", type=int, default=100, help="multiturn: new user tokens a turn (default ~100)")
+    w.add_argument("--think-ms", type=float, default=0,
+                   help="multiturn: each agent's pause between an answer and its next turn, as a tool call or "
+                        "a person reading takes (default 0: at once)")
     w.add_argument("--answer-tokens", type=int, default=None,
                    help="completion tokens a request, exactly, EOS ignored (default 32; --quick: 8)")
     w.add_argument("--requests", type=int, default=None, help="shared-prefix: requests (default 32; --quick: 8)")
@@ -610,6 +613,8 @@ def prefix_workload(args, parser) -> None:
     if min(args.agents, args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.requests,
            args.prefix_tokens, *args.concurrency) < 1:
         parser.error("--agents, --turns, --*-tokens, --requests and --concurrency must be at least 1")
+    if args.think_ms < 0:
+        parser.error("--think-ms cannot be negative")
     args.max_tokens = args.answer_tokens
     args.max_model_len = args.max_model_len or 8192
     args.streams_at_once = args.agents if args.workload == "multiturn" else args.concurrency[0]

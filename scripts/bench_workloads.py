@@ -3,10 +3,10 @@ of a prompt it has seen before. Each runs against every HTTP system in turn (Cor
 vLLM on CPU, transformers serve), one after another, with the same texts, greedy, exactly
 `--answer-tokens` completion tokens a request (EOS ignored).
 
-multiturn      A agents at once, each with its own long system prompt, T turns each, one after another:
-               every turn resends the whole conversation so far (system prompt, earlier user turns and
-               the assistant's actual answers) plus a new user message. Later turns can reuse the KV of
-               everything but the new message; the first turn cannot.
+multiturn      A agents at once, each with its own long system prompt, T turns each, one after another
+               (`--think-ms` apart): every turn resends the whole conversation so far (system prompt,
+               earlier user turns and the assistant's actual answers) plus a new user message. Later
+               turns can reuse the KV of everything but the new message; the first turn cannot.
 shared-prefix  N requests, C at a time, that share one long system prompt and differ in a short question.
 
 With `--nodes N` (2 or more) the systems are Cortex alone: one node (the hit rate's reference), then
@@ -68,10 +68,13 @@ def longest_multiturn(tokenizer, texts, args) -> int:
                for s, u in zip(systems, users))
 
 
-async def _agent(client, served: Served, system: str, users: list[str], answer_tokens: int) -> list[Stream]:
+async def _agent(client, served: Served, system: str, users: list[str], answer_tokens: int,
+                 think_s: float) -> list[Stream]:
     messages = [{"role": "system", "content": system}]
     streams = []
-    for user in users:
+    for turn, user in enumerate(users):
+        if turn:
+            await asyncio.sleep(think_s)  # a tool call, or a person reading the answer
         messages.append({"role": "user", "content": user})
         s = await one_http(client, served.chat_url, served.make_body(messages, answer_tokens))
         streams.append(s)
@@ -86,7 +89,8 @@ async def _multiturn(served: Served, texts, args) -> tuple[float, list[list[Stre
     async with _client(args.agents, args.timeout) as client:
         t0 = time.perf_counter()
         async with asyncio.timeout(args.timeout), asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_agent(client, served, system, user_turns, args.answer_tokens))
+            tasks = [group.create_task(_agent(client, served, system, user_turns, args.answer_tokens,
+                                              args.think_ms / 1000))
                      for system, user_turns in zip(systems, users)]
         return time.perf_counter() - t0, [t.result() for t in tasks]
 
@@ -275,7 +279,8 @@ def ratios(workload: str, results: list[dict]) -> list[dict]:
 def describe(args) -> str:
     if args.workload == "multiturn":
         return (f"{args.agents} agents × {args.turns} turns, ~{args.system_tokens}-token system prompts, "
-                f"~{args.user_tokens} new user tokens a turn, {args.answer_tokens}-token answers")
+                f"~{args.user_tokens} new user tokens a turn, {args.answer_tokens}-token answers"
+                + (f", {args.think_ms:g} ms between turns" if args.think_ms else ""))
     return (f"{args.requests} requests, {args.concurrency[0]} at a time, sharing a ~{args.prefix_tokens}-token "
             f"prefix, {args.answer_tokens}-token answers")
 

@@ -94,11 +94,15 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
     policy = routing(r)
     # both hold the conversation, both idle: each job routed adds its prompt to its node's load until
     # that node's next heartbeat, so a burst of them alternates
-    got = [(await policy.route(request, "", "interactive", "normal")).node for _ in range(4)]
+    jobs = [request.model_copy(update={"job": f"j{i}"}) for i in range(5)]
+    got = [(await policy.route(job, "", "interactive", "normal")).node for job in jobs[:4]]
     assert sorted(got) == ["n1", "n1", "n2", "n2"] and got[0] != got[1]
     await beat(r, "n1")  # a heartbeat after those jobs: its KV use (idle here) replaces them
     policy._read_at = -1.0  # read the nodes again now (otherwise at most every 0.5 s)
-    assert (await policy.route(request, "", "interactive", "normal")).node == "n1"
+    assert (await policy.route(jobs[4], "", "interactive", "normal")).node == "n1"
+    for job in jobs:  # ended: n2 no longer counts them before its next heartbeat either
+        policy.ended(job.job)
+    assert policy._sent == {"n1": {}, "n2": {}}
 
 
 async def test_a_session_goes_where_its_last_turn_ran_when_no_cache_holds_it(r):
