@@ -1,21 +1,28 @@
 """Cache-aware routing: which node's own job stream a job goes to, if any (TGI's split: the policy
 is here, the nodes only report what their caches hold).
 
-For each job, among the live nodes taking jobs that have its model ready and room for it:
-1. `cache`: the node where the job costs least, counting in tokens as NVIDIA Dynamo's KV router
-   does: the prompt tokens its cache lacks (to prefill) plus the tokens its running sequences hold
-   (to decode alongside; the heartbeat's KV blocks in use, plus what this gateway routed there since
-   that heartbeat). The prefixes a node holds are `Keys.prefixes`, written by the nodes from their
-   engines' real cache state (marks in `shared.prefix_marks`). When the cheapest node holds none of
-   the prompt, a busier node that does is not worth it: the shared stream (`full`);
+For each job with a conversation (chat) or a session, among the live nodes taking jobs that have
+its model ready and room for it (a free sequence slot in its last heartbeat, less the jobs this
+gateway routed there since; fewer jobs on its own stream of the job's class and band than slots):
+1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefixes`, written by the
+   nodes from their engines' real cache state; marks in `shared.prefix_marks`), the node where the
+   job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
+   cache lacks (to prefill) plus the tokens its running sequences hold (to decode alongside; the
+   heartbeat's KV blocks in use, plus the prompts this gateway routed there since). When that is a
+   node holding none of it (the holders are busier than the prefix is worth, or full): `full`;
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
-3. else, or when that node has no room, the shared stream as before: whichever node frees a slot first.
-A node has room when its last heartbeat shows a free sequence slot, less the jobs this gateway
-routed there since, and its own stream of the job's class and band holds fewer jobs than it has slots. The setting `routing` picks `cache` (1-3),
-`session` (2-3) or `none` (3 only). A job that waits on a node's own stream longer than
-`affinity_wait_ms`, or whose node dies, drains or drops the model, is moved by the janitor to the
-moved stream every node reads (gateway/janitor.py). Counts per model and outcome: `Keys.routing`.
+3. else `load`: the least busy node (fewest tokens held by running sequences, then fewest cached
+   blocks it would evict), so that new
+   conversations, whose later turns follow them, spread over the fleet rather than going to
+   whichever node happens to read first.
+A job goes to the chosen node's own stream; with no node with room, to the shared stream (`full`
+when a node held it or ran its session, else `shared`), as do all jobs with routing `none`, jobs
+with neither conversation nor session, and every job of a model with one replica. The setting
+`routing` picks `cache` (1-3), `session` (2-3) or `none`. A job that waits on a node's own stream
+longer than `affinity_wait_ms`, or whose node dies, drains or drops the model, is moved by the
+janitor to the moved stream every node reads (gateway/janitor.py; `moved`). Counts per model and
+outcome: `Keys.routing`.
 """
 
 import asyncio
@@ -32,7 +39,6 @@ from shared.wire import GenerationRequest
 
 SESSION_HEADER = b"x-cortex-session"
 NODES_FRESH_S = 0.5  # the live nodes are read at most this often (their heartbeats come every 2 s)
-OUTCOMES = ("cache", "session", "full", "shared")  # `full`: a node held it but had no room; `moved`: the janitor's
 
 session_header_var: ContextVar[str] = ContextVar("session_header", default="")
 
@@ -65,11 +71,11 @@ def session_hint(body) -> str:
 @dataclass(frozen=True)
 class Route:
     node: str | None  # its own stream, or None: the shared stream
-    outcome: str  # one of OUTCOMES
+    outcome: str  # one of shared.fleet_status.ROUTING_OUTCOMES
 
 
 SHARED = Route(None, "shared")
-FULL = Route(None, "full")  # a node held it (or ran its session) but had no room, or was the dearer
+FULL = Route(None, "full")  # a node held it (or ran its session) but none had room
 
 
 class Routing:
@@ -119,17 +125,21 @@ class Routing:
         queued = dict(zip((n.node for n in nodes), replies[0::step]))
         roomy = [n for n in nodes if self._has_room(n, model, queued[n.node])]
         prompt = request.prefix_marks[-1][1] if request.prefix_marks else 0  # its tokens, as the marks count them
-        if marks:
-            held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])}
-            if any(held.values()):
-                best = min(roomy, default=None,
-                           key=lambda n: (prompt - held[n.node] + self._active(n, model), -held[n.node]))
-                return self._sent_to(best, request.job, prompt, "cache") if best and held[best.node] else FULL
+        held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
         last = replies[-1].decode() if session and replies[-1] else None
-        for node in nodes:
-            if node.node == last:
-                return self._sent_to(node, request.job, prompt, "session") if node in roomy else FULL
-        return SHARED
+        if any(held.values()):
+            outcome, cost = "cache", lambda n: (prompt - held[n.node] + self._active(n, model), -held[n.node])
+        elif last in {n.node for n in nodes}:
+            outcome, cost = "session", lambda n: (n.node != last, self._active(n, model))
+        else:
+            outcome, cost = "load", lambda n: (self._active(n, model), _cached_blocks(n, model))
+        best = min(roomy, key=cost, default=None)
+        if best is None:
+            return SHARED if outcome == "load" else FULL
+        if (outcome == "cache" and not held[best.node]) or (outcome == "session" and best.node != last):
+            outcome = "full"  # a node with room that holds none of it costs less (or the session's has none)
+        self._sent.setdefault(best.node, {})[request.job] = (int(time.time() * 1000), prompt)
+        return Route(best.node, outcome)
 
     def _since_heartbeat(self, node: NodeHeartbeat) -> dict[str, tuple[int, int]]:
         """The jobs this gateway routed to `node` after its last heartbeat that have not ended here."""
@@ -149,10 +159,6 @@ class Routing:
         info = node.models[model]
         return info.slots_used + len(self._since_heartbeat(node)) < info.slots_total and queued < info.slots_total
 
-    def _sent_to(self, node: NodeHeartbeat, job: str, prompt_tokens: int, outcome: str) -> Route:
-        self._sent.setdefault(node.node, {})[job] = (int(time.time() * 1000), prompt_tokens)
-        return Route(node.node, outcome)
-
     def ended(self, job: str) -> None:
         """The job ended here (done, failed or cancelled): its node's load no longer counts it."""
         for sent in self._sent.values():
@@ -166,3 +172,10 @@ class Routing:
 def _longest(found: list[bytes | None]) -> int:
     """Tokens of the longest prefix a node holds (its marks' replies, in the request's order)."""
     return max((int(tokens) for tokens in found if tokens is not None), default=0)
+
+
+def _cached_blocks(node: NodeHeartbeat, model: str) -> int:
+    """Free KV blocks holding reusable prefixes: between two idle nodes, a new conversation goes to
+    the one it would evict less from."""
+    kv = node.models[model].kv
+    return kv.blocks_cached if kv else 0

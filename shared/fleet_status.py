@@ -70,6 +70,13 @@ class NodeStatus(BaseModel):
         )
 
 
+# How a gateway routed a job (gateway/routing.py), as `Keys.routing` counts them: to the node whose
+# cache holds its prefix, the node of its session's last turn, the least busy node (a new
+# conversation), another node than those (they had no room, or cost more), the shared stream; `moved`:
+# the janitor moved it from a node's own stream to every node's.
+ROUTING_OUTCOMES = ("cache", "session", "load", "full", "shared", "moved")
+
+
 class QueueStatus(BaseModel):
     """One model's queues over every priority class and band (shared/queues.py)."""
 
@@ -79,7 +86,7 @@ class QueueStatus(BaseModel):
     replicas: int  # live replicas taking jobs
     oldest_wait_s: float | None  # the longest any queued job has waited
     oldest_wait_s_by_class: dict[str, float | None]
-    routed: dict[str, int] = {}  # jobs by how the gateways routed them (`Keys.routing`): cache, session, full, shared, moved
+    routed: dict[str, int] = {}  # jobs by how the gateways routed them (`Keys.routing`), by ROUTING_OUTCOMES
     prefix_hit_rate: float | None = None  # prompt tokens found cached over those looked up, all its replicas together
 
 

@@ -6,7 +6,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from shared.fleet_status import FleetStatus, ModelStatus
+from shared.fleet_status import ROUTING_OUTCOMES, FleetStatus, ModelStatus
 from shared.heartbeat import KVCacheStats
 from shared.lifecycle import ModelState
 
@@ -79,11 +79,11 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
     if fleet.queues:
         table = Table(title="Queues", title_justify="left")
         for column in ("model", "queued interactive", "queued batch", "running", "oldest wait", "replicas",
-                       "routed cache/session/full/shared/moved", "prefix hits"):
+                       "routed " + "/".join(ROUTING_OUTCOMES), "prefix hits"):
             table.add_column(column, justify="left" if column == "model" else "right")
         for q in fleet.queues:
             oldest = _age(q.oldest_wait_s) if q.oldest_wait_s is not None else "-"
-            routed = "/".join(str(q.routed.get(k, 0)) for k in ("cache", "session", "full", "shared", "moved"))
+            routed = "/".join(str(q.routed.get(k, 0)) for k in ROUTING_OUTCOMES)
             hits = f"{q.prefix_hit_rate:.0%}" if q.prefix_hit_rate is not None else "-"
             table.add_row(q.model, str(q.queued.get("interactive", 0)), str(q.queued.get("batch", 0)),
                           str(q.running), oldest, str(q.replicas), routed, hits)

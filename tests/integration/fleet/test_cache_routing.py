@@ -90,6 +90,7 @@ def test_an_evicted_prefix_is_no_longer_routed_to(fleet):
     messages, node, _ = first_turn(stack, 0)
     r = stack.client()
     marks = set(r.hkeys(stack.keys.prefixes(MODEL, node)))
+    shortest = min(int(tokens) for tokens in r.hvals(stack.keys.prefixes(MODEL, node)))
     for i in range(1, 40):  # other long prompts fill both caches (64 blocks each) until the conversation is evicted
         turn(stack, [{"role": "user", "content": system_prompt(100 + i) * 2}])
         if not marks & set(r.hkeys(stack.keys.prefixes(MODEL, node))):
@@ -98,7 +99,9 @@ def test_an_evicted_prefix_is_no_longer_routed_to(fleet):
         pytest.fail("the conversation's blocks were never evicted")
     routed_before = routed(stack)
     response = turn(stack, messages)
-    assert cached(response) == 0
+    # a cache frees a sequence's blocks tail first, so its first few blocks may outlive the blocks its
+    # marks were anchored on; none of its marked prefixes is left
+    assert cached(response) < shortest
     assert routed(stack).get("cache", 0) == routed_before.get("cache", 0)  # not routed by cache any more
     stack.assert_clean()
 
@@ -151,11 +154,16 @@ def test_a_killed_node_loses_none_of_the_jobs_routed_to_it(fleet):
         t.start()
     r = stack.client()
     own = stack.keys.node_jobs(MODEL, node)
-    wait_for(lambda: r.exists(own) and r.xlen(own) == len(mine), 10, "the turns to wait on the stopped node's stream")
+    # the first turn is routed to the stopped node (its last heartbeat shows it idle); the others may
+    # be too, or, as the load this gateway sent there since that heartbeat outweighs their cached
+    # prefix, go to the other node and end there
+    wait_for(lambda: r.exists(own) and r.xlen(own) >= 1 and r.xlen(own) + len(results) == len(mine), 10,
+             "the turns to wait on the stopped node's stream or end on the other")
+    waiting = r.xlen(own)
     nodes[node].proc.kill()
     for t in threads:
         t.join(60)
     assert len(results) == len(mine) and all(res.choices[0].finish_reason for res in results)
-    assert routed(stack).get("moved") == len(mine)
+    assert routed(stack).get("moved") == waiting
     wait_for(lambda: not r.exists(own), 10, "the dead node's own stream to go")
     stack.assert_clean(timeout_s=15)

@@ -63,7 +63,9 @@ async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n3", "cache")
     await beat(r, "n3", used=4)  # no free slot: the node holding the next longest prefix
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    await beat(r, "n1", used=4)  # none with room holds any of it: the shared stream, counted as `full`
+    await beat(r, "n1", used=4)  # none with room holds any of it: the one with room, counted as `full`
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n2", "full")
+    await beat(r, "n2", used=4)  # no room anywhere: the shared stream
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
     await beat(r, "n3")
     for _ in range(4):  # its own stream holds as many jobs as it has slots
@@ -80,10 +82,9 @@ async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
     # n1's running sequences hold about as many tokens as the whole prompt: n1 still costs less
     await beat(r, "n1", blocks_used=prompt // 16)
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    # more than the prompt: prefilling all of it on the idle n2 is cheaper; n2 holds none of it, so
-    # the job goes to the shared stream, to whichever node is free first
+    # more than the prompt: prefilling all of it on the idle n2 is cheaper
     await beat(r, "n1", blocks_used=prompt // 16 + 2)
-    assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n2", "full")
 
 
 async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
@@ -112,8 +113,28 @@ async def test_a_session_goes_where_its_last_turn_ran_when_no_cache_holds_it(r):
     await routing(r).ran(MODEL, session, "n2")
     assert await routing(r).route(marked(), session, "interactive", "normal") == Route("n2", "session")
     assert await routing(r, "session").route(TURN, session, "interactive", "normal") == Route("n2", "session")
-    assert await routing(r).route(marked(), "", "interactive", "normal") == Route(None, "shared")
+    await beat(r, "n2", used=4)  # no room there: another node's
+    assert await routing(r).route(marked(), session, "interactive", "normal") == Route("n1", "full")
+    await beat(r, "n1", used=4)  # no room anywhere: the shared stream
+    assert await routing(r).route(marked(), session, "interactive", "normal") == Route(None, "full")
     assert 0 < await r.ttl(KEYS.session(MODEL, session)) <= 3600
+
+
+async def test_a_new_conversation_goes_to_the_least_busy_node(r):
+    await beat(r, "n1", blocks_used=10)
+    await beat(r, "n2", blocks_used=3)
+    await beat(r, "n3", blocks_used=5)
+    policy = routing(r)
+    request = marked()
+    assert await policy.route(request, "", "interactive", "normal") == Route("n2", "load")
+    # that job's prompt (150 tokens, as its marks count) now counts on n2 until its next heartbeat, or
+    # until it ends: n3 (80 tokens) is the least busy
+    assert await policy.route(request.model_copy(update={"job": "k"}), "", "interactive", "normal") == Route("n3", "load")
+    assert await routing(r, "session").route(TURN, "s", "interactive", "normal") == Route("n2", "load")
+    assert await routing(r).route(TURN, "", "interactive", "normal") == Route(None, "shared")  # neither marks nor session
+    for node in ("n1", "n2", "n3"):
+        await beat(r, node, used=4)
+    assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "shared")
 
 
 async def test_nothing_is_routed_with_routing_off_one_node_or_a_model_not_ready(r):
