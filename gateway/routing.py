@@ -7,9 +7,12 @@ gateway routed there since; fewer jobs on its own stream of the job's class and 
 1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefixes`, written by the
    nodes from their engines' real cache state; marks in `shared.prefix_marks`), the node where the
    job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
-   cache lacks (to prefill) plus the tokens its running sequences hold (to decode alongside; the
-   heartbeat's KV blocks in use, plus the prompts this gateway routed there since). When that is a
-   node holding none of it (the holders are busier than the prefix is worth, or full): `full`;
+   cache lacks (to prefill) plus `routing_load_weight` × the tokens its running sequences hold (to
+   decode alongside; the heartbeat's KV blocks in use, plus the prompts this gateway routed there
+   since). Dynamo weighs both alike (1); the default 0.25 counts a token held by a running sequence
+   as a quarter of a token to prefill, as a node with a free slot decodes one more sequence for
+   much less than it prefills its prompt. When that is a node holding none of it (the holders are
+   busier than the prefix is worth, or full): `full`;
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
 3. else `load`: the least busy node (fewest tokens held by running sequences, then fewest cached
@@ -128,7 +131,8 @@ class Routing:
         held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
         last = replies[-1].decode() if session and replies[-1] else None
         if any(held.values()):
-            outcome, cost = "cache", lambda n: (prompt - held[n.node] + self._active(n, model), -held[n.node])
+            weight = self.ctx.settings.routing_load_weight
+            outcome, cost = "cache", lambda n: (prompt - held[n.node] + weight * self._active(n, model), -held[n.node])
         elif last in {n.node for n in nodes}:
             outcome, cost = "session", lambda n: (n.node != last, self._active(n, model))
         else:

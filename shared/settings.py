@@ -76,11 +76,13 @@ class GatewaySettings(CortexSettings):
     # A streaming client that disconnects (without `background`) leaves its job running this long:
     # resuming within it keeps the job; after it, the job is cancelled (0: at once).
     disconnect_grace_s: float = Field(10.0, ge=0)
-    # Cache-aware routing (gateway/routing.py): `cache` sends a job to the node whose cache holds the
-    # longest prefix of its conversation, else to where its session last ran; `session` only the
-    # latter; `none`: every job to the shared stream. A routed job waiting longer than
-    # `affinity_wait_ms` on its node goes back to every node; a session is remembered `session_ttl_s`.
+    # Cache-aware routing (gateway/routing.py): `cache` sends a job to the node where it costs least
+    # (prompt tokens not cached there + `routing_load_weight` × tokens its running sequences hold) if
+    # one holds part of it, else to where its session last ran, else to the least busy node;
+    # `session` the last two; `none`: every job to the shared stream. A routed job waiting longer
+    # than `affinity_wait_ms` on its node goes back to every node; a session is remembered `session_ttl_s`.
     routing: Literal["cache", "session", "none"] = "cache"
+    routing_load_weight: float = Field(0.25, ge=0)
     affinity_wait_ms: int = Field(2000, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's

@@ -31,8 +31,9 @@ async def r(redis_url):
     await client.aclose()
 
 
-def routing(r, mode: str = "cache") -> Routing:
-    ctx = SimpleNamespace(settings=GatewaySettings(routing=mode), keys=KEYS, redis=r, fleet=Fleet(r, KEYS, 8))
+def routing(r, mode: str = "cache", load_weight: float = 0.25) -> Routing:
+    settings = GatewaySettings(routing=mode, routing_load_weight=load_weight)
+    ctx = SimpleNamespace(settings=settings, keys=KEYS, redis=r, fleet=Fleet(r, KEYS, 8))
     return Routing(ctx)
 
 
@@ -79,12 +80,17 @@ async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
     prompt = request.prefix_marks[-1][1]
     await hold(r, "n1", request, 4)
     await beat(r, "n2")
-    # n1's running sequences hold about as many tokens as the whole prompt: n1 still costs less
-    await beat(r, "n1", blocks_used=prompt // 16)
+    # n1's running sequences hold four times the prompt's tokens, each worth a quarter of a token to
+    # prefill (routing_load_weight): n1 still costs less
+    await beat(r, "n1", blocks_used=4 * prompt // 16)
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    # more than the prompt: prefilling all of it on the idle n2 is cheaper
-    await beat(r, "n1", blocks_used=prompt // 16 + 2)
+    # more: prefilling all of it on the idle n2 is cheaper
+    await beat(r, "n1", blocks_used=4 * prompt // 16 + 2)
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n2", "full")
+    # weighed as Dynamo does (1), a prompt's worth of running tokens is enough
+    await beat(r, "n1", blocks_used=prompt // 16 + 2)
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
+    assert await routing(r, load_weight=1).route(request, "", "interactive", "normal") == Route("n2", "full")
 
 
 async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
