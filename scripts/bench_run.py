@@ -463,7 +463,7 @@ def machine_info(args) -> dict:
     return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
             "quant": args.quant, "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots, "nodes": args.nodes,
-            "max_model_len": args.max_model_len, "targets": target_set(args) if args.workload == "streams" else None,
+            "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb, "targets": target_set(args) if args.workload == "streams" else None,
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -517,6 +517,10 @@ def parse_args(argv=None):
                         "and shared-prefix also run one node, the cache hit rate's reference. The in-process "
                         "systems and the peers are left out. Each node gets --slots slots and, on a CPU without "
                         "--threads, (cores - 1) / nodes torch threads")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="the catalogue's kv_cache_mb for Cortex's nodes, each (default: its own sizing, enough "
+                        "for --slots sequences of --max-model-len); with --nodes the one-node reference gets "
+                        "the whole fleet's, nodes × this")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens per stream of the warm-up wave before each measured one (default 4; cuda: "
                         "--max-tokens, so that shapes captured at first use are captured before the measurement)")

