@@ -23,8 +23,8 @@ class Keys:
         return f"{self.prefix}jobs:{model}{suffix}"
 
     def node_jobs(self, model: str, node: str, job_class: str = "interactive", band: str = "normal") -> str:
-        """Stream (group ``agents``): jobs the gateway routed to `node` because its cache holds their
-        prefix or it ran their session's last turn (``jobs:{model}[:{class}][:{band}]:@{node}``); only
+        """Stream (group ``agents``): jobs the gateway routed to `node` (its cache holds their prefix,
+        it ran their session's last turn, or it was the least busy; ``jobs:{model}[:{class}][:{band}]:@{node}``); only
         that node reads it, before the shared stream of the same class and band. The janitor moves
         what waits there too long, or whose node is gone, to `moved_jobs`."""
         return f"{self.jobs(model, job_class, band)}:@{node}"

@@ -70,6 +70,20 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
     assert await position(mine, "1") == 1 and await r.xlen(stream) == 1  # withdrawn: only `a` is left
 
 
+async def test_a_routed_job_keeps_its_position_and_can_be_withdrawn_once_moved(r):
+    from gateway.queue import _position
+
+    own = KEYS.node_jobs(M, "n1")
+    mine = (await r.xadd(own, {"job": "mine"})).decode()
+    moved = await r.register_script(queues.MOVE_LUA)(keys=[own, KEYS.moved_jobs(M)],
+                                                     args=[CONSUMER_GROUP, "+", 100, "1"])
+    assert moved == 1 and not await r.exists(own)
+    assert await _position(r, KEYS, own, mine, take_back=False) == 1  # first on the moved stream
+    assert await _position(r, KEYS, own, mine, take_back=True) == 1
+    assert await r.xlen(KEYS.moved_jobs(M)) == 0  # withdrawn from where the janitor put it
+    assert await _position(r, KEYS, own, mine, take_back=False) == 0
+
+
 async def test_own_stream_first_then_moved_and_shared_oldest_first(r):
     """Within a band a node takes its own stream's jobs first, then the moved and shared streams'
     by age (a moved job keeps the place its first entry id gives it); the band order still holds."""
