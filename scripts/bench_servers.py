@@ -107,9 +107,12 @@ def fleet_routing(url: str, model: str) -> dict:
     from shared.settings import NodeSettings
 
     time.sleep(NodeSettings().heartbeat_s + 0.5)
-
-    queue = next(q for q in httpx.get(url + "/v1/queue", timeout=10).json()["data"] if q["model"] == model)
-    return {"routed": queue.get("routed", {}), "prefix_hit_rate": queue.get("prefix_hit_rate")}
+    deadline = time.monotonic() + 10
+    while True:  # a heartbeat with the cache's counters (late on a loaded machine)
+        queue = next(q for q in httpx.get(url + "/v1/queue", timeout=10).json()["data"] if q["model"] == model)
+        if queue.get("prefix_hit_rate") is not None or time.monotonic() > deadline:
+            return {"routed": queue.get("routed", {}), "prefix_hit_rate": queue.get("prefix_hit_rate")}
+        time.sleep(0.5)
 
 
 @contextmanager
