@@ -128,6 +128,10 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
     import httpx
     import redis
 
+    from shared.heartbeat import NodeHeartbeat
+    from shared.keys import Keys
+    from shared.lifecycle import ModelState
+
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
     procs = Procs(workdir)
@@ -160,14 +164,17 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
             procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"})
         url = f"http://127.0.0.1:{gport}"
 
+        heartbeats = redis.Redis(port=rport, socket_timeout=2)
+
         def ready():
-            # /v1/queue counts the live nodes that have the model ready (its replicas)
-            r = httpx.get(url + "/v1/queue", timeout=2)
-            return r.status_code == 200 and any(q["model"] == profile.id and q["replicas"] == nodes
-                                                for q in r.json().get("data", []))
+            # every node's heartbeat shows the model ready (not loading), and the gateway answers
+            beats = [heartbeats.hgetall(Keys().node(f"bench-{name}")) for name in names]
+            return (all(beat and (info := NodeHeartbeat.from_hash(beat).models.get(profile.id)) is not None
+                        and info.state == ModelState.READY for beat in beats)
+                    and httpx.get(url + "/v1/models", timeout=2).status_code == 200)
 
         t0 = time.perf_counter()
-        wait_until(f"the model ready on {nodes} node(s) (gateway /v1/queue)", ready, 300, procs)
+        wait_until(f"the model ready on {nodes} node(s)", ready, 300, procs)
         log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
             f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
             + (f", routing {routing}" if routing else "") + ")")
