@@ -3,13 +3,14 @@ is here, the nodes only report what their caches hold).
 
 For each job with a conversation (chat) or a session, among the live nodes taking jobs that have
 its model ready and room for it (a free sequence slot in its last heartbeat, less the jobs this
-gateway routed there since; fewer jobs on its own stream of the job's class and band than slots):
+gateway routed there since, and plus those it saw end; fewer jobs on its own stream of the job's
+class and band than slots):
 1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefixes`, written by the
    nodes from their engines' real cache state; marks in `shared.prefix_marks`), the node where the
    job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
    cache lacks (to prefill) plus `routing_load_weight` × the tokens its running sequences hold (to
    decode alongside; the heartbeat's KV blocks in use, plus the prompts this gateway routed there
-   since). Dynamo weighs both alike (1); the default 0.25 counts a token held by a running sequence
+   since, less those of its jobs that ended since). Dynamo weighs both alike (1); the default 0.25 counts a token held by a running sequence
    as a quarter of a token to prefill, as a node with a free slot decodes one more sequence for
    much less than it prefills its prompt. When that is a node holding none of it (the holders are
    busier than the prefix is worth, or full): `full`;
@@ -78,6 +79,18 @@ class Route:
 
 
 SHARED = Route(None, "shared")
+FORGET_AFTER_MS = 3_600_000  # a routed job never seen to end here (its client detached) is forgotten after this
+
+
+@dataclass
+class _Routed:
+    sent_ms: int
+    tokens: int  # its prompt's, as its marks count them
+    ended_ms: int | None = None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 FULL = Route(None, "full")  # a node held it (or ran its session) but none had room
 
 
@@ -87,8 +100,7 @@ class Routing:
         self._nodes: list[NodeHeartbeat] = []
         self._read_at = -NODES_FRESH_S
         self._lock = asyncio.Lock()
-        # node -> job -> (when, prompt tokens): the jobs this gateway routed there that have not ended here
-        self._sent: dict[str, dict[str, tuple[int, int]]] = {}
+        self._routed: dict[str, dict[str, _Routed]] = {}  # node -> job -> what this gateway routed there
 
     @property
     def mode(self) -> str:
@@ -142,31 +154,41 @@ class Routing:
             return SHARED if outcome == "load" else FULL
         if (outcome == "cache" and not held[best.node]) or (outcome == "session" and best.node != last):
             outcome = "full"  # a node with room that holds none of it costs less (or the session's has none)
-        self._sent.setdefault(best.node, {})[request.job] = (int(time.time() * 1000), prompt)
+        self._routed.setdefault(best.node, {})[request.job] = _Routed(_now_ms(), prompt)
         return Route(best.node, outcome)
 
-    def _since_heartbeat(self, node: NodeHeartbeat) -> dict[str, tuple[int, int]]:
-        """The jobs this gateway routed to `node` after its last heartbeat that have not ended here."""
-        sent = self._sent.get(node.node, {})
-        for job in [job for job, (when, _) in sent.items() if when <= node.heartbeat_ms]:
-            del sent[job]  # the heartbeat counts it, if it still runs
-        return sent
+    def _since_heartbeat(self, node: NodeHeartbeat) -> tuple[int, int]:
+        """What changed on `node` since its last heartbeat, as far as this gateway knows: (sequences,
+        prompt tokens) routed there since that have not ended, less those routed before it that
+        ended since (the heartbeat still counts them)."""
+        jobs, beat, old = self._routed.get(node.node, {}), node.heartbeat_ms, _now_ms() - FORGET_AFTER_MS
+        sequences = tokens = 0
+        for job, routed in list(jobs.items()):
+            ended = routed.ended_ms
+            if (ended is not None and ended <= beat) or (ended is None and routed.sent_ms < old):
+                del jobs[job]  # ended before the heartbeat (which no longer counts it), or long forgotten
+            elif routed.sent_ms > beat and ended is None:
+                sequences, tokens = sequences + 1, tokens + routed.tokens
+            elif routed.sent_ms <= beat and ended is not None:
+                sequences, tokens = sequences - 1, tokens - routed.tokens
+        return sequences, tokens
 
     def _active(self, node: NodeHeartbeat, model: str) -> int:
-        """Tokens `node`'s running sequences of `model` hold, as far as this gateway knows: its last
-        heartbeat's KV blocks in use, and the prompts of the jobs routed there since."""
+        """Tokens `node`'s running sequences of `model` hold: its last heartbeat's KV blocks in use,
+        corrected by what this gateway routed there and saw end since."""
         kv = node.models[model].kv
-        return (kv.blocks_used * kv.block_size if kv else 0) + sum(t for _, t in self._since_heartbeat(node).values())
+        return max(0, (kv.blocks_used * kv.block_size if kv else 0) + self._since_heartbeat(node)[1])
 
     def _has_room(self, node: NodeHeartbeat, model: str, queued: int) -> bool:
-        """A free sequence slot (its heartbeat's, less the jobs routed there since) and a short own stream."""
+        """A free sequence slot (its heartbeat's, corrected as in `_active`) and a short own stream."""
         info = node.models[model]
-        return info.slots_used + len(self._since_heartbeat(node)) < info.slots_total and queued < info.slots_total
+        return max(0, info.slots_used + self._since_heartbeat(node)[0]) < info.slots_total and queued < info.slots_total
 
     def ended(self, job: str) -> None:
         """The job ended here (done, failed or cancelled): its node's load no longer counts it."""
-        for sent in self._sent.values():
-            sent.pop(job, None)
+        for jobs in self._routed.values():
+            if job in jobs:
+                jobs[job].ended_ms = _now_ms()
 
     async def ran(self, model: str, session: str, node: str) -> None:
         """The session's last turn ran on `node`: its next goes there too (`session_ttl_s`)."""

@@ -107,9 +107,12 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
     await beat(r, "n1")  # a heartbeat after those jobs: its KV use (idle here) replaces them
     policy._read_at = -1.0  # read the nodes again now (otherwise at most every 0.5 s)
     assert (await policy.route(jobs[4], "", "interactive", "normal")).node == "n1"
-    for job in jobs:  # ended: n2 no longer counts them before its next heartbeat either
+    for job in jobs:
         policy.ended(job.job)
-    assert policy._sent == {"n1": {}, "n2": {}}
+    nodes = {n.node: n for n in await policy._live()}
+    assert policy._since_heartbeat(nodes["n2"]) == (0, 0)  # routed after its heartbeat, and ended
+    prompt = request.prefix_marks[-1][1]  # n1's heartbeat came while two of them ran: they ended since
+    assert policy._since_heartbeat(nodes["n1"]) == (-2, -2 * prompt)
 
 
 async def test_a_session_goes_where_its_last_turn_ran_when_no_cache_holds_it(r):
