@@ -20,7 +20,10 @@ def models_toml(folder) -> str:
 def batch_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("batch"), models_toml(tiny_dirs["llama"]),
                         CORTEX_BATCH_LEASE_S="2", CORTEX_BATCH_RESUME_EVERY_S="1", CORTEX_ARQ_POLL_DELAY_S="0.1",
-                        CORTEX_TORCH_THREADS="1")
+                        CORTEX_TORCH_THREADS="1",
+                        # a queued client's position is looked up this often: the tiny model frees a slot
+                        # every few tens of ms, faster than the default 0.25 s would show
+                        CORTEX_QUEUE_POSITION_POLL_S="0.02")
     try:
         stack.start_gateway()
         stack.start_node("node-a", [MODEL])

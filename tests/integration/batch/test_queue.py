@@ -21,7 +21,7 @@ def long_completion(base: str, max_tokens: int) -> None:
 
 def test_waiting_stream_sees_its_position_count_down(batch_stack):
     base = batch_stack.gateway_url
-    blockers = [threading.Thread(target=long_completion, args=(base, 120 + 8 * i)) for i in range(14)]
+    blockers = [threading.Thread(target=long_completion, args=(base, 120 + 12 * i)) for i in range(14)]
     for thread in blockers:  # 8 take the slots, 6 wait ahead of our client
         thread.start()
         time.sleep(0.02)

@@ -2,6 +2,7 @@
 contents written as nodes write them: longest cached prefix first, then the session's last node,
 room checked, the setting obeyed."""
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -107,6 +108,7 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
     await beat(r, "n1")  # a heartbeat after those jobs: its KV use (idle here) replaces them
     policy._read_at = -1.0  # read the nodes again now (otherwise at most every 0.5 s)
     assert (await policy.route(jobs[4], "", "interactive", "normal")).node == "n1"
+    await asyncio.sleep(0.01)  # they end a few ms after that heartbeat (times are in ms)
     for job in jobs:
         policy.ended(job.job)
     nodes = {n.node: n for n in await policy._live()}
