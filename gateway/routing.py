@@ -10,16 +10,15 @@ class and band than slots):
    job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
    cache lacks (to prefill) plus `routing_load_weight` × the tokens its running sequences hold (to
    decode alongside; the heartbeat's KV blocks in use, plus the prompts this gateway routed there
-   since, less those of its jobs that ended since). Dynamo weighs both alike (1); the default 0.25 counts a token held by a running sequence
-   as a quarter of a token to prefill, as a node with a free slot decodes one more sequence for
-   much less than it prefills its prompt. When that is a node holding none of it (the holders are
+   since, less those of its jobs that ended since). Dynamo weighs both alike (1); the default 0.25
+   counts a token held by a running sequence as a quarter of a token to prefill, as a node with a
+   free slot decodes one more sequence for much less than it prefills its prompt. When that is a node holding none of it (the holders are
    busier than the prefix is worth, or full): `full`;
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
 3. else `load`: the least busy node (fewest tokens held by running sequences, then fewest cached
-   blocks it would evict), so that new
-   conversations, whose later turns follow them, spread over the fleet rather than going to
-   whichever node happens to read first.
+   blocks it would evict), so that new conversations, whose later turns follow them, spread over
+   the fleet rather than going to whichever node happens to read first.
 A job goes to the chosen node's own stream; with no node with room, to the shared stream (`full`
 when a node held it or ran its session, else `shared`), as do all jobs with routing `none`, jobs
 with neither conversation nor session, and every job of a model with one replica. The setting
@@ -79,6 +78,7 @@ class Route:
 
 
 SHARED = Route(None, "shared")
+FULL = Route(None, "full")  # a node held it (or ran its session) but none had room
 FORGET_AFTER_MS = 3_600_000  # a routed job never seen to end here (its client detached) is forgotten after this
 
 
@@ -91,7 +91,6 @@ class _Routed:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-FULL = Route(None, "full")  # a node held it (or ran its session) but none had room
 
 
 class Routing:
@@ -138,17 +137,19 @@ class Routing:
             replies = await pipe.execute()
         step = 2 if marks else 1
         queued = dict(zip((n.node for n in nodes), replies[0::step]))
-        roomy = [n for n in nodes if self._has_room(n, model, queued[n.node])]
+        since = {n.node: self._since_heartbeat(n) for n in nodes}
+        active = {n.node: _active(n, model, since[n.node][1]) for n in nodes}
+        roomy = [n for n in nodes if _has_room(n, model, queued[n.node], since[n.node][0])]
         prompt = request.prefix_marks[-1][1] if request.prefix_marks else 0  # its tokens, as the marks count them
         held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
         last = replies[-1].decode() if session and replies[-1] else None
         if any(held.values()):
             weight = self.ctx.settings.routing_load_weight
-            outcome, cost = "cache", lambda n: (prompt - held[n.node] + weight * self._active(n, model), -held[n.node])
+            outcome, cost = "cache", lambda n: (prompt - held[n.node] + weight * active[n.node], -held[n.node])
         elif last in {n.node for n in nodes}:
-            outcome, cost = "session", lambda n: (n.node != last, self._active(n, model))
+            outcome, cost = "session", lambda n: (n.node != last, active[n.node])
         else:
-            outcome, cost = "load", lambda n: (self._active(n, model), _cached_blocks(n, model))
+            outcome, cost = "load", lambda n: (active[n.node], _cached_blocks(n, model))
         best = min(roomy, key=cost, default=None)
         if best is None:
             return SHARED if outcome == "load" else FULL
@@ -173,17 +174,6 @@ class Routing:
                 sequences, tokens = sequences - 1, tokens - routed.tokens
         return sequences, tokens
 
-    def _active(self, node: NodeHeartbeat, model: str) -> int:
-        """Tokens `node`'s running sequences of `model` hold: its last heartbeat's KV blocks in use,
-        corrected by what this gateway routed there and saw end since."""
-        kv = node.models[model].kv
-        return max(0, (kv.blocks_used * kv.block_size if kv else 0) + self._since_heartbeat(node)[1])
-
-    def _has_room(self, node: NodeHeartbeat, model: str, queued: int) -> bool:
-        """A free sequence slot (its heartbeat's, corrected as in `_active`) and a short own stream."""
-        info = node.models[model]
-        return max(0, info.slots_used + self._since_heartbeat(node)[0]) < info.slots_total and queued < info.slots_total
-
     def ended(self, job: str) -> None:
         """The job ended here (done, failed or cancelled): its node's load no longer counts it."""
         for jobs in self._routed.values():
@@ -198,6 +188,19 @@ class Routing:
 def _longest(found: list[bytes | None]) -> int:
     """Tokens of the longest prefix a node holds (its marks' replies, in the request's order)."""
     return max((int(tokens) for tokens in found if tokens is not None), default=0)
+
+
+def _active(node: NodeHeartbeat, model: str, tokens_since: int) -> int:
+    """Tokens `node`'s running sequences of `model` hold: its last heartbeat's KV blocks in use,
+    corrected by the prompt tokens this gateway routed there, or saw end, since (`_since_heartbeat`)."""
+    kv = node.models[model].kv
+    return max(0, (kv.blocks_used * kv.block_size if kv else 0) + tokens_since)
+
+
+def _has_room(node: NodeHeartbeat, model: str, queued: int, sequences_since: int) -> bool:
+    """A free sequence slot (its heartbeat's, corrected as in `_active`) and a short own stream."""
+    info = node.models[model]
+    return max(0, info.slots_used + sequences_since) < info.slots_total and queued < info.slots_total
 
 
 def _cached_blocks(node: NodeHeartbeat, model: str) -> int:
