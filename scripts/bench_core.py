@@ -250,7 +250,6 @@ def fmt(value: float, digits: int) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-
 def verdict(ratio: dict) -> tuple[str, str]:
     """A ratio's target as printed (`≥ 0.95`) and whether the value meets it ('' without a target)."""
     if ratio.get("target") is None:

@@ -164,11 +164,11 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
             procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"})
         url = f"http://127.0.0.1:{gport}"
 
-        heartbeats = redis.Redis(port=rport, socket_timeout=2)
+        heartbeats, keys = redis.Redis(port=rport, socket_timeout=2), Keys()
 
         def ready():
             # every node's heartbeat shows the model ready (not loading), and the gateway answers
-            beats = [heartbeats.hgetall(Keys().node(f"bench-{name}")) for name in names]
+            beats = [heartbeats.hgetall(keys.node(f"bench-{name}")) for name in names]
             return (all(beat and (info := NodeHeartbeat.from_hash(beat).models.get(profile.id)) is not None
                         and info.state == ModelState.READY for beat in beats)
                     and httpx.get(url + "/v1/models", timeout=2).status_code == 200)

@@ -258,23 +258,20 @@ FLEET_RATIOS = {  # (metric, what it is, better, the denominator, target): routi
 def ratios(workload: str, results: list[dict]) -> list[dict]:
     by = {r["system"]: r for r in results if r["tokens"]}
     out = []
-    if "routing-on" in by:
-        for metric, what, better, denominator, target in FLEET_RATIOS[workload]:
-            if denominator in by and by[denominator][metric]:
-                value = by["routing-on"][metric] / by[denominator][metric]
-                if not math.isnan(value):
-                    out.append({"name": what, "metric": metric, "numerator": "routing-on", "denominator": denominator,
-                                "value": value, "better": better, "target": target,
-                                "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in ("routing-on", denominator))})
-    if "gateway" not in by:
-        return out
-    for peer in (p for p in SYSTEMS if p not in ("gateway", *FLEET) and p in by):
-        for metric, what, better in RATIOS[workload]:
-            value = by["gateway"][metric] / by[peer][metric] if by[peer][metric] else math.nan
+
+    def ratio(name: str, metric: str, numerator: str, denominator: str, better: str, target: float | None) -> None:
+        if numerator in by and denominator in by and by[denominator][metric]:
+            value = by[numerator][metric] / by[denominator][metric]
             if not math.isnan(value):
-                out.append({"name": f"{what}: gateway / {SYSTEMS[peer]}", "metric": metric, "numerator": "gateway",
-                            "denominator": peer, "value": value, "better": better, "target": None,
-                            "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in ("gateway", peer))})
+                out.append({"name": name, "metric": metric, "numerator": numerator, "denominator": denominator,
+                            "value": value, "better": better, "target": target,
+                            "noisy": any(by[x]["other_cpu_pct"] > NOISY_PCT for x in (numerator, denominator))})
+
+    for metric, what, better, denominator, target in FLEET_RATIOS[workload]:
+        ratio(what, metric, "routing-on", denominator, better, target)
+    for peer in (p for p in SYSTEMS if p not in ("gateway", *FLEET)):
+        for metric, what, better in RATIOS[workload]:
+            ratio(f"{what}: gateway / {SYSTEMS[peer]}", metric, "gateway", peer, better, None)
     return out
 
 
