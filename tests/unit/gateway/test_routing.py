@@ -100,12 +100,14 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
         await beat(r, node)
         await hold(r, node, request, 4)
     policy = routing(r)
+    await asyncio.sleep(0.01)  # times are in ms: a job routed in its heartbeat's millisecond counts as before it
     # both hold the conversation, both idle: each job routed adds its prompt to its node's load until
     # that node's next heartbeat, so a burst of them alternates
     jobs = [request.model_copy(update={"job": f"j{i}"}) for i in range(5)]
     got = [(await policy.route(job, "", "interactive", "normal")).node for job in jobs[:4]]
     assert sorted(got) == ["n1", "n1", "n2", "n2"] and got[0] != got[1]
     await beat(r, "n1")  # a heartbeat after those jobs: its KV use (idle here) replaces them
+    await asyncio.sleep(0.01)
     policy._read_at = -1.0  # read the nodes again now (otherwise at most every 0.5 s)
     assert (await policy.route(jobs[4], "", "interactive", "normal")).node == "n1"
     await asyncio.sleep(0.01)  # they end a few ms after that heartbeat (times are in ms)
@@ -136,6 +138,7 @@ async def test_a_new_conversation_goes_to_the_least_busy_node(r):
     await beat(r, "n2", blocks_used=3)
     await beat(r, "n3", blocks_used=5)
     policy = routing(r)
+    await asyncio.sleep(0.01)  # routed after the heartbeats' millisecond, so they count as load
     request = marked()
     assert await policy.route(request, "", "interactive", "normal") == Route("n2", "load")
     # that job's prompt (150 tokens, as its marks count) now counts on n2 until its next heartbeat, or
