@@ -24,7 +24,7 @@ from gateway.responses_store import ResponseStore
 from gateway.tools.parsers import parsers_for
 from shared import event_log
 from shared.errors import InvalidRequest, NotFound
-from shared.redis_conn import broker_error
+from shared.redis_conn import broker_error, publish
 from shared.wire import DoneEvent, Event, WireError, ends_job
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     pending, job = stored["pending"], job_of(response_id)
     await queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
-    await ctx.redis.publish(ctx.keys.cancel(), job)  # running: the node stops it at its next step
+    await publish(ctx.redis, ctx.keys.cancel(), job)  # running: the node stops it at its next step
     if found is not None and found.ended:
         await _finish(ctx, found)
         return found.response.model_dump(mode="json")

@@ -33,6 +33,7 @@ class GatewayContext:
     metrics: Metrics = field(default_factory=Metrics)
     dashboard: Dashboard = field(default_factory=Dashboard)
     placer: "Placer" = None  # set right after construction: it needs the context
+    batch_queue: aioredis.Redis | None = None  # arq's Redis (`batch_redis_url`); None: `redis` itself
     api_keys: KeyStore = field(init=False)
     limiter: Limiter = field(init=False)
     departures: "Departures" = field(init=False)
@@ -43,6 +44,7 @@ class GatewayContext:
         from gateway.routing import Routing
 
         self.placer = Placer(self)
+        self.batch_queue = self.batch_queue or self.redis
         self.routing = Routing(self)
         self.api_keys = KeyStore(self.redis, self.keys)
         self.limiter = Limiter(self.redis, self.keys, self.metrics, self.settings.stream_retention_s)

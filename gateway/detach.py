@@ -14,6 +14,8 @@ import uuid
 
 from redis.exceptions import RedisError
 
+from shared.redis_conn import publish
+
 log = logging.getLogger(__name__)
 
 TOKEN_SLACK_S = 60  # the departure's token outlives its grace by this much
@@ -47,7 +49,7 @@ class Departures:
             [(_, readers)] = await redis.pubsub_numsub(keys.events(job))
             if readers:
                 return  # a client resumed it and reads it now
-            await redis.publish(keys.cancel(), job)
+            await publish(redis, keys.cancel(), job)
             await redis.delete(keys.detached(job))
             log.info("job=%s cancelled: no client read it for %gs", job, grace_s)
         except RedisError as exc:

@@ -23,9 +23,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError, ResponseError
 
+from gateway.sharded_pubsub import ShardedPubSub
+
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP
-from shared.redis_conn import BACKOFF_MAX_S
+from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster, is_cluster_url
 from shared.wire import Event, WireError, unpack_event
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,10 @@ BACKOFF_MIN_S = 0.05
 
 def pubsub_client(url: str) -> aioredis.Redis:
     """A client without redis-py's own retry: a silent reconnect and resubscribe would hide the
-    gap during which events were lost, so the router must see every broken connection."""
+    gap during which events were lost, so the router must see every broken connection. On a
+    cluster, the cluster's client (its map of the masters; `ShardedPubSub` connects to each)."""
+    if is_cluster_url(url):
+        return cluster_client(url, socket_connect_timeout=2.0, socket_keepalive=True)
     return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True)
 
 
@@ -165,8 +170,10 @@ class EventRouter:
             delay = min(delay * 2, BACKOFF_MAX_S)
 
     async def _connect(self) -> None:
-        self._client = self._client_factory()
-        self._pubsub = self._client.pubsub()
+        if not is_cluster(self._client):  # a cluster's client is kept: it knows every node, not just the URL's
+            self._client = self._client_factory()
+        self._pubsub = (ShardedPubSub(self._client) if is_cluster(self._client)
+                        else self._client.pubsub())
         await self._pubsub.connect()
         if self._on_connect is not None:
             try:
@@ -231,7 +238,8 @@ class EventRouter:
             self._parked_at = asyncio.get_running_loop().time()
             log.warning("event router: %d queued jobs wait up to %gs for Redis to come back", len(self._parked),
                         self._outage_wait_s)
-        pubsub, client, self._pubsub, self._client = self._pubsub, self._client, None, None
+        pubsub, client, self._pubsub = self._pubsub, self._client, None
+        self._client = client if is_cluster(client) and park else None  # closed, but it still knows the nodes
         for closing in (pubsub, client):
             if closing is not None:
                 try:

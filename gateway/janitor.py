@@ -28,7 +28,7 @@ from shared import event_log, queues
 from shared.errors import ModelUnavailable, NodeLost
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import CONSUMER_GROUP
-from shared.redis_conn import Outage
+from shared.redis_conn import Outage, atomic, publish
 from shared.wire import ErrorEvent, pack_event
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Janitor:
         nodes = await self.ctx.fleet.live_nodes()
         live = {n.node for n in nodes}
         dead = set()
-        for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.jobs("*"))]:
+        for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.all_jobs())]:
             dead |= await self._reap_dead_consumers(stream, live)
             if (name := queues.parse(self.ctx.keys, stream)) is not None and name.node is not None:
                 await self._move_waiting(stream, name, {n.node: n for n in nodes}.get(name.node))
@@ -86,7 +86,7 @@ class Janitor:
         packed = pack_event(error)
         if job := fields.get(b"job", b"").decode():
             event_log.append(pipe, self.ctx.keys.event_log(job), [packed], self.ctx.settings.stream_retention_s)
-        pipe.publish(fields[b"reply"], packed)
+        publish(pipe, fields[b"reply"], packed, sharded=self.ctx.keys.cluster)
 
     async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
         """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
@@ -128,7 +128,7 @@ class Janitor:
         fields = entries[0][1]
         retries = int(fields.get(b"retries", b"0"))
         job = fields.get(b"job", b"?").decode()
-        async with self.ctx.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.ctx.redis) as pipe:
             if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
                 error = NodeLost(f"node {node} was lost while it ran job {job}")
                 self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
@@ -183,7 +183,7 @@ class Janitor:
         """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""
         for _job_class, stream in queues.streams(self.ctx.keys, model):
             for entry_id, fields in await self.ctx.redis.xrange(stream, count=1000):
-                async with self.ctx.redis.pipeline(transaction=True) as pipe:
+                async with atomic(self.ctx.redis) as pipe:
                     self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
                     pipe.xdel(stream, entry_id)
                     await pipe.execute()

@@ -34,7 +34,7 @@ from gateway.tracing import JobTrace, span
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import event_log, prefix_marks, queues
 from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
-from shared.redis_conn import broker_error
+from shared.redis_conn import broker_error, publish
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Job:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
                          self.caller.name)
                 try:
-                    await self._ctx.redis.publish(self._ctx.keys.cancel(), self.id)
+                    await publish(self._ctx.redis, self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
             self._ctx.routing.ended(self.id)

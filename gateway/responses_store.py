@@ -16,6 +16,7 @@ from gateway.protocol.responses import Response, ResponseCompletedEvent, Respons
 from gateway.render.responses import assistant_turn
 from shared.errors import NotFound, PreviousResponseNotFound
 from shared.keys import Keys
+from shared.redis_conn import atomic
 
 
 class ResponseStore:
@@ -25,7 +26,7 @@ class ResponseStore:
     async def put(self, response: Response, conversation: list[dict[str, Any]]) -> None:
         """Keep `response`, with the conversation so far and its own turn last."""
         value = {"response": response.model_dump(mode="json"), "conversation": [*conversation, assistant_turn(response)]}
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zrem(self.keys.background_responses(), response.id)
             await pipe.execute()
@@ -33,7 +34,7 @@ class ResponseStore:
     async def hold(self, response: Response, stream: str, entry_id: str) -> None:
         """Keep a background response as it is queued, until it is `put` finished."""
         value = {"response": response.model_dump(mode="json"), "pending": {"stream": stream, "entry": entry_id}}
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zadd(self.keys.background_responses(), {response.id: response.created_at * 1000})
             await pipe.execute()
@@ -54,7 +55,7 @@ class ResponseStore:
         return stored["conversation"]
 
     async def delete(self, response_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.delete(self.keys.response(response_id))
             pipe.zrem(self.keys.background_responses(), response_id)
             deleted, _ = await pipe.execute()

@@ -23,7 +23,7 @@ from gateway.tracing import TraceLogFormatter, TracingMiddleware
 from shared import __version__, tracing
 from shared.catalog import Catalog
 from shared.keys import Keys
-from shared.redis_conn import connect, redact
+from shared.redis_conn import atomic, connect, redact
 from shared.redis_health import warn_if_not_durable
 from shared.settings import GatewaySettings
 
@@ -35,7 +35,7 @@ GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to finish on SIGTERM/SIG
 
 async def publish_catalog(redis: aioredis.Redis, keys: Keys, catalog: Catalog) -> None:
     """`cortex:catalog`: model id → profile JSON, replaced as a whole (one transaction)."""
-    async with redis.pipeline(transaction=True) as pipe:
+    async with atomic(redis) as pipe:
         pipe.delete(keys.catalog())
         pipe.hset(keys.catalog(), mapping={id_: p.model_dump_json() for id_, p in catalog.profiles.items()})
         await pipe.execute()
@@ -55,7 +55,10 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
             on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
             outage_wait_s=settings.redis_outage_wait_s,
         )
-        app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+        queue_url = settings.batch_queue_url  # refuses a cluster: arq needs one Redis
+        batch_queue = connect(queue_url) if queue_url != settings.redis_url and not redis_factory else None
+        app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s),
+                                             batch_queue=batch_queue)
         janitor = Janitor(ctx)
         await router.start()
         janitor.start()
@@ -73,6 +76,8 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
             await ctx.departures.stop()
             await router.stop()
             await redis.aclose()
+            if batch_queue is not None:
+                await batch_queue.aclose()
 
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,

@@ -4,6 +4,7 @@ node → last heartbeat ms; `cortex:node:{node}` hashes); queues from one Lua sc
 (shared/queues.py), all in one pipeline. The fleet operations that are plain Redis commands live
 here too: a command to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
 
+import asyncio
 import logging
 import time
 
@@ -81,13 +82,12 @@ class Fleet:
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
         streams = {model: queues.streams(self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model)))
                    for model in sorted(models)}
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for model, pairs in streams.items():
-                await script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP], client=pipe)
-                pipe.hgetall(self._keys.routing(model))
-            replies = await pipe.execute() if streams else []
+        # concurrently, not pipelined: a cluster pipeline cannot run scripts (each model's on its shard)
+        replies = await asyncio.gather(*(script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+                                         for pairs in streams.values()))
+        routings = await asyncio.gather(*(self._redis.hgetall(self._keys.routing(model)) for model in streams))
         found = []
-        for (model, pairs), reply, routed in zip(streams.items(), replies[0::2], replies[1::2]):
+        for (model, pairs), reply, routed in zip(streams.items(), replies, routings):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
             found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas),
                                      routed={k.decode(): int(v) for k, v in routed.items()},
@@ -108,7 +108,7 @@ class Fleet:
                  for (name, score), hb in by_name]
         catalog = {k.decode(): v for k, v in (await self._redis.hgetall(self._keys.catalog())).items()}
         models = {m for n in nodes for m in n.models} | set(catalog)
-        async for key in self._redis.scan_iter(match=self._keys.jobs("") + "*", count=500):
+        async for key in self._redis.scan_iter(match=self._keys.all_jobs(), count=500):
             models.add(queues.model_of(self._keys, key.decode()))
         live = [hb for hb, n in zip(heartbeats, nodes) if isinstance(hb, NodeHeartbeat) and n.alive]
         found = await self.queues(models, live)

@@ -2,25 +2,52 @@
 
 `docs/redis.md` lists them with what `redis-cli` shows for each. The prefix is configurable
 (`CORTEX_KEY_PREFIX`, default ``cortex:``) so several fleets can share one Redis.
+
+On a Redis Cluster (`cluster`) each key carries a hash tag, the part in braces, so that the keys
+one command, Lua script or read touches share a hash slot: a model's job streams (`{model}`: one
+script reads them all), a job's events and log (`{job}`), and one tag per concern for the keys its
+scripts touch together (`{fleet}`, `{responses}`, `{files}`, `{batches}`, `{apikeys}`). Job
+streams and events, where the traffic is, spread over the shards by model and by job. On one Redis
+the names stay as they always were (no braces), so an upgrade keeps every stored key.
 """
 
 from dataclasses import dataclass
 
 CONSUMER_GROUP = "agents"
 
+# the hash tags of the keys grouped by concern (on a cluster); a model's and a job's are their names
+FLEET, RESPONSES, FILES, BATCHES, API_KEYS = "fleet", "responses", "files", "batches", "apikeys"
+
 
 @dataclass(frozen=True)
 class Keys:
     prefix: str = "cortex:"
+    cluster: bool = False  # hash tags in the names (a Redis Cluster)
+
+    def _in(self, tag: str, name: str) -> str:
+        """`name` after the prefix, with `tag` as its hash tag on a cluster (``{fleet}:nodes``)."""
+        return f"{self.prefix}{{{tag}}}:{name}" if self.cluster else f"{self.prefix}{name}"
+
+    def _tagged(self, kind: str, tag: str) -> str:
+        """``{kind}:{tag}``, the tag in braces on a cluster (``jobs:{m}``, ``events:{job}``)."""
+        return f"{self.prefix}{kind}:{{{tag}}}" if self.cluster else f"{self.prefix}{kind}:{tag}"
 
     def jobs(self, model: str, job_class: str = "interactive", band: str = "normal") -> str:
         """Stream of queued jobs for one model, one priority class and one band (consumer group
         ``agents``): ``jobs:{model}`` is interactive/normal, the others add ``:{class}`` and, for
         the high and low bands, ``:{band}`` (``jobs:M:batch``, ``jobs:M:interactive:high``).
         `shared.queues.streams` lists them most urgent first."""
+        return self._tagged("jobs", model) + self.stream_suffix(job_class, band)
+
+    @staticmethod
+    def stream_suffix(job_class: str, band: str) -> str:
+        """What a class and band add to a model's stream name (``:batch:high``; '' for interactive/normal)."""
         suffix = "" if (job_class, band) == ("interactive", "normal") else f":{job_class}"
-        suffix += "" if band == "normal" else f":{band}"
-        return f"{self.prefix}jobs:{model}{suffix}"
+        return suffix + ("" if band == "normal" else f":{band}")
+
+    def all_jobs(self) -> str:
+        """The SCAN pattern matching every job stream of every model."""
+        return f"{self.prefix}jobs:*"
 
     def node_jobs(self, model: str, node: str, job_class: str = "interactive", band: str = "normal") -> str:
         """Stream (group ``agents``): jobs the gateway routed to `node` (its cache holds their prefix,
@@ -53,23 +80,23 @@ class Keys:
 
     def events(self, job: str) -> str:
         """Pub/sub channel carrying one job's token events."""
-        return f"{self.prefix}events:{job}"
+        return self._tagged("events", job)
 
     def event_log(self, job: str) -> str:
         """Stream: one job's events kept for resuming (`shared.event_log`): the gateway's record of
         the request first, then one entry per engine step. Capped; it expires `stream_retention_s`
         after the job ends."""
-        return f"{self.prefix}eventlog:{job}"
+        return self._tagged("eventlog", job)
 
     def detached(self, job: str) -> str:
         """String with PX: the token of the last client that stopped reading the job; whoever
         wrote it cancels the job after `disconnect_grace_s` if it is still the last and nobody reads."""
-        return f"{self.prefix}detached:{job}"
+        return self._tagged("detached", job)
 
     def metered(self, job: str) -> str:
         """String with TTL: set once a resumable job's tokens were counted against its key (so a
         resumed reader that sees the end too does not count them again)."""
-        return f"{self.prefix}metered:{job}"
+        return self._in(API_KEYS, f"metered:{job}")
 
     def cancel(self) -> str:
         """Pub/sub channel: a message is the id of a job to cancel; every node listens."""
@@ -77,82 +104,82 @@ class Keys:
 
     def node(self, node: str) -> str:
         """Hash with TTL: one node's heartbeat."""
-        return f"{self.prefix}node:{node}"
+        return self._in(FLEET, f"node:{node}")
 
     def nodes(self) -> str:
         """Sorted set: node name -> last heartbeat (ms since the epoch)."""
-        return f"{self.prefix}nodes"
+        return self._in(FLEET, "nodes")
 
     def started(self, node: str) -> str:
         """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When
         the node dies the janitor fails these with `node_lost` and puts the others back."""
-        return f"{self.prefix}started:{node}"
+        return self._in(FLEET, f"started:{node}")
 
     def cmd(self, node: str) -> str:
         """Stream of lifecycle commands for one node."""
-        return f"{self.prefix}cmd:{node}"
+        return self._in(FLEET, f"cmd:{node}")
 
     def catalog(self) -> str:
         """Hash: model id -> profile (JSON)."""
-        return f"{self.prefix}catalog"
+        return self._in(FLEET, "catalog")
 
     def placement_lock(self, model: str) -> str:
         """String with PX: held by the gateway replica placing `model`."""
-        return f"{self.prefix}lock:placement:{model}"
+        return self._in(FLEET, f"lock:placement:{model}")
 
     def pins(self) -> str:
         """Hash: model id -> "1" (pinned) / "0" (unpinned), set at run time over the catalogue's `pin`."""
-        return f"{self.prefix}pins"
+        return self._in(FLEET, "pins")
 
     def janitor_lock(self) -> str:
         """String with PX: held by the gateway replica running the fleet janitor this round."""
-        return f"{self.prefix}lock:janitor"
+        return self._in(FLEET, "lock:janitor")
 
     def response(self, response_id: str) -> str:
         """String with TTL (`responses_ttl_s`): a stored `/v1/responses` response and the
         conversation it ends (JSON), for `GET` and `previous_response_id`."""
-        return f"{self.prefix}response:{response_id}"
+        return self._in(RESPONSES, f"response:{response_id}")
 
     def background_responses(self) -> str:
         """Sorted set: ids of `background` responses not yet stored as finished -> submitted (ms);
         the janitor stores each once its job ends."""
-        return f"{self.prefix}responses:background"
+        return self._in(RESPONSES, "responses:background")
 
     # ---- files and batches (`/v1/files`, `/v1/batches`, the arq batch worker) ----------------
 
     def file(self, file_id: str) -> str:
         """Hash: one uploaded or generated file: its metadata fields plus ``content`` (bytes)."""
-        return f"{self.prefix}file:{file_id}"
+        return self._in(FILES, f"file:{file_id}")
 
     def files(self) -> str:
         """Sorted set: file id -> created_at (unix seconds), for listing."""
-        return f"{self.prefix}files"
+        return self._in(FILES, "files")
 
     def files_bytes(self) -> str:
         """String: the bytes of every file kept, against `files_max_total_bytes`."""
-        return f"{self.prefix}files:bytes"
+        return self._in(FILES, "files:bytes")
 
     def batch(self, batch_id: str) -> str:
         """Hash: one batch object, one JSON value per OpenAI field (``status``, ``request_counts`` ...)."""
-        return f"{self.prefix}batch:{batch_id}"
+        return self._in(BATCHES, f"batch:{batch_id}")
 
     def batches(self) -> str:
         """Sorted set: batch id -> created_at (unix ms), for listing newest first with paging."""
-        return f"{self.prefix}batches"
+        return self._in(BATCHES, "batches")
 
     def batches_active(self) -> str:
         """Set: ids of batches not yet completed, failed, expired or cancelled (workers resume these)."""
-        return f"{self.prefix}batches:active"
+        return self._in(BATCHES, "batches:active")
 
     def batch_lines(self, batch_id: str, what: str) -> str:
         """Hashes of one running batch, keyed by input line number: ``out`` (output line JSON),
         ``err`` (error line JSON), ``inflight`` ("job entry-id stream" of the line's current
         job), ``tries`` (jobs submitted for the line). Deleted once the output files exist."""
-        return f"{self.prefix}batch:{batch_id}:{what}"
+        return self._in(BATCHES, f"batch:{batch_id}:{what}")
 
     def batch_lease(self, batch_id: str) -> str:
         """String with PX: the batch worker running the batch renews it; it expires if that worker dies."""
-        return f"{self.prefix}batch:{batch_id}:lease"
+        return self._in(BATCHES, f"batch:{batch_id}:lease")
 
     def arq_queue(self) -> str:
         """arq's queue (sorted set) of batch-worker tasks. arq keeps its own keys beside it
@@ -165,17 +192,17 @@ class Keys:
     def api_key(self, name: str) -> str:
         """Hash: one API key by name: its metadata (``hash`` is the SHA-256 of the secret, never the
         secret) and its usage counters (``requests``, ``prompt_tokens``, ``completion_tokens``, ``rejections``)."""
-        return f"{self.prefix}apikey:{name}"
+        return self._in(API_KEYS, f"apikey:{name}")
 
     def api_keys(self) -> str:
         """Hash: SHA-256 of a secret -> key name; how a request's key is found (and whether any key exists)."""
-        return f"{self.prefix}apikeys"
+        return self._in(API_KEYS, "apikeys")
 
     def rate_window(self, name: str, what: str) -> str:
         """Sorted set, PX 60 s: one key's last minute, ``requests`` (one member per admitted request) or
         ``tokens`` (one member per finished job, ``{job}:{tokens}``), scored by Redis time in ms."""
-        return f"{self.prefix}ratelimit:{name}:{what}"
+        return self._in(API_KEYS, f"ratelimit:{name}:{what}")
 
     def daily_tokens(self, name: str, day: str) -> str:
         """String, TTL 2 days: tokens (prompt + completion) one key used on one UTC day (``YYYY-MM-DD``)."""
-        return f"{self.prefix}usage:{name}:{day}"
+        return self._in(API_KEYS, f"usage:{name}:{day}")

@@ -57,20 +57,24 @@ class StreamName:
 
 def parse(keys: Keys, stream: str) -> StreamName | None:
     """The parts of a job stream key (None for a key that is not a job stream)."""
-    prefix = keys.jobs("")
-    if not stream.startswith(prefix):
+    head = keys.all_jobs()[:-1]
+    if not stream.startswith(head):
         return None
-    rest, node, moved = stream[len(prefix):], None, False
+    rest, model, node, moved = stream[len(head):], None, None, False
+    if keys.cluster:  # jobs:{model}:suffix
+        if not rest.startswith("{") or "}" not in rest:
+            return None
+        model, rest = rest[1:].split("}", 1)
     if ":@" in rest:
         rest, node = rest.rsplit(":@", 1)
     elif rest.endswith(":moved"):
         rest, moved = rest[: -len(":moved")], True
     for c in CLASSES:
         for b in BANDS:
-            suffix = keys.jobs("", c, b)[len(prefix):]
+            suffix = keys.stream_suffix(c, b)
             if suffix and rest.endswith(suffix):
-                return StreamName(rest[: -len(suffix)], c, b, node, moved)
-    return StreamName(rest, "interactive", "normal", node, moved)
+                return StreamName(model if model is not None else rest[: -len(suffix)], c, b, node, moved)
+    return StreamName(model if model is not None else rest, "interactive", "normal", node, moved)
 
 
 def model_of(keys: Keys, stream: str) -> str | None:

@@ -1,11 +1,22 @@
-"""Redis connections with retry and backoff, the same for every part; the errors clients get when Redis
-fails; and `Outage`, which keeps a retrying loop's log to two lines per outage."""
+"""Redis connections with retry and backoff, the same for every part, to one Redis or to a Redis
+Cluster; the few commands that differ between the two; the errors clients get when Redis fails;
+and `Outage`, which keeps a retrying loop's log to two lines per outage.
+
+`CORTEX_REDIS_URL` names a cluster with the scheme ``redis+cluster://host:port`` (or
+``rediss+cluster://``): any of its nodes; the client learns the others. On a cluster, Cortex's keys
+carry hash tags (`shared.keys`), job events use sharded pub/sub (SPUBLISH), and the groups of
+writes Cortex sends as MULTI/EXEC on one Redis go as pipelines (`atomic`): each command atomic,
+the group not, since redis-py's asyncio cluster client has no transactions.
+"""
 
 import logging
 import time
+from contextlib import asynccontextmanager
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, RedisError, TimeoutError
@@ -16,7 +27,40 @@ MESSAGE_CHARS = 300  # of a Redis error quoted in a message (a pipeline's error 
 BACKOFF_MAX_S = 2.0  # the longest wait between two tries to reach Redis, for every part
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def node_url(url: str) -> str:
+    """A cluster URL as the plain URL of the node it names (redis-py's own scheme); others unchanged."""
+    scheme = urlsplit(url).scheme
+    return CLUSTER_SCHEMES[scheme] + url[len(scheme):] if scheme in CLUSTER_SCHEMES else url
+
+
+def cluster_client(url: str, **kwargs) -> RedisCluster:
+    """A Redis Cluster's client from ``redis+cluster://[user:password@]host:port[,host:port...]``: the
+    nodes named are where it first asks for the cluster's map (name several: one may be down)."""
+    parts = urlsplit(node_url(url))
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    first, *others = hosts.split(",")
+    seeds = [ClusterNode(*host.rsplit(":", 1)) for host in others]
+    netloc = f"{credentials}@{first}" if credentials else first
+    return RedisCluster.from_url(parts._replace(netloc=netloc).geturl(), startup_nodes=seeds or None, **kwargs)
+
+
 def connect(url: str, **kwargs) -> aioredis.Redis:
+    """A client of the Redis (or, for a ``redis+cluster://`` URL, the Redis Cluster) at `url`."""
+    if is_cluster_url(url):
+        return cluster_client(
+            url,
+            retry=Retry(ExponentialBackoff(cap=BACKOFF_MAX_S, base=0.05), retries=5),
+            # a master killed: its replica takes over within the cluster's node timeout (a few seconds)
+            cluster_error_retry_attempts=8,
+            **kwargs,
+        )
     return aioredis.Redis.from_url(
         url,
         retry=Retry(ExponentialBackoff(cap=BACKOFF_MAX_S, base=0.05), retries=5),
@@ -24,6 +68,49 @@ def connect(url: str, **kwargs) -> aioredis.Redis:
         health_check_interval=30,
         **kwargs,
     )
+
+
+def is_cluster(client) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def publish(target, channel: str, message: bytes | str, *, sharded: bool = False):
+    """PUBLISH (or, `sharded`, SPUBLISH: the message goes only to the shard holding the channel's
+    slot) on a client or queued on a pipeline; redis-py's cluster client has no `publish`."""
+    return target.execute_command("SPUBLISH" if sharded else "PUBLISH", channel, message)
+
+
+@asynccontextmanager
+async def atomic(client):
+    """A pipeline whose commands run as one MULTI/EXEC on one Redis; on a cluster, a plain pipeline
+    (redis-py's asyncio cluster client has no transactions): each command atomic, the group not."""
+    async with client.pipeline(transaction=not is_cluster(client)) as pipe:
+        yield pipe
+
+
+def node_client(cluster: RedisCluster, host: str, port: int) -> aioredis.Redis:
+    """A plain client of one node of `cluster`, with the cluster client's credentials and TLS, and no
+    retry of its own (pub/sub must see every broken connection)."""
+    given = cluster.nodes_manager.connection_kwargs
+    return aioredis.Redis(host=host, port=port, username=given.get("username"), password=given.get("password"),
+                          ssl=issubclass(given["connection_class"], SSLConnection), socket_connect_timeout=2.0,
+                          socket_keepalive=True)
+
+
+async def broadcast_client(client, url: str) -> aioredis.Redis:
+    """A plain client for SUBSCRIBE to broadcast channels (`Keys.cancel`): the Redis itself, or on a
+    cluster any master that answers (a cluster passes every PUBLISH to all its nodes)."""
+    if not is_cluster(client):
+        return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True)
+    await client.initialize()
+    for node in client.get_primaries():
+        plain = node_client(client, node.host, node.port)
+        try:
+            await plain.ping()
+            return plain
+        except (ConnectionError, TimeoutError, OSError):
+            await plain.aclose()
+    raise ConnectionError("no master of the Redis Cluster answers")
 
 
 def redact(url: str) -> str:

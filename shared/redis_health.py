@@ -8,7 +8,10 @@ import logging
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
+
+from shared.redis_conn import is_cluster
 
 _MB = 1 << 20
 FULL_AT = 0.9  # of maxmemory: past this, say that writes will soon be refused
@@ -38,11 +41,16 @@ class RedisHealth(BaseModel):
 
 
 async def inspect(redis: aioredis.Redis) -> RedisHealth:
-    """INFO, and CONFIG GET where the server allows it (managed services often do not)."""
-    async with redis.pipeline(transaction=False) as pipe:
-        for section in ("server", "persistence", "memory"):
-            pipe.info(section)
-        info = {k: v for section in await pipe.execute() for k, v in section.items()}
+    """INFO, and CONFIG GET where the server allows it (managed services often do not). On a
+    cluster, the master that keeps least (no append-only file), then the fullest, speaks for all."""
+    if is_cluster(redis):
+        masters = (await redis.info(target_nodes=RedisCluster.PRIMARIES)).values()
+        info = min(masters, key=lambda i: (bool(i.get("aof_enabled")), -i.get("used_memory", 0)))
+    else:
+        async with redis.pipeline(transaction=False) as pipe:
+            for section in ("server", "persistence", "memory"):
+                pipe.info(section)
+            info = {k: v for section in await pipe.execute() for k, v in section.items()}
     try:
         config = await redis.config_get("save") | await redis.config_get("appendfsync")
     except ResponseError:

@@ -27,7 +27,7 @@ class CortexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORTEX_", extra="ignore")
     toml_table: ClassVar[str] = ""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
     key_prefix: str = "cortex:"
     models_file: Path | None = None  # models.toml; the built-in catalogue when absent
     log_level: str = "INFO"
@@ -45,8 +45,9 @@ class CortexSettings(BaseSettings):
     @property
     def keys(self):
         from shared.keys import Keys
+        from shared.redis_conn import is_cluster_url
 
-        return Keys(self.key_prefix)
+        return Keys(self.key_prefix, cluster=is_cluster_url(self.redis_url))
 
 
 class GatewaySettings(CortexSettings):
@@ -94,6 +95,19 @@ class GatewaySettings(CortexSettings):
     images_per_request: int = 8
     image_url_hosts: list[str] = []  # hosts whose http(s) image URLs the gateway may fetch; empty: none
     image_fetch_timeout_s: float = 10.0
+    # the batch queue (arq, which needs one Redis, not a cluster): '' is `redis_url` itself, and must be
+    # set when that names a Redis Cluster
+    batch_redis_url: str = ""
+
+    @property
+    def batch_queue_url(self) -> str:
+        """The batch queue's Redis; ValueError when that would be a cluster."""
+        from shared.redis_conn import is_cluster_url
+
+        if is_cluster_url(self.batch_redis_url or self.redis_url):
+            raise ValueError("CORTEX_REDIS_URL names a Redis Cluster, and the batch queue (arq) needs one Redis: "
+                             "set CORTEX_BATCH_REDIS_URL to a single Redis (redis://host:port/db)")
+        return self.batch_redis_url or self.redis_url
 
 
 class NodeSettings(CortexSettings):

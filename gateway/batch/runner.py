@@ -26,6 +26,7 @@ from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchO
 from gateway.queue import withdraw
 from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
+from shared.redis_conn import atomic, publish
 from shared.settings import BatchSettings
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class BatchRunner:
         for line_no, where in leftovers.items():
             job, stream, entry_id = where.decode().split(" ")
             await withdraw(self.ctx, stream, entry_id)
-            await self.redis.publish(self.keys.cancel(), job)
+            await publish(self.redis, self.keys.cancel(), job)
         if leftovers:
             log.info("batch %s: %d lines were in flight in an earlier run; running them again", self.id, len(leftovers))
             await self.redis.delete(self.key("inflight"))
@@ -269,7 +270,7 @@ class BatchRunner:
                 raise
 
     async def _record(self, line_no: int, kind: str, line: BatchOutputLine) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.hset(self.key(kind), str(line_no), line.model_dump_json())
             pipe.hdel(self.key("inflight"), str(line_no))
             pipe.hlen(self.key("out"))

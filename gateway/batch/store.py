@@ -18,6 +18,7 @@ from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, BatchReque
 from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound
 from shared.keys import Keys
+from shared.redis_conn import atomic
 
 COMPLETION_WINDOW_S = 24 * 3600
 LIST_SCAN = 100  # batch ids read per round when listing one owner's batches
@@ -58,7 +59,7 @@ class BatchStore:
                       completion_window=body.completion_window, status="validating", created_at=now,
                       expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata,
                       request_counts=BatchRequestCounts(total=lines))
-        async with self.redis.pipeline(transaction=True) as pipe:
+        async with atomic(self.redis) as pipe:
             pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json") | {"owner": owner}))
             pipe.zadd(self.keys.batches(), {batch.id: time.time() * 1000})
             pipe.sadd(self.keys.batches_active(), batch.id)

@@ -69,7 +69,7 @@ async def resume_batches(ctx: dict) -> None:
     for batch_id in await BatchStore(cortex.redis, cortex.keys).active():
         if not await cortex.redis.exists(cortex.keys.batch_lease(batch_id)):
             log.info("batch %s has no worker; resuming it", batch_id)
-            await enqueue(cortex.redis, cortex.keys, batch_id)
+            await enqueue(cortex.batch_queue, cortex.keys, batch_id)
 
 
 async def startup(ctx: dict, settings: BatchSettings) -> None:
@@ -78,9 +78,12 @@ async def startup(ctx: dict, settings: BatchSettings) -> None:
     router = EventRouter(partial(pubsub_client, settings.redis_url), outage_wait_s=settings.redis_outage_wait_s)
     catalog = Catalog.load(settings.models_file)
     ctx["settings"] = settings
-    ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s))
+    # the batches this worker resumes go on arq's queue through arq's own connection
+    ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s),
+                                   batch_queue=ctx["redis"])
     await router.start()
-    log.info("batch worker %s on Redis %s, queue %s", __version__, redact(settings.redis_url), keys.arq_queue())
+    log.info("batch worker %s on Redis %s, queue %s on %s", __version__, redact(settings.redis_url), keys.arq_queue(),
+             redact(settings.batch_queue_url))
     await warn_if_not_durable(redis, log)
 
 
@@ -103,7 +106,7 @@ def create_worker(settings: BatchSettings) -> Worker:
         functions=[func(run_batch, timeout=RUN_BATCH_TIMEOUT_S, max_tries=1000)],
         cron_jobs=[cron(resume_batches, second=set(range(0, 60, every_s)), run_at_startup=True, unique=True,
                         timeout=60)],
-        redis_settings=arq_redis(settings.redis_url),
+        redis_settings=arq_redis(settings.batch_queue_url),
         queue_name=settings.keys.arq_queue(),
         on_startup=partial(startup, settings=settings),
         on_shutdown=shutdown,

@@ -22,7 +22,7 @@ async def create_batch(body: CreateBatchRequest, ctx: Ctx, caller: CallerDep) ->
     if input_file.purpose != "batch":
         raise InvalidRequest(f"file {input_file.id} has purpose {input_file.purpose!r}, not 'batch'", param="input_file_id")
     batch = await BatchStore(ctx.redis, ctx.keys).create(body, owner=caller.name)
-    await enqueue(ctx.redis, ctx.keys, batch.id)
+    await enqueue(ctx.batch_queue, ctx.keys, batch.id)
     return JSONResponse(batch.model_dump())
 
 

@@ -40,7 +40,7 @@ async def create_message_batch(body: MessageBatchCreateParams, ctx: Ctx, request
     batch = await BatchStore(ctx.redis, ctx.keys).create(
         CreateBatchRequest(input_file_id=file.id, endpoint=ENDPOINT, completion_window="24h"), owner=caller.name,
         lines=len(body.requests))
-    await enqueue(ctx.redis, ctx.keys, batch.id)
+    await enqueue(ctx.batch_queue, ctx.keys, batch.id)
     return _view(request, batch)
 
 

@@ -2,6 +2,7 @@
 clean shutdown on SIGTERM/SIGINT."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
 from shared.errors import BrokerUnavailable, CortexError
-from shared.redis_conn import BACKOFF_MAX_S, Outage, connect
+from shared.redis_conn import BACKOFF_MAX_S, Outage, atomic, broadcast_client, connect
 from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
@@ -221,13 +222,13 @@ class NodeAgent:
             models={mid: m.info() for mid, m in self.models.items()},
         )
         key = self.keys.node(self.name)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, mapping=beat.to_hash())
-        pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
-        pipe.zadd(self.keys.nodes(), {self.name: now})
-        for model in self.models:  # what their caches hold lives as long as the heartbeat
-            pipe.pexpire(self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
-        await pipe.execute()
+        async with atomic(self.redis) as pipe:
+            pipe.hset(key, mapping=beat.to_hash())
+            pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
+            pipe.zadd(self.keys.nodes(), {self.name: now})
+            for model in self.models:  # what their caches hold lives as long as the heartbeat
+                pipe.pexpire(self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
+            await pipe.execute()
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:
         """A CPU device with a memory budget reports the budget, less what its models hold (a
@@ -270,8 +271,10 @@ class NodeAgent:
     async def _cancel_listener(self) -> None:
         outage = Outage(log, "cancel listener")
         while True:
-            try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            client = None
+            try:  # on a cluster, any master hears every cancel (a cluster passes each PUBLISH to all)
+                client = await broadcast_client(self.redis, self.settings.redis_url)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self.keys.cancel())
                 outage.ok()
                 async for message in pubsub.listen():
@@ -281,6 +284,10 @@ class NodeAgent:
             except Exception as exc:
                 outage.failed(exc)
                 await asyncio.sleep(1)
+            finally:
+                if client is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await client.aclose()
 
 
 def run(settings: NodeSettings | None = None) -> None:

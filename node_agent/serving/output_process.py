@@ -35,7 +35,7 @@ from node_agent.engine.records import StepOutput
 from node_agent.serving.cache_index import CacheIndex
 from node_agent.serving.publisher import Outgoing, Publisher
 from shared.keys import Keys
-from shared.redis_conn import connect
+from shared.redis_conn import connect, is_cluster_url
 from shared.wire import DoneEvent, Event, Timings, ends_job
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     logging.basicConfig(level=opened.log_level,
                         format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s")
     redis = connect(opened.redis_url)
-    keys = Keys(opened.key_prefix)
+    keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
     index = CacheIndex(keys.prefixes(opened.model, opened.node), int(opened.heartbeat_ttl_s * 1000))
     publisher = Publisher(redis, keys, opened.node,
                           on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),

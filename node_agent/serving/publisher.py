@@ -28,7 +28,7 @@ from node_agent.serving.cache_index import CacheIndex
 from shared import event_log
 from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.redis_conn import Outage
+from shared.redis_conn import Outage, publish
 from shared.wire import ErrorEvent, Event, pack_event
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Publisher:
             if item.started:
                 pipe.sadd(started, item.job)
             for event in packed:
-                pipe.publish(item.channel, event)
+                publish(pipe, item.channel, event, sharded=self.keys.cluster)
             if item.ack:
                 stream, entry_id = item.ack
                 pipe.xack(stream, CONSUMER_GROUP, entry_id)
