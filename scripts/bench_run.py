@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the children (run from ROOT) do
 
-import bench_models  # noqa: E402  (beside this file)
+import bench_bus  # noqa: E402  (beside this file)
+import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, one_http, percentile,  # noqa: E402
                         verdict)
@@ -477,10 +478,11 @@ def machine_info(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix"],
+    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix", "bus"],
                    help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
                         "growing conversations; shared-prefix: requests sharing one long prefix (see "
-                        "scripts/bench_workloads.py)")
+                        "scripts/bench_workloads.py); bus: the streams through a fleet of several models, "
+                        "gateways and nodes on one Redis, then on a 3-master Redis Cluster (scripts/bench_bus.py)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
                         "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4)")
@@ -511,6 +513,8 @@ def parse_args(argv=None):
     w.add_argument("--vllm-start-timeout", type=float, default=1200,
                    help="seconds vLLM may take to start (its first start compiles for minutes; default 1200)")
     w.add_argument("--vllm-args", default="", help="extra arguments for vLLM's OpenAI server")
+    p.add_argument("--bus-models", type=int, default=4, help="bus: models, each its own streams (default 4)")
+    p.add_argument("--bus-gateways", type=int, default=2, help="bus: gateway processes (default 2)")
     p.add_argument("--nodes", type=int, default=1,
                    help="node agents behind Cortex's gateway (default 1). With 2 or more, the gateway runs twice, "
                         "each time on a fresh fleet of this many nodes: routing on (cache) and off (none); multiturn "
@@ -578,7 +582,7 @@ def parse_args(argv=None):
     args.device = "cpu" if cpu else "cuda:0"
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
-    if args.workload == "streams":
+    if args.workload in ("streams", "bus"):
         streams_workload(args)
     else:
         prefix_workload(args, p)
@@ -601,6 +605,8 @@ def streams_workload(args) -> None:
                                       ("tf-serve", args.skip_serve or tiny)] if not skip]
     if args.nodes > 1:
         args.systems = list(FLEET)
+    if args.workload == "bus":
+        args.systems = list(bench_bus.BUSES)
 
 
 def prefix_workload(args, parser) -> None:
@@ -655,17 +661,22 @@ def main(argv=None) -> int:
         args.model_id, args.model_source = f"random-{args.shape}", str(folder)
         log(f"{args.model_id}: {folder} ({time.perf_counter() - t0:.1f} s)")
     meta = machine_info(args)
-    what = (f"N={args.concurrency}; {args.max_tokens} tokens" if args.workload == "streams"
+    what = (f"N={args.concurrency}; {args.max_tokens} tokens" if args.workload in ("streams", "bus")
             else bench_workloads.describe(args))
+    if args.workload == "bus":
+        what += f"; {args.bus_models} models, {args.bus_gateways} gateways, {args.nodes} nodes"
     log(f"{args.workload}: systems {', '.join(args.systems)}; {what}; {args.dtype} on {args.device}; "
         f"{meta['cpu_count']} CPUs, torch {meta['torch_threads']} threads")
     waves: list[Wave] = []
     results: list[dict] = []
+    bus_rows: list[dict] = []
     failures: dict[str, str] = {}
     skipped: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="cortex-bench-"))
     try:
-        if args.workload == "streams":
+        if args.workload == "bus":
+            bus_rows = bench_bus.run(args, workdir)
+        elif args.workload == "streams":
             run_all(args, waves, failures, workdir)
         else:
             results = bench_workloads.run(args, workdir, failures, skipped)
@@ -677,7 +688,10 @@ def main(argv=None) -> int:
             log(f"logs in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    if args.workload == "streams":
+    if args.workload == "bus":
+        summaries, rat, streams = bus_rows, [], []
+        bench_bus.print_report(bus_rows)
+    elif args.workload == "streams":
         summaries = [w.summary() for w in waves]
         rat = ratios(summaries, args.concurrency, TARGETS[target_set(args)])
         print_report(summaries, rat, meta)
