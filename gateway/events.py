@@ -1,18 +1,26 @@
-"""The event router: ONE Redis pub/sub connection per gateway process, shared by every job in
-flight, routing each `cortex:events:{job}` message to the `asyncio.Queue` of each listener of that
-job here (the request that submitted it, and clients resuming it: gateway/resume.py).
+"""The event router: ONE Redis pub/sub connection per gateway process (on a Redis Cluster, one per
+shard), shared by every job in flight, routing each `cortex:events:{job}` message to the
+`asyncio.Queue` of each listener of that job here (the request that submitted it, and clients
+resuming it: gateway/resume.py).
 
 A job subscribes before it is enqueued, and `subscribe` returns only once Redis has confirmed
 the subscription: pub/sub drops what nobody hears, so an earlier XADD could lose the first
-tokens. When the connection breaks (Redis restarts, the network goes) the router reconnects with
-backoff, and nothing waits for events that were published while nobody listened:
+tokens. When a connection breaks (Redis restarts, the network goes, a cluster's master dies) the
+router reconnects it with backoff, and nothing waits for events that were published while nobody
+listened; only the jobs whose channels that connection carried are touched:
 
 - a job that has heard an event (a node runs it) gets `BrokerUnavailable` on its queue at once;
 - a job still waiting in its stream (`track`ed, nothing heard) waits on, up to `outage_wait_s`.
   Once Redis is back the router subscribes to it again and then looks at its stream entry: still
   there and unread (or read only after the new subscription), it is served as if nothing had
-  happened (a durable Redis kept it); gone (a Redis that kept nothing), or read while nobody
-  listened, it fails with `BrokerUnavailable`.
+  happened (a durable Redis, or the replica that took over, kept it); gone (a Redis that kept
+  nothing), or read while nobody listened, it fails with `BrokerUnavailable`.
+
+On a cluster (`redis+cluster://`), nodes SPUBLISH each job's events to the shard that holds its
+channel's slot, and the router keeps one connection per shard, to whichever master holds the
+shard's slots now (a replica promoted after a failover), SSUBSCRIBEd to the channels of those
+slots. A shard whose slots move to another master (resharding) unsubscribes them: its jobs are
+treated as after a broken connection.
 """
 
 import asyncio
@@ -21,13 +29,13 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError, ResponseError
-
-from gateway.sharded_pubsub import ShardedPubSub
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP
-from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster, is_cluster_url
+from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster_url, node_client
 from shared.wire import Event, WireError, unpack_event
 
 log = logging.getLogger(__name__)
@@ -40,15 +48,36 @@ POLL_S = 1.0  # the reader wakes at least this often to check the connection
 PING_AFTER_IDLE_S = 5.0  # nothing heard for this long: send a PING
 DEAD_AFTER_IDLE_S = 15.0  # not even the PING answered: the connection is dead
 BACKOFF_MIN_S = 0.05
+MESSAGES = ("message", "smessage")
+CONFIRMATIONS = ("subscribe", "ssubscribe")
 
 
 def pubsub_client(url: str) -> aioredis.Redis:
     """A client without redis-py's own retry: a silent reconnect and resubscribe would hide the
     gap during which events were lost, so the router must see every broken connection. On a
-    cluster, the cluster's client (its map of the masters; `ShardedPubSub` connects to each)."""
+    cluster, the cluster's client: its map of the shards (the router connects to each master)."""
     if is_cluster_url(url):
         return cluster_client(url, socket_connect_timeout=2.0, socket_keepalive=True)
     return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True)
+
+
+class _Link:
+    """One pub/sub connection: to the Redis, or to the master that holds one shard's slots."""
+
+    def __init__(self, slot: int | None = None, slots: frozenset[int] = frozenset()):
+        self.slot = slot  # a cluster: one slot of its shard (whoever holds it is asked at each connect)
+        self.slots = slots  # ... and all of them, as of the last connect
+        self.name = "Redis" if slot is None else f"the shard of slot {slot}"
+        self.client: aioredis.Redis | None = None
+        self.pubsub: PubSub | None = None
+        self.connected = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.parked: set[bytes] = set()  # queued jobs waiting for this connection to come back
+        self.parked_at = 0.0
+
+    @property
+    def sharded(self) -> bool:
+        return self.slot is not None
 
 
 class EventRouter:
@@ -62,21 +91,20 @@ class EventRouter:
         self._client_factory = client_factory
         self._on_connect = on_connect  # run after every (re)connect, e.g. to rewrite the catalogue
         self._outage_wait_s = outage_wait_s  # how long queued jobs wait for Redis to come back
-        self._client: aioredis.Redis | None = None
-        self._pubsub: PubSub | None = None
+        self._cluster: RedisCluster | None = None  # a cluster's client: its map, and commands
+        self._links: list[_Link] = []
+        self._mapped = asyncio.Event()  # the links exist (at once for one Redis; a cluster's map read)
+        self._mapper: asyncio.Task | None = None
+        self._link_of: dict[bytes, _Link] = {}  # channel -> the link it was subscribed on
         self._queues: dict[bytes, list[asyncio.Queue[Item]]] = {}  # channel -> its listeners' queues
         self._confirmations: dict[bytes, asyncio.Future[None]] = {}
         self._entries: dict[bytes, tuple[str, str]] = {}  # channel -> its job's (stream, entry id)
         self._heard: set[bytes] = set()  # channels an event came on
-        self._parked: set[bytes] = set()  # queued jobs waiting for Redis to come back
-        self._parked_at = 0.0
         self._checks: set[asyncio.Task] = set()
-        self._connected = asyncio.Event()
-        self._task: asyncio.Task | None = None
 
     @property
     def connected(self) -> bool:
-        return self._connected.is_set()
+        return self._mapped.is_set() and all(link.connected.is_set() for link in self._links)
 
     @property
     def in_flight(self) -> int:
@@ -84,37 +112,44 @@ class EventRouter:
         return len(self._queues)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cortex-event-router")
+        self._mapper = asyncio.create_task(self._map(), name="cortex-event-router")
 
     async def stop(self) -> None:
-        while self._task is not None and not self._task.done():
-            self._task.cancel()  # again if need be: Python 3.11's wait_for can swallow a cancel
-            await asyncio.wait({self._task}, timeout=0.1)
+        tasks = [t for t in [self._mapper, *(link.task for link in self._links)] if t is not None]
+        while any(not t.done() for t in tasks):
+            for task in tasks:
+                task.cancel()  # again if need be: Python 3.11's wait_for can swallow a cancel
+            await asyncio.wait(tasks, timeout=0.1)
         for check in self._checks:
             check.cancel()
-        await self._drop_connection("the gateway is shutting down", park=False)
+        for link in self._links:
+            await self._drop_connection(link, "the gateway is shutting down", park=False)
+        if self._cluster is not None:
+            await self._cluster.aclose()
 
     async def subscribe(self, channel: str) -> asyncio.Queue[Item]:
         """Route `channel` to a new queue; returns once Redis has confirmed the subscription."""
-        if not self._connected.is_set():
+        key = channel.encode()
+        link = self._link_of.get(key) or await self._link_for(key)
+        if not link.connected.is_set():
             try:
                 async with asyncio.timeout(CONNECT_WAIT_S):
-                    await self._connected.wait()
+                    await link.connected.wait()
             except TimeoutError:
                 raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
-        pubsub = self._pubsub
+        pubsub = link.pubsub
         if pubsub is None:
             raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
-        key = channel.encode()
         queue: asyncio.Queue[Item] = asyncio.Queue()
         listeners = self._queues.setdefault(key, [])
         listeners.append(queue)
         if len(listeners) == 1:  # the first listener here: subscribe
+            self._link_of[key] = link
             self._confirmations[key] = asyncio.get_running_loop().create_future()
         confirmed = self._confirmations.get(key)
         try:
             if len(listeners) == 1:
-                await pubsub.subscribe(key)
+                await self._send(link, "SUBSCRIBE", key)
             if confirmed is not None:  # else subscribed (and confirmed) for an earlier listener
                 async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                     await asyncio.shield(confirmed)
@@ -139,75 +174,148 @@ class EventRouter:
             listeners.remove(queue)
         if listeners:
             return
+        link = self._link_of.get(key)
         self._confirmations.pop(key, None)
-        self._entries.pop(key, None)
-        self._heard.discard(key)
-        self._parked.discard(key)
-        if self._queues.pop(key, None) is None or not self._connected.is_set():
+        self._forget(key)
+        if link is None or not link.connected.is_set():
             return
         try:
-            await self._pubsub.unsubscribe(key)
+            await self._send(link, "UNSUBSCRIBE", key)
         except (RedisError, OSError) as exc:  # the reader sees the broken connection too
             log.debug("unsubscribe %s failed: %s", channel, exc)
 
-    # ---- the reader task ------------------------------------------------------------------
+    @staticmethod
+    async def _send(link: _Link, command: str, *keys: bytes) -> None:
+        """(UN)SUBSCRIBE, or on a cluster SSUBSCRIBE / SUNSUBSCRIBE one channel at a time (the
+        channels of one command must share a slot)."""
+        if not link.sharded:
+            await link.pubsub.execute_command(command, *keys)
+            return
+        for key in keys:
+            await link.pubsub.execute_command("S" + command, key)
 
-    async def _run(self) -> None:
-        delay = BACKOFF_MIN_S
+    # ---- the links ---------------------------------------------------------------------------
+
+    async def _link_for(self, key: bytes) -> _Link:
+        if not self._mapped.is_set():
+            try:
+                async with asyncio.timeout(CONNECT_WAIT_S):
+                    await self._mapped.wait()
+            except TimeoutError:
+                raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+        if self._cluster is None:
+            return self._links[0]
+        slot = key_slot(key)
+        link = next((link for link in self._links if slot in link.slots), None)
+        if link is None:  # a shard this gateway has not met (the cluster grew): read the map again
+            self._add_links(await self._read_map())
+            link = next(link for link in self._links if slot in link.slots)
+        return link
+
+    async def _map(self) -> None:
+        """Make the links: one for one Redis, or one per shard of the cluster, once its map is read."""
+        first = self._client_factory()
+        if not isinstance(first, RedisCluster):
+            self._add_links({None: frozenset()}, first)
+            return
+        self._cluster, delay = first, BACKOFF_MIN_S
         while True:
             try:
-                await self._connect()
-                delay = BACKOFF_MIN_S
-                log.info("event router connected to Redis")
-                await self._read()
+                self._add_links(await self._read_map())
+                return
             except (RedisError, OSError) as exc:
-                log.warning("event router: Redis unreachable (%s); reconnecting in %.2fs", exc, delay)
-            except Exception:  # never let the router die: every job depends on it
-                log.exception("event router: unexpected error; reconnecting in %.2fs", delay)
-            await self._drop_connection("lost the connection to Redis while the job was running")
-            self._expire_parked()
+                log.warning("event router: the Redis Cluster is unreachable (%s); trying again in %.2fs", exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
-    async def _connect(self) -> None:
-        if not is_cluster(self._client):  # a cluster's client is kept: it knows every node, not just the URL's
-            self._client = self._client_factory()
-        self._pubsub = (ShardedPubSub(self._client) if is_cluster(self._client)
-                        else self._client.pubsub())
-        await self._pubsub.connect()
+    async def _read_map(self) -> dict[int, frozenset[int]]:
+        """The cluster's shards now: a slot of each -> all its slots."""
+        await self._cluster.nodes_manager.initialize()
+        by_master: dict[str, set[int]] = {}
+        for slot, nodes in self._cluster.nodes_manager.slots_cache.items():
+            by_master.setdefault(nodes[0].name, set()).add(slot)
+        return {min(slots): frozenset(slots) for slots in by_master.values()}
+
+    def _add_links(self, shards: dict[int | None, frozenset[int]], client: aioredis.Redis | None = None) -> None:
+        """Links to the shards not linked yet (`client`: the one Redis's first client)."""
+        for slot, slots in shards.items():
+            if slot is not None and any(slot in link.slots for link in self._links):
+                continue
+            link = _Link(slot, slots)
+            link.client = client
+            link.task = asyncio.create_task(self._run(link), name=f"cortex-event-router-{slot}")
+            self._links.append(link)
+        self._mapped.set()
+
+    # ---- one link's reader task --------------------------------------------------------------
+
+    async def _run(self, link: _Link) -> None:
+        delay = BACKOFF_MIN_S
+        while True:
+            try:
+                await self._connect(link)
+                delay = BACKOFF_MIN_S
+                log.info("event router connected to %s", link.name)
+                await self._read(link)
+            except (RedisError, OSError) as exc:
+                log.warning("event router: %s unreachable (%s); reconnecting in %.2fs", link.name, exc, delay)
+            except Exception:  # never let the router die: every job depends on it
+                log.exception("event router: unexpected error; reconnecting in %.2fs", delay)
+            await self._drop_connection(link, "lost the connection to Redis while the job was running")
+            self._expire_parked(link)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _connect(self, link: _Link) -> None:
+        if link.sharded:  # whoever holds the shard's slots now (a replica promoted after a failover)
+            await self._cluster.nodes_manager.initialize()
+            master = self._cluster.nodes_manager.slots_cache[link.slot][0]
+            link.slots = frozenset(slot for slot, nodes in self._cluster.nodes_manager.slots_cache.items()
+                                   if nodes[0].name == master.name)
+            link.client = node_client(self._cluster, master.host, master.port)
+        elif link.client is None:
+            link.client = self._client_factory()
+        link.pubsub = link.client.pubsub()
+        await link.pubsub.connect()
         if self._on_connect is not None:
             try:
                 await self._on_connect()
             except Exception as exc:
                 log.warning("event router: on-connect hook failed: %s", exc)
-        if self._parked:
-            parked, self._parked = list(self._parked), set()
+        if link.parked:
+            parked, link.parked = list(link.parked), set()
+            moved = [key for key in parked if link.sharded and key_slot(key) not in link.slots]
+            for key in moved:  # resharded away: where its events went meanwhile is unknown
+                self._tell(key, BrokerUnavailable("the Redis Cluster moved the job's events to another shard"))
+                self._forget(key)
+            parked = [key for key in parked if key not in moved]
             confirmations = {key: asyncio.get_running_loop().create_future() for key in parked}
             self._confirmations.update(confirmations)
-            await self._pubsub.subscribe(*parked)
-            check = asyncio.create_task(self._check_parked(confirmations), name="check-parked-jobs")
+            if parked:
+                await self._send(link, "SUBSCRIBE", *parked)
+            check = asyncio.create_task(self._check_parked(link, confirmations), name="check-parked-jobs")
             self._checks.add(check)
             check.add_done_callback(self._checks.discard)
-        self._connected.set()
+        link.connected.set()
 
-    async def _read(self) -> None:
+    async def _read(self, link: _Link) -> None:
         loop = asyncio.get_running_loop()
         heard_at, pinged = loop.time(), False
         while True:
-            message = await self._pubsub.get_message(timeout=POLL_S)
+            message = await link.pubsub.get_message(timeout=POLL_S)
             idle_s = loop.time() - heard_at
             if message is not None:
                 heard_at, pinged = loop.time(), False
-                self._dispatch(message)
+                self._dispatch(link, message)
             elif idle_s > DEAD_AFTER_IDLE_S:
                 raise ConnectionError(f"no answer from Redis in {idle_s:.0f}s")
             elif idle_s > PING_AFTER_IDLE_S and not pinged:
-                await self._pubsub.ping()
+                await link.pubsub.ping()
                 pinged = True
 
-    def _dispatch(self, message: dict) -> None:
+    def _dispatch(self, link: _Link, message: dict) -> None:
         kind, channel = message["type"], message["channel"]
-        if kind == "message" and (listeners := self._queues.get(channel)):
+        if kind in MESSAGES and (listeners := self._queues.get(channel)):
             self._heard.add(channel)
             try:
                 item = unpack_event(message["data"])
@@ -216,30 +324,32 @@ class EventRouter:
                 item = GenerationFailed(f"the node sent an event this gateway cannot read: {exc}")
             for queue in listeners:
                 queue.put_nowait(item)
-        elif kind == "subscribe" and (confirmed := self._confirmations.pop(channel, None)) is not None:
+        elif kind in CONFIRMATIONS and (confirmed := self._confirmations.pop(channel, None)) is not None:
             if not confirmed.done():
                 confirmed.set_result(None)
+        elif kind == "sunsubscribe" and self._link_of.get(channel) is link:  # not asked for: its slot moved
+            raise ConnectionError(f"the Redis Cluster moved {channel.decode()} to another shard")
 
-    async def _drop_connection(self, why: str, *, park: bool = True) -> None:
-        """Close the connection; jobs that heard an event (or all, without `park`) fail with a 503,
-        queued ones wait for Redis to come back."""
-        self._connected.clear()
-        for key in list(self._queues):
+    async def _drop_connection(self, link: _Link, why: str, *, park: bool = True) -> None:
+        """Close the link; its jobs that heard an event (or all, without `park`) fail with a 503,
+        queued ones wait for it to come back."""
+        link.connected.clear()
+        for key in [key for key, on in self._link_of.items() if on is link]:
             if park and key in self._entries and key not in self._heard:
-                self._parked.add(key)
+                link.parked.add(key)
                 continue
             self._tell(key, BrokerUnavailable(why))
-            self._forget(key)
-        for confirmed in self._confirmations.values():
-            if not confirmed.done():
+            if (confirmed := self._confirmations.pop(key, None)) is not None and not confirmed.done():
                 confirmed.set_exception(BrokerUnavailable(why))
-        self._confirmations.clear()
-        if self._parked and not self._parked_at:
-            self._parked_at = asyncio.get_running_loop().time()
-            log.warning("event router: %d queued jobs wait up to %gs for Redis to come back", len(self._parked),
-                        self._outage_wait_s)
-        pubsub, client, self._pubsub = self._pubsub, self._client, None
-        self._client = client if is_cluster(client) and park else None  # closed, but it still knows the nodes
+            self._forget(key)
+        for key in link.parked:
+            if (confirmed := self._confirmations.pop(key, None)) is not None and not confirmed.done():
+                confirmed.set_exception(BrokerUnavailable(why))
+        if link.parked and not link.parked_at:
+            link.parked_at = asyncio.get_running_loop().time()
+            log.warning("event router: %d queued jobs wait up to %gs for %s to come back", len(link.parked),
+                        self._outage_wait_s, link.name)
+        pubsub, client, link.pubsub, link.client = link.pubsub, link.client, None, None
         for closing in (pubsub, client):
             if closing is not None:
                 try:
@@ -255,23 +365,24 @@ class EventRouter:
         self._queues.pop(key, None)
         self._entries.pop(key, None)
         self._heard.discard(key)
-        self._parked.discard(key)
+        if (link := self._link_of.pop(key, None)) is not None:
+            link.parked.discard(key)
 
-    def _expire_parked(self) -> None:
+    def _expire_parked(self, link: _Link) -> None:
         """Queued jobs that waited `outage_wait_s` for Redis fail."""
-        if self._parked and asyncio.get_running_loop().time() - self._parked_at > self._outage_wait_s:
-            for key in list(self._parked):
+        if link.parked and asyncio.get_running_loop().time() - link.parked_at > self._outage_wait_s:
+            for key in list(link.parked):
                 self._tell(key, BrokerUnavailable(
                     f"Redis did not come back within {self._outage_wait_s:g}s while the job was queued"))
                 self._forget(key)
-        if not self._parked:
-            self._parked_at = 0.0
+        if not link.parked:
+            link.parked_at = 0.0
 
-    async def _check_parked(self, confirmations: dict[bytes, asyncio.Future[None]]) -> None:
+    async def _check_parked(self, link: _Link, confirmations: dict[bytes, asyncio.Future[None]]) -> None:
         """Once subscribed again: serve each queued job whose entry is still unread (or was read
         only after this subscription); fail the others, whose events may have been lost."""
         loop = asyncio.get_running_loop()
-        self._parked_at = 0.0
+        link.parked_at = 0.0
         try:
             async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
                 await asyncio.gather(*confirmations.values())
@@ -284,7 +395,7 @@ class EventRouter:
                 continue  # the client left, or the job is being served
             stream, entry_id = self._entries[key]
             try:
-                waiting = await self._still_queued(stream, entry_id, loop.time() * 1000 - listening_ms)
+                waiting = await self._still_queued(link, stream, entry_id, loop.time() * 1000 - listening_ms)
             except (RedisError, OSError) as exc:
                 waiting, why = False, f"could not check the job's entry after Redis came back: {exc}"
             else:
@@ -294,10 +405,10 @@ class EventRouter:
             elif key in self._queues and key not in self._heard:
                 self._tell(key, BrokerUnavailable(why))
                 self._entries.pop(key, None)  # failed: never parked again
-        log.info("event router: Redis is back; %d of %d queued jobs wait on", resumed, len(confirmations))
+        log.info("event router: %s is back; %d of %d queued jobs wait on", link.name, resumed, len(confirmations))
 
-    async def _still_queued(self, stream: str, entry_id: str, listening_for_ms: float) -> bool:
-        client = self._client
+    async def _still_queued(self, link: _Link, stream: str, entry_id: str, listening_for_ms: float) -> bool:
+        client = self._cluster if link.sharded else link.client
         if client is None:
             raise ConnectionError("not connected")
         try:
