@@ -55,6 +55,7 @@ class LocalCluster:
     def __init__(self, root: Path):
         self.root = root
         self.nodes: dict[int, Service] = {}
+        self.argv: dict[int, list[str]] = {}  # how each node was started (a restart uses it again)
         self.ports: list[int] = []  # every node's client port, the masters at creation first
         self.create_output = ""  # what `redis-cli --cluster create` printed
 
@@ -133,6 +134,14 @@ class LocalCluster:
         service.proc.wait()
         service.stop()
 
+    def rejoin(self, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Start a killed node again on its files: it rejoins as a replica of the master that took its
+        slots (what an operator does after a failover); returns once its replication link is up."""
+        workdir = self.root / f"node-{port}"
+        self.nodes[port] = Service(f"redis-{port}", self.argv[port], workdir / "redis-rejoined.log")
+        _wait(lambda: self._ask(lambda c: c.info("replication").get("master_link_status"), port) == "up", timeout_s,
+              lambda: f"{port} did not rejoin as a replica; cluster nodes:\n{self._describe()}")
+
     def healthy(self, without: int | None = None) -> bool:
         """Every live node: cluster_state ok, all slots ok, and (with `without`) no slot owned by it."""
         for port in self.live_ports():
@@ -199,6 +208,7 @@ def start_cluster(root: Path, masters: int = 3, replicas: int = 1) -> LocalClust
                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                 "--cluster-node-timeout", "1000", "--cluster-port", str(bus_port),
                 "--repl-diskless-sync-delay", "0"]  # a replica's first sync at once, not after 5 s
+            cluster.argv[port] = argv
             cluster.nodes[port] = Service(f"redis-{port}", argv, workdir / "redis.log")
             cluster.ports.append(port)
         for port, service in cluster.nodes.items():
