@@ -38,7 +38,7 @@ from shared.catalog import Catalog
 from shared.errors import CortexError
 from shared.fleet import Fleet
 from shared import redis_health
-from shared.redis_conn import connect, redact
+from shared.redis_conn import connect, is_cluster_url, redact
 from shared.settings import GatewaySettings, NodeSettings
 
 CLI_NAME = "cortex"
@@ -114,6 +114,10 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 async def _backup(settings: GatewaySettings, path: Path) -> int:
+    if is_cluster_url(settings.redis_url):  # one snapshot file holds one node's slots, not the cluster
+        print("cortex backup: CORTEX_REDIS_URL names a Redis Cluster; back up each master's snapshot instead "
+              "(redis-cli --cluster call HOST:PORT BGSAVE, then copy each master's dump.rdb)", file=sys.stderr)
+        return 2
     client = connect(settings.redis_url)
     try:
         size = await backup.backup(client, path)

@@ -89,3 +89,14 @@ def test_shared_prefix_takes_one_concurrency():
                           env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 2
     assert "--workload shared-prefix takes one --concurrency" in done.stderr
+
+
+def test_bus_runs_the_same_fleet_on_one_redis_and_on_a_cluster(tmp_path):
+    done, doc = bench(tmp_path, "--workload", "bus", "--shape", "tiny", "--bus-models", "2", "--bus-gateways", "1",
+                      "--nodes", "1", "--concurrency", "4", "--max-tokens", "8", "--max-model-len", "256")
+    assert doc["failures"] == {}
+    one, cluster = doc["results"]
+    assert (one["bus"], cluster["bus"]) == ("one Redis", "3-master cluster")
+    assert all(r["errors"] == 0 and r["tok_s"] > 0 and r["commands_per_token"] > 0 for r in (one, cluster))
+    assert len(one["per_shard"]) == 1 and len(cluster["per_shard"]) == 3 and sum(cluster["per_shard"]) > 0
+    assert "cluster / one Redis tok/s" in done.stdout

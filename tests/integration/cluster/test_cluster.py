@@ -2,8 +2,11 @@
 limits, cancel, a node lost, and a master killed (its replica promoted) under traffic with no
 queued job lost. In file order: the last tests change the fleet (a node killed, a master killed)."""
 
+import json
 import re
 import signal
+import subprocess
+import sys
 import threading
 
 import anthropic
@@ -86,6 +89,23 @@ def test_a_keys_rpm_limit_holds(cluster_stack):
     assert outcomes == ["chat.completion"] * 3 + ["rate_limit_exceeded"] * 2
     with pytest.raises(openai.AuthenticationError):
         chat(cluster_stack, "sk-not-a-key")
+
+
+def cortex(stack, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=stack.env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_the_cli_reads_the_fleet_and_its_keys_from_the_cluster(cluster_stack, secret, tmp_path):
+    status = cortex(cluster_stack, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    fleet = json.loads(status.stdout)
+    assert [n["node"] for n in fleet["nodes"] if n["alive"]] == ["node-a"]
+    assert [q["model"] for q in fleet["queues"]] == [MODEL]
+    listed = cortex(cluster_stack, "keys", "list")
+    assert listed.returncode == 0 and "cluster-user" in listed.stdout, listed.stderr
+    backup = cortex(cluster_stack, "backup", str(tmp_path / "dump.rdb"))
+    assert backup.returncode == 2 and "each master" in backup.stderr
 
 
 def test_a_client_that_hangs_up_cancels_its_job(cluster_stack, secret):
