@@ -74,6 +74,7 @@ class _Link:
         self.task: asyncio.Task | None = None
         self.parked: set[bytes] = set()  # queued jobs waiting for this connection to come back
         self.parked_at = 0.0
+        self.was_connected = False
 
     @property
     def sharded(self) -> bool:
@@ -293,10 +294,40 @@ class EventRouter:
             self._confirmations.update(confirmations)
             if parked:
                 await self._send(link, "SUBSCRIBE", *parked)
-            check = asyncio.create_task(self._check_parked(link, confirmations), name="check-parked-jobs")
-            self._checks.add(check)
-            check.add_done_callback(self._checks.discard)
+            self._spawn(self._check_parked(link, confirmations))
+        if link.sharded and link.was_connected:
+            self._spawn(self.check_streams(link))
         link.connected.set()
+        link.was_connected = True
+
+    def _spawn(self, check: Awaitable[None]) -> None:
+        task = asyncio.create_task(check, name="check-queued-jobs")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def check_streams(self, link: _Link) -> None:
+        """After `link`'s shard came back (a replica promoted): the queued jobs listened to on other
+        shards whose entries that shard held. One whose entry is gone (a write the replica never
+        got) fails with a 503; the others wait on (nobody stopped listening to them)."""
+        queued = [(key, *self._entries[key]) for key in list(self._entries)
+                  if key not in self._heard and self._link_of.get(key) is not link
+                  and key_slot(self._entries[key][0].encode()) in link.slots]
+        lost = 0
+        for key, stream, entry_id in queued:
+            homes = [stream] + ([stream.rsplit(":@", 1)[0] + ":moved"] if ":@" in stream else [])  # Keys.moved_jobs
+            try:
+                if any([await self._cluster.xrange(home, min=entry_id, max=entry_id) for home in homes]):
+                    continue
+            except (RedisError, OSError) as exc:
+                log.warning("event router: could not check a queued job's entry on %s: %s", link.name, exc)
+                return
+            await asyncio.sleep(0.1)  # an event on its way from its own shard would say it ran and ended
+            if key in self._queues and key not in self._heard:
+                lost += 1
+                self._tell(key, BrokerUnavailable("the job's queue entry was lost when its Redis master failed"))
+                self._entries.pop(key, None)
+        if queued:
+            log.info("event router: %s is back; %d of the %d queued jobs it held were lost", link.name, lost, len(queued))
 
     async def _read(self, link: _Link) -> None:
         loop = asyncio.get_running_loop()

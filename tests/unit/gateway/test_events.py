@@ -178,3 +178,18 @@ async def test_a_queued_job_fails_when_redis_stays_away(fast_checks, redis_facto
     assert isinstance(item, BrokerUnavailable) and "did not come back within 0.3s" in item.message
     fake_server.connected = True
     await router.stop()
+
+
+async def test_a_shard_back_from_a_failover_fails_the_queued_jobs_whose_entries_it_lost(router, redis):
+    """On a cluster a job's stream and its events channel may live on different shards: when the
+    stream's shard comes back (its replica promoted), a queued job whose entry the replica never got
+    fails at once rather than wait for its request's timeout; the others wait on."""
+    kept = await queued_job(router, redis, "cortex:events:kept")
+    lost = await queued_job(router, redis, "cortex:events:lost")
+    await redis.xdel("cortex:jobs:m", router._entries[b"cortex:events:lost"][1])  # a write the replica never got
+    router._cluster = redis  # commands go through the cluster's client
+    await router.check_streams(events._Link(0, frozenset(range(16384))))  # the stream's shard, back
+    item = lost.get_nowait()
+    assert isinstance(item, BrokerUnavailable) and "lost when its Redis master failed" in item.message
+    assert kept.empty()
+    router._cluster = None
