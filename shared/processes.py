@@ -15,6 +15,8 @@ from typing import IO
 
 import redis
 
+from shared.redis_conn import seed_urls
+
 
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM if the supervisor itself dies (Linux only)."""
@@ -163,13 +165,17 @@ def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | 
 
 
 def redis_answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+    """Redis at `url` answers PING (a cluster: one of the nodes its URL names)."""
+    for one in seed_urls(url):
+        client = redis.Redis.from_url(one, socket_connect_timeout=0.5, socket_timeout=1.0)
+        try:
+            if client.ping():
+                return True
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
+    return False
 
 
 def wait_for_redis(url: str, child: Child | None, timeout_s: float = 15.0) -> bool:

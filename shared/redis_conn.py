@@ -40,15 +40,22 @@ def node_url(url: str) -> str:
     return CLUSTER_SCHEMES[scheme] + url[len(scheme):] if scheme in CLUSTER_SCHEMES else url
 
 
-def cluster_client(url: str, **kwargs) -> RedisCluster:
-    """A Redis Cluster's client from ``redis+cluster://[user:password@]host:port[,host:port...]``: the
-    nodes named are where it first asks for the cluster's map (name several: one may be down)."""
+def seed_urls(url: str) -> list[str]:
+    """The plain URL of each node a cluster URL names (``redis+cluster://[user:password@]h1:p1,h2:p2``
+    → ``redis://[user:password@]h1:p1``, …); any other URL alone."""
+    if not is_cluster_url(url):
+        return [url]
     parts = urlsplit(node_url(url))
     credentials, _, hosts = parts.netloc.rpartition("@")
-    first, *others = hosts.split(",")
-    seeds = [ClusterNode(*host.rsplit(":", 1)) for host in others]
-    netloc = f"{credentials}@{first}" if credentials else first
-    return RedisCluster.from_url(parts._replace(netloc=netloc).geturl(), startup_nodes=seeds or None, **kwargs)
+    return [parts._replace(netloc=f"{credentials}@{host}" if credentials else host).geturl() for host in hosts.split(",")]
+
+
+def cluster_client(url: str, **kwargs) -> RedisCluster:
+    """A Redis Cluster's client from a cluster URL: the nodes it names are where it first asks for the
+    cluster's map (name several: one may be down)."""
+    first, *others = seed_urls(url)
+    seeds = [ClusterNode(urlsplit(other).hostname, urlsplit(other).port) for other in others]
+    return RedisCluster.from_url(first, startup_nodes=seeds or None, **kwargs)
 
 
 def connect(url: str, **kwargs) -> aioredis.Redis:
