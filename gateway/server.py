@@ -34,7 +34,7 @@ GRACEFUL_SHUTDOWN_S = 5.0  # open streams get this long to finish on SIGTERM/SIG
 
 
 async def publish_catalog(redis: aioredis.Redis, keys: Keys, catalog: Catalog) -> None:
-    """`cortex:catalog`: model id → profile JSON, replaced as a whole (one transaction)."""
+    """`cortex:catalog`: model id → profile JSON, replaced as a whole (one transaction on one Redis)."""
     async with atomic(redis) as pipe:
         pipe.delete(keys.catalog())
         pipe.hset(keys.catalog(), mapping={id_: p.model_dump_json() for id_, p in catalog.profiles.items()})

@@ -2,8 +2,8 @@
 Cluster; the few commands that differ between the two; the errors clients get when Redis fails;
 and `Outage`, which keeps a retrying loop's log to two lines per outage.
 
-`CORTEX_REDIS_URL` names a cluster with the scheme ``redis+cluster://host:port`` (or
-``rediss+cluster://``): any of its nodes; the client learns the others. On a cluster, Cortex's keys
+`CORTEX_REDIS_URL` names a cluster with the scheme ``redis+cluster://host:port[,host:port…]`` (or
+``rediss+cluster://``): some of its nodes, where a client first asks for the cluster's map. On a cluster, Cortex's keys
 carry hash tags (`shared.keys`), job events use sharded pub/sub (SPUBLISH), and the groups of
 writes Cortex sends as MULTI/EXEC on one Redis go as pipelines (`atomic`): each command atomic,
 the group not, since redis-py's asyncio cluster client has no transactions.
