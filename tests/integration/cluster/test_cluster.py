@@ -196,7 +196,7 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
         except openai.APIError as exc:
             results.append(exc)
     waiting = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
-    node.proc.send_signal(signal.SIGSTOP)  # reads nothing, for less than its heartbeat's TTL (8 s)
+    node.proc.send_signal(signal.SIGSTOP)  # reads nothing, for less than its heartbeat's TTL (15 s here)
     try:
         for t in waiting:
             t.start()
