@@ -1,6 +1,7 @@
 """The end-to-end tier on a Redis Cluster: both dialects streaming, batches, API keys and their
-limits, cancel, a node lost, and a master killed (its replica promoted) under traffic with no
-queued job lost. In file order: the last tests change the fleet (a node killed, a master killed)."""
+limits, the CLI, cancel, a node lost, and masters killed (their replicas promoted) under traffic:
+a running stream ends clearly, queued jobs are served from the replica. In file order: the last
+tests change the fleet (a node killed, masters killed)."""
 
 import json
 import re
