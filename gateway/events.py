@@ -33,6 +33,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
+from shared import queues
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP
 from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster_url, node_client
@@ -59,6 +60,17 @@ def pubsub_client(url: str) -> aioredis.Redis:
     if is_cluster_url(url):
         return cluster_client(url, socket_connect_timeout=2.0, socket_keepalive=True)
     return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True)
+
+
+async def _reconnected(ready: asyncio.Event) -> None:
+    """Wait up to `CONNECT_WAIT_S` for a (re)connecting router; BrokerUnavailable after that."""
+    if ready.is_set():
+        return
+    try:
+        async with asyncio.timeout(CONNECT_WAIT_S):
+            await ready.wait()
+    except TimeoutError:
+        raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
 
 
 class _Link:
@@ -132,12 +144,7 @@ class EventRouter:
         """Route `channel` to a new queue; returns once Redis has confirmed the subscription."""
         key = channel.encode()
         link = self._link_of.get(key) or await self._link_for(key)
-        if not link.connected.is_set():
-            try:
-                async with asyncio.timeout(CONNECT_WAIT_S):
-                    await link.connected.wait()
-            except TimeoutError:
-                raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+        await _reconnected(link.connected)
         pubsub = link.pubsub
         if pubsub is None:
             raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
@@ -198,12 +205,7 @@ class EventRouter:
     # ---- the links ---------------------------------------------------------------------------
 
     async def _link_for(self, key: bytes) -> _Link:
-        if not self._mapped.is_set():
-            try:
-                async with asyncio.timeout(CONNECT_WAIT_S):
-                    await self._mapped.wait()
-            except TimeoutError:
-                raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+        await _reconnected(self._mapped)
         if self._cluster is None:
             return self._links[0]
         slot = key_slot(key)
@@ -269,10 +271,8 @@ class EventRouter:
 
     async def _connect(self, link: _Link) -> None:
         if link.sharded:  # whoever holds the shard's slots now (a replica promoted after a failover)
-            await self._cluster.nodes_manager.initialize()
+            link.slots = next(slots for slots in (await self._read_map()).values() if link.slot in slots)
             master = self._cluster.nodes_manager.slots_cache[link.slot][0]
-            link.slots = frozenset(slot for slot, nodes in self._cluster.nodes_manager.slots_cache.items()
-                                   if nodes[0].name == master.name)
             link.client = node_client(self._cluster, master.host, master.port)
         elif link.client is None:
             link.client = self._client_factory()
@@ -314,9 +314,8 @@ class EventRouter:
                   and key_slot(self._entries[key][0].encode()) in link.slots]
         lost = 0
         for key, stream, entry_id in queued:
-            homes = [stream] + ([stream.rsplit(":@", 1)[0] + ":moved"] if ":@" in stream else [])  # Keys.moved_jobs
             try:
-                if any([await self._cluster.xrange(home, min=entry_id, max=entry_id) for home in homes]):
+                if any([await self._cluster.xrange(home, min=entry_id, max=entry_id) for home in queues.homes(stream)]):
                     continue
             except (RedisError, OSError) as exc:
                 log.warning("event router: could not check a queued job's entry on %s: %s", link.name, exc)

@@ -18,21 +18,12 @@ POSITION_CAP = 10_000  # positions are counted exactly up to this many jobs ahea
 
 async def _position(redis: aioredis.Redis, keys: Keys, stream: str, entry_id: str, *, take_back: bool) -> int:
     script = redis.register_script(queues.QUEUE_POSITION_LUA)
-    for where in _homes(keys, stream):
+    for where in queues.homes(stream):
         ahead = queues.streams_before(keys, where)
         args = [entry_id, CONSUMER_GROUP, POSITION_CAP, "1" if take_back else "0"]
         if place := int(await script(keys=[where, *ahead], args=args)):
             return place
     return 0
-
-
-def _homes(keys: Keys, stream: str) -> list[str]:
-    """Where a job queued on `stream` may wait: there, and for a node's own stream also the moved
-    stream the janitor moves it to (under the same entry id, unless a later id was moved first)."""
-    name = queues.parse(keys, stream)
-    if name is None or name.node is None:
-        return [stream]
-    return [stream, keys.moved_jobs(name.model, name.job_class, name.band)]
 
 
 async def position(ctx: GatewayContext, stream: str, entry_id: str) -> int:

@@ -12,8 +12,8 @@ class and band than slots):
    decode alongside; the heartbeat's KV blocks in use, plus the prompts this gateway routed there
    since, less those of its jobs that ended since). Dynamo weighs both alike (1); the default 0.25
    counts a token held by a running sequence as a quarter of a token to prefill, as a node with a
-   free slot decodes one more sequence for much less than it prefills its prompt. When that is a node holding none of it (the holders are
-   busier than the prefix is worth, or full): `full`;
+   free slot decodes one more sequence for much less than it prefills its prompt. When that is a
+   node holding none of it (the holders are busier than the prefix is worth, or full): `full`;
 2. else the node that ran the last turn of the job's session (`Keys.session`: the request's
    `prompt_cache_key`, `user`, Anthropic's `metadata.user_id` or the `x-cortex-session` header);
 3. else `load`: the least busy node (fewest tokens held by running sequences, then fewest cached

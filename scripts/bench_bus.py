@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench_core import CpuMeter, Procs, Wave, log, one_http, wait_until
+from bench_core import CpuMeter, Procs, Wave, concurrent_streams, log, wait_until
 from bench_servers import PY, openai_body
 
 BUSES = ("one Redis", "3-master cluster")
@@ -59,63 +59,53 @@ def _bus(kind: str, workdir: Path):
         queue.stop_all()
 
 
+@contextmanager
 def _fleet(args, kind: str, workdir: Path):
-    """Start the fleet on a fresh bus; yields (gateway URLs, model ids, master ports)."""
+    """The fleet on a fresh bus; yields (gateway URLs, model ids, master ports)."""
     import httpx
 
     from shared.processes import free_port
 
     models = [f"{args.model_id}-{i}" for i in range(args.bus_models)]
+    with _bus(kind, workdir) as (url, extra, masters):
+        procs = Procs(workdir)
+        try:
+            catalogue = workdir / "models.toml"
+            catalogue.write_text("".join(
+                f'[[models]]\nid = "{m}"\nsource = "{args.model_source}"\nslots = {args.slots}\n'
+                f'dtype = "{args.dtype}"\nmax_model_len = {args.max_model_len}\npin = true\n' for m in models))
+            env = {**os.environ, "CORTEX_REDIS_URL": url, "CORTEX_MODELS_FILE": str(catalogue),
+                   "CORTEX_LOG_LEVEL": "WARNING", **extra}
+            gateways = []
+            for g in range(args.bus_gateways):
+                port = free_port()
+                procs.start(f"gateway-{g}", [PY, "-m", "gateway"], {**env, "CORTEX_PORT": str(port)})
+                gateways.append(f"http://127.0.0.1:{port}")
+            threads = str(max(1, ((os.cpu_count() or 2) - 1) // args.nodes))
+            for n in range(args.nodes):
+                procs.start(f"node-{n}", [PY, "-m", "node_agent"],
+                            {**env, "CORTEX_NODE_NAME": f"bus-{n}", "CORTEX_MODELS": json.dumps(models),
+                             "CORTEX_DEVICE": args.device, "CORTEX_TORCH_THREADS": threads})
 
-    @contextmanager
-    def fleet():
-        with _bus(kind, workdir) as (url, extra, masters):
-            procs = Procs(workdir)
-            try:
-                catalogue = workdir / "models.toml"
-                catalogue.write_text("".join(
-                    f'[[models]]\nid = "{m}"\nsource = "{args.model_source}"\nslots = {args.slots}\n'
-                    f'dtype = "{args.dtype}"\nmax_model_len = {args.max_model_len}\npin = true\n' for m in models))
-                env = {**os.environ, "CORTEX_REDIS_URL": url, "CORTEX_MODELS_FILE": str(catalogue),
-                       "CORTEX_LOG_LEVEL": "WARNING", **extra}
-                gateways = []
-                for g in range(args.bus_gateways):
-                    port = free_port()
-                    procs.start(f"gateway-{g}", [PY, "-m", "gateway"], {**env, "CORTEX_PORT": str(port)})
-                    gateways.append(f"http://127.0.0.1:{port}")
-                threads = str(max(1, ((os.cpu_count() or 2) - 1) // args.nodes))
-                for n in range(args.nodes):
-                    procs.start(f"node-{n}", [PY, "-m", "node_agent"],
-                                {**env, "CORTEX_NODE_NAME": f"bus-{n}", "CORTEX_MODELS": json.dumps(models),
-                                 "CORTEX_DEVICE": args.device, "CORTEX_TORCH_THREADS": threads})
-
-                def ready() -> bool:
-                    listed = [httpx.get(f"{g}/v1/queue", timeout=2).json()["data"] for g in gateways]
-                    return all(len([q for q in data if q["model"] in models and q["replicas"] >= args.nodes]) == len(models)
-                               for data in listed)
-                wait_until(f"{len(models)} models on {args.nodes} nodes behind {len(gateways)} gateways", ready, 600,
-                           procs, 0.5)
-                yield gateways, models, masters
-            except Exception:
-                log("".join(f"\n{child.name} log tail:\n" + procs.tail(child.name) for child in procs.supervisor.children))
-                raise
-            finally:
-                procs.stop_all()
-    return fleet()
+            def ready() -> bool:
+                listed = [httpx.get(f"{g}/v1/queue", timeout=2).json()["data"] for g in gateways]
+                return all(len([q for q in data if q["model"] in models and q["replicas"] >= args.nodes]) == len(models)
+                           for data in listed)
+            wait_until(f"{len(models)} models on {args.nodes} nodes behind {len(gateways)} gateways", ready, 600,
+                       procs, 0.5)
+            yield gateways, models, masters
+        except Exception:
+            log("".join(f"\n{child.name} log tail:\n" + procs.tail(child.name) for child in procs.supervisor.children))
+            raise
+        finally:
+            procs.stop_all()
 
 
-async def _wave(gateways: list[str], models: list[str], n: int, max_tokens: int, timeout_s: float):
-    import httpx
-
-    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
-        t0 = time.perf_counter()
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one_http(
-                client, f"{gateways[i % len(gateways)]}/v1/chat/completions",
-                openai_body(models[i % len(models)])([{"role": "user", "content": f"Write story number {i}."}], max_tokens)))
-                for i in range(n)]
-        return time.perf_counter() - t0, [t.result() for t in tasks]
+def _requests(gateways: list[str], models: list[str], n: int, max_tokens: int) -> list[tuple[str, dict]]:
+    """`n` streams spread over the gateways and the models."""
+    return [(f"{gateways[i % len(gateways)]}/v1/chat/completions",
+             openai_body(models[i % len(models)])([{"role": "user", "content": f"Write story number {i}."}], max_tokens))
+            for i in range(n)]
 
 
 def run(args, workdir: Path) -> list[dict]:
@@ -125,11 +115,13 @@ def run(args, workdir: Path) -> list[dict]:
         folder = workdir / kind.replace(" ", "-")
         folder.mkdir(parents=True, exist_ok=True)
         with _fleet(args, kind, folder) as (gateways, models, masters):
-            asyncio.run(_wave(gateways, models, len(models) * len(gateways), 4, args.timeout))  # warm every path
+            asyncio.run(concurrent_streams(_requests(gateways, models, len(models) * len(gateways), 4),  # warm every path
+                                           args.timeout))
             for n in args.concurrency:
                 before = _commands(masters)
                 with CpuMeter() as cpu:
-                    wall, streams = asyncio.run(_wave(gateways, models, n, args.max_tokens, args.timeout))
+                    wall, streams = asyncio.run(concurrent_streams(_requests(gateways, models, n, args.max_tokens),
+                                                                   args.timeout))
                 after = _commands(masters)
                 summary = Wave(kind, n, wall, streams, cpu.other_pct, cpu.cores).summary()
                 shards = {port: after[port] - before[port] for port in masters}

@@ -4,6 +4,7 @@ percentiles, the CPU meter that flags noisy waves, the child processes, and the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -193,6 +194,21 @@ def wait_until(what: str, probe, timeout_s: float, procs: Procs, every_s: float 
 
 
 # ---- the HTTP client -------------------------------------------------------------------------
+
+
+async def concurrent_streams(requests: list[tuple[str, dict]], timeout_s: float) -> tuple[float, list[Stream]]:
+    """Every (URL, body) streamed at once; the wall time (to the last stream's end) and the streams."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
+        t0 = time.perf_counter()
+        async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one_http(client, url, body)) for url, body in requests]
+        streams = [t.result() for t in tasks]
+        ends = [s.total_s for s in streams if not math.isnan(s.total_s)]
+        wall = max(ends) if ends else time.perf_counter() - t0
+    return wall, streams
 
 
 async def one_http(client, url: str, body: dict) -> Stream:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the
 import bench_bus  # noqa: E402  (beside this file)
 import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
-from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, one_http, percentile,  # noqa: E402
+from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, concurrent_streams, finite, fmt, log, percentile,  # noqa: E402
                         verdict)
 from bench_servers import (FLEET, Served, cortex_fleet, cortex_gateway, model_profile,  # noqa: E402
                            transformers_serve, warm_up)
@@ -81,24 +81,10 @@ def prompt(i: int) -> str:
 # ---- the streams workload through HTTP (gateway and transformers serve) ------------------------
 
 
-async def _http_wave(url: str, bodies: list[dict], timeout_s: float) -> tuple[float, list[Stream]]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
-        t0 = time.perf_counter()
-        async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one_http(client, url, b)) for b in bodies]
-        streams = [t.result() for t in tasks]
-        ends = [s.total_s for s in streams if not math.isnan(s.total_s)]
-        wall = max(ends) if ends else time.perf_counter() - t0
-    return wall, list(streams)
-
-
 def http_wave(served: Served, n: int, max_tokens: int, timeout_s: float) -> Wave:
     bodies = [served.make_body([{"role": "user", "content": prompt(i)}], max_tokens) for i in range(n)]
     with CpuMeter() as cpu:
-        wall, streams = asyncio.run(_http_wave(served.chat_url, bodies, timeout_s))
+        wall, streams = asyncio.run(concurrent_streams([(served.chat_url, b) for b in bodies], timeout_s))
     return Wave(served.system, n, wall, streams, cpu.other_pct, cpu.cores)
 
 

@@ -1,7 +1,7 @@
 """The fleet as Redis holds it, read once for everyone: the gateway (placement, `/v1/queue`,
 errors), the batch worker and `cortex status`. Nodes come from heartbeats (`cortex:nodes` zset of
 node → last heartbeat ms; `cortex:node:{node}` hashes); queues from one Lua script per model
-(shared/queues.py), all in one pipeline. The fleet operations that are plain Redis commands live
+(shared/queues.py), all sent at once. The fleet operations that are plain Redis commands live
 here too: a command to one node (`cortex:cmd:{node}`) and a model's pin (`cortex:pins`)."""
 
 import asyncio
@@ -78,14 +78,15 @@ class Fleet:
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
         """Per model: queued jobs by class (the own streams of `nodes` too), running jobs, replicas taking
-        jobs, oldest wait (one round trip)."""
+        jobs, oldest wait (every model's sent at once)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
         streams = {model: queues.streams(self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model)))
                    for model in sorted(models)}
         # concurrently, not pipelined: a cluster pipeline cannot run scripts (each model's on its shard)
         replies = await asyncio.gather(*(script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
-                                         for pairs in streams.values()))
-        routings = await asyncio.gather(*(self._redis.hgetall(self._keys.routing(model)) for model in streams))
+                                         for pairs in streams.values()),
+                                       *(self._redis.hgetall(self._keys.routing(model)) for model in streams))
+        replies, routings = replies[:len(streams)], replies[len(streams):]
         found = []
         for (model, pairs), reply, routed in zip(streams.items(), replies, routings):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)

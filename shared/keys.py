@@ -61,6 +61,12 @@ class Keys:
         under its first entry id; every node reads it beside the shared stream, oldest first."""
         return f"{self.jobs(model, job_class, band)}:moved"
 
+    @staticmethod
+    def moved_of(node_stream: str) -> str:
+        """The moved stream of a node's own stream (`node_jobs` → `moved_jobs` of its model, class and
+        band), whatever the prefix or hash tags."""
+        return node_stream.rsplit(":@", 1)[0] + ":moved"
+
     def prefixes(self, model: str, node: str) -> str:
         """Hash with TTL (the node's heartbeat TTL, renewed by its heartbeats): conversation prefixes
         whose KV `node`'s cache holds for `model`, as the gateway names them (`shared.prefix_marks`)

@@ -77,6 +77,12 @@ def parse(keys: Keys, stream: str) -> StreamName | None:
     return StreamName(model if model is not None else rest, "interactive", "normal", node, moved)
 
 
+def homes(stream: str) -> list[str]:
+    """Where a job queued on `stream` may wait: there, and for a node's own stream also the moved
+    stream the janitor moves it to (under the same entry id, unless a later id was moved first)."""
+    return [stream, Keys.moved_of(stream)] if ":@" in stream else [stream]
+
+
 def model_of(keys: Keys, stream: str) -> str | None:
     """The model a job stream key belongs to (None for a key that is not a job stream)."""
     name = parse(keys, stream)

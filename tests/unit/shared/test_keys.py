@@ -24,7 +24,7 @@ def test_one_redis_keeps_the_names_it_always_had():
 
 
 def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
-    lone = {"prefixes", "session", "routing", "cancel", "arq_queue", "all_jobs", "stream_suffix"}
+    lone = {"prefixes", "session", "routing", "cancel", "arq_queue", "all_jobs", "stream_suffix", "moved_of"}
     for name, method in inspect.getmembers(Keys, inspect.isfunction):
         if name.startswith("_") or name in lone:
             continue
@@ -62,3 +62,6 @@ def test_stream_names_parse_back(keys):
         "m", "interactive", "low", node="node-a")
     assert queues.parse(keys, keys.moved_jobs("m")) == queues.StreamName("m", "interactive", "normal", moved=True)
     assert queues.parse(keys, keys.events("j")) is None
+    assert queues.homes(keys.node_jobs("m", "node-a", "batch", "low")) == [
+        keys.node_jobs("m", "node-a", "batch", "low"), keys.moved_jobs("m", "batch", "low")]
+    assert queues.homes(keys.jobs("m")) == [keys.jobs("m")]
