@@ -24,6 +24,7 @@ treated as after a broken connection.
 """
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -49,6 +50,7 @@ POLL_S = 1.0  # the reader wakes at least this often to check the connection
 PING_AFTER_IDLE_S = 5.0  # nothing heard for this long: send a PING
 DEAD_AFTER_IDLE_S = 15.0  # not even the PING answered: the connection is dead
 BACKOFF_MIN_S = 0.05
+WOKEN_AFTER_S = 0.1  # a reconnect a waiting request asks for comes no sooner than this after the last try
 MESSAGES = ("message", "smessage")
 CONFIRMATIONS = ("subscribe", "ssubscribe")
 
@@ -62,15 +64,28 @@ def pubsub_client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True)
 
 
-async def _reconnected(ready: asyncio.Event) -> None:
-    """Wait up to `CONNECT_WAIT_S` for a (re)connecting router; BrokerUnavailable after that."""
+async def _reconnected(ready: asyncio.Event, wake: asyncio.Event | None = None) -> None:
+    """Wait up to `CONNECT_WAIT_S` for a (re)connecting router; BrokerUnavailable after that.
+    `wake`: cut the link's backoff short (a request is waiting: try again now, not in up to 2 s)."""
     if ready.is_set():
         return
+    if wake is not None:
+        wake.set()
     try:
         async with asyncio.timeout(CONNECT_WAIT_S):
             await ready.wait()
     except TimeoutError:
         raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+
+
+async def _back_off(delay: float, wake: asyncio.Event) -> None:
+    """Sleep `delay`, or less once `wake` is set, but never less than `WOKEN_AFTER_S` (requests
+    arriving during an outage make the retries no faster than that)."""
+    wake.clear()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(delay):
+            await asyncio.sleep(WOKEN_AFTER_S)
+            await wake.wait()
 
 
 class _Link:
@@ -87,6 +102,7 @@ class _Link:
         self.parked: set[bytes] = set()  # queued jobs waiting for this connection to come back
         self.parked_at = 0.0
         self.was_connected = False
+        self.wake = asyncio.Event()  # set by a request waiting for this link: retry now (`_back_off`)
 
     @property
     def sharded(self) -> bool:
@@ -144,7 +160,7 @@ class EventRouter:
         """Route `channel` to a new queue; returns once Redis has confirmed the subscription."""
         key = channel.encode()
         link = self._link_of.get(key) or await self._link_for(key)
-        await _reconnected(link.connected)
+        await _reconnected(link.connected, link.wake)
         pubsub = link.pubsub
         if pubsub is None:
             raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
@@ -266,7 +282,7 @@ class EventRouter:
                 log.exception("event router: unexpected error; reconnecting in %.2fs", delay)
             await self._drop_connection(link, "lost the connection to Redis while the job was running")
             self._expire_parked(link)
-            await asyncio.sleep(delay)
+            await _back_off(delay, link.wake)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
     async def _connect(self, link: _Link) -> None:

@@ -193,3 +193,16 @@ async def test_a_shard_back_from_a_failover_fails_the_queued_jobs_whose_entries_
     assert isinstance(item, BrokerUnavailable) and "lost when its Redis master failed" in item.message
     assert kept.empty()
     router._cluster = None
+
+
+async def test_a_request_waiting_for_a_link_in_backoff_makes_it_try_again_at_once(fast_checks, monkeypatch, router,
+                                                                                 fake_server, redis):
+    """Redis back while the router sleeps a long backoff (1.6 s after a few failed tries): a new job
+    does not get a 503 for the rest of that sleep; its wait makes the router try again at once."""
+    monkeypatch.setattr(events, "CONNECT_WAIT_S", 1.0)
+    fake_server.connected = False
+    await asyncio.sleep(3.4)  # the tries after 0.05, 0.1, 0.2, 0.4, 0.8 s failed: the next comes 1.6 s later
+    fake_server.connected = True
+    queue = await router.subscribe("cortex:events:back")
+    await redis.publish("cortex:events:back", pack_event(delta("back")))
+    assert isinstance(await asyncio.wait_for(queue.get(), 1), DeltaEvent)
