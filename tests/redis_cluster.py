@@ -134,6 +134,16 @@ class LocalCluster:
         service.proc.wait()
         service.stop()
 
+    def wait_replicated(self, port: int, timeout_s: float = 10.0) -> None:
+        """Until every replica of the master on `port` has acknowledged all it has written so far
+        (WAIT would only count the writes of its own connection)."""
+        with self.node(port) as master:
+            info = master.info("replication")
+            target = int(info["master_repl_offset"])
+            _wait(lambda: all(int(r["offset"]) >= target for k, r in master.info("replication").items()
+                              if k.startswith("slave") and isinstance(r, dict)) and info["connected_slaves"] > 0,
+                  timeout_s, lambda: f"the replicas of {port} did not reach offset {target}")
+
     def rejoin(self, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start a killed node again on its files: it rejoins as a replica of the master that took its
         slots (what an operator does after a failover); returns once its replication link is up."""

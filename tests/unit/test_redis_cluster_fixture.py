@@ -46,9 +46,7 @@ def test_a_local_cluster_spreads_keys_shards_pubsub_and_fails_over(tmp_path: Pat
         # the tagged keys reach the owner's replica before the owner dies
         for key in tagged:
             client.set(key, f"before-{key}")
-        master = cluster.node(owner)
-        assert master.execute_command("WAIT", 1, 1000) == 1
-        master.close()
+        cluster.wait_replicated(owner)
         client.close()
 
         cluster.kill(owner)

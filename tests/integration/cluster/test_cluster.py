@@ -205,8 +205,7 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
         wait_for(lambda: len(jobs_of(r)) == 6, 5, "six queued jobs")
         victim = cluster.master_port_of(keys.jobs(MODEL))
         cut_off = sum(cluster.master_port_of(keys.events(job)) == victim for job in jobs_of(r))
-        with cluster.node(victim) as master:
-            assert master.execute_command("WAIT", 1, 2000) >= 1  # the replica has them (replication is asynchronous)
+        cluster.wait_replicated(victim)  # the replica has them (replication is asynchronous)
         cluster.kill(victim)
         took_s = cluster.wait_for_failover(victim)
         assert cluster.master_port_of(keys.jobs(MODEL)) != victim
