@@ -6,7 +6,7 @@ A sequence holds a list of blocks (node_agent/engine/blocks.py hands them out); 
 table (`block_tables[row]`, padded with the null block 0) maps position p to the cache slot
 `table[p // block_size] * block_size + p % block_size`. A forward over rows [a, b) writes each
 new token's keys at its slot and attends over the slots of positions 0..kv_len-1 gathered through
-the tables (vLLM's paged attention, as a gather plus SDPA). Padding (of a prefill chunk, or the
+the tables (vLLM's paged attention, as a copy of the row's blocks plus SDPA). Padding (of a prefill chunk, or the
 rows a decode bucket adds) has the scratch position `max_len`: it writes into the null block,
 which nothing reads unmasked, and keeps its row's linear-attention state. Every read and write is
 driven by tensors of fixed shape (the tables are [slots, max_blocks]), so a decode step compiles
@@ -62,27 +62,44 @@ def bytes_per_token(config, max_len: int, dtype_bytes: int, ranks: int = 1) -> i
 
 
 class PagedAttention:
-    """Keys and values of one attention layer: slots [(blocks + 1) * block_size, heads, dim], the
-    first block the null block. `window`: a sliding window's length (None: full attention)."""
+    """Keys and values of one attention layer: [heads, (blocks + 1) * block_size, dim] each, the
+    first block the null block. Heads outermost, so that a row's gathered blocks are one contiguous
+    [positions, dim] run per head: SDPA reads them at full speed. `window`: a sliding window's
+    length (None: full attention)."""
 
     def __init__(self, *, blocks: int, block_size: int, kv_heads: int, head_dim: int, window: int | None,
                  dtype: torch.dtype, device: torch.device):
-        shape = ((blocks + 1) * block_size, kv_heads, head_dim)
+        shape = (kv_heads, (blocks + 1) * block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.window = window
+        self.block_size, self.window = block_size, window
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, write_slots: torch.Tensor,
-               read_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               read_blocks: torch.Tensor, buffers: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys/values ([B, heads, T, dim]) at `write_slots` ([B * T]) and
-        return the slots `read_slots` ([B, W]) names, as [B, heads, W, dim]."""
-        for pool, states in ((self.keys, key_states), (self.values, value_states)):
-            pool.index_copy_(0, write_slots, states.transpose(1, 2).reshape(-1, *pool.shape[1:]).to(pool.dtype))
-        return self.keys[read_slots].transpose(1, 2), self.values[read_slots].transpose(1, 2)
+        return the blocks `read_blocks` ([B, blocks]) names, as [B, heads, blocks * block_size, dim].
+        The read copies whole blocks (one index_select of block_size * dim runs per head; an
+        element-wise gather of the slots cost 6-10x more on a CPU), into `buffers` (two flat
+        tensors of at least that size) when given."""
+        heads, _, dim = self.keys.shape
+        rows, blocks = read_blocks.shape
+        flat = read_blocks.reshape(-1)
+        out = []
+        for i, (pool, states) in enumerate(((self.keys, key_states), (self.values, value_states))):
+            pool.index_copy_(1, write_slots, states.transpose(0, 1).reshape(heads, -1, dim).to(pool.dtype))
+            runs = pool.view(heads, -1, self.block_size * dim)
+            if buffers is None:
+                read = runs.index_select(1, flat)
+            else:
+                read = buffers[i][: heads * flat.numel() * runs.shape[-1]].view(heads, flat.numel(), -1)
+                torch.index_select(runs, 1, flat, out=read)
+            out.append(read.view(heads, rows, blocks * self.block_size, dim).transpose(0, 1))
+        return out[0], out[1]
 
     def attention_mask(self, positions: torch.Tensor, width: int,
                        sees_until: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,8 +194,9 @@ class PagedCache:
         self._rows = slice(0, 0)
         self._write_pos: torch.Tensor | None = None  # [B, T] position each new token is written at
         self._write_slots: torch.Tensor | None = None  # [B * T] the cache slot each is written at
-        self._read_slots: torch.Tensor | None = None  # [B, W] the slots of positions 0..W-1
+        self._read_blocks: torch.Tensor | None = None  # [B, W / block_size] the blocks of positions 0..W-1
         self._kv_len = 0
+        self._read_buffers: list[torch.Tensor] = []  # CPU: where attention layers copy the blocks they read
 
     @classmethod
     def for_model(cls, config, *, slots: int, max_len: int, blocks: int, block_size: int, dtype: torch.dtype,
@@ -229,9 +247,7 @@ class PagedCache:
         index = (write_pos // size).clamp(max=self.max_blocks - 1)
         slots = tables.gather(1, index) * size + write_pos % size
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
-        blocks = self.width(kv_len) // size
-        offsets = torch.arange(size, device=tables.device)
-        self._read_slots = (tables[:, :blocks, None] * size + offsets).reshape(tables.shape[0], blocks * size)
+        self._read_blocks = tables[:, : self.width(kv_len) // size]
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
 
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
@@ -244,7 +260,22 @@ class PagedCache:
         return masks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, self._write_slots, self._read_slots)
+        layer = self.layers[layer_idx]
+        return layer.update(key_states, value_states, self._write_slots, self._read_blocks, self._buffers(layer))
+
+    def _buffers(self, layer: PagedAttention) -> list[torch.Tensor] | None:
+        """On a CPU, two buffers every layer reuses for the blocks it reads (a fresh allocation of
+        tens of MB page-faults its way in at every layer of every step: 5x the copy itself); grown
+        to the largest read yet. None on a GPU (its caching allocator reuses memory, and a captured
+        graph must own what it reads) and while compiling."""
+        if self.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        heads, _, dim = layer.keys.shape
+        needed = heads * self._read_blocks.numel() * self.block_size * dim
+        if not self._read_buffers or self._read_buffers[0].numel() < needed \
+                or self._read_buffers[0].dtype != layer.keys.dtype:
+            self._read_buffers = [torch.empty(needed, dtype=layer.keys.dtype, device=self.device) for _ in range(2)]
+        return self._read_buffers
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: the model then hands every conv input to `update_conv_state` (it never updates a

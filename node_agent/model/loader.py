@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import architectures, devices, vision
+from node_agent.model import architectures, devices, packed_linear, vision
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -73,6 +73,17 @@ def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
+def _pack_linears(model: torch.nn.Module, profile: ModelProfile) -> None:
+    """oneDNN-packed Linear weights for a CPU model (node_agent/model/packed_linear.py), or a log
+    line saying why not."""
+    why_not = ("decode = 'compiled' (Inductor lowers plain Linear layers itself)" if profile.decode == "compiled"
+               else packed_linear.packable(model))
+    if why_not:
+        log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
+        return
+    log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+
+
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 _SCALED_ROPE = ("yarn", "linear", "dynamic")  # types whose `factor` stretches the trained context (vLLM's rule)
 
@@ -129,6 +140,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
     if profile.quant == "int8":
         model = quantize_int8(model, device)
+    elif devices.is_cpu(device) and tp_size == 1:
+        _pack_linears(model, profile)
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,

@@ -46,7 +46,7 @@ def test_padding_rows_write_only_the_null_block(tiny_llama):
     with torch.inference_mode():
         engine.decoder([5, 6, 7], [0, 1, 2])  # pads to 4 rows; row 3 writes the null block
     for old, layer in zip(before, cache.layers):
-        changed = (old != layer.keys).any(-1).any(-1).nonzero().flatten().tolist()
+        changed = (old != layer.keys).any(-1).any(0).nonzero().flatten().tolist()  # [heads, slots, dim]
         assert set(changed) - {0} == {size, 2 * size + 1, 3 * size + 2}  # slot 0: the null block's first
 
 
@@ -71,7 +71,7 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])  # full attention; linear attention and full
 def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
-    profile = tiny_profile(small_vocab_dirs[arch], slots=4)
+    profile = tiny_profile(small_vocab_dirs[arch], slots=4, decode="compiled")  # loads Linear layers unpacked
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
     engine.cache.set_tables(_tables(engine.cache, 4))

@@ -45,7 +45,7 @@ def test_rows_read_and_write_their_own_blocks_through_the_tables():
     read, _ = cache.update(keys, keys, 0)
     assert read.shape == (2, 1, 8, 1)  # whole blocks: 8 positions
     assert read[:, 0, :6, 0].tolist() == [[100 + p for p in range(6)], [200 + p for p in range(6)]]
-    pool = cache.layers[0].keys[:, 0, 0]
+    pool = cache.layers[0].keys[0, :, 0]  # [heads, slots, dim]
     assert pool[3 * 4: 3 * 4 + 4].tolist() == [100, 101, 102, 103] and pool[1 * 4: 1 * 4 + 2].tolist() == [104, 105]
     assert pool[2 * 4: 2 * 4 + 4].tolist() == [200, 201, 202, 203] and pool[5 * 4: 5 * 4 + 2].tolist() == [204, 205]
 
@@ -57,7 +57,7 @@ def test_padding_writes_only_the_null_block():
     keys = torch.tensor([7.0, 8.0, 9.0])[None, None, :, None]
     cache.bind(slice(0, 1), positions, kv_len=2)
     cache.update(keys, keys, 0)
-    pool = cache.layers[0].keys[:, 0, 0]
+    pool = cache.layers[0].keys[0, :, 0]  # [heads, slots, dim]
     assert pool[12:14].tolist() == [7, 8] and pool[0] == 9  # block 3; the padding in block 0
     assert pool[4:12].abs().sum() == 0 and pool[14:].abs().sum() == 0
 

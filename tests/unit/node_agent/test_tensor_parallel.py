@@ -69,7 +69,7 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs, new_children):
     expected = driver.run(single, *requests())
     engine = Engine(tensor_parallel.load(sharded(folder), CPUS, SETTINGS), sharded(folder))
     try:
-        assert engine.cache.layers[0].keys.shape[1] == 1  # rank 0 holds one of the two KV heads
+        assert engine.cache.layers[0].keys.shape[0] == 1  # rank 0 holds one of the two KV heads ([heads, slots, dim])
         with pytest.raises(ModelLoadError, match="already runs tensor-parallel model llama; one per node agent"):
             tensor_parallel.load(sharded(tiny_dirs["qwen3"]), CPUS, SETTINGS)
         got = driver.run(engine, *requests())
