@@ -29,11 +29,15 @@ class ModelProfile(BaseModel):
     # "int8": Linear weights quantised per channel, activations dynamically (CPU only; ~4x less
     # memory traffic per decode step, which is what bounds small-batch decode on a CPU).
     quant: Literal["none", "int8"] = "none"
-    slots: int = Field(16, ge=1, le=1024)  # the most sequences decoded together (vLLM's max_num_seqs)
+    # The most sequences decoded together (vLLM's max_num_seqs; 128 is its OpenAI server's default on
+    # a CPU). The KV cache's free blocks bound how many run too; a slot itself costs only per-row
+    # state (sampling: 9 bytes x vocab; linear-attention layers: their recurrent state).
+    slots: int = Field(128, ge=1, le=1024)
     max_model_len: int = Field(4096, ge=16)  # the longest sequence (capped by the model's context)
     # The paged KV cache (node_agent/model/kv_cache.py): blocks of `block_size` tokens, as many as
     # `kv_cache_mb` holds; else `kv_memory_fraction` of the device memory free after the weights;
-    # else enough for `slots` sequences of `max_model_len` tokens. Sequences run while blocks last.
+    # else shared/memory.py's DEFAULT_KV_CACHE_MB (2048), capped at `slots` sequences of
+    # `max_model_len` tokens and never below one. Sequences run while blocks last.
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_mb: int | None = Field(None, ge=1)
     kv_memory_fraction: float | None = Field(None, gt=0, le=1)

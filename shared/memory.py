@@ -1,11 +1,12 @@
-"""How much device memory one replica of a model needs: its weights (as the dtype it will run in)
-plus its paged KV cache, plus a margin for activations. Read from the files' headers only, so the
-gateway can place a model no node has loaded yet.
+"""How much device memory one replica of a model needs: its weights (as the dtype it will run in),
+its paged KV cache and its slots' own state (`row_bytes`), plus a margin for activations. Read
+from the files' headers only, so the gateway can place a model no node has loaded yet.
 
-The KV cache follows the node's rule (node_agent/model/model_calls.py `kv_blocks`): the profile's
-`kv_cache_mb`, else enough blocks for `slots` sequences of `max_model_len` tokens. Only attention
-layers hold keys and values (a linear-attention layer's state is small). A `kv_memory_fraction`
-takes what the device has free at load: placement counts the slots' worth for it."""
+The KV cache follows the node's rule (node_agent/model/model_calls.py `kv_blocks`, sized with
+`default_kv_blocks` here): the profile's `kv_cache_mb`, else `DEFAULT_KV_CACHE_MB`, capped at
+`slots` sequences of `max_model_len` tokens and never below one. Only attention layers hold keys
+and values (a linear-attention layer keeps a state per slot instead). A `kv_memory_fraction`
+takes what the device has free at load: placement counts the default's worth for it."""
 
 import json
 from functools import lru_cache
@@ -17,18 +18,38 @@ from shared.model_files import locate
 _MB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MARGIN = 1.10  # activations, workspace
+# The paged KV cache of a model whose profile sets neither `kv_cache_mb` nor `kv_memory_fraction`
+# (the node's cache and the placement estimate both): SmolLM2-135M's 45 KiB a token in fp32 make
+# it 46,592 tokens, 11 sequences of 4,096 (twice as many in bf16).
+DEFAULT_KV_CACHE_MB = 2048
+
+
+def default_kv_blocks(profile: ModelProfile, *, block_bytes: int, max_len: int) -> int:
+    """The blocks of the default cache: `DEFAULT_KV_CACHE_MB` of blocks of `block_bytes`, at most
+    `slots` sequences of `max_len` tokens (no row could use more), at least one (so that a prompt
+    the context admits always fits)."""
+    sequence = -(-max_len // profile.block_size)
+    return min(max(DEFAULT_KV_CACHE_MB * _MB // block_bytes, sequence), profile.slots * sequence)
 
 
 def kv_cache_bytes(profile: ModelProfile, *, layers: int, kv_heads: int, head_dim: int, max_len: int,
                    dtype_bytes: int) -> int:
-    """The paged cache's bytes: `kv_cache_mb`, else blocks for `slots` sequences of `max_len` tokens."""
+    """The paged cache's bytes: `kv_cache_mb`, else the default's blocks (`default_kv_blocks`)."""
     if profile.kv_cache_mb is not None:
         return profile.kv_cache_mb * _MB
-    tokens = profile.slots * -(-max_len // profile.block_size) * profile.block_size
-    return 2 * layers * kv_heads * head_dim * tokens * dtype_bytes
+    block_bytes = 2 * layers * kv_heads * head_dim * dtype_bytes * profile.block_size
+    return default_kv_blocks(profile, block_bytes=block_bytes, max_len=max_len) * block_bytes if block_bytes else 0
 
 
-def _gguf_facts(path: Path) -> tuple[int, dict]:
+def row_bytes(*, vocab: int, dtype_bytes: int, linear_layers: int = 0, conv: int = 0, recurrent: int = 0) -> int:
+    """What one slot holds whether a sequence runs there or not: its sampling state over the
+    vocabulary (node_agent/model/sampling.py: output counts and logit bias in float32, the prompt's
+    tokens as bools) and each linear-attention layer's last conv inputs (`conv` elements, the
+    model's dtype) and recurrent state (`recurrent` elements, float32)."""
+    return (4 + 4 + 1) * vocab + linear_layers * (conv * dtype_bytes + recurrent * 4)
+
+
+def _gguf_facts(path: Path) -> tuple[int, dict, dict]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)  # parses the whole header: seconds for a large vocabulary
@@ -41,10 +62,12 @@ def _gguf_facts(path: Path) -> tuple[int, dict]:
     shape = dict(layers=field("block_count"), kv_heads=field("attention.head_count_kv", heads),
                  head_dim=field("attention.key_length") or field("embedding_length") // heads,
                  context=field("context_length"))
-    return sum(int(t.n_elements) for t in reader.tensors), shape
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    rows = dict(vocab=field("vocab_size") or (len(tokens.data) if tokens else 0))
+    return sum(int(t.n_elements) for t in reader.tensors), shape, rows
 
 
-def _safetensors_facts(folder: Path) -> tuple[int, dict]:
+def _safetensors_facts(folder: Path) -> tuple[int, dict, dict]:
     from safetensors import safe_open
 
     total = 0
@@ -58,11 +81,26 @@ def _safetensors_facts(folder: Path) -> tuple[int, dict]:
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
-    kinds = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    kinds = config.get("layer_types") or _layer_kinds(config)
     shape = dict(layers=sum(kind != "linear_attention" for kind in kinds),
                  kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                  context=config.get("max_position_embeddings") or 0)
-    return total, shape
+    rows = dict(vocab=config.get("vocab_size") or 0)
+    if "linear_attention" in kinds:  # GatedDeltaNet (node_agent/model/kv_cache.py LinearAttentionState)
+        k_dim, v_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        k_heads, v_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        rows |= dict(linear_layers=kinds.count("linear_attention"),
+                     conv=(2 * k_dim * k_heads + v_dim * v_heads) * config["linear_conv_kernel_dim"],
+                     recurrent=v_heads * k_dim * v_dim)
+    return total, shape, rows
+
+
+def _layer_kinds(config: dict) -> list[str]:
+    """A config without `layer_types`: every `full_attention_interval`-th layer full attention, the
+    rest linear (as transformers reads Qwen3-Next's and Qwen3.5's), else all full attention."""
+    interval = config.get("full_attention_interval")
+    return ["linear_attention" if interval and (i + 1) % interval else "full_attention"
+            for i in range(config["num_hidden_layers"])]
 
 
 @lru_cache(maxsize=64)
@@ -70,11 +108,13 @@ def _estimate(profile_json: str) -> int:
     profile = ModelProfile.model_validate_json(profile_json)
     files = locate(profile)
     dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)  # "auto" may pick bf16; fp32 is the safe guess
-    params, shape = _gguf_facts(files.folder / files.gguf_file) if files.gguf_file else _safetensors_facts(files.folder)
+    params, shape, rows = (_gguf_facts(files.folder / files.gguf_file) if files.gguf_file
+                           else _safetensors_facts(files.folder))
     weights = params * (1 if profile.quant == "int8" else dtype_bytes)
     max_len, _ = profile.effective_context(shape.pop("context") or None)
     cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
-    return int((weights + cache) * MARGIN / _MB) + 1
+    slots = profile.slots * row_bytes(dtype_bytes=dtype_bytes, **rows)
+    return int((weights + cache + slots) * MARGIN / _MB) + 1
 
 
 def estimate_mb(profile: ModelProfile) -> int:

@@ -6,8 +6,9 @@ ranks first, so every rank runs the same calls in the same order.
 
 The cache's size (`kv_blocks`): the profile's `kv_cache_mb` of keys and values; else its
 `kv_memory_fraction` of the memory the device has free once the weights are loaded (vLLM's
-`gpu_memory_utilization`); else enough for `slots` sequences of `max_model_len` tokens. The
-placement estimate (shared/memory.py) follows the same rule."""
+`gpu_memory_utilization`); else `DEFAULT_KV_CACHE_MB`, capped at `slots` sequences of
+`max_model_len` tokens and never below one (shared/memory.py `default_kv_blocks`, which the
+placement estimate there follows too)."""
 
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from node_agent.model import devices, forward
 from node_agent.model.kv_cache import PagedCache, bytes_per_token
 from node_agent.model.loader import LoadedModel
 from shared.catalog import ModelProfile
+from shared.memory import default_kv_blocks
 from shared.model_files import ModelLoadError
 
 _MB = 1 << 20
@@ -38,7 +40,7 @@ def kv_blocks(loaded: LoadedModel, profile: ModelProfile) -> int:
         free_mb = devices.describe(str(loaded.device) if loaded.device.type == "cuda" else "cpu").free_mb
         blocks = int(free_mb * _MB * profile.kv_memory_fraction) // (block_bytes // loaded.tp_size or 1)
     else:
-        blocks = profile.slots * -(-max_len // profile.block_size)
+        blocks = default_kv_blocks(profile, block_bytes=block_bytes, max_len=max_len)
     if blocks < 1:
         raise ModelLoadError(f"{profile.id}: a KV budget of {profile.kv_cache_mb} MB holds no block of "
                              f"{profile.block_size} tokens ({block_bytes} bytes each)")

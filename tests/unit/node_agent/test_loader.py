@@ -5,11 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from node_agent.model import loader, model_calls
-from shared import model_files
+from node_agent.model.kv_cache import bytes_per_token
+from node_agent.model.sampling import SlotSampling
+from shared import memory, model_files
 from shared.catalog import ModelProfile
+from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import request, run
 from node_agent.engine.engine import Engine
 
@@ -44,8 +47,8 @@ def test_local_dir_and_single_safetensors_file_load_the_same_model(tiny_dirs):
 
 def test_sharded_safetensors_with_index(tiny_dirs, tmp_path):
     lm = loader.load(profile(str(tiny_dirs["qwen3"])), "cpu")
-    lm.model.save_pretrained(tmp_path, max_shard_size="1MB")
-    lm.tokenizer.save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen3"]).save_pretrained(tmp_path, max_shard_size="1MB")
+    lm.tokenizer.save_pretrained(tmp_path)  # (a loaded model's Linear weights are packed for oneDNN: not savable)
     assert (tmp_path / "model.safetensors.index.json").exists()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     sharded = loader.load(profile(str(tmp_path)), "cpu")
@@ -143,3 +146,37 @@ def test_a_catalogue_context_above_the_models_own_is_capped_with_a_warning_that_
 def test_a_models_own_context_counts_the_rope_scaling_its_config_sets(fields, own):
     assert loader.own_context(AutoConfig.for_model("llama", **fields)) == own
     assert loader.own_context(AutoConfig.for_model("gpt2", n_positions=1024)) == 1024
+
+
+def test_the_default_kv_cache_is_a_budget_capped_at_every_slots_context_and_never_below_one(small_vocab_dirs,
+                                                                                          monkeypatch):
+    """Neither kv_cache_mb nor kv_memory_fraction: DEFAULT_KV_CACHE_MB of blocks, at most `slots`
+    contexts, at least one."""
+    prof = tiny_profile(small_vocab_dirs["llama"], slots=64, max_model_len=256)
+    lm = loader.load(prof, "cpu")
+    block = bytes_per_token(lm.model.config, 256, 4) * 16
+    assert block == 512 * 16
+    assert model_calls.kv_blocks(lm, prof) == 64 * 16  # 2 GiB holds far more than 64 contexts of 16 blocks
+    monkeypatch.setattr(memory, "DEFAULT_KV_CACHE_MB", 1)
+    assert model_calls.kv_blocks(lm, prof) == (1 << 20) // block == 128  # 8 contexts' worth
+    monkeypatch.setattr(memory, "DEFAULT_KV_CACHE_MB", 0)  # a budget that holds no context
+    assert model_calls.kv_blocks(lm, prof) == 16  # a prompt the context admits still fits
+    assert model_calls.kv_blocks(lm, prof.model_copy(update={"kv_cache_mb": 1})) == 128  # a set budget stands
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_the_node_allocates_the_kv_cache_and_slot_state_the_placement_estimate_counts(small_vocab_dirs,
+                                                                                     monkeypatch, arch):
+    monkeypatch.setattr(memory, "DEFAULT_KV_CACHE_MB", 1)  # the budget binds: below 64 slots x 256 tokens
+    prof = tiny_profile(small_vocab_dirs[arch], slots=64, max_model_len=256)
+    lm = loader.load(prof, "cpu")
+    config = lm.model.config.get_text_config()
+    cache, sampling = model_calls.paged_cache(lm, prof), SlotSampling(prof.slots, config.vocab_size, lm.device)
+    _, shape, rows = memory._safetensors_facts(small_vocab_dirs[arch])
+    shape.pop("context")
+    estimated = (memory.kv_cache_bytes(prof, max_len=256, dtype_bytes=4, **shape)
+                 + prof.slots * memory.row_bytes(dtype_bytes=4, **rows))
+    null_block = bytes_per_token(config, 256, 4) * prof.block_size
+    over_vocab = sum(t.numel() * t.element_size() for t in (sampling.counts, sampling.in_prompt, sampling.bias))
+    assert cache.bytes - null_block + over_vocab == estimated
+    assert ("linear_layers" in rows) == (arch == "qwen3_5_text")
