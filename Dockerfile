@@ -11,6 +11,10 @@ ENV PYTHONUNBUFFERED=1 \
 ARG TORCH_INDEX_URL=""
 WORKDIR /app
 
+# g++ builds the CPU decode attention kernel at a CPU node's first model load (node_agent/model/cpu_attention.py);
+# without it a CPU node decodes through a copy of the KV blocks (a log line says so).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so code changes do not reinstall torch.
 COPY pyproject.toml README.md ./
 RUN mkdir -p shared gateway node_agent \

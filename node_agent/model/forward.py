@@ -14,6 +14,7 @@ rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/mo
 
 import torch
 
+from node_agent.model import cpu_attention
 from node_agent.model.kv_cache import PagedCache
 
 
@@ -30,19 +31,27 @@ def attention_masks(model: torch.nn.Module, cache: PagedCache, positions: torch.
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
+def reads_in_place(model: torch.nn.Module) -> bool:
+    """Whether the model's decode attention reads the paged cache in place (a CPU model whose
+    kernel is built, node_agent/model/cpu_attention.py; never while compiling)."""
+    return model.config.get_text_config()._attn_implementation == cpu_attention.NAME \
+        and not torch.compiler.is_compiling()
+
+
 def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: torch.Tensor,
             positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int, *, inputs_embeds: torch.Tensor | None = None,
-            rope_positions: torch.Tensor | None = None, sees_until: torch.Tensor | None = None) -> torch.Tensor:
+            rope_positions: torch.Tensor | None = None, sees_until: torch.Tensor | None = None,
+            decode: bool = False) -> torch.Tensor:
     """Run cache rows `rows` over `input_ids` [B, T] (or `inputs_embeds` [B, T, H]) at `positions`,
     writing the cache at `write_pos`; returns the last hidden states [B, T, H]. `rope_positions`
     ([B, T], or [3, B, T] for multimodal rope): the rotary positions, where they differ;
     `sees_until` ([B, T]): the last position each token sees, where image tokens see their whole
-    image (Gemma 3)."""
-    cache.bind(rows, write_pos, kv_len)
+    image (Gemma 3). `decode`: one token a row, each seeing every position up to its own."""
+    cache.bind(rows, write_pos, kv_len, in_place=decode and reads_in_place(model))
     out = model.get_decoder()(input_ids=None if inputs_embeds is not None else input_ids, inputs_embeds=inputs_embeds,
                               position_ids=positions if rope_positions is None else rope_positions,
                               attention_mask=attention_masks(model, cache, positions, kv_len, sees_until),
-                              past_key_values=cache, use_cache=True)
+                              past_key_values=cache, use_cache=True, paged_cache=cache)
     return out.last_hidden_state
 
 
@@ -64,5 +73,5 @@ def decode_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor,
     `positions[b] + rope_offsets[b]`. Returns logits [B, V]."""
     positions = positions[:, None]
     hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len,
-                     rope_positions=positions + rope_offsets[:, None])
+                     rope_positions=positions + rope_offsets[:, None], decode=True)
     return logits(model, hidden[:, -1])

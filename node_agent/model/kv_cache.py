@@ -21,6 +21,9 @@ Layer kinds (`layer_kinds`):
   a reused row never reads its previous sequence's state). Rows are packed (`move_row`).
 """
 
+import ctypes
+import sys
+
 import torch
 
 from shared.model_files import ModelLoadError
@@ -61,6 +64,23 @@ def bytes_per_token(config, max_len: int, dtype_bytes: int, ranks: int = 1) -> i
     return 2 * attention * kv_heads * head_dim * dtype_bytes
 
 
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool; on a Linux CPU backed by transparent huge pages where the kernel allows them
+    (`madvise` mode), before its pages are touched: blocks are read in random order, and with 4 KB
+    pages nearly every block read also missed the TLB."""
+    pool = torch.empty(shape, dtype=dtype, device=device)
+    size = pool.numel() * pool.element_size()
+    if device.type == "cpu" and size >= 2 * _HUGE_PAGE and sys.platform == "linux":
+        start = -(-pool.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        length = (pool.data_ptr() + size - start) // _HUGE_PAGE * _HUGE_PAGE
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return pool.zero_()
+
+
 class PagedAttention:
     """Keys and values of one attention layer: [heads, (blocks + 1) * block_size, dim] each, the
     first block the null block. Heads outermost, so that a row's gathered blocks are one contiguous
@@ -70,13 +90,21 @@ class PagedAttention:
     def __init__(self, *, blocks: int, block_size: int, kv_heads: int, head_dim: int, window: int | None,
                  dtype: torch.dtype, device: torch.device):
         shape = (kv_heads, (blocks + 1) * block_size, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys, self.values = (_pool(shape, dtype, torch.device(device)) for _ in range(2))
         self.block_size, self.window = block_size, window
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [self.keys, self.values]
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor,
+              write_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys/values ([B, heads, T, dim]) at `write_slots` ([B * T]); returns
+        the pools."""
+        for pool, states in ((self.keys, key_states), (self.values, value_states)):
+            pool.index_copy_(1, write_slots, states.transpose(0, 1).reshape(pool.shape[0], -1, pool.shape[2])
+                             .to(pool.dtype))
+        return self.keys, self.values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, write_slots: torch.Tensor,
                read_blocks: torch.Tensor, buffers: list[torch.Tensor] | None = None
@@ -86,12 +114,11 @@ class PagedAttention:
         The read copies whole blocks (one index_select of block_size * dim runs per head; an
         element-wise gather of the slots cost 6-10x more on a CPU), into `buffers` (two flat
         tensors of at least that size) when given."""
-        heads, _, dim = self.keys.shape
+        heads, _, dim = self.write(key_states, value_states, write_slots)[0].shape
         rows, blocks = read_blocks.shape
         flat = read_blocks.reshape(-1)
         out = []
-        for i, (pool, states) in enumerate(((self.keys, key_states), (self.values, value_states))):
-            pool.index_copy_(1, write_slots, states.transpose(0, 1).reshape(heads, -1, dim).to(pool.dtype))
+        for i, pool in enumerate(self.tensors):
             runs = pool.view(heads, -1, self.block_size * dim)
             if buffers is None:
                 read = runs.index_select(1, flat)
@@ -197,6 +224,7 @@ class PagedCache:
         self._read_blocks: torch.Tensor | None = None  # [B, W / block_size] the blocks of positions 0..W-1
         self._kv_len = 0
         self._read_buffers: list[torch.Tensor] = []  # CPU: where attention layers copy the blocks they read
+        self.reads_in_place = False  # the bound forward's attention reads the pools itself
 
     @classmethod
     def for_model(cls, config, *, slots: int, max_len: int, blocks: int, block_size: int, dtype: torch.dtype,
@@ -239,9 +267,11 @@ class PagedCache:
         """Positions a forward reading positions < kv_len attends over: whole blocks."""
         return min(-(-kv_len // self.block_size), self.max_blocks) * self.block_size
 
-    def bind(self, rows: slice, write_pos: torch.Tensor, kv_len: int) -> None:
+    def bind(self, rows: slice, write_pos: torch.Tensor, kv_len: int, in_place: bool = False) -> None:
         """Set the rows the next forward runs on, where it writes ([B, T] positions; the scratch
-        position for padding), and how many positions it reads."""
+        position for padding), and how many positions it reads. `in_place` (a decode forward
+        whose attention reads the pools itself, node_agent/model/cpu_attention.py): attention
+        layers hand back their pools, and the rows' tables and lengths are `read_rows()`."""
         tables = self.block_tables[rows]
         size = self.block_size
         index = (write_pos // size).clamp(max=self.max_blocks - 1)
@@ -249,6 +279,12 @@ class PagedCache:
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
         self._read_blocks = tables[:, : self.width(kv_len) // size]
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
+        self.reads_in_place = in_place
+
+    def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode forward's block tables ([B, max_blocks]) and the positions each row sees ([B]:
+        its own and all before)."""
+        return self.block_tables[self._rows], self._write_pos[:, -1] + 1
 
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
                         sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
@@ -261,6 +297,8 @@ class PagedCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
+        if self.reads_in_place:
+            return layer.write(key_states, value_states, self._write_slots)
         return layer.update(key_states, value_states, self._write_slots, self._read_blocks, self._buffers(layer))
 
     def _buffers(self, layer: PagedAttention) -> list[torch.Tensor] | None:

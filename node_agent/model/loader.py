@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import architectures, devices, packed_linear, vision
+from node_agent.model import architectures, cpu_attention, devices, packed_linear, vision
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -142,6 +142,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
         model = quantize_int8(model, device)
     elif devices.is_cpu(device) and tp_size == 1:
         _pack_linears(model, profile)
+    if devices.is_cpu(device) and tp_size == 1 and profile.decode != "compiled" and cpu_attention.enable(model):
+        log.info("%s: decode attention reads the paged KV cache in place", profile.id)
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,

@@ -1,0 +1,86 @@
+"""Decode attention on a CPU that reads the paged KV cache in place (csrc/paged_attention.cpp).
+
+A decode step's attention otherwise copies every block each row reads into one tensor for SDPA
+(node_agent/model/kv_cache.py): at 2k tokens of context that copy was 43-45% of the default
+model's step, more than the attention itself. The kernel walks each row's block table and reads
+keys and values where the pool holds them, one key load for all the query heads of its group,
+with an online softmax in float32; sliding windows and soft-capping as the layer has them.
+
+The kernel is compiled at the first load of a CPU model on this machine (~30 s, g++ and the
+Python headers; `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
+~/.cache/torch_extensions), keyed by the source, torch's version and this CPU's instruction set.
+Where it cannot be built, decode keeps the copy and a log line says why.
+
+It plugs into transformers as an attention implementation (`NAME`) for the architectures that
+run SDPA: decode forwards whose cache reads in place go through the kernel, every other call
+(prefill chunks, vision towers) is transformers' SDPA unchanged.
+"""
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+log = logging.getLogger(__name__)
+
+NAME = "cortex_cpu_paged"
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+@functools.cache
+def kernel() -> bool:
+    """Whether torch.ops.cortex.paged_decode_attention is there (built and loaded here, or logged
+    why not)."""
+    source = _SOURCE.read_bytes()
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    digest = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=f"cortex_paged_attention_{digest}", sources=[str(_SOURCE)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+             extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no headers, a read-only cache: decode keeps the copy
+        log.warning("CPU decode attention reads the KV cache through a copy: its kernel could not be built (%s: %s)",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    return True
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+              paged_cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface. `paged_cache` (node_agent/model/kv_cache.PagedCache, passed
+    by node_agent/model/forward.py) reading in place: `key` and `value` are its pools and the rows'
+    tables and lengths come from it; otherwise SDPA over the keys and values given."""
+    if paged_cache is None or not paged_cache.reads_in_place:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    scale = scaling if scaling is not None else dim ** -0.5
+    tables, lengths = paged_cache.read_rows()
+    window = paged_cache.layers[module.layer_idx].window or 0
+    out = torch.ops.cortex.paged_decode_attention(query[:, :, 0], key, value, tables, lengths, paged_cache.block_size, scale,
+                                          window, float(kwargs.get("softcap") or 0.0))
+    return out.view(rows, 1, heads, dim), None
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # a forward of transformers' own (no paged cache) gets SDPA's masks
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Run the model's text attention through `attention` (it must run SDPA now); False, with the
+    reason logged, where the kernel is not there."""
+    config = model.config.get_text_config()
+    if config._attn_implementation != "sdpa" or not kernel():
+        return False
+    config._attn_implementation = NAME
+    return True

@@ -1,0 +1,75 @@
+"""The CPU decode attention kernel (node_agent/model/cpu_attention.py): what it computes equals SDPA
+over the same rows' blocks copied out (GQA, sliding windows, soft-capping, float32 and bfloat16);
+which models read in place; and a machine that cannot build it decodes through the copy.
+The engine's greedy equality with transformers through it is the architecture matrix's
+(test_architectures.py)."""
+
+import logging
+
+import pytest
+import torch
+
+from node_agent.model import cpu_attention, loader
+from tests.model_fixtures import tiny_profile
+
+pytestmark = pytest.mark.skipif(not cpu_attention.kernel(), reason="the kernel could not be built here (see the log)")
+
+
+def reference(q, keys, values, tables, lengths, block_size, scale, window, softcap):
+    """SDPA's math over each row's visible positions, copied out of the pools position by position."""
+    heads, kv_heads = q.shape[1], keys.shape[0]
+    out = []
+    for row in range(q.shape[0]):
+        length = int(lengths[row])
+        first = max(0, length - window) if window else 0
+        slots = torch.tensor([int(tables[row, p // block_size]) * block_size + p % block_size
+                              for p in range(first, length)])
+        k = keys[:, slots].float().repeat_interleave(heads // kv_heads, 0)  # [heads, n, dim]
+        v = values[:, slots].float().repeat_interleave(heads // kv_heads, 0)
+        scores = torch.einsum("hd,hnd->hn", q[row].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (0, 5.0)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128)])
+def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, softcap, heads, kv_heads, dim):
+    torch.manual_seed(0)
+    rows, block_size, max_blocks, pool_blocks = 5, 4, 12, 64
+    keys, values = (torch.randn(kv_heads, pool_blocks * block_size, dim).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(pool_blocks - 1)[:max_blocks] + 1 for _ in range(rows)])
+    lengths = torch.tensor([1, 4, 5, 23, 48])  # one position, a whole block, a block and one, blocks and some
+    q = torch.randn(rows, heads, dim).to(dtype)
+    got = torch.ops.cortex.paged_decode_attention(q, keys, values, tables, lengths, block_size, 0.3, window, softcap)
+    want = reference(q, keys, values, tables, lengths, block_size, 0.3, window, softcap)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("arch, decode, reads_in_place", [
+    ("llama", "auto", True),
+    ("gemma3_text", "eager", True),  # sliding windows
+    ("gemma2", "auto", False),  # eager attention (its logits are soft-capped there): it keeps the copy
+    ("llama", "compiled", False),  # Inductor compiles the copy and SDPA
+])
+def test_cpu_models_that_run_sdpa_read_in_place(small_vocab_dirs, arch, decode, reads_in_place):
+    lm = loader.load(tiny_profile(small_vocab_dirs[arch], decode=decode), "cpu")
+    assert (lm.model.config.get_text_config()._attn_implementation == cpu_attention.NAME) is reads_in_place
+
+
+def test_without_a_compiler_decode_keeps_the_copy_and_says_why(small_vocab_dirs, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    cpu_attention.kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="node_agent.model.cpu_attention"):
+            lm = loader.load(tiny_profile(small_vocab_dirs["llama"]), "cpu")
+    finally:
+        cpu_attention.kernel.cache_clear()
+    assert lm.model.config._attn_implementation == "sdpa"
+    assert "could not be built" in caplog.text and "g++: command not found" in caplog.text
