@@ -496,7 +496,7 @@ def parse_args(argv=None):
                         "each time on a fresh fleet of this many nodes: routing on (cache) and off (none); multiturn "
                         "and shared-prefix also run one node, the cache hit rate's reference. The in-process "
                         "systems and the peers are left out. Each node gets --slots slots and, on a CPU without "
-                        "--threads, (cores - 1) / nodes torch threads")
+                        "--threads, cores / nodes torch threads")
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="the catalogue's kv_cache_mb for Cortex's nodes, each (default: its own sizing, enough "
                         "for --slots sequences of --max-model-len); with --nodes the one-node reference gets "
@@ -532,7 +532,7 @@ def parse_args(argv=None):
                         "shared-prefix: 8192, for Cortex and vLLM alike)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for every system (default: each one's own; Cortex's node, and its engine "
-                        "in-process, take all cores but one on a CPU)")
+                        "in-process, take all cores on a CPU)")
     p.add_argument("--skip-serve", action="store_true", help="skip transformers serve (baseline b)")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate (baseline a)")
     p.add_argument("--skip-engine", action="store_true", help="skip the in-process engine (c)")

@@ -175,8 +175,8 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
                     | ({"CORTEX_ROUTING": routing} if routing else {}))
         node_env = {**env, "CORTEX_DEVICE": args.device, "CORTEX_MODELS": json.dumps([profile.id])}
         if nodes > 1 and not args.threads and args.device == "cpu":
-            # the node's own default (all cores but one) in each would oversubscribe the cores N times
-            node_env["CORTEX_TORCH_THREADS"] = str(max(1, ((os.cpu_count() or 2) - 1) // nodes))
+            # the node's own default (all its cores) in each would oversubscribe the cores N times
+            node_env["CORTEX_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) // nodes))
         for name in names:
             procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"})
         url = f"http://127.0.0.1:{gport}"

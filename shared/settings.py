@@ -124,7 +124,7 @@ class NodeSettings(CortexSettings):
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
-    torch_threads: int = 0  # 0: on a CPU node all its cores but one (node_agent/model/devices.py); on a GPU torch's default
+    torch_threads: int = 0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
     # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
     gil_switch_interval_s: float = Field(0.0005, gt=0)

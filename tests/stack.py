@@ -120,7 +120,8 @@ def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack
     redis_url = f"redis://127.0.0.1:{port}/0"
     server = Service("redis-server", redis_server_argv(port, workdir=root), root / "redis.log")
     server.wait_ready(lambda: redis_answers(redis_url))
-    stack_env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_LOG_LEVEL": "INFO"} | env
+    # one torch thread a node: a test's nodes share this machine's cores with each other and the suite
+    stack_env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_LOG_LEVEL": "INFO", "CORTEX_TORCH_THREADS": "1"} | env
     if models_toml is not None:
         (root / "models.toml").write_text(models_toml)
         stack_env["CORTEX_MODELS_FILE"] = str(root / "models.toml")

@@ -28,16 +28,17 @@ def discover(requested: str = "auto", cpu_devices: int = 1) -> list[str]:
 
 def node_torch_threads(setting: int, device_ids: list[str]) -> int | None:
     """Torch's intra-op threads on a node: `torch_threads` when set; else, when the node serves on
-    the CPU, every core it may use but one (at least one), None (torch's own default) on a GPU.
-    A CPU forward's OpenMP threads wait on each other at every op: one that shares its core with
-    the node's event loop, its output processes or a gateway beside it stalls all of them (on 2
-    cores, the tiny bench model through the gateway: 2,108 tok/s with 2 threads, 2,710 with 1)."""
+    the CPU, every core it may use; None (torch's own default) on a GPU. The node's other work (its
+    event loop, output process, a gateway and Redis beside it) took 0.05 cores of 2 while serving
+    the default model; its forwards ran 1.35-1.85x faster on 2 threads than on 1 (through the
+    gateway, 128-token streams: 25.1 / 168 / 327 tok/s at N = 1 / 8 / 32 against 18.3 / 123 / 221;
+    docs/benchmarks.md). Several node agents on one host must share the cores out between them
+    (`torch_threads`): OpenMP threads that share a core stall each other at every op."""
     if setting:
         return setting
     if not all(is_cpu(d) for d in device_ids):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(cores - 1, 1)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def torch_device(device: str) -> torch.device:

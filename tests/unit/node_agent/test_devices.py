@@ -1,4 +1,4 @@
-"""A CPU device's memory: the kernel's MemAvailable (page cache included), not MemFree."""
+"""A CPU device's memory: the kernel's MemAvailable (page cache included), not MemFree; a CPU node's torch threads."""
 
 import os
 
@@ -42,3 +42,9 @@ def test_without_mem_available_it_falls_back_to_mem_free(meminfo):
     assert total == os.sysconf("SC_PHYS_PAGES") * page
     assert abs(available - os.sysconf("SC_AVPHYS_PAGES") * page) < 1 << 30  # MemFree moves while we read it
 
+
+
+def test_a_cpu_node_runs_torch_on_every_core_it_may_use_unless_told():
+    assert devices.node_torch_threads(0, ["cpu"]) == len(os.sched_getaffinity(0))
+    assert devices.node_torch_threads(3, ["cpu"]) == 3
+    assert devices.node_torch_threads(0, ["cuda:0"]) is None  # torch's own choice on a GPU
