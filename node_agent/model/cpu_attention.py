@@ -58,18 +58,34 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
               paged_cache=None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface. `paged_cache` (node_agent/model/kv_cache.PagedCache, passed
-    by node_agent/model/forward.py) reading in place: `key` and `value` are its pools and the rows'
-    tables and lengths come from it; otherwise SDPA over the keys and values given."""
+    by node_agent/model/forward.py) reading in place: `key` and `value` are its pools; a decode
+    forward's rows go through the kernel, and a packed forward's decode tokens too, its chunks
+    through SDPA over their own rows' blocks. Otherwise SDPA over the keys and values given."""
     if paged_cache is None or not paged_cache.reads_in_place:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    rows, heads, _, dim = query.shape
-    scale = scaling if scaling is not None else dim ** -0.5
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_cache.packed is None:
+        return _decode(module, query[:, :, 0], key, value, paged_cache, scale, kwargs)[:, None], None
+    decoding = paged_cache.read_rows()[0].shape[0]
+    parts = [_decode(module, query[0, :, :decoding].transpose(0, 1), key, value, paged_cache, scale, kwargs)] \
+        if decoding else []
+    for chunk in paged_cache.packed:
+        keys, values, mask = paged_cache.read_chunk(module.layer_idx, chunk)
+        rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
+        parts.append(sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
+                                            **kwargs)[0][0])
+    return torch.cat(parts)[None], None
+
+
+def _decode(module: torch.nn.Module, query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,
+            paged_cache, scale: float, kwargs: dict) -> torch.Tensor:
+    """One query token a row ([rows, heads, dim]) over its row's cache, by the kernel."""
     tables, lengths = paged_cache.read_rows()
     window = paged_cache.layers[module.layer_idx].window or 0
-    out = torch.ops.cortex.paged_decode_attention(query[:, :, 0], key, value, tables, lengths, paged_cache.block_size, scale,
-                                          window, float(kwargs.get("softcap") or 0.0))
-    return out.view(rows, 1, heads, dim), None
+    return torch.ops.cortex.paged_decode_attention(query, pool_keys, pool_values, tables, lengths,
+                                                   paged_cache.block_size, scale, window,
+                                                   float(kwargs.get("softcap") or 0.0))
 
 
 AttentionInterface.register(NAME, attention)

@@ -15,7 +15,7 @@ rope (Qwen2.5-VL, Qwen3.5), where it is the prompt's `rope_delta` (node_agent/mo
 import torch
 
 from node_agent.model import cpu_attention
-from node_agent.model.kv_cache import PagedCache
+from node_agent.model.kv_cache import PackedChunk, PagedCache
 
 
 def attention_masks(model: torch.nn.Module, cache: PagedCache, positions: torch.Tensor, kv_len: int,
@@ -53,6 +53,22 @@ def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: t
                               attention_mask=attention_masks(model, cache, positions, kv_len, sees_until),
                               past_key_values=cache, use_cache=True, paged_cache=cache)
     return out.last_hidden_state
+
+
+def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
+                   decoding: int, chunks: list[PackedChunk]) -> torch.Tensor:
+    """One forward over the tokens of several sequences in one row, as vLLM's flattened batch: first
+    the last token of each of rows 0..decoding-1, then each prefill chunk's tokens; every Linear
+    layer reads its weights once for all of them. `tokens` and `positions` are [T]; returns the
+    hidden states [T, H]. Only for a model whose attention reads the cache in place (the attention
+    finds each token's sequence in the cache's binding: the mask passed through is a placeholder)."""
+    cache.bind_packed(positions[:decoding], chunks)
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
+    types = set(cache.layer_types)
+    out = model.get_decoder()(input_ids=tokens[None], position_ids=positions[None],
+                              attention_mask=placeholder if len(types) == 1 else dict.fromkeys(types, placeholder),
+                              past_key_values=cache, use_cache=True, paged_cache=cache)
+    return out.last_hidden_state[0]
 
 
 def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ Layer kinds (`layer_kinds`):
 
 import ctypes
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -110,11 +111,17 @@ class PagedAttention:
                read_blocks: torch.Tensor, buffers: list[torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's keys/values ([B, heads, T, dim]) at `write_slots` ([B * T]) and
-        return the blocks `read_blocks` ([B, blocks]) names, as [B, heads, blocks * block_size, dim].
-        The read copies whole blocks (one index_select of block_size * dim runs per head; an
-        element-wise gather of the slots cost 6-10x more on a CPU), into `buffers` (two flat
-        tensors of at least that size) when given."""
-        heads, _, dim = self.write(key_states, value_states, write_slots)[0].shape
+        return the blocks `read_blocks` ([B, blocks]) names (`read`)."""
+        self.write(key_states, value_states, write_slots)
+        return self.read(read_blocks, buffers)
+
+    def read(self, read_blocks: torch.Tensor, buffers: list[torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the blocks `read_blocks` ([B, blocks]) names, as [B, heads,
+        blocks * block_size, dim]. The read copies whole blocks (one index_select of
+        block_size * dim runs per head; an element-wise gather of the slots cost 6-10x more on a
+        CPU), into `buffers` (two flat tensors of at least that size) when given."""
+        heads, _, dim = self.keys.shape
         rows, blocks = read_blocks.shape
         flat = read_blocks.reshape(-1)
         out = []
@@ -205,6 +212,17 @@ def _linear(config, *, slots: int, scratch_position: int, dtype: torch.dtype,
                                 scratch_position=scratch_position, dtype=dtype, device=device)
 
 
+@dataclass
+class PackedChunk:
+    """A prefill chunk in a packed forward: `length` tokens of row `row` from position `start`, at
+    `offset` in the forward's tokens."""
+
+    row: int
+    start: int
+    length: int
+    offset: int
+
+
 class PagedCache:
     """Every layer's cache, with the transformers Cache interface the models call: `update` for
     attention layers, the conv/recurrent state methods for linear-attention ones; and the rows'
@@ -225,6 +243,7 @@ class PagedCache:
         self._kv_len = 0
         self._read_buffers: list[torch.Tensor] = []  # CPU: where attention layers copy the blocks they read
         self.reads_in_place = False  # the bound forward's attention reads the pools itself
+        self.packed: list[PackedChunk] | None = None  # a packed forward's chunks (bind_packed)
 
     @classmethod
     def for_model(cls, config, *, slots: int, max_len: int, blocks: int, block_size: int, dtype: torch.dtype,
@@ -279,12 +298,39 @@ class PagedCache:
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
         self._read_blocks = tables[:, : self.width(kv_len) // size]
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
-        self.reads_in_place = in_place
+        self.reads_in_place, self.packed = in_place, None
+
+    def bind_packed(self, decode_positions: torch.Tensor, chunks: list[PackedChunk]) -> None:
+        """Bind a packed forward (one row of tokens from several sequences): first one token for
+        each of rows 0..len(decode_positions)-1 at its position, then each chunk's tokens. Its
+        attention reads in place (node_agent/model/cpu_attention.py): the decode tokens through
+        `read_rows()`, each chunk through `read_chunk`."""
+        device, size = self.block_tables.device, self.block_size
+        rows = torch.cat([torch.arange(len(decode_positions), device=device)]
+                         + [torch.full((c.length,), c.row, device=device) for c in chunks])
+        positions = torch.cat([decode_positions] + [torch.arange(c.start, c.start + c.length, device=device)
+                                                    for c in chunks])
+        self._write_slots = self.block_tables[rows, positions // size] * size + positions % size
+        self._rows, self._write_pos = slice(0, len(decode_positions)), decode_positions[:, None]
+        self._kv_len = max([c.start + c.length for c in chunks] + [int(decode_positions.max()) + 1
+                                                                   if len(decode_positions) else 0])
+        self.packed = chunks
+        self.reads_in_place = True
 
     def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode forward's block tables ([B, max_blocks]) and the positions each row sees ([B]:
         its own and all before)."""
         return self.block_tables[self._rows], self._write_pos[:, -1] + 1
+
+    def read_chunk(self, layer_idx: int, chunk: PackedChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A packed chunk's keys and values ([1, heads, width, dim], its row's blocks up to its
+        last position) and its attention mask ([1, 1, length, width])."""
+        layer = self.layers[layer_idx]
+        width = self.width(chunk.start + chunk.length)
+        keys, values = layer.read(self.block_tables[chunk.row: chunk.row + 1, : width // self.block_size],
+                                  self._buffers(layer, width))
+        positions = torch.arange(chunk.start, chunk.start + chunk.length, device=self.device)[None]
+        return keys, values, layer.attention_mask(positions, width)
 
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
                         sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
@@ -299,9 +345,10 @@ class PagedCache:
         layer = self.layers[layer_idx]
         if self.reads_in_place:
             return layer.write(key_states, value_states, self._write_slots)
-        return layer.update(key_states, value_states, self._write_slots, self._read_blocks, self._buffers(layer))
+        buffers = self._buffers(layer, self._read_blocks.numel() * self.block_size)
+        return layer.update(key_states, value_states, self._write_slots, self._read_blocks, buffers)
 
-    def _buffers(self, layer: PagedAttention) -> list[torch.Tensor] | None:
+    def _buffers(self, layer: PagedAttention, positions: int) -> list[torch.Tensor] | None:
         """On a CPU, two buffers every layer reuses for the blocks it reads (a fresh allocation of
         tens of MB page-faults its way in at every layer of every step: 5x the copy itself); grown
         to the largest read yet. None on a GPU (its caching allocator reuses memory, and a captured
@@ -309,7 +356,7 @@ class PagedCache:
         if self.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         heads, _, dim = layer.keys.shape
-        needed = heads * self._read_blocks.numel() * self.block_size * dim
+        needed = heads * positions * dim
         if not self._read_buffers or self._read_buffers[0].numel() < needed \
                 or self._read_buffers[0].dtype != layer.keys.dtype:
             self._read_buffers = [torch.empty(needed, dtype=layer.keys.dtype, device=self.device) for _ in range(2)]

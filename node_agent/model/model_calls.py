@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from node_agent.model import devices, forward
-from node_agent.model.kv_cache import PagedCache, bytes_per_token
+from node_agent.model.kv_cache import PackedChunk, PagedCache, bytes_per_token
 from node_agent.model.loader import LoadedModel
 from shared.catalog import ModelProfile
 from shared.memory import default_kv_blocks
@@ -74,6 +74,16 @@ class ModelCalls:
         """A prefill forward; `vision`: a chunk group's `inputs_embeds`, `rope_positions` and
         `sees_until` where it reads images (node_agent/model/forward.py)."""
         return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len, **vision)
+
+    @property
+    def packs(self) -> bool:
+        """Whether decode rows and prefill chunks can run as one forward (`packed_forward`): a model
+        whose attention reads the cache in place, with no linear-attention state (kept per row)."""
+        return forward.reads_in_place(self.model) and not self.cache.has_linear_attention
+
+    def packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, decoding: int,
+                       chunks: list[PackedChunk]) -> torch.Tensor:
+        return forward.packed_forward(self.model, self.cache, tokens, positions, decoding, chunks)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return forward.logits(self.model, hidden)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from node_agent.model import decoders
+from node_agent.model.kv_cache import PackedChunk
 from node_agent.model.loader import LoadedModel
 from node_agent.model.model_calls import ModelCalls, paged_cache, weight_bytes
 from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
@@ -74,12 +75,15 @@ class Runner:
         result = StepResult()
         self._place(plan)
         parts = []
-        if plan.decode:
-            parts.append(self._decode(plan))
-        if plan.prefill:
-            last = self._prefill(plan.prefill, len(plan.decode), result)
-            if last is not None:
-                parts.append(last)
+        if plan.decode and plan.prefill and self._packs(plan.prefill):
+            parts.append(self._packed(plan, result))
+        else:
+            if plan.decode:
+                parts.append(self._decode(plan))
+            if plan.prefill:
+                last = self._prefill(plan.prefill, len(plan.decode), result)
+                if last is not None:
+                    parts.append(last)
         if plan.samples:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             result.sampled = self._sample(logits, plan, bitmask)
@@ -109,6 +113,33 @@ class Runner:
                         exc)
             self.decoder = decoders.EagerDecoder(self.lm.model, self.cache, self.rope_offsets)
             return self.decoder(tokens, positions)
+
+    def _packs(self, chunks: list[PrefillChunk]) -> bool:
+        """Whether this step's decode rows and chunks run as one packed forward: text prompts of a
+        model that can (node_agent/model/model_calls.py), on a text-only model (rotary offsets and
+        image embeddings are per row)."""
+        return self.calls.packs and self.lm.processor is None
+
+    def _packed(self, plan: StepPlan, result: StepResult) -> torch.Tensor:
+        """The decode rows and the prefill chunks in one forward (each Linear layer reads its weights
+        once a step, as vLLM's flattened batch); returns the logits of the rows that sample, in
+        `plan.samples` order."""
+        decoding, offset, packed = len(plan.decode), len(plan.decode), []
+        for i, chunk in enumerate(plan.prefill):
+            packed.append(PackedChunk(row=decoding + i, start=chunk.start, length=len(chunk.tokens), offset=offset))
+            offset += len(chunk.tokens)
+        tokens = [d.token for d in plan.decode] + [t for chunk in plan.prefill for t in chunk.tokens]
+        positions = [d.position for d in plan.decode] + [p for c in packed for p in range(c.start, c.start + c.length)]
+        device = self.lm.device
+        hidden = self.calls.packed_forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
+                                           decoding, packed)
+        for chunk, place in zip(plan.prefill, packed):
+            if chunk.score_top is not None and chunk.following:
+                result.prompt_scores[chunk.key] = self._score(chunk, hidden[place.offset: place.offset
+                                                                            + len(chunk.following)])
+        sampled = list(range(decoding)) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
+                                            if chunk.samples]
+        return self.calls.logits(hidden[torch.tensor(sampled, device=device)])
 
     def _prefill(self, chunks: list[PrefillChunk], start: int, result: StepResult) -> torch.Tensor | None:
         """One forward over the chunk group (rows start.., right-padded to the widest chunk);

@@ -15,6 +15,11 @@
 
 namespace {
 
+#ifndef CORTEX_PREFETCH_BLOCKS
+#define CORTEX_PREFETCH_BLOCKS 1
+#endif
+constexpr int64_t kPrefetchBlocks = CORTEX_PREFETCH_BLOCKS;  // how far ahead a row's blocks are fetched
+
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
   float s = 0.f;
@@ -53,8 +58,9 @@ void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int
         const int64_t base = tables[row * max_blocks + b] * block_size;
         const int64_t lo = std::max(first, b * block_size) - b * block_size;
         const int64_t hi = std::min(length, (b + 1) * block_size) - b * block_size;
-        if ((b + 1) * block_size < length && b + 1 < max_blocks) {  // the next block is elsewhere: ask for it now
-          const int64_t next = tables[row * max_blocks + b + 1] * block_size * dim;
+        const int64_t ahead = b + kPrefetchBlocks;  // a block further on is elsewhere: ask for it now
+        if (ahead * block_size < length && ahead < max_blocks) {
+          const int64_t next = tables[row * max_blocks + ahead] * block_size * dim;
           for (int64_t i = 0; i < block_size * dim; i += 64 / sizeof(T)) {
             __builtin_prefetch(kh + next + i);
             __builtin_prefetch(vh + next + i);

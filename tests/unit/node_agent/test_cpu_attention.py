@@ -1,6 +1,7 @@
 """The CPU decode attention kernel (node_agent/model/cpu_attention.py): what it computes equals SDPA
 over the same rows' blocks copied out (GQA, sliding windows, soft-capping, float32 and bfloat16);
-which models read in place; and a machine that cannot build it decodes through the copy.
+which models read in place; a machine that cannot build it decodes through the copy; and decode
+rows packed with prefill chunks into one forward give what the separate forwards give.
 The engine's greedy equality with transformers through it is the architecture matrix's
 (test_architectures.py)."""
 
@@ -9,7 +10,9 @@ import logging
 import pytest
 import torch
 
-from node_agent.model import cpu_attention, loader
+from node_agent.engine.engine import Engine
+from node_agent.model import cpu_attention, forward, loader
+from node_agent.model.kv_cache import PackedChunk
 from tests.model_fixtures import tiny_profile
 
 pytestmark = pytest.mark.skipif(not cpu_attention.kernel(), reason="the kernel could not be built here (see the log)")
@@ -73,3 +76,35 @@ def test_without_a_compiler_decode_keeps_the_copy_and_says_why(small_vocab_dirs,
         cpu_attention.kernel.cache_clear()
     assert lm.model.config._attn_implementation == "sdpa"
     assert "could not be built" in caplog.text and "g++: command not found" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])  # gemma3: sliding and full layers, two masks
+def test_decode_rows_and_chunks_packed_in_one_forward_give_the_separate_forwards_logits(small_vocab_dirs, arch):
+    """Rows 0-1 decode (their prompts already cached), rows 2-3 read prompt chunks (one from the start,
+    one from position 12): packed into one forward, each token's hidden state is the one the decode
+    step and the chunk forward give it apart."""
+    lm = loader.load(tiny_profile(small_vocab_dirs[arch], slots=4), "cpu")
+    cache = Engine(lm, tiny_profile(small_vocab_dirs[arch], slots=4)).cache
+    per_row = 4
+    cache.block_tables[:4, :per_row] = (torch.randperm(4 * per_row) + 1).view(4, per_row)
+    torch.manual_seed(1)
+    prompts = torch.randint(3, 200, (4, 30))
+    with torch.inference_mode():
+        history = torch.arange(20)[None].repeat(4, 1)  # what each row has cached: 20 positions
+        forward.forward(lm.model, cache, slice(0, 4), prompts[:, :20], history, history, 20)
+        decode_positions, chunks = torch.tensor([20, 17]), [(2, 0, 9), (3, 12, 8)]  # (row, start, length)
+        apart = [forward.decode_step(lm.model, cache, prompts[:2, 20], decode_positions, torch.zeros(2, dtype=torch.long),
+                                     32)]
+        for row, start, length in chunks:
+            positions = torch.arange(start, start + length)[None]
+            hidden = forward.forward(lm.model, cache, slice(row, row + 1), prompts[row: row + 1, start: start + length],
+                                     positions, positions, start + length)
+            apart.append(forward.logits(lm.model, hidden[0]))
+        packed, offset = [], 2
+        for row, start, length in chunks:
+            packed.append(PackedChunk(row=row, start=start, length=length, offset=offset))
+            offset += length
+        tokens = torch.cat([prompts[:2, 20]] + [prompts[row, start: start + length] for row, start, length in chunks])
+        positions = torch.cat([decode_positions] + [torch.arange(start, start + length) for _, start, length in chunks])
+        together = forward.logits(lm.model, forward.packed_forward(lm.model, cache, tokens, positions, 2, packed))
+    torch.testing.assert_close(together, torch.cat(apart), atol=1e-4, rtol=1e-4)
