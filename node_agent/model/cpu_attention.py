@@ -36,7 +36,9 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 @functools.cache
 def kernel() -> bool:
     """Whether torch.ops.cortex.paged_decode_attention is there (built and loaded here, or logged
-    why not)."""
+    why not). A process loads one build: a second library registering the same operator aborts."""
+    if _registered():
+        return True
     source = _SOURCE.read_bytes()
     flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
         if Path("/proc/cpuinfo").exists() else platform.processor()
@@ -52,6 +54,10 @@ def kernel() -> bool:
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     return True
+
+
+def _registered() -> bool:
+    return torch._C._dispatch_has_kernel("cortex::paged_decode_attention")
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -68,6 +68,7 @@ def test_without_a_compiler_decode_keeps_the_copy_and_says_why(small_vocab_dirs,
         raise RuntimeError("Error building extension: g++: command not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    monkeypatch.setattr(cpu_attention, "_registered", lambda: False)  # as in a process that never loaded it
     cpu_attention.kernel.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="node_agent.model.cpu_attention"):
