@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch.utils.cpp_extension import get_default_build_root
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,9 @@ SMALL = ["--shape", "tiny", "--skip-vllm", "--skip-serve", "--max-model-len", "1
 
 def bench(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "bench.json"
-    env = os.environ | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}  # caches (tiny model, convert) under tmp_path
+    # caches (tiny model, convert) under tmp_path; the CPU attention kernel's build where it already is
+    env = os.environ | {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT),
+                        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", get_default_build_root())}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_run.py"), *argv, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
