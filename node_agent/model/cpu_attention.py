@@ -6,7 +6,7 @@ model's step, more than the attention itself. The kernel walks each row's block 
 keys and values where the pool holds them, one key load for all the query heads of its group,
 with an online softmax in float32; sliding windows and soft-capping as the layer has them.
 
-The kernel is compiled at the first load of a CPU model on this machine (~30 s, g++ and the
+The kernel is compiled at the first load of a CPU model on this machine (~25 s, g++ and the
 Python headers; `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions), keyed by the source, torch's version and this CPU's instruction set.
 Where it cannot be built, decode keeps the copy and a log line says why.
@@ -73,11 +73,11 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if paged_cache.packed is None:
         return _decode(module, query[:, :, 0], key, value, paged_cache, scale, kwargs)[:, None], None
-    decoding = paged_cache.read_rows()[0].shape[0]
+    decoding = paged_cache.read_rows()[1].shape[0]
     parts = [_decode(module, query[0, :, :decoding].transpose(0, 1), key, value, paged_cache, scale, kwargs)] \
         if decoding else []
-    for chunk in paged_cache.packed:
-        keys, values, mask = paged_cache.read_chunk(module.layer_idx, chunk)
+    for index, chunk in enumerate(paged_cache.packed):
+        keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
         rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
         parts.append(sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
                                             **kwargs)[0][0])

@@ -62,7 +62,7 @@ def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tens
     layer reads its weights once for all of them. `tokens` and `positions` are [T]; returns the
     hidden states [T, H]. Only for a model whose attention reads the cache in place (the attention
     finds each token's sequence in the cache's binding: the mask passed through is a placeholder)."""
-    cache.bind_packed(positions[:decoding], chunks)
+    cache.bind_packed(positions, decoding, chunks)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
     types = set(cache.layer_types)
     out = model.get_decoder()(input_ids=tokens[None], position_ids=positions[None],

@@ -242,6 +242,9 @@ class PagedCache:
         self._read_blocks: torch.Tensor | None = None  # [B, W / block_size] the blocks of positions 0..W-1
         self._kv_len = 0
         self._read_buffers: list[torch.Tensor] = []  # CPU: where attention layers copy the blocks they read
+        self._read_tables: torch.Tensor | None = None  # [B, max_blocks], and
+        self._read_lengths: torch.Tensor | None = None  # [B]: what an in-place read's decode rows see
+        self._chunk_masks: list[dict[str, torch.Tensor | None]] = []  # a packed forward's chunks' masks
         self.reads_in_place = False  # the bound forward's attention reads the pools itself
         self.packed: list[PackedChunk] | None = None  # a packed forward's chunks (bind_packed)
 
@@ -298,39 +301,38 @@ class PagedCache:
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
         self._read_blocks = tables[:, : self.width(kv_len) // size]
         self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
-        self.reads_in_place, self.packed = in_place, None
+        self._read_tables, self._read_lengths = tables, write_pos[:, -1] + 1  # what an in-place read takes
+        self.reads_in_place, self.packed, self._chunk_masks = in_place, None, []
 
-    def bind_packed(self, decode_positions: torch.Tensor, chunks: list[PackedChunk]) -> None:
-        """Bind a packed forward (one row of tokens from several sequences): first one token for
-        each of rows 0..len(decode_positions)-1 at its position, then each chunk's tokens. Its
-        attention reads in place (node_agent/model/cpu_attention.py): the decode tokens through
-        `read_rows()`, each chunk through `read_chunk`."""
+    def bind_packed(self, positions: torch.Tensor, decoding: int, chunks: list[PackedChunk]) -> None:
+        """Bind a packed forward (one row of tokens from several sequences, at `positions` [T]):
+        first one token for each of rows 0..decoding-1, then each chunk's tokens. Its attention
+        reads in place (node_agent/model/cpu_attention.py): the decode tokens through `read_rows()`,
+        each chunk through `read_chunk`."""
         device, size = self.block_tables.device, self.block_size
-        rows = torch.cat([torch.arange(len(decode_positions), device=device)]
+        rows = torch.cat([torch.arange(decoding, device=device)]
                          + [torch.full((c.length,), c.row, device=device) for c in chunks])
-        positions = torch.cat([decode_positions] + [torch.arange(c.start, c.start + c.length, device=device)
-                                                    for c in chunks])
         self._write_slots = self.block_tables[rows, positions // size] * size + positions % size
-        self._rows, self._write_pos = slice(0, len(decode_positions)), decode_positions[:, None]
-        self._kv_len = max([c.start + c.length for c in chunks] + [int(decode_positions.max()) + 1
-                                                                   if len(decode_positions) else 0])
-        self.packed = chunks
-        self.reads_in_place = True
+        self._rows, self._write_pos = slice(0, decoding), positions[:decoding, None]
+        self._read_tables, self._read_lengths = self.block_tables[:decoding], positions[:decoding] + 1
+        self._kv_len = int(positions.max()) + 1
+        self._chunk_masks = [self.attention_masks(positions[None, c.offset: c.offset + c.length], c.start + c.length)
+                             for c in chunks]  # each layer type's, once a forward
+        self.reads_in_place, self.packed = True, chunks
 
     def read_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode forward's block tables ([B, max_blocks]) and the positions each row sees ([B]:
-        its own and all before)."""
-        return self.block_tables[self._rows], self._write_pos[:, -1] + 1
+        """An in-place read's block tables ([B, max_blocks]) and the positions each of its decode
+        rows sees ([B]: its own and all before)."""
+        return self._read_tables, self._read_lengths
 
-    def read_chunk(self, layer_idx: int, chunk: PackedChunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A packed chunk's keys and values ([1, heads, width, dim], its row's blocks up to its
-        last position) and its attention mask ([1, 1, length, width])."""
-        layer = self.layers[layer_idx]
+    def read_chunk(self, layer_idx: int, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed forward's chunk `index`: its keys and values ([1, heads, width, dim], its
+        row's blocks up to its last position) and its attention mask ([1, 1, length, width])."""
+        chunk, layer = self.packed[index], self.layers[layer_idx]
         width = self.width(chunk.start + chunk.length)
         keys, values = layer.read(self.block_tables[chunk.row: chunk.row + 1, : width // self.block_size],
                                   self._buffers(layer, width))
-        positions = torch.arange(chunk.start, chunk.start + chunk.length, device=self.device)[None]
-        return keys, values, layer.attention_mask(positions, width)
+        return keys, values, self._chunk_masks[index][self.layer_types[layer_idx]]
 
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
                         sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:

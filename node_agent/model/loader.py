@@ -73,15 +73,22 @@ def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
     return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
-def _pack_linears(model: torch.nn.Module, profile: ModelProfile) -> None:
-    """oneDNN-packed Linear weights for a CPU model (node_agent/model/packed_linear.py), or a log
-    line saying why not."""
-    why_not = ("decode = 'compiled' (Inductor lowers plain Linear layers itself)" if profile.decode == "compiled"
-               else packed_linear.packable(model))
-    if why_not:
-        log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
+def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
+    """A CPU model's Linear weights packed for oneDNN (node_agent/model/packed_linear.py; int8's own
+    layers stay) and its decode attention reading the paged cache in place
+    (node_agent/model/cpu_attention.py), with a log line for each, or for why not."""
+    if profile.decode == "compiled":
+        log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
+                 "itself)", profile.id)
         return
-    log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+    if profile.quant != "int8":
+        why_not = packed_linear.packable(model)
+        if why_not:
+            log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
+        else:
+            log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+    if cpu_attention.enable(model):
+        log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
@@ -140,10 +147,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
     if profile.quant == "int8":
         model = quantize_int8(model, device)
-    elif devices.is_cpu(device) and tp_size == 1:
-        _pack_linears(model, profile)
-    if devices.is_cpu(device) and tp_size == 1 and profile.decode != "compiled" and cpu_attention.enable(model):
-        log.info("%s: decode attention reads the paged KV cache in place", profile.id)
+    if devices.is_cpu(device) and tp_size == 1:
+        _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,

@@ -4,11 +4,7 @@ A decode step's matmuls have a few rows each; oneDNN's kernels over packed weigh
 default model's step 28-34% faster than the plain `F.linear` at 8 and 32 rows on a 2-core EPYC
 (docs/benchmarks.md). Results equal the plain layer's within float rounding."""
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 ROWS_HINT = 32  # the rows oneDNN tunes its packing for: a decode batch
 
@@ -33,8 +29,9 @@ def packable(model: torch.nn.Module) -> str | None:
     """Why the model's Linear layers cannot be packed (None: they can)."""
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN"
-    if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16):
-        return f"oneDNN packs float32 and bfloat16 weights, not {next(model.parameters()).dtype}"
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"oneDNN packs float32 and bfloat16 weights, not {dtype}"
     return None
 
 

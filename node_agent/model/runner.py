@@ -75,7 +75,7 @@ class Runner:
         result = StepResult()
         self._place(plan)
         parts = []
-        if plan.decode and plan.prefill and self._packs(plan.prefill):
+        if plan.decode and plan.prefill and self._packs():
             parts.append(self._packed(plan, result))
         else:
             if plan.decode:
@@ -114,7 +114,7 @@ class Runner:
             self.decoder = decoders.EagerDecoder(self.lm.model, self.cache, self.rope_offsets)
             return self.decoder(tokens, positions)
 
-    def _packs(self, chunks: list[PrefillChunk]) -> bool:
+    def _packs(self) -> bool:
         """Whether this step's decode rows and chunks run as one packed forward: text prompts of a
         model that can (node_agent/model/model_calls.py), on a text-only model (rotary offsets and
         image embeddings are per row)."""
