@@ -133,6 +133,12 @@ class NodeSettings(CortexSettings):
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     min_free_mb: int = 256  # below this much free device memory, new jobs get 503 insufficient_memory
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish
+    # A replica `loading` or `poisoned` for longer than this is given up (`failed`), so that the fleet
+    # places its model elsewhere (node_agent/serving/replica.py)
+    replica_stuck_s: float = Field(900.0, gt=0)
+    # A replica that failed (to load, or was given up) stays `failed` in the heartbeat this long, so
+    # that placement puts its model on other nodes meanwhile; then it is forgotten and may be tried again
+    failed_backoff_s: float = Field(300.0, ge=0)
     # priority classes (shared/queues.py): batch lines fill idle slots but leave this many free
     # for interactive arrivals, and a batch line that waited this long goes ahead of interactive work
     interactive_reserved_slots: int = 1

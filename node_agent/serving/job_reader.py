@@ -11,7 +11,7 @@ every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a 
 taken within a round trip of its XADD.
 
 All of a model's stream I/O on the node is here: the consumer group on each stream, the reads,
-the backlog read when a load failed, leaving the group on unload, and settling entries Redis still
+the own streams' backlog read when a load failed, leaving the group on unload, and settling entries Redis still
 holds for this node that it no longer runs. Acknowledging a finished job rides on the step's
 pipeline (node_agent/serving/publisher.py)."""
 
@@ -121,10 +121,11 @@ class JobReader:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def backlog(self, count: int = 100) -> list[Entry]:
-        """Up to `count` unread entries of any stream, without blocking (empty: none left)."""
-        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {s: ">" for _, s in self.streams},
-                                            count=count)
+    async def own_backlog(self, count: int = 100) -> list[Entry]:
+        """Up to `count` unread entries of this node's own streams (jobs routed here alone), without
+        blocking (empty: none left). The moved and shared streams are the fleet's: not read here."""
+        own = {s: ">" for s in self.streams[::STREAMS_PER_BAND] for s in [s[1]]}
+        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, own, count=count)
         return self._entries(reply)
 
     async def leave(self) -> None:
