@@ -23,7 +23,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared.catalog import ModelProfile
 
@@ -440,3 +440,13 @@ def collect(pieces: list[Piece]) -> Parsed:
 def parse(name: ParserName, text: str, cut_off: bool = False) -> Parsed:
     parser = make_parser(name)
     return collect(parser.feed(text) + parser.finish(cut_off))
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's JSON arguments as an object (Anthropic's `input`, Ollama's `arguments`); what does
+    not parse to an object is kept under `_raw`."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}

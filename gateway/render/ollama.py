@@ -1,0 +1,148 @@
+"""Job events → Ollama's `/api/chat` and `/api/generate` objects (NDJSON lines when streamed).
+
+A stream is one object per engine step that brought text (`done: false`), then a final object
+(`done: true`) with `done_reason` (`stop`, or `length` when `num_predict` or the context cut it
+off), the token counts and the durations in nanoseconds, from the node's timings: `load_duration`
+is the time before an engine took the job (waiting in the queue, and for a load), then
+`prompt_eval_duration` (prefill) and `eval_duration` (decode); `total_duration` is their sum. A
+whole answer is its stream folded into one object, so both carry the same text and calls.
+
+With tools, the text runs through the model's tool-call parser (gateway/tools/parsers.py); a
+call goes out whole, `arguments` as an object as Ollama's clients read it, once the next call
+starts or the answer ends. The objects name the model as the client did (`name`).
+"""
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+from gateway.protocol.ollama import ChatResponse, GenerateResponse, Logprob, Message, Metrics, ToolCall, ToolCallFunction
+from gateway.render import JobInfo
+from gateway.tools.parsers import CallArgs, CallStart, Piece, Text, ToolCallParser, tool_input
+from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, TokenLogprob
+
+NS_PER_MS = 1_000_000
+
+
+def created_at(job: JobInfo) -> datetime:
+    return datetime.fromtimestamp(job.created, UTC)
+
+
+def done_reason(finish_reason: str | None) -> str:
+    return "length" if finish_reason == "length" else "stop"
+
+
+def metrics(done: DoneEvent) -> Metrics:
+    timings = done.timings
+    return Metrics(
+        total_duration=int((timings.queue_ms + timings.prefill_ms + timings.decode_ms) * NS_PER_MS),
+        load_duration=int(timings.queue_ms * NS_PER_MS),
+        prompt_eval_count=done.usage.prompt_tokens,
+        prompt_eval_duration=int(timings.prefill_ms * NS_PER_MS),
+        eval_count=done.usage.completion_tokens,
+        eval_duration=int(timings.decode_ms * NS_PER_MS),
+    )
+
+
+def logprobs(tokens: list[TokenLogprob] | None) -> list[Logprob] | None:
+    if not tokens:
+        return None
+    return [Logprob(token=t.token, logprob=t.logprob, bytes=t.bytes,
+                    top_logprobs=[Logprob(token=top.token, logprob=top.logprob, bytes=top.bytes)
+                                  for top in t.top_logprobs]) for t in tokens]
+
+
+class Calls:
+    """Parser pieces → whole tool calls: a call is whole once the next one starts or the answer ends."""
+
+    def __init__(self) -> None:
+        self.open: CallStart | None = None
+        self.arguments = ""
+
+    def take(self, pieces: list[Piece], ended: bool) -> list[ToolCall]:
+        made = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                made += self._close()
+                self.open = piece
+            elif isinstance(piece, CallArgs):
+                self.arguments += piece.text
+        return made + (self._close() if ended else [])
+
+    def _close(self) -> list[ToolCall]:
+        if self.open is None:
+            return []
+        call = self.open
+        function = ToolCallFunction(index=call.index, name=call.name, arguments=tool_input(self.arguments))
+        self.open, self.arguments = None, ""
+        return [ToolCall(id=f"call_{call.id}", function=function)]
+
+
+async def _steps(events: AsyncIterator[DeltaEvent | DoneEvent]) -> AsyncIterator[ChoiceDelta | DoneEvent]:
+    """Each step's delta of the one choice Ollama asks for, then the done event."""
+    async for event in events:
+        if isinstance(event, DoneEvent):
+            yield event
+            return
+        for delta in event.choices:
+            yield delta
+
+
+async def chat_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], name: str,
+                      parser: ToolCallParser | None) -> AsyncIterator[ChatResponse]:
+    calls = Calls()
+    finish_reason = None
+    async for step in _steps(events):
+        if isinstance(step, DoneEvent):
+            yield ChatResponse(model=name, created_at=created_at(job), message=Message(role="assistant"), done=True,
+                               done_reason=done_reason(finish_reason), **metrics(step).model_dump())
+            return
+        finish_reason = step.finish_reason or finish_reason
+        ended = step.finish_reason is not None
+        if parser is None:
+            pieces: list[Piece] = [Text(step.text)]
+        else:
+            pieces = parser.feed(step.text) + (parser.finish(step.finish_reason == "length") if ended else [])
+        text = "".join(piece.text for piece in pieces if isinstance(piece, Text))
+        made = calls.take(pieces, ended)
+        if text or made or step.logprobs:
+            message = Message(role="assistant", content=text, tool_calls=made or None)
+            yield ChatResponse(model=name, created_at=created_at(job), message=message, done=False,
+                               logprobs=logprobs(step.logprobs))
+
+
+async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent],
+                          name: str) -> AsyncIterator[GenerateResponse]:
+    finish_reason = None
+    async for step in _steps(events):
+        if isinstance(step, DoneEvent):
+            yield GenerateResponse(model=name, created_at=created_at(job), response="", done=True,
+                                   done_reason=done_reason(finish_reason), **metrics(step).model_dump())
+            return
+        finish_reason = step.finish_reason or finish_reason
+        if step.text or step.logprobs:
+            yield GenerateResponse(model=name, created_at=created_at(job), response=step.text, done=False,
+                                   logprobs=logprobs(step.logprobs))
+
+
+async def whole_chat(chunks: AsyncIterator[ChatResponse]) -> ChatResponse:
+    """A chat stream folded into one object, as `stream: false` answers."""
+    content, calls, probs = [], [], []
+    async for chunk in chunks:
+        content.append(chunk.message.content)
+        calls += chunk.message.tool_calls or []
+        probs += chunk.logprobs or []
+        if chunk.done:
+            message = Message(role="assistant", content="".join(content), tool_calls=calls or None)
+            return chunk.model_copy(update={"message": message, "logprobs": probs or None})
+    raise RuntimeError("the job's events ended without a done event")
+
+
+async def whole_generate(chunks: AsyncIterator[GenerateResponse]) -> GenerateResponse:
+    """A generate stream folded into one object, as `stream: false` answers."""
+    response, probs = [], []
+    async for chunk in chunks:
+        response.append(chunk.response)
+        probs += chunk.logprobs or []
+        if chunk.done:
+            return chunk.model_copy(update={"response": "".join(response), "logprobs": probs or None})
+    raise RuntimeError("the job's events ended without a done event")

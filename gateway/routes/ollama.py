@@ -1,0 +1,107 @@
+"""Ollama's API on the gateway's own port: point an Ollama client at `http://HOST:31313`.
+
+`POST /api/chat` and `/api/generate` become jobs as `/v1/chat/completions` requests do
+(gateway/protocol/ollama.py translates them) and answer in NDJSON lines, or one object with
+`stream: false` (gateway/render/ollama.py). `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
+the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version` needs no key, as
+VS Code's Copilot Chat asks it before anything else. `POST /api/pull` succeeds for a model the
+catalogue has and says pulling is not available for any other; `DELETE /api/delete` (admin key)
+unloads the model from every node (the catalogue itself is models.toml's). `/api/embed` and
+`/api/embeddings` belong here once embeddings run as jobs (issue 35, item 2).
+"""
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from gateway import ndjson, operations
+from gateway.auth import Caller, CallerDep, require_admin
+from gateway.context import Ctx, GatewayContext
+from gateway.disconnect import unless_disconnected
+from gateway.jobs import Job, submit_request
+from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, GenerateRequest, ProgressResponse,
+                                     PullRequest, ShowRequest, VersionResponse)
+from gateway.render.ollama import chat_chunks, generate_chunks, whole_chat, whole_generate
+from gateway.render.ollama_models import model_list, running, show
+from gateway.streaming import stream_job
+from shared.catalog import ModelProfile
+from shared.errors import ModelNotFound
+
+router = APIRouter()  # an API key's
+public = APIRouter()
+admin = APIRouter(dependencies=[Depends(require_admin)])
+
+
+@router.post("/api/chat", response_model=None)
+async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    job = await submit_request(ctx, body, caller)
+    return await _answer(request, job, chat_chunks(job, job.events(), body.model, job.parsers()), body.stream, whole_chat)
+
+
+@router.post("/api/generate", response_model=None)
+async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    job = await submit_request(ctx, body, caller)
+    return await _answer(request, job, generate_chunks(job, job.events(), body.model), body.stream, whole_generate)
+
+
+async def _answer(request: Request, job: Job, chunks: AsyncIterator[BaseModel], stream: bool,
+                  whole: Callable[[AsyncIterator[BaseModel]], Awaitable[BaseModel]]) -> Response:
+    if stream:
+        return await stream_job(request, job, chunks, frames=ndjson.frames, media_type=ndjson.MEDIA_TYPE,
+                                queue_notice=None)
+    async with job:
+        answer = await unless_disconnected(request, whole(chunks))
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+def _usable(ctx: GatewayContext, caller: Caller) -> list[ModelProfile]:
+    return [p for p in ctx.catalog.profiles.values() if caller.may_use({p.id, *p.aliases})]
+
+
+def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
+    profile = ctx.catalog.resolve(name)
+    caller.check_may_use(profile)
+    return profile
+
+
+@router.get("/api/tags")
+async def tags(ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    return JSONResponse(model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+
+
+@router.post("/api/show")
+async def show_model(body: ShowRequest, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    profile = _profile(ctx, caller, body.model)
+    return JSONResponse(show(profile, await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+
+
+@router.get("/api/ps")
+async def ps(ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    loaded = running(_usable(ctx, caller), await ctx.fleet.live_nodes(), await ctx.placer.pinned())
+    return JSONResponse(loaded.model_dump(mode="json"))
+
+
+@router.post("/api/pull", response_model=None)
+async def pull(body: PullRequest, ctx: Ctx, caller: CallerDep) -> Response:
+    try:
+        _profile(ctx, caller, body.model)
+    except ModelNotFound:
+        raise ModelNotFound(f"pulling models is not available yet: '{body.model}' is not in this fleet's catalogue "
+                            "(an operator adds it to models.toml)", param="model") from None
+    done = ProgressResponse(status="success")
+    if body.stream:
+        return Response(ndjson.line(done), media_type=ndjson.MEDIA_TYPE)
+    return JSONResponse(done.model_dump())
+
+
+@public.get("/api/version")
+async def version() -> JSONResponse:
+    return JSONResponse(VersionResponse(version=API_VERSION).model_dump())
+
+
+@admin.delete("/api/delete")
+async def delete(body: DeleteRequest, ctx: Ctx) -> Response:
+    await operations.unload(ctx, body.model)
+    return Response()
