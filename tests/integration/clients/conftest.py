@@ -11,8 +11,10 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests import tiny_models
@@ -41,8 +43,18 @@ CLIENTS_DIR = Path(os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cac
 def npm_client(folder: str, package: str, binary: str) -> Path:
     """`binary` of the npm `package`, installed into CLIENTS_DIR/`folder` the first time; skips the
     test, saying why, when npm or its registry cannot be had."""
+    return npm_install(folder, package, Path("node_modules") / ".bin" / binary)
+
+
+def npm_library(folder: str, package: str) -> Path:
+    """The folder of the npm library `package` (to `require`), installed as `npm_client` installs."""
+    return npm_install(folder, package, Path("node_modules") / package)
+
+
+def npm_install(folder: str, package: str, wanted: Path) -> Path:
+    """CLIENTS_DIR/`folder`/`wanted`, installing `package` there first when it is missing."""
     prefix = CLIENTS_DIR / folder
-    path = prefix / "node_modules" / ".bin" / binary
+    path = prefix / wanted
     if not path.exists():
         npm = shutil.which("npm")
         if npm is None:
@@ -130,3 +142,58 @@ def openai_client(stack: Stack):
     import openai
 
     return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0)
+
+
+OLLAMA_ADMIN_KEY = "ollama-admin-key"
+
+
+@dataclass
+class KeyedStack:
+    stack: Stack
+    key: str  # an API key: with one in Redis, every request must carry one
+
+    @property
+    def url(self) -> str:
+        return self.stack.gateway_url
+
+    @property
+    def bearer(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture(scope="session")
+def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[KeyedStack]:
+    """`tiny` (alias `default`) and `scripted`, behind an API key (made through the admin API), for
+    Ollama's clients: its own stack, as a key turns auth on for good."""
+    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    toml = f"""
+[[models]]
+id = "tiny"
+source = "{tiny_dirs["llama"]}"
+aliases = ["default"]
+dtype = "float32"
+slots = 4
+max_model_len = 256
+default_max_tokens = 8
+
+[[models]]
+id = "scripted"
+source = "{scripted_dir}"
+dtype = "float32"
+slots = 2
+max_model_len = 4096
+chat_template = "{template}"
+"""
+    with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted"],
+                 CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY) as stack:
+        created = httpx.post(f"{stack.gateway_url}/admin/keys", json={"name": "ollama-client"},
+                             headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"}, timeout=30)
+        assert created.status_code == 200, created.text
+        yield KeyedStack(stack, created.json()["secret"])
+
+
+@pytest.fixture
+def keyed_stack(ollama_stack: KeyedStack) -> Iterator[KeyedStack]:
+    """The keyed stack, checked afterwards for pending entries and stray keys."""
+    yield ollama_stack
+    ollama_stack.stack.assert_clean()
