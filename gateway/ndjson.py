@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from gateway.errors import ollama_error_body
 from gateway.jobs import Job
-from gateway.streaming import log
+from gateway.streaming import failed_while_streaming
 from shared.errors import CortexError
 
 MEDIA_TYPE = "application/x-ndjson"
@@ -28,6 +28,5 @@ async def frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[by
         async for chunk in chunks:
             yield line(chunk)
     except CortexError as exc:
-        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
-                 exc.message)
+        failed_while_streaming(job, exc)
         yield line(ollama_error_body(exc))

@@ -69,13 +69,17 @@ async def numbered(job: Job, chunks: AsyncIterator[T]) -> AsyncIterator[tuple[in
             yield number, chunk
 
 
+def failed_while_streaming(job: Job, exc: CortexError) -> None:
+    """Log a job that failed after its response's headers went out (its error travels in the stream)."""
+    log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name, exc.message)
+
+
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
     try:
         async for number, chunk in numbered(job, chunks):
             yield sse.data(chunk, number)
     except CortexError as exc:  # after the headers went out, an error travels in the stream
-        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
-                 exc.message)
+        failed_while_streaming(job, exc)
         yield sse.data(error_body(exc))
     yield sse.DONE
 

@@ -7,7 +7,8 @@ from gateway.routes import (admin, batches, chat, completions, dashboard, files,
                             models, ollama, queue, responses)
 
 router = APIRouter()
-for module in (chat, completions, message_batches, messages, responses, models, files, batches, queue, ollama):  # an API key's
+api_key_routes = (chat, completions, message_batches, messages, responses, models, files, batches, queue, ollama)
+for module in api_key_routes:
     router.include_router(module.router, dependencies=[Depends(authenticate)])
 for module in (health, admin, keys, dashboard):
     router.include_router(module.router)

@@ -86,20 +86,38 @@ def codex_dir(tmp_path_factory, smol_tokenizer):
     return tiny_models.build_scripted(tmp_path_factory.mktemp("codex"), smol_tokenizer, replies, context=CODEX_CONTEXT)
 
 
-@pytest.fixture(scope="session")
-def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
-    tiny = tiny_dirs["llama"]
-    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    toml = f"""
+def tiny_model(source: Path) -> str:
+    """The catalogue entry of `tiny`: random weights, a 256-token context, 8 tokens unless told, alias `default`."""
+    return f"""
 [[models]]
 id = "tiny"
-source = "{tiny}"
+source = "{source}"
 aliases = ["default"]
 dtype = "float32"
 slots = 4
 max_model_len = 256
 default_max_tokens = 8
+"""
 
+
+def scripted_model(model_id: str, source: Path, *, context: int = 32768, extra: str = "") -> str:
+    """The catalogue entry of a scripted model (tests/tiny_models.build_scripted) under SCRIPTED_TEMPLATE."""
+    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f"""
+[[models]]
+id = "{model_id}"
+source = "{source}"
+dtype = "float32"
+slots = 2
+max_model_len = {context}
+chat_template = "{template}"
+{extra}"""
+
+
+@pytest.fixture(scope="session")
+def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
+    tiny = tiny_dirs["llama"]
+    toml = tiny_model(tiny) + f"""
 [[models]]
 id = "tiny-strict"
 source = "{tiny}"
@@ -107,24 +125,7 @@ dtype = "float32"
 slots = 4
 max_model_len = 256
 max_tokens_policy = "reject"
-
-[[models]]
-id = "scripted"
-source = "{scripted_dir}"
-dtype = "float32"
-slots = 2
-max_model_len = 32768
-chat_template = "{template}"
-
-[[models]]
-id = "codex"
-source = "{codex_dir}"
-dtype = "float32"
-slots = 2
-max_model_len = 32768
-chat_template = "{template}"
-tool_parser = "llama3_json"
-"""
+""" + scripted_model("scripted", scripted_dir) + scripted_model("codex", codex_dir, extra='tool_parser = "llama3_json"\n')
     models = ["tiny", "tiny-strict", "scripted", "codex"]
     with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", models) as stack:
         yield stack
@@ -165,25 +166,7 @@ class KeyedStack:
 def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[KeyedStack]:
     """`tiny` (alias `default`) and `scripted`, behind an API key (made through the admin API), for
     Ollama's clients: its own stack, as a key turns auth on for good."""
-    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    toml = f"""
-[[models]]
-id = "tiny"
-source = "{tiny_dirs["llama"]}"
-aliases = ["default"]
-dtype = "float32"
-slots = 4
-max_model_len = 256
-default_max_tokens = 8
-
-[[models]]
-id = "scripted"
-source = "{scripted_dir}"
-dtype = "float32"
-slots = 2
-max_model_len = 4096
-chat_template = "{template}"
-"""
+    toml = tiny_model(tiny_dirs["llama"]) + scripted_model("scripted", scripted_dir, context=4096)
     with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted"],
                  CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY) as stack:
         created = httpx.post(f"{stack.gateway_url}/admin/keys", json={"name": "ollama-client"},

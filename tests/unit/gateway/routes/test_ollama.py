@@ -1,6 +1,7 @@
 """Ollama's `/api/*` routes against a scripted node on fakeredis: NDJSON streams and whole objects,
 tool calls, errors in Ollama's shape, the model routes, pull, version and delete."""
 
+import asyncio
 import json
 
 import httpx
@@ -13,7 +14,7 @@ from shared.errors import ModelNotFound
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
 from shared.wire import DoneEvent, Timings, Usage
-from tests.unit.gateway.conftest import KEYS, MODEL, beat, delta
+from tests.unit.gateway.conftest import KEYS, MODEL, ScriptedNode, beat, delta
 
 ADMIN = "admin-secret"
 ASK = {"model": "default:latest", "messages": [{"role": "user", "content": "Hi"}]}
@@ -176,3 +177,23 @@ def test_latest_tag_resolves_to_the_name(app):
     assert catalog.resolve("default:latest").id == catalog.resolve(MODEL + ":latest").id == MODEL
     with pytest.raises(ModelNotFound):
         catalog.resolve("default:7b")
+
+
+async def test_a_queued_stream_carries_only_json_lines(client, redis):
+    """While the job waits in the queue the response has begun (its place in a header), with no
+    SSE comment among its lines: Ollama's clients parse every line as JSON."""
+    await beat(redis)
+    scripted = ScriptedNode(redis)
+
+    async def serve_later() -> None:
+        await asyncio.sleep(0.5)
+        await scripted.run(KEYS.jobs(MODEL))
+    serving = asyncio.create_task(serve_later())
+    try:
+        response = await client.post("/api/chat", json=ASK)
+    finally:
+        for task in [serving, *scripted.tasks]:
+            task.cancel()
+        await asyncio.gather(serving, *scripted.tasks, return_exceptions=True)
+    assert int(response.headers["x-cortex-queue-position"]) > 0
+    assert "".join(p["message"]["content"] for p in lines(response.text)) == "Hello!"
