@@ -5,7 +5,8 @@ Requests validate Ollama's types (a field this gateway does not know is ignored 
 the other dialects become: `options` → sampling, `format` ("json" or a JSON schema) → JSON output
 decoded under a grammar, `tools` → OpenAI-style function tools (what Hugging Face chat templates
 read), base64 `images` → image parts (checked by gateway/images.py), `think` → the template's
-`enable_thinking`. `/api/generate` renders its prompt through the model's chat template as a user
+`enable_thinking`. A request with no messages (or an empty prompt) only loads its model.
+`/api/generate` renders its prompt through the model's chat template as a user
 turn (after `system`), unless `raw`. Streaming is the default, as in Ollama.
 """
 
@@ -144,8 +145,7 @@ class _GenerateInput(Lenient):
 
 
 class ChatRequest(_GenerateInput):
-    model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = []  # none: only load the model (Ollama's way to preload one)
     tools: list[Tool] | None = None
 
     @property
@@ -163,8 +163,7 @@ class ChatRequest(_GenerateInput):
 
 
 class GenerateRequest(_GenerateInput):
-    model: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
+    prompt: str = ""  # empty: only load the model
     suffix: str | None = None
     system: str | None = None
     template: str | None = None

@@ -124,6 +124,16 @@ async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneE
                                    logprobs=logprobs(step.logprobs))
 
 
+def chat_loaded(name: str, at: datetime) -> ChatResponse:
+    """The answer to a request that only loads its model (no messages)."""
+    return ChatResponse(model=name, created_at=at, message=Message(role="assistant"), done=True, done_reason="load")
+
+
+def generate_loaded(name: str, at: datetime) -> GenerateResponse:
+    """The answer to a request that only loads its model (an empty prompt)."""
+    return GenerateResponse(model=name, created_at=at, response="", done=True, done_reason="load")
+
+
 async def whole_chat(chunks: AsyncIterator[ChatResponse]) -> ChatResponse:
     """A chat stream folded into one object, as `stream: false` answers."""
     content, calls, probs = [], [], []

@@ -2,7 +2,8 @@
 
 `POST /api/chat` and `/api/generate` become jobs as `/v1/chat/completions` requests do
 (gateway/protocol/ollama.py translates them) and answer in NDJSON lines, or one object with
-`stream: false` (gateway/render/ollama.py). `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
+`stream: false` (gateway/render/ollama.py); with no messages (an empty prompt) they place the model
+on a node and answer `done_reason: "load"`. `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
 the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version` needs no key, as
 VS Code's Copilot Chat asks it before anything else. `POST /api/pull` succeeds for a model the
 catalogue has and says pulling is not available for any other; `DELETE /api/delete` (admin key)
@@ -11,10 +12,13 @@ unloads the model from every node (the catalogue itself is models.toml's). `/api
 """
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.datastructures import MutableHeaders
 
 from gateway import ndjson, operations
 from gateway.auth import Caller, CallerDep, require_admin
@@ -23,25 +27,45 @@ from gateway.disconnect import unless_disconnected
 from gateway.jobs import Job, submit_request
 from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, GenerateRequest, ProgressResponse,
                                      PullRequest, ShowRequest, VersionResponse)
-from gateway.render.ollama import chat_chunks, generate_chunks, whole_chat, whole_generate
+from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, generate_loaded, whole_chat,
+                                   whole_generate)
 from gateway.render.ollama_models import model_list, running, show
 from gateway.streaming import stream_job
 from shared.catalog import ModelProfile
 from shared.errors import ModelNotFound
 
-router = APIRouter()  # an API key's
+
+
+class JsonBody(APIRoute):
+    """Ollama's clients and its documented `curl -d '{…}'` send JSON under any content type
+    (curl's is a form's): the body is read as JSON whatever the header says."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def as_json(request: Request) -> Response:
+            MutableHeaders(scope=request.scope)["content-type"] = "application/json"
+            return await handler(request)
+        return as_json
+
+
+router = APIRouter(route_class=JsonBody)  # an API key's
 public = APIRouter()
-admin = APIRouter(dependencies=[Depends(require_admin)])
+admin = APIRouter(route_class=JsonBody, dependencies=[Depends(require_admin)])
 
 
 @router.post("/api/chat", response_model=None)
 async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    if not body.messages:
+        return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
     return await _answer(request, job, chat_chunks(job, job.events(), body.model, job.parsers()), body.stream, whole_chat)
 
 
 @router.post("/api/generate", response_model=None)
 async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    if not body.prompt:
+        return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
     return await _answer(request, job, generate_chunks(job, job.events(), body.model), body.stream, whole_generate)
 
@@ -53,6 +77,13 @@ async def _answer(request: Request, job: Job, chunks: AsyncIterator[BaseModel], 
                                 queue_notice=None)
     async with job:
         answer = await unless_disconnected(request, whole(chunks))
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+async def _load(ctx: GatewayContext, caller: Caller, answer: BaseModel) -> JSONResponse:
+    """Place the model on a node if none serves it (it is loading there when this answers), as
+    Ollama loads for a request with nothing to generate."""
+    await ctx.placer.ensure_placed(_profile(ctx, caller, answer.model))
     return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
 
 

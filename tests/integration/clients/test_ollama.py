@@ -92,7 +92,8 @@ def test_list_show_and_ps(client, keyed_stack):
     assert shown.capabilities == ["completion", "tools"]
     assert shown.modelinfo[f"{shown.modelinfo['general.architecture']}.context_length"] == 256
     assert shown.modelinfo["general.basename"] == "tiny" and "num_ctx 256" in shown.parameters
-    client.chat(model="tiny", messages=HI, options=GREEDY, keep_alive="10m")
+    assert client.generate(model="tiny", keep_alive="10m").done_reason == "load"  # how Ollama's clients preload
+    assert client.chat(model="tiny", messages=[]).done_reason == "load"
     running = {m.model: m for m in client.ps().models}
     assert running["tiny:latest"].context_length == 256 and running["tiny:latest"].size > 0
     assert running["tiny:latest"].expires_at > datetime.now(UTC)

@@ -52,6 +52,12 @@ async def test_chat_streams_ndjson_by_default(client, node):
     assert node.entries[0].model == MODEL and node.entries[0].request().kind == "chat"
 
 
+async def test_json_under_any_content_type_as_curl_sends_it(client, node):
+    body = json.dumps({"model": MODEL, "prompt": "Why?", "stream": False})
+    answer = await client.post("/api/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert answer.json()["response"] == "Hello!"
+
+
 async def test_chat_not_streamed_is_the_stream_folded(client, node):
     node.script = timed_script
     streamed = lines((await client.post("/api/chat", json=ASK)).text)[-1]
@@ -92,6 +98,23 @@ async def test_length_is_the_done_reason_of_a_cut_off_answer(client, node):
     assert answer["done_reason"] == "length"
 
 
+@pytest.mark.parametrize("path, body", [("/api/chat", {"model": "default"}), ("/api/generate", {"model": MODEL})])
+async def test_nothing_to_generate_loads_the_model(client, redis, path, body):
+    """Ollama's way to preload a model: placed on a node (a load command), answered at once."""
+    await beat(redis, "n1", {}, free_mb=64_000)  # a live node holding nothing, with room
+
+    async def load_when_told() -> None:
+        while not await redis.xlen(KEYS.cmd("n1")):
+            await asyncio.sleep(0.01)
+        await beat(redis, "n1", {MODEL: ModelState.LOADING}, free_mb=64_000)
+    loading = asyncio.create_task(load_when_told())
+    answer = await client.post(path, json=body)
+    await loading
+    assert (answer.json()["done"], answer.json()["done_reason"]) == (True, "load")
+    [(_, [(_, fields)])] = await redis.xread({KEYS.cmd("n1"): "0"})
+    assert (fields[b"cmd"], fields[b"model"]) == (b"load", MODEL.encode())
+
+
 async def test_format_schema_decodes_under_a_grammar(client, node):
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     await client.post("/api/chat", json=ASK | {"format": schema, "stream": False})
@@ -102,7 +125,7 @@ async def test_format_schema_decodes_under_a_grammar(client, node):
 
 @pytest.mark.parametrize("path, body, status, words", [
     ("/api/chat", ASK | {"model": "nope"}, 404, "The model 'nope' does not exist"),
-    ("/api/chat", {"model": MODEL}, 400, "messages: Field required"),
+    ("/api/chat", ASK | {"messages": [{"role": "robot"}]}, 400, "messages.0.role"),
     ("/api/chat", ASK | {"options": {"temperature": -1}}, 400, "options.temperature"),
     ("/api/chat", ASK | {"format": {"type": "nonsense"}}, 400, "format"),
     ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix: fill-in-the-middle"),
