@@ -238,22 +238,22 @@ class Metrics(BaseModel):
     eval_duration: int | None = None
 
 
-class ChatResponse(Metrics):
+class _Answer(Metrics):
+    """What a chat and a generate object share; the metrics are set on the last (`done: true`)."""
+
     model: str
     created_at: datetime
+    done: bool
+    done_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+
+
+class ChatResponse(_Answer):
     message: Message
-    done: bool
-    done_reason: str | None = None
-    logprobs: list[Logprob] | None = None
 
 
-class GenerateResponse(Metrics):
-    model: str
-    created_at: datetime
+class GenerateResponse(_Answer):
     response: str
-    done: bool
-    done_reason: str | None = None
-    logprobs: list[Logprob] | None = None
 
 
 class ModelDetails(BaseModel):
