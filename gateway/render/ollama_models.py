@@ -91,15 +91,17 @@ def show(profile: ModelProfile, nodes: list[NodeHeartbeat]) -> ShowResponse:
 
 
 def _expires_at(profile: ModelProfile, pinned: bool, replicas: list[tuple[NodeHeartbeat, ModelInfo]]) -> datetime:
+    """When the last replica unloads for idleness: its catalogue `keep_alive_s` after its last job,
+    or later when a request's `keep_alive` asked for it."""
     if pinned or profile.keep_alive_s < 0:
         return NEVER
-    return _since(max(info.last_used_ms for _, info in replicas) + int(profile.keep_alive_s * 1000))
+    keep_alive_ms = int(profile.keep_alive_s * 1000)
+    return _since(max(max(info.last_used_ms + keep_alive_ms, info.keep_until_ms) for _, info in replicas))
 
 
 def running(profiles: list[ModelProfile], nodes: list[NodeHeartbeat], pinned: set[str]) -> ProcessResponse:
     """The models some live node holds ready: memory summed over replicas (`size_vram`: on GPUs),
-    when the last replica would unload for idleness (a request's longer `keep_alive` may keep it
-    longer), and Cortex's `nodes` that hold it."""
+    when the last replica would unload for idleness, and Cortex's `nodes` that hold it."""
     models = []
     for profile in profiles:
         replicas = _replicas(profile, nodes)

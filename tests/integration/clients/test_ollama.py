@@ -5,7 +5,7 @@ trip, `format` with a schema, list, show, ps, pull, errors. Every greedy answer 
 calls VS Code's Copilot Chat makes to discover models, replayed without a key as it sends none."""
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import ollama
@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.integration.clients.conftest import ANSWER
+from tests.stack import wait_for
 
 HI = [{"role": "user", "content": "Hello there"}]
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -94,9 +95,13 @@ def test_list_show_and_ps(client, keyed_stack):
     assert shown.modelinfo["general.basename"] == "tiny" and "num_ctx 256" in shown.parameters
     assert client.generate(model="tiny", keep_alive="10m").done_reason == "load"  # how Ollama's clients preload
     assert client.chat(model="tiny", messages=[]).done_reason == "load"
-    running = {m.model: m for m in client.ps().models}
-    assert running["tiny:latest"].context_length == 256 and running["tiny:latest"].size > 0
-    assert running["tiny:latest"].expires_at > datetime.now(UTC)
+    client.chat(model="tiny", messages=HI, options=GREEDY, keep_alive="1h")
+
+    def running() -> dict:
+        return {m.model: m for m in client.ps().models}
+    wait_for(lambda: running()["tiny:latest"].expires_at > datetime.now(UTC) + timedelta(minutes=50), 10,
+             "the node's heartbeat to keep tiny for the hour asked (not the catalogue's 5 minutes)")
+    assert running()["tiny:latest"].context_length == 256 and running()["tiny:latest"].size > 0
     assert keyed_stack.stack.models_on("node-o")["tiny"]["state"] == "ready"
 
 

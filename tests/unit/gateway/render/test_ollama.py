@@ -1,7 +1,12 @@
-"""Job events → Ollama objects, without I/O: chunks, the folded whole, tool calls, logprobs, metrics."""
+"""Job events and fleet state → Ollama objects, without I/O: chunks, the folded whole, tool calls,
+logprobs, metrics, `/api/ps` expiry."""
 
 from gateway.render.ollama import chat_chunks, generate_chunks, whole_chat, whole_generate
+from gateway.render.ollama_models import running
 from gateway.tools.parsers import make_parser
+from shared.catalog import ModelProfile
+from shared.heartbeat import ModelInfo, NodeHeartbeat
+from shared.lifecycle import ModelState
 from shared.wire import DoneEvent, Timings, TokenLogprob, TopLogprob, Usage
 from tests.unit.gateway.conftest import delta
 from tests.unit.gateway.render.test_render import JobInfo, events
@@ -50,3 +55,17 @@ async def test_logprobs_come_with_their_tokens():
     whole = await whole_chat(chat_chunks(JobInfo(), events(delta("a", logprobs=[token]), DONE), "m", None))
     assert [p.model_dump(exclude_none=True) for p in whole.logprobs] == [
         {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [{"token": "b", "logprob": -1.0, "bytes": [98]}]}]
+
+
+def test_ps_expiry_is_the_later_of_the_catalogues_keep_alive_and_a_requests():
+    profile = ModelProfile(id="m", source="/m.gguf", keep_alive_s=300)
+    info = ModelInfo(state=ModelState.READY, device="cuda:0", memory_mb=2, last_used_ms=1_000_000)
+    nodes = [NodeHeartbeat(node="n1", version="t", started_ms=0, heartbeat_ms=0, models={"m": info})]
+    [model] = running([profile], nodes, pinned=set()).models
+    assert model.expires_at.timestamp() == 1_300  # 300 s after its last job
+    assert (model.name, model.size, model.size_vram, model.nodes) == ("m:latest", 2 * 1024 * 1024, 2 * 1024 * 1024, ["n1"])
+    info.keep_until_ms = 5_000_000  # a request asked for longer
+    assert running([profile], nodes, pinned=set()).models[0].expires_at.timestamp() == 5_000
+    assert running([profile], nodes, pinned={"m"}).models[0].expires_at.year == 9999
+    info.state = ModelState.LOADING
+    assert running([profile], nodes, pinned=set()).models == []  # only ready replicas are running
