@@ -5,7 +5,7 @@ Requests validate Ollama's types (a field this gateway does not know is ignored 
 the other dialects become: `options` → sampling, `format` ("json" or a JSON schema) → JSON output
 decoded under a grammar, `tools` → OpenAI-style function tools (what Hugging Face chat templates
 read), base64 `images` → image parts (checked by gateway/images.py), `think` → the template's
-`enable_thinking`. A request with no messages (or an empty prompt) only loads its model.
+`enable_thinking` (and the answer's `<think>…</think>` comes back apart). A request with no messages (or an empty prompt) only loads its model.
 `/api/generate` renders its prompt through the model's chat template as a user
 turn (after `system`), unless `raw`. Streaming is the default, as in Ollama.
 """
@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, model_validator
 from gateway.protocol.bounds import Int64, JsonSchema, KeepAlive, duration_s
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, JsonOutput
+from gateway.tools.thinking import ThinkingSplitter
 from shared.wire import GenerationRequest, SamplingParams
 
 API_VERSION = "0.13.0"  # the Ollama release whose API this follows (`/api/version`; Copilot Chat needs >= 0.6.4)
@@ -126,6 +127,10 @@ class _GenerateInput(Lenient):
     @property
     def keep_alive_s(self) -> float | None:
         return duration_s(self.keep_alive)
+
+    def splitter(self) -> ThinkingSplitter | None:
+        """What splits the answer's thinking from its content, when the request asked to think."""
+        return ThinkingSplitter() if self.think else None
 
     @property
     def constraint(self) -> Constraint:
@@ -254,6 +259,7 @@ class ChatResponse(_Answer):
 
 class GenerateResponse(_Answer):
     response: str
+    thinking: str | None = None
 
 
 class ModelDetails(BaseModel):

@@ -7,7 +7,8 @@ is the time before an engine took the job (waiting in the queue, and for a load)
 `prompt_eval_duration` (prefill) and `eval_duration` (decode); `total_duration` is their sum. A
 whole answer is its stream folded into one object, so both carry the same text and calls.
 
-With tools, the text runs through the model's tool-call parser (gateway/tools/parsers.py); a
+With `think`, the answer's `<think>…</think>` goes out as `thinking` (gateway/tools/thinking.py).
+With tools, the rest runs through the model's tool-call parser (gateway/tools/parsers.py); a
 call goes out whole, `arguments` as an object as Ollama's clients read it, once the next call
 starts or the answer ends. The objects name the model as the client did (`name`).
 """
@@ -18,6 +19,7 @@ from datetime import UTC, datetime
 from gateway.protocol.ollama import ChatResponse, GenerateResponse, Logprob, Message, Metrics, ToolCall, ToolCallFunction
 from gateway.render import JobInfo
 from gateway.tools.parsers import CallArgs, CallStart, Piece, Text, ToolCallParser, tool_input
+from gateway.tools.thinking import ThinkingSplitter
 from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, TokenLogprob
 
 NS_PER_MS = 1_000_000
@@ -87,8 +89,20 @@ async def _steps(events: AsyncIterator[DeltaEvent | DoneEvent]) -> AsyncIterator
             yield delta
 
 
+def _thought(splitter: ThinkingSplitter | None, text: str, ended: bool) -> tuple[str, str]:
+    """A step's text → (thinking, content): all content unless the request asked to think."""
+    if splitter is None:
+        return "", text
+    thinking, content = splitter.feed(text)
+    if ended:
+        held_thinking, held_content = splitter.finish()
+        thinking, content = thinking + held_thinking, content + held_content
+    return thinking, content
+
+
 async def chat_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], name: str,
-                      parser: ToolCallParser | None) -> AsyncIterator[ChatResponse]:
+                      parser: ToolCallParser | None,
+                      splitter: ThinkingSplitter | None = None) -> AsyncIterator[ChatResponse]:
     calls = Calls()
     finish_reason = None
     async for step in _steps(events):
@@ -98,20 +112,21 @@ async def chat_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent
             return
         finish_reason = step.finish_reason or finish_reason
         ended = step.finish_reason is not None
+        thinking, content = _thought(splitter, step.text, ended)
         if parser is None:
-            pieces: list[Piece] = [Text(step.text)]
+            pieces: list[Piece] = [Text(content)]
         else:
-            pieces = parser.feed(step.text) + (parser.finish(step.finish_reason == "length") if ended else [])
+            pieces = parser.feed(content) + (parser.finish(step.finish_reason == "length") if ended else [])
         text = "".join(piece.text for piece in pieces if isinstance(piece, Text))
         made = calls.take(pieces, ended)
-        if text or made or step.logprobs:
-            message = Message(role="assistant", content=text, tool_calls=made or None)
+        if text or thinking or made or step.logprobs:
+            message = Message(role="assistant", content=text, thinking=thinking or None, tool_calls=made or None)
             yield ChatResponse(model=name, created_at=created_at(job), message=message, done=False,
                                logprobs=logprobs(step.logprobs))
 
 
-async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent],
-                          name: str) -> AsyncIterator[GenerateResponse]:
+async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], name: str,
+                          splitter: ThinkingSplitter | None = None) -> AsyncIterator[GenerateResponse]:
     finish_reason = None
     async for step in _steps(events):
         if isinstance(step, DoneEvent):
@@ -119,9 +134,10 @@ async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneE
                                    done_reason=done_reason(finish_reason), **metrics(step).model_dump())
             return
         finish_reason = step.finish_reason or finish_reason
-        if step.text or step.logprobs:
-            yield GenerateResponse(model=name, created_at=created_at(job), response=step.text, done=False,
-                                   logprobs=logprobs(step.logprobs))
+        thinking, text = _thought(splitter, step.text, step.finish_reason is not None)
+        if text or thinking or step.logprobs:
+            yield GenerateResponse(model=name, created_at=created_at(job), response=text, thinking=thinking or None,
+                                   done=False, logprobs=logprobs(step.logprobs))
 
 
 def chat_loaded(name: str, at: datetime) -> ChatResponse:
@@ -136,23 +152,27 @@ def generate_loaded(name: str, at: datetime) -> GenerateResponse:
 
 async def whole_chat(chunks: AsyncIterator[ChatResponse]) -> ChatResponse:
     """A chat stream folded into one object, as `stream: false` answers."""
-    content, calls, probs = [], [], []
+    content, thinking, calls, probs = [], [], [], []
     async for chunk in chunks:
         content.append(chunk.message.content)
+        thinking.append(chunk.message.thinking or "")
         calls += chunk.message.tool_calls or []
         probs += chunk.logprobs or []
         if chunk.done:
-            message = Message(role="assistant", content="".join(content), tool_calls=calls or None)
+            message = Message(role="assistant", content="".join(content), thinking="".join(thinking) or None,
+                              tool_calls=calls or None)
             return chunk.model_copy(update={"message": message, "logprobs": probs or None})
     raise RuntimeError("the job's events ended without a done event")
 
 
 async def whole_generate(chunks: AsyncIterator[GenerateResponse]) -> GenerateResponse:
     """A generate stream folded into one object, as `stream: false` answers."""
-    response, probs = [], []
+    response, thinking, probs = [], [], []
     async for chunk in chunks:
         response.append(chunk.response)
+        thinking.append(chunk.thinking or "")
         probs += chunk.logprobs or []
         if chunk.done:
-            return chunk.model_copy(update={"response": "".join(response), "logprobs": probs or None})
+            return chunk.model_copy(update={"response": "".join(response), "thinking": "".join(thinking) or None,
+                                            "logprobs": probs or None})
     raise RuntimeError("the job's events ended without a done event")

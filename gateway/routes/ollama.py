@@ -59,7 +59,8 @@ async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep)
     if not body.messages:
         return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    return await _answer(request, job, chat_chunks(job, job.events(), body.model, job.parsers()), body.stream, whole_chat)
+    chunks = chat_chunks(job, job.events(), body.model, job.parsers(), body.splitter())
+    return await _answer(request, job, chunks, body.stream, whole_chat)
 
 
 @router.post("/api/generate", response_model=None)
@@ -67,7 +68,8 @@ async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: Ca
     if not body.prompt:
         return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    return await _answer(request, job, generate_chunks(job, job.events(), body.model), body.stream, whole_generate)
+    chunks = generate_chunks(job, job.events(), body.model, body.splitter())
+    return await _answer(request, job, chunks, body.stream, whole_generate)
 
 
 async def _answer(request: Request, job: Job, chunks: AsyncIterator[BaseModel], stream: bool,

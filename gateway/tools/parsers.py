@@ -186,7 +186,7 @@ class _Call:
         return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index, self.call_id)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that could be the start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -262,7 +262,7 @@ class HermesParser(ToolCallParser):
             tag = self.END if self._call else self.START
             at = self._pending.find(tag)
             if at < 0:
-                keep = _partial_suffix(self._pending, tag)
+                keep = partial_suffix(self._pending, tag)
                 ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
                 out += self._into_call(ready) if self._call else self._text(ready)
                 return out

@@ -4,6 +4,7 @@ logprobs, metrics, `/api/ps` expiry."""
 from gateway.render.ollama import chat_chunks, generate_chunks, whole_chat, whole_generate
 from gateway.render.ollama_models import running
 from gateway.tools.parsers import make_parser
+from gateway.tools.thinking import ThinkingSplitter
 from shared.catalog import ModelProfile
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.lifecycle import ModelState
@@ -69,3 +70,16 @@ def test_ps_expiry_is_the_later_of_the_catalogues_keep_alive_and_a_requests():
     assert running([profile], nodes, pinned={"m"}).models[0].expires_at.year == 9999
     info.state = ModelState.LOADING
     assert running([profile], nodes, pinned=set()).models == []  # only ready replicas are running
+
+
+async def test_thinking_goes_out_apart_from_the_content_and_the_calls():
+    steps = [delta("<think>I should call a."), delta("</think>\n\n<tool_call>"),
+             delta('{"name": "a", "arguments": {}}</tool_call>', finish_reason="stop"), DONE]
+    whole = await whole_chat(chat_chunks(JobInfo(), events(*steps), "m", make_parser("hermes", "job"), ThinkingSplitter()))
+    assert (whole.message.thinking, whole.message.content) == ("I should call a.", "")
+    assert [call.function.name for call in whole.message.tool_calls] == ["a"]
+    generated = await whole_generate(generate_chunks(JobInfo(), events(delta("<think>x</think>y", finish_reason="stop"),
+                                                                       DONE), "m", ThinkingSplitter()))
+    assert (generated.thinking, generated.response) == ("x", "y")
+    unasked = await whole_generate(generate_chunks(JobInfo(), events(delta("<think>x</think>y"), DONE), "m"))
+    assert (unasked.thinking, unasked.response) == (None, "<think>x</think>y")

@@ -92,6 +92,13 @@ async def test_generate_renders_the_prompt_as_a_user_turn(client, node):
     assert "".join(p["response"] for p in pieces) == "Hello!" and last["response"] == ""
 
 
+async def test_think_splits_the_thinking_out_and_reaches_the_template(client, node):
+    node.script = lambda entry: [delta("<think>x</think>\n\ny", finish_reason="stop"), DoneEvent(usage=Usage())]
+    message = (await client.post("/api/chat", json=ASK | {"think": True, "stream": False})).json()["message"]
+    assert (message["thinking"], message["content"]) == ("x", "y")
+    assert node.entries[0].request().chat_template_kwargs == {"enable_thinking": True}
+
+
 async def test_length_is_the_done_reason_of_a_cut_off_answer(client, node):
     node.script = lambda entry: [delta("Hel", finish_reason="length"), DoneEvent(usage=Usage(completion_tokens=1))]
     answer = (await client.post("/api/generate", json={"model": MODEL, "prompt": "x", "stream": False})).json()
