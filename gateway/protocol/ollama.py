@@ -5,9 +5,10 @@ Requests validate Ollama's types (a field this gateway does not know is ignored 
 the other dialects become: `options` → sampling, `format` ("json" or a JSON schema) → JSON output
 decoded under a grammar, `tools` → OpenAI-style function tools (what Hugging Face chat templates
 read), base64 `images` → image parts (checked by gateway/images.py), `think` → the template's
-`enable_thinking` (and the answer's `<think>…</think>` comes back apart). A request with no messages (or an empty prompt) only loads its model.
-`/api/generate` renders its prompt through the model's chat template as a user
-turn (after `system`), unless `raw`. Streaming is the default, as in Ollama.
+`enable_thinking` (and the answer's `<think>…</think>` comes back apart). A request with no
+messages (or an empty prompt) only loads its model. `/api/generate` renders its prompt through the
+model's chat template as a user turn (after `system`), unless `raw`. Streaming is the default, as
+in Ollama.
 """
 
 from datetime import datetime
