@@ -74,7 +74,7 @@ class Message(Lenient):
     """A chat turn, asked or answered. `thinking` in history is accepted and not shown to the model."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = ""  # null (some clients send it beside tool calls) is empty
     thinking: str | None = None
     images: list[str] | None = None  # base64, without a data: prefix
     tool_calls: list[ToolCall] | None = None
@@ -101,9 +101,10 @@ def _image_part(data: str) -> dict[str, Any]:
 
 
 def _message_for_node(message: Message, at: int) -> dict[str, Any]:
-    data: dict[str, Any] = {"role": message.role, "content": message.content}
+    text = message.content or ""
+    data: dict[str, Any] = {"role": message.role, "content": text}
     if message.images:  # images first, then the text: where Ollama puts them in the prompt
-        data["content"] = [*map(_image_part, message.images), {"type": "text", "text": message.content}]
+        data["content"] = [*map(_image_part, message.images), {"type": "text", "text": text}]
     if message.tool_calls:
         data["tool_calls"] = [{"id": call.id or f"call_{at}_{i}", "type": "function",
                                "function": {"name": call.function.name, "arguments": call.function.arguments}}

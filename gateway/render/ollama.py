@@ -154,7 +154,7 @@ async def whole_chat(chunks: AsyncIterator[ChatResponse]) -> ChatResponse:
     """A chat stream folded into one object, as `stream: false` answers."""
     content, thinking, calls, probs = [], [], [], []
     async for chunk in chunks:
-        content.append(chunk.message.content)
+        content.append(chunk.message.content or "")
         thinking.append(chunk.message.thinking or "")
         calls += chunk.message.tool_calls or []
         probs += chunk.logprobs or []

@@ -35,7 +35,6 @@ from shared.catalog import ModelProfile
 from shared.errors import ModelNotFound
 
 
-
 class JsonBody(APIRoute):
     """Ollama's clients and its documented `curl -d '{…}'` send JSON under any content type
     (curl's is a form's): the body is read as JSON whatever the header says."""

@@ -60,7 +60,7 @@ def test_images_become_image_parts_before_the_text():
 def test_tool_calls_and_results_in_history():
     tools = [{"type": "function", "function": {"name": "Bash", "parameters": {"type": "object"}}}]
     request = chat(tools=tools, messages=[
-        *HI, {"role": "assistant", "content": "", "thinking": "hmm",
+        *HI, {"role": "assistant", "content": None, "thinking": "hmm",
               "tool_calls": [{"function": {"name": "Bash", "arguments": {"command": "ls"}}}]},
         {"role": "tool", "content": "a.txt", "tool_name": "Bash"}])
     assert request.tools == tools
