@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.protocol.bounds import Int64, JsonSchema, KeepAlive, duration_s
+from gateway.protocol.bounds import Int64, JsonSchema, KeepAlive, TopK, duration_s
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, JsonOutput
 from gateway.tools.thinking import ThinkingSplitter
@@ -36,10 +36,10 @@ class Options(Lenient):
     """The model options Cortex runs; any other (`num_gpu`, `mirostat`, `num_thread` …) is ignored and
     logged once. `num_ctx` is accepted: a replica's context is the catalogue's `max_model_len`."""
 
-    num_ctx: int | None = None
+    num_ctx: Int64 | None = None
     seed: Int64 | None = None  # negative: a random seed, as Ollama's -1
-    num_predict: int | None = None  # -1 (forever) and -2 (fill the context): up to the context
-    top_k: int | None = Field(None, ge=0)
+    num_predict: Int64 | None = None  # -1 (forever) and -2 (fill the context): up to the context
+    top_k: TopK | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
     temperature: float | None = Field(None, ge=0)
