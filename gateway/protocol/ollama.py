@@ -42,7 +42,7 @@ class Options(Lenient):
     top_k: TopK | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    temperature: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     repeat_penalty: float | None = Field(None, gt=0, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
