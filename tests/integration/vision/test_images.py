@@ -62,6 +62,7 @@ def test_the_ollama_client_sends_images_as_the_openai_sdk_does(stack, openai_cli
     """Ollama's base64 `images` go before the message's text, as Ollama puts them: the same prompt as
     an image part then a text part, so the same greedy answer; a text-only model refuses them."""
     client = ollama.Client(host=stack.gateway_url)
+    assert "vision" in client.show(VISION).capabilities and "vision" not in client.show(TEXT).capabilities
     ask = "What is in this picture?"
     options = {"temperature": 0, "num_predict": GREEDY["max_tokens"]}
     reply = client.chat(model=VISION, messages=[{"role": "user", "content": ask, "images": [PNG]}], options=options)
