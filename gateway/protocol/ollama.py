@@ -204,12 +204,12 @@ class GenerateRequest(_GenerateInput):
 
 class ShowRequest(Lenient):
     model: str = Field(min_length=1)
+    name: str | None = None  # the older name of `model`, which clients still send beside it
     verbose: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _older_name(cls, data: Any) -> Any:
-        """Older clients name the model `name`."""
         if isinstance(data, dict) and "model" not in data and "name" in data:
             return {**data, "model": data["name"]}
         return data
