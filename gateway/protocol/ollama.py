@@ -204,7 +204,7 @@ class GenerateRequest(_GenerateInput):
 
 class ShowRequest(Lenient):
     model: str = Field(min_length=1)
-    name: str | None = None  # the older name of `model`, which clients still send beside it
+    name: str | None = None  # the older name of `model`, which ollama-js still sends (pull)
     verbose: bool = False
 
     @model_validator(mode="before")

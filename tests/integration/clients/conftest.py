@@ -180,3 +180,10 @@ def keyed_stack(ollama_stack: KeyedStack) -> Iterator[KeyedStack]:
     """The keyed stack, checked afterwards for pending entries and stray keys."""
     yield ollama_stack
     ollama_stack.stack.assert_clean()
+
+
+def unknown_fields(log: Path, since_line: int, types: set[str]) -> list[str]:
+    """The fields of `types` the gateway logged as unknown after line `since_line` of its `log`."""
+    lines = log.read_text().splitlines()[since_line:]
+    fields = [line.split("ignoring unknown field ")[1].split(" ")[0] for line in lines if "ignoring unknown field" in line]
+    return [field for field in fields if field.split(".")[0] in types]

@@ -5,6 +5,7 @@ trip, `format` with a schema, list, show, ps, pull, errors. Every greedy answer 
 calls VS Code's Copilot Chat makes to discover models, replayed without a key as it sends none."""
 
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -12,7 +13,8 @@ import ollama
 import openai
 import pytest
 
-from tests.integration.clients.conftest import ANSWER
+from gateway.protocol import ollama as protocol_ollama
+from tests.integration.clients.conftest import ANSWER, unknown_fields
 from tests.stack import wait_for
 
 HI = [{"role": "user", "content": "Hello there"}]
@@ -20,6 +22,15 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 BASH = {"type": "function", "function": {"name": "Bash", "description": "Run a shell command", "parameters": {
     "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
 ASK_FILES = [{"role": "user", "content": "What files are here?"}]
+
+
+@pytest.fixture(autouse=True)
+def every_field_known(keyed_stack) -> Iterator[None]:
+    """No field the client sends is one the gateway does not know (it would be ignored)."""
+    log = keyed_stack.stack.root / "gateway.log"
+    since = len(log.read_text().splitlines())
+    yield
+    assert unknown_fields(log, since, set(vars(protocol_ollama))) == []
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.clients.conftest import ANSWER, npm_library
+from gateway.protocol import ollama as protocol_ollama
+from tests.integration.clients.conftest import ANSWER, npm_library, unknown_fields
 
 SCRIPT = Path(__file__).with_name("ollama_client.cjs")
 RUN_TIMEOUT_S = 300
@@ -28,6 +29,8 @@ def ollama_js() -> Path:
 
 
 def test_npm_ollama_client(ollama_js, keyed_stack):
+    log = keyed_stack.stack.root / "gateway.log"
+    since = len(log.read_text().splitlines())
     done = subprocess.run(["node", str(SCRIPT), str(ollama_js), keyed_stack.url, keyed_stack.key],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -55,3 +58,4 @@ def test_npm_ollama_client(ollama_js, keyed_stack):
     assert tuple(int(part) for part in got["version"].split(".")) >= (0, 6, 4)
     assert got["unknown"]["status"] == 404 and "no-such-model" in got["unknown"]["error"]
     assert got["noKey"]["status"] == 401
+    assert unknown_fields(log, since, set(vars(protocol_ollama))) == []  # every field it sends is known
