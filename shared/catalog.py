@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.errors import ModelNotFound
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+LATEST_TAG = ":latest"  # Ollama's tag for a name given without one
 
 
 class ModelProfile(BaseModel):
@@ -106,7 +107,9 @@ class Catalog:
         return cls([ModelProfile(**entry) for entry in data.get("models", [])])
 
     def resolve(self, name: str) -> ModelProfile:
-        """The profile for a model id or alias; `ModelNotFound` otherwise."""
-        if name not in self._names:
+        """The profile for a model id or alias, also with Ollama's default tag (`name:latest` is
+        `name`); `ModelNotFound` otherwise."""
+        found = self._names.get(name) or self._names.get(name.removesuffix(LATEST_TAG))
+        if found is None:
             raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
-        return self.profiles[self._names[name]]
+        return self.profiles[found]

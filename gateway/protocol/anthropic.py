@@ -7,7 +7,6 @@ message, `tool_use` blocks → assistant `tool_calls`, `tool_result` blocks → 
 tools → OpenAI-style function tools (what Hugging Face chat templates read).
 """
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -448,12 +447,3 @@ class ErrorDetail(BaseModel):
 class ErrorResponse(BaseModel):
     type: Literal["error"] = "error"
     error: ErrorDetail
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's JSON arguments as `input`; what does not parse to an object is kept under `_raw`."""
-    try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"_raw": arguments}

@@ -4,10 +4,13 @@ from fastapi import APIRouter, Depends
 
 from gateway.auth import authenticate
 from gateway.routes import (admin, batches, chat, completions, dashboard, files, health, keys, message_batches, messages,
-                            models, queue, responses)
+                            models, ollama, queue, responses)
 
 router = APIRouter()
-for module in (chat, completions, message_batches, messages, responses, models, files, batches, queue):  # an API key's routes
+api_key_routes = (chat, completions, message_batches, messages, responses, models, files, batches, queue, ollama)
+for module in api_key_routes:
     router.include_router(module.router, dependencies=[Depends(authenticate)])
 for module in (health, admin, keys, dashboard):
     router.include_router(module.router)
+router.include_router(ollama.public)
+router.include_router(ollama.admin)

@@ -24,7 +24,7 @@ from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
 from gateway.render.messages import message, message_events
 from gateway.resume import ResumeAt, on_disconnect, resume
-from gateway.streaming import log, numbered, stream_job
+from gateway.streaming import failed_while_streaming, numbered, stream_job
 from shared.errors import CortexError
 
 router = APIRouter()
@@ -80,8 +80,7 @@ async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[b
     except StopAsyncIteration:
         return
     except CortexError as exc:
-        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
-                 exc.message)
+        failed_while_streaming(job, exc)
         yield sse.event("error", anthropic_error_body(exc))
     finally:
         if pending is not None and not pending.done():

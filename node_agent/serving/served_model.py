@@ -85,7 +85,8 @@ class ServedModel:
         return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
                          slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
-                         last_used_ms=self.ledger.last_used_ms, error=self.replica.error,
+                         last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
+                         error=self.replica.error,
                          kv=self.engine.kv_stats() if self.engine is not None else None)
 
     @property
