@@ -41,11 +41,6 @@ class SpecDecodeStats(BaseModel):
     draft_tokens: int = 0  # counter: draft tokens checked
     accepted_tokens: int = 0  # counter: of those, accepted
 
-    @property
-    def acceptance(self) -> float | None:
-        """The share of draft tokens accepted, 0..1; None before any."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
 
 class ModelInfo(BaseModel):
     state: ModelState
