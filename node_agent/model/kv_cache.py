@@ -306,9 +306,10 @@ class PagedCache:
 
     def bind_packed(self, positions: torch.Tensor, decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> None:
         """Bind a packed forward (one row of tokens from several sequences, at `positions` [T]):
-        first one token for each of the rows `decode_rows` ([D]), then each chunk's tokens. Its
-        attention reads in place (node_agent/model/cpu_attention.py): the decode tokens through
-        `read_rows()`, each chunk through `read_chunk`. (Linear-attention layers never pack.)"""
+        first one decode token for each of `decode_rows` ([D]; a row may come several times, a
+        speculating row's tokens, each seeing the positions up to its own), then each chunk's
+        tokens. Its attention reads in place (node_agent/model/cpu_attention.py): the decode tokens
+        through `read_rows()`, each chunk through `read_chunk`. (Linear-attention layers never pack.)"""
         device, size, decoding = self.block_tables.device, self.block_size, decode_rows.shape[0]
         rows = torch.cat([decode_rows] + [torch.full((c.length,), c.row, device=device) for c in chunks])
         self._write_slots = self.block_tables[rows, positions // size] * size + positions % size

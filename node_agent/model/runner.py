@@ -9,9 +9,10 @@ chunk group, then sample every row that has a next token (the decoding rows, the
 finished their prompt: rows 0..k-1) with one call and one device->host copy of the ids.
 
 A step where some decoding row speculates (`DecodeRow.draft`) scores each such row's last token
-and draft tokens as a chunk of the packed forward (causal from its position over its own blocks),
-or, where the model does not pack, in one padded forward over the decoding rows; it runs eagerly,
-whatever the decoder. Its rows keep the draft tokens the model accepts (node_agent/model/acceptance.py).
+and draft tokens as decode tokens of the packed forward, one after the other on the row's blocks
+(each sees the positions up to its own: the decode kernel, one query a token), or, where the model
+does not pack, in one padded forward over the decoding rows; it runs eagerly, whatever the decoder.
+Its rows keep the draft tokens the model accepts (node_agent/model/acceptance.py).
 """
 
 import logging
@@ -129,34 +130,27 @@ class Runner:
 
     def _packed(self, plan: StepPlan, result: StepResult) -> torch.Tensor:
         """The decode rows and the prefill chunks in one forward (each Linear layer reads its weights
-        once a step, as vLLM's flattened batch): first the last token of each decoding row without a
-        draft, then each speculating row's tokens as a chunk, then the prefill chunks; returns the
-        logits of every position that samples, in `plan.samples` order (a speculating row's all)."""
-        plain = [d for d in plan.decode if not d.draft]
-        offset, packed, at = len(plain), [], {d.row: [i] for i, d in enumerate(plain)}
-        for d in plan.decode:
-            if d.draft:
-                packed.append(PackedChunk(row=d.row, start=d.position, length=d.width, offset=offset))
-                at[d.row] = list(range(offset, offset + d.width))
-                offset += d.width
+        once a step, as vLLM's flattened batch): first each decoding row's last token and draft
+        tokens, then the prefill chunks; returns the logits of every position that samples, in
+        `plan.samples` order (a speculating row's all)."""
+        rows = [d.row for d in plan.decode for _ in range(d.width)]
+        offset, packed = len(rows), []
         for i, chunk in enumerate(plan.prefill):
             packed.append(PackedChunk(row=len(plan.decode) + i, start=chunk.start, length=len(chunk.tokens),
                                       offset=offset))
             offset += len(chunk.tokens)
-        tokens = [d.token for d in plain] + [t for d in plan.decode if d.draft for t in [d.token, *d.draft]] \
-            + [t for chunk in plan.prefill for t in chunk.tokens]
-        positions = [d.position for d in plain] + [p for c in packed for p in range(c.start, c.start + c.length)]
+        tokens = [t for d in plan.decode for t in [d.token, *d.draft]] + [t for c in plan.prefill for t in c.tokens]
+        positions = [d.position + j for d in plan.decode for j in range(d.width)] \
+            + [p for c in packed for p in range(c.start, c.start + c.length)]
         device = self.lm.device
         hidden = self.calls.packed_forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                           torch.tensor([d.row for d in plain], dtype=torch.long, device=device),
-                                           packed)
-        chunks = packed[len(packed) - len(plan.prefill):]
-        for chunk, place in zip(plan.prefill, chunks):
+                                           torch.tensor(rows, dtype=torch.long, device=device), packed)
+        for chunk, place in zip(plan.prefill, packed):
             if chunk.score_top is not None and chunk.following:
                 result.prompt_scores[chunk.key] = self._score(chunk, hidden[place.offset: place.offset
                                                                             + len(chunk.following)])
-        sampled = [i for d in plan.decode for i in at[d.row]] + [p.offset + p.length - 1 for chunk, p
-                                                                  in zip(plan.prefill, chunks) if chunk.samples]
+        sampled = list(range(len(rows))) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
+                                            if chunk.samples]
         return self.calls.logits(hidden[torch.tensor(sampled, device=device)])
 
     def _verify(self, rows: list[DecodeRow]) -> torch.Tensor:
