@@ -5,7 +5,8 @@ from the prompt (`speculative = "ngram"`) is for.
 
 It runs Cortex's engine in-process (no gateway, no Redis), once per speculation setting, at each
 `--concurrency`: off; ngram as the catalogue runs it (off above `speculative_max_batch` decoding
-sequences); ngram at every batch size (the backoff's reason). Per wave: aggregate and per-stream
+sequences); suffix (ngram, and the model's recent outputs); ngram at every batch size (the
+backoff's reason). Per wave: aggregate and per-stream
 tok/s, and the share of draft tokens accepted.
 """
 
@@ -20,6 +21,7 @@ from bench_core import CpuMeter, fmt, log
 SETTINGS = {  # name -> the catalogue fields it sets
     "off": {"speculative": "off"},
     "ngram": {"speculative": "ngram"},
+    "suffix": {"speculative": "suffix"},  # the files differ: what it adds here is other answers' lines
     "ngram, no backoff": {"speculative": "ngram", "speculative_max_batch": 1024},
 }
 VERBS = ["load", "parse", "merge", "check", "render", "count", "split", "flush", "score", "build"]

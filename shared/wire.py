@@ -53,7 +53,7 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = None
     # Speculative decoding for this request (an extension): overrides the model's catalogue entry;
     # None: as the catalogue says (shared/catalog.py `speculative`, `num_speculative_tokens`).
-    speculative: Literal["off", "ngram"] | None = None
+    speculative: Literal["off", "ngram", "suffix"] | None = None
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
 
 

@@ -25,7 +25,7 @@ MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=STOP_TOKEN_IDS_MAX)]
 # speculative decoding for one request (shared/wire.py SamplingParams): a method, or None for the catalogue's
-Speculative = Literal["off", "ngram"] | None
+Speculative = Literal["off", "ngram", "suffix"] | None
 SpeculativeTokens = Annotated[int, Field(ge=1, le=64)] | None
 KeepAliveSeconds = Annotated[float, Field(ge=-KEEP_ALIVE_MAX_S, le=KEEP_ALIVE_MAX_S, allow_inf_nan=False)]
 

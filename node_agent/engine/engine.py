@@ -150,8 +150,9 @@ class Engine:
                          pool_tokens - len(prompt_ids))
         seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
         matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
+        method = params.speculative or self.profile.speculative
         keys = self.scheduler.add(request.job, prompt_ids, params, seeds, max_tokens, spans, images=bool(images),
-                                  draft_tokens=self._draft_tokens(params))
+                                  draft_tokens=self._draft_tokens(params, method), suffix=method == "suffix")
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
         self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),
@@ -161,10 +162,9 @@ class Engine:
         elif request.prefix_marks and self.pool.caching:
             self._marking[request.job] = prefix_tokens(request.prefix_marks, len(prompt_ids))
 
-    def _draft_tokens(self, params: SamplingParams) -> int:
-        """How many tokens a step the request's sequences may draft: its own choice, else the
-        catalogue's; none with penalties (each position would need the counts of the guesses before it)."""
-        method = params.speculative or self.profile.speculative
+    def _draft_tokens(self, params: SamplingParams, method: str) -> int:
+        """How many tokens a step the request's sequences may draft by `method` (its own choice, else
+        the catalogue's); none with penalties (each position would need the counts of the guesses before it)."""
         if method == "off" or params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
             return 0
         return params.num_speculative_tokens or self.profile.num_speculative_tokens

@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from node_agent.engine.blocks import BlockPool, chain_hashes
-from node_agent.engine.speculation import Drafter
+from node_agent.engine.speculation import Drafter, RecentOutputs
 from node_agent.model.step import DecodeRow, PrefillChunk, RowSetup, StepPlan
 from shared.wire import SamplingParams
 
@@ -82,6 +82,7 @@ class Scheduler:
                  root_hash: bytes, speculate_rows: int = 0):
         self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
         self.speculate_rows = speculate_rows
+        self.recent = RecentOutputs()  # the outputs "suffix" speculation looks up, of the sequences that use it
         self.linear_attention, self.root_hash = linear_attention, root_hash
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest read their prompt
@@ -99,13 +100,16 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------------
 
     def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int], max_tokens: int,
-            spans: list[tuple[int, int]] = (), images: bool = False, draft_tokens: int = 0) -> list[int]:
+            spans: list[tuple[int, int]] = (), images: bool = False, draft_tokens: int = 0,
+            suffix: bool = False) -> list[int]:
         """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
-        step (0: not at all; never with linear attention, whose state cannot take a guess back);
-        returns their keys."""
+        step (0: not at all; never with linear attention, whose state cannot take a guess back),
+        with `suffix` from recent outputs too, where its own text has no match; returns their keys."""
         entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention)
+        recent = self.recent if suffix else None
         for index, seed in enumerate(seeds):
-            drafter = Drafter.ngram(prompt_ids, draft_tokens) if draft_tokens and not self.linear_attention else None
+            drafter = Drafter.of(prompt_ids, draft_tokens, recent) if draft_tokens and not self.linear_attention \
+                else None
             entry.sequences.append(Sequence(next(self._keys), entry, index, list(prompt_ids), len(prompt_ids),
                                             params, seed, max_tokens, drafter))
         self.jobs[job] = entry
@@ -120,6 +124,8 @@ class Scheduler:
             for seq in job.sequences:
                 if seq.key in keys and not seq.done:
                     seq.done = True
+                    if seq.drafter is not None and seq.drafter.recent is not None:
+                        seq.drafter.recent.add(seq.output_ids)
                     if seq in self.waiting:
                         self.waiting.remove(seq)
                     elif seq in self.rows:

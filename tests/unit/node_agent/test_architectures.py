@@ -57,10 +57,10 @@ def test_the_matrix_is_what_the_loader_admits():
     assert set(MATRIX) == set(architectures.ATTENTION)
 
 
-def speculating(profile, **update):
-    """The profile with n-gram speculation on for every batch size."""
-    return profile.model_copy(update={"speculative": "ngram", "num_speculative_tokens": 4,
-                                      "speculative_max_batch": profile.slots} | update)
+def speculating(profile, method: str = "ngram"):
+    """The profile with speculation on for every batch size."""
+    return profile.model_copy(update={"speculative": method, "num_speculative_tokens": 4,
+                                      "speculative_max_batch": profile.slots})
 
 
 def check_speculated(engine: Engine) -> None:
@@ -88,21 +88,25 @@ def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, dec
 
 @pytest.mark.parametrize("arch", MATRIX)
 def test_speculation_keeps_greedy_output_through_prefix_hits_and_preemption(references, arch):
-    """Speculating in a cache of two sequences' worth of blocks: sequences are preempted and
-    recomputed, a prompt sent again finds its prefix cached, draft blocks come and go; every job's
+    """Speculating from recent outputs ("suffix") in a cache of two sequences' worth of blocks:
+    sequences are preempted and recomputed, a prompt sent again finds its prefix cached and its
+    reply among the recent outputs (long drafts accepted), draft blocks come and go; every job's
     tokens stay those of the engine without speculation or pressure."""
     profile, lm, _ = references(arch)
-    requests = [r.model_copy(update={"job": job, "sampling": r.sampling.model_copy(update={"max_tokens": 40})})
-                for r in REQUESTS for job in (r.job, f"{r.job}-again")]
-    unpressured = run(Engine(lm, profile), *requests, join_every=1)
-    engine = Engine(lm, speculating(profile))
+    first, again = ([r.model_copy(update={"job": r.job + suffix,
+                                          "sampling": r.sampling.model_copy(update={"max_tokens": 40})})
+                     for r in REQUESTS] for suffix in ("", "-again"))
+    unpressured = run(Engine(lm, profile), *first, *again, join_every=1)
+    engine = Engine(lm, speculating(profile, "suffix"))
     engine.pool.__init__(2 * -(-(52 + 40) // profile.block_size) + 1, profile.block_size)
-    results = run(engine, *requests, join_every=1)
+    results = run(engine, *first, join_every=1) | run(engine, *reversed(again), join_every=1)  # the last cached first
     assert {job: r.token_ids[0] for job, r in results.items()} == \
         {job: r.token_ids[0] for job, r in unpressured.items()}
     assert engine.kv_stats().preemptions > 0 and engine.pool.used == 0
     assert (engine.kv_stats().prefix_hits > 0) != engine.cache.has_linear_attention
     check_speculated(engine)
+    if not engine.cache.has_linear_attention:  # each reply sent again is guessed from the first
+        assert engine.spec_stats().accepted_tokens >= len(REQUESTS) * 20  # of 39 a reply, at most 4 a step
 
 
 def test_an_architecture_outside_the_matrix_is_refused(tmp_path):

@@ -1,5 +1,5 @@
 """Speculative decoding (node_agent/engine/speculation.py, node_agent/model/acceptance.py): the
-n-gram proposer and draft lengths; on a scripted model that writes a known reply (so drafts taken
+n-gram proposer, recent outputs and draft lengths; on a scripted model that writes a known reply (so drafts taken
 from a prompt that quotes it are accepted), stop strings, max_tokens, grammars and logprobs give
 what they give without speculation while drafts run across them; on a random model with a
 vocabulary of 8, sampled outputs follow the model's own distribution (chi-square)."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from node_agent.engine.engine import Engine
-from node_agent.engine.speculation import DraftLength, NgramIndex
+from node_agent.engine.speculation import SEPARATOR, DraftLength, NgramIndex, RecentOutputs
 from node_agent.model import loader
 from tests import tiny_models
 from tests.model_fixtures import tiny_profile
@@ -23,13 +23,26 @@ REPLY = "The capital of France is Paris, a city on the Seine."
 def test_ngram_proposes_what_followed_the_longest_latest_match():
     longest = NgramIndex()
     longest.extend([1, 2, 3, 4, 5, 2, 3, 6, 1, 2, 3])
-    assert longest.propose(2) == [4, 5]  # "1 2 3" matched, not the later "2 3"
+    assert longest.match(longest.tokens, 2) == (3, [4, 5])  # "1 2 3" matched, not the later "2 3"
     latest = NgramIndex()
     latest.extend([1, 2, 3, 4, 1, 2, 3, 6, 1, 2, 3])
-    assert latest.propose(2) == [6, 1]
-    assert latest.propose(9) == [6, 1, 2, 3]  # what there is
+    assert latest.match(latest.tokens, 2) == (3, [6, 1])
+    assert latest.match(latest.tokens, 9) == (3, [6, 1, 2, 3])  # what there is
     latest.extend([42])
-    assert latest.propose(4) == []  # 42 was never seen before
+    assert latest.match(latest.tokens, 4) == (0, [])  # 42 was never seen before
+
+
+def test_recent_outputs_are_bounded_and_never_guessed_across():
+    recent = RecentOutputs(limit=40)
+    recent.add([7, 8, 9, 10])
+    recent.add([11, 12])
+    assert recent.index.match([5, 7, 8], 4) == (2, [9, 10])  # up to the end of that output, not into the next
+    for i in range(10):
+        recent.add([100 + i] * 5)
+    recent.add([200, 201, 202, 203])
+    assert len(recent.index.tokens) <= 40 and recent.index.tokens[-1] == SEPARATOR
+    assert recent.index.match([7, 8], 4) == (0, [])  # the oldest were dropped
+    assert recent.index.match([3, 200, 201], 4) == (2, [202, 203])
 
 
 def test_draft_length_follows_acceptance():
@@ -94,6 +107,22 @@ def test_stop_strings_max_tokens_and_logprobs_are_as_without_speculation(scripte
 def logprobs(result) -> list[tuple[str, float, list[tuple[str, float]]]]:
     return [(e.token, round(e.logprob, 2), [(t.token, round(t.logprob, 2)) for t in e.top_logprobs])
             for e in result.logprobs.get(0, [])]
+
+
+def test_suffix_guesses_a_reply_that_repeats_an_earlier_one(small_vocab_dirs):
+    """A random model's greedy reply shares nothing with its prompt; asked again, "suffix" finds it
+    among the model's recent outputs and nearly every guess holds ("ngram" cannot)."""
+    profile = tiny_profile(small_vocab_dirs["llama"], slots=4)
+    lm = loader.load(profile, "cpu")
+    ask = dict(kind="completion", temperature=0, max_tokens=24, ignore_eos=True)
+    for method, least in (("suffix", 20), ("ngram", 0)):
+        engine = Engine(lm, profile.model_copy(update={"speculative": method}))
+        first = run(engine, request("a", "Tell me about the sea", **ask))["a"]
+        before = engine.spec_stats().accepted_tokens
+        again = run(engine, request("b", "Tell me about the sea", **ask))["b"]
+        assert again.token_ids == first.token_ids
+        accepted = engine.spec_stats().accepted_tokens - before
+        assert accepted >= least if method == "suffix" else accepted < 20
 
 
 def test_a_grammar_cuts_drafts_it_forbids(scripted):
