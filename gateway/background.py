@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway import queue
+from gateway import job_queue
 from gateway.jobs import Resumable
 from gateway.protocol.responses import Response
 from gateway.render.responses import ResponseSpec, folded
@@ -140,7 +140,7 @@ async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
     if found is not None and found.record.owner != caller.name:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     pending, job = stored["pending"], job_of(response_id)
-    await queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
+    await job_queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
     await publish(ctx.redis, ctx.keys.cancel(), job)  # running: the node stops it at its next step
     if found is not None and found.ended:
         await _finish(ctx, found)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import anyio
 from redis.exceptions import RedisError
 
-from gateway import queue
+from gateway import job_queue
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
@@ -176,7 +176,7 @@ class Job:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
                          self.caller.name)
                 try:  # still queued: withdrawn, so no node runs it for nobody; else cancelled where it runs
-                    if not (self.entry_id and await queue.withdraw(self._ctx, self.stream, self.entry_id)):
+                    if not (self.entry_id and await job_queue.withdraw(self._ctx, self.stream, self.entry_id)):
                         await publish(self._ctx.redis, self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)

@@ -14,7 +14,8 @@ from gateway import errors, openapi, routes
 from gateway.auth import warn_if_exposed
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
-from gateway.events import EventRouter, pubsub_client
+from gateway.event_links import pubsub_client
+from gateway.events import EventRouter
 from shared.fleet import Fleet
 from gateway.janitor import Janitor
 from gateway.request_id import RequestIdMiddleware

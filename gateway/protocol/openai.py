@@ -425,16 +425,20 @@ class ChatCompletion(BaseModel):
     usage: CompletionUsage
 
 
-class ChoiceDeltaToolCallFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class SetFieldsOnly(BaseModel):
+    """Only the fields that are set (not None) appear on the wire."""
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChoiceDeltaToolCall(BaseModel):
+class ChoiceDeltaToolCallFunction(SetFieldsOnly):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChoiceDeltaToolCall(SetFieldsOnly):
     """The first piece of a call carries `id`, `type` and the name; later ones more `arguments`."""
 
     index: int
@@ -442,22 +446,14 @@ class ChoiceDeltaToolCall(BaseModel):
     type: Literal["function"] | None = None
     function: ChoiceDeltaToolCallFunction
 
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ChatCompletionStreamResponseDelta(BaseModel):
+class ChatCompletionStreamResponseDelta(SetFieldsOnly):
     """Only the fields that are set appear on the wire: `{"content": "Hi"}`, or `{}` at the end."""
 
     content: str | None = None
     refusal: str | None = None
     role: Literal["assistant"] | None = None
     tool_calls: list[ChoiceDeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionChunkChoice(BaseModel):

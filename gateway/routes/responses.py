@@ -12,7 +12,7 @@ from gateway import background, sse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
-from gateway.gather import gather
+from gateway.gather import gather_choices
 from gateway.jobs import Job, OnDisconnect, Resumable, submit_request
 from gateway.protocol.responses import ResponseCreateParams, ResponseDeleted, ResponseErrorEvent, ResponseStreamEvent
 from gateway.render.responses import ResponseSpec, response, response_events, response_object
@@ -47,7 +47,7 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
     if body.stream:
         return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.events(), 1))
     answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
     if kept is not None:
         await store.put(answer, kept)

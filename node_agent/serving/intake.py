@@ -14,10 +14,10 @@ from node_agent.engine.engine import Engine, check_fits
 from node_agent.serving import prompts
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.job_reader import Entry
-from node_agent.serving.job_trace import JobTrace
+from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Ledger, Running, Send
-from node_agent.serving.limits import completion_budget
-from node_agent.serving.output_process import Route
+from node_agent.serving.completion_budget import completion_budget
+from node_agent.serving.output_process import Delivery
 from node_agent.serving.publisher import Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, GenerationFailed, InsufficientMemory, InvalidRequest
@@ -75,7 +75,7 @@ class Intake:
             log.error("refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc)
             self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
             return None
-        trace = JobTrace.of(entry, e.entry_id, self.node)
+        trace = JobSpans.of(entry, e.entry_id, self.node)
         self.ledger.admit(request.job, Running(e.entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
                                                stream=stream, job_class=e.job_class, streaming=bool(entry.stream),
                                                trace=trace))
@@ -96,7 +96,7 @@ class Intake:
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
-                       [Route(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
+                       [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
             return request, ids, float(entry.submitted_ms), images
         except CortexError as exc:
             self.ledger.fail(request.job, exc)

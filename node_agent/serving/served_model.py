@@ -22,7 +22,7 @@ from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
 from node_agent.serving.output_link import OutputLink
-from node_agent.serving.output_process import Feedback, Route
+from node_agent.serving.output_process import Feedback, Delivery
 from node_agent.serving.publisher import Outgoing, Publisher
 from node_agent.serving.replica import Replica
 from node_agent.tp import tensor_parallel
@@ -228,7 +228,7 @@ class ServedModel:
             link, self.link = self.link, None
             await link.close()
 
-    def _send(self, items: list[Outgoing], routes: list[Route] = ()) -> None:
+    def _send(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
         """Through the output process while it runs (after the events it holds for these jobs); else
         straight from here (a model that failed to load, or whose output process died)."""
         if self.link is not None and self.link.alive:
