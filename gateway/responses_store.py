@@ -4,7 +4,11 @@ replica reads them, so `previous_response_id` works whichever replica answers.
 
 A `background` response is held as it was queued (`hold`: the response, and the job's stream
 entry under `pending`) and listed in `Keys.background_responses` until it is stored finished
-(`put`); gateway/background.py renders it in between from its job's event log."""
+(`put`); gateway/background.py renders it in between from its job's event log.
+
+Each is its key's (`owner`, the API key's name): every read, delete or continuation names whose it
+may see (`Caller.owner`: its own, or for the admin key every one), and another key's is not found
+(404), as OpenAI answers across projects."""
 
 import json
 from collections.abc import AsyncIterator
@@ -12,6 +16,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.files import visible
 from gateway.protocol.responses import Response, ResponseCompletedEvent, ResponseIncompleteEvent, ResponseStreamEvent
 from gateway.render.responses import assistant_turn
 from shared.errors import NotFound, PreviousResponseNotFound
@@ -23,29 +28,33 @@ class ResponseStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int):
         self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
 
-    async def put(self, response: Response, conversation: list[dict[str, Any]]) -> None:
-        """Keep `response`, with the conversation so far and its own turn last."""
-        value = {"response": response.model_dump(mode="json"), "conversation": [*conversation, assistant_turn(response)]}
+    async def put(self, response: Response, conversation: list[dict[str, Any]], owner: str) -> None:
+        """Keep `owner`'s `response`, with the conversation so far and its own turn last."""
+        value = {"response": response.model_dump(mode="json"), "conversation": [*conversation, assistant_turn(response)],
+                 "owner": owner}
         async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zrem(self.keys.background_responses(), response.id)
             await pipe.execute()
 
-    async def hold(self, response: Response, stream: str, entry_id: str) -> None:
-        """Keep a background response as it is queued, until it is `put` finished."""
-        value = {"response": response.model_dump(mode="json"), "pending": {"stream": stream, "entry": entry_id}}
+    async def hold(self, response: Response, stream: str, entry_id: str, owner: str) -> None:
+        """Keep `owner`'s background response as it is queued, until it is `put` finished."""
+        value = {"response": response.model_dump(mode="json"), "pending": {"stream": stream, "entry": entry_id},
+                 "owner": owner}
         async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zadd(self.keys.background_responses(), {response.id: response.created_at * 1000})
             await pipe.execute()
 
-    async def read(self, response_id: str) -> dict[str, Any] | None:
-        """`{"response", "conversation"}`, or `{"response", "pending"}` for a background one not yet finished."""
+    async def read(self, response_id: str, owner: str | None) -> dict[str, Any] | None:
+        """`{"response", "conversation", "owner"}`, or `{"response", "pending", "owner"}` for a background
+        one not yet finished; None when there is none, or it is not `owner`'s (None: anyone's)."""
         raw = await self.redis.get(self.keys.response(response_id))
-        return json.loads(raw) if raw is not None else None
+        stored = json.loads(raw) if raw is not None else None
+        return stored if stored is not None and visible(stored.get("owner"), owner) else None
 
-    async def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        if (stored := await self.read(response_id)) is None:
+    async def conversation(self, response_id: str, owner: str | None) -> list[dict[str, Any]]:
+        if (stored := await self.read(response_id, owner)) is None:
             raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
                                            param="previous_response_id")
         if "pending" in stored:
@@ -54,7 +63,9 @@ class ResponseStore:
                                            param="previous_response_id")
         return stored["conversation"]
 
-    async def delete(self, response_id: str) -> None:
+    async def delete(self, response_id: str, owner: str | None) -> None:
+        if await self.read(response_id, owner) is None:
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
         async with atomic(self.redis) as pipe:
             pipe.delete(self.keys.response(response_id))
             pipe.zrem(self.keys.background_responses(), response_id)
@@ -62,10 +73,10 @@ class ResponseStore:
         if not deleted:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
-    async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent],
-                              conversation: list[dict[str, Any]]) -> AsyncIterator[ResponseStreamEvent]:
-        """`events`, storing the final response before its last event goes out."""
+    async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent], conversation: list[dict[str, Any]],
+                              owner: str) -> AsyncIterator[ResponseStreamEvent]:
+        """`events`, storing `owner`'s final response before its last event goes out."""
         async for event in events:
             if isinstance(event, ResponseCompletedEvent | ResponseIncompleteEvent):
-                await self.put(event.response, conversation)
+                await self.put(event.response, conversation, owner)
             yield event

@@ -32,7 +32,7 @@ def _store(ctx: Ctx) -> ResponseStore:
 async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     store, spec = _store(ctx), ResponseSpec.of(body)
     if body.previous_response_id:
-        body.continue_from(await background.conversation(ctx, body.previous_response_id))
+        body.continue_from(await background.conversation(ctx, body.previous_response_id, caller.owner))
     kept = body.conversation if body.store is not False else None
     resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept},
                           OnDisconnect.KEEP if body.background else OnDisconnect.GRACE)
@@ -40,23 +40,24 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
     parser, headers = job.parsers(), _warning(job, body)
     if body.background:
         queued = response_object(job, spec, [], None, None, status="queued")
-        await store.hold(queued, job.stream, job.entry_id)
+        await store.hold(queued, job.stream, job.entry_id, caller.name)
         if not body.stream:
             await job.detach()
             return JSONResponse(queued.model_dump(mode="json"), headers=headers)
     if body.stream:
-        return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
+        return await stream_job(request, job, _events(job, spec, parser, store, kept, caller.name), frames=_frames,
+                                headers=headers)
     async with job:
         gathered = await unless_disconnected(request, gather(job.events(), 1))
     answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
     if kept is not None:
-        await store.put(answer, kept)
+        await store.put(answer, kept, caller.name)
     return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
 
-def _events(job: Job, spec: ResponseSpec, parser, store: ResponseStore, kept: list | None):
+def _events(job: Job, spec: ResponseSpec, parser, store: ResponseStore, kept: list | None, owner: str):
     events = response_events(job, spec, job.events(), parser)
-    return events if kept is None else store.kept_at_the_end(events, kept)
+    return events if kept is None else store.kept_at_the_end(events, kept, owner)
 
 
 def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
@@ -71,10 +72,10 @@ def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
 @router.get("/v1/responses/{response_id}", response_model=None)
 async def retrieve_response(response_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt) -> Response:
     if not at.stream:
-        return JSONResponse(await background.current(ctx, response_id))
+        return JSONResponse(await background.current(ctx, response_id, caller.owner))
     job = await resume(ctx, caller, "responses", response_id, "resp_", at)
     spec = ResponseSpec.load(job.record.spec["response"])
-    events = _events(job, spec, job.parsers(), _store(ctx), job.record.spec["conversation"])
+    events = _events(job, spec, job.parsers(), _store(ctx), job.record.spec["conversation"], job.record.owner)
     return await stream_job(request, job, events, frames=_frames)
 
 
@@ -84,8 +85,8 @@ async def cancel_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSON
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, ctx: Ctx) -> JSONResponse:
-    await _store(ctx).delete(response_id)
+async def delete_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    await _store(ctx).delete(response_id, caller.owner)
     return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
 
