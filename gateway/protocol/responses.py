@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from gateway.protocol.bounds import JsonSchema, MaxTokens
+from gateway.protocol.bounds import CacheSalt, JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
 from gateway.protocol.responses_input import AdditionalTools, ResponseInput, messages_for_node
 from gateway.protocol.responses_tools import (Function, Offer, Tool, ToolChoice, ToolChoiceAllowed, ToolChoiceFunction,
@@ -79,6 +79,7 @@ class ResponseCreateParams(Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt too long is a 400 either way
     user: str | None = None  # a session for routing when there is no prompt_cache_key
+    cache_salt: CacheSalt | None = None  # vLLM's (an extension): see gateway/protocol/bounds.py
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)  # the previous response's conversation
     _offer: Offer = PrivateAttr(default_factory=Offer)
 
