@@ -123,6 +123,17 @@ async def require_dashboard(request: Request, ctx: Ctx) -> None:
         require_admin(request, ctx)
 
 
+async def metrics_access(request: Request, ctx: Ctx) -> bool:
+    """`/metrics`' dependency: True when the caller sees every series (the admin key, or anyone while
+    auth is off), False for the anonymous view (gateway/metrics_view.py); with
+    `metrics_require_admin_key`, anyone but the admin key is refused (401, or 403 without one set)."""
+    if _is_admin(ctx.settings, bearer(request)):
+        return True
+    if ctx.settings.metrics_require_admin_key:
+        require_admin(request, ctx)
+    return not await auth_required(ctx)
+
+
 async def warn_if_exposed(ctx: GatewayContext) -> None:
     """At start: say loudly when the gateway listens beyond loopback with no key to let anyone in."""
     settings = ctx.settings

@@ -71,6 +71,9 @@ class GatewaySettings(CortexSettings):
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
     scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
+    # /metrics without the admin key: once auth is on, series per API key are left out and those per node
+    # and device summed over them (gateway/metrics_view.py); true refuses it to anyone but the admin key
+    metrics_require_admin_key: bool = False
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
     require_api_keys: bool = False

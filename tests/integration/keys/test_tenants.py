@@ -43,6 +43,17 @@ def test_stored_responses_are_their_keys(keys_stack):
     keys_stack.assert_clean()
 
 
+def _another_gateway(stack, **env: str) -> str:
+    """The URL of one more gateway replica on the stack, with these settings besides the stack's."""
+    shared = stack.env
+    stack.env = shared | env
+    try:
+        stack.start_gateway()
+    finally:
+        stack.env = shared
+    return stack.gateway_url
+
+
 def _cached(client: openai.OpenAI, topic: str, **extra) -> int:
     """The cached prompt tokens of a chat whose long system prompt is about `topic`."""
     system = f"You answer questions about {topic}. " + "Be brief, be kind, cite nothing. " * 12
@@ -61,14 +72,45 @@ def test_one_keys_prompts_are_cached_for_another_only_when_the_fleet_shares_its_
     assert _cached(alice, "owls", extra_body={"cache_salt": "s1"}) == 0  # its own salt: apart from its unsalted prompts
     assert _cached(alice, "owls", extra_body={"cache_salt": "s1"}) >= 16
 
-    env = keys_stack.env
-    keys_stack.env = env | {"CORTEX_PREFIX_CACHE_SCOPE": "fleet"}
-    try:
-        keys_stack.start_gateway()
-    finally:
-        keys_stack.env = env
-    alice, bob = openai_client(keys_stack.gateway_url, alice_key), openai_client(keys_stack.gateway_url, bob_key)
+    fleet_url = _another_gateway(keys_stack, CORTEX_PREFIX_CACHE_SCOPE="fleet")
+    alice, bob = openai_client(fleet_url, alice_key), openai_client(fleet_url, bob_key)
     assert _cached(alice, "bats") == 0
     assert _cached(bob, "bats") >= 16
     assert _cached(bob, "bats", extra_body={"cache_salt": "s2"}) == 0
     assert _cached(alice, "bats", extra_body={"cache_salt": "s2"}) >= 16  # the same salt in the fleet's scope
+
+
+def _series(url: str, **headers: str) -> httpx.Response:
+    return httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+
+
+def test_an_anonymous_scrape_sees_the_fleet_per_model_but_no_key_node_or_device(keys_stack):
+    url = keys_stack.replicas[0]
+    key = create_key(keys_stack, "metrics-carol")
+    openai_client(url, key).chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    everything = _series(url, Authorization=f"Bearer {ADMIN_KEY}").text
+    assert 'key="metrics-carol"' in everything and 'node="node-a"' in everything and "device=" in everything
+    for headers in ({}, {"Authorization": f"Bearer {key}"}):
+        scraped = _series(url, **headers)
+        assert scraped.status_code == 200
+        assert "metrics-carol" not in scraped.text and "node-a" not in scraped.text and "device=" not in scraped.text
+        assert "cortex:key_" not in scraped.text and "vllm:kv_cache_usage_perc" not in scraped.text
+        served = [line for line in scraped.text.splitlines() if line.startswith("cortex:e2e_request_latency_seconds_count")]
+        assert served and all(float(line.split()[-1]) >= 1 for line in served)  # the fleet's, summed over nodes
+
+    closed = _another_gateway(keys_stack, CORTEX_METRICS_REQUIRE_ADMIN_KEY="true")
+    assert _series(closed).status_code == 401
+    assert _series(closed, Authorization=f"Bearer {key}").status_code == 401
+    assert _series(closed, Authorization=f"Bearer {ADMIN_KEY}").status_code == 200
+
+
+def test_the_queue_shows_a_key_only_the_models_it_may_use(keys_stack):
+    url = keys_stack.replicas[0]
+    allowed = create_key(keys_stack, "queue-dave", "--models", MODEL)
+    other = create_key(keys_stack, "queue-erin", "--models", "some-other-model")
+
+    def models(key: str) -> set[str]:
+        listed = httpx.get(f"{url}/v1/queue", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        return {q["model"] for q in listed.json()["data"]}
+    assert models(allowed) == {MODEL} == models(ADMIN_KEY)
+    assert models(other) == set()
