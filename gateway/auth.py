@@ -100,8 +100,9 @@ async def identify(ctx: GatewayContext, request: Request) -> Caller:
 
 
 async def authenticate(request: Request, ctx: Ctx) -> Caller:
-    """The dependency every /v1 route runs: the caller, or a 401 in the route's dialect."""
-    caller = await identify(ctx, request)
+    """The dependency every /v1 route runs: the caller, or a 401 in the route's dialect (waiting out a
+    short Redis outage, gateway/outage.py)."""
+    caller = await ctx.outage.through(lambda: identify(ctx, request))
     caller_var.set(caller.name)
     return caller
 

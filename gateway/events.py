@@ -35,7 +35,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from shared import queues
-from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
+from shared.errors import BrokerUnavailable, CortexError, GenerationFailed, RedisUnreachable
 from shared.keys import CONSUMER_GROUP
 from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster_url, node_client
 from shared.wire import Event, WireError, unpack_event
@@ -75,7 +75,7 @@ async def _reconnected(ready: asyncio.Event, wake: asyncio.Event | None = None) 
         async with asyncio.timeout(CONNECT_WAIT_S):
             await ready.wait()
     except TimeoutError:
-        raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+        raise RedisUnreachable("Redis is unreachable; the gateway is reconnecting") from None
 
 
 async def _back_off(delay: float, wake: asyncio.Event) -> None:
@@ -163,7 +163,7 @@ class EventRouter:
         await _reconnected(link.connected, link.wake)
         pubsub = link.pubsub
         if pubsub is None:
-            raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
+            raise RedisUnreachable("Redis is unreachable; the gateway is reconnecting")
         queue: asyncio.Queue[Item] = asyncio.Queue()
         listeners = self._queues.setdefault(key, [])
         listeners.append(queue)
@@ -180,7 +180,7 @@ class EventRouter:
         except BaseException as exc:
             await self.unsubscribe(channel, queue)
             if isinstance(exc, RedisError | OSError | TimeoutError):
-                raise BrokerUnavailable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
+                raise RedisUnreachable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
             raise
         return queue
 

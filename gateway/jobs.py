@@ -285,6 +285,12 @@ class ApiRequest(Protocol):
 
 async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
                          resumable: Resumable | None = None) -> Job:
+    """`admit_and_submit`, waiting out a short Redis outage (gateway/outage.py)."""
+    return await ctx.outage.through(lambda: admit_and_submit(ctx, body, caller, priority=priority, resumable=resumable))
+
+
+async def admit_and_submit(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
+                           resumable: Resumable | None = None) -> Job:
     """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
     once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
     requests, is within its limits (429; batch lines are not rate limited), build the generation

@@ -57,7 +57,10 @@ class GatewaySettings(CortexSettings):
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
-    redis_outage_wait_s: float = 30.0  # jobs queued when Redis goes away wait this long for it to come back
+    # jobs queued when Redis goes away, and new requests that find it away, wait this long for it to come
+    # back; at most `redis_outage_max_waiting` new requests at once (gateway/outage.py), then a 503
+    redis_outage_wait_s: float = 30.0
+    redis_outage_max_waiting: int = Field(1000, ge=0)
     max_request_bytes: int = 8 * 1024 * 1024  # a request body over this is refused with 413 (not /v1/files)
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
