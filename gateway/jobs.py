@@ -306,7 +306,7 @@ async def admit_and_submit(ctx: GatewayContext, body: ApiRequest, caller: Caller
             await ctx.limiter.admit(caller.key)
         tool_format = parser_name(profile)
         request = body.to_generation_request(new_job_id(), profile.id)
-        request.cache_salt = prefix_marks.salt(ctx.settings.prefix_cache_scope, caller.name,
+        request.cache_salt = prefix_marks.salt(ctx.settings.prefix_cache_scope, caller.name if caller.key else None,
                                                getattr(body, "cache_salt", None))
         request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
         await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)

@@ -38,12 +38,14 @@ def marks(request: GenerationRequest) -> list[tuple[str, int]]:
     return found if len(found) <= MAX_MARKS else found[:2] + found[2 - MAX_MARKS:]
 
 
-def salt(scope: str, owner: str, given: str | None) -> str:
+def salt(scope: str, key_name: str | None, given: str | None) -> str:
     """The salt a job's prefix blocks are hashed with (`GenerationRequest.cache_salt`): under scope
-    `key` its API key's name with the request's own `cache_salt`, so one key never finds another's
-    prompts cached (nor learns from `cached_tokens` what another sent); under `fleet` the request's
-    salt alone ('' without one: every key shares cached prefixes). A hash, so neither shows on the wire."""
-    parts = ([owner] if scope == "key" else []) + ([given] if given else [])
+    `key` its API key's name (None for callers without one: anonymous, the admin key) with the
+    request's own `cache_salt`, so one key never finds another's prompts cached (nor learns from
+    `cached_tokens` what another sent); under `fleet` the request's salt alone. '' when there is
+    neither: such jobs share cached prefixes, and travel as before salts existed. A hash, so neither
+    shows on the wire."""
+    parts = ([key_name] if scope == "key" and key_name else []) + ([given] if given else [])
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=DIGEST_BYTES).hexdigest() if parts else ""
 
 

@@ -93,7 +93,7 @@ class GatewaySettings(CortexSettings):
     affinity_wait_ms: int = Field(2000, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
     # Who shares cached prompt prefixes (and so sees another's in `cached_tokens`): `key`, each API key
-    # only its own (with no key, every caller is `anonymous` and all share); `fleet`, every key. Within
+    # only its own (callers without one, anonymous or the admin key, share theirs); `fleet`, every key. Within
     # either, a request's `cache_salt` keeps its prompts apart from those without the same salt.
     prefix_cache_scope: Literal["key", "fleet"] = "key"
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's

@@ -54,5 +54,6 @@ def test_a_cache_salt_names_other_marks_and_the_key_scope_salts_by_key():
     assert prefix_marks.salt("fleet", "alice", None) == "" == prefix_marks.salt("fleet", "bob", None)
     assert prefix_marks.salt("fleet", "alice", "s1") == prefix_marks.salt("fleet", "bob", "s1")
     assert prefix_marks.salt("key", "alice", None) != prefix_marks.salt("key", "bob", None)
+    assert prefix_marks.salt("key", None, None) == ""  # no API key (auth off, the admin key): unsalted, as before
     assert prefix_marks.salt("key", "alice", "s1") not in (prefix_marks.salt("key", "bob", "s1"),
                                                           prefix_marks.salt("key", "alice", "s2"), "")
