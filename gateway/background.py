@@ -21,7 +21,7 @@ from gateway.files import visible
 from gateway.jobs import Resumable
 from gateway.protocol.responses import Response
 from gateway.render.responses import ResponseSpec, folded
-from gateway.responses_store import ResponseStore
+from gateway.responses_store import Kept, ResponseStore
 from gateway.tools.parsers import parsers_for
 from shared import event_log
 from shared.api_keys import ANONYMOUS
@@ -56,8 +56,8 @@ class Folded:
         return self.response.status not in ("queued", "in_progress")
 
     @property
-    def conversation(self) -> list[dict[str, Any]]:
-        return self.record.spec.get("conversation") or []
+    def kept(self) -> Kept:
+        return Kept.of(self.record.spec, self.record.owner)
 
 
 def _store(ctx) -> ResponseStore:
@@ -95,7 +95,7 @@ async def fold(ctx, response_id: str) -> Folded | None:
 async def _finish(ctx, found: Folded) -> None:
     """Store an ended background response and count its tokens (once, whoever else counts them)."""
     record = found.record
-    await _store(ctx).put(found.response, found.conversation, record.owner)
+    await _store(ctx).put(found.response, found.kept)
     if found.done is not None and record.metered:
         job = job_of(found.response.id)
         await ctx.limiter.record(record.owner, job, found.done.usage, once=ctx.keys.metered(job))
@@ -151,7 +151,7 @@ async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
         return found.response.model_dump(mode="json")
     response = (found.response if found else Response.model_validate(stored["response"])).model_copy(
         update={"status": "cancelled"})
-    await store.put(response, found.conversation if found else [], stored.get("owner", ANONYMOUS))
+    await store.put(response, found.kept if found else Kept([], stored.get("owner", ANONYMOUS)))
     log.info("background response %s cancelled", response_id)
     return response.model_dump(mode="json")
 
@@ -181,5 +181,5 @@ async def _settle(ctx, response_id: str) -> None:
         return
     error = {"code": "expired", "message": "the job's events expired before it ended (stream_retention_s)"}
     failed = Response.model_validate(stored["response"]).model_copy(update={"status": "failed", "error": error})
-    await store.put(failed, [], stored.get("owner", ANONYMOUS))
+    await store.put(failed, Kept([], stored.get("owner", ANONYMOUS)))
     log.warning("background response %s failed: its job's event log is gone", response_id)

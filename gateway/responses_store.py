@@ -1,5 +1,5 @@
 """Stored `/v1/responses` responses: one Redis string each (`cortex:response:{id}`, JSON of the
-response and the conversation it ends), expiring after `responses_ttl_s`. Every gateway
+response, the conversation it ends and its request's input items), expiring after `responses_ttl_s`. Every gateway
 replica reads them, so `previous_response_id` works whichever replica answers.
 
 A `background` response is held as it was queued (`hold`: the response, and the job's stream
@@ -12,6 +12,7 @@ may see (`Caller.owner`: its own, or for the admin key every one), and another k
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,14 +25,28 @@ from shared.keys import Keys
 from shared.redis_conn import atomic
 
 
+@dataclass
+class Kept:
+    """What a stored response keeps besides itself."""
+
+    conversation: list[dict[str, Any]]  # the turns before it (its own is added when it is stored)
+    owner: str  # the API key's name (`Caller.name`)
+    input: list[dict[str, Any]] = field(default_factory=list)  # its request's input items, as sent
+
+    @classmethod
+    def of(cls, spec: dict[str, Any], owner: str) -> "Kept":
+        """From a resumable job's spec (gateway/routes/responses.py), which names the first two."""
+        return cls(spec.get("conversation") or [], owner, spec.get("input") or [])
+
+
 class ResponseStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys, ttl_s: int):
         self.redis, self.keys, self.ttl_s = redis, keys, ttl_s
 
-    async def put(self, response: Response, conversation: list[dict[str, Any]], owner: str) -> None:
-        """Keep `owner`'s `response`, with the conversation so far and its own turn last."""
-        value = {"response": response.model_dump(mode="json"), "conversation": [*conversation, assistant_turn(response)],
-                 "owner": owner}
+    async def put(self, response: Response, kept: Kept) -> None:
+        """Keep `response` with what `kept` says, its own turn last in the conversation."""
+        value = {"response": response.model_dump(mode="json"), "owner": kept.owner, "input": kept.input,
+                 "conversation": [*kept.conversation, assistant_turn(response)]}
         async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zrem(self.keys.background_responses(), response.id)
@@ -63,6 +78,14 @@ class ResponseStore:
                                            param="previous_response_id")
         return stored["conversation"]
 
+    async def input_items(self, response_id: str, owner: str | None) -> list[dict[str, Any]]:
+        """The input items of `owner`'s stored response, each with an id (its own, or one named after
+        the response); NotFound when there is none (or not yet: a background one still running)."""
+        stored = await self.read(response_id, owner)
+        if stored is None or "pending" in stored:
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        return [{"id": f"{response_id}_input_{i}"} | item for i, item in enumerate(stored.get("input", []))]
+
     async def delete(self, response_id: str, owner: str | None) -> None:
         if await self.read(response_id, owner) is None:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
@@ -73,10 +96,10 @@ class ResponseStore:
         if not deleted:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
-    async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent], conversation: list[dict[str, Any]],
-                              owner: str) -> AsyncIterator[ResponseStreamEvent]:
-        """`events`, storing `owner`'s final response before its last event goes out."""
+    async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent],
+                              kept: Kept) -> AsyncIterator[ResponseStreamEvent]:
+        """`events`, storing the final response (with `kept`) before its last event goes out."""
         async for event in events:
             if isinstance(event, ResponseCompletedEvent | ResponseIncompleteEvent):
-                await self.put(event.response, conversation, owner)
+                await self.put(event.response, kept)
             yield event

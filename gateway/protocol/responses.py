@@ -123,6 +123,11 @@ class ResponseCreateParams(Lenient):
         return [*self._history, *messages_for_node(self.input)]
 
     @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input items as sent (what `GET /v1/responses/{id}/input_items` lists)."""
+        return [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in self.input]
+
+    @property
     def offer(self) -> Offer:
         """What the request's tools offer the model, and what they leave out."""
         return self._offer
@@ -238,6 +243,27 @@ class Response(BaseModel):
     text: dict[str, Any]
     truncation: str
     usage: ResponseUsage | None = None
+
+
+class ResponseItemList(BaseModel):
+    """A page of a stored response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+    @classmethod
+    def page(cls, items: list[dict[str, Any]], limit: int, after: str | None) -> "ResponseItemList":
+        """Up to `limit` of `items` (in the order asked for), from the one after `after`."""
+        rest = items
+        if after is not None:
+            ids = [item["id"] for item in items]
+            rest = items[ids.index(after) + 1:] if after in ids else []
+        data = rest[:limit]
+        return cls(data=data, first_id=data[0]["id"] if data else None, last_id=data[-1]["id"] if data else None,
+                   has_more=len(rest) > limit)
 
 
 class ResponseDeleted(BaseModel):

@@ -34,7 +34,11 @@ def test_stored_responses_are_their_keys(keys_stack):
         assert refused.value.code == "previous_response_not_found"
         with pytest.raises(openai.NotFoundError):
             bob.responses.delete(response_id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.input_items.list(response_id)
         assert alice.responses.retrieve(response_id).output_text == admin.responses.retrieve(response_id).output_text
+        items = alice.responses.input_items.list(response_id).data
+        assert [(i.role, i.content[0].text) for i in items] == [("user", "Tell me a story.")] and items[0].id
     assert alice.responses.create(**SHORT, previous_response_id=stored.id).status in ("completed", "incomplete")
     assert len(list(alice.responses.retrieve(streamed.id, stream=True))) > 2
     alice.responses.delete(stored.id)
