@@ -27,7 +27,7 @@ PING_TIMEOUT_S = 0.5  # one PING of the probe (the client's own retries would ta
 
 def unreachable(exc: BaseException) -> bool:
     """Whether `exc` says Redis did not answer (rather than answered no)."""
-    return isinstance(exc, RedisUnreachable | redis.exceptions.ConnectionError | redis.exceptions.TimeoutError | OSError)
+    return isinstance(exc, (RedisUnreachable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
 
 
 class OutageWait:

@@ -2,11 +2,12 @@
 a node's cache can vouch for (cache-aware routing, gateway/routing.py).
 
 A chat request's marks are a hash chain over its messages: the first names the model, the request's
-cache salt (`salt`), the tools and the template's arguments with the first message; each next one adds one message. Two requests share
-a mark exactly when they share every message up to it (so turn 2 of a conversation shares turn 1's
-last mark). Each mark travels with the characters of the messages up to it, from which the node
-estimates the tokens it spans (node_agent/engine/engine.prefix_tokens), anchors it on the cached
-block that ends there, and reports it held (`Keys.prefixes`) until that block is evicted.
+cache salt (`salt`), the tools and the template's arguments with the first message; each next one
+adds one message. Two requests share a mark exactly when they share every message up to it (so
+turn 2 of a conversation shares turn 1's last mark). Each mark travels with the characters of the
+messages up to it, from which the node estimates the tokens it spans
+(node_agent/engine/engine.prefix_tokens), anchors it on the cached block that ends there, and
+reports it held (`Keys.prefixes`) until that block is evicted.
 """
 
 import hashlib
@@ -27,8 +28,8 @@ def marks(request: GenerationRequest) -> list[tuple[str, int]]:
     and for requests with images (their prompts are not cached)."""
     if request.kind != "chat" or not request.messages or request.images:
         return []
-    chain = hashlib.blake2b(_canonical([request.model, request.cache_salt, request.tools, request.chat_template_kwargs]),
-                            digest_size=DIGEST_BYTES).digest()
+    first = [request.model, request.cache_salt, request.tools, request.chat_template_kwargs]
+    chain = hashlib.blake2b(_canonical(first), digest_size=DIGEST_BYTES).digest()
     found, chars = [], 0
     for message in request.messages:
         data = _canonical(message)

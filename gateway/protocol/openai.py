@@ -11,8 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema, KeepAlive, MaxTokens,
-                                     StopTokenIds, TokenId, TopK, duration_s)
+from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema,
+                                     KeepAlive, MaxTokens, StopTokenIds, TokenId, TopK, duration_s)
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams

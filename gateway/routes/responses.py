@@ -34,7 +34,8 @@ def _store(ctx: Ctx) -> ResponseStore:
 async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     store, spec = _store(ctx), ResponseSpec.of(body)
     if body.previous_response_id:
-        body.continue_from(await background.conversation(ctx, body.previous_response_id, caller.owner))
+        previous_id = body.previous_response_id
+        body.continue_from(await ctx.outage.through(lambda: background.conversation(ctx, previous_id, caller.owner)))
     kept = Kept(body.conversation, caller.name, body.input_items) if body.store is not False else None
     resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept and kept.conversation,
                                         "input": kept and kept.input},
