@@ -63,6 +63,11 @@ class OutageWait:
         finally:
             self.waiting -= 1
 
+    def stop(self) -> None:
+        """At shutdown: no more probing."""
+        if self._back is not None:
+            self._back.cancel()
+
     async def _answers(self, deadline: float, failure: BaseException) -> None:
         """Until Redis answers a PING, or `RedisUnreachable` at `deadline`."""
         if self._back is None or self._back.done():

@@ -73,6 +73,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         finally:
             warm_up.cancel()
             metrics.cancel()
+            ctx.outage.stop()
             await janitor.stop()
             await ctx.departures.stop()
             await router.stop()
