@@ -17,7 +17,7 @@ from gateway.context import GatewayContext
 from gateway.events import EventRouter, pubsub_client
 from shared.fleet import Fleet
 from gateway.janitor import Janitor
-from gateway.json_text import JsonTextMiddleware
+from gateway.json_body import JsonBodyMiddleware
 from gateway.request_id import RequestIdMiddleware
 from gateway.routing import SessionHeaderMiddleware
 from gateway.tracing import TraceLogFormatter, TracingMiddleware
@@ -82,7 +82,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
                 await batch_queue.aclose()
 
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
-    app.add_middleware(JsonTextMiddleware)  # inside BodyLimitMiddleware: it reads only what that one let through
+    app.add_middleware(JsonBodyMiddleware)  # inside BodyLimitMiddleware: it reads only what that one let through
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        files_max_bytes=settings.files_max_bytes)
     app.add_middleware(SessionHeaderMiddleware)

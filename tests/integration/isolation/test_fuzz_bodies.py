@@ -2,7 +2,7 @@
 never a 5xx. Hypothesis draws bodies from the pydantic schemas of the routes' request models (as the
 gateway's OpenAPI document carries them), some following the schema, some with any value replaced
 by any JSON value (strings with unpaired surrogates, integers past 64 bits, wrong types), plus raw
-bytes, against a real gateway, redis-server and node agent (tiny random model). CI draws
+bytes and free-form JSON nested too deep, against a real gateway, redis-server and node agent (tiny random model). CI draws
 `EXAMPLES` per route; `CORTEX_FUZZ_EXAMPLES=N` draws more."""
 
 import json
@@ -137,3 +137,34 @@ def test_an_unpaired_surrogate_is_a_400_and_a_pair_is_served(client, path):
     assert "unpaired" in refused.text
     paired = post_json(client, path, json.loads(json.dumps(SURROGATE_BODIES[path]).replace("\\ud800", "\\ud83d\\ude00")))
     assert paired.status_code == 200, paired.text
+
+
+def _nested(depth: int):
+    value: object = "x"
+    for _ in range(depth):
+        value = {"a": [value]}
+    return value
+
+
+DEEP = 400  # levels of free-form JSON: past what pydantic's serializer (~250) and a chat template's renderer take
+DEEP_BODIES = {
+    "chat_template_kwargs": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 2, "chat_template_kwargs": {"deep": _nested(DEEP)}}),
+    "tool parameters": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 2, "tools": [{"type": "function", "function": {
+                                                     "name": "f", "parameters": {"type": "object", "x": _nested(DEEP)}}}]}),
+    "container": ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                                  "container": _nested(DEEP)}),
+    "input_schema": ("/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                   "tools": [{"name": "f", "input_schema": _nested(DEEP)}]}),
+    "response text format": ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "text": {
+        "format": {"type": "json_schema", "name": "s", "schema": {"type": "object", "x": _nested(DEEP)}}}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP_BODIES))
+def test_deeply_nested_free_form_json_is_a_400(client, name):
+    path, body = DEEP_BODIES[name]
+    refused = post_json(client, path, body)
+    check(refused, path)
+    assert refused.status_code == 400 and "nested more than" in refused.text
