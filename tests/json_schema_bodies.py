@@ -1,7 +1,7 @@
 """Hypothesis strategies for request bodies from the JSON schemas pydantic makes of the gateway's
 request models (as its OpenAPI document carries them): bodies that follow the schema, and bodies
 in which any value may be replaced by any JSON value at all (wrong types, huge integers, strings
-holding unpaired surrogates, nesting)."""
+holding unpaired surrogates, deep nesting)."""
 
 from typing import Any
 
@@ -12,8 +12,19 @@ MAX_ITEMS = 3
 TEXT = st.text(st.characters(exclude_categories=()), max_size=12)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**63 - 2, max_value=2**70),
                     st.floats(allow_nan=False, allow_infinity=False), TEXT)
+DEEPEST = 600  # levels of nesting a drawn value may have: past pydantic's serializer (~250), within json's parser (~1,000)
+
+
+def nested(depth: int, leaf: Any = "x") -> Any:
+    """`leaf` inside `depth` objects and arrays, alternately."""
+    for level in range(depth):
+        leaf = {"a": leaf} if level % 2 else [leaf]
+    return leaf
+
+
 ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=MAX_ITEMS)
-                        | st.dictionaries(TEXT, inner, max_size=MAX_ITEMS), max_leaves=8)
+                        | st.dictionaries(TEXT, inner, max_size=MAX_ITEMS), max_leaves=8) \
+    | st.integers(1, DEEPEST).map(nested)
 
 
 class Bodies:

@@ -1,9 +1,9 @@
 """Every body a client can send to a POST route gets a 4xx in its dialect's shape, or is served:
 never a 5xx. Hypothesis draws bodies from the pydantic schemas of the routes' request models (as the
 gateway's OpenAPI document carries them), some following the schema, some with any value replaced
-by any JSON value (strings with unpaired surrogates, integers past 64 bits, wrong types), plus raw
-bytes and free-form JSON nested too deep, against a real gateway, redis-server and node agent (tiny random model). CI draws
-`EXAMPLES` per route; `CORTEX_FUZZ_EXAMPLES=N` draws more."""
+by any JSON value (strings with unpaired surrogates, integers past 64 bits, wrong types, deep
+nesting), plus raw bytes, against a real gateway, redis-server and node agent (tiny random model).
+CI draws `EXAMPLES` per route; `CORTEX_FUZZ_EXAMPLES=N` draws more."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from gateway.server import create_app
 from shared.settings import GatewaySettings
 from tests.integration.fleet.conftest import catalogue
-from tests.json_schema_bodies import TEXT, Bodies
+from tests.json_schema_bodies import TEXT, Bodies, nested
 from tests.stack import Stack, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
@@ -139,26 +139,19 @@ def test_an_unpaired_surrogate_is_a_400_and_a_pair_is_served(client, path):
     assert paired.status_code == 200, paired.text
 
 
-def _nested(depth: int):
-    value: object = "x"
-    for _ in range(depth):
-        value = {"a": [value]}
-    return value
-
-
 DEEP = 400  # levels of free-form JSON: past what pydantic's serializer (~250) and a chat template's renderer take
 DEEP_BODIES = {
     "chat_template_kwargs": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 2, "chat_template_kwargs": {"deep": _nested(DEEP)}}),
+                                                      "max_tokens": 2, "chat_template_kwargs": {"deep": nested(DEEP)}}),
     "tool parameters": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                  "max_tokens": 2, "tools": [{"type": "function", "function": {
-                                                     "name": "f", "parameters": {"type": "object", "x": _nested(DEEP)}}}]}),
+                                                     "name": "f", "parameters": {"type": "object", "x": nested(DEEP)}}}]}),
     "container": ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
-                                  "container": _nested(DEEP)}),
+                                  "container": nested(DEEP)}),
     "input_schema": ("/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                   "tools": [{"name": "f", "input_schema": _nested(DEEP)}]}),
+                                                   "tools": [{"name": "f", "input_schema": nested(DEEP)}]}),
     "response text format": ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "text": {
-        "format": {"type": "json_schema", "name": "s", "schema": {"type": "object", "x": _nested(DEEP)}}}}),
+        "format": {"type": "json_schema", "name": "s", "schema": {"type": "object", "x": nested(DEEP)}}}}),
 }
 
 
