@@ -18,7 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, RedisError
 
-from shared.errors import BrokerUnavailable
+from shared.errors import RedisUnreachable
 from shared.redis_conn import BACKOFF_MAX_S, cluster_client, is_cluster_url, node_client
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def pubsub_client(url: str) -> aioredis.Redis:
 
 
 async def reconnected(ready: asyncio.Event, wake: asyncio.Event | None = None) -> None:
-    """Wait up to `CONNECT_WAIT_S` for a (re)connecting link; BrokerUnavailable after that.
+    """Wait up to `CONNECT_WAIT_S` for a (re)connecting link; RedisUnreachable after that.
     `wake`: cut the link's backoff short (a request is waiting: try again now, not in up to 2 s)."""
     if ready.is_set():
         return
@@ -51,7 +51,7 @@ async def reconnected(ready: asyncio.Event, wake: asyncio.Event | None = None) -
         async with asyncio.timeout(CONNECT_WAIT_S):
             await ready.wait()
     except TimeoutError:
-        raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting") from None
+        raise RedisUnreachable("Redis is unreachable; the gateway is reconnecting") from None
 
 
 async def _back_off(delay: float, wake: asyncio.Event) -> None:

@@ -35,7 +35,7 @@ from redis.exceptions import ConnectionError, RedisError
 
 from gateway.event_links import Link, Links, reconnected
 from gateway.queued_jobs import SUBSCRIBE_TIMEOUT_S, QueuedJobs
-from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
+from shared.errors import BrokerUnavailable, CortexError, GenerationFailed, RedisUnreachable
 from shared.wire import Event, WireError, unpack_event
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class EventRouter:
         await reconnected(link.connected, link.wake)
         pubsub = link.pubsub
         if pubsub is None:
-            raise BrokerUnavailable("Redis is unreachable; the gateway is reconnecting")
+            raise RedisUnreachable("Redis is unreachable; the gateway is reconnecting")
         queue: asyncio.Queue[Item] = asyncio.Queue()
         listeners = self._queues.setdefault(key, [])
         listeners.append(queue)
@@ -107,7 +107,7 @@ class EventRouter:
         except BaseException as exc:
             await self.unsubscribe(channel, queue)
             if isinstance(exc, RedisError | OSError | TimeoutError):
-                raise BrokerUnavailable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
+                raise RedisUnreachable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
             raise
         return queue
 

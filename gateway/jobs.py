@@ -287,6 +287,12 @@ class ApiRequest(Protocol):
 
 async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
                          resumable: Resumable | None = None) -> Job:
+    """`admit_and_submit`, waiting out a short Redis outage (gateway/outage.py)."""
+    return await ctx.outage.through(lambda: admit_and_submit(ctx, body, caller, priority=priority, resumable=resumable))
+
+
+async def admit_and_submit(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
+                           resumable: Resumable | None = None) -> Job:
     """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
     once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
     requests, is within its limits (429; batch lines are not rate limited), build the generation
@@ -302,6 +308,8 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
             await ctx.limiter.admit(caller.key)
         tool_format = parser_name(profile)
         request = body.to_generation_request(new_job_id(), profile.id)
+        request.cache_salt = prefix_marks.salt(ctx.settings.prefix_cache_scope, caller.name if caller.key else None,
+                                               getattr(body, "cache_salt", None))
         request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
         await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
         ctx.routing.prepare(request)

@@ -106,6 +106,12 @@ class Catalog:
         data = tomllib.loads(Path(path).read_text())
         return cls([ModelProfile(**entry) for entry in data.get("models", [])])
 
+    def names(self, model: str) -> set[str]:
+        """Every name of a model: its id and, for a catalogue model, its aliases (what an API key's
+        allowed models are matched against)."""
+        profile = self.profiles.get(model)
+        return {model, *(profile.aliases if profile else ())}
+
     def resolve(self, name: str) -> ModelProfile:
         """The profile for a model id or alias, also with Ollama's default tag (`name:latest` is
         `name`); `ModelNotFound` otherwise."""

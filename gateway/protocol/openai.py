@@ -11,8 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, ChatTemplateKwargs, Int64, JsonSchema, KeepAlive, MaxTokens,
-                                     StopTokenIds, TokenId, TopK, duration_s)
+from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema,
+                                     KeepAlive, MaxTokens, StopTokenIds, TokenId, TopK, duration_s)
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
@@ -232,6 +232,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
     user: str | None = None  # a session for routing when there is no prompt_cache_key
     # extensions
+    cache_salt: CacheSalt | None = None  # vLLM's: see gateway/protocol/bounds.py
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
@@ -313,6 +314,7 @@ class CompletionRequest(_Sampling):
     top_p: float | None = Field(None, gt=0, le=1)
     user: str | None = None
     # extensions
+    cache_salt: CacheSalt | None = None  # vLLM's: see gateway/protocol/bounds.py
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)

@@ -4,8 +4,9 @@ import msgpack
 import pytest
 
 from shared import WIRE_VERSION
-from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, PromptLogprob, StartEvent, Timings,
-                         TokenLogprob, TopLogprob, Usage, WireError, ends_job, pack_event, unpack_event)
+from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PromptLogprob, StartEvent,
+                         Timings, TokenLogprob, TopLogprob, Usage, WireError, ends_job, pack, pack_event, unpack,
+                         unpack_event)
 
 TOP = TopLogprob(token=" Paris", logprob=-0.25, bytes=list(b" Paris"))
 DELTA = DeltaEvent(choices=[
@@ -102,3 +103,13 @@ def test_another_wire_version_is_refused_by_its_version(raw):
 def test_done_and_error_end_a_job():
     assert ends_job([DELTA, EVENTS[2]]) and ends_job([EVENTS[3]])
     assert not ends_job([EVENTS[0]]) and not ends_job([DELTA])
+
+
+def test_a_cache_salt_travels_only_when_set():
+    """Added within wire version 7: a job without one packs as before (a node of 7 that predates it
+    reads it); one with it reaches the node, and such an older node refuses it rather than ignore it."""
+    plain = GenerationRequest(job="j", model="m", kind="chat", messages=[])
+    assert "cache_salt" not in msgpack.unpackb(pack(plain))
+    salted = plain.model_copy(update={"cache_salt": "ab12"})
+    assert unpack(pack(salted), GenerationRequest).cache_salt == "ab12"
+    assert unpack(pack(plain), GenerationRequest).cache_salt == ""
