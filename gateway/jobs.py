@@ -95,6 +95,7 @@ class Job:
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
         self.prompt_tokens = 0  # the prompt's length, once the node's start event told it
+        self._output_seen = False  # an event after the (last) start event came
         self.prompt_text = prompt_text  # the prompt's text when the request asked to echo it
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
@@ -109,23 +110,42 @@ class Job:
         model failed to load) can still become an HTTP status instead of a broken stream."""
         self._first = await self._next()
 
-    async def events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
-        """Deltas, then the done event; raises the job's `CortexError` if it fails."""
+    async def events(self, restarts: bool = False) -> AsyncIterator[DeltaEvent | DoneEvent | StartEvent]:
+        """Deltas, then the done event; raises the job's `CortexError` if it fails. With `restarts`,
+        a `StartEvent` where the job started again after some output (its node was lost and the
+        janitor requeued it): the output before it is void."""
         while True:
             if self._first is not None:
                 event, self._first = self._first, None
             else:
-                event = await self._next()
+                event = await self._next(restarts)
             yield event
             if isinstance(event, DoneEvent):
                 return
 
-    async def _next(self) -> DeltaEvent | DoneEvent:
+    async def final_events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
+        """For an answer that is not streamed: the events of the job's last attempt, once it is done.
+        A job whose node was lost is requeued by the janitor and runs again from its start; what the
+        lost node had sent is void (else its text would come twice)."""
+        held: list[DeltaEvent | DoneEvent] = []
+        async for event in self.events(restarts=True):
+            if isinstance(event, StartEvent):
+                held = []
+            else:
+                held.append(event)
+        for event in held:
+            yield event
+
+    async def _next(self, restarts: bool = False) -> DeltaEvent | DoneEvent | StartEvent:
         item = await self._get()
         while isinstance(item, StartEvent):  # kept here, renderers read it; a retried job starts again
             self.prompt_tokens = item.prompt_tokens
             self.prompt_text = self.prompt_text if item.prompt_text is None else item.prompt_text
+            if restarts and self._output_seen:
+                self._output_seen = False
+                return item
             item = await self._get()
+        self._output_seen = True
         if isinstance(item, CortexError):
             raise item
         if isinstance(item, ErrorEvent):

@@ -63,7 +63,7 @@ async def whole_or_streamed(request: Request, job: Job, stream: bool, chunks: Ca
     if stream:
         return await stream_job(request, job, chunks())
     async with job:
-        gathered = await unless_disconnected(request, gather_choices(job.events(), n))
+        gathered = await unless_disconnected(request, gather_choices(job.final_events(), n))
     return JSONResponse(whole(gathered).model_dump(mode="json"))
 
 

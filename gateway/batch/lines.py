@@ -86,7 +86,7 @@ async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller) -> Job:
 async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:
     """Gather the job's events into the endpoint's response, as an output line."""
     async with job:
-        gathered = await gather_choices(job.events(), getattr(parsed.body, "n", 1))
+        gathered = await gather_choices(job.final_events(), getattr(parsed.body, "n", 1))
     body = ENDPOINTS[endpoint].render(job, gathered).model_dump(mode="json")
     response = BatchLineResponse(status_code=200, request_id=job.id, body=body)
     return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)

@@ -58,7 +58,8 @@ async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep)
     if not body.messages:
         return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = chat_chunks(job, job.events(), body.model, job.parsers(), body.splitter())
+    chunks = chat_chunks(job, job.events() if body.stream else job.final_events(), body.model, job.parsers(),
+                         body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_chat)
 
 
@@ -67,7 +68,7 @@ async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: Ca
     if not body.prompt:
         return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = generate_chunks(job, job.events(), body.model, body.splitter())
+    chunks = generate_chunks(job, job.events() if body.stream else job.final_events(), body.model, body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_generate)
 
 

@@ -51,7 +51,7 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
     if body.stream:
         return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
     async with job:
-        gathered = await unless_disconnected(request, gather_choices(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
     answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
     if kept is not None:
         await store.put(answer, kept)

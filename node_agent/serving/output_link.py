@@ -79,17 +79,23 @@ class OutputLink:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         decoder = msgspec.msgpack.Decoder(Feedback)
+        failure = ""
         try:
             while True:
                 size, = FRAME.unpack(await reader.readexactly(FRAME.size))
                 self.on_feedback(decoder.decode(await reader.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except Exception as exc:  # a bug reading or handling feedback: as if the process died (its jobs fail, reload)
+            log.exception("%s: handling the output process's feedback failed", self.config["model"])
+            failure = f"handling its feedback failed ({type(exc).__name__}: {exc})"
+            self.process.kill()
         with self._lock:
             self.alive = False
         if not self._closing:
             code = await asyncio.to_thread(self.process.wait)
-            self.on_exit(f"the output process of {self.config['model']} exited (code {code})")
+            self.on_exit(f"the output process of {self.config['model']} exited (code {code})"
+                         + (f": {failure}" if failure else ""))
 
     async def close(self) -> None:
         """Let the process publish what it holds and exit (killed after STOP_TIMEOUT_S)."""
