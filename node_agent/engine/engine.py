@@ -31,7 +31,7 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
-from node_agent.model import vision
+from node_agent.model import devices, vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
@@ -119,6 +119,24 @@ class Engine:
         self.fail_all()
         self.runner.close()
         self.lm.model = None
+
+    def free(self) -> None:
+        """On the device thread: `release`, then give the device the memory it held back."""
+        self.release()
+        devices.give_back_memory(self.lm.device)
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    @property
+    def processor(self):
+        """A vision model's processor (its images into model inputs); None for a text model."""
+        return self.lm.processor
+
+    def is_device_fault(self, exc: BaseException) -> bool:
+        """Whether `exc` (from a step) is the device's fault: the model is then poisoned and reloaded."""
+        return devices.is_device_fault(exc, self.lm.device)
 
     # ---- requests ----------------------------------------------------------------------------
 

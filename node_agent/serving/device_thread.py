@@ -111,7 +111,7 @@ class DeviceThread:
         except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
-            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, devices.is_device_fault(exc, engine.lm.device))
+            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, engine.is_device_fault(exc))
             return
         if not out.empty:
             sinks.on_step(out)

@@ -54,7 +54,7 @@ class Intake:
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         max_tokens = min(engine.max_len, self.profile.max_prompt_tokens or engine.max_len)
-        self.max_prompt_chars = max_tokens * prompts.longest_token_chars(engine.lm.tokenizer)
+        self.max_prompt_chars = max_tokens * prompts.longest_token_chars(engine.tokenizer)
 
     async def add(self, jobs: list[Prepared]) -> None:
         """Hand a read's prepared jobs to the engine in one call: a wave of arrivals joins one prefill
@@ -107,14 +107,14 @@ class Intake:
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], dict[str, np.ndarray]]:
         """In the thread pool: the prompt's token ids, and a vision model's image inputs for it."""
-        lm = self.engine.lm
-        if lm.processor is not None:
-            return prompts.vision_prompt(lm.processor, self.profile, request, self.max_prompt_chars)
-        return prompts.prompt_ids(lm.tokenizer, self.profile, request, self.max_prompt_chars), {}
+        engine = self.engine
+        if engine.processor is not None:
+            return prompts.vision_prompt(engine.processor, self.profile, request, self.max_prompt_chars)
+        return prompts.prompt_ids(engine.tokenizer, self.profile, request, self.max_prompt_chars), {}
 
     def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
         echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself
-        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.lm.tokenizer.decode(ids) if echo else None)
+        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.tokenizer.decode(ids) if echo else None)
 
     def _check_memory(self) -> None:
         free = self.device.last_info.free_mb if self.device.last_info else None

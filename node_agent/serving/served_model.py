@@ -12,7 +12,6 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-import torch
 
 from node_agent.engine.engine import Engine
 from node_agent.model import loader
@@ -34,13 +33,6 @@ from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
-
-
-def _free(engine: Engine) -> None:
-    """Drop an engine's tensors on the device thread and give the memory back."""
-    engine.release()
-    if engine.lm.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
@@ -223,7 +215,7 @@ class ServedModel:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
-            await self.device.call(_free, engine)
+            await self.device.call(engine.free)
         if self.link is not None:
             link, self.link = self.link, None
             await link.close()

@@ -169,9 +169,9 @@ async def test_a_poisoned_replica_that_cannot_be_freed_fails_and_is_forgotten_af
         await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY)
         served = agent.models["tiny"]
 
-        def sticky_fault(engine):
+        def sticky_fault():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        monkeypatch.setattr(served_model, "_free", sticky_fault)
+        monkeypatch.setattr(served.engine, "free", sticky_fault)
         served.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
         await until(lambda: served.state == ModelState.FAILED)
         assert "freeing it failed" in served.replica.error
