@@ -156,20 +156,7 @@ class ServedModel:
 
     async def load(self) -> None:
         try:
-            self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
-                                        node=self.consumer_name, model=self.profile.id,
-                                        log_level=self.settings.log_level,
-                                        stream_retention_s=self.settings.stream_retention_s,
-                                        heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
-                                   self.on_feedback, self.on_output_exit)
-            await self.link.start()  # it starts up while the model loads
-            self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
-                                                 self.consumer_name)
-            max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
-            self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
-            self.link.open(self.engine.text)
-            await self.device.attach(self.engine, self.link.step, self.on_failure)
-            self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
+            await self._open()
         except Exception as exc:
             self.state, self.error = ModelState.FAILED, f"{type(exc).__name__}: {exc}"
             log.error("loading %s failed: %s", self.profile.id, self.error)
@@ -182,6 +169,23 @@ class ServedModel:
         self._consuming = True
         self._consumer = asyncio.create_task(self._consume(), name=f"consume-{self.profile.id}")
         log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
+
+    async def _open(self) -> None:
+        """Start the output process, load the engine on the device thread and attach it there."""
+        self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
+                                    node=self.consumer_name, model=self.profile.id,
+                                    log_level=self.settings.log_level,
+                                    stream_retention_s=self.settings.stream_retention_s,
+                                    heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
+                               self.on_feedback, self.on_output_exit)
+        await self.link.start()  # it starts up while the model loads
+        self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+                                             self.consumer_name)
+        max_tokens = min(self.engine.max_len, self.profile.max_prompt_tokens or self.engine.max_len)
+        self.max_prompt_chars = max_tokens * prompts.longest_token_chars(self.engine.lm.tokenizer)
+        self.link.open(self.engine.text)
+        await self.device.attach(self.engine, self.link.step, self.on_failure)
+        self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
 
     def on_failure(self, exc: BaseException, jobs: list[str], device_fault: bool) -> None:
         """A step failed on the device thread (its jobs are out of the engine): a fault of the device
