@@ -73,7 +73,7 @@ class ModelProfile(BaseModel):
     vision: bool = False
     # Embedding and rerank models: the most tokens (padding included) one forward pass takes; a
     # request's inputs, sorted by length, go through in as few passes as fit.
-    pooling_batch_tokens: int = Field(16384, ge=16)
+    pooling_batch_tokens: int = Field(8192, ge=16)
     # An embedding model trained for truncation (Matryoshka): the sizes a request's `dimensions` may
     # ask for ([]: any up to the full size); None: not trained for it, and `dimensions` is refused.
     matryoshka_dimensions: list[int] | None = None

@@ -92,7 +92,7 @@ class PoolingRequest(Wire):
     kind: Literal["embed", "rerank"]
     # embed: each input a text or the model's own token ids; rerank: the documents' texts
     inputs: list[str | list[int]]
-    query: str | None = None  # rerank: paired with each input
+    queries: list[str] = []  # rerank: each input's query (one per input), scored as a pair with it
     dimensions: int | None = None  # embed: keep this many leading dimensions (Matryoshka), renormalised when it normalises
     truncate: bool = False  # inputs longer than the model's context are cut (else refused: context_length_exceeded)
 

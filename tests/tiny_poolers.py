@@ -1,14 +1,16 @@
 """Tiny random-weight embedding and rerank models built at test time, saved as sentence-transformers
 saves them: a BERT encoder (mean or CLS pooling), a Qwen3 decoder used as an embedder (last-token
 pooling), and a BERT cross-encoder (a one-label classification head). BERT ones get a WordPiece
-tokenizer trained here on a small corpus."""
+tokenizer trained here on a small corpus. `reference_vectors` and `reference_scores` compute what such
+a model should answer with transformers alone, one input at a time (no padding, no batching)."""
 
 import json
 from pathlib import Path
 
 import torch
 from tokenizers import BertWordPieceTokenizer
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, BertTokenizerFast
+from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer,
+                          BertTokenizerFast)
 
 from tests.tiny_models import CORPUS, make_tokenizer
 
@@ -59,11 +61,34 @@ def build_embedder(folder: Path, pooling: str = "mean_tokens", normalize: bool =
     return folder
 
 
-def build_cross_encoder(folder: Path, seed: int = 0) -> Path:
-    """A random BERT with a one-label classification head over (query, document) pairs."""
+def build_cross_encoder(folder: Path, seed: int = 0, activation: str | None = None) -> Path:
+    """A random BERT with a one-label classification head over (query, document) pairs; `activation`:
+    the score function its config names for sentence-transformers (None: its default, a sigmoid)."""
     tokenizer = wordpiece_tokenizer(folder)
-    config = AutoConfig.for_model(**_BERT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1)
+    named = {"sentence_transformers": {"activation_fn": activation}} if activation else {}
+    config = AutoConfig.for_model(**_BERT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1,
+                                  **named)
     torch.manual_seed(seed)
     AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@torch.inference_mode()
+def reference_vectors(folder: Path, texts: list[str], mode: str = "mean", normalize: bool = True) -> torch.Tensor:
+    """Each text's vector: its token states pooled by `mode` (mean, cls, last), unit length when `normalize`."""
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
+    rows = []
+    for text in texts:
+        hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        vector = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[mode]
+        rows.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def reference_logits(folder: Path, query: str, documents: list[str]) -> torch.Tensor:
+    """The cross-encoder's logit for each (query, document) pair."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    return torch.tensor([model(**tokenizer(query, doc, return_tensors="pt")).logits[0, 0].item() for doc in documents])

@@ -3,11 +3,12 @@
 from fastapi import APIRouter, Depends
 
 from gateway.auth import authenticate
-from gateway.routes import (admin, batches, chat, completions, dashboard, files, health, keys, message_batches, messages,
-                            models, queue, responses)
+from gateway.routes import (admin, batches, chat, completions, dashboard, embeddings, files, health, keys, message_batches,
+                            messages, models, queue, rerank, responses)
 
 router = APIRouter()
-for module in (chat, completions, message_batches, messages, responses, models, files, batches, queue):  # an API key's routes
+# an API key's routes
+for module in (chat, completions, embeddings, rerank, message_batches, messages, responses, models, files, batches, queue):
     router.include_router(module.router, dependencies=[Depends(authenticate)])
 for module in (health, admin, keys, dashboard):
     router.include_router(module.router)

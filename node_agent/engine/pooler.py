@@ -15,6 +15,7 @@ import numpy as np
 from node_agent.model import pooling
 from node_agent.model.pooling import LoadedPooler
 from shared.catalog import ModelProfile
+from shared.memory import pooling_pass_bytes
 from shared.wire import Pooled, Timings
 
 
@@ -76,11 +77,12 @@ class PoolingEngine:
         return bool(self._waiting)
 
     def memory_bytes(self) -> int:
-        """Weights, plus one pass's activations (a rough bound: every token's hidden state, a few times)."""
+        """Weights, plus one pass's activations (as placement counts them: shared/memory.py)."""
         config = self.lm.model.config
-        hidden = getattr(config, "hidden_size", 0)
-        width = getattr(config, "intermediate_size", 4 * hidden)
-        return pooling.memory_bytes(self.lm.model) + self.budget * (width + 4 * hidden) * 4
+        activations = pooling_pass_bytes(self.profile, hidden=config.hidden_size, heads=config.num_attention_heads,
+                                         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+                                         max_len=self.max_len)
+        return pooling.memory_bytes(self.lm.model) + activations
 
     def add(self, job: str, encoded: Encoded, dimensions: int | None, submitted_ms: float) -> None:
         self._jobs[job] = _Job(job, encoded, dimensions, submitted_ms, [None] * len(encoded.rows), len(encoded.rows))

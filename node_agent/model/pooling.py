@@ -6,7 +6,9 @@ An embedding model is a folder with a `modules.json` (sentence-transformers): it
 used as embedders, Qwen3-Embedding style), a Normalize module that vectors are unit length, and
 `sentence_bert_config.json` the longest input it was trained on. A folder without one pools by
 mean (encoders) or last token (decoders), unnormalised, as sentence-transformers does. A rerank
-model is a cross-encoder: a sequence-classification head with one label over query + document."""
+model is a cross-encoder: a sequence-classification head with one label over query + document,
+its logit passed through the activation its config names (a sigmoid unless it says otherwise, as
+sentence-transformers' CrossEncoder, vLLM and TEI score)."""
 
 import json
 import logging
@@ -44,6 +46,7 @@ class LoadedPooler:
     max_len: int  # the longest input, in tokens
     pooling: Pooling | None  # None: a rerank model (its head scores each pair)
     pad_id: int
+    sigmoid: bool = False  # a rerank model's scores are its logit through a sigmoid (else the logit itself)
 
 
 def read_pooling(folder: Path, is_decoder: bool) -> Pooling:
@@ -63,6 +66,15 @@ def read_pooling(folder: Path, is_decoder: bool) -> Pooling:
             raise ModelLoadError(f"{folder}: pooling {chosen + others} is not served (one of mean, CLS, last token)")
         mode = chosen[0]
     return Pooling(mode, normalize="Normalize" in kinds)
+
+
+def _activation(config) -> str:
+    """A cross-encoder's score function as sentence-transformers reads it from the config
+    (`sentence_transformers.activation_fn`, else `sbert_ce_default_activation_function`): the last
+    part of its class name; a one-label head defaults to Sigmoid."""
+    named = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") or getattr(
+        config, "sbert_ce_default_activation_function", None)
+    return named.rsplit(".", 1)[-1] if named else "Sigmoid"
 
 
 def _trained_length(folder: Path) -> int | None:
@@ -85,15 +97,16 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None) -> Loa
             raise ModelLoadError(f"{profile.id}: a rerank model needs a one-label head; it has "
                                  f"{model.config.num_labels}")
         pooling = None
+        sigmoid = _activation(model.config) == "Sigmoid"
     else:
         model = AutoModel.from_pretrained(files.folder, dtype=dtype)
-        pooling = read_pooling(files.folder, is_decoder)
+        pooling, sigmoid = read_pooling(files.folder, is_decoder), False
     tokenizer = AutoTokenizer.from_pretrained(files.tokenizer_folder or files.folder)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (config.pad_token_id or 0)
     own = min(n for n in (own_context(config), _trained_length(files.folder), profile.max_model_len) if n)
     model = model.to(devices.torch_device(device)).eval()
     return LoadedPooler(model=model, tokenizer=tokenizer, device=devices.torch_device(device), max_len=own,
-                        pooling=pooling, pad_id=pad_id)
+                        pooling=pooling, pad_id=pad_id, sigmoid=sigmoid)
 
 
 def _pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
@@ -123,7 +136,8 @@ def forward(loaded: LoadedPooler, rows: list[list[int]], type_ids: list[list[int
         inputs["token_type_ids"] = segments.to(loaded.device)
     out = loaded.model(**inputs)
     if loaded.pooling is None:
-        return out.logits[:, 0].float()
+        scores = out.logits[:, 0].float()
+        return torch.sigmoid(scores) if loaded.sigmoid else scores
     lengths = inputs["attention_mask"].sum(1)
     return _pool(out.last_hidden_state, inputs["attention_mask"], lengths, loaded.pooling.mode).float()
 

@@ -30,7 +30,9 @@ def encode(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
 
 
 def _pairs(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
-    encoded = loaded.tokenizer([request.query] * len(request.inputs), list(request.inputs),
+    if len(request.queries) != len(request.inputs):
+        raise InvalidRequest(f"{len(request.queries)} queries for {len(request.inputs)} documents", param="query")
+    encoded = loaded.tokenizer(request.queries, list(request.inputs),
                                truncation="only_second" if request.truncate else False,
                                max_length=loaded.max_len if request.truncate else None)
     for i, ids in enumerate(encoded["input_ids"]):

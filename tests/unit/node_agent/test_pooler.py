@@ -4,7 +4,7 @@ here with transformers one input at a time (no padding), whatever the passes it 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoTokenizer
 
 from node_agent.engine.pooler import PoolingEngine
 from node_agent.model import pooling
@@ -47,23 +47,12 @@ def vectors(pooled) -> np.ndarray:
     return np.stack([np.frombuffer(v, dtype="<f4") for v in pooled.vectors])
 
 
-@torch.inference_mode()
-def reference(folder, texts: list[str], mode: str, normalize: bool) -> np.ndarray:
-    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
-    rows = []
-    for text in texts:
-        hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
-        vector = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[mode]
-        rows.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
-    return torch.stack(rows).numpy()
-
-
 @pytest.mark.parametrize("mode,normalize", [("mean", True), ("cls", False), ("last", True)])
 def test_vectors_equal_one_input_at_a_time(folders, mode, normalize):
     eng = engine(folders[mode], pooling_batch_tokens=64)  # several passes, each padded to its longest row
     done = run(eng, PoolingRequest(job="j", model="m", kind="embed", inputs=TEXTS))
     got = vectors(done.pooled)
-    np.testing.assert_allclose(got, reference(folders[mode], TEXTS, mode, normalize), atol=1e-5)
+    np.testing.assert_allclose(got, tiny_poolers.reference_vectors(folders[mode], TEXTS, mode, normalize), atol=1e-5)
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert 1 < done.pooled.forwards == eng.forwards < len(TEXTS)
@@ -71,10 +60,12 @@ def test_vectors_equal_one_input_at_a_time(folders, mode, normalize):
 
 
 def test_many_inputs_take_few_passes(folders):
-    eng = engine(folders["mean"])  # the default budget of 16,384 tokens
-    inputs = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(256)]
-    done = run(eng, PoolingRequest(job="j", model="m", kind="embed", inputs=inputs))
+    inputs = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(256)]  # up to 41 tokens each
+    request = PoolingRequest(job="j", model="m", kind="embed", inputs=inputs)
+    done = run(engine(folders["mean"], pooling_batch_tokens=256 * 41), request)
     assert done.pooled.forwards == 1 and len(done.pooled.vectors) == 256
+    # under the default budget of 8,192 tokens: the longest rows first, padded to their own length
+    assert run(engine(folders["mean"]), request).pooled.forwards == 2
 
 
 def test_token_ids_are_the_models_own(folders):
@@ -105,16 +96,15 @@ def test_long_inputs_are_refused_unless_truncated(folders):
     assert [len(row) for row in encode(eng.lm, long.model_copy(update={"truncate": True})).rows][1] == 16
 
 
-@torch.inference_mode()
-def test_rerank_scores_are_the_heads_logits(folders):
-    eng = engine(folders["rerank"], kind="rerank", pooling_batch_tokens=48)
+def test_rerank_scores_are_the_heads_logits_through_its_activation(folders, tmp_path):
     query, documents = "What is the capital of France?", TEXTS
-    done = run(eng, PoolingRequest(job="j", model="m", kind="rerank", inputs=documents, query=query))
-    tokenizer = AutoTokenizer.from_pretrained(folders["rerank"])
-    model = AutoModelForSequenceClassification.from_pretrained(folders["rerank"]).eval()
-    expected = [model(**tokenizer(query, doc, return_tensors="pt")).logits[0, 0].item() for doc in documents]
-    np.testing.assert_allclose(done.pooled.scores, expected, atol=1e-5)
+    rerank = PoolingRequest(job="j", model="m", kind="rerank", inputs=documents, queries=[query] * len(documents))
+    done = run(engine(folders["rerank"], kind="rerank", pooling_batch_tokens=48), rerank)
+    raw = tiny_poolers.reference_logits(folders["rerank"], query, documents)
+    np.testing.assert_allclose(done.pooled.scores, torch.sigmoid(raw).numpy(), atol=1e-6)  # a one-label head's default
     assert done.pooled.forwards > 1
+    identity = tiny_poolers.build_cross_encoder(tmp_path / "identity", activation="torch.nn.modules.linear.Identity")
+    np.testing.assert_allclose(run(engine(identity, kind="rerank"), rerank).pooled.scores, raw.numpy(), atol=1e-5)
 
 
 def test_cancel_drops_a_jobs_waiting_inputs(folders):
