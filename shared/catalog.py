@@ -110,6 +110,7 @@ BUILTIN = [
         slots=16,
         max_model_len=256,  # its sentence-transformers max_seq_length
         dtype="float32",  # 23 M parameters: float32 costs little and keeps vectors exact
+        keep_alive_s=-1,  # ~300 MB with a pass's activations: it stays loaded
     ),
 ]
 

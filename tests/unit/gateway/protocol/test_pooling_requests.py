@@ -1,0 +1,53 @@
+"""The embeddings, rerank and score request types: every shape of `input` OpenAI allows becomes a
+list of inputs; what it does not allow is refused before any job is queued."""
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.protocol.embeddings import EmbeddingCreateParams
+from gateway.protocol.rerank import RerankRequest, ScoreRequest
+
+
+@pytest.mark.parametrize("given,inputs", [
+    ("a text", ["a text"]),
+    (["one", "two"], ["one", "two"]),
+    ([101, 7, 102], [[101, 7, 102]]),  # one input's token ids
+    ([[101, 7], [5]], [[101, 7], [5]]),
+])
+def test_every_input_shape_becomes_a_list_of_inputs(given, inputs):
+    assert EmbeddingCreateParams(model="m", input=given).inputs == inputs
+
+
+@pytest.mark.parametrize("given", [[], [[]], [-1], ["a", 1], [["a"]], ["x"] * 2049])
+def test_empty_mixed_or_too_many_inputs_are_refused(given):
+    with pytest.raises(ValidationError):
+        EmbeddingCreateParams(model="m", input=given)
+
+
+def test_encoding_format_and_dimensions_are_checked():
+    with pytest.raises(ValidationError):
+        EmbeddingCreateParams(model="m", input="x", encoding_format="int8")
+    with pytest.raises(ValidationError):
+        EmbeddingCreateParams(model="m", input="x", dimensions=0)
+
+
+def test_rerank_documents_are_texts_or_objects_with_text():
+    request = RerankRequest(model="m", query="q", documents=["a", {"text": "b"}])
+    assert request.texts == ["a", "b"] and request.top_n is None and not request.return_documents
+    with pytest.raises(ValidationError):
+        RerankRequest(model="m", query="q", documents=[])
+
+
+@pytest.mark.parametrize("text_1,text_2,pairs", [
+    ("q", "d", (["q"], ["d"])),
+    ("q", ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
+    (["q"], ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
+    (["q1", "q2"], ["d1", "d2"], (["q1", "q2"], ["d1", "d2"])),
+])
+def test_score_pairs_text_1_with_text_2(text_1, text_2, pairs):
+    assert ScoreRequest(model="m", text_1=text_1, text_2=text_2).pairs() == pairs
+
+
+def test_score_lists_of_different_lengths_are_refused():
+    with pytest.raises(ValidationError, match="text_2: a list of text_1 pairs"):
+        ScoreRequest(model="m", text_1=["a", "b"], text_2=["c"])
