@@ -3,8 +3,8 @@ texts or token ids and returns one vector per input with the tokens they took; `
 (query, document) pairs and returns one relevance score per pair. Each admits the request as
 every job is admitted (`gateway.jobs.admit`: the model exists and is of the right kind, the
 caller may use it and is within its limits), makes sure a node serves the model, queues one job
-on the model's streams (`submit_embedding`, `submit_scoring`) and waits for its done event, which
-carries the result (`shared.wire.Pooled`: `embedded`, `scored`)."""
+on the model's streams and waits for its done event, which carries the result
+(`shared.wire.Pooled`). A batch line queues with `submit_embedding` and waits with `embedded`."""
 
 from dataclasses import dataclass
 
@@ -23,27 +23,32 @@ from shared.wire import DoneEvent, PoolingRequest
 class Embedded:
     vectors: list[np.ndarray]  # float32, one per input, in order
     prompt_tokens: int
-    forwards: int  # the forward passes its inputs took
 
 
 @dataclass
 class Scored:
     scores: list[float]  # one per pair, in order
     prompt_tokens: int
+    job: str  # the job's id (a response's id is made of it)
 
 
 async def embed(ctx: GatewayContext, caller: Caller, model: str, inputs: list[str | list[int]], *,
                 dimensions: int | None = None, truncate: bool = False) -> Embedded:
     """One vector per input (a text, or the model's own token ids); `dimensions`: keep that many
     leading ones (models trained for it: `matryoshka_dimensions`); `truncate`: cut inputs longer
-    than the model takes instead of refusing them."""
+    than the model takes instead of refusing them (OpenAI refuses them: its route leaves it off;
+    Ollama's `/api/embed` truncates by default)."""
     return await embedded(await submit_embedding(ctx, caller, model, inputs, dimensions=dimensions, truncate=truncate))
 
 
-async def score(ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str], *,
-                truncate: bool = False) -> Scored:
+async def score(ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str]) -> Scored:
     """The relevance of each document to its query (a cross-encoder's score of the pair)."""
-    return await scored(await submit_scoring(ctx, caller, model, queries, documents, truncate=truncate))
+    with span("admission"):
+        profile = await admit(ctx, model, "rerank", caller, "interactive")
+    request = PoolingRequest(job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries)
+    job = await _submit(ctx, caller, profile, request, "interactive")
+    done = await _done(job)
+    return Scored(list(done.pooled.scores), done.usage.prompt_tokens, job.id)
 
 
 async def submit_embedding(ctx: GatewayContext, caller: Caller, model: str, inputs: list[str | list[int]], *,
@@ -57,24 +62,9 @@ async def submit_embedding(ctx: GatewayContext, caller: Caller, model: str, inpu
     return await _submit(ctx, caller, profile, request, priority)
 
 
-async def submit_scoring(ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str], *,
-                         truncate: bool = False, priority: str = "interactive") -> Job:
-    with span("admission"):
-        profile = await admit(ctx, model, "rerank", caller, priority)
-    request = PoolingRequest(job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries,
-                             truncate=truncate)
-    return await _submit(ctx, caller, profile, request, priority)
-
-
 async def embedded(job: Job) -> Embedded:
     done = await _done(job)
-    return Embedded([np.frombuffer(v, dtype="<f4") for v in done.pooled.vectors], done.usage.prompt_tokens,
-                    done.pooled.forwards)
-
-
-async def scored(job: Job) -> Scored:
-    done = await _done(job)
-    return Scored(list(done.pooled.scores), done.usage.prompt_tokens)
+    return Embedded([np.frombuffer(v, dtype="<f4") for v in done.pooled.vectors], done.usage.prompt_tokens)
 
 
 def _check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:

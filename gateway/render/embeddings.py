@@ -22,18 +22,18 @@ def embedding_response(model: str, embedded: Embedded, encoding_format: str) -> 
     return CreateEmbeddingResponse(data=data, model=model, usage=Usage(prompt_tokens=tokens, total_tokens=tokens))
 
 
-def rerank_response(job: str, model: str, documents: list[str], scored: Scored, top_n: int | None,
+def rerank_response(model: str, documents: list[str], scored: Scored, top_n: int | None,
                     return_documents: bool) -> RerankResponse:
     """Documents by relevance, most relevant first (ties in their given order), the first `top_n`."""
     ranked = sorted(range(len(documents)), key=lambda i: -scored.scores[i])[:top_n]
     results = [RerankResult(index=i, relevance_score=scored.scores[i],
                             document=RerankDocument(text=documents[i]) if return_documents else None) for i in ranked]
-    return RerankResponse(id=f"rerank-{job}", model=model, results=results,
+    return RerankResponse(id=f"rerank-{scored.job}", model=model, results=results,
                           usage=RerankUsage(total_tokens=scored.prompt_tokens))
 
 
-def score_response(job: str, model: str, scored: Scored) -> ScoreResponse:
+def score_response(model: str, scored: Scored) -> ScoreResponse:
     data = [ScoreData(index=i, score=value) for i, value in enumerate(scored.scores)]
     tokens = scored.prompt_tokens
-    return ScoreResponse(id=f"score-{job}", created=int(time.time()), model=model, data=data,
+    return ScoreResponse(id=f"score-{scored.job}", created=int(time.time()), model=model, data=data,
                          usage=ScoreUsage(prompt_tokens=tokens, total_tokens=tokens))

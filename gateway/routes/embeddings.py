@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
-from gateway.pooling import embedded, submit_embedding
+from gateway.pooling import embed
 from gateway.protocol.embeddings import EmbeddingCreateParams
 from gateway.render.embeddings import embedding_response
 
@@ -15,6 +15,5 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
-    job = await submit_embedding(ctx, caller, body.model, body.inputs, dimensions=body.dimensions)
-    result = await unless_disconnected(request, embedded(job))
+    result = await unless_disconnected(request, embed(ctx, caller, body.model, body.inputs, dimensions=body.dimensions))
     return JSONResponse(embedding_response(body.model, result, body.encoding_format).model_dump(mode="json"))

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
-from gateway.pooling import scored, submit_scoring
+from gateway.pooling import score
 from gateway.protocol.rerank import RerankRequest, ScoreRequest
 from gateway.render.embeddings import rerank_response, score_response
 
@@ -18,14 +18,12 @@ router = APIRouter()
 @router.post("/rerank")
 async def rerank(body: RerankRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
     documents = body.texts
-    job = await submit_scoring(ctx, caller, body.model, [body.query] * len(documents), documents)
-    result = await unless_disconnected(request, scored(job))
-    response = rerank_response(job.id, body.model, documents, result, body.top_n, body.return_documents)
+    result = await unless_disconnected(request, score(ctx, caller, body.model, [body.query] * len(documents), documents))
+    response = rerank_response(body.model, documents, result, body.top_n, body.return_documents)
     return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
 
 @router.post("/v1/score")
-async def score(body: ScoreRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
-    job = await submit_scoring(ctx, caller, body.model, *body.pairs())
-    result = await unless_disconnected(request, scored(job))
-    return JSONResponse(score_response(job.id, body.model, result).model_dump(mode="json"))
+async def create_score(body: ScoreRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+    result = await unless_disconnected(request, score(ctx, caller, body.model, *body.pairs()))
+    return JSONResponse(score_response(body.model, result).model_dump(mode="json"))

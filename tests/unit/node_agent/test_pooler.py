@@ -11,6 +11,7 @@ from node_agent.model import pooling
 from node_agent.serving.pooling_inputs import encode
 from shared.catalog import ModelProfile
 from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.model_files import ModelLoadError
 from shared.wire import PoolingRequest
 from tests import tiny_poolers
 
@@ -113,3 +114,10 @@ def test_cancel_drops_a_jobs_waiting_inputs(folders):
     eng.add("b", encode(eng.lm, PoolingRequest(job="b", model="m", kind="embed", inputs=["sea"])), None, 0.0)
     eng.cancel("a")
     assert [d.job for d in eng.core_step().done] == ["b"] and not eng.has_work
+
+
+def test_a_rerank_model_needs_a_one_label_head(tmp_path):
+    folder = tiny_poolers.build_embedder(tmp_path / "two")  # reloaded as a classifier: a fresh two-label head
+    profile = ModelProfile(id="two", source=str(folder), kind="rerank", dtype="float32")
+    with pytest.raises(ModelLoadError, match="a rerank model needs a one-label head; it has 2"):
+        pooling.load(profile, "cpu")
