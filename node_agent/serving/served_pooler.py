@@ -93,7 +93,8 @@ class ServedPooler(ServedModel):
         return request.job, encoded, request.dimensions, float(entry.submitted_ms)
 
     async def _add(self, jobs: list[Queued]) -> None:
-        if jobs:
+        """Queue a read's jobs on the device thread, but those cancelled while they were tokenised."""
+        if jobs := [job for job in jobs if job[0] in self.running]:
             await self.device.call(_add_all, self.engine, jobs)
 
     def _on_step(self, out: PoolingStep) -> None:
