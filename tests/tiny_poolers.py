@@ -40,8 +40,8 @@ def _sentence_transformers_files(folder: Path, pooling: str, normalize: bool, di
 
 
 def build_embedder(folder: Path, pooling: str = "mean_tokens", normalize: bool = True, decoder: bool = False,
-                   seed: int = 0) -> Path:
-    """A random encoder (BERT) or decoder (Qwen3) with sentence-transformers' pooling files."""
+                   seed: int = 0, layers: int = 2) -> Path:
+    """A random encoder (BERT) or decoder (Qwen3) of `layers` layers with sentence-transformers' pooling files."""
     folder.mkdir(parents=True, exist_ok=True)
     if decoder:
         tokenizer = make_tokenizer()
@@ -50,7 +50,7 @@ def build_embedder(folder: Path, pooling: str = "mean_tokens", normalize: bool =
     else:
         tokenizer = wordpiece_tokenizer(folder)
         spec = _BERT | dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec | {"num_hidden_layers": layers})
     torch.manual_seed(seed)
     AutoModel.from_config(config, dtype=torch.float32).save_pretrained(folder)
     if decoder:  # as Qwen3-Embedding's config says: a causal LM used for its hidden states

@@ -26,7 +26,7 @@ from shared.model_files import ModelLoadError, locate
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken"}
 
 PoolingMode = Literal["mean", "cls", "lasttoken"]
@@ -89,7 +89,7 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None) -> Loa
         raise ModelLoadError(f"{profile.id}: embedding and rerank models load from safetensors, not GGUF")
     config = AutoConfig.from_pretrained(files.folder)
     is_decoder = any(name.endswith("ForCausalLM") for name in config.architectures or [])
-    dtype = _DTYPES[profile.dtype]
+    dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(device)  # "auto": as generation models run
     log.info("loading %s (%s) from %s as %s on %s", profile.id, profile.kind, files.folder, dtype, device)
     if profile.kind == "rerank":
         model = AutoModelForSequenceClassification.from_pretrained(files.folder, dtype=dtype)

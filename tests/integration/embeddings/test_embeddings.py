@@ -75,8 +75,8 @@ def test_wrong_kind_of_model_is_a_clear_400(openai_client):
 
 def test_models_list_the_kind(openai_client):
     kinds = {model.id: model.kind for model in openai_client.models.list().data}
-    assert kinds == {"embed": "embedding", "embedder": "embedding", "embed-last": "embedding", "rerank": "rerank",
-                     "chat": "generate"}
+    assert kinds == {"embed": "embedding", "embedder": "embedding", "embed-last": "embedding",
+                     "embed-slow": "embedding", "rerank": "rerank", "chat": "generate"}
 
 
 def _metric(url: str, name: str, model: str) -> float:
@@ -146,3 +146,16 @@ def test_batch_lines_of_embeddings(openai_client, pooler_dirs):
     error, = map(json.loads, openai_client.files.content(batch.error_file_id).text.splitlines())
     assert error["custom_id"] == "wrong-kind" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["code"] == "model_not_supported"
+
+
+def test_a_request_its_client_left_is_cancelled_on_the_node(openai_client, stack):
+    """Its waiting inputs leave the device thread: the model answers the next request at once, not
+    after what is left of the 2,048 passes (~10 ms each here, one 122-token input a pass) of the one
+    left after 1.5 s (queued on the device thread by then), and nothing is left in Redis (the
+    fixture checks)."""
+    leaving = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0, timeout=1.5)
+    with pytest.raises(openai.APITimeoutError):
+        leaving.embeddings.create(model="embed-slow", input=["the sea and the sky " * 24] * 2048)
+    started = time.monotonic()
+    assert len(openai_client.embeddings.create(model="embed-slow", input=TEXTS).data) == len(TEXTS)
+    assert time.monotonic() - started < 1.0
