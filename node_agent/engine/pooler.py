@@ -115,8 +115,7 @@ class PoolingEngine:
             state = self._jobs[job]
             state.forwards += 1
             state.admitted_ms = state.admitted_ms or started_ms
-        for n, (job, i) in enumerate(chosen):
-            self._store(self._jobs[job], i, out[n])
+        self._store(chosen, out)
         return PoolingStep(done=[self._done(self._jobs.pop(job)) for job in {job for job, _ in chosen}
                                  if self._jobs[job].left == 0])
 
@@ -136,13 +135,23 @@ class PoolingEngine:
         self._waiting = [item for item in self._waiting if item not in taken]
         return chosen
 
-    def _store(self, job: _Job, index: int, value) -> None:
+    def _store(self, chosen: list[tuple[str, int]], out) -> None:
+        """Each pooled row into its job's results: scores as they are; vectors finished (cut to the
+        job's dimensions, normalised) together for the rows that ask the same dimensions."""
         if self.lm.pooling is None:
-            job.results[index] = float(value)
+            values = out.tolist()
         else:
-            vector = pooling.finish(value[None], self.lm.pooling.normalize, job.dimensions)[0]
-            job.results[index] = vector.cpu().numpy().astype("<f4")
-        job.left -= 1
+            values = [None] * len(chosen)
+            by_dimensions: dict[int | None, list[int]] = {}
+            for n, (job, _) in enumerate(chosen):
+                by_dimensions.setdefault(self._jobs[job].dimensions, []).append(n)
+            for dimensions, rows in by_dimensions.items():
+                finished = pooling.finish(out[rows], self.lm.pooling.normalize, dimensions)
+                for n, vector in zip(rows, finished.cpu().numpy().astype("<f4")):
+                    values[n] = vector
+        for (job, i), value in zip(chosen, values):
+            self._jobs[job].results[i] = value
+            self._jobs[job].left -= 1
 
     def _done(self, job: _Job) -> PooledJob:
         now_ms = time.time() * 1000

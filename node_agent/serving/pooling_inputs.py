@@ -51,6 +51,8 @@ def _checked_ids(ids: list[int], vocab: int, index: int) -> list[int]:
 
 
 def _check_length(tokens: int, max_len: int, index: int, param: str = "input") -> None:
+    if tokens == 0:
+        raise InvalidRequest(f"input {index} has no tokens for this model", param=param)
     if tokens > max_len:
         raise ContextLengthExceeded(f"input {index} has {tokens} tokens; this model takes at most {max_len}. Shorten "
                                     "it, or ask for truncation", param=param)

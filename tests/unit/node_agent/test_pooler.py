@@ -121,3 +121,19 @@ def test_a_rerank_model_needs_a_one_label_head(tmp_path):
     profile = ModelProfile(id="two", source=str(folder), kind="rerank", dtype="float32")
     with pytest.raises(ModelLoadError, match="a rerank model needs a one-label head; it has 2"):
         pooling.load(profile, "cpu")
+
+
+def test_an_input_without_tokens_is_refused_before_the_device(folders):
+    eng = engine(folders["last"])  # the byte-level tokenizer adds no special tokens: "" is no token at all
+    with pytest.raises(InvalidRequest, match="input 1 has no tokens for this model"):
+        encode(eng.lm, PoolingRequest(job="j", model="m", kind="embed", inputs=["sea", ""]))
+
+
+def test_jobs_asking_different_dimensions_share_a_pass(folders):
+    eng = engine(folders["mean"])
+    eng.add("full", encode(eng.lm, PoolingRequest(job="full", model="m", kind="embed", inputs=TEXTS[:2])), None, 0.0)
+    eng.add("cut", encode(eng.lm, PoolingRequest(job="cut", model="m", kind="embed", inputs=TEXTS[:2])), 8, 0.0)
+    done = {d.job: vectors(d.pooled) for d in eng.core_step().done}
+    assert eng.forwards == 1 and done["full"].shape == (2, 64) and done["cut"].shape == (2, 8)
+    np.testing.assert_allclose(done["cut"], done["full"][:, :8] / np.linalg.norm(done["full"][:, :8], axis=1,
+                                                                                  keepdims=True), atol=1e-6)
