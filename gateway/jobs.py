@@ -36,7 +36,8 @@ from shared import event_log, prefix_marks, queues
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, InvalidRequest, Timeout, WrongModelKind, error_from_code
 from shared.redis_conn import broker_error, publish
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PoolingRequest, StartEvent, StreamEntry, pack
+from shared.wire import (DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PoolingRequest, StartEvent, StreamEntry,
+                         pack)
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest | PoolingReques
         kind=request.kind,
         model=request.model,
         priority=priority,
-        max_tokens=request.sampling.max_tokens or 0 if generation else 0,
+        max_tokens=(request.sampling.max_tokens or 0) if generation else 0,
         submitted_ms=int(time.time() * 1000),
         reply=channel,
         request_id=request_id_var.get(),
@@ -288,8 +289,11 @@ class ApiRequest(Protocol):
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
-_KINDS = {"generate": ("a chat model", "chat, completions and messages"),  # profile kind -> (what it is, what it serves)
-          "embedding": ("an embedding model", "/v1/embeddings"), "rerank": ("a rerank model", "/v1/rerank and /v1/score")}
+_KINDS = {  # a profile's kind -> (what the model is, what it serves)
+    "generate": ("a chat model", "chat, completions and messages"),
+    "embedding": ("an embedding model", "/v1/embeddings"),
+    "rerank": ("a rerank model", "/v1/rerank and /v1/score"),
+}
 
 
 async def admit(ctx: GatewayContext, model: str, kind: str, caller: Caller, priority: str) -> ModelProfile:
@@ -310,9 +314,10 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
                          resumable: Resumable | None = None) -> Job:
     """The one way from an API request (a route's, or a batch line's) to a generation job: admit it
     (`admit`: the model exists and generates, the key may use it and is within its limits), build
-    the generation request with its grammar (forced tool calls, JSON output) in the model's tool format and its
-    images checked and carried in the job (400 for a bad one, or any for a text-only model), make
-    sure a live node serves or loads the model (503 when none can), and submit. The job carries
+    the generation request with its grammar (forced tool calls, JSON output) in the model's tool
+    format and its images checked and carried in the job (400 for a bad one, or any for a
+    text-only model), make sure a live node serves or loads the model (503 when none can), and
+    submit. The job carries
     the tool-call parsers its response is rendered with (seeded by its id, so a resumed stream
     names the same calls); a `resumable` one keeps its events for clients that resume it."""
     with span("admission"):
