@@ -56,7 +56,7 @@ async def submit_embedding(ctx: GatewayContext, caller: Caller, model: str, inpu
                            priority: str = "interactive") -> Job:
     with span("admission"):
         profile = await admit(ctx, model, "embedding", caller, priority)
-        _check_dimensions(profile, dimensions)
+        check_dimensions(profile, dimensions)
     request = PoolingRequest(job=new_job_id(), model=profile.id, kind="embed", inputs=inputs, dimensions=dimensions,
                              truncate=truncate)
     return await _submit(ctx, caller, profile, request, priority)
@@ -67,7 +67,8 @@ async def embedded(job: Job) -> Embedded:
     return Embedded([np.frombuffer(v, dtype="<f4") for v in done.pooled.vectors], done.usage.prompt_tokens)
 
 
-def _check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:
+def check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:
+    """A 400 unless the model was trained for `dimensions` (the node checks it is within the full size)."""
     allowed = profile.matryoshka_dimensions
     if dimensions is None or allowed == [] or (allowed and dimensions in allowed):
         return

@@ -4,8 +4,11 @@ list of inputs; what it does not allow is refused before any job is queued."""
 import pytest
 from pydantic import ValidationError
 
+from gateway.pooling import check_dimensions
 from gateway.protocol.embeddings import EmbeddingCreateParams
 from gateway.protocol.rerank import RerankRequest, ScoreRequest
+from shared.catalog import ModelProfile
+from shared.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("given,inputs", [
@@ -51,3 +54,20 @@ def test_score_pairs_text_1_with_text_2(text_1, text_2, pairs):
 def test_score_lists_of_different_lengths_are_refused():
     with pytest.raises(ValidationError, match="text_2: a list of text_1 pairs"):
         ScoreRequest(model="m", text_1=["a", "b"], text_2=["c"])
+
+
+@pytest.mark.parametrize("trained,dimensions,refusal", [
+    (None, None, None),
+    (None, 64, "was not trained for truncated embeddings"),
+    ([], 17, None),  # any size (the node checks it is within the vector)
+    ([64, 128], 128, None),
+    ([64, 128], 100, "takes dimensions of 64, 128; got 100"),
+])
+def test_dimensions_only_for_models_trained_for_them(trained, dimensions, refusal):
+    profile = ModelProfile(id="e", source="x", kind="embedding", matryoshka_dimensions=trained)
+    if refusal is None:
+        check_dimensions(profile, dimensions)
+    else:
+        with pytest.raises(InvalidRequest, match=refusal) as refused:
+            check_dimensions(profile, dimensions)
+        assert refused.value.param == "dimensions"
