@@ -3,7 +3,10 @@ batch sizes 1, 32 and 256 (`--concurrency`), in inputs per second. One client se
 of that many inputs at a time, again and again, for a few seconds; every system embeds the same
 texts (sentences of 8-60 tokens):
 
-  engine                 Cortex's pooling engine in-process: tokenise, add, step until done
+  engine                 Cortex's pooling engine in-process: tokenise, add, step until done; its
+                         passes packed into one row (no padding), as a CPU node runs them
+  engine-padded          the same with passes padded to their longest input (sorted by length),
+                         as a GPU node runs them
   gateway                Cortex end to end: POST /v1/embeddings (base64, the OpenAI SDK's
                          default) through the gateway, Redis and one node agent
   sentence-transformers  `SentenceTransformer.encode(texts, batch_size=B)` on the same folder, in a
@@ -56,7 +59,7 @@ def rate(embed: Callable[[list[str]], int], batch: int) -> float:
     return done / elapsed
 
 
-def engine_rates(sizes: list[int]) -> dict[int, float]:
+def engine_rates(sizes: list[int], pack: bool) -> dict[int, float]:
     from node_agent.engine.pooler import PoolingEngine
     from node_agent.model import pooling
     from node_agent.serving.pooling_inputs import encode
@@ -64,7 +67,8 @@ def engine_rates(sizes: list[int]) -> dict[int, float]:
     from shared.wire import PoolingRequest
 
     profile = Catalog.load(None).resolve(MODEL)
-    engine = PoolingEngine(pooling.load(profile, "cpu"), profile)
+    engine = PoolingEngine(pooling.load(profile, "cpu"), profile, pack=pack)
+    assert engine.packed == pack
 
     def embed(batch: list[str]) -> int:
         request = PoolingRequest(job="j", model=MODEL, kind="embed", inputs=batch)
@@ -138,7 +142,8 @@ def run(args, workdir: Path) -> int:
         "threads in-process")
     results: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
-    results["engine"] = engine_rates(sizes)
+    results["engine"] = engine_rates(sizes, pack=True)
+    results["engine-padded"] = engine_rates(sizes, pack=False)
     results["gateway"] = gateway_rates(sizes, workdir)
     st = sentence_transformers_rates(sizes)
     if isinstance(st, str):

@@ -3,16 +3,19 @@ queue, and each `core_step()` runs one forward pass over as many of them as fit
 `pooling_batch_tokens` (padding included), so inputs of many jobs share a pass and a long job
 shares the device with the other models' steps between its passes.
 
-A step takes the waiting inputs in arrival order up to that budget, sorts them by length and
-runs the longest ones that fit: rows of a pass differ little in length, so little of it is
-padding. A job is done when its last input is pooled; its result leaves as a `Pooled` record."""
+On a CPU, an embedding model that allows it (node_agent/model/packed_pooling.py) runs its passes
+packed: the waiting inputs in arrival order, up to the budget, one after another in one row, no
+padding at all. Otherwise a step takes the waiting inputs in arrival order up to that budget,
+sorts them by length and runs the longest ones that fit, padded to the longest: rows of a pass
+differ little in length, so little of it is padding. A job is done when its last input is pooled;
+its result leaves as a `Pooled` record."""
 
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from node_agent.model import pooling
+from node_agent.model import packed_pooling, pooling
 from node_agent.model.pooling import LoadedPooler
 from shared.catalog import ModelProfile
 from shared.memory import pooling_pass_bytes
@@ -61,9 +64,12 @@ class PoolingStep:
 
 
 class PoolingEngine:
-    def __init__(self, loaded: LoadedPooler, profile: ModelProfile):
+    def __init__(self, loaded: LoadedPooler, profile: ModelProfile, pack: bool = True):
+        """`pack`: run passes packed where the model allows it (False: padded, as the in-process
+        benchmark compares)."""
         self.lm, self.profile = loaded, profile
         self.budget = profile.pooling_batch_tokens
+        self.packed = pack and packed_pooling.enable(loaded)
         self.forwards = 0  # passes run since load
         self._jobs: dict[str, _Job] = {}
         self._waiting: list[tuple[str, int]] = []  # (job, input index), in arrival order
@@ -109,7 +115,7 @@ class PoolingEngine:
         pairs = [self._jobs[job].encoded.type_ids for job, _ in chosen]
         type_ids = [segments[i] for segments, (_, i) in zip(pairs, chosen)] if pairs[0] is not None else None
         started_ms = time.time() * 1000
-        out = pooling.forward(self.lm, rows, type_ids)
+        out = packed_pooling.forward(self.lm, rows) if self.packed else pooling.forward(self.lm, rows, type_ids)
         self.forwards += 1
         for job in {job for job, _ in chosen}:
             state = self._jobs[job]
@@ -120,20 +126,31 @@ class PoolingEngine:
                                  if self._jobs[job].left == 0])
 
     def _next_pass(self) -> list[tuple[str, int]]:
-        """The inputs of the next pass: of those waiting longest, up to the budget, the longest that
-        fit it padded; they leave the queue."""
-        window, tokens = [], 0
-        for job, i in self._waiting:
-            if tokens >= self.budget:
-                break
-            window.append((job, i))
-            tokens += len(self._jobs[job].encoded.rows[i])
-        window.sort(key=lambda item: -len(self._jobs[item[0]].encoded.rows[item[1]]))
-        width = len(self._jobs[window[0][0]].encoded.rows[window[0][1]])
-        chosen = window[:max(1, self.budget // max(width, 1))]
+        """The inputs of the next pass, which leave the queue: packed, those waiting longest that fit
+        the budget; padded, of those waiting longest up to the budget, the longest that fit it padded."""
+        chosen = self._window()
+        if not self.packed:
+            chosen.sort(key=lambda item: -self._length(item))
+            chosen = chosen[:max(1, self.budget // self._length(chosen[0]))]
         taken = set(chosen)
         self._waiting = [item for item in self._waiting if item not in taken]
         return chosen
+
+    def _window(self) -> list[tuple[str, int]]:
+        """The inputs waiting longest (one at least): packed, as many as fit the budget; padded, up to
+        the first that reaches it."""
+        window, tokens = [], 0
+        for item in self._waiting:
+            length = self._length(item)
+            if window and (tokens + length > self.budget if self.packed else tokens >= self.budget):
+                break
+            window.append(item)
+            tokens += length
+        return window
+
+    def _length(self, item: tuple[str, int]) -> int:
+        job, i = item
+        return len(self._jobs[job].encoded.rows[i])
 
     def _store(self, chosen: list[tuple[str, int]], out) -> None:
         """Each pooled row into its job's results: scores as they are; vectors finished (cut to the

@@ -50,6 +50,8 @@ class ServedPooler(ServedModel):
         self.engine = await self.device.call(_start, self.profile, self.devices[0], self.settings)
         await self.device.attach(self.engine, self._on_step, self.on_failure)
         self.reserved_mb = self.memory_mb
+        log.info("%s: forward passes of up to %d tokens, %s", self.profile.id, self.engine.budget,
+                 "packed (no padding)" if self.engine.packed else "padded to each pass's longest input")
 
     @property
     def memory_mb(self) -> int:

@@ -30,9 +30,9 @@ def folders(tmp_path_factory):
     }
 
 
-def engine(folder, kind: str = "embedding", **profile) -> PoolingEngine:
+def engine(folder, kind: str = "embedding", pack: bool = True, **profile) -> PoolingEngine:
     prof = ModelProfile(**dict(id=folder.name, source=str(folder), kind=kind, dtype="float32", max_model_len=64) | profile)
-    return PoolingEngine(pooling.load(prof, "cpu"), prof)
+    return PoolingEngine(pooling.load(prof, "cpu"), prof, pack=pack)
 
 
 def run(eng: PoolingEngine, request: PoolingRequest):
@@ -48,25 +48,31 @@ def vectors(pooled) -> np.ndarray:
     return np.stack([np.frombuffer(v, dtype="<f4") for v in pooled.vectors])
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("mode,normalize", [("mean", True), ("cls", False), ("last", True)])
-def test_vectors_equal_one_input_at_a_time(folders, mode, normalize):
-    eng = engine(folders[mode], pooling_batch_tokens=64)  # several passes, each padded to its longest row
+def test_vectors_equal_one_input_at_a_time(folders, mode, normalize, pack):
+    eng = engine(folders[mode], pack=pack, pooling_batch_tokens=24)  # several passes
+    assert eng.packed == pack  # BERT and Qwen3 both pack on a CPU
     done = run(eng, PoolingRequest(job="j", model="m", kind="embed", inputs=TEXTS))
     got = vectors(done.pooled)
     np.testing.assert_allclose(got, tiny_poolers.reference_vectors(folders[mode], TEXTS, mode, normalize), atol=1e-5)
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    assert 1 < done.pooled.forwards == eng.forwards < len(TEXTS)
+    assert 1 < done.pooled.forwards == eng.forwards <= len(TEXTS)
     assert done.prompt_tokens == sum(len(AutoTokenizer.from_pretrained(folders[mode])(t)["input_ids"]) for t in TEXTS)
 
 
 def test_many_inputs_take_few_passes(folders):
-    inputs = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(256)]  # up to 41 tokens each
+    inputs = [f"{TEXTS[i % len(TEXTS)]} {i}" for i in range(256)]  # 3,102 tokens, up to 41 an input
     request = PoolingRequest(job="j", model="m", kind="embed", inputs=inputs)
-    done = run(engine(folders["mean"], pooling_batch_tokens=256 * 41), request)
-    assert done.pooled.forwards == 1 and len(done.pooled.vectors) == 256
-    # under the default budget of 8,192 tokens: the longest rows first, padded to their own length
-    assert run(engine(folders["mean"]), request).pooled.forwards == 2
+    packed = run(engine(folders["mean"]), request)  # the default budget of 8,192 tokens
+    assert packed.pooled.forwards == 1 and len(packed.pooled.vectors) == 256
+    some = [0, 4, 100, 254, 255]  # in a packed row far longer than the model's 128 positions
+    np.testing.assert_allclose(vectors(packed.pooled)[some],
+                               tiny_poolers.reference_vectors(folders["mean"], [inputs[i] for i in some]), atol=1e-5)
+    # padded: the longest rows first, each pass padded to its longest
+    assert run(engine(folders["mean"], pack=False), request).pooled.forwards == 2
+    assert run(engine(folders["mean"], pack=False, pooling_batch_tokens=256 * 41), request).pooled.forwards == 1
 
 
 def test_token_ids_are_the_models_own(folders):

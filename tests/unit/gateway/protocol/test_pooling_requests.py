@@ -1,5 +1,6 @@
 """The embeddings, rerank and score request types: every shape of `input` OpenAI allows becomes a
-list of inputs; what it does not allow is refused before any job is queued."""
+list of inputs; what it does not allow is refused before any job is queued, and so is
+`dimensions` for a model not trained for it."""
 
 import pytest
 from pydantic import ValidationError
