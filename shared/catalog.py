@@ -71,8 +71,8 @@ class ModelProfile(BaseModel):
     # An image-text-to-text model (Qwen2.5-VL, SmolVLM …) that reads images in messages; the gateway
     # refuses image input for every other model, and a node refuses to load a text-only model as one.
     vision: bool = False
-    # Embedding and rerank models: the most tokens (padding included) one forward pass takes; a
-    # request's inputs, sorted by length, go through in as few passes as fit.
+    # Embedding and rerank models: the most tokens (padding included) one forward pass takes; the
+    # waiting inputs go through in as few passes as fit (packed on a CPU, else sorted by length).
     pooling_batch_tokens: int = Field(8192, ge=16)
     # An embedding model trained for truncation (Matryoshka): the sizes a request's `dimensions` may
     # ask for ([]: any up to the full size); None: not trained for it, and `dimensions` is refused.
