@@ -1,8 +1,8 @@
 """Every error the gateway returns, mapped in one place: typed `CortexError`s carry their own
 status; request validation → 400 naming the field; malformed JSON → 400; unknown routes → 404;
 Redis down or refusing writes → 503 naming the cause. Routes under `/v1/messages` answer in Anthropic's shape
-`{"type": "error", "error": {"type", "message"}}`; all others in OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`."""
+`{"type": "error", "error": {"type", "message"}}`; Ollama's under `/api/` in its shape `{"error": "..."}`;
+all others in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`."""
 
 import logging
 from typing import Any
@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from gateway.auth import caller_var
-from gateway.protocol import anthropic
+from gateway.protocol import anthropic, ollama
 from gateway.protocol.openai import Error, ErrorResponse
 from gateway.request_id import request_id_var
 from shared.errors import CortexError, InvalidRequest, RequestTooLarge
@@ -51,10 +51,23 @@ def is_anthropic(request: Request | None) -> bool:
     return request is not None and request.url.path.startswith(ANTHROPIC_PATHS)
 
 
+OLLAMA_PATHS = "/api/"
+
+
+def ollama_error_body(exc: CortexError) -> dict[str, Any]:
+    return ollama.ErrorResponse(error=exc.message).model_dump()
+
+
+def is_ollama(request: Request | None) -> bool:
+    return request is not None and request.url.path.startswith(OLLAMA_PATHS)
+
+
 def error_response(exc: CortexError, request: Request | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     """The error in the dialect of `request`'s path, with the error's own headers (`Retry-After`)."""
     if is_anthropic(request):
         body, status = anthropic_error_body(exc), anthropic_status(exc)
+    elif is_ollama(request):
+        body, status = ollama_error_body(exc), exc.status
     else:
         body, status = error_body(exc), exc.status
     _log_refusal(request, status, exc.message)
@@ -121,7 +134,7 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed", 413: RequestTooLarge.code}.get(exc.status_code, f"http_{exc.status_code}")
     message = f"{exc.detail}: {request.method} {request.url.path}"
-    if is_anthropic(request):
+    if is_anthropic(request) or is_ollama(request):
         error = CortexError(message)
         error.status = exc.status_code
         return error_response(error, request, exc.headers)

@@ -24,17 +24,14 @@ import time
 from redis.exceptions import LockError, RedisError, ResponseError
 
 from gateway import background
-from shared import event_log, queues
-from shared.errors import ModelUnavailable, NodeLost
+from shared import queues, recovery
+from shared.errors import ModelUnavailable
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import CONSUMER_GROUP
-from shared.redis_conn import Outage, atomic, publish
-from shared.wire import ErrorEvent, pack_event
+from shared.redis_conn import Outage, atomic
+from shared.wire import ErrorEvent
 
 log = logging.getLogger(__name__)
-
-MAX_DELIVERIES = 2  # a job is tried at most this often
-
 
 class Janitor:
     def __init__(self, ctx):
@@ -82,11 +79,7 @@ class Janitor:
         await background.settle_ended(self.ctx)
 
     def _fail(self, pipe, fields: dict[bytes, bytes], error: ErrorEvent) -> None:
-        """Queue on `pipe` the job's end with `error`: in its log (if any), then to its listeners."""
-        packed = pack_event(error)
-        if job := fields.get(b"job", b"").decode():
-            event_log.append(pipe, self.ctx.keys.event_log(job), [packed], self.ctx.settings.stream_retention_s)
-        publish(pipe, fields[b"reply"], packed, sharded=self.ctx.keys.cluster)
+        recovery.fail_job(pipe, self.ctx.keys, fields, error, self.ctx.settings.stream_retention_s)
 
     async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
         """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
@@ -99,11 +92,8 @@ class Janitor:
             name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
             if name in live:
                 continue
-            started = await self.ctx.redis.smembers(self.ctx.keys.started(name))
-            for pending in await self.ctx.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+",
-                                                               count=1000, consumername=name):
-                await self._recover(stream, pending["message_id"], name, started)
-            await self.ctx.redis.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
+            await recovery.recover_consumer(self.ctx.redis, self.ctx.keys, stream, name,
+                                            self.ctx.settings.stream_retention_s)
             dead.add(name)
             log.info("removed dead consumer %s from %s", name, stream)
         return dead
@@ -119,31 +109,6 @@ class Janitor:
         if moved:
             await self.ctx.redis.hincrby(self.ctx.keys.routing(name.model), "moved", moved)
             log.info("moved %d jobs from %s (%s)", moved, stream, "waited too long" if serving else "node gone")
-
-    async def _recover(self, stream: str, entry_id: bytes, node: str, started: set[bytes]) -> None:
-        entries = await self.ctx.redis.xrange(stream, entry_id, entry_id)
-        if not entries:
-            await self.ctx.redis.xack(stream, CONSUMER_GROUP, entry_id)
-            return
-        fields = entries[0][1]
-        retries = int(fields.get(b"retries", b"0"))
-        job = fields.get(b"job", b"?").decode()
-        async with atomic(self.ctx.redis) as pipe:
-            if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
-                error = NodeLost(f"node {node} was lost while it ran job {job}")
-                self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
-                log.warning("job=%s failed: node %s lost", job, node)
-            else:
-                name = queues.parse(self.ctx.keys, stream)
-                again = stream
-                if name is not None and name.node is not None:  # a node's own stream: to every node
-                    again = self.ctx.keys.moved_jobs(name.model, name.job_class, name.band)
-                    pipe.hincrby(self.ctx.keys.routing(name.model), "moved", 1)
-                pipe.xadd(again, {**fields, b"retries": str(retries + 1).encode()})
-                log.warning("job=%s requeued: node %s lost", job, node)
-            pipe.xack(stream, CONSUMER_GROUP, entry_id)
-            pipe.xdel(stream, entry_id)
-            await pipe.execute()
 
     async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat]) -> None:
         """`nodes`: the live nodes as this sweep read them (once for every model: a fleet of 100 nodes

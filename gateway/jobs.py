@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import anyio
 from redis.exceptions import RedisError
 
+from gateway import job_queue
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
@@ -176,8 +177,9 @@ class Job:
             if not self.finished:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
                          self.caller.name)
-                try:
-                    await publish(self._ctx.redis, self._ctx.keys.cancel(), self.id)
+                try:  # still queued: withdrawn, so no node runs it for nobody; else cancelled where it runs
+                    if not (self.entry_id and await job_queue.withdraw(self._ctx, self.stream, self.entry_id)):
+                        await publish(self._ctx.redis, self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
             self._ctx.routing.ended(self.id)
@@ -312,6 +314,12 @@ async def admit(ctx: GatewayContext, model: str, kind: str, caller: Caller, prio
 
 async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
                          resumable: Resumable | None = None) -> Job:
+    """`admit_and_submit`, waiting out a short Redis outage (gateway/outage.py)."""
+    return await ctx.outage.through(lambda: admit_and_submit(ctx, body, caller, priority=priority, resumable=resumable))
+
+
+async def admit_and_submit(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
+                           resumable: Resumable | None = None) -> Job:
     """The one way from an API request (a route's, or a batch line's) to a generation job: admit it
     (`admit`: the model exists and generates, the key may use it and is within its limits), build
     the generation request with its grammar (forced tool calls, JSON output) in the model's tool
@@ -324,6 +332,8 @@ async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, 
         profile = await admit(ctx, body.model, "generate", caller, priority)
         tool_format = parser_name(profile)
         request = body.to_generation_request(new_job_id(), profile.id)
+        request.cache_salt = prefix_marks.salt(ctx.settings.prefix_cache_scope, caller.name if caller.key else None,
+                                               getattr(body, "cache_salt", None))
         request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
         await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
         ctx.routing.prepare(request)

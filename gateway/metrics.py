@@ -45,6 +45,9 @@ class Metrics:
         self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs, per API key.", ["key"])
         self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs, per API key.",
                                        ["key"])
+        self.per_key = frozenset(family.name for metric in (self.key_requests, self.key_rejections,
+                                                            self.key_prompt_tokens, self.key_completion_tokens)
+                                 for family in metric.describe())
         g = lambda name, doc, labels: Gauge(f"cortex:{name}", doc, labels, registry=self.registry)
         self.running = g("requests_running", "Jobs read by a node and not finished.", ["model"])
         self.waiting = g("requests_waiting", "Jobs queued and not yet read by any node.", ["model"])

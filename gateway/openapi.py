@@ -1,7 +1,7 @@
 """The OpenAPI document as the gateway really answers: request validation fails with 400 (not
 FastAPI's 422), every error comes in its dialect's shape (`gateway/errors.py`), and the
-generation, embedding and rerank routes declare the objects they return (or an SSE stream, when
-asked to stream)."""
+generation, embedding and rerank routes declare the objects they return (or a stream, when asked
+to stream: SSE, and NDJSON lines for Ollama's)."""
 
 from typing import Any
 
@@ -9,8 +9,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.errors import ANTHROPIC_PATHS
-from gateway.protocol import anthropic, embeddings, openai, rerank
+from gateway import ndjson, sse
+from gateway.errors import ANTHROPIC_PATHS, OLLAMA_PATHS
+from gateway.protocol import anthropic, embeddings, ollama, openai, rerank
 
 SUCCESS: dict[str, type[BaseModel]] = {  # POST path → what a non-streamed answer is
     "/v1/chat/completions": openai.ChatCompletion,
@@ -21,10 +22,24 @@ SUCCESS: dict[str, type[BaseModel]] = {  # POST path → what a non-streamed ans
     "/v1/score": rerank.ScoreResponse,
     "/v1/messages": anthropic.Message,
     "/v1/messages/count_tokens": anthropic.MessageTokensCount,
+    "/api/chat": ollama.ChatResponse,
+    "/api/generate": ollama.GenerateResponse,
 }
-STREAMED = {"/v1/chat/completions", "/v1/completions", "/v1/messages"}
 SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
              "required": ["data"]}
+NDJSON_LINE = {"type": "string"}
+STREAMED = {  # path → how its stream is framed
+    "/v1/chat/completions": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
+    "/v1/completions": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
+    "/v1/messages": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
+    "/api/chat": {ndjson.MEDIA_TYPE: {"schema": NDJSON_LINE}},
+    "/api/generate": {ndjson.MEDIA_TYPE: {"schema": NDJSON_LINE}},
+}
+
+
+def dialect(path: str) -> str:
+    """The prefix of the dialect a path answers in (its error shape's and objects' names)."""
+    return "Anthropic." if path.startswith(ANTHROPIC_PATHS) else "Ollama." if path.startswith(OLLAMA_PATHS) else "OpenAI."
 
 
 def _component(components: dict[str, Any], model: type[BaseModel], prefix: str) -> dict[str, str]:
@@ -43,9 +58,10 @@ def document(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = doc.setdefault("components", {}).setdefault("schemas", {})
     errors = {"OpenAI.": _component(components, openai.ErrorResponse, "OpenAI."),
-              "Anthropic.": _component(components, anthropic.ErrorResponse, "Anthropic.")}
+              "Anthropic.": _component(components, anthropic.ErrorResponse, "Anthropic."),
+              "Ollama.": _component(components, ollama.ErrorResponse, "Ollama.")}
     for path, operations in doc["paths"].items():
-        prefix = "Anthropic." if path.startswith(ANTHROPIC_PATHS) else "OpenAI."
+        prefix = dialect(path)
         error = {"description": "An error, in the dialect's shape", "content": {"application/json": {"schema": errors[prefix]}}}
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
@@ -53,9 +69,8 @@ def document(app: FastAPI) -> dict[str, Any]:
             responses.update({"4XX": error, "5XX": error})
             if method == "post" and path in SUCCESS:
                 content = {"application/json": {"schema": _component(components, SUCCESS[path], prefix)}}
-                if path in STREAMED:
-                    content["text/event-stream"] = {"schema": SSE_EVENT}
-                responses["200"] = {"description": "The answer (server-sent events when streamed)", "content": content}
+                content |= STREAMED.get(path, {})
+                responses["200"] = {"description": "The answer (a stream when asked for one)", "content": content}
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
     app.openapi_schema = doc

@@ -2,9 +2,9 @@
 texts or token ids and returns one vector per input with the tokens they took; `score` takes
 (query, document) pairs and returns one relevance score per pair. Each admits the request as
 every job is admitted (`gateway.jobs.admit`: the model exists and is of the right kind, the
-caller may use it and is within its limits), makes sure a node serves the model, queues one job
-on the model's streams and waits for its done event, which carries the result
-(`shared.wire.Pooled`). A batch line queues with `submit_embedding` and waits with `embedded`."""
+caller may use it and is within its limits), makes sure a node serves the model and queues one job
+on the model's streams (waiting out a short Redis outage, as every request does: gateway/outage.py),
+then waits for its done event, which carries the result (`shared.wire.Pooled`). A batch line queues with `submit_embedding` and waits with `embedded`."""
 
 from dataclasses import dataclass
 
@@ -43,10 +43,12 @@ async def embed(ctx: GatewayContext, caller: Caller, model: str, inputs: list[st
 
 async def score(ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str]) -> Scored:
     """The relevance of each document to its query (a cross-encoder's score of the pair)."""
-    with span("admission"):
-        profile = await admit(ctx, model, "rerank", caller, "interactive")
-    request = PoolingRequest(job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries)
-    job = await _submit(ctx, caller, profile, request, "interactive")
+    async def admitted() -> Job:
+        with span("admission"):
+            profile = await admit(ctx, model, "rerank", caller, "interactive")
+        request = PoolingRequest(job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries)
+        return await _placed_and_submitted(ctx, caller, profile, request, "interactive")
+    job = await ctx.outage.through(admitted)
     done = await _done(job)
     return Scored(list(done.pooled.scores), done.usage.prompt_tokens, job.id)
 
@@ -54,12 +56,14 @@ async def score(ctx: GatewayContext, caller: Caller, model: str, queries: list[s
 async def submit_embedding(ctx: GatewayContext, caller: Caller, model: str, inputs: list[str | list[int]], *,
                            dimensions: int | None = None, truncate: bool = False,
                            priority: str = "interactive") -> Job:
-    with span("admission"):
-        profile = await admit(ctx, model, "embedding", caller, priority)
-        check_dimensions(profile, dimensions)
-    request = PoolingRequest(job=new_job_id(), model=profile.id, kind="embed", inputs=inputs, dimensions=dimensions,
-                             truncate=truncate)
-    return await _submit(ctx, caller, profile, request, priority)
+    async def admitted() -> Job:
+        with span("admission"):
+            profile = await admit(ctx, model, "embedding", caller, priority)
+            check_dimensions(profile, dimensions)
+        request = PoolingRequest(job=new_job_id(), model=profile.id, kind="embed", inputs=inputs,
+                                 dimensions=dimensions, truncate=truncate)
+        return await _placed_and_submitted(ctx, caller, profile, request, priority)
+    return await ctx.outage.through(admitted)
 
 
 async def embedded(job: Job) -> Embedded:
@@ -79,8 +83,8 @@ def check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:
     raise InvalidRequest(message, param="dimensions")
 
 
-async def _submit(ctx: GatewayContext, caller: Caller, profile: ModelProfile, request: PoolingRequest,
-                  priority: str) -> Job:
+async def _placed_and_submitted(ctx: GatewayContext, caller: Caller, profile: ModelProfile, request: PoolingRequest,
+                                priority: str) -> Job:
     with span("placement"):
         await ctx.placer.ensure_placed(profile)
     return await submit(ctx, request, caller, priority=priority)

@@ -24,3 +24,8 @@ def data(payload: BaseModel | dict[str, Any], id: int | None = None) -> bytes:
 def event(name: str, payload: BaseModel | dict[str, Any], id: int | None = None) -> bytes:
     """One named SSE frame, as Anthropic streams: `event: {name}\ndata: {json}\n\n`."""
     return b"event: " + name.encode() + b"\n" + data(payload, id)
+
+
+def queued(place: int) -> bytes:
+    """The comment a stream carries while its job waits in the queue (clients ignore comments)."""
+    return f": queued position={place}\n\n".encode()

@@ -15,12 +15,13 @@ from typing import TypeVar
 import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import queue, sse
+from gateway import job_queue, sse
 from gateway.disconnect import ClientDisconnected, unless_disconnected
 from gateway.errors import error_body
+from gateway.gather import Gathered, gather_choices
 from gateway.jobs import Job
 from shared.errors import CortexError
 
@@ -32,23 +33,38 @@ Frames = Callable[[Job, AsyncIterator[BaseModel]], AsyncIterator[bytes]]
 
 
 async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel],
-                     frames: Frames | None = None, headers: dict[str, str] | None = None) -> StreamingResponse:
+                     frames: Frames | None = None, headers: dict[str, str] | None = None, *,
+                     media_type: str = sse.MEDIA_TYPE,
+                     queue_notice: Callable[[int], bytes] | None = sse.queued) -> StreamingResponse:
     """Wait for the job's first event (errors before it are plain HTTP errors), then stream
     `chunks` (rendered from `job.events()`) as SSE frames: by default OpenAI's, ending with
-    `data: [DONE]`; `frames` frames them another way (Anthropic's named events). `headers` go
+    `data: [DONE]`; `frames` frames them another way (Anthropic's named events, Ollama's NDJSON
+    lines, with their `media_type`). A job still queued starts the response at once, with a
+    `queue_notice` of its place as it changes (None: nothing until its first token). `headers` go
     out with the response."""
     make = frames or _frames
     first = asyncio.ensure_future(job.first_event())
     try:
-        place = await unless_disconnected(request, queue.first_event_or_position(job, first))
+        place = await unless_disconnected(request, job_queue.first_event_or_position(job, first))
     except BaseException as exc:
         first.cancel()
         await (job.detach() if isinstance(exc, ClientDisconnected) else job.close())
         raise
     body = make(job, chunks)
     if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
-        body = queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)))
-    return JobStreamResponse(job, body, {queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}))
+        body = job_queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)), queue_notice)
+    return JobStreamResponse(job, body, {job_queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}), media_type)
+
+
+async def whole_or_streamed(request: Request, job: Job, stream: bool, chunks: Callable[[], AsyncIterator[BaseModel]],
+                            whole: Callable[[Gathered], BaseModel], n: int = 1) -> Response:
+    """The job's answer as its client asked: streamed (`chunks()`, see `stream_job`), or its `n`
+    choices gathered and rendered by `whole` as one JSON body."""
+    if stream:
+        return await stream_job(request, job, chunks())
+    async with job:
+        gathered = await unless_disconnected(request, gather_choices(job.events(), n))
+    return JSONResponse(whole(gathered).model_dump(mode="json"))
 
 
 async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:
@@ -65,20 +81,25 @@ async def numbered(job: Job, chunks: AsyncIterator[T]) -> AsyncIterator[tuple[in
             yield number, chunk
 
 
+def failed_while_streaming(job: Job, exc: CortexError) -> None:
+    """Log a job that failed after its response's headers went out (its error travels in the stream)."""
+    log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name, exc.message)
+
+
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
     try:
         async for number, chunk in numbered(job, chunks):
             yield sse.data(chunk, number)
     except CortexError as exc:  # after the headers went out, an error travels in the stream
-        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
-                 exc.message)
+        failed_while_streaming(job, exc)
         yield sse.data(error_body(exc))
     yield sse.DONE
 
 
 class JobStreamResponse(StreamingResponse):
-    def __init__(self, job: Job, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None):
-        super().__init__(frames, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS | (headers or {}))
+    def __init__(self, job: Job, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 media_type: str = sse.MEDIA_TYPE):
+        super().__init__(frames, media_type=media_type, headers=sse.HEADERS | (headers or {}))
         self.job = job
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -14,6 +14,7 @@ from shared.errors import ModelNotFound
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
+LATEST_TAG = ":latest"  # Ollama's tag for a name given without one
 
 
 class ModelProfile(BaseModel):
@@ -127,8 +128,16 @@ class Catalog:
         data = tomllib.loads(Path(path).read_text())
         return cls([ModelProfile(**entry) for entry in data.get("models", [])])
 
+    def names(self, model: str) -> set[str]:
+        """Every name of a model: its id and, for a catalogue model, its aliases (what an API key's
+        allowed models are matched against)."""
+        profile = self.profiles.get(model)
+        return {model, *(profile.aliases if profile else ())}
+
     def resolve(self, name: str) -> ModelProfile:
-        """The profile for a model id or alias; `ModelNotFound` otherwise."""
-        if name not in self._names:
+        """The profile for a model id or alias, also with Ollama's default tag (`name:latest` is
+        `name`); `ModelNotFound` otherwise."""
+        found = self._names.get(name) or self._names.get(name.removesuffix(LATEST_TAG))
+        if found is None:
             raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
-        return self.profiles[self._names[name]]
+        return self.profiles[found]

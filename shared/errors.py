@@ -146,6 +146,11 @@ class BrokerUnavailable(CortexError):
     status, code, type = 503, "broker_unavailable", "service_unavailable"
 
 
+class RedisUnreachable(BrokerUnavailable):
+    """No answer from Redis (restarting, or the network gone): a new request waits for it to come
+    back (gateway/outage.py) before it is refused."""
+
+
 class BrokerOutOfMemory(BrokerUnavailable):
     """Redis answers but refuses writes: it reached its `maxmemory` (policy `noeviction`)."""
 

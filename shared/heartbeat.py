@@ -43,6 +43,7 @@ class ModelInfo(BaseModel):
     memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)
     max_model_len: int = 0  # the longest sequence it runs (the catalogue's, capped by the model's own); 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready)
+    keep_until_ms: int = 0  # a request's keep_alive (Ollama's) holds it loaded at least until then
     error: str = ""  # why it is poisoned or failed
     kv: KVCacheStats | None = None  # None: the engine is not built yet
 

@@ -8,7 +8,7 @@ kinds `embed` and `rerank`). Token events travel on
 refuses a version it does not speak.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgpack
 import msgspec
@@ -23,6 +23,10 @@ class WireError(ValueError):
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Fields added within a wire version: left off the wire at their defaults (`pack`), so a part of
+    # the same version that predates them reads every message that does not use them, and refuses
+    # (extra fields are forbidden) one that does.
+    added_within_version: ClassVar[frozenset[str]] = frozenset()
 
     v: int = WIRE_VERSION
 
@@ -66,6 +70,8 @@ RENDERING_KWARGS = frozenset({
 class GenerationRequest(Wire):
     """What a node needs to run one job; the gateway has already validated it."""
 
+    added_within_version: ClassVar[frozenset[str]] = frozenset({"cache_salt"})
+
     job: str
     model: str
     kind: Literal["chat", "completion", "count"]  # count: render and tokenise only (count_tokens)
@@ -82,6 +88,10 @@ class GenerationRequest(Wire):
     # The conversation's prefixes as the gateway names them (`shared.prefix_marks`): each mark with
     # the characters of the messages up to it. The node reports the marks its cache comes to hold.
     prefix_marks: list[tuple[str, int]] = []
+    # What the node's prefix block hashes start from besides the model: prompts share cached blocks
+    # (and prefix marks) only with prompts of the same salt. The gateway sets it from the request's
+    # `cache_salt` and, under `prefix_cache_scope = "key"`, the API key (`shared.prefix_marks.salt`).
+    cache_salt: str = ""
 
 
 class PoolingRequest(Wire):
@@ -246,7 +256,9 @@ def ends_job(events: list[Event]) -> bool:
 
 
 def pack(message: BaseModel) -> bytes:
-    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    added = getattr(message, "added_within_version", frozenset())
+    unused = {name for name in added if getattr(message, name) == type(message).model_fields[name].default}
+    return msgpack.packb(message.model_dump(mode="python", exclude=unused), use_bin_type=True)
 
 
 def _version_error(got: Any) -> WireError:

@@ -136,3 +136,21 @@ def gateway_url(redis_url: str, gateway_env: dict[str, str], tmp_path: Path) -> 
     gateway.wait_ready(lambda: _http_ok(f"{url}/health"))
     yield url
     gateway.stop()
+
+
+# Every test carries the marker of its tier, from where it lives (a file need not say it):
+# `scripts/test --quick` runs `-m quick` (the unit tier without the model-matrix modules below).
+TIERS = {"tests/integration/": "integration", "tests/model/": "model", "tests/gpu/": "gpu"}
+SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py"}  # the architecture matrix
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = Path(str(item.fspath)).as_posix()
+        tier = next((mark for folder, mark in TIERS.items() if f"/{folder}" in path), None)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+        elif Path(path).name in SLOW_UNIT_MODULES:
+            item.add_marker(pytest.mark.slow)
+        else:
+            item.add_marker(pytest.mark.quick)

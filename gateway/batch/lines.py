@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.errors import error_body
-from gateway.gather import Gathered, gather
+from gateway.gather import Gathered, gather_choices
 from gateway.jobs import Job, submit_request
 from gateway.pooling import embedded, submit_embedding
 from gateway.protocol.anthropic import MessageCreateParams
@@ -40,7 +40,7 @@ class Endpoint:
 
 async def _gathered(job: Job, n: int) -> Gathered:
     async with job:
-        return await gather(job.events(), n)
+        return await gather_choices(job.events(), n)
 
 
 ENDPOINTS: dict[str, Endpoint] = {

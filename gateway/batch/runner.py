@@ -23,7 +23,7 @@ from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.files import FileStore
 from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchOutputLine, BatchRequestCounts
-from gateway.queue import withdraw
+from gateway.job_queue import withdraw
 from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
 from shared.redis_conn import atomic, publish

@@ -7,12 +7,11 @@ message, `tool_use` blocks → assistant `tool_calls`, `tool_result` blocks → 
 tools → OpenAI-style function tools (what Hugging Face chat templates read).
 """
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.protocol.bounds import JsonSchema, MaxTokens, TopK
+from gateway.protocol.bounds import CacheSalt, JsonSchema, MaxTokens, TopK
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
@@ -309,6 +308,7 @@ class MessageCreateParams(_MessagesInput):
     diagnostics: dict[str, Any] | None = None  # accepted, not used
     inference_geo: str | None = None  # accepted, not used
     speed: Literal["standard", "fast"] | None = None  # accepted, not used
+    cache_salt: CacheSalt | None = None  # vLLM's (an extension here): see gateway/protocol/bounds.py
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         return GenerationRequest(
@@ -448,12 +448,3 @@ class ErrorDetail(BaseModel):
 class ErrorResponse(BaseModel):
     type: Literal["error"] = "error"
     error: ErrorDetail
-
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's JSON arguments as `input`; what does not parse to an object is kept under `_raw`."""
-    try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"_raw": arguments}

@@ -8,6 +8,7 @@ the same blocks: text, then `tool_use` blocks whose `input` streams as `input_js
 from collections.abc import AsyncIterator, Iterator
 
 from gateway.tools import parsers
+from gateway.tools.parsers import tool_input
 from gateway.gather import GatheredChoice
 from gateway.protocol.anthropic import (
     ContentBlock,
@@ -27,7 +28,6 @@ from gateway.protocol.anthropic import (
     TextDelta,
     ToolUseBlock,
     Usage,
-    tool_input,
 )
 from gateway.render import JobInfo
 from shared.wire import DeltaEvent, DoneEvent

@@ -19,12 +19,12 @@ from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.errors import anthropic_error_body
-from gateway.gather import gather
+from gateway.gather import gather_choices
 from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
 from gateway.render.messages import message, message_events
 from gateway.resume import ResumeAt, on_disconnect, resume
-from gateway.streaming import log, numbered, stream_job
+from gateway.streaming import failed_while_streaming, numbered, stream_job
 from shared.errors import CortexError
 
 router = APIRouter()
@@ -41,7 +41,7 @@ async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, 
     if body.stream:
         return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.events(), 1))
     return JSONResponse(message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json"))
 
 
@@ -57,7 +57,7 @@ async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Reques
                        x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
     job = await submit_request(ctx, body, caller)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.events(), 1))
     return JSONResponse(MessageTokensCount(input_tokens=gathered.usage.prompt_tokens).model_dump())
 
 
@@ -80,8 +80,7 @@ async def _frames(job: Job, events: AsyncIterator[BaseModel]) -> AsyncIterator[b
     except StopAsyncIteration:
         return
     except CortexError as exc:
-        log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name,
-                 exc.message)
+        failed_while_streaming(job, exc)
         yield sse.event("error", anthropic_error_body(exc))
     finally:
         if pending is not None and not pending.done():

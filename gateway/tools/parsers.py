@@ -23,7 +23,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared.catalog import ModelProfile
 
@@ -186,7 +186,7 @@ class _Call:
         return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index, self.call_id)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that could be the start of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -262,7 +262,7 @@ class HermesParser(ToolCallParser):
             tag = self.END if self._call else self.START
             at = self._pending.find(tag)
             if at < 0:
-                keep = _partial_suffix(self._pending, tag)
+                keep = partial_suffix(self._pending, tag)
                 ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
                 out += self._into_call(ready) if self._call else self._text(ready)
                 return out
@@ -440,3 +440,13 @@ def collect(pieces: list[Piece]) -> Parsed:
 def parse(name: ParserName, text: str, cut_off: bool = False) -> Parsed:
     parser = make_parser(name)
     return collect(parser.feed(text) + parser.finish(cut_off))
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's JSON arguments as an object (Anthropic's `input`, Ollama's `arguments`); what does
+    not parse to an object is kept under `_raw`."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}

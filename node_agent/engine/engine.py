@@ -139,7 +139,8 @@ class Engine:
                          pool_tokens - len(prompt_ids))
         seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
         matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
-        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images))
+        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images),
+                                  cache_salt=request.cache_salt)
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
         self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),

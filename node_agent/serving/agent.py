@@ -18,7 +18,7 @@ from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
-from shared import __version__, tracing
+from shared import __version__, recovery, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
@@ -62,6 +62,7 @@ class NodeAgent:
             thread = DeviceThread(device, loop)
             thread.start()
             self.threads[device] = thread
+        await self._recover_predecessor()
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
                  asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
         await asyncio.gather(*(self.load_model(m) for m in self.settings.models))
@@ -70,6 +71,22 @@ class NodeAgent:
         await self.shutdown(tasks)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def _recover_predecessor(self) -> None:
+        """A node that died under this name (a restarted container or service) within the janitor's
+        dead-node window left entries read and unfinished: requeue or fail them now (as the janitor
+        would), so that their clients do not wait for the request timeout."""
+        try:
+            streams = [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]
+            found = [s for s in streams
+                     if await recovery.recover_consumer(self.redis, self.keys, s, self.name,
+                                                        self.settings.stream_retention_s)]
+            await self.redis.delete(self.keys.started(self.name))
+        except RedisError as exc:  # Redis away: the janitor recovers them once this node's old heartbeat is gone
+            log.warning("could not recover what a node called %s left: %s", self.name, exc)
+            return
+        if found:
+            log.warning("recovered the jobs a node called %s left unfinished on %d streams", self.name, len(found))
 
     async def load_model(self, model_id: str) -> None:
         profile = self.catalog.resolve(model_id)
@@ -145,16 +162,24 @@ class NodeAgent:
         outage = Outage(log, "keep_alive check")
         while True:
             try:
-                await self._unload_idle()
+                await self._tend_models()
                 outage.ok()
             except Exception as exc:
                 outage.failed(exc)
             await asyncio.sleep(min(self.settings.heartbeat_s, 1.0))
 
-    async def _unload_idle(self) -> None:
+    async def _tend_models(self) -> None:
+        """Unload the models idle past their keep_alive; give up those stuck outside `ready`; forget a
+        failed replica after `failed_backoff_s` (until then placement does not place it here again)."""
         now = _now_ms()
         for model_id, served in list(self.models.items()):
-            if served.idle_expired(now) and not await self._pinned(served):
+            if served.give_up_if_overdue():
+                await self._beat()
+            elif served.state == ModelState.FAILED and served.replica.age_s() > self.settings.failed_backoff_s:
+                log.info("%s failed here %.0f s ago; it may be placed here again", model_id, served.replica.age_s())
+                self.models.pop(model_id, None)
+                await self._beat()
+            elif served.idle_expired(now) and not await self._pinned(served):
                 log.info("%s idle past keep_alive; unloading", model_id)
                 await self.unload_model(model_id)
 
@@ -212,7 +237,7 @@ class NodeAgent:
         if self._redis_run_id not in (None, run_id):
             log.info("Redis restarted (run_id %s, was %s)", run_id[:8], self._redis_run_id[:8])
             for model in self.models.values():
-                model.redis_came_back()
+                model.consumer.redis_came_back()
         self._redis_run_id = run_id
 
     async def _beat(self) -> None:
@@ -254,13 +279,14 @@ class NodeAgent:
                                                  f"{job}; its output was lost"))
 
     def _cancel_soon(self, job: str, error: CortexError | None = None) -> bool:
-        """Cancel a running job (once, however many of its steps report it) and pause reading new ones;
-        False when there is nothing to do."""
-        if job in self._cancelling or not any(job in m.running for m in self.models.values()):
+        """Cancel a running job (once, however many of its steps report it) and pause reading new jobs
+        of its model (others read on); False when there is nothing to do."""
+        holding = [m for m in self.models.values() if job in m.ledger]
+        if job in self._cancelling or not holding:
             return False
         self._cancelling.add(job)
-        for model in self.models.values():
-            model.pause_reading(BACKOFF_MAX_S + 0.5)  # a gateway's router tries Redis at least this often
+        for model in holding:
+            model.consumer.pause(BACKOFF_MAX_S + 0.5)  # a gateway's router tries Redis at least this often
         task = asyncio.get_running_loop().create_task(self._cancel(job, error))
         task.add_done_callback(lambda _: self._cancelling.discard(job))
         return True

@@ -11,7 +11,7 @@ every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a 
 taken within a round trip of its XADD.
 
 All of a model's stream I/O on the node is here: the consumer group on each stream, the reads,
-the backlog read when a load failed, leaving the group on unload, and settling entries Redis still
+the own streams' backlog read when a load failed, leaving the group on unload, and settling entries Redis still
 holds for this node that it no longer runs. Acknowledging a finished job rides on the step's
 pipeline (node_agent/serving/publisher.py)."""
 
@@ -31,24 +31,16 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
 # interactive, 2: batch) and its max wait ms (0: never promoted).
 # Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
-_READ = """
+_READ = queues.LUA_PENDING + """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
-local function before(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
-  return am < bm or (am == bm and as < bs)
-end
 local function head(key)
   if redis.call('XLEN', key) == 0 then return nil end
-  local p = redis.pcall('XPENDING', key, group)
-  local start = '-'
-  if type(p) == 'table' and not p.err and p[1] > 0 then start = '(' .. p[3] end
-  local r = redis.call('XRANGE', key, start, '+', 'COUNT', 1)
+  local _, maxp = pending(key, group)
+  local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
   if r[1] then return r[1][1] end
   return nil
 end
@@ -121,10 +113,11 @@ class JobReader:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    async def backlog(self, count: int = 100) -> list[Entry]:
-        """Up to `count` unread entries of any stream, without blocking (empty: none left)."""
-        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {s: ">" for _, s in self.streams},
-                                            count=count)
+    async def own_backlog(self, count: int = 100) -> list[Entry]:
+        """Up to `count` unread entries of this node's own streams (jobs routed here alone), without
+        blocking (empty: none left). The moved and shared streams are the fleet's: not read here."""
+        own = {s: ">" for s in self.streams[::STREAMS_PER_BAND] for s in [s[1]]}
+        reply = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, own, count=count)
         return self._entries(reply)
 
     async def leave(self) -> None:

@@ -19,7 +19,7 @@ import msgspec
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
-from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Route, Step, frame
+from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Delivery, Step, frame
 from node_agent.serving.publisher import Outgoing
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class OutputLink:
         """One engine step's record; called on the device thread."""
         self._write(Step(out))
 
-    def publish(self, items: list[Outgoing], routes: list[Route] = ()) -> None:
+    def publish(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
         self._write(Publish(items, list(routes)))
 
     def _write(self, message) -> None:

@@ -11,8 +11,10 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests import tiny_models
@@ -41,8 +43,18 @@ CLIENTS_DIR = Path(os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cac
 def npm_client(folder: str, package: str, binary: str) -> Path:
     """`binary` of the npm `package`, installed into CLIENTS_DIR/`folder` the first time; skips the
     test, saying why, when npm or its registry cannot be had."""
+    return npm_install(folder, package, Path("node_modules") / ".bin" / binary)
+
+
+def npm_library(folder: str, package: str) -> Path:
+    """The folder of the npm library `package` (to `require`), installed as `npm_client` installs."""
+    return npm_install(folder, package, Path("node_modules") / package)
+
+
+def npm_install(folder: str, package: str, wanted: Path) -> Path:
+    """CLIENTS_DIR/`folder`/`wanted`, installing `package` there first when it is missing."""
     prefix = CLIENTS_DIR / folder
-    path = prefix / "node_modules" / ".bin" / binary
+    path = prefix / wanted
     if not path.exists():
         npm = shutil.which("npm")
         if npm is None:
@@ -74,20 +86,38 @@ def codex_dir(tmp_path_factory, smol_tokenizer):
     return tiny_models.build_scripted(tmp_path_factory.mktemp("codex"), smol_tokenizer, replies, context=CODEX_CONTEXT)
 
 
-@pytest.fixture(scope="session")
-def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
-    tiny = tiny_dirs["llama"]
-    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    toml = f"""
+def tiny_model(source: Path) -> str:
+    """The catalogue entry of `tiny`: random weights, a 256-token context, 8 tokens unless told, alias `default`."""
+    return f"""
 [[models]]
 id = "tiny"
-source = "{tiny}"
+source = "{source}"
 aliases = ["default"]
 dtype = "float32"
 slots = 4
 max_model_len = 256
 default_max_tokens = 8
+"""
 
+
+def scripted_model(model_id: str, source: Path, *, context: int = 32768, extra: str = "") -> str:
+    """The catalogue entry of a scripted model (tests/tiny_models.build_scripted) under SCRIPTED_TEMPLATE."""
+    template = SCRIPTED_TEMPLATE.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f"""
+[[models]]
+id = "{model_id}"
+source = "{source}"
+dtype = "float32"
+slots = 2
+max_model_len = {context}
+chat_template = "{template}"
+{extra}"""
+
+
+@pytest.fixture(scope="session")
+def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
+    tiny = tiny_dirs["llama"]
+    toml = tiny_model(tiny) + f"""
 [[models]]
 id = "tiny-strict"
 source = "{tiny}"
@@ -95,24 +125,7 @@ dtype = "float32"
 slots = 4
 max_model_len = 256
 max_tokens_policy = "reject"
-
-[[models]]
-id = "scripted"
-source = "{scripted_dir}"
-dtype = "float32"
-slots = 2
-max_model_len = 32768
-chat_template = "{template}"
-
-[[models]]
-id = "codex"
-source = "{codex_dir}"
-dtype = "float32"
-slots = 2
-max_model_len = 32768
-chat_template = "{template}"
-tool_parser = "llama3_json"
-"""
+""" + scripted_model("scripted", scripted_dir) + scripted_model("codex", codex_dir, extra='tool_parser = "llama3_json"\n')
     models = ["tiny", "tiny-strict", "scripted", "codex"]
     with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", models) as stack:
         yield stack
@@ -130,3 +143,47 @@ def openai_client(stack: Stack):
     import openai
 
     return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0)
+
+
+OLLAMA_ADMIN_KEY = "ollama-admin-key"
+
+
+@dataclass
+class KeyedStack:
+    stack: Stack
+    key: str  # an API key: with one in Redis, every request must carry one
+
+    @property
+    def url(self) -> str:
+        return self.stack.gateway_url
+
+    @property
+    def bearer(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture(scope="session")
+def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[KeyedStack]:
+    """`tiny` (alias `default`) and `scripted`, behind an API key (made through the admin API), for
+    Ollama's clients: its own stack, as a key turns auth on for good."""
+    toml = tiny_model(tiny_dirs["llama"]) + scripted_model("scripted", scripted_dir, context=4096)
+    with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted"],
+                 CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY) as stack:
+        created = httpx.post(f"{stack.gateway_url}/admin/keys", json={"name": "ollama-client"},
+                             headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"}, timeout=30)
+        assert created.status_code == 200, created.text
+        yield KeyedStack(stack, created.json()["secret"])
+
+
+@pytest.fixture
+def keyed_stack(ollama_stack: KeyedStack) -> Iterator[KeyedStack]:
+    """The keyed stack, checked afterwards for pending entries and stray keys."""
+    yield ollama_stack
+    ollama_stack.stack.assert_clean()
+
+
+def unknown_fields(log: Path, since_line: int, types: set[str]) -> list[str]:
+    """The fields of `types` the gateway logged as unknown after line `since_line` of its `log`."""
+    lines = log.read_text().splitlines()[since_line:]
+    fields = [line.split("ignoring unknown field ")[1].split(" ")[0] for line in lines if "ignoring unknown field" in line]
+    return [field for field in fields if field.split(".")[0] in types]

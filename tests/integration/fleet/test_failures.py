@@ -131,3 +131,21 @@ def test_queue_depth_starts_another_replica(fleet_stack):
     join_all(threads, 120)
     assert [o for _, o in outcomes if o != "ok"] == []
     fleet_stack.assert_clean()
+
+
+
+@pytest.mark.models(**{"tiny-a": {"slots": 1, "max_model_len": 512}})
+def test_a_client_that_leaves_while_queued_takes_its_job_back(fleet_stack):
+    """A job whose client left before any node read it is withdrawn from its stream: no node runs
+    it for nobody (a cancel alone would reach no node: none runs it yet)."""
+    fleet_stack.start_gateway()
+    node = fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
+    ahead = [client(fleet_stack).completions.create(model="tiny-a", prompt=f"Hello {i}", max_tokens=480, stream=True,
+                                                    extra_body={"ignore_eos": True}) for i in range(8)]
+    impatient = openai.OpenAI(base_url=f"{fleet_stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):  # 8 jobs of 480 tokens ahead on one slot
+        impatient.completions.create(model="tiny-a", prompt="Hello again", max_tokens=50)
+    for stream in ahead:
+        assert sum(1 for chunk in stream if chunk.choices) > 0
+    fleet_stack.assert_clean(timeout_s=30)
+    assert node.log_path.read_text().count(" admitted from ") == 8  # the impatient job never ran

@@ -1,5 +1,6 @@
-"""Images through the real SDKs to a real node running a tiny Qwen2.5-VL; text-only models, broken,
-oversized and http images answer 400 in each dialect, and no image URL makes a connection."""
+"""Images through the real SDKs (the ollama client's `images` too) to a real node running a tiny
+Qwen2.5-VL; text-only models, broken, oversized and http images answer 400 in each dialect, and no
+image URL makes a connection."""
 
 import base64
 import socket
@@ -7,6 +8,7 @@ import threading
 from collections.abc import Iterator
 
 import anthropic
+import ollama
 import openai
 import pytest
 
@@ -54,6 +56,25 @@ def test_both_sdks_send_an_image_and_get_the_same_greedy_answer(openai_client, a
     assert chat.usage.prompt_tokens == message.usage.input_tokens > 20  # the image's tokens count
     counted = anthropic_client.messages.count_tokens(model=model, messages=anthropic_messages(base64_source(PNG)))
     assert counted.input_tokens == message.usage.input_tokens
+
+
+def test_the_ollama_client_sends_images_as_the_openai_sdk_does(stack, openai_client):
+    """Ollama's base64 `images` go before the message's text, as Ollama puts them: the same prompt as
+    an image part then a text part, so the same greedy answer; a text-only model refuses them."""
+    client = ollama.Client(host=stack.gateway_url)
+    assert "vision" in client.show(VISION).capabilities and "vision" not in client.show(TEXT).capabilities
+    ask = "What is in this picture?"
+    options = {"temperature": 0, "num_predict": GREEDY["max_tokens"]}
+    reply = client.chat(model=VISION, messages=[{"role": "user", "content": ask, "images": [PNG]}], options=options)
+    image_first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(PNG)}},
+                                                {"type": "text", "text": ask}]}]
+    chat = openai_client.chat.completions.create(model=VISION, messages=image_first, **GREEDY)
+    assert reply.message.content == chat.choices[0].message.content != ""
+    assert reply.prompt_eval_count == chat.usage.prompt_tokens > 20  # the image's tokens count
+    assert client.generate(model=VISION, prompt=ask, images=[PNG], options=options).response == reply.message.content
+    with pytest.raises(ollama.ResponseError) as text_only:
+        client.chat(model=TEXT, messages=[{"role": "user", "content": ask, "images": [PNG]}])
+    assert text_only.value.status_code == 400 and "text-only" in text_only.value.error
 
 
 def test_a_different_image_gives_a_different_prompt(anthropic_client):

@@ -2,6 +2,7 @@
 scripted node that stands in for a node agent (unit tests only; integration tests run real ones)."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -9,13 +10,14 @@ from dataclasses import dataclass, field
 import fakeredis
 import httpx
 import pytest
+from redis.exceptions import ResponseError
 from fastapi import FastAPI
 
 from gateway.server import create_app
 from shared import event_log
 from shared.catalog import DEFAULT_MODEL_ID
-from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
-from shared.keys import Keys
+from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat
+from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
 from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack_event
@@ -44,7 +46,8 @@ def hello_script(entry: StreamEntry) -> list:
 
 @dataclass
 class ScriptedNode:
-    """Reads the job stream like a node would and answers each job with `script(entry)`."""
+    """Reads the job stream like a node would (as consumer `n1`, the node `node` beats for) and answers
+    each job with `script(entry)`."""
 
     redis: fakeredis.aioredis.FakeRedis
     script: Script = hello_script
@@ -56,12 +59,13 @@ class ScriptedNode:
     async def run(self, stream: str) -> None:
         cancels = self.redis.pubsub()
         await cancels.subscribe(KEYS.cancel())
-        last_id = "0"
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: made already
+            await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
         while True:
             while (message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
                 self.cancelled.append(message["data"].decode())
-            for _, entries in await self.redis.xread({stream: last_id}, count=16):
-                for last_id, fields in entries:
+            for _, entries in await self.redis.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=16) or []:
+                for _entry_id, fields in entries:
                     task = asyncio.create_task(self._answer(StreamEntry.from_fields(fields)))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
@@ -128,15 +132,16 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 
 async def beat(
     redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active",
-    kv: dict[str, KVCacheStats] | None = None, max_model_len: int = 0,
+    kv: dict[str, KVCacheStats] | None = None, max_model_len: int = 0, free_mb: int = 0,
 ) -> NodeHeartbeat:
     """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures, and all run
-    with `max_model_len` (0: not said)."""
+    with `max_model_len` (0: not said); a CPU device with `free_mb` free, when given (placement reads it)."""
     now_ms = int((time.time() - age_s) * 1000)
     models = {MODEL: ModelState.READY} if models is None else models
     kv = kv or {}
     heartbeat = NodeHeartbeat(
         node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
+        devices=[DeviceInfo(id="cpu", name="cpu", total_mb=free_mb, free_mb=free_mb)] if free_mb else [],
         models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name), max_model_len=max_model_len)
                 for name, s in models.items()},
     )

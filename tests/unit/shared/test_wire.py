@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from shared import WIRE_VERSION
-from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, Pooled, PoolingRequest, PromptLogprob,
-                         StartEvent, StreamEntry, Timings, TokenLogprob, TopLogprob, Usage, WireError, ends_job, pack,
-                         pack_event, unpack_event)
+from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, Pooled, PoolingRequest,
+                         PromptLogprob, StartEvent, StreamEntry, Timings, TokenLogprob, TopLogprob, Usage, WireError,
+                         ends_job, pack, pack_event, unpack, unpack_event)
 
 TOP = TopLogprob(token=" Paris", logprob=-0.25, bytes=list(b" Paris"))
 DELTA = DeltaEvent(choices=[
@@ -116,3 +116,13 @@ def test_a_pooling_job_travels_as_its_own_request():
     assert StreamEntry.from_fields(fields).pooling_request() == request
     with pytest.raises(WireError, match="bad GenerationRequest"):  # a generation node refuses it
         StreamEntry.from_fields(fields).request()
+
+
+def test_a_cache_salt_travels_only_when_set():
+    """Added within wire version 7: a job without one packs as before (a node of 7 that predates it
+    reads it); one with it reaches the node, and such an older node refuses it rather than ignore it."""
+    plain = GenerationRequest(job="j", model="m", kind="chat", messages=[])
+    assert "cache_salt" not in msgpack.unpackb(pack(plain))
+    salted = plain.model_copy(update={"cache_salt": "ab12"})
+    assert unpack(pack(salted), GenerationRequest).cache_salt == "ab12"
+    assert unpack(pack(plain), GenerationRequest).cache_salt == ""

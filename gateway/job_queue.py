@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway import sse
 from gateway.context import GatewayContext
 from shared import queues
 from shared.errors import CortexError
@@ -56,14 +57,16 @@ async def first_event_or_position(job, first: asyncio.Future) -> int:
 
 
 async def queued_frames(job, first: asyncio.Future, place: int, frames: AsyncIterator[bytes],
-                        failed: Callable[[CortexError], AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
-    """SSE comments `: queued position=N` while the job waits, then the job's own frames (or,
-    if it failed before its first token, the dialect's error frames)."""
+                        failed: Callable[[CortexError], AsyncIterator[bytes]],
+                        notice: Callable[[int], bytes] | None = sse.queued) -> AsyncIterator[bytes]:
+    """A `notice` of the job's place (SSE comments `: queued position=N`; None: nothing, for a
+    framing that has no comments) while the job waits, then the job's own frames (or, if it failed
+    before its first token, the dialect's error frames)."""
     ctx = job._ctx
     try:
         while not first.done():
-            if place > 0:
-                yield f": queued position={place}\n\n".encode()
+            if place > 0 and notice is not None:
+                yield notice(place)
             await asyncio.wait({first}, timeout=ctx.settings.queue_position_poll_s)
             if not first.done() and place > 0:
                 try:

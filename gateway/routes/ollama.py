@@ -1,0 +1,139 @@
+"""Ollama's API on the gateway's own port: point an Ollama client at `http://HOST:31313`.
+
+`POST /api/chat` and `/api/generate` become jobs as `/v1/chat/completions` requests do
+(gateway/protocol/ollama.py translates them) and answer in NDJSON lines, or one object with
+`stream: false` (gateway/render/ollama.py); with no messages (an empty prompt) they place the model
+on a node and answer `done_reason: "load"`. `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
+the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version` needs no key, as
+VS Code's Copilot Chat asks it before anything else. `POST /api/pull` succeeds for a model the
+catalogue has and says pulling is not available for any other; `DELETE /api/delete` (admin key)
+unloads the model from every node (the catalogue itself is models.toml's). `/api/embed` and
+`/api/embeddings` belong here once embeddings run as jobs (issue 35, item 2).
+"""
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.datastructures import MutableHeaders
+
+from gateway import ndjson, operations
+from gateway.auth import Caller, CallerDep, require_admin
+from gateway.context import Ctx, GatewayContext
+from gateway.disconnect import unless_disconnected
+from gateway.jobs import Job, submit_request
+from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, GenerateRequest, ProgressResponse,
+                                     PullRequest, ShowRequest, VersionResponse)
+from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, generate_loaded, whole_chat,
+                                   whole_generate)
+from gateway.render.ollama_models import model_list, running, show
+from gateway.streaming import stream_job
+from shared.catalog import ModelProfile
+from shared.errors import ModelNotFound
+
+
+class JsonBody(APIRoute):
+    """Ollama's clients and its documented `curl -d '{…}'` send JSON under any content type
+    (curl's is a form's): the body is read as JSON whatever the header says."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def as_json(request: Request) -> Response:
+            MutableHeaders(scope=request.scope)["content-type"] = "application/json"
+            return await handler(request)
+        return as_json
+
+
+router = APIRouter(route_class=JsonBody)  # an API key's
+public = APIRouter()
+admin = APIRouter(route_class=JsonBody, dependencies=[Depends(require_admin)])
+
+
+@router.post("/api/chat", response_model=None)
+async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    if not body.messages:
+        return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
+    job = await submit_request(ctx, body, caller)
+    chunks = chat_chunks(job, job.events(), body.model, job.parsers(), body.splitter())
+    return await _answer(request, job, chunks, body.stream, whole_chat)
+
+
+@router.post("/api/generate", response_model=None)
+async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+    if not body.prompt:
+        return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
+    job = await submit_request(ctx, body, caller)
+    chunks = generate_chunks(job, job.events(), body.model, body.splitter())
+    return await _answer(request, job, chunks, body.stream, whole_generate)
+
+
+async def _answer(request: Request, job: Job, chunks: AsyncIterator[BaseModel], stream: bool,
+                  whole: Callable[[AsyncIterator[BaseModel]], Awaitable[BaseModel]]) -> Response:
+    if stream:
+        return await stream_job(request, job, chunks, frames=ndjson.frames, media_type=ndjson.MEDIA_TYPE,
+                                queue_notice=None)
+    async with job:
+        answer = await unless_disconnected(request, whole(chunks))
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+async def _load(ctx: GatewayContext, caller: Caller, answer: BaseModel) -> JSONResponse:
+    """Place the model on a node if none serves it (it is loading there when this answers), as
+    Ollama loads for a request with nothing to generate."""
+    await ctx.placer.ensure_placed(_profile(ctx, caller, answer.model))
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+def _usable(ctx: GatewayContext, caller: Caller) -> list[ModelProfile]:
+    return [p for p in ctx.catalog.profiles.values() if caller.may_use({p.id, *p.aliases})]
+
+
+def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
+    profile = ctx.catalog.resolve(name)
+    caller.check_may_use(profile)
+    return profile
+
+
+@router.get("/api/tags")
+async def tags(ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    return JSONResponse(model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+
+
+@router.post("/api/show")
+async def show_model(body: ShowRequest, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    profile = _profile(ctx, caller, body.model)
+    return JSONResponse(show(profile, await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+
+
+@router.get("/api/ps")
+async def ps(ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    loaded = running(_usable(ctx, caller), await ctx.fleet.live_nodes(), await ctx.placer.pinned())
+    return JSONResponse(loaded.model_dump(mode="json"))
+
+
+@router.post("/api/pull", response_model=None)
+async def pull(body: PullRequest, ctx: Ctx, caller: CallerDep) -> Response:
+    try:
+        _profile(ctx, caller, body.model)
+    except ModelNotFound:
+        raise ModelNotFound(f"pulling models is not available yet: '{body.model}' is not in this fleet's catalogue "
+                            "(an operator adds it to models.toml)", param="model") from None
+    done = ProgressResponse(status="success")
+    if body.stream:
+        return Response(ndjson.line(done), media_type=ndjson.MEDIA_TYPE)
+    return JSONResponse(done.model_dump())
+
+
+@public.get("/api/version")
+async def version() -> JSONResponse:
+    return JSONResponse(VersionResponse(version=API_VERSION).model_dump())
+
+
+@admin.delete("/api/delete")
+async def delete(body: DeleteRequest, ctx: Ctx) -> Response:
+    await operations.unload(ctx, body.model)
+    return Response()
