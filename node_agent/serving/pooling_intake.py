@@ -13,7 +13,7 @@ from node_agent.serving.job_reader import Entry
 from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Running
 from node_agent.serving.pooling_inputs import encode
-from shared.errors import CortexError, GenerationFailed, InvalidRequest
+from shared.errors import InvalidRequest
 from shared.wire import POOLING_KINDS, PoolingRequest, StreamEntry, WireError
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,6 @@ class PoolingIntake(Intake):
         try:
             self._check_memory()
             return request, await asyncio.to_thread(encode, self.engine.lm, request), float(entry.submitted_ms)
-        except CortexError as exc:
-            self.ledger.fail(request.job, exc)
         except Exception as exc:
-            log.exception("job %s could not start", request.job)
-            self.ledger.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+            self.failed(request.job, exc)
         return None
