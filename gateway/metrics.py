@@ -36,6 +36,9 @@ class Metrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.success = c("request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"])
+        self.pooled_inputs = c("pooled_inputs", "Inputs of finished embedding and rerank jobs.")
+        self.pooled_forwards = c("pooled_forwards", "Forward passes that finished embedding and rerank jobs took "
+                                 "(per job: a pass shared by several jobs counts in each).")
         # per API key, by its name (never its secret)
         self.key_requests = c("key_requests", "Requests admitted, per API key.", ["key"])
         self.key_rejections = c("key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"])
@@ -167,7 +170,11 @@ class RequestTimer:
             return
         m, node = self.metrics, event.node or "?"
         labels = (self.model, node)
-        m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
+        if event.pooled is not None:
+            m.pooled_inputs.labels(*labels).inc(len(event.pooled.vectors) + len(event.pooled.scores))
+            m.pooled_forwards.labels(*labels).inc(event.pooled.forwards)
+        else:
+            m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
         m.e2e.labels(*labels).observe(now - self.submitted)
         m.queue.labels(*labels).observe(event.timings.queue_ms / 1000)
         for gap in self.gaps:

@@ -31,6 +31,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class WrongModelKind(InvalidRequest):
+    """A request for what the model does not serve: chat on an embedding model, embeddings on a chat model."""
+
+    code = "model_not_supported"
+
+
 class PreviousResponseNotFound(InvalidRequest):
     code = "previous_response_not_found"
 

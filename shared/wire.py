@@ -2,7 +2,8 @@
 
 A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
 `priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`, `traceparent` when the request is
-traced) plus `body`, the msgpack of a `GenerationRequest`. Token events travel on
+traced) plus `body`, the msgpack of a `GenerationRequest` (or of a `PoolingRequest`, for the
+kinds `embed` and `rerank`). Token events travel on
 `cortex:events:{job}` as msgpack of one `Event`. Every message carries the wire version `v`; a part
 refuses a version it does not speak.
 """
@@ -93,6 +94,22 @@ class GenerationRequest(Wire):
     cache_salt: str = ""
 
 
+class PoolingRequest(Wire):
+    """A job for an embedding or rerank model: its inputs, one forward pass's row each."""
+
+    job: str
+    model: str
+    kind: Literal["embed", "rerank"]
+    # embed: each input a text or the model's own token ids; rerank: the documents' texts
+    inputs: list[str | list[int]]
+    queries: list[str] = []  # rerank: each input's query (one per input), scored as a pair with it
+    dimensions: int | None = None  # embed: keep this many leading dimensions (Matryoshka), renormalised when it normalises
+    truncate: bool = False  # inputs longer than the model's context are cut (else refused: context_length_exceeded)
+
+
+POOLING_KINDS = frozenset({"embed", "rerank"})  # `StreamEntry.kind`s whose body is a PoolingRequest
+
+
 class StreamEntry(Wire):
     """The top-level fields of a job stream entry, as `redis-cli XRANGE` shows them."""
 
@@ -125,6 +142,9 @@ class StreamEntry(Wire):
 
     def request(self) -> GenerationRequest:
         return unpack(self.body, GenerationRequest)
+
+    def pooling_request(self) -> PoolingRequest:
+        return unpack(self.body, PoolingRequest)
 
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -174,6 +194,14 @@ class Usage(_Struct, kw_only=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+class Pooled(_Struct, kw_only=True):
+    """An embedding or rerank job's result, one entry per input in order."""
+
+    vectors: list[bytes] = []  # embed: each input's vector, float32 little-endian
+    scores: list[float] = []  # rerank: each document's relevance score
+    forwards: int = 0  # the forward passes its inputs took (shared with other jobs' inputs)
+
+
 class Timings(_Struct, kw_only=True):
     queue_ms: float = 0.0  # submitted -> admitted by an engine
     prefill_ms: float = 0.0  # admitted -> first token
@@ -208,6 +236,7 @@ class DoneEvent(_Event, tag="done", kw_only=True):
     usage: Usage
     timings: Timings = msgspec.field(default_factory=Timings)
     node: str = ""
+    pooled: Pooled | None = None  # an embedding or rerank job's result
 
 
 class ErrorEvent(_Event, tag="error", kw_only=True):

@@ -248,7 +248,7 @@ class BatchRunner:
         while True:
             job = None
             try:
-                job = await lines.start(self.ctx, parsed, self.owner)
+                job = await lines.start(self.ctx, parsed, self.owner, endpoint)
                 await self.redis.hincrby(self.key("tries"), str(line_no), 1)
                 await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
                 return await lines.finish(job, parsed, endpoint)

@@ -524,6 +524,7 @@ class Model(BaseModel):
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
     capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
+    kind: Literal["generate", "embedding", "rerank"] = "generate"  # what it serves (the catalogue's `kind`)
     max_model_len: int | None = None  # vLLM's: the longest sequence its replicas run; None until one is loaded
 
 

@@ -39,6 +39,7 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
         data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model,
                           capabilities=["vision"] if profile and profile.vision else [],
+                          kind=profile.kind if profile else "generate",
                           max_model_len=context.get(model)))
     by_id = {m.id: m for m in data}
     data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})

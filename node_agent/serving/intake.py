@@ -98,12 +98,16 @@ class Intake:
             self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
                        [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
             return request, ids, float(entry.submitted_ms), images
-        except CortexError as exc:
-            self.ledger.fail(request.job, exc)
         except Exception as exc:
-            log.exception("job %s could not start", request.job)
-            self.ledger.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+            self.failed(request.job, exc)
         return None
+
+    def failed(self, job: str, exc: Exception) -> None:
+        """A job that could not start fails with its error (a bug's: generation_failed, logged)."""
+        if not isinstance(exc, CortexError):
+            log.exception("job %s could not start", job)
+            exc = GenerationFailed(f"{type(exc).__name__}: {exc}")
+        self.ledger.fail(job, exc)
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], dict[str, np.ndarray]]:
         """In the thread pool: the prompt's token ids, and a vision model's image inputs for it."""
