@@ -159,3 +159,20 @@ def test_a_request_its_client_left_is_cancelled_on_the_node(openai_client, stack
     started = time.monotonic()
     assert len(openai_client.embeddings.create(model="embed-slow", input=TEXTS).data) == len(TEXTS)
     assert time.monotonic() - started < 1.0
+
+
+def test_the_ollama_client_embeds_as_the_openai_sdk_does(stack, pooler_dirs):
+    """`/api/embed` (several inputs) and the older `/api/embeddings` (one prompt) through the real
+    `ollama` client: the same vectors as the reference, the prompt's tokens counted."""
+    import ollama
+
+    client = ollama.Client(host=stack.gateway_url)
+    expected = tiny_poolers.reference_vectors(pooler_dirs["embed"], TEXTS).numpy()
+    answer = client.embed(model="embed", input=TEXTS)
+    np.testing.assert_allclose(np.array(answer.embeddings), expected, atol=1e-4)
+    assert answer.prompt_eval_count == tokens(pooler_dirs["embed"], TEXTS) and answer.model == "embed"
+    old = client.embeddings(model="embedder:latest", prompt=TEXTS[0])
+    np.testing.assert_allclose(np.array(old.embedding), expected[0], atol=1e-4)
+    with pytest.raises(ollama.ResponseError) as wrong_kind:
+        client.embed(model="chat", input="hi")
+    assert wrong_kind.value.status_code == 400 and "chat is a chat model" in wrong_kind.value.error
