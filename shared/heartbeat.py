@@ -34,6 +34,14 @@ class KVCacheStats(BaseModel):
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
+class SpecDecodeStats(BaseModel):
+    """A replica's speculative decoding (vLLM's spec_decode counters), counting from the engine's start."""
+
+    drafts: int = 0  # counter: steps of a sequence that checked draft tokens
+    draft_tokens: int = 0  # counter: draft tokens checked
+    accepted_tokens: int = 0  # counter: of those, accepted
+
+
 class ModelInfo(BaseModel):
     state: ModelState
     device: str  # the device it runs on (rank 0's, when tensor-parallel)
@@ -46,6 +54,7 @@ class ModelInfo(BaseModel):
     keep_until_ms: int = 0  # a request's keep_alive (Ollama's) holds it loaded at least until then
     error: str = ""  # why it is poisoned or failed
     kv: KVCacheStats | None = None  # None: the engine is not built yet
+    spec: SpecDecodeStats | None = None  # None: the engine is not built yet
 
 
 class NodeHeartbeat(BaseModel):

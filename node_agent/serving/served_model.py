@@ -81,7 +81,8 @@ class ServedModel:
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
-                         kv=self.engine.kv_stats() if self.engine is not None else None)
+                         kv=self.engine.kv_stats() if self.engine is not None else None,
+                         spec=self.engine.spec_stats() if self.engine is not None else None)
 
     @property
     def memory_mb(self) -> int:
