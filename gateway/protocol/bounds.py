@@ -24,6 +24,9 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=STOP_TOKEN_IDS_MAX)]
+# vLLM's `cache_salt`: prompts share cached prefixes only with prompts of the same salt (and scope,
+# `prefix_cache_scope`); its length is bounded, as every string that reaches a node's hashing
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 # speculative decoding for one request (shared/wire.py SamplingParams): a method, or None for the catalogue's
 Speculative = Literal["off", "ngram", "suffix"] | None
 SpeculativeTokens = Annotated[int, Field(ge=1, le=64)] | None

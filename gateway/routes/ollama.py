@@ -7,10 +7,11 @@ on a node and answer `done_reason: "load"`. `GET /api/tags`, `POST /api/show` an
 the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version` needs no key, as
 VS Code's Copilot Chat asks it before anything else. `POST /api/pull` succeeds for a model the
 catalogue has and says pulling is not available for any other; `DELETE /api/delete` (admin key)
-unloads the model from every node (the catalogue itself is models.toml's). `/api/embed` and
-`/api/embeddings` belong here once embeddings run as jobs (issue 35, item 2).
+unloads the model from every node (the catalogue itself is models.toml's). `POST /api/embed` (and
+the older `/api/embeddings`) embed through the same jobs as `/v1/embeddings` (gateway/pooling.py).
 """
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
@@ -20,13 +21,14 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 
-from gateway import ndjson, operations
+from gateway import ndjson, operations, pooling
 from gateway.auth import Caller, CallerDep, require_admin
 from gateway.context import Ctx, GatewayContext
 from gateway.disconnect import unless_disconnected
 from gateway.jobs import Job, submit_request
-from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, GenerateRequest, ProgressResponse,
-                                     PullRequest, ShowRequest, VersionResponse)
+from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, EmbeddingRequest, EmbeddingResponse,
+                                     EmbedRequest, EmbedResponse, GenerateRequest, ProgressResponse, PullRequest,
+                                     ShowRequest, VersionResponse)
 from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, generate_loaded, whole_chat,
                                    whole_generate)
 from gateway.render.ollama_models import model_list, running, show
@@ -58,7 +60,8 @@ async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep)
     if not body.messages:
         return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = chat_chunks(job, job.events(), body.model, job.parsers(), body.splitter())
+    chunks = chat_chunks(job, job.events() if body.stream else job.final_events(), body.model, job.parsers(),
+                         body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_chat)
 
 
@@ -67,7 +70,7 @@ async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: Ca
     if not body.prompt:
         return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = generate_chunks(job, job.events(), body.model, body.splitter())
+    chunks = generate_chunks(job, job.events() if body.stream else job.final_events(), body.model, body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_generate)
 
 
@@ -96,6 +99,22 @@ def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
     profile = ctx.catalog.resolve(name)
     caller.check_may_use(profile)
     return profile
+
+
+@router.post("/api/embed")
+async def embed(body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+    started = time.perf_counter_ns()
+    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, body.inputs,
+                                                            dimensions=body.dimensions, truncate=body.truncate))
+    answer = EmbedResponse(model=body.model, embeddings=[v.tolist() for v in done.vectors],
+                           total_duration=time.perf_counter_ns() - started, prompt_eval_count=done.prompt_tokens)
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: EmbeddingRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, [body.prompt], truncate=True))
+    return JSONResponse(EmbeddingResponse(embedding=done.vectors[0].tolist()).model_dump(mode="json"))
 
 
 @router.get("/api/tags")

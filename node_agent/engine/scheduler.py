@@ -22,6 +22,7 @@ Full blocks are registered in the pool by their hash chain as soon as they are p
 step's admissions can reuse them.
 """
 
+import hashlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ class JobEntry:
     sequences: list[Sequence] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # image token runs a chunk never splits
     cacheable: bool = True  # its blocks may be shared (no images, a model without linear attention)
+    root_hash: bytes = b""  # what its blocks' hash chain starts from: the model's, salted by its cache salt
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
 
 
@@ -100,13 +102,17 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------------
 
     def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int], max_tokens: int,
-            spans: list[tuple[int, int]] = (), images: bool = False, draft_tokens: int = 0,
-            suffix: bool = False) -> list[int]:
+            spans: list[tuple[int, int]] = (), images: bool = False, cache_salt: str = "",
+            draft_tokens: int = 0, suffix: bool = False) -> list[int]:
         """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
         step (0: not at all; never with linear attention, whose state cannot take a guess back),
-        with `suffix` from recent outputs too, where its own text has no match; returns their keys."""
-        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention)
-        recent = self.recent if suffix else None
+        with `suffix` from the recent outputs of unsalted jobs too (a salted job's outputs, like its
+        blocks, are never another's to guess from); returns their keys. Its blocks are shared only
+        with jobs of the same `cache_salt` (`GenerationRequest.cache_salt`)."""
+        root = hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest() if cache_salt \
+            else self.root_hash
+        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention, root_hash=root)
+        recent = self.recent if suffix and not cache_salt else None
         for index, seed in enumerate(seeds):
             drafter = Drafter.of(prompt_ids, draft_tokens, recent) if draft_tokens and not self.linear_attention \
                 else None
@@ -354,7 +360,7 @@ class Scheduler:
         if len(seq.hashes) < blocks:
             size = self.pool.block_size
             seq.hashes += chain_hashes(seq.tokens[: blocks * size], size, seq.hashes[-1] if seq.hashes
-                                       else self.root_hash, start=len(seq.hashes))
+                                       else seq.job.root_hash, start=len(seq.hashes))
 
     def _tables(self) -> dict[int, list[int]]:
         """The block tables of the rows whose sequence or blocks changed since the runner last had them."""

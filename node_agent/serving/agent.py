@@ -17,6 +17,7 @@ from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
+from node_agent.serving.served_pooler import served_class
 from shared import __version__, recovery, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
@@ -99,8 +100,8 @@ class NodeAgent:
         # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
         ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
         chosen = ranked[: profile.tensor_parallel]
-        served = ServedModel(profile, chosen[0], self.redis, self.keys, self.publisher, self.name, self.settings,
-                             devices=[t.device for t in chosen])
+        served = served_class(profile)(profile, chosen[0], self.redis, self.keys, self.publisher, self.name,
+                                       self.settings, devices=[t.device for t in chosen])
         self.models[profile.id] = served
         await self._beat()  # show `loading` at once: placement waits for it
         await served.load()

@@ -109,20 +109,21 @@ def logprobs(result) -> list[tuple[str, float, list[tuple[str, float]]]]:
             for e in result.logprobs.get(0, [])]
 
 
-def test_suffix_guesses_a_reply_that_repeats_an_earlier_one(small_vocab_dirs):
+@pytest.mark.parametrize("method, salt, guessed", [("suffix", "", True), ("ngram", "", False),
+                                                   ("suffix", "tenant-b", False)])
+def test_suffix_guesses_a_reply_that_repeats_an_earlier_one(small_vocab_dirs, method, salt, guessed):
     """A random model's greedy reply shares nothing with its prompt; asked again, "suffix" finds it
-    among the model's recent outputs and nearly every guess holds ("ngram" cannot)."""
+    among the model's recent outputs and nearly every guess holds; "ngram" cannot, nor can a job
+    with a cache salt (another tenant's outputs are not its to guess from, as its blocks are not)."""
     profile = tiny_profile(small_vocab_dirs["llama"], slots=4)
     lm = loader.load(profile, "cpu")
     ask = dict(kind="completion", temperature=0, max_tokens=24, ignore_eos=True)
-    for method, least in (("suffix", 20), ("ngram", 0)):
-        engine = Engine(lm, profile.model_copy(update={"speculative": method}))
-        first = run(engine, request("a", "Tell me about the sea", **ask))["a"]
-        before = engine.spec_stats().accepted_tokens
-        again = run(engine, request("b", "Tell me about the sea", **ask))["b"]
-        assert again.token_ids == first.token_ids
-        accepted = engine.spec_stats().accepted_tokens - before
-        assert accepted >= least if method == "suffix" else accepted < 20
+    engine = Engine(lm, profile.model_copy(update={"speculative": method}))
+    first = run(engine, request("a", "Tell me about the sea", **ask))["a"]
+    before = engine.spec_stats().accepted_tokens
+    again = run(engine, request("b", "Tell me about the sea", **ask).model_copy(update={"cache_salt": salt}))["b"]
+    assert again.token_ids == first.token_ids
+    assert (engine.spec_stats().accepted_tokens - before >= 20) == guessed
 
 
 def test_a_grammar_cuts_drafts_it_forbids(scripted):
