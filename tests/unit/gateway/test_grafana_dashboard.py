@@ -31,7 +31,8 @@ async def test_every_query_names_series_the_gateway_exports(app, client, redis):
     named = {name for expr in queries() for name in re.findall(r"\b(?:cortex|vllm):[a-zA-Z0-9_:]+", expr)}
     assert named and named <= exported, named - exported
     assert {"cortex:generation_tokens_total", "cortex:time_to_first_token_seconds_bucket",
-            "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total"} <= named
+            "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:spec_decode_num_draft_tokens_total"} <= named
 
 
 def test_the_dashboard_is_a_grafana_dashboard_on_the_provisioned_prometheus():
