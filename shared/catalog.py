@@ -20,8 +20,9 @@ class ModelProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
-    # A local directory or file (.gguf / .safetensors), "hf:org/name" (Hugging Face cache,
-    # offline) or "pkg:package/file" (a file shipped inside an installed Python package).
+    # A local directory or file (.gguf / .safetensors), "hf:org/name[@revision]" (the node's models
+    # directory, else the Hugging Face cache; pulled from a peer node or the hub when neither has it;
+    # node_agent/files/) or "pkg:package/file" (a file shipped inside an installed Python package).
     source: str
     gguf_file: str | None = None  # which .gguf inside a directory or hf repo
     tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one

@@ -5,7 +5,7 @@ import json
 
 from pydantic import BaseModel
 
-from shared.heartbeat import KVCacheStats, NodeHeartbeat
+from shared.heartbeat import KVCacheStats, NodeHeartbeat, PullProgress
 from shared.redis_health import RedisHealth
 
 
@@ -30,6 +30,7 @@ class ModelStatus(BaseModel):
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
     kv: KVCacheStats | None = None  # its KV cache and prefix cache; None until its engine is built
     error: str = ""
+    download: PullProgress | None = None  # its files on their way, while `downloading`
 
 
 class NodeStatus(BaseModel):
@@ -63,7 +64,7 @@ class NodeStatus(BaseModel):
                     slots_total=m.slots_total, memory_mb=m.memory_mb, max_model_len=m.max_model_len,
                     last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
-                    error=m.error,
+                    error=m.error, download=m.download,
                 )
                 for name, m in hb.models.items()
             },

@@ -150,6 +150,13 @@ async def _operate(action: str, model: str | None, node: str | None) -> int:
             print(f"loading {model} on {await operations.load(ctx, model, node)}")
         elif action == "unload":
             print(f"unloading {model} from {', '.join(await operations.unload(ctx, model, node)) or 'no node'}")
+        elif action == "pull":
+            print(f"pulling {model} on {', '.join(await operations.pull(ctx, model))}; `cortex status` shows "
+                  "the progress")
+        elif action == "rm":
+            asked = await operations.remove_files(ctx, model, node)
+            print(f"deleting the files of {model} on {', '.join(asked) or 'no node (none holds them)'}; a node keeps "
+                  "them while it has the model loaded, pinned or being pulled")
         elif action in ("pin", "unpin"):
             await operations.set_pin(ctx, model, action == "pin")
             print(f"{model} {action}ned")
@@ -262,10 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "shutdown_grace_s + 10, 60 for Redis, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("models", parents=[common], help="load, unload, pin or unpin a model across the fleet")
-    p.add_argument("action", choices=["load", "unload", "pin", "unpin"])
+    p = sub.add_parser("models", parents=[common],
+                       help="load, unload, pull (files), rm (files), pin or unpin a model across the fleet")
+    p.add_argument("action", choices=["load", "unload", "pull", "rm", "pin", "unpin"])
     p.add_argument("model", help="catalogue id or alias")
-    p.add_argument("--node", help="load on / unload from this node only (default: placement decides / every node)")
+    p.add_argument("--node", help="load on / unload from / rm on this node only (default: placement decides / "
+                                  "every node)")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("drain", parents=[common], help="stop a node taking jobs; it finishes running ones, unloads, idles")

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import torch
 
 from node_agent.engine.engine import Engine
+from node_agent.files.puller import Pull
 from node_agent.model import loader
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
@@ -64,11 +65,16 @@ class OutputProcessExited(RuntimeError):
 
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
+                 *, load_from: ModelProfile | None = None, downloading: bool = False):
+        """`load_from`: the profile the engine loads (its source the files' folder on this node, when
+        pulled); `downloading`: its files are not here yet (see `fetch`)."""
         self.profile, self.device = profile, device
+        self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id)
+        self.replica = Replica(profile.id, state=ModelState.DOWNLOADING if downloading else ModelState.LOADING)
+        self.pull: Pull | None = None  # while downloading
         self.engine: Engine | None = None
         self.link: OutputLink | None = None  # to the model's output process, while loaded
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
@@ -87,7 +93,8 @@ class ServedModel:
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
-                         kv=self.engine.kv_stats() if self.engine is not None else None)
+                         kv=self.engine.kv_stats() if self.engine is not None else None,
+                         download=self.pull.progress() if self.pull is not None else None)
 
     @property
     def memory_mb(self) -> int:
@@ -101,6 +108,23 @@ class ServedModel:
         """`ready` and idle past its keep_alive (and past any request's keep_alive)."""
         return self.state == ModelState.READY and self.ledger.idle_past(self.profile.keep_alive_s, now)
 
+    async def fetch(self, pull: Pull) -> bool:
+        """`downloading` → `loading` once `pull` has every file here, checked; → `failed` when it fails
+        (with the jobs that waited for this replica alone). False: do not load (failed, or unloaded meanwhile)."""
+        self.pull = pull
+        try:
+            folder = await pull.wait()
+        except Exception as exc:
+            await self._load_failed(exc)
+            return False
+        finally:
+            self.pull = None
+        if not self.replica.can(ModelState.LOADING):
+            return False
+        self.load_from = self.profile.model_copy(update={"source": str(folder)})
+        self.replica.to(ModelState.LOADING)
+        return True
+
     async def load(self) -> None:
         """`loading` (or `poisoned`: a reload) → `ready`; or → `failed`, with the jobs that waited for
         this replica alone failed."""
@@ -112,7 +136,7 @@ class ServedModel:
                                         heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
                                    self.on_feedback, self.on_output_exit)
             await self.link.start()  # it starts up while the model loads
-            self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+            self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
                                                  self.consumer_name)
             if self.state not in (ModelState.LOADING, ModelState.POISONED):  # given up meanwhile (overdue, unloaded)
                 raise ModelLoadFailed(f"the load finished after the replica was {self.state}")
