@@ -37,18 +37,18 @@ class Pull:
     def __init__(self, store: ModelStore, folder: str):
         self.store, self.folder = store, folder
         self.source, self.total = "", 0
-        self._samples: deque[tuple[float, int]] = deque()
+        self._samples = deque([(time.monotonic(), store.bytes_in(folder))])  # (when, bytes on disk)
         self.task: asyncio.Task | None = None
 
     def progress(self) -> PullProgress:
-        done = min(self.store.bytes_in(self.folder), self.total) if self.total else 0
-        now = time.monotonic()
-        self._samples.append((now, done))
-        while self._samples[0][0] < now - RATE_WINDOW_S:
+        on_disk, now = self.store.bytes_in(self.folder), time.monotonic()
+        self._samples.append((now, on_disk))
+        while len(self._samples) > 2 and self._samples[0][0] < now - RATE_WINDOW_S:
             self._samples.popleft()
-        first_s, first_done = self._samples[0]
-        rate = (done - first_done) / (now - first_s) if now > first_s else 0.0
-        return PullProgress(source=self.source, bytes_done=done, bytes_total=self.total, rate_bps=max(rate, 0.0))
+        first_s, first_bytes = self._samples[0]
+        rate = max(on_disk - first_bytes, 0) / (now - first_s) if now > first_s else 0.0
+        done = min(on_disk, self.total) if self.total else 0
+        return PullProgress(source=self.source, bytes_done=done, bytes_total=self.total, rate_bps=rate)
 
     async def wait(self) -> Path:
         await asyncio.shield(self.task)

@@ -4,6 +4,7 @@ that pull from it into their own models directories."""
 import json
 import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,10 @@ def send(stack: Stack, node: str, cmd: str, model: str) -> None:
 
 def pulls(stack: Stack, node: str) -> dict[str, dict]:
     return json.loads(stack.client().hget(stack.keys.node(node), "pulls") or b"{}")
+
+
+def cortex(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    """The `cortex` CLI against the stack's Redis, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=stack.env | {"COLUMNS": "400"},
+                          capture_output=True, text=True,
+                          timeout=60, check=True)
