@@ -141,7 +141,9 @@ class Puller:
         pull.total = wanted.total_bytes
         protected = await self._protected() | {f: "being pulled" for f in self.pulls if f != pull.folder}
         budget = int(self.settings.models_disk_gb * 1e9) if self.settings.models_disk_gb else None
-        disk_budget.make_room(self.store, pull.folder, wanted.total_bytes, budget, protected, wanted.source)
+        for evicted in disk_budget.make_room(self.store, pull.folder, wanted.total_bytes, budget, protected,
+                                             wanted.source):
+            self.held.pop(evicted, None)
         self.store.folder(pull.folder).mkdir(parents=True, exist_ok=True)
         renewing = asyncio.create_task(self._renew(lock)) if lock is not None else None
         try:
