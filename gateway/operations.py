@@ -28,7 +28,8 @@ async def unload(ctx, model: str, node: str | None = None) -> list[str]:
     return holders
 
 
-def _hub_folder(profile) -> str:
+def hub_folder(profile) -> str:
+    """The models-directory folder of an `hf:` model; InvalidRequest for any other source."""
     if not profile.source.startswith(HUB_PREFIX):
         raise InvalidRequest(f"{profile.id} comes from {profile.source}, not from a hub (hf:org/name): "
                              "nodes have no files of it to pull or delete")
@@ -38,7 +39,7 @@ def _hub_folder(profile) -> str:
 async def pull(ctx, model: str) -> list[str]:
     """Ask every live node that may run `model` to fetch its files (from a peer, else the hub); returns them."""
     profile = ctx.catalog.resolve(model)
-    _hub_folder(profile)
+    hub_folder(profile)
     nodes = [n.node for n in await ctx.fleet.live_nodes() if allowed(profile, n)]
     if not nodes:
         raise InsufficientCapacity(f"no live node may run {profile.id} (allowed nodes: {profile.nodes or 'any'}; "
@@ -52,7 +53,7 @@ async def remove_files(ctx, model: str, node: str | None = None) -> list[str]:
     has the model loaded, pinned or being pulled); returns the nodes asked."""
     profile = ctx.catalog.resolve(model)
     live = [n for n in await ctx.fleet.live_nodes() if node in (None, n.node)]
-    holders = await ctx.fleet.file_holders(_hub_folder(profile), live)
+    holders = await ctx.fleet.file_holders(hub_folder(profile), live)
     await asyncio.gather(*(ctx.placer.send(n, "rm", profile.id) for n in holders))
     return holders
 

@@ -1,6 +1,9 @@
 """A models directory that holds one model: pulling a second deletes the first while it is idle,
 and fails naming it while it is loaded; `cortex models rm` deletes files a node does not use."""
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.integration.files.conftest import catalogue, complete, cortex, node_env, pulls, send
@@ -17,8 +20,9 @@ def test_a_budget_for_one_model_evicts_an_idle_one_and_refuses_past_a_loaded_one
     stack = start_stack(tmp_path, catalogue(one="hf:org/one", two="hf:org/two"))
     try:  # one model's files take ~0.4 MB: 0.6 MB holds one, not two
         node = stack.start_node("n1", models=[], **node_env(tmp_path, "n1", hub, CORTEX_MODELS_DISK_GB="0.0006"))
-        send(stack, "n1", "pull", "one")
-        wait_for(lambda: complete(models, "org--one"), 60, "one pulled")
+        followed = cortex(stack, "models", "pull", "one").stdout  # follows the pull until the node has the files
+        assert followed.startswith("pulling one on n1") and followed.endswith("n1: has the files\n"), followed
+        assert complete(models, "org--one")
         send(stack, "n1", "pull", "two")
         wait_for(lambda: complete(models, "org--two"), 60, "two pulled")
         assert not (models / "org--one").exists()  # idle: deleted to make room
@@ -26,8 +30,9 @@ def test_a_budget_for_one_model_evicts_an_idle_one_and_refuses_past_a_loaded_one
 
         send(stack, "n1", "load", "two")
         wait_for(lambda: stack.models_on("n1").get("two", {}).get("state") == "ready", 60, "two loaded")
-        send(stack, "n1", "pull", "one")
-        wait_for(lambda: pulls(stack, "n1").get("org--one", {}).get("error"), 60, "the pull of one to fail")
+        refused = subprocess.run([sys.executable, "-m", "gateway.cli", "models", "pull", "one"], env=stack.env,
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "n1: failed: " in refused.stdout, refused.stdout
         error = pulls(stack, "n1")["org--one"]["error"]
         assert "models_disk_gb" in error and "org--two" in error and "two is ready here" in error, error
         assert complete(models, "org--two")
