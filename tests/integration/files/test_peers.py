@@ -60,3 +60,23 @@ def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, 
         stack.assert_clean()
     finally:
         stack.stop()
+
+
+def test_two_nodes_pulling_at_once_take_the_model_from_the_hub_once(tmp_path, hub, tiny_repo):
+    hub.publish(REPO, tiny_repo)
+    hub.start(throttle_bps=(tiny_repo / "model.safetensors").stat().st_size // 3)  # ~3 s: the second waits
+    stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}"), CORTEX_ADMIN_KEY=ADMIN_KEY)
+    try:
+        stack.start_gateway()
+        for name in ("a", "b"):
+            stack.start_node(name, models=[], **peer_env(tmp_path, name, hub, free_port()))
+        asked = httpx.post(f"{stack.gateway_url}/admin/models/tiny/pull",
+                           headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        assert asked.json()["nodes"] == ["a", "b"]
+        wait_for(lambda: complete(tmp_path / "models-a") and complete(tmp_path / "models-b"), 60, "both pulled")
+        weights = [line for line in hub.requests() if line.startswith("GET") and "model.safetensors" in line]
+        assert len(weights) == 1, weights  # one node from the hub, the other from it
+        assert folder_files(tmp_path / "models-a") == folder_files(tmp_path / "models-b") == NEEDED
+        stack.assert_clean()
+    finally:
+        stack.stop()
