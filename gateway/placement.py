@@ -14,6 +14,7 @@ from shared.errors import InsufficientCapacity, ModelLoadFailed
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 from shared.memory import estimate_mb
+from shared.model_files import ModelLoadError
 from shared.model_store import HUB_PREFIX, HubRef
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class Placer:
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
         found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
-        need = share_mb(profile, await asyncio.to_thread(estimate_mb, profile)) if found else 0
+        need = share_mb(profile, await self._estimate_mb(profile)) if found else 0
         holding = frozenset(await self.ctx.fleet.file_holders(HubRef.parse(profile.source).folder,
                                                               [c.node for c in found])
                             if profile.source.startswith(HUB_PREFIX) else [])
@@ -184,6 +185,14 @@ class Placer:
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node
+
+    @staticmethod
+    async def _estimate_mb(profile: ModelProfile) -> int:
+        try:
+            return await asyncio.to_thread(estimate_mb, profile)
+        except ModelLoadError as exc:  # an `hf:` model the nodes pull, whose files this host does not have
+            raise InsufficientCapacity(f"{profile.id} has no memory_mb in the catalogue and its files are not on the "
+                                       f"gateway's host to estimate it from ({exc}); set memory_mb") from exc
 
     async def send(self, node: str, cmd: str, model: str = "") -> None:
         await self.ctx.fleet.command(node, cmd, model, by=f"gateway:{self.ctx.settings.port}")

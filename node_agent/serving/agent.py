@@ -119,13 +119,13 @@ class NodeAgent:
         # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
         ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
         chosen = ranked[: profile.tensor_parallel]
-        downloading = self.puller.needs(profile)
+        pull = self.puller.start(profile) if self.puller.needs(profile) else None
         served = ServedModel(profile, chosen[0], self.redis, self.keys, self.publisher, self.name, self.settings,
                              devices=[t.device for t in chosen], load_from=self.puller.local_profile(profile),
-                             downloading=downloading)
+                             pull=pull)
         self.models[profile.id] = served
         await self._beat()  # show `downloading` or `loading` at once: placement waits for it
-        if downloading and not await served.fetch(self.puller.start(profile)):
+        if pull is not None and not await served.fetch():
             await self._beat()
             return
         await served.load()

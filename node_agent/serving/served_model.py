@@ -66,15 +66,15 @@ class OutputProcessExited(RuntimeError):
 class ServedModel:
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
                  publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
-                 *, load_from: ModelProfile | None = None, downloading: bool = False):
+                 *, load_from: ModelProfile | None = None, pull: Pull | None = None):
         """`load_from`: the profile the engine loads (its source the files' folder on this node, when
-        pulled); `downloading`: its files are not here yet (see `fetch`)."""
+        pulled); `pull`: its files are on their way (the replica starts `downloading`, see `fetch`)."""
         self.profile, self.device = profile, device
         self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id, state=ModelState.DOWNLOADING if downloading else ModelState.LOADING)
-        self.pull: Pull | None = None  # while downloading
+        self.replica = Replica(profile.id, state=ModelState.DOWNLOADING if pull else ModelState.LOADING)
+        self.pull = pull  # while downloading
         self.engine: Engine | None = None
         self.link: OutputLink | None = None  # to the model's output process, while loaded
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
@@ -108,12 +108,11 @@ class ServedModel:
         """`ready` and idle past its keep_alive (and past any request's keep_alive)."""
         return self.state == ModelState.READY and self.ledger.idle_past(self.profile.keep_alive_s, now)
 
-    async def fetch(self, pull: Pull) -> bool:
-        """`downloading` → `loading` once `pull` has every file here, checked; → `failed` when it fails
+    async def fetch(self) -> bool:
+        """`downloading` → `loading` once its pull has every file here, checked; → `failed` when it fails
         (with the jobs that waited for this replica alone). False: do not load (failed, or unloaded meanwhile)."""
-        self.pull = pull
         try:
-            folder = await pull.wait()
+            folder = await self.pull.wait()
         except Exception as exc:
             await self._load_failed(exc)
             return False

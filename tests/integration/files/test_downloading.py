@@ -19,7 +19,8 @@ def test_a_placed_node_downloads_the_model_with_visible_progress_then_serves(tmp
     hub.publish(REPO, tiny_repo)
     weights = (tiny_repo / "model.safetensors").stat().st_size
     hub.start(throttle_bps=weights // 12)  # ~12 s for the weights
-    stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}"), CORTEX_JANITOR_INTERVAL_S="0.5")
+    unsized = f'[[models]]\nid = "unsized"\nsource = "hf:{REPO}"\n'  # no memory_mb: nothing to estimate it from
+    stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}") + unsized, CORTEX_JANITOR_INTERVAL_S="0.5")
     try:
         stack.start_gateway()
         stack.start_node("n1", models=[], **node_env(tmp_path, "n1", hub))
@@ -31,7 +32,7 @@ def test_a_placed_node_downloads_the_model_with_visible_progress_then_serves(tmp
 
         def downloading() -> dict | None:
             model = json.loads(cortex(stack, "status", "--json").stdout)["nodes"][0]["models"].get("tiny")
-            if model and model["state"] == "downloading" and 0 < (model["download"] or {}).get("bytes_done", 0) < weights:
+            if model and model["state"] == "downloading" and 0 < model["download"]["bytes_done"] < weights:
                 return model
             return None
         wait_for(downloading, 60, "a replica downloading, part of the way")
@@ -42,6 +43,10 @@ def test_a_placed_node_downloads_the_model_with_visible_progress_then_serves(tmp
         assert "downloading" in shown and "from hub" in shown, shown
         listed = {m["id"]: m for m in httpx.get(f"{stack.gateway_url}/v1/models").json()["data"]}["tiny"]
         assert listed["state"] == "downloading" and 0 < listed["replicas"][0]["download_fraction"] < 1
+
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="unsized", prompt="Hello", max_tokens=4)
+        assert refused.value.status_code == 503 and "set memory_mb" in refused.value.body["message"]
 
         asking.join(120)
         assert answers and answers[0].choices[0].text is not None
