@@ -6,6 +6,7 @@ outlives a failed pull: the next one resumes it with a Range request. (`hf_hub_d
 it buffers 10 MB at a time and deletes its partial file when the call fails.) Blocking: run it in
 a thread."""
 
+import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -35,21 +36,23 @@ def manifest(source: str, gguf_file: str | None) -> Manifest:
     return Manifest(source=source, commit=info.sha or ref.revision or "main", files=files)
 
 
-def download(wanted: Manifest, folder: Path) -> None:
-    """Each file of `wanted` into `folder`, checked against its size and hash (a bad file is deleted)."""
+def download(wanted: Manifest, folder: Path, stopping: threading.Event) -> None:
+    """Each file of `wanted` into `folder`, checked against its size and hash (a bad file is deleted);
+    `stopping` set ends it between two chunks (the node is shutting down)."""
     ref = HubRef.parse(wanted.source)
     for entry in wanted.files:
         target = folder / entry.name
         if not target.is_file():
             try:
-                _fetch(hf_hub_url(ref.repo, entry.name, revision=wanted.commit), entry, partial_path(folder, entry.name))
+                _fetch(hf_hub_url(ref.repo, entry.name, revision=wanted.commit), entry, partial_path(folder, entry.name),
+                       stopping)
             except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
                 raise ModelPullFailed(f"{wanted.source}: downloading {entry.name} from the hub failed: {exc}") from exc
             partial_path(folder, entry.name).rename(target)
         hashes.check(target, entry, wanted.source)
 
 
-def _fetch(url: str, entry: FileEntry, partial: Path) -> None:
+def _fetch(url: str, entry: FileEntry, partial: Path, stopping: threading.Event) -> None:
     headers = build_hf_headers()  # HF_TOKEN, the client's user agent
     found = get_hf_file_metadata(url, headers=headers)  # follows the hub's redirects
     if urlparse(found.location).netloc != urlparse(url).netloc:
@@ -67,3 +70,5 @@ def _fetch(url: str, entry: FileEntry, partial: Path) -> None:
         with partial.open("ab" if response.status_code == 206 else "wb") as out:
             for chunk in response.iter_bytes(CHUNK):
                 out.write(chunk)
+                if stopping.is_set():
+                    raise ModelPullFailed(f"the download of {entry.name} stopped: the node is shutting down")

@@ -7,6 +7,7 @@ with every file checked and the folder's manifest written; its progress goes out
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -64,6 +65,7 @@ class Puller:
         self.pulls: dict[str, Pull] = {}
         self.failed: dict[str, tuple[float, PullProgress]] = {}  # folder -> (when, how far it got and why)
         self.held: dict[str, Manifest] = self.store.held()
+        self._stopping = threading.Event()  # ends hub downloads (threads) when the node stops
 
     # ---- what a load needs ------------------------------------------------------------------
 
@@ -124,7 +126,7 @@ class Puller:
                     pull.source = "hub"
                     wanted = await asyncio.to_thread(hub.manifest, profile.source, profile.gguf_file)
                     await self._fetch(pull, wanted, lambda: asyncio.to_thread(
-                        hub.download, wanted, self.store.folder(pull.folder)), lock)
+                        hub.download, wanted, self.store.folder(pull.folder), self._stopping), lock)
                 finally:
                     with contextlib.suppress(LockError):
                         await lock.release()
@@ -199,6 +201,7 @@ class Puller:
             pipe.pexpire(key, ttl_ms)
 
     async def stop(self) -> None:
+        self._stopping.set()
         tasks = [pull.task for pull in self.pulls.values()]
         for task in tasks:
             task.cancel()

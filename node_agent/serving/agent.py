@@ -71,8 +71,13 @@ class NodeAgent:
         await self._recover_predecessor()
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
                  asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
-        await asyncio.gather(*(self.load_model(m) for m in self.settings.models))
-        await self._stop.wait()
+        starting = asyncio.gather(*(self.load_model(m) for m in self.settings.models))
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # stopped while starting: a download may take hours, a load finishes
+            await self.puller.stop()
+        await starting
+        await stopping
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
 

@@ -28,7 +28,8 @@ from node_agent.serving.publisher import Outgoing, Publisher
 from node_agent.serving.replica import Replica
 from node_agent.tp import tensor_parallel
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned, NodeLost
+from shared.errors import (CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned,
+                           ModelPullFailed, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
@@ -113,6 +114,12 @@ class ServedModel:
         (with the jobs that waited for this replica alone). False: do not load (failed, or unloaded meanwhile)."""
         try:
             folder = await self.pull.wait()
+        except asyncio.CancelledError:
+            if not self.pull.task.cancelled():
+                raise  # this replica's load was cancelled, not the pull
+            await self._load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the node is "
+                                                    "shutting down"))
+            return False
         except Exception as exc:
             await self._load_failed(exc)
             return False

@@ -2,10 +2,14 @@
 the files a model needs, HF_TOKEN sent, a transfer cut half-way resumed where it stopped, and a
 file whose hash is not the hub's refused and never loaded."""
 
+import sys
+import time
+
 import pytest
 
 from tests.integration.files.conftest import (FOLDER, NEEDED, REPO, catalogue, complete, folder_files, node_env,
                                               partial_bytes, pulls, send)
+from tests.conftest import Service
 from tests.stack import start_stack, wait_for
 
 pytestmark = pytest.mark.integration
@@ -59,4 +63,22 @@ def test_a_file_corrupted_on_the_hub_is_refused_and_never_loaded(tmp_path, hub, 
         assert not complete(models) and "model.safetensors" not in folder_files(models)
         assert "loading tiny from" not in node.log_path.read_text()  # the engine never read it
     finally:
+        stack.stop()
+
+
+def test_a_node_stopped_while_it_downloads_a_model_at_start_stops_at_once(tmp_path, hub, tiny_repo):
+    hub.publish(REPO, tiny_repo)
+    hub.start(throttle_bps=4096)  # ~100 s for the weights
+    stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}"))
+    env = stack.env | node_env(tmp_path, "n1", hub) | {"CORTEX_NODE_NAME": "n1", "CORTEX_MODELS": '["tiny"]'}
+    node = Service("node n1", [sys.executable, "-m", "node_agent"], tmp_path / "node-n1.log", env=env)
+    try:
+        node.wait_ready(lambda: stack.models_on("n1").get("tiny", {}).get("state") == "downloading", 60)
+        started = time.monotonic()
+        assert node.stop(timeout_s=20) == 0 and time.monotonic() - started < 10  # not after the download
+        log = node.log_path.read_text()
+        assert "the node is shutting down" in log and "node n1 stopped" in log
+        assert stack.client().exists(stack.keys.node("n1"), stack.keys.model_files("n1")) == 0
+    finally:
+        node.stop()
         stack.stop()
