@@ -4,6 +4,7 @@ and fails naming it while it is loaded; `cortex models rm` deletes files a node 
 import subprocess
 import sys
 
+import ollama
 import pytest
 
 from tests.integration.files.conftest import catalogue, complete, cortex, node_env, pulls, send
@@ -19,6 +20,7 @@ def test_a_budget_for_one_model_evicts_an_idle_one_and_refuses_past_a_loaded_one
     models = tmp_path / "models-n1"
     stack = start_stack(tmp_path, catalogue(one="hf:org/one", two="hf:org/two"))
     try:  # one model's files take ~0.4 MB: 0.6 MB holds one, not two
+        stack.start_gateway()
         node = stack.start_node("n1", models=[], **node_env(tmp_path, "n1", hub, CORTEX_MODELS_DISK_GB="0.0006"))
         followed = cortex(stack, "models", "pull", "one").stdout  # follows the pull until the node has the files
         assert followed.startswith("pulling one on n1") and followed.endswith("n1: has the files\n"), followed
@@ -35,6 +37,10 @@ def test_a_budget_for_one_model_evicts_an_idle_one_and_refuses_past_a_loaded_one
         assert refused.returncode == 2 and "n1: failed: " in refused.stdout, refused.stdout
         error = pulls(stack, "n1")["org--one"]["error"]
         assert "models_disk_gb" in error and "org--two" in error and "two is ready here" in error, error
+        with pytest.raises(ollama.ResponseError) as by_ollama:  # Ollama's /api/pull says the same
+            ollama.Client(host=stack.gateway_url, timeout=60).pull("one", stream=False)
+        assert by_ollama.value.status_code == 503 and "n1 could not pull one" in by_ollama.value.error
+        assert "org--two (0.4 MB, two is ready here)" in by_ollama.value.error
         assert complete(models, "org--two")
 
         cortex(stack, "models", "rm", "two")  # loaded: the node keeps it

@@ -2,6 +2,7 @@
 the hub; a node's file port serves only to holders of the fleet secret, and only its model folders."""
 
 import httpx
+import ollama
 import openai
 import pytest
 
@@ -70,10 +71,11 @@ def test_two_nodes_pulling_at_once_take_the_model_from_the_hub_once(tmp_path, hu
         stack.start_gateway()
         for name in ("a", "b"):
             stack.start_node(name, models=[], **peer_env(tmp_path, name, hub, free_port()))
-        asked = httpx.post(f"{stack.gateway_url}/admin/models/tiny/pull",
-                           headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
-        assert asked.json()["nodes"] == ["a", "b"]
-        wait_for(lambda: complete(tmp_path / "models-a") and complete(tmp_path / "models-b"), 60, "both pulled")
+        progress = list(ollama.Client(host=stack.gateway_url, timeout=120).pull("tiny", stream=True))  # Ollama's client
+        assert progress[-1].status == "success" and complete(tmp_path / "models-a") and complete(tmp_path / "models-b")
+        moving = [p for p in progress[:-1] if p.total]
+        assert {p.status for p in moving} <= {f"pulling {FOLDER} on a", f"pulling {FOLDER} on b"} and moving
+        assert all(0 < p.completed <= p.total for p in moving)
         weights = [line for line in hub.requests() if line.startswith("GET") and "model.safetensors" in line]
         assert len(weights) == 1, weights  # one node from the hub, the other from it
         assert folder_files(tmp_path / "models-a") == folder_files(tmp_path / "models-b") == NEEDED
