@@ -7,7 +7,7 @@ the gateway reads manifests (placement, `cortex models rm`) as the nodes write t
 import shutil
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from shared.errors import InvalidRequest
 
@@ -42,7 +42,8 @@ class HubRef(BaseModel):
 
 
 class FileEntry(BaseModel):
-    """One file of a model as the hub describes it: LFS files carry a sha256, others a git blob id."""
+    """One file of a model as the hub describes it: LFS files carry a sha256, others a git blob id.
+    Only files at the top of a repo: a name never leads out of its folder."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +51,13 @@ class FileEntry(BaseModel):
     size: int
     sha256: str = ""
     blob_id: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_parent(cls, name: str) -> str:
+        if "/" in name or "\\" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not the name of a file at the top of a model folder")
+        return name
 
 
 class Manifest(BaseModel):

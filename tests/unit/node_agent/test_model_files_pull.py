@@ -90,3 +90,9 @@ def test_a_pull_that_cannot_fit_names_what_holds_the_disk(tmp_path):
 def test_a_replica_downloading_counts_as_one_coming():
     info = ModelInfo(state=ModelState.DOWNLOADING, device="cpu")
     assert NodeHeartbeat(node="n", version="", started_ms=0, heartbeat_ms=0, models={"m": info}).serves("m")
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", "c\\\\d"])
+def test_a_manifest_names_files_of_its_folder_only(name):
+    with pytest.raises(ValueError):
+        FileEntry(name=name, size=1)
