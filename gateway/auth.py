@@ -100,8 +100,9 @@ async def identify(ctx: GatewayContext, request: Request) -> Caller:
 
 
 async def authenticate(request: Request, ctx: Ctx) -> Caller:
-    """The dependency every /v1 route runs: the caller, or a 401 in the route's dialect."""
-    caller = await identify(ctx, request)
+    """The dependency every /v1 route runs: the caller, or a 401 in the route's dialect (waiting out a
+    short Redis outage, gateway/outage.py)."""
+    caller = await ctx.outage.through(lambda: identify(ctx, request))
     caller_var.set(caller.name)
     return caller
 
@@ -121,6 +122,17 @@ async def require_dashboard(request: Request, ctx: Ctx) -> None:
     """The dashboard's data: open while auth is off (loopback, no key exists), else the admin key's."""
     if await auth_required(ctx):
         require_admin(request, ctx)
+
+
+async def metrics_access(request: Request, ctx: Ctx) -> bool:
+    """`/metrics`' dependency: True when the caller sees every series (the admin key, or anyone while
+    auth is off), False for the anonymous view (gateway/metrics_view.py); with
+    `metrics_require_admin_key`, anyone but the admin key is refused (401, or 403 without one set)."""
+    if _is_admin(ctx.settings, bearer(request)):
+        return True
+    if ctx.settings.metrics_require_admin_key:
+        require_admin(request, ctx)
+    return not await auth_required(ctx)
 
 
 async def warn_if_exposed(ctx: GatewayContext) -> None:

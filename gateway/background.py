@@ -16,13 +16,15 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway import queue
+from gateway import job_queue
+from gateway.files import visible
 from gateway.jobs import Resumable
 from gateway.protocol.responses import Response
 from gateway.render.responses import ResponseSpec, folded
-from gateway.responses_store import ResponseStore
+from gateway.responses_store import Kept, ResponseStore
 from gateway.tools.parsers import parsers_for
 from shared import event_log
+from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound
 from shared.redis_conn import broker_error, publish
 from shared.wire import DoneEvent, Event, WireError, ends_job
@@ -54,8 +56,8 @@ class Folded:
         return self.response.status not in ("queued", "in_progress")
 
     @property
-    def conversation(self) -> list[dict[str, Any]]:
-        return self.record.spec.get("conversation") or []
+    def kept(self) -> Kept:
+        return Kept.of(self.record.spec, self.record.owner)
 
 
 def _store(ctx) -> ResponseStore:
@@ -92,22 +94,25 @@ async def fold(ctx, response_id: str) -> Folded | None:
 
 async def _finish(ctx, found: Folded) -> None:
     """Store an ended background response and count its tokens (once, whoever else counts them)."""
-    await _store(ctx).put(found.response, found.conversation)
     record = found.record
+    await _store(ctx).put(found.response, found.kept)
     if found.done is not None and record.metered:
         job = job_of(found.response.id)
         await ctx.limiter.record(record.owner, job, found.done.usage, once=ctx.keys.metered(job))
     log.info("background response %s %s", found.response.id, found.response.status)
 
 
-async def current(ctx, response_id: str) -> dict[str, Any]:
-    """`GET /v1/responses/{id}`: the stored response; a background one still pending (or a streamed
-    one still running, never stored yet) as its job's log makes it now, stored once it has ended."""
+async def current(ctx, response_id: str, owner: str | None) -> dict[str, Any]:
+    """`GET /v1/responses/{id}`: `owner`'s stored response (None: anyone's); a background one still
+    pending (or a streamed one still running, never stored yet) as its job's log makes it now, stored
+    once it has ended."""
     try:
-        stored = await _store(ctx).read(response_id)
+        stored = await _store(ctx).read(response_id, owner)
         if stored is not None and "pending" not in stored:
             return stored["response"]
         found = await fold(ctx, response_id)
+        if found is not None and not visible(found.record.owner, owner):
+            found = None
         if found is None:
             if stored is None:
                 raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
@@ -119,17 +124,18 @@ async def current(ctx, response_id: str) -> dict[str, Any]:
     return found.response.model_dump(mode="json")
 
 
-async def conversation(ctx, response_id: str) -> list[dict[str, Any]]:
-    """The conversation `previous_response_id` continues (a background response is settled first)."""
+async def conversation(ctx, response_id: str, owner: str | None) -> list[dict[str, Any]]:
+    """The conversation `previous_response_id` continues, if it is `owner`'s (a background response is
+    settled first)."""
     if await ctx.redis.zscore(ctx.keys.background_responses(), response_id) is not None:
-        await current(ctx, response_id)
-    return await _store(ctx).conversation(response_id)
+        await current(ctx, response_id, owner)
+    return await _store(ctx).conversation(response_id, owner)
 
 
 async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
     """`POST /v1/responses/{id}/cancel`: stop a background response that has not ended."""
     store = _store(ctx)
-    stored = await store.read(response_id)
+    stored = await store.read(response_id, caller.owner)
     if stored is None:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     if not stored["response"].get("background"):
@@ -137,17 +143,15 @@ async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
     if "pending" not in stored:
         return stored["response"]  # it ended already
     found = await fold(ctx, response_id)
-    if found is not None and found.record.owner != caller.name:
-        raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     pending, job = stored["pending"], job_of(response_id)
-    await queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
+    await job_queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
     await publish(ctx.redis, ctx.keys.cancel(), job)  # running: the node stops it at its next step
     if found is not None and found.ended:
         await _finish(ctx, found)
         return found.response.model_dump(mode="json")
     response = (found.response if found else Response.model_validate(stored["response"])).model_copy(
         update={"status": "cancelled"})
-    await store.put(response, found.conversation if found else [])
+    await store.put(response, found.kept if found else Kept([], stored.get("owner", ANONYMOUS)))
     log.info("background response %s cancelled", response_id)
     return response.model_dump(mode="json")
 
@@ -167,7 +171,7 @@ async def settle_ended(ctx) -> None:
 
 async def _settle(ctx, response_id: str) -> None:
     store = _store(ctx)
-    stored = await store.read(response_id)
+    stored = await store.read(response_id, None)
     if stored is None or "pending" not in stored:  # deleted, or stored by whoever saw it end
         await ctx.redis.zrem(ctx.keys.background_responses(), response_id)
         return
@@ -177,5 +181,5 @@ async def _settle(ctx, response_id: str) -> None:
         return
     error = {"code": "expired", "message": "the job's events expired before it ended (stream_retention_s)"}
     failed = Response.model_validate(stored["response"]).model_copy(update={"status": "failed", "error": error})
-    await store.put(failed, [])
+    await store.put(failed, Kept([], stored.get("owner", ANONYMOUS)))
     log.warning("background response %s failed: its job's event log is gone", response_id)

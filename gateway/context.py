@@ -12,6 +12,7 @@ from gateway.events import EventRouter
 from shared.fleet import Fleet
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
+from gateway.outage import OutageWait
 from shared.api_keys import KeyStore
 from shared.catalog import Catalog
 from shared.keys import Keys
@@ -38,6 +39,7 @@ class GatewayContext:
     limiter: Limiter = field(init=False)
     departures: "Departures" = field(init=False)
     routing: "Routing" = field(init=False)
+    outage: OutageWait = field(init=False)
 
     def __post_init__(self) -> None:
         from gateway.placement import Placer
@@ -49,6 +51,7 @@ class GatewayContext:
         self.api_keys = KeyStore(self.redis, self.keys)
         self.limiter = Limiter(self.redis, self.keys, self.metrics, self.settings.stream_retention_s)
         self.departures = Departures(self)
+        self.outage = OutageWait(self.redis, self.settings.redis_outage_wait_s, self.settings.redis_outage_max_waiting)
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -26,7 +26,7 @@ class Gathered:
     usage: Usage
 
 
-async def gather(events: AsyncIterator[DeltaEvent | DoneEvent], n: int) -> Gathered:
+async def gather_choices(events: AsyncIterator[DeltaEvent | DoneEvent], n: int) -> Gathered:
     """Fold every delta into its choice (by `index`) until the job's `done` event."""
     choices = {i: GatheredChoice(index=i) for i in range(n)}
     async for event in events:

@@ -23,20 +23,22 @@ from typing import Any, Protocol
 import anyio
 from redis.exceptions import RedisError
 
-from gateway import queue
+from gateway import job_queue
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.events import Item
 from gateway.images import ImageLimits, take_images
 from gateway.request_id import request_id_var
-from gateway.routing import session_hint
+from gateway.routing import SHARED, session_hint
 from gateway.tools import grammars
 from gateway.tracing import JobTrace, span
 from gateway.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from shared import event_log, prefix_marks, queues
-from shared.errors import CortexError, InvalidRequest, Timeout, error_from_code
+from shared.catalog import ModelProfile
+from shared.errors import CortexError, InvalidRequest, Timeout, WrongModelKind, error_from_code
 from shared.redis_conn import broker_error, publish
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, StartEvent, StreamEntry, pack
+from shared.wire import (DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, PoolingRequest, StartEvent, StreamEntry,
+                         pack)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class Job:
         self._queue = queue
         self._first: DeltaEvent | DoneEvent | None = None
         self.prompt_tokens = 0  # the prompt's length, once the node's start event told it
+        self._output_seen = False  # an event after the (last) start event came
         self.prompt_text = prompt_text  # the prompt's text when the request asked to echo it
         self.finished = False  # the node ended it (done or error): nothing to cancel
         self.closed = False
@@ -109,23 +112,42 @@ class Job:
         model failed to load) can still become an HTTP status instead of a broken stream."""
         self._first = await self._next()
 
-    async def events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
-        """Deltas, then the done event; raises the job's `CortexError` if it fails."""
+    async def events(self, restarts: bool = False) -> AsyncIterator[DeltaEvent | DoneEvent | StartEvent]:
+        """Deltas, then the done event; raises the job's `CortexError` if it fails. With `restarts`,
+        a `StartEvent` where the job started again after some output (its node was lost and the
+        janitor requeued it): the output before it is void."""
         while True:
             if self._first is not None:
                 event, self._first = self._first, None
             else:
-                event = await self._next()
+                event = await self._next(restarts)
             yield event
             if isinstance(event, DoneEvent):
                 return
 
-    async def _next(self) -> DeltaEvent | DoneEvent:
+    async def final_events(self) -> AsyncIterator[DeltaEvent | DoneEvent]:
+        """For an answer that is not streamed: the events of the job's last attempt, once it is done.
+        A job whose node was lost is requeued by the janitor and runs again from its start; what the
+        lost node had sent is void (else its text would come twice)."""
+        held: list[DeltaEvent | DoneEvent] = []
+        async for event in self.events(restarts=True):
+            if isinstance(event, StartEvent):
+                held = []
+            else:
+                held.append(event)
+        for event in held:
+            yield event
+
+    async def _next(self, restarts: bool = False) -> DeltaEvent | DoneEvent | StartEvent:
         item = await self._get()
         while isinstance(item, StartEvent):  # kept here, renderers read it; a retried job starts again
             self.prompt_tokens = item.prompt_tokens
             self.prompt_text = self.prompt_text if item.prompt_text is None else item.prompt_text
+            if restarts and self._output_seen:
+                self._output_seen = False
+                return item
             item = await self._get()
+        self._output_seen = True
         if isinstance(item, CortexError):
             raise item
         if isinstance(item, ErrorEvent):
@@ -176,7 +198,7 @@ class Job:
                 log.info("job=%s request=%s key=%s cancelled before it finished", self.id, self.request_id,
                          self.caller.name)
                 try:  # still queued: withdrawn, so no node runs it for nobody; else cancelled where it runs
-                    if not (self.entry_id and await queue.withdraw(self._ctx, self.stream, self.entry_id)):
+                    if not (self.entry_id and await job_queue.withdraw(self._ctx, self.stream, self.entry_id)):
                         await publish(self._ctx.redis, self._ctx.keys.cancel(), self.id)
                 except RedisError as exc:
                     log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
@@ -208,14 +230,17 @@ class Job:
         await self.close()
 
 
-async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller, *, priority: str = "interactive",
+async def submit(ctx: GatewayContext, request: GenerationRequest | PoolingRequest, caller: Caller, *,
+                 priority: str = "interactive",
                  stream: bool = False, keep_alive_s: float | None = None, rank: int | None = None,
                  parsers: Parsers = no_parser, resumable: Resumable | None = None, session: str = "") -> Job:
     """Subscribe to the job's events, then enqueue it on the stream of its priority class
     (`priority`: interactive | batch) and band (`rank`: the request's `priority`, lower is
     sooner; see shared/queues.py) for `caller`, with its event log first when it is `resumable`;
     the caller must `close()` (or `detach()`) the job. It goes to a node's own stream where
-    `ctx.routing` says (its cache holds the prefix, or its `session` ran there last)."""
+    `ctx.routing` says (its cache holds the prefix, or its `session` ran there last); an embedding
+    or rerank job (a `PoolingRequest`) always to the model's shared streams."""
+    generation = isinstance(request, GenerationRequest)
     channel = ctx.keys.events(request.job)
     try:  # before subscribing: a request that cannot travel leaves nothing behind
         body = pack(request)
@@ -227,7 +252,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         kind=request.kind,
         model=request.model,
         priority=priority,
-        max_tokens=request.sampling.max_tokens or 0,
+        max_tokens=(request.sampling.max_tokens or 0) if generation else 0,
         submitted_ms=int(time.time() * 1000),
         reply=channel,
         request_id=request_id_var.get(),
@@ -237,12 +262,13 @@ async def submit(ctx: GatewayContext, request: GenerationRequest, caller: Caller
         body=body,
     )
     band = queues.band(rank)
-    route = await ctx.routing.route(request, session, priority, band)
+    route = await ctx.routing.route(request, session, priority, band) if generation else SHARED
     stream = (ctx.keys.node_jobs(request.model, route.node, priority, band) if route.node
               else ctx.keys.jobs(request.model, priority, band))
     metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
     job = Job(ctx, request.job, request.model, await ctx.router.subscribe(channel), caller, parsers=parsers,
-              metered=metered, prompt_text=request.prompt if request.echo and isinstance(request.prompt, str) else None,
+              metered=metered,
+              prompt_text=request.prompt if generation and request.echo and isinstance(request.prompt, str) else None,
               on_disconnect=resumable.on_disconnect if resumable else OnDisconnect.CANCEL, trace=trace, session=session)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
@@ -285,23 +311,49 @@ class ApiRequest(Protocol):
     def to_generation_request(self, job: str, model: str) -> GenerationRequest: ...
 
 
+_KINDS = {  # a profile's kind -> (what the model is, what it serves)
+    "generate": ("a chat model", "chat, completions and messages"),
+    "embedding": ("an embedding model", "/v1/embeddings"),
+    "rerank": ("a rerank model", "/v1/rerank and /v1/score"),
+}
+
+
+async def admit(ctx: GatewayContext, model: str, kind: str, caller: Caller, priority: str) -> ModelProfile:
+    """The profile of `model` (404 if unknown), checked that the caller's key may use it (404/403),
+    that it is of `kind` (400 when it serves something else: chat on an embedding model) and, for
+    interactive requests, is within its limits (429; batch lines are not rate limited)."""
+    profile = ctx.catalog.resolve(model)
+    caller.check_may_use(profile)
+    if profile.kind != kind:
+        (named, serves), (_, asked) = _KINDS[profile.kind], _KINDS[kind]
+        raise WrongModelKind(f"{model} is {named}: it serves {serves}, not {asked}", param="model")
+    if caller.key is not None and priority == "interactive":
+        await ctx.limiter.admit(caller.key)
+    return profile
+
+
 async def submit_request(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
                          resumable: Resumable | None = None) -> Job:
-    """The one way from an API request (a route's, or a batch line's) to a job: resolve the model
-    once (404 if unknown), check the caller's key may use it (404/403) and, for interactive
-    requests, is within its limits (429; batch lines are not rate limited), build the generation
-    request with its grammar (forced tool calls, JSON output) in the model's tool format and its
-    images checked and carried in the job (400 for a bad one, or any for a text-only model), make
-    sure a live node serves or loads the model (503 when none can), and submit. The job carries
+    """`admit_and_submit`, waiting out a short Redis outage (gateway/outage.py)."""
+    return await ctx.outage.through(lambda: admit_and_submit(ctx, body, caller, priority=priority, resumable=resumable))
+
+
+async def admit_and_submit(ctx: GatewayContext, body: ApiRequest, caller: Caller, *, priority: str = "interactive",
+                           resumable: Resumable | None = None) -> Job:
+    """The one way from an API request (a route's, or a batch line's) to a generation job: admit it
+    (`admit`: the model exists and generates, the key may use it and is within its limits), build
+    the generation request with its grammar (forced tool calls, JSON output) in the model's tool
+    format and its images checked and carried in the job (400 for a bad one, or any for a
+    text-only model), make sure a live node serves or loads the model (503 when none can), and
+    submit. The job carries
     the tool-call parsers its response is rendered with (seeded by its id, so a resumed stream
     names the same calls); a `resumable` one keeps its events for clients that resume it."""
     with span("admission"):
-        profile = ctx.catalog.resolve(body.model)
-        caller.check_may_use(profile)
-        if caller.key is not None and priority == "interactive":
-            await ctx.limiter.admit(caller.key)
+        profile = await admit(ctx, body.model, "generate", caller, priority)
         tool_format = parser_name(profile)
         request = body.to_generation_request(new_job_id(), profile.id)
+        request.cache_salt = prefix_marks.salt(ctx.settings.prefix_cache_scope, caller.name if caller.key else None,
+                                               getattr(body, "cache_salt", None))
         request.sampling.grammar = grammars.grammar(body.constraint, tool_format)
         await take_images(request, ImageLimits.of(ctx.settings), vision=profile.vision)
         ctx.routing.prepare(request)

@@ -36,12 +36,18 @@ class Metrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.success = c("request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"])
+        self.pooled_inputs = c("pooled_inputs", "Inputs of finished embedding and rerank jobs.")
+        self.pooled_forwards = c("pooled_forwards", "Forward passes that finished embedding and rerank jobs took "
+                                 "(per job: a pass shared by several jobs counts in each).")
         # per API key, by its name (never its secret)
         self.key_requests = c("key_requests", "Requests admitted, per API key.", ["key"])
         self.key_rejections = c("key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"])
         self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs, per API key.", ["key"])
         self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs, per API key.",
                                        ["key"])
+        self.per_key = frozenset(family.name for metric in (self.key_requests, self.key_rejections,
+                                                            self.key_prompt_tokens, self.key_completion_tokens)
+                                 for family in metric.describe())
         g = lambda name, doc, labels: Gauge(f"cortex:{name}", doc, labels, registry=self.registry)
         self.running = g("requests_running", "Jobs read by a node and not finished.", ["model"])
         self.waiting = g("requests_waiting", "Jobs queued and not yet read by any node.", ["model"])
@@ -164,7 +170,11 @@ class RequestTimer:
             return
         m, node = self.metrics, event.node or "?"
         labels = (self.model, node)
-        m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
+        if event.pooled is not None:
+            m.pooled_inputs.labels(*labels).inc(len(event.pooled.vectors) + len(event.pooled.scores))
+            m.pooled_forwards.labels(*labels).inc(event.pooled.forwards)
+        else:
+            m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
         m.e2e.labels(*labels).observe(now - self.submitted)
         m.queue.labels(*labels).observe(event.timings.queue_ms / 1000)
         for gap in self.gaps:

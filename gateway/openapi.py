@@ -1,7 +1,7 @@
 """The OpenAPI document as the gateway really answers: request validation fails with 400 (not
 FastAPI's 422), every error comes in its dialect's shape (`gateway/errors.py`), and the
-generation routes declare the objects they return (or a stream, when asked to stream: SSE, and
-NDJSON lines for Ollama's)."""
+generation, embedding and rerank routes declare the objects they return (or a stream, when asked
+to stream: SSE, and NDJSON lines for Ollama's)."""
 
 from typing import Any
 
@@ -11,11 +11,15 @@ from pydantic import BaseModel
 
 from gateway import ndjson, sse
 from gateway.errors import ANTHROPIC_PATHS, OLLAMA_PATHS
-from gateway.protocol import anthropic, ollama, openai
+from gateway.protocol import anthropic, embeddings, ollama, openai, rerank
 
 SUCCESS: dict[str, type[BaseModel]] = {  # POST path → what a non-streamed answer is
     "/v1/chat/completions": openai.ChatCompletion,
     "/v1/completions": openai.Completion,
+    "/v1/embeddings": embeddings.CreateEmbeddingResponse,
+    "/v1/rerank": rerank.RerankResponse,
+    "/rerank": rerank.RerankResponse,
+    "/v1/score": rerank.ScoreResponse,
     "/v1/messages": anthropic.Message,
     "/v1/messages/count_tokens": anthropic.MessageTokensCount,
     "/api/chat": ollama.ChatResponse,

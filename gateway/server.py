@@ -14,9 +14,11 @@ from gateway import errors, openapi, routes
 from gateway.auth import warn_if_exposed
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
-from gateway.events import EventRouter, pubsub_client
+from gateway.event_links import pubsub_client
+from gateway.events import EventRouter
 from shared.fleet import Fleet
 from gateway.janitor import Janitor
+from gateway.json_body import JsonBodyMiddleware
 from gateway.request_id import RequestIdMiddleware
 from gateway.routing import SessionHeaderMiddleware
 from gateway.tracing import TraceLogFormatter, TracingMiddleware
@@ -72,6 +74,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         finally:
             warm_up.cancel()
             metrics.cancel()
+            ctx.outage.stop()
             await janitor.stop()
             await ctx.departures.stop()
             await router.stop()
@@ -80,6 +83,7 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
                 await batch_queue.aclose()
 
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
+    app.add_middleware(JsonBodyMiddleware)  # inside BodyLimitMiddleware: it reads only what that one let through
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        files_max_bytes=settings.files_max_bytes)
     app.add_middleware(SessionHeaderMiddleware)

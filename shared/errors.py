@@ -31,6 +31,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class WrongModelKind(InvalidRequest):
+    """A request for what the model does not serve: chat on an embedding model, embeddings on a chat model."""
+
+    code = "model_not_supported"
+
+
 class PreviousResponseNotFound(InvalidRequest):
     code = "previous_response_not_found"
 
@@ -156,6 +162,11 @@ class NodeLost(CortexError):
 
 class BrokerUnavailable(CortexError):
     status, code, type = 503, "broker_unavailable", "service_unavailable"
+
+
+class RedisUnreachable(BrokerUnavailable):
+    """No answer from Redis (restarting, or the network gone): a new request waits for it to come
+    back (gateway/outage.py) before it is refused."""
 
 
 class BrokerOutOfMemory(BrokerUnavailable):

@@ -6,7 +6,8 @@ The KV cache follows the node's rule (node_agent/model/model_calls.py `kv_blocks
 `default_kv_blocks` here): the profile's `kv_cache_mb`, else `DEFAULT_KV_CACHE_MB`, capped at
 `slots` sequences of `max_model_len` tokens and never below one. Only attention layers hold keys
 and values (a linear-attention layer keeps a state per slot instead). A `kv_memory_fraction`
-takes what the device has free at load: placement counts the default's worth for it."""
+takes what the device has free at load: placement counts the default's worth for it. An embedding or
+rerank model holds no KV cache: its weights and one forward pass (`pooling_pass_bytes`)."""
 
 import json
 from functools import lru_cache
@@ -103,6 +104,13 @@ def _layer_kinds(config: dict) -> list[str]:
             for i in range(config["num_hidden_layers"])]
 
 
+def pooling_pass_bytes(profile: ModelProfile, *, hidden: int, intermediate: int, heads: int, max_len: int) -> int:
+    """What one forward pass of an embedding or rerank model holds besides its weights (it keeps no
+    KV cache): for each of `pooling_batch_tokens` tokens, float32 hidden states, MLP activations
+    and attention scores over a row of up to `max_len` tokens."""
+    return profile.pooling_batch_tokens * (intermediate + 4 * hidden + heads * max_len) * 4
+
+
 @lru_cache(maxsize=64)
 def _estimate(profile_json: str) -> int:
     profile = ModelProfile.model_validate_json(profile_json)
@@ -110,6 +118,13 @@ def _estimate(profile_json: str) -> int:
     dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)  # "auto" may pick bf16; fp32 is the safe guess
     params, shape, rows = (_gguf_facts(files.folder / files.gguf_file) if files.gguf_file
                            else _safetensors_facts(files.folder))
+    if profile.kind != "generate":
+        config = json.loads((files.folder / "config.json").read_text())
+        hidden = config["hidden_size"]
+        activations = pooling_pass_bytes(profile, hidden=hidden, intermediate=config.get("intermediate_size", 4 * hidden),
+                                         heads=config["num_attention_heads"],
+                                         max_len=profile.effective_context(shape["context"] or None)[0])
+        return int((params * dtype_bytes + activations) * MARGIN / _MB) + 1
     weights = params * (1 if profile.quant == "int8" else dtype_bytes)
     max_len, _ = profile.effective_context(shape.pop("context") or None)
     cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)

@@ -1,12 +1,19 @@
 """Where a model's files are on this host: local dirs and files, the Hugging Face cache (offline),
 and files shipped inside Python packages. No torch here, so the gateway can use it too."""
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.catalog import ModelProfile
+
+
+UNPACKED_DIR = Path.home() / ".cache" / "cortex" / "unpacked"  # where .zip sources are unpacked
 
 
 class ModelLoadError(RuntimeError):
@@ -51,6 +58,28 @@ def _hf_snapshot(repo: str, cache: str | None) -> Path:
         raise ModelLoadError(f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}") from exc
 
 
+def unzipped(archive: Path, root: Path = UNPACKED_DIR) -> Path:
+    """The folder `archive` (a model's files in a .zip) unpacks to, unpacked on first use: one folder
+    per archive path, size and mtime, moved into place whole so a reader never sees half of it."""
+    stat = archive.stat()
+    tag = hashlib.blake2b(f"{archive.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    folder = root / f"{archive.stem}-{tag}"
+    if folder.exists():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".unpacking-"))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            zipped.extractall(staging)
+        staging.rename(folder)
+    except OSError:
+        if not folder.exists():  # another process moving its own copy in first is fine
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
     """Where the weights and tokenizer of `profile` are on this host."""
     source = profile.source
@@ -62,6 +91,8 @@ def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
         path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model source {source!r} not found at {path}")
+    if path.suffix == ".zip":
+        path = unzipped(path)
     if path.is_file():  # a .gguf file, or a .safetensors file with its config beside it
         files = ModelFiles(folder=path.parent, gguf_file=path.name if path.suffix == ".gguf" else None)
     else:

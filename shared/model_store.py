@@ -43,7 +43,7 @@ class HubRef(BaseModel):
 
 class FileEntry(BaseModel):
     """One file of a model as the hub describes it: LFS files carry a sha256, others a git blob id.
-    Only files at the top of a repo: a name never leads out of its folder."""
+    Its name is a path inside the model's folder (`1_Pooling/config.json`), never out of it."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,8 +55,8 @@ class FileEntry(BaseModel):
     @field_validator("name")
     @classmethod
     def _not_a_parent(cls, name: str) -> str:
-        if "/" in name or "\\" in name or name in (".", ".."):
-            raise ValueError(f"{name!r} is not the name of a file at the top of a model folder")
+        if "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+            raise ValueError(f"{name!r} is not the path of a file inside a model folder")
         return name
 
 

@@ -99,7 +99,7 @@ def entry_ms(entry_id: str | bytes) -> int:
 
 # Nodes XACK and XDEL an entry in one round trip when its job ends, so a stream holds exactly the
 # entries nobody has read (after the group's last pending entry) plus the pending ones.
-_LUA_PENDING = """
+LUA_PENDING = """
 local function pending(key, group)
   local p = redis.pcall('XPENDING', key, group)
   if type(p) ~= 'table' or p.err or p[1] == 0 then return 0, nil end
@@ -114,7 +114,7 @@ end
 """
 
 # KEYS: streams; ARGV[1]: group. Returns {now_ms, {unread, pending, oldest unread id or ''} per stream}.
-QUEUE_STATS_LUA = _LUA_PENDING + """
+QUEUE_STATS_LUA = LUA_PENDING + """
 local t = redis.call('TIME')
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -134,7 +134,7 @@ return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}
 # cap on counting, '1' to withdraw the entry if nobody has read it yet.
 # Returns 0 once a node has read the entry (or it is gone); else its position (1 = next), or 1
 # when it was withdrawn.
-QUEUE_POSITION_LUA = _LUA_PENDING + """
+QUEUE_POSITION_LUA = LUA_PENDING + """
 local id = ARGV[1]
 if #redis.call('XRANGE', KEYS[1], id, id) == 0 then return 0 end
 local n, maxp = pending(KEYS[1], ARGV[2])
@@ -153,7 +153,7 @@ return ahead + 1
 # newest entry id to move (ms; '+': all), the most to move, '1' to delete the own stream once empty.
 # Moves the entries nobody has read, oldest first, each under its own id where the moved stream
 # allows (else just after the moved stream's last id), so it keeps its place. Returns how many moved.
-MOVE_LUA = _LUA_PENDING + """
+MOVE_LUA = LUA_PENDING + """
 local n, maxp = pending(KEYS[1], ARGV[1])
 local entries = redis.call('XRANGE', KEYS[1], maxp and ('(' .. maxp) or '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
 for _, e in ipairs(entries) do

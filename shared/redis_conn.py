@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, RedisError, TimeoutError
 
-from shared.errors import BrokerCannotPersist, BrokerOutOfMemory, BrokerReadOnly, BrokerUnavailable
+from shared.errors import BrokerCannotPersist, BrokerOutOfMemory, BrokerReadOnly, BrokerUnavailable, RedisUnreachable
 
 MESSAGE_CHARS = 300  # of a Redis error quoted in a message (a pipeline's error quotes its commands' values)
 BACKOFF_MAX_S = 2.0  # the longest wait between two tries to reach Redis, for every part
@@ -139,7 +139,8 @@ def broker_error(exc: RedisError, doing: str = "") -> BrokerUnavailable:
     if str(exc).startswith("MISCONF"):
         return BrokerCannotPersist(f"{what}Redis refuses writes: it cannot save to disk (MISCONF); an operator must "
                                    "check its disk and log")
-    return BrokerUnavailable(f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}")
+    unavailable = RedisUnreachable if isinstance(exc, ConnectionError | TimeoutError) else BrokerUnavailable
+    return unavailable(f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}")
 
 
 class Outage:

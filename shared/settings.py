@@ -57,7 +57,10 @@ class GatewaySettings(CortexSettings):
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
-    redis_outage_wait_s: float = 30.0  # jobs queued when Redis goes away wait this long for it to come back
+    # jobs queued when Redis goes away, and new requests that find it away, wait this long for it to come
+    # back; at most `redis_outage_max_waiting` new requests at once (gateway/outage.py), then a 503
+    redis_outage_wait_s: float = 30.0
+    redis_outage_max_waiting: int = Field(1000, ge=0)
     max_request_bytes: int = 8 * 1024 * 1024  # a request body over this is refused with 413 (not /v1/files)
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
@@ -71,6 +74,9 @@ class GatewaySettings(CortexSettings):
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
     scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
+    # /metrics without the admin key: once auth is on, series per API key are left out and those per node
+    # and device summed over them (gateway/metrics_view.py); true refuses it to anyone but the admin key
+    metrics_require_admin_key: bool = False
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
     require_api_keys: bool = False
@@ -86,6 +92,10 @@ class GatewaySettings(CortexSettings):
     routing_load_weight: float = Field(0.25, ge=0)
     affinity_wait_ms: int = Field(2000, ge=0)
     session_ttl_s: int = Field(3600, ge=1)
+    # Who shares cached prompt prefixes (and so sees another's in `cached_tokens`): `key`, each API key
+    # only its own (callers without one, anonymous or the admin key, share theirs); `fleet`, every key. Within
+    # either, a request's `cache_salt` keeps its prompts apart from those without the same salt.
+    prefix_cache_scope: Literal["key", "fleet"] = "key"
     responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
     # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)

@@ -2,12 +2,13 @@
 
 A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
 `priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`, `traceparent` when the request is
-traced) plus `body`, the msgpack of a `GenerationRequest`. Token events travel on
+traced) plus `body`, the msgpack of a `GenerationRequest` (or of a `PoolingRequest`, for the
+kinds `embed` and `rerank`). Token events travel on
 `cortex:events:{job}` as msgpack of one `Event`. Every message carries the wire version `v`; a part
 refuses a version it does not speak.
 """
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgpack
 import msgspec
@@ -22,6 +23,10 @@ class WireError(ValueError):
 
 class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Fields added within a wire version: left off the wire at their defaults (`pack`), so a part of
+    # the same version that predates them reads every message that does not use them, and refuses
+    # (extra fields are forbidden) one that does.
+    added_within_version: ClassVar[frozenset[str]] = frozenset()
 
     v: int = WIRE_VERSION
 
@@ -65,6 +70,8 @@ RENDERING_KWARGS = frozenset({
 class GenerationRequest(Wire):
     """What a node needs to run one job; the gateway has already validated it."""
 
+    added_within_version: ClassVar[frozenset[str]] = frozenset({"cache_salt"})
+
     job: str
     model: str
     kind: Literal["chat", "completion", "count"]  # count: render and tokenise only (count_tokens)
@@ -81,6 +88,26 @@ class GenerationRequest(Wire):
     # The conversation's prefixes as the gateway names them (`shared.prefix_marks`): each mark with
     # the characters of the messages up to it. The node reports the marks its cache comes to hold.
     prefix_marks: list[tuple[str, int]] = []
+    # What the node's prefix block hashes start from besides the model: prompts share cached blocks
+    # (and prefix marks) only with prompts of the same salt. The gateway sets it from the request's
+    # `cache_salt` and, under `prefix_cache_scope = "key"`, the API key (`shared.prefix_marks.salt`).
+    cache_salt: str = ""
+
+
+class PoolingRequest(Wire):
+    """A job for an embedding or rerank model: its inputs, one forward pass's row each."""
+
+    job: str
+    model: str
+    kind: Literal["embed", "rerank"]
+    # embed: each input a text or the model's own token ids; rerank: the documents' texts
+    inputs: list[str | list[int]]
+    queries: list[str] = []  # rerank: each input's query (one per input), scored as a pair with it
+    dimensions: int | None = None  # embed: keep this many leading dimensions (Matryoshka), renormalised when it normalises
+    truncate: bool = False  # inputs longer than the model's context are cut (else refused: context_length_exceeded)
+
+
+POOLING_KINDS = frozenset({"embed", "rerank"})  # `StreamEntry.kind`s whose body is a PoolingRequest
 
 
 class StreamEntry(Wire):
@@ -115,6 +142,9 @@ class StreamEntry(Wire):
 
     def request(self) -> GenerationRequest:
         return unpack(self.body, GenerationRequest)
+
+    def pooling_request(self) -> PoolingRequest:
+        return unpack(self.body, PoolingRequest)
 
 
 class _Struct(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -164,6 +194,14 @@ class Usage(_Struct, kw_only=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+class Pooled(_Struct, kw_only=True):
+    """An embedding or rerank job's result, one entry per input in order."""
+
+    vectors: list[bytes] = []  # embed: each input's vector, float32 little-endian
+    scores: list[float] = []  # rerank: each document's relevance score
+    forwards: int = 0  # the forward passes its inputs took (shared with other jobs' inputs)
+
+
 class Timings(_Struct, kw_only=True):
     queue_ms: float = 0.0  # submitted -> admitted by an engine
     prefill_ms: float = 0.0  # admitted -> first token
@@ -198,6 +236,7 @@ class DoneEvent(_Event, tag="done", kw_only=True):
     usage: Usage
     timings: Timings = msgspec.field(default_factory=Timings)
     node: str = ""
+    pooled: Pooled | None = None  # an embedding or rerank job's result
 
 
 class ErrorEvent(_Event, tag="error", kw_only=True):
@@ -217,7 +256,9 @@ def ends_job(events: list[Event]) -> bool:
 
 
 def pack(message: BaseModel) -> bytes:
-    return msgpack.packb(message.model_dump(mode="python"), use_bin_type=True)
+    added = getattr(message, "added_within_version", frozenset())
+    unused = {name for name in added if getattr(message, name) == type(message).model_fields[name].default}
+    return msgpack.packb(message.model_dump(mode="python", exclude=unused), use_bin_type=True)
 
 
 def _version_error(got: Any) -> WireError:

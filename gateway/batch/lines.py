@@ -5,7 +5,7 @@ class on the model's job streams, gathered like a non-streaming request and rend
 endpoint would have answered it. A line that cannot be read fails alone, in the error file."""
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,27 +14,45 @@ from pydantic import BaseModel, ValidationError
 from gateway.auth import Caller
 from gateway.context import GatewayContext
 from gateway.errors import error_body
-from gateway.gather import Gathered, gather
+from gateway.gather import Gathered, gather_choices
 from gateway.jobs import Job, submit_request
+from gateway.pooling import embedded, submit_embedding
 from gateway.protocol.anthropic import MessageCreateParams
+from gateway.protocol.embeddings import EmbeddingCreateParams
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.openai_batch import BatchLineError, BatchLineResponse, BatchOutputLine
 from gateway.render.chat import chat_completion
 from gateway.render.completions import completion
+from gateway.render.embeddings import embedding_response
 from gateway.render.messages import message
 from shared.errors import CortexError, InvalidRequest
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    request: type[BaseModel]  # a `gateway.jobs.ApiRequest`
-    render: Callable[[Job, Gathered], BaseModel]  # as the endpoint answers a non-streaming request
+    request: type[BaseModel]  # a `gateway.jobs.ApiRequest`, or the embeddings request
+    render: Callable[[Job, Any, Any], BaseModel]  # (job, request, result): as the endpoint answers it, not streamed
+    start: Callable[[GatewayContext, Any, Caller], Awaitable[Job]] = (  # queue the line's job in the batch class
+        lambda ctx, body, caller: submit_request(ctx, body, caller, priority="batch"))
+    result: Callable[[Job, Any], Awaitable[Any]] = (  # the job's result, once done (the job closed)
+        lambda job, body: _gathered(job, getattr(body, "n", 1)))
+
+
+async def _gathered(job: Job, n: int) -> Gathered:
+    async with job:
+        return await gather_choices(job.final_events(), n)
 
 
 ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda job, g: chat_completion(job, g, job.parsers)),
-    "/v1/completions": Endpoint(CompletionRequest, completion),
-    "/v1/messages": Endpoint(MessageCreateParams, lambda job, g: message(job, g.choices[0], g.usage, job.parsers())),
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda job, _, g: chat_completion(job, g, job.parsers)),
+    "/v1/completions": Endpoint(CompletionRequest, lambda job, _, g: completion(job, g)),
+    "/v1/embeddings": Endpoint(
+        EmbeddingCreateParams, lambda job, body, result: embedding_response(body.model, result, body.encoding_format),
+        start=lambda ctx, body, caller: submit_embedding(ctx, caller, body.model, body.inputs,
+                                                         dimensions=body.dimensions, priority="batch"),
+        result=lambda job, body: embedded(job)),
+    "/v1/messages": Endpoint(MessageCreateParams,
+                             lambda job, _, g: message(job, g.choices[0], g.usage, job.parsers())),
 }
 
 
@@ -71,23 +89,23 @@ def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
     if not isinstance(line.get("body"), dict):
         raise LineError("invalid_request", "body must be a JSON object: the request for the endpoint", custom_id)
     try:
-        body = ENDPOINTS[endpoint].request.model_validate(line["body"] | {"stream": False})
+        request = ENDPOINTS[endpoint].request
+        body = request.model_validate(line["body"] | ({"stream": False} if "stream" in request.model_fields else {}))
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:3])
         raise LineError("invalid_request", f"invalid body: {problems}", custom_id) from None
     return ParsedLine(custom_id, body)
 
 
-async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller) -> Job:
+async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller, endpoint: str) -> Job:
     """Queue the line's job in the batch class as the batch key's, by the path every request takes."""
-    return await submit_request(ctx, parsed.body, caller, priority="batch")
+    return await ENDPOINTS[endpoint].start(ctx, parsed.body, caller)
 
 
 async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:
-    """Gather the job's events into the endpoint's response, as an output line."""
-    async with job:
-        gathered = await gather(job.events(), getattr(parsed.body, "n", 1))
-    body = ENDPOINTS[endpoint].render(job, gathered).model_dump(mode="json")
+    """Gather the job's result into the endpoint's response, as an output line."""
+    result = await ENDPOINTS[endpoint].result(job, parsed.body)
+    body = ENDPOINTS[endpoint].render(job, parsed.body, result).model_dump(mode="json")
     response = BatchLineResponse(status_code=200, request_id=job.id, body=body)
     return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)
 

@@ -23,7 +23,7 @@ from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.files import FileStore
 from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchOutputLine, BatchRequestCounts
-from gateway.queue import withdraw
+from gateway.job_queue import withdraw
 from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
 from shared.redis_conn import atomic, publish
@@ -248,7 +248,7 @@ class BatchRunner:
         while True:
             job = None
             try:
-                job = await lines.start(self.ctx, parsed, self.owner)
+                job = await lines.start(self.ctx, parsed, self.owner, endpoint)
                 await self.redis.hincrby(self.key("tries"), str(line_no), 1)
                 await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
                 return await lines.finish(job, parsed, endpoint)

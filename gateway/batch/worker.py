@@ -25,7 +25,8 @@ from redis.exceptions import RedisError
 from gateway.batch.runner import BatchRunner, LeaseLost
 from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
-from gateway.events import EventRouter, pubsub_client
+from gateway.event_links import pubsub_client
+from gateway.events import EventRouter
 from shared.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog

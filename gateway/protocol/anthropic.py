@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.protocol.bounds import JsonSchema, MaxTokens, TopK
+from gateway.protocol.bounds import CacheSalt, JsonSchema, MaxTokens, TopK
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
@@ -308,6 +308,7 @@ class MessageCreateParams(_MessagesInput):
     diagnostics: dict[str, Any] | None = None  # accepted, not used
     inference_geo: str | None = None  # accepted, not used
     speed: Literal["standard", "fast"] | None = None  # accepted, not used
+    cache_salt: CacheSalt | None = None  # vLLM's (an extension here): see gateway/protocol/bounds.py
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         return GenerationRequest(

@@ -24,6 +24,9 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=STOP_TOKEN_IDS_MAX)]
+# vLLM's `cache_salt`: prompts share cached prefixes only with prompts of the same salt (and scope,
+# `prefix_cache_scope`); its length is bounded, as every string that reaches a node's hashing
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 KeepAliveSeconds = Annotated[float, Field(ge=-KEEP_ALIVE_MAX_S, le=KEEP_ALIVE_MAX_S, allow_inf_nan=False)]
 
 

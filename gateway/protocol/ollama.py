@@ -202,6 +202,31 @@ class GenerateRequest(_GenerateInput):
                                  chat_template_kwargs=self._template_kwargs(), sampling=self._sampling())
 
 
+class EmbedRequest(Lenient):
+    """`/api/embed`: one text or several; inputs longer than the model's context are cut unless
+    `truncate` is false (then they are refused)."""
+
+    model: str = Field(min_length=1)
+    input: str | Annotated[list[str], Field(min_length=1)]
+    truncate: bool = True
+    dimensions: int | None = Field(None, ge=1)
+    keep_alive: KeepAlive | None = None
+    options: Options | None = None
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
+
+
+class EmbeddingRequest(Lenient):
+    """`/api/embeddings`, the older endpoint: one `prompt`, one `embedding` back."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    keep_alive: KeepAlive | None = None
+    options: Options | None = None
+
+
 class ShowRequest(Lenient):
     model: str = Field(min_length=1)
     name: str | None = None  # the older name of `model`, which ollama-js still sends (pull)
@@ -262,6 +287,18 @@ class ChatResponse(_Answer):
 class GenerateResponse(_Answer):
     response: str
     thinking: str | None = None
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+
+
+class EmbeddingResponse(BaseModel):
+    embedding: list[float]
 
 
 class ModelDetails(BaseModel):

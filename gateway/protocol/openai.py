@@ -11,8 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, ChatTemplateKwargs, Int64, JsonSchema, KeepAlive, MaxTokens,
-                                     StopTokenIds, TokenId, TopK, duration_s)
+from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema,
+                                     KeepAlive, MaxTokens, StopTokenIds, TokenId, TopK, duration_s)
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
@@ -232,6 +232,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice | None = None
     user: str | None = None  # a session for routing when there is no prompt_cache_key
     # extensions
+    cache_salt: CacheSalt | None = None  # vLLM's: see gateway/protocol/bounds.py
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
@@ -313,6 +314,7 @@ class CompletionRequest(_Sampling):
     top_p: float | None = Field(None, gt=0, le=1)
     user: str | None = None
     # extensions
+    cache_salt: CacheSalt | None = None  # vLLM's: see gateway/protocol/bounds.py
     top_k: TopK = 0
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
@@ -425,16 +427,20 @@ class ChatCompletion(BaseModel):
     usage: CompletionUsage
 
 
-class ChoiceDeltaToolCallFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class SetFieldsOnly(BaseModel):
+    """Only the fields that are set (not None) appear on the wire."""
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: Any) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChoiceDeltaToolCall(BaseModel):
+class ChoiceDeltaToolCallFunction(SetFieldsOnly):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChoiceDeltaToolCall(SetFieldsOnly):
     """The first piece of a call carries `id`, `type` and the name; later ones more `arguments`."""
 
     index: int
@@ -442,22 +448,14 @@ class ChoiceDeltaToolCall(BaseModel):
     type: Literal["function"] | None = None
     function: ChoiceDeltaToolCallFunction
 
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ChatCompletionStreamResponseDelta(BaseModel):
+class ChatCompletionStreamResponseDelta(SetFieldsOnly):
     """Only the fields that are set appear on the wire: `{"content": "Hi"}`, or `{}` at the end."""
 
     content: str | None = None
     refusal: str | None = None
     role: Literal["assistant"] | None = None
     tool_calls: list[ChoiceDeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _set_fields_only(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionChunkChoice(BaseModel):
@@ -527,6 +525,7 @@ class Model(BaseModel):
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
     capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
+    kind: Literal["generate", "embedding", "rerank"] = "generate"  # what it serves (the catalogue's `kind`)
     max_model_len: int | None = None  # vLLM's: the longest sequence its replicas run; None until one is loaded
 
 

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
                       "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"failed", "completed", "expired", "cancelled"})
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages")
 
 
 class FileObject(BaseModel):
@@ -40,7 +40,7 @@ class CreateBatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/messages"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(None, max_length=16)
 

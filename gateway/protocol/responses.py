@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from gateway.protocol.bounds import JsonSchema, MaxTokens
+from gateway.protocol.bounds import CacheSalt, JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
 from gateway.protocol.responses_input import AdditionalTools, ResponseInput, messages_for_node
 from gateway.protocol.responses_tools import (Function, Offer, Tool, ToolChoice, ToolChoiceAllowed, ToolChoiceFunction,
@@ -79,6 +79,7 @@ class ResponseCreateParams(Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt too long is a 400 either way
     user: str | None = None  # a session for routing when there is no prompt_cache_key
+    cache_salt: CacheSalt | None = None  # vLLM's (an extension): see gateway/protocol/bounds.py
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)  # the previous response's conversation
     _offer: Offer = PrivateAttr(default_factory=Offer)
 
@@ -120,6 +121,11 @@ class ResponseCreateParams(Lenient):
     def conversation(self) -> list[dict[str, Any]]:
         """The turns so far, this request's input last (what a stored response keeps)."""
         return [*self._history, *messages_for_node(self.input)]
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input items as sent (what `GET /v1/responses/{id}/input_items` lists)."""
+        return [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in self.input]
 
     @property
     def offer(self) -> Offer:
@@ -237,6 +243,27 @@ class Response(BaseModel):
     text: dict[str, Any]
     truncation: str
     usage: ResponseUsage | None = None
+
+
+class ResponseItemList(BaseModel):
+    """A page of a stored response's input items."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+    @classmethod
+    def page(cls, items: list[dict[str, Any]], limit: int, after: str | None) -> "ResponseItemList":
+        """Up to `limit` of `items` (in the order asked for), from the one after `after`."""
+        rest = items
+        if after is not None:
+            ids = [item["id"] for item in items]
+            rest = items[ids.index(after) + 1:] if after in ids else []
+        data = rest[:limit]
+        return cls(data=data, first_id=data[0]["id"] if data else None, last_id=data[-1]["id"] if data else None,
+                   has_more=len(rest) > limit)
 
 
 class ResponseDeleted(BaseModel):

@@ -34,13 +34,14 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
     extra = sorted(m for m in replicas if m not in catalog.profiles and any(r.state in serving for r in replicas[m]))
     data = []
     for model in [*catalog.profiles, *extra]:
-        profile = catalog.profiles.get(model)
-        if not may_use({model, *(profile.aliases if profile else [])}):
+        if not may_use(catalog.names(model)):
             continue
+        profile = catalog.profiles.get(model)
         held = replicas.get(model, [])
         state = min((r.state for r in held), key=_RANK.index, default="not_loaded")
         data.append(Model(id=model, created=created.get(model, 0), state=state, replicas=held, root=model,
                           capabilities=["vision"] if profile and profile.vision else [],
+                          kind=profile.kind if profile else "generate",
                           max_model_len=context.get(model)))
     by_id = {m.id: m for m in data}
     data += [by_id[p.id].model_copy(update={"id": alias, "root": p.id})

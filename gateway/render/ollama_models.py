@@ -37,8 +37,11 @@ def details(profile: ModelProfile) -> ModelDetails:
 
 
 def capabilities(profile: ModelProfile) -> list[Capability]:
-    """Every catalogue model completes and calls tools (a model whose template has no tools is
-    prompted in the hermes format: gateway/tools/parsers.py); `vision` ones read images."""
+    """Every generation model completes and calls tools (a model whose template has no tools is
+    prompted in the hermes format: gateway/tools/parsers.py); `vision` ones read images. An
+    embedding model embeds; a rerank model has nothing Ollama names."""
+    if profile.kind != "generate":
+        return ["embedding"] if profile.kind == "embedding" else []
     return ["completion", "tools", *(["vision"] if profile.vision else [])]
 
 

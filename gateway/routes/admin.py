@@ -1,21 +1,26 @@
 """`/admin/*`: fleet operations behind the admin key (`Authorization: Bearer <CORTEX_ADMIN_KEY>`),
-and `/metrics` for Prometheus."""
+and `/metrics` for Prometheus (every series for the admin key, or anyone while auth is off; else
+the anonymous view, gateway/metrics_view.py)."""
+
+from typing import Annotated
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import operations
-from gateway.auth import require_admin
+from gateway.auth import metrics_access, require_admin
 from gateway.context import Ctx
+from gateway.metrics_view import AnonymousView
 
 router = APIRouter()
 admin = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 @router.get("/metrics")
-async def metrics(ctx: Ctx) -> Response:
-    return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(ctx: Ctx, sees_all: Annotated[bool, Depends(metrics_access)]) -> Response:
+    seen = ctx.metrics.registry if sees_all else AnonymousView(ctx.metrics)
+    return Response(generate_latest(seen), media_type=CONTENT_TYPE_LATEST)
 
 
 @admin.post("/models/{model}/load")

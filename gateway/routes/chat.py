@@ -1,17 +1,14 @@
 """`POST /v1/chat/completions`, and `GET /v1/chat/completions/{id}?stream=true` to resume a stream."""
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from gateway.auth import CallerDep
 from gateway.context import Ctx
-from gateway.disconnect import unless_disconnected
-from gateway.gather import gather
 from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.render.chat import chat_chunks, chat_completion
 from gateway.resume import ResumeAt, on_disconnect, resume
-from gateway.streaming import stream_job
+from gateway.streaming import stream_job, whole_or_streamed
 
 router = APIRouter()
 
@@ -21,11 +18,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Ctx, request:
     spec = {"n": body.n, "include_usage": body.include_usage}
     resumable = Resumable("chat", spec, on_disconnect(request)) if body.stream else None
     job = await submit_request(ctx, body, caller, resumable=resumable)
-    if body.stream:
-        return await stream_job(request, job, _chunks(job, spec))
-    async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), body.n))
-    return JSONResponse(chat_completion(job, gathered, job.parsers).model_dump(mode="json"))
+    return await whole_or_streamed(request, job, body.stream, lambda: _chunks(job, spec),
+                                   lambda gathered: chat_completion(job, gathered, job.parsers), body.n)
 
 
 @router.get("/v1/chat/completions/{completion_id}", response_model=None)

@@ -1,17 +1,14 @@
 """`POST /v1/completions`, and `GET /v1/completions/{id}?stream=true` to resume a stream."""
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from gateway.auth import CallerDep
 from gateway.context import Ctx
-from gateway.disconnect import unless_disconnected
-from gateway.gather import gather
 from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.openai import CompletionRequest
 from gateway.render.completions import completion, completion_chunks
 from gateway.resume import ResumeAt, on_disconnect, resume
-from gateway.streaming import stream_job
+from gateway.streaming import stream_job, whole_or_streamed
 
 router = APIRouter()
 
@@ -21,11 +18,8 @@ async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request,
     spec = {"n": body.n, "include_usage": body.include_usage, "echo": body.echo}
     resumable = Resumable("completions", spec, on_disconnect(request)) if body.stream else None
     job = await submit_request(ctx, body, caller, resumable=resumable)
-    if body.stream:
-        return await stream_job(request, job, _chunks(job, spec))
-    async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), body.n))
-    return JSONResponse(completion(job, gathered, body.echo).model_dump(mode="json"))
+    return await whole_or_streamed(request, job, body.stream, lambda: _chunks(job, spec),
+                                   lambda gathered: completion(job, gathered, body.echo), body.n)
 
 
 @router.get("/v1/completions/{completion_id}", response_model=None)

@@ -19,7 +19,7 @@ from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.errors import anthropic_error_body
-from gateway.gather import gather
+from gateway.gather import gather_choices
 from gateway.jobs import Job, Resumable, submit_request
 from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
 from gateway.render.messages import message, message_events
@@ -41,7 +41,7 @@ async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, 
     if body.stream:
         return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
     return JSONResponse(message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json"))
 
 
@@ -57,7 +57,7 @@ async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Reques
                        x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
     job = await submit_request(ctx, body, caller)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
     return JSONResponse(MessageTokensCount(input_tokens=gathered.usage.prompt_tokens).model_dump())
 
 

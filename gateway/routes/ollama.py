@@ -8,11 +8,13 @@ the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version
 VS Code's Copilot Chat asks it before anything else. `POST /api/pull` of a catalogue model with an
 `hf:` source asks the nodes that may run it to fetch its files and follows them (a progress line
 per node as its bytes move, then `success`, or an error line); for other catalogue models it
-succeeds at once, and it says pulling is not available for models outside the catalogue; `DELETE /api/delete` (admin key)
-unloads the model from every node (the catalogue itself is models.toml's). `/api/embed` and
-`/api/embeddings` belong here once embeddings run as jobs (issue 35, item 2).
+succeeds at once, and it says pulling is not available for models outside the catalogue; `DELETE
+/api/delete` (admin key) unloads the model from every node (the catalogue itself is models.toml's).
+`POST /api/embed` (and the older `/api/embeddings`) embed through the same jobs as `/v1/embeddings`
+(gateway/pooling.py).
 """
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
@@ -22,14 +24,15 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 
-from gateway import ndjson, operations, pulls
+from gateway import ndjson, operations, pooling, pulls
 from gateway.errors import ollama_error_body
 from gateway.auth import Caller, CallerDep, require_admin
 from gateway.context import Ctx, GatewayContext
 from gateway.disconnect import unless_disconnected
 from gateway.jobs import Job, submit_request
-from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, GenerateRequest, ProgressResponse,
-                                     PullRequest, ShowRequest, VersionResponse)
+from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, EmbeddingRequest, EmbeddingResponse,
+                                     EmbedRequest, EmbedResponse, GenerateRequest, ProgressResponse, PullRequest,
+                                     ShowRequest, VersionResponse)
 from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, generate_loaded, whole_chat,
                                    whole_generate)
 from gateway.render.ollama_models import model_list, running, show
@@ -62,7 +65,8 @@ async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep)
     if not body.messages:
         return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = chat_chunks(job, job.events(), body.model, job.parsers(), body.splitter())
+    chunks = chat_chunks(job, job.events() if body.stream else job.final_events(), body.model, job.parsers(),
+                         body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_chat)
 
 
@@ -71,7 +75,7 @@ async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: Ca
     if not body.prompt:
         return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = generate_chunks(job, job.events(), body.model, body.splitter())
+    chunks = generate_chunks(job, job.events() if body.stream else job.final_events(), body.model, body.splitter())
     return await _answer(request, job, chunks, body.stream, whole_generate)
 
 
@@ -100,6 +104,22 @@ def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
     profile = ctx.catalog.resolve(name)
     caller.check_may_use(profile)
     return profile
+
+
+@router.post("/api/embed")
+async def embed(body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+    started = time.perf_counter_ns()
+    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, body.inputs,
+                                                            dimensions=body.dimensions, truncate=body.truncate))
+    answer = EmbedResponse(model=body.model, embeddings=[v.tolist() for v in done.vectors],
+                           total_duration=time.perf_counter_ns() - started, prompt_eval_count=done.prompt_tokens)
+    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+
+@router.post("/api/embeddings")
+async def embeddings(body: EmbeddingRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, [body.prompt], truncate=True))
+    return JSONResponse(EmbeddingResponse(embedding=done.vectors[0].tolist()).model_dump(mode="json"))
 
 
 @router.get("/api/tags")

@@ -1,22 +1,24 @@
 """OpenAI Responses API: `POST /v1/responses` (stream and not, `background`), `GET` (streamed
-again with `stream=true&starting_after=N`), `DELETE` and `POST .../cancel` of `/v1/responses/{id}`.
-A response is stored (`store`, default true) so that a later request can continue from it with
-`previous_response_id`."""
+again with `stream=true&starting_after=N`), `DELETE`, `GET .../input_items` and `POST .../cancel` of
+`/v1/responses/{id}`. A response is stored (`store`, default true), for the key that made it only,
+so that a later request can continue from it with `previous_response_id`."""
 
 from collections.abc import AsyncIterator
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway import background, sse
 from gateway.auth import CallerDep
 from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
-from gateway.gather import gather
+from gateway.gather import gather_choices
 from gateway.jobs import Job, OnDisconnect, Resumable, submit_request
-from gateway.protocol.responses import ResponseCreateParams, ResponseDeleted, ResponseErrorEvent, ResponseStreamEvent
+from gateway.protocol.responses import (ResponseCreateParams, ResponseDeleted, ResponseErrorEvent, ResponseItemList,
+                                        ResponseStreamEvent)
 from gateway.render.responses import ResponseSpec, response, response_events, response_object
-from gateway.responses_store import ResponseStore
+from gateway.responses_store import Kept, ResponseStore
 from gateway.resume import ResumeAt, resume
 from gateway.streaming import log, stream_job
 from shared.errors import CortexError
@@ -32,29 +34,31 @@ def _store(ctx: Ctx) -> ResponseStore:
 async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
     store, spec = _store(ctx), ResponseSpec.of(body)
     if body.previous_response_id:
-        body.continue_from(await background.conversation(ctx, body.previous_response_id))
-    kept = body.conversation if body.store is not False else None
-    resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept},
+        previous_id = body.previous_response_id
+        body.continue_from(await ctx.outage.through(lambda: background.conversation(ctx, previous_id, caller.owner)))
+    kept = Kept(body.conversation, caller.name, body.input_items) if body.store is not False else None
+    resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept and kept.conversation,
+                                        "input": kept and kept.input},
                           OnDisconnect.KEEP if body.background else OnDisconnect.GRACE)
     job = await submit_request(ctx, body, caller, resumable=resumable if body.stream or body.background else None)
     parser, headers = job.parsers(), _warning(job, body)
     if body.background:
         queued = response_object(job, spec, [], None, None, status="queued")
-        await store.hold(queued, job.stream, job.entry_id)
+        await store.hold(queued, job.stream, job.entry_id, caller.name)
         if not body.stream:
             await job.detach()
             return JSONResponse(queued.model_dump(mode="json"), headers=headers)
     if body.stream:
         return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
     async with job:
-        gathered = await unless_disconnected(request, gather(job.events(), 1))
+        gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
     answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
     if kept is not None:
         await store.put(answer, kept)
     return JSONResponse(answer.model_dump(mode="json"), headers=headers)
 
 
-def _events(job: Job, spec: ResponseSpec, parser, store: ResponseStore, kept: list | None):
+def _events(job: Job, spec: ResponseSpec, parser, store: ResponseStore, kept: Kept | None):
     events = response_events(job, spec, job.events(), parser)
     return events if kept is None else store.kept_at_the_end(events, kept)
 
@@ -71,11 +75,19 @@ def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
 @router.get("/v1/responses/{response_id}", response_model=None)
 async def retrieve_response(response_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt) -> Response:
     if not at.stream:
-        return JSONResponse(await background.current(ctx, response_id))
+        return JSONResponse(await background.current(ctx, response_id, caller.owner))
     job = await resume(ctx, caller, "responses", response_id, "resp_", at)
     spec = ResponseSpec.load(job.record.spec["response"])
-    events = _events(job, spec, job.parsers(), _store(ctx), job.record.spec["conversation"])
+    kept = Kept.of(job.record.spec, job.record.owner) if job.record.spec["conversation"] is not None else None
+    events = _events(job, spec, job.parsers(), _store(ctx), kept)
     return await stream_job(request, job, events, frames=_frames)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, ctx: Ctx, caller: CallerDep, order: Literal["asc", "desc"] = "desc",
+                           limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> JSONResponse:
+    items = await _store(ctx).input_items(response_id, caller.owner)
+    return JSONResponse(ResponseItemList.page(items if order == "asc" else items[::-1], limit, after).model_dump())
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -84,8 +96,8 @@ async def cancel_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSON
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, ctx: Ctx) -> JSONResponse:
-    await _store(ctx).delete(response_id)
+async def delete_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
+    await _store(ctx).delete(response_id, caller.owner)
     return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
 

@@ -31,7 +31,7 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
-from node_agent.model import vision
+from node_agent.model import devices, vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
@@ -120,6 +120,24 @@ class Engine:
         self.runner.close()
         self.lm.model = None
 
+    def free(self) -> None:
+        """On the device thread: `release`, then give the device the memory it held back."""
+        self.release()
+        devices.give_back_memory(self.lm.device)
+
+    @property
+    def tokenizer(self):
+        return self.lm.tokenizer
+
+    @property
+    def processor(self):
+        """A vision model's processor (its images into model inputs); None for a text model."""
+        return self.lm.processor
+
+    def is_device_fault(self, exc: BaseException) -> bool:
+        """Whether `exc` (from a step) is the device's fault: the model is then poisoned and reloaded."""
+        return devices.is_device_fault(exc, self.lm.device)
+
     # ---- requests ----------------------------------------------------------------------------
 
     def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float,
@@ -139,7 +157,8 @@ class Engine:
                          pool_tokens - len(prompt_ids))
         seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
         matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
-        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images))
+        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images),
+                                  cache_salt=request.cache_salt)
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
         self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),

@@ -19,6 +19,7 @@ Full blocks are registered in the pool by their hash chain as soon as they are p
 step's admissions can reuse them.
 """
 
+import hashlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class JobEntry:
     sequences: list[Sequence] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # image token runs a chunk never splits
     cacheable: bool = True  # its blocks may be shared (no images, a model without linear attention)
+    root_hash: bytes = b""  # what its blocks' hash chain starts from: the model's, salted by its cache salt
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
 
 
@@ -92,9 +94,12 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------------
 
     def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int],
-            spans: list[tuple[int, int]] = (), images: bool = False) -> list[int]:
-        """Queue a job's sequences (one per seed); returns their keys."""
-        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention)
+            spans: list[tuple[int, int]] = (), images: bool = False, cache_salt: str = "") -> list[int]:
+        """Queue a job's sequences (one per seed); returns their keys. Its blocks are shared only with
+        jobs of the same `cache_salt` (`GenerationRequest.cache_salt`)."""
+        root = hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest() if cache_salt \
+            else self.root_hash
+        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention, root_hash=root)
         for index, seed in enumerate(seeds):
             entry.sequences.append(Sequence(next(self._keys), entry, index, list(prompt_ids), len(prompt_ids),
                                             params, seed))
@@ -300,7 +305,7 @@ class Scheduler:
         if len(seq.hashes) < blocks:
             size = self.pool.block_size
             seq.hashes += chain_hashes(seq.tokens[: blocks * size], size, seq.hashes[-1] if seq.hashes
-                                       else self.root_hash, start=len(seq.hashes))
+                                       else seq.job.root_hash, start=len(seq.hashes))
 
     def _tables(self) -> dict[int, list[int]]:
         """The block tables of the rows whose sequence or blocks changed since the runner last had them."""

@@ -20,8 +20,6 @@ from node_agent.files.selection import needed_files
 from shared.errors import ModelPullFailed
 from shared.model_store import FileEntry, HubRef, Manifest, partial_path
 
-CHUNK = 1 << 16
-
 
 def manifest(source: str, gguf_file: str | None) -> Manifest:
     """What the hub says `source` is made of: the files the model needs, with sizes and hashes."""
@@ -48,6 +46,7 @@ def download(wanted: Manifest, folder: Path, stopping: threading.Event) -> None:
                        stopping)
             except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
                 raise ModelPullFailed(f"{wanted.source}: downloading {entry.name} from the hub failed: {exc}") from exc
+            target.parent.mkdir(parents=True, exist_ok=True)  # a module's subfolder (1_Pooling/)
             partial_path(folder, entry.name).rename(target)
         hashes.check(target, entry, wanted.source)
 
@@ -68,7 +67,7 @@ def _fetch(url: str, entry: FileEntry, partial: Path, stopping: threading.Event)
             return
         hf_raise_for_status(response)
         with partial.open("ab" if response.status_code == 206 else "wb") as out:
-            for chunk in response.iter_bytes(CHUNK):
+            for chunk in response.iter_bytes():  # as it arrives (a size would buffer up to it)
                 out.write(chunk)
                 if stopping.is_set():
                     raise ModelPullFailed(f"the download of {entry.name} stopped: the node is shutting down")

@@ -27,6 +27,7 @@ async def download(wanted: Manifest, folder: Path, base_url: str, secret: str, p
                 await _fetch(client, f"{base_url}/files/{name}/{entry.name}", partial, have)
             except httpx.HTTPError as exc:
                 raise ModelPullFailed(f"{wanted.source}: fetching {entry.name} from {peer} failed: {exc}") from exc
+            target.parent.mkdir(parents=True, exist_ok=True)  # a module's subfolder (1_Pooling/)
             partial.rename(target)
         for entry in wanted.files:
             hashes.check(folder / entry.name, entry, f"{wanted.source} (from {peer})")
@@ -40,5 +41,5 @@ async def _fetch(client: httpx.AsyncClient, url: str, partial: Path, have: int) 
         response.raise_for_status()
         mode = "ab" if response.status_code == 206 else "wb"
         with partial.open(mode) as out:
-            async for chunk in response.aiter_bytes(1 << 20):
+            async for chunk in response.aiter_bytes():  # as it arrives
                 out.write(chunk)

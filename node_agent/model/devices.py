@@ -108,6 +108,12 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32
 
 
+def give_back_memory(device: torch.device) -> None:
+    """Return the memory torch's caching allocator holds unused on `device` (after an engine is dropped)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def is_device_fault(exc: BaseException, device: torch.device) -> bool:
     """Whether a failed engine step left the device broken (out of memory, a CUDA error), so the
     model must be reloaded, rather than failing on something the next step will not meet again.

@@ -19,6 +19,7 @@ from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
+from node_agent.serving.served_pooler import served_class
 from shared import __version__, recovery, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
@@ -125,9 +126,9 @@ class NodeAgent:
         ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
         chosen = ranked[: profile.tensor_parallel]
         pull = self.puller.start(profile) if self.puller.needs(profile) else None
-        served = ServedModel(profile, chosen[0], self.redis, self.keys, self.publisher, self.name, self.settings,
-                             devices=[t.device for t in chosen], load_from=self.puller.local_profile(profile),
-                             pull=pull)
+        served = served_class(profile)(profile, chosen[0], self.redis, self.keys, self.publisher, self.name,
+                                       self.settings, devices=[t.device for t in chosen],
+                                       load_from=self.puller.local_profile(profile), pull=pull)
         self.models[profile.id] = served
         await self._beat()  # show `downloading` or `loading` at once: placement waits for it
         if pull is not None and not await served.fetch():

@@ -4,7 +4,9 @@ queries, unloads); the event loop hands it work through a queue and gets results
 
 Each engine is attached with its own sinks (its `ServedModel`'s): a step's record goes, from this
 thread, straight to the model's output process (node_agent/serving/output_link.py), which turns
-it into events; an error that ended a step goes to the model on the event loop."""
+it into events; an error that ended a step goes to the model on the event loop. An embedding or
+rerank model's `PoolingEngine` is stepped the same way, one forward pass a step; its sink hands
+finished jobs to the event loop (node_agent/serving/served_pooler.py)."""
 
 import asyncio
 import logging
@@ -14,13 +16,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from node_agent.engine.engine import Engine
+from node_agent.engine.pooler import PoolingEngine, PoolingStep
 from node_agent.engine.records import StepOutput
 from node_agent.model import devices
 from shared.heartbeat import DeviceInfo
 
 log = logging.getLogger(__name__)
 
-StepSink = Callable[[StepOutput], None]  # called on the device thread with one step's record
+Stepped = Engine | PoolingEngine
+StepSink = Callable[[StepOutput | PoolingStep], None]  # called on the device thread with one step's record
 FailureSink = Callable[[BaseException, list[str], bool], None]  # on the loop: the error, the jobs it failed,
 # and whether the device itself is at fault
 
@@ -35,7 +39,7 @@ class DeviceThread:
     def __init__(self, device: str, loop: asyncio.AbstractEventLoop):
         self.device = device
         self.loop = loop
-        self._engines: dict[Engine, Sinks] = {}  # touched on the device thread only
+        self._engines: dict[Stepped, Sinks] = {}  # touched on the device thread only
         self.last_info: DeviceInfo | None = None  # the latest memory reading, taken on this thread
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stopping = False
@@ -59,11 +63,11 @@ class DeviceThread:
         self._inbox.put(work)
         return future
 
-    async def attach(self, engine: Engine, on_step: StepSink, on_failure: FailureSink) -> None:
+    async def attach(self, engine: Stepped, on_step: StepSink, on_failure: FailureSink) -> None:
         """Step `engine` from now on, its events and failures going to these sinks."""
         await self.call(self._engines.__setitem__, engine, Sinks(on_step, on_failure))
 
-    async def detach(self, engine: Engine) -> None:
+    async def detach(self, engine: Stepped) -> None:
         await self.call(self._engines.pop, engine, None)
 
     async def info(self) -> DeviceInfo:
@@ -103,7 +107,7 @@ class DeviceThread:
         except queue.Empty:
             return None
 
-    def _step(self, engine: Engine, sinks: Sinks | None) -> None:
+    def _step(self, engine: Stepped, sinks: Sinks | None) -> None:
         if sinks is None:  # detached by work run just before
             return
         try:
@@ -111,7 +115,7 @@ class DeviceThread:
         except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
-            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, devices.is_device_fault(exc, engine.lm.device))
+            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, engine.is_device_fault(exc))
             return
         if not out.empty:
             sinks.on_step(out)

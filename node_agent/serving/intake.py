@@ -14,10 +14,10 @@ from node_agent.engine.engine import Engine, check_fits
 from node_agent.serving import prompts
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.job_reader import Entry
-from node_agent.serving.job_trace import JobTrace
+from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Ledger, Running, Send
-from node_agent.serving.limits import completion_budget
-from node_agent.serving.output_process import Route
+from node_agent.serving.completion_budget import completion_budget
+from node_agent.serving.output_process import Delivery
 from node_agent.serving.publisher import Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, GenerationFailed, InsufficientMemory, InvalidRequest
@@ -54,7 +54,7 @@ class Intake:
     def attach(self, engine: Engine) -> None:
         self.engine = engine
         max_tokens = min(engine.max_len, self.profile.max_prompt_tokens or engine.max_len)
-        self.max_prompt_chars = max_tokens * prompts.longest_token_chars(engine.lm.tokenizer)
+        self.max_prompt_chars = max_tokens * prompts.longest_token_chars(engine.tokenizer)
 
     async def add(self, jobs: list[Prepared]) -> None:
         """Hand a read's prepared jobs to the engine in one call: a wave of arrivals joins one prefill
@@ -75,7 +75,7 @@ class Intake:
             log.error("refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc)
             self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
             return None
-        trace = JobTrace.of(entry, e.entry_id, self.node)
+        trace = JobSpans.of(entry, e.entry_id, self.node)
         self.ledger.admit(request.job, Running(e.entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
                                                stream=stream, job_class=e.job_class, streaming=bool(entry.stream),
                                                trace=trace))
@@ -96,25 +96,29 @@ class Intake:
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
-                       [Route(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
+                       [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
             return request, ids, float(entry.submitted_ms), images
-        except CortexError as exc:
-            self.ledger.fail(request.job, exc)
         except Exception as exc:
-            log.exception("job %s could not start", request.job)
-            self.ledger.fail(request.job, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+            self.failed(request.job, exc)
         return None
+
+    def failed(self, job: str, exc: Exception) -> None:
+        """A job that could not start fails with its error (a bug's: generation_failed, logged)."""
+        if not isinstance(exc, CortexError):
+            log.exception("job %s could not start", job)
+            exc = GenerationFailed(f"{type(exc).__name__}: {exc}")
+        self.ledger.fail(job, exc)
 
     def _prompt(self, request: GenerationRequest) -> tuple[list[int], dict[str, np.ndarray]]:
         """In the thread pool: the prompt's token ids, and a vision model's image inputs for it."""
-        lm = self.engine.lm
-        if lm.processor is not None:
-            return prompts.vision_prompt(lm.processor, self.profile, request, self.max_prompt_chars)
-        return prompts.prompt_ids(lm.tokenizer, self.profile, request, self.max_prompt_chars), {}
+        engine = self.engine
+        if engine.processor is not None:
+            return prompts.vision_prompt(engine.processor, self.profile, request, self.max_prompt_chars)
+        return prompts.prompt_ids(engine.tokenizer, self.profile, request, self.max_prompt_chars), {}
 
     def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
         echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself
-        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.lm.tokenizer.decode(ids) if echo else None)
+        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.tokenizer.decode(ids) if echo else None)
 
     def _check_memory(self) -> None:
         free = self.device.last_info.free_mb if self.device.last_info else None

@@ -31,24 +31,16 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
 # interactive, 2: batch) and its max wait ms (0: never promoted).
 # Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
-_READ = """
+_READ = queues.LUA_PENDING + """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
-local function before(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
-  return am < bm or (am == bm and as < bs)
-end
 local function head(key)
   if redis.call('XLEN', key) == 0 then return nil end
-  local p = redis.pcall('XPENDING', key, group)
-  local start = '-'
-  if type(p) == 'table' and not p.err and p[1] > 0 then start = '(' .. p[3] end
-  local r = redis.call('XRANGE', key, start, '+', 'COUNT', 1)
+  local _, maxp = pending(key, group)
+  local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
   if r[1] then return r[1][1] end
   return nil
 end

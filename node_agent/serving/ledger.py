@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from node_agent.serving.job_trace import JobTrace
-from node_agent.serving.output_process import Route
+from node_agent.serving.job_spans import JobSpans
+from node_agent.serving.output_process import Delivery
 from node_agent.serving.publisher import Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError
@@ -18,7 +18,7 @@ from shared.wire import ErrorEvent, Timings
 
 KEEP_ALIVE_MAX_MS = 7 * 24 * 3600 * 1000  # the gateway's bound too (gateway/protocol/bounds.py)
 
-Send = Callable[[list[Outgoing], list[Route]], None]
+Send = Callable[[list[Outgoing], list[Delivery]], None]
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Running:
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
-    trace: JobTrace | None = None  # when its request is traced: its spans are made when it ends
+    trace: JobSpans | None = None  # when its request is traced: its spans are made when it ends
 
 
 def now_ms() -> int:

@@ -19,7 +19,7 @@ import msgspec
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
-from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Route, Step, frame
+from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Delivery, Step, frame
 from node_agent.serving.publisher import Outgoing
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class OutputLink:
         """One engine step's record; called on the device thread."""
         self._write(Step(out))
 
-    def publish(self, items: list[Outgoing], routes: list[Route] = ()) -> None:
+    def publish(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
         self._write(Publish(items, list(routes)))
 
     def _write(self, message) -> None:
@@ -79,17 +79,23 @@ class OutputLink:
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         decoder = msgspec.msgpack.Decoder(Feedback)
+        failure = ""
         try:
             while True:
                 size, = FRAME.unpack(await reader.readexactly(FRAME.size))
                 self.on_feedback(decoder.decode(await reader.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except Exception as exc:  # a bug reading or handling feedback: as if the process died (its jobs fail, reload)
+            log.exception("%s: handling the output process's feedback failed", self.config["model"])
+            failure = f"handling its feedback failed ({type(exc).__name__}: {exc})"
+            self.process.kill()
         with self._lock:
             self.alive = False
         if not self._closing:
             code = await asyncio.to_thread(self.process.wait)
-            self.on_exit(f"the output process of {self.config['model']} exited (code {code})")
+            self.on_exit(f"the output process of {self.config['model']} exited (code {code})"
+                         + (f": {failure}" if failure else ""))
 
     async def close(self) -> None:
         """Let the process publish what it holds and exit (killed after STOP_TIMEOUT_S)."""

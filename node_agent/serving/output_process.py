@@ -5,7 +5,7 @@ The node (node_agent/serving/output_link.py) starts one per loaded model and wri
 socket pair, length-prefixed msgpack `Message`s: its settings and the model's tokenizer first
 (`Open`; nothing secret goes on the command line, which `ps` shows), each
 engine step's record (`Step`, written by the device thread itself), and what the node itself has
-to say about a job (`Publish`: its start event with the job's `Route`, a failure, a cancel). This
+to say about a job (`Publish`: its start event with the job's `Delivery`, a failure, a cancel). This
 process detokenises, applies stop strings, builds and packs the wire events, and publishes them
 with the acks of the jobs that end (node_agent/serving/publisher.py). It answers with `Feedback`:
 sequences its stop strings ended (the engine frees them, a step later at most), jobs that ended
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct("<I")  # each message: its length, then its msgpack bytes
 
 
-class Route(msgspec.Struct, array_like=True):
+class Delivery(msgspec.Struct, array_like=True):
     """Where a job's events go and which stream entry its end acknowledges."""
 
     job: str
@@ -67,7 +67,7 @@ class Open(msgspec.Struct, tag=True, array_like=True):
 
 class Publish(msgspec.Struct, tag=True, array_like=True):
     items: list[Outgoing]  # an item that acknowledges a job ends it here too
-    routes: list[Route] = []  # jobs the engine will run
+    routes: list[Delivery] = []  # jobs the engine will run
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):
@@ -97,7 +97,7 @@ class OutputSide:
     output: OutputProcessor
     publisher: Publisher
     send_feedback: Callable[["Feedback"], None]
-    routes: dict[str, Route] = field(default_factory=dict)
+    routes: dict[str, Delivery] = field(default_factory=dict)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Step):

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from node_agent.serving.cache_index import CacheIndex
 from shared import event_log
-from shared.errors import BrokerUnavailable
+from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import Outage, publish
 from shared.wire import ErrorEvent, Event, pack_event
@@ -92,19 +92,21 @@ class Publisher:
                 self._outage.ok()
             except (RedisError, OSError) as exc:
                 self._outage.failed(exc)
-                self._keep(outgoing)
-            except Exception:
+                self._keep(outgoing, BrokerUnavailable(f"node {self.node} lost its connection to Redis; the job's "
+                                                       "output was lost"))
+            except Exception as exc:  # a bug (an event that cannot be packed): the jobs end, their entries are settled
                 log.exception("publishing %d batches failed", len(batches))
+                self._keep(outgoing, GenerationFailed(f"node {self.node} could not publish the job's output "
+                                                      f"({type(exc).__name__}: {exc})"))
             finally:
                 for _ in batches:
                     self._queue.task_done()
 
-    def _keep(self, failed: list[Outgoing]) -> None:
+    def _keep(self, failed: list[Outgoing], error: CortexError) -> None:
         """After a failed round trip: keep each ended job's acknowledgement (its lost events replaced
-        by one error event) to retry; report each running job whose events were lost."""
+        by one error event, `error`) to retry; report each running job whose events were lost."""
         for item in failed:
             if item.ack:
-                error = BrokerUnavailable(f"node {self.node} lost its connection to Redis; the job's output was lost")
                 events = [ErrorEvent(code=error.code, message=error.message)] if item.events else []
                 self._kept.append(Outgoing(item.channel, events, item.ack, item.job, tracked=item.tracked))
             elif item.events and item.job:

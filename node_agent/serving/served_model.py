@@ -12,7 +12,6 @@ import logging
 import time
 
 import redis.asyncio as aioredis
-import torch
 
 from node_agent.engine.engine import Engine
 from node_agent.files.puller import Pull
@@ -23,7 +22,7 @@ from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
 from node_agent.serving.output_link import OutputLink
-from node_agent.serving.output_process import Feedback, Route
+from node_agent.serving.output_process import Feedback, Delivery
 from node_agent.serving.publisher import Outgoing, Publisher
 from node_agent.serving.replica import Replica
 from node_agent.tp import tensor_parallel
@@ -36,13 +35,6 @@ from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
-
-
-def _free(engine: Engine) -> None:
-    """Drop an engine's tensors on the device thread and give the memory back."""
-    engine.release()
-    if engine.lm.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
@@ -65,6 +57,8 @@ class OutputProcessExited(RuntimeError):
 
 
 class ServedModel:
+    intake_type: type[Intake] = Intake  # what turns its stream entries into engine requests
+
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
                  publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
                  *, load_from: ModelProfile | None = None, pull: Pull | None = None):
@@ -81,7 +75,7 @@ class ServedModel:
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
         self.ledger = Ledger(profile, settings, keys.jobs(profile.id), self._send)
-        self.intake = Intake(profile, settings, consumer_name, device, self.ledger, self._send)
+        self.intake = self.intake_type(profile, settings, consumer_name, device, self.ledger, self._send)
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
 
     @property
@@ -135,20 +129,7 @@ class ServedModel:
         """`loading` (or `poisoned`: a reload) → `ready`; or → `failed`, with the jobs that waited for
         this replica alone failed."""
         try:
-            self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
-                                        node=self.consumer_name, model=self.profile.id,
-                                        log_level=self.settings.log_level,
-                                        stream_retention_s=self.settings.stream_retention_s,
-                                        heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
-                                   self.on_feedback, self.on_output_exit)
-            await self.link.start()  # it starts up while the model loads
-            self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
-                                                 self.consumer_name)
-            if self.state not in (ModelState.LOADING, ModelState.POISONED):  # given up meanwhile (overdue, unloaded)
-                raise ModelLoadFailed(f"the load finished after the replica was {self.state}")
-            self.intake.attach(self.engine)
-            self.link.open(self.engine.text)
-            await self.device.attach(self.engine, self.link.step, self.on_failure)
+            await self._open()
             self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
             await self.reader.ensure_groups()
             self.replica.to(ModelState.READY)
@@ -158,6 +139,26 @@ class ServedModel:
         self.ledger.last_used_ms = now_ms()
         self.consumer.start()
         log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
+
+    async def _open(self) -> None:
+        """Start the output process, build the engine on the device thread and step it there."""
+        self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
+                                    node=self.consumer_name, model=self.profile.id, log_level=self.settings.log_level,
+                                    stream_retention_s=self.settings.stream_retention_s,
+                                    heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
+                               self.on_feedback, self.on_output_exit)
+        await self.link.start()  # it starts up while the model loads
+        self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
+                                             self.consumer_name)
+        self.check_still_loading()
+        self.intake.attach(self.engine)
+        self.link.open(self.engine.text)
+        await self.device.attach(self.engine, self.link.step, self.on_failure)
+
+    def check_still_loading(self) -> None:
+        """Raise when the replica was given up (overdue, unloaded) while its engine was being built."""
+        if self.state not in (ModelState.LOADING, ModelState.POISONED):
+            raise ModelLoadFailed(f"the load finished after the replica was {self.state}")
 
     async def _load_failed(self, exc: Exception) -> None:
         """Free what the load built; when this replica is now `failed`, fail the jobs routed to this
@@ -253,12 +254,12 @@ class ServedModel:
         if self.engine is not None:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
-            await self.device.call(_free, engine)
+            await self.device.call(engine.free)
         if self.link is not None:
             link, self.link = self.link, None
             await link.close()
 
-    def _send(self, items: list[Outgoing], routes: list[Route] = ()) -> None:
+    def _send(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
         """Through the output process while it runs (after the events it holds for these jobs); else
         straight from here (a model that failed to load, or whose output process died)."""
         if self.link is not None and self.link.alive:

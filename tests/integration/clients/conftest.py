@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import tiny_models
+from tests import tiny_models, tiny_poolers
 from tests.stack import Stack, serving
 
 # After a tool result the template ends the prompt with "Result:", so the scripted model answers
@@ -163,11 +163,19 @@ class KeyedStack:
 
 
 @pytest.fixture(scope="session")
-def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir) -> Iterator[KeyedStack]:
-    """`tiny` (alias `default`) and `scripted`, behind an API key (made through the admin API), for
-    Ollama's clients: its own stack, as a key turns auth on for good."""
-    toml = tiny_model(tiny_dirs["llama"]) + scripted_model("scripted", scripted_dir, context=4096)
-    with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted"],
+def ollama_embedder(tmp_path_factory) -> Path:
+    """A tiny BERT embedder (mean pooling + Normalize, as all-MiniLM-L6-v2) for Ollama's `embed`."""
+    return tiny_poolers.build_embedder(tmp_path_factory.mktemp("ollama-embed") / "embed")
+
+
+@pytest.fixture(scope="session")
+def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir, ollama_embedder) -> Iterator[KeyedStack]:
+    """`tiny` (alias `default`), `scripted` and the embedder `embed`, behind an API key (made through
+    the admin API), for Ollama's clients: its own stack, as a key turns auth on for good."""
+    toml = (tiny_model(tiny_dirs["llama"]) + scripted_model("scripted", scripted_dir, context=4096)
+            + f'\n[[models]]\nid = "embed"\nkind = "embedding"\nsource = "{ollama_embedder}"\ndtype = "float32"\n'
+            'max_model_len = 128\n')
+    with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted", "embed"],
                  CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY) as stack:
         created = httpx.post(f"{stack.gateway_url}/admin/keys", json={"name": "ollama-client"},
                              headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"}, timeout=30)

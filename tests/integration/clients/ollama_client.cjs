@@ -45,6 +45,7 @@ async function main() {
     show: await client.show({ model: 'tiny' }),
     ps: (await client.ps()).models,
     pull: await client.pull({ model: 'tiny' }),
+    embed: await client.embed({ model: 'embed', input: ['Hello there', 'The sea'] }),
     unknown: await refused(() => client.chat({ model: 'no-such-model', messages: hi })),
     noKey: await refused(() => new Ollama({ host: process.argv[3] }).list()),
   };

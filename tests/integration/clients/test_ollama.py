@@ -1,6 +1,6 @@
 """Ollama's API through the official `ollama` Python client, against a real stack behind an API key
 (sent as `Authorization: Bearer`): chat streamed and not, generate (templated and raw), a tool round
-trip, `format` with a schema, list, show, ps, pull, errors. Every greedy answer equals what
+trip, `format` with a schema, embed, list, show, ps, pull, errors. Every greedy answer equals what
 `/v1/chat/completions` (or `/v1/completions` for a raw prompt) gives for the same request. And the
 calls VS Code's Copilot Chat makes to discover models, replayed without a key as it sends none."""
 
@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import httpx
+import numpy as np
 import ollama
 import openai
 import pytest
 
 from gateway.protocol import ollama as protocol_ollama
+from tests import tiny_poolers
 from tests.integration.clients.conftest import ANSWER, unknown_fields
 from tests.stack import wait_for
 
@@ -114,6 +116,16 @@ def test_list_show_and_ps(client, keyed_stack):
              "the node's heartbeat to keep tiny for the hour asked (not the catalogue's 5 minutes)")
     assert running()["tiny:latest"].context_length == 256 and running()["tiny:latest"].size > 0
     assert keyed_stack.stack.models_on("node-o")["tiny"]["state"] == "ready"
+
+
+def test_embed(client, ollama_embedder):
+    texts = ["Hello there", "The sea"]
+    expected = tiny_poolers.reference_vectors(ollama_embedder, texts).numpy()
+    answer = client.embed(model="embed", input=texts)
+    np.testing.assert_allclose(np.array(answer.embeddings), expected, atol=1e-4)
+    np.testing.assert_allclose(np.array(client.embeddings(model="embed", prompt=texts[0]).embedding), expected[0],
+                               atol=1e-4)
+    assert "embedding" in client.show("embed").capabilities
 
 
 def test_pull_and_errors(client, keyed_stack):

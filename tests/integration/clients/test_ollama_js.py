@@ -1,6 +1,6 @@
 """Ollama's API through the official npm `ollama` client (run by node: ollama_client.cjs), against a
 real stack behind an API key sent as `Authorization: Bearer`: chat and generate streamed and not,
-a tool round trip, `format` with a schema, list, show, ps, pull, version and errors. Greedy answers
+a tool round trip, `format` with a schema, embed, list, show, ps, pull, version and errors. Greedy answers
 equal what `/v1/chat/completions` gives for the same request.
 
 The package is installed from npm into ~/.cache/cortex/clients on first use; without node, npm or the
@@ -11,10 +11,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
 from gateway.protocol import ollama as protocol_ollama
+from tests import tiny_poolers
 from tests.integration.clients.conftest import ANSWER, npm_library, unknown_fields
 
 SCRIPT = Path(__file__).with_name("ollama_client.cjs")
@@ -28,7 +30,7 @@ def ollama_js() -> Path:
     return npm_library("ollama-js", "ollama")
 
 
-def test_npm_ollama_client(ollama_js, keyed_stack):
+def test_npm_ollama_client(ollama_js, keyed_stack, ollama_embedder):
     log = keyed_stack.stack.root / "gateway.log"
     since = len(log.read_text().splitlines())
     done = subprocess.run(["node", str(SCRIPT), str(ollama_js), keyed_stack.url, keyed_stack.key],
@@ -55,6 +57,8 @@ def test_npm_ollama_client(ollama_js, keyed_stack):
     assert got["show"]["model_info"]["general.basename"] == "tiny"
     assert "tiny:latest" in [m["model"] for m in got["ps"]]
     assert got["pull"] == {"status": "success"}
+    expected_vectors = tiny_poolers.reference_vectors(ollama_embedder, ["Hello there", "The sea"]).numpy()
+    np.testing.assert_allclose(np.array(got["embed"]["embeddings"]), expected_vectors, atol=1e-4)
     assert tuple(int(part) for part in got["version"].split(".")) >= (0, 6, 4)
     assert got["unknown"]["status"] == 404 and "no-such-model" in got["unknown"]["error"]
     assert got["noKey"]["status"] == 401

@@ -1,6 +1,8 @@
 """The fuzz tier: schemathesis generates requests from the gateway's own OpenAPI document for
-the generation routes of every dialect (model fixed to the tiny random model, completions kept short) and checks
-every answer: never a 5xx, a status the document declares, and a body that matches its schema.
+the generation routes of every dialect, and the embedding and rerank routes (model fixed to the tiny
+random chat model, completions kept short; embedding and rerank requests are validated, then refused
+for it) and checks every answer: never a 5xx, a status the document declares, and a body that matches
+its schema.
 Bounded in examples per route and in seconds per request, so CI spends a minute or two on it."""
 
 import pytest

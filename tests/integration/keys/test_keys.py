@@ -86,7 +86,7 @@ def test_rpm_is_shared_by_two_replicas(keys_stack):
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == name and labels.items() <= s.labels.items())
 

@@ -169,10 +169,35 @@ async def test_a_poisoned_replica_that_cannot_be_freed_fails_and_is_forgotten_af
         await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY)
         served = agent.models["tiny"]
 
-        def sticky_fault(engine):
+        def sticky_fault():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        monkeypatch.setattr(served_model, "_free", sticky_fault)
+        monkeypatch.setattr(served.engine, "free", sticky_fault)
         served.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
         await until(lambda: served.state == ModelState.FAILED)
         assert "freeing it failed" in served.replica.error
         await until(lambda: "tiny" not in agent.models, timeout_s=10)  # then placement may try it here again
+
+
+async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_comes_back(redis_url, tiny_dirs, tmp_path):
+    """A bug handling the output process's feedback (which frees slots) must not leave slots taken
+    for ever: the link ends as if the process died, the model is reloaded, and serves again."""
+    r = aioredis.Redis.from_url(redis_url)
+    keys = Keys()
+    async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
+        await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY)
+        served = agent.models["tiny"]
+
+        def broken(feedback):
+            raise KeyError("a bug")
+        served.link.on_feedback = broken
+        pubsub = await subscribed(r, keys, ["first"])
+        await enqueue(r, keys.jobs("tiny"), keys.events("first"), "first")
+        await last_events(pubsub, 1)
+        await until(lambda: served.state == ModelState.POISONED)
+        assert "handling its feedback failed (KeyError" in served.replica.error
+        await until(lambda: served.state == ModelState.READY)
+        assert served.ledger.used_slots == 0
+        pubsub = await subscribed(r, keys, ["second"])
+        await enqueue(r, keys.jobs("tiny"), keys.events("second"), "second")
+        assert (await last_events(pubsub, 1))["second"].type == "done"
+    await r.aclose()

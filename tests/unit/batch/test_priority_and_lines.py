@@ -71,7 +71,7 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
 
 
 async def test_a_routed_job_keeps_its_position_and_can_be_withdrawn_once_moved(r):
-    from gateway.queue import _position
+    from gateway.job_queue import _position
 
     own = KEYS.node_jobs(M, "n1")
     mine = (await r.xadd(own, {"job": "mine"})).decode()

@@ -2,6 +2,7 @@
 scripted node that stands in for a node agent (unit tests only; integration tests run real ones)."""
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -9,13 +10,14 @@ from dataclasses import dataclass, field
 import fakeredis
 import httpx
 import pytest
+from redis.exceptions import ResponseError
 from fastapi import FastAPI
 
 from gateway.server import create_app
 from shared import event_log
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat
-from shared.keys import Keys
+from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
 from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack_event
@@ -44,7 +46,8 @@ def hello_script(entry: StreamEntry) -> list:
 
 @dataclass
 class ScriptedNode:
-    """Reads the job stream like a node would and answers each job with `script(entry)`."""
+    """Reads the job stream like a node would (as consumer `n1`, the node `node` beats for) and answers
+    each job with `script(entry)`."""
 
     redis: fakeredis.aioredis.FakeRedis
     script: Script = hello_script
@@ -56,12 +59,13 @@ class ScriptedNode:
     async def run(self, stream: str) -> None:
         cancels = self.redis.pubsub()
         await cancels.subscribe(KEYS.cancel())
-        last_id = "0"
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: made already
+            await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
         while True:
             while (message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
                 self.cancelled.append(message["data"].decode())
-            for _, entries in await self.redis.xread({stream: last_id}, count=16):
-                for last_id, fields in entries:
+            for _, entries in await self.redis.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=16) or []:
+                for _entry_id, fields in entries:
                     task = asyncio.create_task(self._answer(StreamEntry.from_fields(fields)))
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)

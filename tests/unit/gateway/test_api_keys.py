@@ -220,11 +220,13 @@ async def test_listing_one_owners_batches_pages_past_others(app, client, new_key
     assert [x["id"] for x in rest["data"]] == [mine[0]] and not rest["has_more"]
 
 
-async def test_metrics_name_keys_never_secrets(client, node, new_key):
+async def test_metrics_name_keys_never_secrets_and_only_to_the_admin_key(client, node, new_key):
     secret = await new_key(rpm=1)
     for _ in range(2):
         await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
-    text = (await client.get("/metrics")).text
+    for anonymous in ({}, bearer(secret)):
+        assert "alice" not in (await client.get("/metrics", headers=anonymous)).text
+    text = (await client.get("/metrics", headers=bearer(ADMIN))).text
     assert secret not in text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}

@@ -5,7 +5,7 @@ import asyncio
 import msgpack
 import pytest
 
-from gateway import events
+from gateway import event_links
 from gateway.events import EventRouter
 from shared.errors import BrokerUnavailable, GenerationFailed
 from shared.keys import CONSUMER_GROUP
@@ -15,8 +15,8 @@ from tests.unit.gateway.conftest import delta, done
 
 @pytest.fixture
 def fast_checks(monkeypatch):
-    monkeypatch.setattr(events, "POLL_S", 0.02)
-    monkeypatch.setattr(events, "CONNECT_WAIT_S", 0.1)
+    monkeypatch.setattr(event_links, "POLL_S", 0.02)
+    monkeypatch.setattr(event_links, "CONNECT_WAIT_S", 0.1)
 
 
 @pytest.fixture
@@ -186,20 +186,18 @@ async def test_a_shard_back_from_a_failover_fails_the_queued_jobs_whose_entries_
     fails at once rather than wait for its request's timeout; the others wait on."""
     kept = await queued_job(router, redis, "cortex:events:kept")
     lost = await queued_job(router, redis, "cortex:events:lost")
-    await redis.xdel("cortex:jobs:m", router._entries[b"cortex:events:lost"][1])  # a write the replica never got
-    router._cluster = redis  # commands go through the cluster's client
-    await router.check_streams(events._Link(0, frozenset(range(16384))))  # the stream's shard, back
+    await redis.xdel("cortex:jobs:m", router.queued.entries[b"cortex:events:lost"][1])  # a write the replica never got
+    await router.queued.check_after_failover(event_links.Link(0, frozenset(range(16384))), redis)  # the stream's shard, back
     item = lost.get_nowait()
     assert isinstance(item, BrokerUnavailable) and "lost when its Redis master failed" in item.message
     assert kept.empty()
-    router._cluster = None
 
 
 async def test_a_request_waiting_for_a_link_in_backoff_makes_it_try_again_at_once(fast_checks, monkeypatch, router,
                                                                                  fake_server, redis):
     """Redis back while the router sleeps a long backoff (1.6 s after a few failed tries): a new job
     does not get a 503 for the rest of that sleep; its wait makes the router try again at once."""
-    monkeypatch.setattr(events, "CONNECT_WAIT_S", 1.0)
+    monkeypatch.setattr(event_links, "CONNECT_WAIT_S", 1.0)
     fake_server.connected = False
     await asyncio.sleep(3.4)  # the tries after 0.05, 0.1, 0.2, 0.4, 0.8 s failed: the next comes 1.6 s later
     fake_server.connected = True

@@ -8,6 +8,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.auth import ANONYMOUS_CALLER
 from gateway.jobs import new_job_id, submit
 from shared.errors import BrokerUnavailable, ContextLengthExceeded, Timeout
+from shared.keys import CONSUMER_GROUP
 from shared.wire import ErrorEvent, GenerationRequest, SamplingParams, StreamEntry, pack_event
 from tests.unit.gateway.conftest import KEYS, MODEL, delta, done
 
@@ -44,14 +45,29 @@ async def test_entry_fields_and_events(ctx, redis):
     assert ctx.router.in_flight == 0
 
 
+async def node_reads(redis, job) -> None:
+    """A node reads the job's entry: it runs it (a close now cancels it there)."""
+    await redis.xgroup_create(job.stream, CONSUMER_GROUP, id="0", mkstream=True)
+    await redis.xreadgroup(CONSUMER_GROUP, "n1", {job.stream: ">"})
+
+
 async def test_close_before_done_publishes_cancel(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
+    await node_reads(redis, job)
     await job.close()
     await job.close()  # idempotent: one cancel
     assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
     assert await listener.get_message(timeout=0.05) is None
     assert ctx.router.in_flight == 0
+
+
+async def test_close_before_any_node_read_the_job_withdraws_it(ctx, redis):
+    listener = await cancels(redis)
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
+    await job.close()
+    assert await redis.xlen(job.stream) == 0  # no node will run it for nobody
+    assert await listener.get_message(timeout=0.05) is None  # and no node is bothered with a cancel
 
 
 async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
@@ -86,6 +102,7 @@ async def test_enqueue_failure_is_503_and_leaves_no_subscription(ctx, monkeypatc
 async def test_cancelled_consumer_still_cleans_up(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
+    await node_reads(redis, job)
 
     async def consume():
         async with job:

@@ -168,3 +168,20 @@ def test_session_hints_in_each_dialect():
     assert session_hint(SimpleNamespace(user="u", metadata={"user_id": "x"})) == "u"  # OpenAI's metadata is free-form
     assert session_hint(SimpleNamespace(metadata=SimpleNamespace(user_id="a"))) == "a"  # Anthropic's
     assert session_hint(SimpleNamespace()) == ""  # nor an x-cortex-session header
+
+
+async def test_a_prefix_another_key_left_cached_does_not_draw_the_job(r):
+    """Under `prefix_cache_scope = key` each key's prompts are salted (shared/prefix_marks.py): the node
+    holding alice's conversation is where her next turn goes, not where bob's same conversation goes."""
+    for node in ("n1", "n2"):
+        await beat(r, node)
+
+    def of(key: str, scope: str = "key") -> GenerationRequest:
+        salted = TURN.model_copy(update={"cache_salt": prefix_marks.salt(scope, key, None)})
+        return salted.model_copy(update={"prefix_marks": prefix_marks.marks(salted)})
+    await beat(r, "n1", blocks_used=8)  # busier: only a cached prefix draws a job there
+    await hold(r, "n1", of("alice"), 3)
+    assert await routing(r).route(of("alice"), "", "interactive", "normal") == Route("n1", "cache")
+    assert await routing(r).route(of("bob"), "", "interactive", "normal") == Route("n2", "load")
+    await hold(r, "n1", of("alice", "fleet"), 3)
+    assert await routing(r).route(of("bob", "fleet"), "", "interactive", "normal") == Route("n1", "cache")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from shared.catalog import DEFAULT_MODEL_ID
+from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.processes import free_port, redis_answers
@@ -41,7 +41,8 @@ def test_gateway_process(gateway_url, redis_url, tmp_path):
     response = httpx.post(f"{gateway_url}/v1/chat/completions", json=HELLO)
     assert response.status_code == 503 and response.json()["error"]["code"] == "insufficient_capacity"
     assert [(m["id"], m["state"]) for m in httpx.get(f"{gateway_url}/v1/models").json()["data"]] == [
-        (DEFAULT_MODEL_ID, "not_loaded"), ("default", "not_loaded")]
+        (DEFAULT_MODEL_ID, "not_loaded"), (DEFAULT_EMBEDDING_MODEL_ID, "not_loaded"), ("default", "not_loaded"),
+        ("default-embedding", "not_loaded")]
     log = (tmp_path / "gateway.log").read_text()  # a healthcheck polling /health fills no log; the rest is there
     assert '"GET /health HTTP/1.1" 200' not in log and '"GET /v1/models HTTP/1.1" 200' in log
     assert "Redis keeps nothing on disk" in log  # the one warning at start: the test Redis has no persistence
@@ -84,7 +85,8 @@ def test_a_redis_that_restarts_empty_fails_queued_requests_cleanly_then_recovers
         beat(client)
         response = httpx.post(f"{base}/v1/chat/completions", json=HELLO, timeout=10)
         assert response.status_code == 504  # enqueued again; no node, so it times out, no hang
-        assert client.xlen(KEYS.jobs(DEFAULT_MODEL_ID)) == 1
+        assert client.xinfo_stream(KEYS.jobs(DEFAULT_MODEL_ID))["entries-added"] == 1
+        assert client.xlen(KEYS.jobs(DEFAULT_MODEL_ID)) == 0  # then withdrawn: no node will run it for nobody
         assert gateway.stop() in (0, -15)  # uvicorn re-raises SIGTERM once it has shut down
         assert "Application shutdown complete" in gateway.log_tail()
     finally:

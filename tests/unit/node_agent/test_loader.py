@@ -180,3 +180,16 @@ def test_the_node_allocates_the_kv_cache_and_slot_state_the_placement_estimate_c
     over_vocab = sum(t.numel() * t.element_size() for t in (sampling.counts, sampling.in_prompt, sampling.bias))
     assert cache.bytes - null_block + over_vocab == estimated
     assert ("linear_layers" in rows) == (arch == "qwen3_5_text")
+
+
+def test_a_zip_source_is_unpacked_once(tmp_path):
+    import zipfile
+
+    archive = tmp_path / "model.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        zipped.writestr("config.json", "{}")
+        zipped.writestr("1_Pooling/config.json", "{}")
+    first = model_files.unzipped(archive, tmp_path / "unpacked")
+    assert (first / "1_Pooling" / "config.json").read_text() == "{}"
+    assert model_files.unzipped(archive, tmp_path / "unpacked") == first
+    assert [p.name for p in (tmp_path / "unpacked").iterdir()] == [first.name]  # nothing half-made left beside it

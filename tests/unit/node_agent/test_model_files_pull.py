@@ -92,7 +92,14 @@ def test_a_replica_downloading_counts_as_one_coming():
     assert NodeHeartbeat(node="n", version="", started_ms=0, heartbeat_ms=0, models={"m": info}).serves("m")
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", "..", "c\\\\d"])
-def test_a_manifest_names_files_of_its_folder_only(name):
+def test_an_embedding_model_takes_its_sentence_transformers_modules():
+    repo = ["config.json", "model.safetensors", "modules.json", "sentence_bert_config.json", "tokenizer.json",
+            "1_Pooling/config.json", "onnx/model.onnx", "openvino/openvino_model.xml"]
+    assert needed_files(repo) == sorted(["1_Pooling/config.json", "config.json", "model.safetensors", "modules.json",
+                                         "sentence_bert_config.json", "tokenizer.json"])
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../b", "..", "a//b", "c\\d"])
+def test_a_manifest_names_files_inside_its_folder_only(name):
     with pytest.raises(ValueError):
         FileEntry(name=name, size=1)

@@ -188,3 +188,15 @@ def test_jobs_without_marks_or_with_caching_off_report_none(tiny_llama):
     assert _drive(Engine(lm, profile), chat("plain", "Hello there", max_tokens=2)) == ([], [])
     off = Engine(lm, profile.model_copy(update={"prefix_caching": False}))
     assert _drive(off, _marked("off", "Hello there", max_tokens=2)) == ([], [])
+
+
+def test_a_prompt_finds_cached_only_the_blocks_of_prompts_with_its_cache_salt(tiny_llama):
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile)
+    run(engine, chat("a1", "Hello there", max_tokens=2).model_copy(update={"cache_salt": "alice"}))
+    other = run(engine, chat("b1", "Hello there", max_tokens=2).model_copy(update={"cache_salt": "bob"}))
+    unsalted = run(engine, chat("u1", "Hello there", max_tokens=2))
+    same = run(engine, chat("a2", "Hello there", max_tokens=2).model_copy(update={"cache_salt": "alice"}))
+    assert other["b1"].done.usage.cached_tokens == 0 and unsalted["u1"].done.usage.cached_tokens == 0
+    assert same["a2"].done.usage.cached_tokens >= 3 * profile.block_size
+    assert tokens(same)["a2"] == tokens(other)["b1"]  # the same answer, cached or not

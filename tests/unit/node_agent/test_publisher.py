@@ -94,6 +94,29 @@ async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_not
     await listener.aclose()
 
 
+async def test_output_that_cannot_be_published_ends_its_job_with_an_error_and_settles_its_entry(server):
+    """A bug on the publishing path (here an event that cannot be packed) fails the round trip's
+    jobs with a clear error and still acknowledges their entries: nothing stays pending."""
+    admin = aioredis.Redis.from_url(server.url)
+    stream = KEYS.jobs("m")
+    await admin.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+    entry = (await admin.xadd(stream, {"job": "broken"})).decode()
+    await admin.xreadgroup(CONSUMER_GROUP, "node-a", {stream: ">"})
+    pubsub = admin.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("cortex:events:broken")
+    publisher = Publisher(connect(server.url), KEYS, "node-a", on_unheard=lambda job: None)
+    publisher.start()
+    publisher.send([Outgoing("cortex:events:broken", [delta("fine"), object(), done()], (stream, entry), "broken")])
+    async with asyncio.timeout(20):
+        while (message := await pubsub.get_message(timeout=0.1)) is None:
+            pass
+    event = unpack_event(message["data"])
+    assert (event.type, event.code) == ("error", "generation_failed") and "could not publish" in event.message
+    assert (await admin.xpending(stream, CONSUMER_GROUP))["pending"] == 0 and await admin.xlen(stream) == 0
+    await publisher.stop()
+    await admin.aclose()
+
+
 async def test_the_reader_lists_and_settles_what_redis_holds_for_this_node(server):
     client = aioredis.Redis.from_url(server.url)
     reader = JobReader(client, KEYS, "m", "node-a", batch_max_wait_s=60)

@@ -5,9 +5,11 @@ below one sequence, over the attention layers only; and counts each slot's own s
 import json
 
 import pytest
+from transformers import AutoModel
 
 from shared import memory
 from shared.catalog import Catalog, ModelProfile
+from tests import tiny_poolers
 from tests.model_fixtures import tiny_profile
 
 SMOLLM2_FP32 = dict(layers=30, kv_heads=3, head_dim=64, dtype_bytes=4)  # 46,080 bytes a token
@@ -74,3 +76,12 @@ def test_only_attention_layers_count(small_vocab_dirs):
     llama = tiny_profile(small_vocab_dirs["llama"], slots=64, max_model_len=512)
     saved = memory.estimate_mb(llama) - memory.estimate_mb(llama.model_copy(update={"kv_cache_mb": 1}))
     assert saved == pytest.approx((64 * 512 * 512 - (1 << 20)) * memory.MARGIN / (1 << 20), abs=1)
+
+
+def test_an_embedding_model_counts_its_weights_and_one_pass(tmp_path):
+    folder = tiny_poolers.build_embedder(tmp_path / "embed")
+    profile = ModelProfile(id="e", kind="embedding", source=str(folder), dtype="float32", max_model_len=128)
+    weights = 4 * sum(p.numel() for p in AutoModel.from_pretrained(folder).parameters())
+    pass_bytes = memory.pooling_pass_bytes(profile, hidden=64, intermediate=128, heads=4, max_len=128)
+    assert pass_bytes == 8192 * (128 + 4 * 64 + 4 * 128) * 4  # no KV cache, no slots' sampling state
+    assert memory.estimate_mb(profile) == int((weights + pass_bytes) * memory.MARGIN / (1 << 20)) + 1

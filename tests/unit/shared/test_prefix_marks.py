@@ -45,3 +45,15 @@ def test_a_session_is_kept_under_a_hash_of_its_owner_and_hint():
     one = prefix_marks.session("team-a", "conversation-1")
     assert one == prefix_marks.session("team-a", "conversation-1") != prefix_marks.session("team-b", "conversation-1")
     assert "conversation" not in one and len(one) == 2 * prefix_marks.DIGEST_BYTES
+
+
+def test_a_cache_salt_names_other_marks_and_the_key_scope_salts_by_key():
+    base = chat(SYSTEM, {"role": "user", "content": "hello"})
+    salted = base.model_copy(update={"cache_salt": prefix_marks.salt("fleet", "alice", "s1")})
+    assert not set(names(salted)) & set(names(base))
+    assert prefix_marks.salt("fleet", "alice", None) == "" == prefix_marks.salt("fleet", "bob", None)
+    assert prefix_marks.salt("fleet", "alice", "s1") == prefix_marks.salt("fleet", "bob", "s1")
+    assert prefix_marks.salt("key", "alice", None) != prefix_marks.salt("key", "bob", None)
+    assert prefix_marks.salt("key", None, None) == ""  # no API key (auth off, the admin key): unsalted, as before
+    assert prefix_marks.salt("key", "alice", "s1") not in (prefix_marks.salt("key", "bob", "s1"),
+                                                          prefix_marks.salt("key", "alice", "s2"), "")

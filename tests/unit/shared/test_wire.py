@@ -1,11 +1,13 @@
 """Job events on the wire: one typed definition each, built by the node, decoded by the gateway."""
 
 import msgpack
+import numpy as np
 import pytest
 
 from shared import WIRE_VERSION
-from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, PromptLogprob, StartEvent, Timings,
-                         TokenLogprob, TopLogprob, Usage, WireError, ends_job, pack_event, unpack_event)
+from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, GenerationRequest, Pooled, PoolingRequest,
+                         PromptLogprob, StartEvent, StreamEntry, Timings, TokenLogprob, TopLogprob, Usage, WireError,
+                         ends_job, pack, pack_event, unpack, unpack_event)
 
 TOP = TopLogprob(token=" Paris", logprob=-0.25, bytes=list(b" Paris"))
 DELTA = DeltaEvent(choices=[
@@ -21,6 +23,9 @@ EVENTS = [
     DoneEvent(usage=Usage(prompt_tokens=9, completion_tokens=2), timings=Timings(queue_ms=1.5, prefill_ms=20.0,
                                                                                  decode_ms=31.25), node="n1"),
     ErrorEvent(code="node_lost", message="node n1 went away"),
+    DoneEvent(usage=Usage(prompt_tokens=5), node="n1",
+              pooled=Pooled(vectors=[np.arange(4, dtype="<f4").tobytes()], forwards=1)),
+    DoneEvent(usage=Usage(prompt_tokens=5), pooled=Pooled(scores=[0.25, -1.5], forwards=2)),
 ]
 
 
@@ -40,7 +45,7 @@ def test_the_wire_shape_is_a_readable_map_tagged_by_type():
         "type": "error", "v": WIRE_VERSION, "code": "c", "message": "m"}
     # an event carries all its fields; its parts leave out those at their defaults
     assert msgpack.unpackb(pack_event(DoneEvent(usage=Usage(prompt_tokens=3)))) == {
-        "type": "done", "v": WIRE_VERSION, "usage": {"prompt_tokens": 3}, "timings": {}, "node": ""}
+        "type": "done", "v": WIRE_VERSION, "usage": {"prompt_tokens": 3}, "timings": {}, "node": "", "pooled": None}
     assert msgpack.unpackb(pack_event(DeltaEvent(choices=[ChoiceDelta(text="a", token_ids=[5])]))) == {
         "type": "delta", "v": WIRE_VERSION, "choices": [{"text": "a", "token_ids": [5]}]}
     assert unpack_event(pack_event(DoneEvent(usage=Usage(prompt_tokens=3)))).usage == Usage(prompt_tokens=3)
@@ -102,3 +107,22 @@ def test_another_wire_version_is_refused_by_its_version(raw):
 def test_done_and_error_end_a_job():
     assert ends_job([DELTA, EVENTS[2]]) and ends_job([EVENTS[3]])
     assert not ends_job([EVENTS[0]]) and not ends_job([DELTA])
+
+
+def test_a_pooling_job_travels_as_its_own_request():
+    request = PoolingRequest(job="j", model="m", kind="embed", inputs=["a text", [101, 7, 102]], dimensions=8)
+    entry = StreamEntry(job="j", kind="embed", model="m", submitted_ms=1, reply="r", body=pack(request))
+    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in entry.to_fields().items()}
+    assert StreamEntry.from_fields(fields).pooling_request() == request
+    with pytest.raises(WireError, match="bad GenerationRequest"):  # a generation node refuses it
+        StreamEntry.from_fields(fields).request()
+
+
+def test_a_cache_salt_travels_only_when_set():
+    """Added within wire version 7: a job without one packs as before (a node of 7 that predates it
+    reads it); one with it reaches the node, and such an older node refuses it rather than ignore it."""
+    plain = GenerationRequest(job="j", model="m", kind="chat", messages=[])
+    assert "cache_salt" not in msgpack.unpackb(pack(plain))
+    salted = plain.model_copy(update={"cache_salt": "ab12"})
+    assert unpack(pack(salted), GenerationRequest).cache_salt == "ab12"
+    assert unpack(pack(plain), GenerationRequest).cache_salt == ""

@@ -10,7 +10,7 @@ from openai.types.responses import response_create_params, response_input_item_p
 from pydantic import BaseModel, ValidationError
 
 from gateway.protocol import lenient
-from gateway.protocol.responses import ResponseCreateParams
+from gateway.protocol.responses import ResponseCreateParams, ResponseItemList
 from gateway.protocol.responses_input import ResponseInputItem
 from gateway.protocol.responses_tools import Tool, ToolChoice
 
@@ -227,3 +227,12 @@ def test_a_namespaced_function_can_be_forced_and_allowed_tools_narrow_the_offer(
     assert allowed.constraint is None
     required = allowed.model_copy(update={"tool_choice": allowed.tool_choice.model_copy(update={"mode": "required"})})
     assert [t["name"] for t in required.constraint.tools] == ["multi_agent_v1.close_agent"]
+
+
+def test_input_items_come_in_pages_after_an_id():
+    items = [{"id": f"i{n}"} for n in range(5)]
+    first = ResponseItemList.page(items, 2, None)
+    assert [i["id"] for i in first.data] == ["i0", "i1"] and first.has_more and first.last_id == "i1"
+    rest = ResponseItemList.page(items, 10, first.last_id)
+    assert [i["id"] for i in rest.data] == ["i2", "i3", "i4"] and not rest.has_more and rest.first_id == "i2"
+    assert ResponseItemList.page(items, 2, "unknown").data == []

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shared.wire import ErrorEvent, TokenLogprob, TopLogprob
+from shared.wire import ErrorEvent, StartEvent, TokenLogprob, TopLogprob
 from tests.unit.gateway.conftest import KEYS, MODEL, WAIT_FOR_CANCEL, delta, done
 
 HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
@@ -142,6 +142,18 @@ async def test_error_event_mid_stream_ends_the_stream_cleanly(client, node):
     assert payloads[-1] == "[DONE]"
     response = await client.post("/v1/chat/completions", json=HELLO)
     assert response.status_code == 503 and response.json()["error"]["code"] == "node_lost"
+
+
+async def test_a_job_run_again_after_its_node_was_lost_answers_once(client, node):
+    """Not streamed, it is requeued by the janitor when its node dies mid-answer and runs again from
+    its start on another node: the answer is the second run's, not the first's partial text + it."""
+    start = StartEvent(prompt_tokens=5)
+    node.script = lambda entry: [start, delta("Once upon"), start, delta("Once upon"),
+                                 delta(" a time", finish_reason="stop"), done()]
+    response = await client.post("/v1/chat/completions", json=HELLO)
+    assert response.json()["choices"][0]["message"]["content"] == "Once upon a time"
+    completion = await client.post("/v1/completions", json={"model": HELLO["model"], "prompt": "Hi"})
+    assert completion.json()["choices"][0]["text"] == "Once upon a time"
 
 
 async def test_timeout_is_504_and_cancels(client, node, app):

@@ -1,28 +1,32 @@
 """GET /v1/models and GET /health."""
 
+from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import MODEL, beat
 
 
 async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redis):
-    listed, alias = (await client.get("/v1/models")).json()["data"]
-    assert (listed["id"], listed["state"], listed["replicas"]) == (MODEL, "not_loaded", [])
+    listed, embedder, alias, embedder_alias = (await client.get("/v1/models")).json()["data"]
+    assert (listed["id"], listed["state"], listed["replicas"], listed["kind"]) == (MODEL, "not_loaded", [], "generate")
     assert listed["max_model_len"] is None  # known once a replica has loaded it
     assert alias == listed | {"id": "default"}  # clients are told to ask for `default`: it is listed
+    assert (embedder["id"], embedder["kind"]) == (DEFAULT_EMBEDDING_MODEL_ID, "embedding")  # the built-in embedder
+    assert embedder_alias == embedder | {"id": "default-embedding"}
     heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED},
                            max_model_len=8192)
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
     await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
     body = (await client.get("/v1/models")).json()
-    assert [m["id"] for m in body["data"]] == [MODEL, "Loading-Model", "default"]  # catalogue order first
+    assert [m["id"] for m in body["data"]] == [MODEL, DEFAULT_EMBEDDING_MODEL_ID, "Loading-Model", "default",
+                                               "default-embedding"]  # catalogue order first
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
-                               "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [],
+                               "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [], "kind": "generate",
                                "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4,
                                              "download_fraction": None}],
                                "max_model_len": 8192}  # the context the replica runs with, as vLLM shows it
-    assert body["data"][1]["state"] == "loading" and body["data"][1]["max_model_len"] is None  # not loaded yet
-    assert body["data"][2] == body["data"][0] | {"id": "default"}
+    assert body["data"][2]["state"] == "loading" and body["data"][2]["max_model_len"] is None  # not loaded yet
+    assert body["data"][3] == body["data"][0] | {"id": "default"}
 
 
 async def test_retrieve_a_model_by_id_or_alias(client, redis):

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.server import create_app
 
-from shared.catalog import DEFAULT_MODEL_ID
+from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID
 from shared.errors import ModelNotFound
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
@@ -159,7 +159,8 @@ async def test_error_after_the_stream_began_is_an_error_line(client, node):
 
 async def test_tags_show_and_ps(client, redis):
     listed = (await client.get("/api/tags")).json()["models"]
-    assert [m["name"] for m in listed] == [f"{MODEL}:latest", "default:latest"]
+    assert [m["name"] for m in listed] == [f"{MODEL}:latest", "default:latest", f"{DEFAULT_EMBEDDING_MODEL_ID}:latest",
+                                           "default-embedding:latest"]
     assert listed[0]["digest"] == listed[1]["digest"] and listed[0]["details"]["format"] == "gguf"
     assert (await client.get("/api/ps")).json() == {"models": []}
     await beat(redis, "n1", {MODEL: ModelState.READY}, max_model_len=2048)
@@ -169,6 +170,8 @@ async def test_tags_show_and_ps(client, redis):
     assert shown["model_info"][f"{arch}.context_length"] == 2048
     assert shown["model_info"]["general.basename"] == MODEL
     assert (await client.post("/api/show", json={"name": MODEL})).json() == shown  # older clients' field
+    embedder = (await client.post("/api/show", json={"model": "default-embedding"})).json()
+    assert embedder["capabilities"] == ["embedding"]
     [loaded] = (await client.get("/api/ps")).json()["models"]
     assert (loaded["model"], loaded["context_length"], loaded["nodes"]) == (f"{MODEL}:latest", 2048, ["n1"])
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from node_agent.serving.limits import completion_budget
+from node_agent.serving.completion_budget import completion_budget
 from shared.catalog import ModelProfile
 
 

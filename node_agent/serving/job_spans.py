@@ -20,7 +20,7 @@ SCOPE = "cortex.node"
 
 
 @dataclass
-class JobTrace:
+class JobSpans:
     parent: Context
     attributes: dict[str, str]
     read_ns: int
@@ -28,7 +28,7 @@ class JobTrace:
     error: str = ""  # the error code it failed with
 
     @classmethod
-    def of(cls, entry: StreamEntry, entry_id: str, node: str) -> "JobTrace | None":
+    def of(cls, entry: StreamEntry, entry_id: str, node: str) -> "JobSpans | None":
         """The trace of a job just read, if its request is traced and tracing is on here."""
         if entry.traceparent is None or tracing.tracer(SCOPE) is None:
             return None

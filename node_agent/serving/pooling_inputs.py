@@ -1,0 +1,65 @@
+"""An embedding or rerank job's inputs as token ids, checked against the model (in the node's
+thread pool, before anything reaches the device thread): texts are tokenised (a rerank input with
+its query, as one pair), token ids must be the model's own, and an input longer than the model
+takes is cut when the request asks (`truncate`) and refused otherwise."""
+
+from node_agent.engine.pooler import Encoded
+from node_agent.model.pooling import LoadedPooler
+from shared.errors import ContextLengthExceeded, InvalidRequest
+from shared.wire import PoolingRequest
+
+
+def encode(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
+    if request.kind == "rerank":
+        return _pairs(loaded, request)
+    _check_dimensions(loaded, request.dimensions)
+    texts = [(i, text) for i, text in enumerate(request.inputs) if isinstance(text, str)]
+    rows: list[list[int]] = [[] for _ in request.inputs]
+    if texts:
+        tokenized = loaded.tokenizer([text for _, text in texts], truncation=request.truncate,
+                                     max_length=loaded.max_len if request.truncate else None)["input_ids"]
+        for (i, _), ids in zip(texts, tokenized):
+            rows[i] = ids
+    vocab = len(loaded.tokenizer)
+    for i, given in enumerate(request.inputs):
+        if isinstance(given, list):
+            ids = _checked_ids(given, vocab, i)
+            rows[i] = ids[:loaded.max_len] if request.truncate else ids
+        _check_length(len(rows[i]), loaded.max_len, i)
+    return Encoded(rows)
+
+
+def _pairs(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
+    if len(request.queries) != len(request.inputs):
+        raise InvalidRequest(f"{len(request.queries)} queries for {len(request.inputs)} documents", param="query")
+    encoded = loaded.tokenizer(request.queries, list(request.inputs),
+                               truncation="only_second" if request.truncate else False,
+                               max_length=loaded.max_len if request.truncate else None)
+    for i, ids in enumerate(encoded["input_ids"]):
+        _check_length(len(ids), loaded.max_len, i, "documents")
+    return Encoded(encoded["input_ids"], encoded.get("token_type_ids"))
+
+
+def _checked_ids(ids: list[int], vocab: int, index: int) -> list[int]:
+    if not ids:
+        raise InvalidRequest(f"input {index} is an empty list of token ids", param="input")
+    if not all(0 <= token < vocab for token in ids):
+        raise InvalidRequest(f"input {index} holds token ids outside this model's vocabulary of {vocab} (token ids "
+                             "must be the model's own; a client tokenising with tiktoken should send text instead)",
+                             param="input")
+    return ids
+
+
+def _check_length(tokens: int, max_len: int, index: int, param: str = "input") -> None:
+    if tokens == 0:
+        raise InvalidRequest(f"input {index} has no tokens for this model", param=param)
+    if tokens > max_len:
+        raise ContextLengthExceeded(f"input {index} has {tokens} tokens; this model takes at most {max_len}. Shorten "
+                                    "it, or ask for truncation", param=param)
+
+
+def _check_dimensions(loaded: LoadedPooler, dimensions: int | None) -> None:
+    full = loaded.model.config.hidden_size
+    if dimensions is not None and not 0 < dimensions <= full:
+        raise InvalidRequest(f"dimensions must be between 1 and the model's {full}; got {dimensions}",
+                             param="dimensions")

@@ -1,0 +1,61 @@
+"""An embedding or rerank model's intake (the `Intake` of node_agent/serving/intake.py for a
+`PoolingEngine`): each stream entry is decoded as a `PoolingRequest`, admitted to the ledger, its
+inputs tokenised and checked in the thread pool (node_agent/serving/pooling_inputs.py) against the
+device's free memory too, and a read's jobs are queued on the device thread together, but those
+cancelled while they were tokenised. An entry that cannot run ends here with its error."""
+
+import asyncio
+import logging
+
+from node_agent.engine.pooler import Encoded, PoolingEngine
+from node_agent.serving.intake import Intake
+from node_agent.serving.job_reader import Entry
+from node_agent.serving.job_spans import JobSpans
+from node_agent.serving.ledger import Running
+from node_agent.serving.pooling_inputs import encode
+from shared.errors import InvalidRequest
+from shared.wire import POOLING_KINDS, PoolingRequest, StreamEntry, WireError
+
+log = logging.getLogger(__name__)
+
+Queued = tuple[PoolingRequest, Encoded, float]  # the request, its inputs' token ids, when it was submitted (ms)
+
+
+def _add_all(engine: PoolingEngine, jobs: list[Queued]) -> None:
+    for request, encoded, submitted_ms in jobs:
+        engine.add(request.job, encoded, request.dimensions, submitted_ms)
+
+
+class PoolingIntake(Intake):
+    engine: PoolingEngine | None
+
+    def attach(self, engine: PoolingEngine) -> None:
+        self.engine = engine
+
+    async def add(self, jobs: list[Queued]) -> None:
+        if jobs := [job for job in jobs if job[0].job in self.ledger]:
+            await self.device.call(_add_all, self.engine, jobs)
+
+    async def prepare(self, e: Entry) -> Queued | None:
+        """Decode, tokenise and check one entry; None when it ended here (refused or failed)."""
+        stream = e.stream or self.ledger.stream
+        try:
+            entry = StreamEntry.from_fields(e.fields)
+            if entry.kind not in POOLING_KINDS:
+                raise WireError(f"a {entry.kind} job for {self.profile.kind} model {self.profile.id}")
+            request = entry.pooling_request()
+        except Exception as exc:  # WireError, or bytes that are not even text: the entry alone is refused
+            log.error("refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc)
+            reply = e.fields.get(b"reply", b"").decode(errors="replace")
+            self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
+            return None
+        self.ledger.admit(request.job, Running(e.entry_id, entry.reply, 1, entry.keep_alive_s, stream=stream,
+                                               job_class=e.job_class, trace=JobSpans.of(entry, e.entry_id, self.node)))
+        log.info("job=%s request=%s: %d inputs to %s, from %s", request.job, entry.request_id, len(request.inputs),
+                 request.kind, e.entry_id)
+        try:
+            self._check_memory()
+            return request, await asyncio.to_thread(encode, self.engine.lm, request), float(entry.submitted_ms)
+        except Exception as exc:
+            self.failed(request.job, exc)
+        return None

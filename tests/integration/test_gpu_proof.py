@@ -1,0 +1,26 @@
+"""`scripts/gpu-proof --dry-run`: the GPU proof's stages on CPU with tiny shapes, so that the one
+command a GPU host gets is known to run end to end before a GPU is lent (the GPU tier skips here,
+saying why; the benchmarks run a tiny random model for a few tokens)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_dry_run_runs_every_stage_and_writes_one_table(tmp_path):
+    out = tmp_path / "proof"
+    done = subprocess.run([str(ROOT / "scripts" / "gpu-proof"), "--dry-run", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = (out / "gpu-proof.md").read_text()
+    for stage in ("tests", "streams", "multiturn"):
+        assert f"| {stage} | ok |" in table, table
+    assert "no CUDA device here" in table  # the GPU tier said why it skipped
+    assert "| 2 | gateway |" in table and "| gateway |" in table.split("## Multiturn")[1]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu-proof.md", "environment.log", "tests.log", "streams.log", "streams.json", "multiturn.log",
+         "multiturn.json", "stack-logs.tar.gz"])  # at most eight files: what a GPU host gives back
