@@ -6,7 +6,6 @@ anything else that is not a file of a complete model folder (a pull in progress 
 the bookkeeping under its `.cache/`)."""
 
 import asyncio
-import contextlib
 import hmac
 import logging
 
@@ -43,18 +42,12 @@ def app(store: ModelStore, secret: str) -> Starlette:
     return Starlette(routes=[Route("/files/{path:path}", serve_file, methods=["GET", "HEAD"])])
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self):
-        """The node agent owns SIGTERM and SIGINT (it shuts down the whole node, this server too)."""
-        yield
-
-
 class FileServer:
     def __init__(self, store: ModelStore, secret: str, host: str, port: int):
         self.store = store
-        self._server = _Server(uvicorn.Config(app(store, secret), host=host, port=port, log_level="warning",
-                                              access_log=False, lifespan="off"))
+        # uvicorn takes SIGTERM/SIGINT while it serves, stops, and raises them again for the agent
+        self._server = uvicorn.Server(uvicorn.Config(app(store, secret), host=host, port=port, log_level="warning",
+                                                     access_log=False, lifespan="off"))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

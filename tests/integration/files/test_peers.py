@@ -59,6 +59,7 @@ def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, 
         assert outside.status_code == 403 and b"not a model file" not in outside.content
         assert httpx.get(f"{files_b}/{FOLDER}/.cache/x", headers=auth).status_code == 404
         stack.assert_clean()
+        assert node_b.stop() == 0  # SIGTERM stops a node serving files too (uvicorn passes it on)
     finally:
         stack.stop()
 
