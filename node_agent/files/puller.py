@@ -18,6 +18,7 @@ from redis.exceptions import LockError
 
 from node_agent.files import disk_budget, hub, peer
 from shared.catalog import ModelProfile
+from shared.errors import DiskBudgetExceeded, ModelPullFailed
 from shared.fleet import Fleet
 from shared.heartbeat import PullProgress
 from shared.keys import Keys
@@ -111,15 +112,22 @@ class Puller:
             self.failed[pull.folder] = (time.monotonic(), pull.progress().model_copy(update={"error": why}))
 
     async def _run(self, pull: Pull, profile: ModelProfile) -> None:
-        started = time.monotonic()
+        started, failed_peers = time.monotonic(), set()
         while True:
-            found = await self._peer_holding(pull.folder)
+            found = await self._peer_holding(pull.folder, failed_peers)
             if found is not None:
                 name, url, wanted = found
                 pull.source = f"peer {name}"
-                await self._fetch(pull, wanted, lambda: peer.download(
-                    wanted, self.store.folder(pull.folder), url, self.settings.fleet_secret, name))
-                break
+                try:
+                    await self._fetch(pull, wanted, lambda: peer.download(
+                        wanted, self.store.folder(pull.folder), url, self.settings.fleet_secret, name))
+                    break
+                except DiskBudgetExceeded:
+                    raise  # no source makes room
+                except ModelPullFailed as exc:  # the peer went away, or sent a bad file: another source
+                    log.warning("%s; trying another peer, else the hub", exc.message)
+                    failed_peers.add(name)
+                    continue
             lock = self.redis.lock(self.keys.pull_lock(pull.folder), timeout=HUB_LOCK_S)
             if await lock.acquire(blocking=False):
                 try:
@@ -160,12 +168,13 @@ class Puller:
             await asyncio.sleep(HUB_LOCK_S / 3)
             await lock.reacquire()
 
-    async def _peer_holding(self, folder: str) -> tuple[str, str, Manifest] | None:
-        """A live peer serving files that holds `folder` whole: (its name, its file URL, its manifest)."""
+    async def _peer_holding(self, folder: str, skip: set[str]) -> tuple[str, str, Manifest] | None:
+        """A live peer serving files, not in `skip`, that holds `folder` whole: (its name, its file URL,
+        its manifest)."""
         if not self.settings.fleet_secret:
             return None
         for node in await Fleet(self.redis, self.keys, self.settings.heartbeat_ttl_s).live_nodes():
-            if node.node == self.node or not node.file_url:
+            if node.node == self.node or not node.file_url or node.node in skip:
                 continue
             held = await self.redis.hget(self.keys.model_files(node.node), folder)
             if held:

@@ -83,3 +83,21 @@ def test_two_nodes_pulling_at_once_take_the_model_from_the_hub_once(tmp_path, hu
         stack.assert_clean()
     finally:
         stack.stop()
+
+
+def test_a_peer_gone_before_its_heartbeat_expired_sends_the_node_to_the_hub(tmp_path, hub, tiny_repo):
+    hub.publish(REPO, tiny_repo)
+    hub.start()
+    stack = start_stack(tmp_path, catalogue(**{"tiny-a": f"hf:{REPO}|a", "tiny-b": f"hf:{REPO}|b"}))
+    try:
+        stack.start_gateway()
+        node_a = stack.start_node("a", models=["tiny-a"], **peer_env(tmp_path, "a", hub, free_port()))
+        node_b = stack.start_node("b", models=[], **peer_env(tmp_path, "b", hub, free_port()))
+        wait_for(lambda: stack.client().hexists(stack.keys.model_files("a"), FOLDER), 10, "node a to publish it")
+        node_a.child.proc.kill()  # its heartbeat and holdings stay in Redis for their TTL
+        client = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=120)
+        assert client.completions.create(model="tiny-b", prompt="Hello", max_tokens=4, temperature=0).choices
+        log = node_b.log_path.read_text()
+        assert "from a failed" in log and "from hub" in log and complete(tmp_path / "models-b")
+    finally:
+        stack.stop()
