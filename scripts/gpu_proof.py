@@ -12,10 +12,12 @@ a benchmark still prints and saves what it measured; SIGKILL 20 s later):
              (the served path) and transformers serve beside it
   multiturn  agents resending growing conversations through the gateway: prefix hits on paged KV
              under CUDA graphs, TTFT of first and later turns
+  speculation  the edit workload in the in-process engine, n-gram speculation off and on at N = 1,
+             4, 16: on random weights what verifying drafts costs a step, not their acceptance
 
-Files under OUT (at most eight, for hosts that return only a few): gpu-proof.md (the table),
-environment.log, tests.log, streams.log, streams.json, multiturn.log, multiturn.json and
-stack-logs.tar.gz (the gateway's, node's and redis' logs of every benchmark stack).
+Files under OUT (few: hosts return at most eight): gpu-proof.md (the table), streams.json,
+multiturn.json, speculation.json, and logs.tar.gz (the environment, each stage's log, and the
+gateway's, node's and redis' logs of every benchmark stack).
 
 --dry-run runs the same stages on CPU with tiny shapes (the suite runs it): the GPU tier then
 skips, saying so, and the benchmarks run a tiny random model for a few tokens."""
@@ -65,7 +67,9 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
         multiturn = [*bench, "--workload", "multiturn", "--device", "cpu", "--shape", "tiny", "--agents", "2",
                      "--turns", "2", "--system-tokens", "64", "--user-tokens", "16", "--answer-tokens", "4",
                      "--skip-vllm", "--skip-serve", "--json", str(args.out / "multiturn.json")]
-        limits = (120, 240, 180)
+        speculation = [*bench, "--workload", "edit", "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2",
+                       "--max-tokens", "8", "--file-tokens", "64", "--json", str(args.out / "speculation.json")]
+        limits = (120, 240, 180, 180)
     else:
         streams = [*bench, "--device", "cuda", "--shape", args.shape, *tokenizer, "--concurrency", "1,8,64,128",
                    "--json", str(args.out / "streams.json")]
@@ -74,14 +78,18 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
                      # the default 2 GB cache holds ~18,700 tokens of this shape: 16 agents' ~2,600 need ~4.6 GB
                      "--kv-cache-mb", "8192",
                      "--json", str(args.out / "multiturn.json")]
-        limits = (150, 240, 100)
+        # a random model's drafts say nothing of acceptance: this measures what verifying them costs a step
+        speculation = [*bench, "--workload", "edit", "--device", "cuda", "--shape", args.shape, *tokenizer,
+                       "--concurrency", "1,4,16", "--max-tokens", "128", "--json", str(args.out / "speculation.json")]
+        limits = (150, 240, 100, 120)
     return [Stage("tests", tests, limits[0], "tests.log"), Stage("streams", streams, limits[1], "streams.log"),
-            Stage("multiturn", multiturn, limits[2], "multiturn.log")]
+            Stage("multiturn", multiturn, limits[2], "multiturn.log"),
+            Stage("speculation", speculation, limits[3], "speculation.log")]
 
 
-def run_stage(stage: Stage, out: Path, env: dict) -> None:
+def run_stage(stage: Stage, logs: Path, env: dict) -> None:
     t0 = time.monotonic()
-    with open(out / stage.log, "w") as log:
+    with open(logs / stage.log, "w") as log:
         log.write(f"$ {' '.join(stage.argv)}\n")
         log.flush()
         proc = subprocess.Popen(stage.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -151,7 +159,7 @@ def fmt(value, digits: int = 1) -> str:
 
 def tests_section(xml_path: Path) -> list[str]:
     if not xml_path.exists():
-        return ["No test report (see tests.log)."]
+        return ["No test report (see tests.log in logs.tar.gz)."]
     root = ET.parse(xml_path).getroot()
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failed, skipped = [], set()
@@ -174,7 +182,7 @@ def tests_section(xml_path: Path) -> list[str]:
 
 def streams_section(path: Path) -> list[str]:
     if not path.exists():
-        return ["No results (see streams.log)."]
+        return ["No results (see streams.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     meta = doc["meta"]
     lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
@@ -193,7 +201,7 @@ def streams_section(path: Path) -> list[str]:
 
 def multiturn_section(path: Path) -> list[str]:
     if not path.exists():
-        return ["No results (see multiturn.log)."]
+        return ["No results (see multiturn.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     meta = doc["meta"]
     lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}.", "",
@@ -207,6 +215,22 @@ def multiturn_section(path: Path) -> list[str]:
     return lines
 
 
+def speculation_section(path: Path) -> list[str]:
+    if not path.exists():
+        return ["No results (see speculation.log in logs.tar.gz)."]
+    doc = json.loads(path.read_text())
+    rows = doc["results"]
+    keys = [k for k in ("system", "concurrency", "aggregate_tok_s", "per_stream_tok_s", "step_ms", "draft_tokens",
+                        "acceptance") if rows and k in rows[0]]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r[k], 2) if isinstance(r[k], float) or r[k] is None else str(r[k])
+                                       for k in keys) + " |")
+    lines += ["", "| aggregate tok/s against speculation off (same run) | N | value |", "|---|--:|--:|"]
+    lines += [f"| {r['system']} | {r['concurrency']} | {fmt(r['vs_off'], 2)} |" for r in doc.get("ratios", [])]
+    return lines
+
+
 def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
     title = "GPU proof (dry run on CPU)" if args.dry_run else "GPU proof"
     lines = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M %Z')}", "", "```", env_text, "```", ""]
@@ -217,16 +241,20 @@ def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in done]
     lines += ["", "## GPU test tier", "", *tests_section(args.work / "tests.xml"),
               "", "## Streams", "", *streams_section(args.out / "streams.json"),
-              "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json")]
+              "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json"),
+              "", "## Speculation: what verifying drafts costs a step", "",
+              *speculation_section(args.out / "speculation.json")]
     return "\n".join(lines) + "\n"
 
 
-def pack_stack_logs(work: Path, out: Path) -> None:
-    folders = sorted(work.glob("tmp/cortex-bench-*"))
-    with tarfile.open(out / "stack-logs.tar.gz", "w:gz") as tar:
-        for folder in folders:
+def pack_logs(work: Path, out: Path) -> None:
+    """Every stage's log and every benchmark stack's (gateway, node, redis), in one file."""
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for f in sorted(work.glob("*.log")):
+            tar.add(f, arcname=f.name)
+        for folder in sorted(work.glob("tmp/cortex-bench-*")):
             for f in folder.rglob("*.log"):
-                tar.add(f, arcname=f"{folder.name}/{f.relative_to(folder)}")
+                tar.add(f, arcname=f"stacks/{folder.name}/{f.relative_to(folder)}")
 
 
 def main(argv=None) -> int:
@@ -237,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-0.6b", help="the benchmarks' random model shape (scripts/bench_models.py)")
     p.add_argument("--tokenizer", default=".offline/smollm2-tokenizer",
                    help="the default model's tokenizer as a folder (scripts/bench_run.py --export-tokenizer)")
-    p.add_argument("--only", default=None, help="comma-separated stages to run (tests, streams, multiturn)")
+    p.add_argument("--only", default=None, help="comma-separated stages to run (tests, streams, multiturn, speculation)")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -247,7 +275,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(args.work / "tmp"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env_text = environment(env)
-    (args.out / "environment.log").write_text(env_text + "\n")
+    (args.work / "environment.log").write_text(env_text + "\n")
     print(env_text, flush=True)
     missing = check_imports(args, env)
     tokenizer = []
@@ -264,9 +292,9 @@ def main(argv=None) -> int:
         chosen = set(args.only.split(",")) if args.only else None
         for stage in stages(args, tokenizer):
             if chosen is None or stage.name in chosen:
-                run_stage(stage, args.out, env)
+                run_stage(stage, args.work, env)
                 done.append(stage)
-        pack_stack_logs(args.work, args.out)
+    pack_logs(args.work, args.out)
     text = report(args, env_text, done, missing)
     (args.out / "gpu-proof.md").write_text(text)
     print(text)

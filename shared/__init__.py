@@ -6,4 +6,5 @@ WIRE_VERSION = 8  # 2: SamplingParams.grammar, kind "count"; 3: the start event,
 # 6: the job entry's `traceparent`; 7: the request's `prefix_marks` (cache-aware routing), then its `cache_salt`
 # (sent only when set, `Wire.added_within_version`: with API keys and scope `key`, or a request's `cache_salt`;
 # a node of 7 from before refuses those jobs, so upgrade nodes before gateways)
-# 8: embedding and rerank jobs (`PoolingRequest`, the done event's `pooled`)
+# 8: embedding and rerank jobs (`PoolingRequest`, the done event's `pooled`); SamplingParams.speculative,
+# num_speculative_tokens

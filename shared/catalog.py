@@ -63,6 +63,17 @@ class ModelProfile(BaseModel):
     # "compiled" (torch.compile, then captured on a GPU). A model whose step cannot be captured
     # falls back to eager with a log line.
     decode: Literal["auto", "eager", "static", "graphs", "compiled"] = "auto"
+    # Speculative decoding without a draft model (node_agent/engine/speculation.py): "ngram" drafts
+    # up to `num_speculative_tokens` tokens a step from the sequence's own prompt and output, and
+    # one forward checks them all (the output is the model's own, token for token when greedy, in
+    # distribution when sampled). A request may ask for it or turn it off (`speculative` in its
+    # body). Only while at most `speculative_max_batch` sequences decode: a larger step is bound
+    # by compute, where extra tokens cost more than they save (SmolLM2 fp32 on 2 CPU cores: a step
+    # costs ~15 ms plus ~1.3 ms a token, so 4 rows of 5 tokens double it; see docs/benchmarks.md).
+    # Never for linear-attention models, nor for requests with repetition/presence/frequency penalties.
+    speculative: Literal["off", "ngram"] = "off"
+    num_speculative_tokens: int = Field(8, ge=1, le=64)
+    speculative_max_batch: int = Field(4, ge=0, le=1024)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
     # How this model writes tool calls; None: chosen from the model's family (see gateway/tool_calls.py).

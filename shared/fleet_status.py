@@ -5,7 +5,7 @@ import json
 
 from pydantic import BaseModel
 
-from shared.heartbeat import KVCacheStats, NodeHeartbeat, PullProgress
+from shared.heartbeat import KVCacheStats, NodeHeartbeat, PullProgress, SpecDecodeStats
 from shared.redis_health import RedisHealth
 
 
@@ -29,6 +29,7 @@ class ModelStatus(BaseModel):
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
     kv: KVCacheStats | None = None  # its KV cache and prefix cache; None until its engine is built
+    spec: SpecDecodeStats | None = None  # its speculative decoding's counters; None until its engine is built
     error: str = ""
     download: PullProgress | None = None  # its files on their way, while `downloading`
 
@@ -64,7 +65,7 @@ class NodeStatus(BaseModel):
                     slots_total=m.slots_total, memory_mb=m.memory_mb, max_model_len=m.max_model_len,
                     last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
-                    error=m.error, download=m.download,
+                    spec=m.spec, error=m.error, download=m.download,
                 )
                 for name, m in hb.models.items()
             },

@@ -48,6 +48,14 @@ class PullProgress(BaseModel):
         return min(self.bytes_done / self.bytes_total, 1.0) if self.bytes_total else 0.0
 
 
+class SpecDecodeStats(BaseModel):
+    """A replica's speculative decoding (vLLM's spec_decode counters), counting from the engine's start."""
+
+    drafts: int = 0  # counter: steps of a sequence that checked draft tokens
+    draft_tokens: int = 0  # counter: draft tokens checked
+    accepted_tokens: int = 0  # counter: of those, accepted
+
+
 class ModelInfo(BaseModel):
     state: ModelState
     device: str  # the device it runs on (rank 0's, when tensor-parallel)
@@ -60,6 +68,7 @@ class ModelInfo(BaseModel):
     keep_until_ms: int = 0  # a request's keep_alive (Ollama's) holds it loaded at least until then
     error: str = ""  # why it is poisoned or failed
     kv: KVCacheStats | None = None  # None: the engine is not built yet
+    spec: SpecDecodeStats | None = None  # None: the engine is not built yet
     download: PullProgress | None = None  # while `downloading`
 
 

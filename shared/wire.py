@@ -56,6 +56,10 @@ class SamplingParams(BaseModel):
     # Logprobs of the prompt's tokens (`echo` with `logprobs` on /v1/completions), with this many
     # alternatives each; None: not wanted. The engine answers in `ChoiceDelta.prompt_logprobs`.
     prompt_logprobs: int | None = None
+    # Speculative decoding for this request (an extension): overrides the model's catalogue entry;
+    # None: as the catalogue says (shared/catalog.py `speculative`, `num_speculative_tokens`).
+    speculative: Literal["off", "ngram"] | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
 
 
 # `chat_template_kwargs` keys that would change how a prompt is rendered or returned rather than

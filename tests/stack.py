@@ -5,11 +5,13 @@ import json
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
@@ -46,6 +48,13 @@ class Stack:
         self.services.append(gateway)
         self.gateway_url = f"http://127.0.0.1:{port}"
         gateway.wait_ready(lambda: _http_ok(f"{self.gateway_url}/health"))
+
+    def start_gateways(self, count: int) -> None:
+        """`count` gateway replicas on one Redis; their URLs in `replicas` (the last is `gateway_url`)."""
+        self.replicas = []
+        for _ in range(count):
+            self.start_gateway()
+            self.replicas.append(self.gateway_url)
 
     def start_node(self, name: str, models: list[str] | None = None, **env: str) -> Service:
         """A node loading `models` at start (None: its default; []: none, it waits for placement)."""
@@ -144,3 +153,26 @@ def serving(root: Path, models_toml: str | None, node: str, models: list[str] | 
 
 def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
     wait_until(predicate, timeout_s, what)
+
+
+def checked(session_fixture: str, name: str = "stack", timeout_s: float = 10.0):
+    """A fixture `name` over the session's `session_fixture` stack, checked after each test for
+    pending entries, subscriptions and stray keys (`Stack.assert_clean`)."""
+    @pytest.fixture(name=name)
+    def stack(request) -> Iterator[Stack]:
+        shared = request.getfixturevalue(session_fixture)
+        yield shared
+        shared.assert_clean(timeout_s=timeout_s)
+    return stack
+
+
+def beat(client: redis.Redis, node: str = "n1", model: str | None = None) -> None:
+    """A heartbeat as a node's, saying `model` (the default model) is ready on `node`."""
+    from shared.catalog import DEFAULT_MODEL_ID
+    from shared.heartbeat import ModelInfo, NodeHeartbeat
+
+    now_ms = int(time.time() * 1000)
+    heartbeat = NodeHeartbeat(node=node, version="test", started_ms=now_ms, heartbeat_ms=now_ms,
+                              models={model or DEFAULT_MODEL_ID: ModelInfo(state="ready", device="cpu")})
+    client.hset(Keys().node(node), mapping=heartbeat.to_hash())
+    client.zadd(Keys().nodes(), {node: now_ms})

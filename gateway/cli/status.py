@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.fleet_status import ROUTING_OUTCOMES, FleetStatus, ModelStatus
-from shared.heartbeat import KVCacheStats, PullProgress
+from shared.heartbeat import KVCacheStats, PullProgress, SpecDecodeStats
 from shared.lifecycle import ModelState
 
 
@@ -42,9 +42,12 @@ def _pull(p: PullProgress) -> str:
             f" at {p.rate_bps / 1e6:.1f} MB/s from {p.source or '?'}")
 
 
-def _kv(kv: KVCacheStats) -> str:
+def _kv(kv: KVCacheStats, spec: SpecDecodeStats | None) -> str:
+    """The KV cache's use, the prefix cache's hit rate, and the share of draft tokens accepted where
+    the model speculates."""
     return (f"KV {_percent(kv.blocks_used, kv.blocks_total)} ({kv.blocks_used}/{kv.blocks_total} blk)"
-            f" prefix {_percent(kv.prefix_hits, kv.prefix_queries)}")
+            f" prefix {_percent(kv.prefix_hits, kv.prefix_queries)}"
+            + (f" spec {_percent(spec.accepted_tokens, spec.draft_tokens)}" if spec and spec.draft_tokens else ""))
 
 
 _STATE_STYLE = {
@@ -78,7 +81,8 @@ def render_fleet(fleet: FleetStatus, console=None) -> None:
             node = [n.node, "[green]yes[/]" if n.alive else "[red]no[/]", f"{_age(n.heartbeat_age_s)} ago", n.version,
                     state + (f"\n{','.join(n.labels)}" if n.labels else ""), devices or "-"]
             # a row per model, so that its KV cache stays beside it however the lines wrap
-            rows = [(_model(name, m), _kv(m.kv) if m.kv is not None else "") for name, m in sorted(n.models.items())]
+            rows = [(_model(name, m), _kv(m.kv, m.spec) if m.kv is not None else "")
+                    for name, m in sorted(n.models.items())]
             rows = rows or [("-", "")]
             for i, row in enumerate(rows):
                 table.add_row(*(node if i == 0 else [""] * len(node)), *row, end_section=i == len(rows) - 1)

@@ -4,7 +4,7 @@ bounded, tool and output schemas are valid JSON Schema, and `chat_template_kwarg
 change how the prompt is rendered. Token ids are checked against the model's vocabulary on the
 node (`node_agent.engine.engine.Engine.add`), which fails that job alone with a 400."""
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
@@ -27,6 +27,9 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=STOP_TOKEN_IDS_MAX)]
 # vLLM's `cache_salt`: prompts share cached prefixes only with prompts of the same salt (and scope,
 # `prefix_cache_scope`); its length is bounded, as every string that reaches a node's hashing
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
+# speculative decoding for one request (shared/wire.py SamplingParams): a method, or None for the catalogue's
+Speculative = Literal["off", "ngram"] | None
+SpeculativeTokens = Annotated[int, Field(ge=1, le=64)] | None
 KeepAliveSeconds = Annotated[float, Field(ge=-KEEP_ALIVE_MAX_S, le=KEEP_ALIVE_MAX_S, allow_inf_nan=False)]
 
 

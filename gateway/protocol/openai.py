@@ -4,7 +4,8 @@ Requests validate OpenAI's types and ranges so bad input never reaches a node (a
 gateway does not know is ignored and logged once: `gateway/protocol/lenient.py`); each request
 converts itself to the `shared.wire.GenerationRequest` a node runs.
 Extensions beyond OpenAI (vLLM's names: `top_k`, `min_p`, `repetition_penalty`,
-`stop_token_ids`, `ignore_eos`, `chat_template_kwargs`) come after the spec's fields.
+`stop_token_ids`, `ignore_eos`, `chat_template_kwargs`; Cortex's `speculative` and
+`num_speculative_tokens`, overriding the model's catalogue entry) come after the spec's fields.
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -12,7 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema,
-                                     KeepAlive, MaxTokens, StopTokenIds, TokenId, TopK, duration_s)
+                                     KeepAlive, MaxTokens, Speculative, SpeculativeTokens, StopTokenIds, TokenId, TopK,
+                                     duration_s)
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
@@ -188,6 +190,8 @@ class _Sampling(Lenient):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
             **overrides,
         )
 
@@ -242,6 +246,8 @@ class ChatCompletionRequest(_Sampling):
     ignore_eos: bool = False
     keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
     priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    speculative: Speculative = None
+    num_speculative_tokens: SpeculativeTokens = None
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
@@ -322,6 +328,8 @@ class CompletionRequest(_Sampling):
     ignore_eos: bool = False
     keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
     priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    speculative: Speculative = None
+    num_speculative_tokens: SpeculativeTokens = None
     uses_tools: ClassVar[bool] = False  # completions take no tools
     constraint: ClassVar[Constraint] = None  # and no grammar
 

@@ -39,16 +39,28 @@ class Grammars:
         return matcher
 
 
-    def bitmask(self, matchers: list[llguidance.LLMatcher | None]) -> tuple[torch.Tensor, list[int]] | None:
-        """llguidance's packed mask of the tokens each row's grammar allows next, for the rows that
-        have one, and those rows; None when no row has a grammar (node_agent/model/runner.py applies it)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+    def bitmask(self, matchers: list[llguidance.LLMatcher | None], drafts: list[list[int]]
+                ) -> tuple[torch.Tensor, list[int]] | None:
+        """llguidance's packed mask of the tokens each row's grammar allows at each position it
+        samples (its next token's, then after each of its `drafts` tokens, which the grammar
+        allows), for the rows that have one, and those positions; None when no row has a grammar
+        (node_agent/model/runner.py applies it). The matchers are left as they were."""
+        starts = [sum(1 + len(d) for d in drafts[:i]) for i in range(len(drafts))]
+        rows = [(m, draft, starts[i]) for i, (m, draft) in enumerate(zip(matchers, drafts)) if m is not None]
         if not rows:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
-        for j, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(matchers[i], bitmask, j)
-        return bitmask, rows
+        positions = [start + j for _, draft, start in rows for j in range(len(draft) + 1)]
+        bitmask = llguidance.torch.allocate_token_bitmask(len(positions), self.vocab_size)
+        filled = 0
+        for matcher, draft, _ in rows:
+            for token in [*draft, None]:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, filled)
+                filled += 1
+                if token is not None:
+                    matcher.consume_token(token)
+            if draft:
+                matcher.rollback(len(draft))
+        return bitmask, positions
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

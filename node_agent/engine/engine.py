@@ -10,6 +10,9 @@ Each `core_step()` reads schedule -> run -> token checks:
   returns token ids and numbers;
 - the core feeds the grammars and ends sequences on what needs no text (EOS, stop token ids,
   max_tokens), and returns a `StepOutput` record (node_agent/engine/records.py).
+A sequence that speculates (node_agent/engine/speculation.py) may gain several tokens a step: its
+draft is first cut where its grammar refuses a token, each position is masked as its grammar
+would be there, and the tokens it keeps pass these checks one by one, as if sampled in turn.
 The output processor (node_agent/engine/output.py) turns records into each job's wire events:
 it detokenises and applies stop strings; the sequences it ends come back through `stop()`. On a
 node it runs in the model's output process (node_agent/serving/output_process.py), off the
@@ -31,12 +34,13 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
+from node_agent.engine.speculation import SpeculationStats
 from node_agent.model import devices, vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
 from shared.errors import ContextLengthExceeded, CortexError, GenerationFailed, InvalidRequest
-from shared.heartbeat import KVCacheStats
+from shared.heartbeat import KVCacheStats, SpecDecodeStats
 from shared.lifecycle import FinishReason
 from shared.wire import GenerationRequest, SamplingParams, StepEvents
 
@@ -66,7 +70,9 @@ class Engine:
         self.pool = BlockPool(cache.blocks, cache.block_size, caching=profile.prefix_caching)
         root = hashlib.blake2b(f"{profile.id}|{loaded.dtype}|{profile.block_size}".encode(), digest_size=16).digest()
         self.scheduler = Scheduler(self.pool, max_seqs=profile.slots, chunk_tokens=profile.prefill_chunk_tokens,
-                                   linear_attention=cache.has_linear_attention, root_hash=root)
+                                   linear_attention=cache.has_linear_attention, root_hash=root,
+                                   speculate_rows=profile.speculative_max_batch)
+        self.speculation = SpeculationStats()
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key
@@ -114,6 +120,11 @@ class Engine:
                             blocks_used=self.pool.used, blocks_cached=self.pool.cached,
                             prefix_queries=stats.queries, prefix_hits=stats.hits, preemptions=stats.preemptions)
 
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counters; plain numbers (read from the event loop)."""
+        s = self.speculation
+        return SpecDecodeStats(drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
+
     def release(self) -> None:
         """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
         self.fail_all()
@@ -157,8 +168,8 @@ class Engine:
                          pool_tokens - len(prompt_ids))
         seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
         matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
-        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, spans, images=bool(images),
-                                  cache_salt=request.cache_salt)
+        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, max_tokens, spans, images=bool(images),
+                                  cache_salt=request.cache_salt, draft_tokens=self._draft_tokens(params))
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
         self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),
@@ -167,6 +178,14 @@ class Engine:
             self.runner.add_images(request.job, prompt_ids, images)
         elif request.prefix_marks and self.pool.caching:
             self._marking[request.job] = prefix_tokens(request.prefix_marks, len(prompt_ids))
+
+    def _draft_tokens(self, params: SamplingParams) -> int:
+        """How many tokens a step the request's sequences may draft: its own choice, else the
+        catalogue's; none with penalties (each position would need the counts of the guesses before it)."""
+        method = params.speculative or self.profile.speculative
+        if method == "off" or params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            return 0
+        return params.num_speculative_tokens or self.profile.num_speculative_tokens
 
     def _check_token_ids(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Token ids the request names must exist in this model's vocabulary."""
@@ -231,24 +250,33 @@ class Engine:
         out = StepOutput(0.0, started_ms, opened=self._opened)
         self._opened = []
         out.admitted = list({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups}.items())
-        result = self.runner.run(plan, self.grammars.bitmask([self.sequences[key].matcher for key in plan.samples]))
+        matchers = [self.sequences[key].matcher for key in plan.samples]
+        for row, matcher in zip(plan.decode, matchers):
+            if matcher is not None and row.draft:
+                row.draft = row.draft[: matcher.validate_tokens(row.draft)]
+        result = self.runner.run(plan, self.grammars.bitmask(matchers, plan.drafts))
         for job, exc in result.failed.items():
             self._fail(out, job, exc)
         out.scores = [PromptScoresOut(key, s.start, s.tokens, s.logprobs, s.tops)
                       for key, s in result.prompt_scores.items()]
-        ended = []
-        for key, sampled in zip(plan.samples, result.sampled):
+        ended, kept = [], []
+        for key, draft, sampled in zip(plan.samples, plan.drafts, result.sampled):
+            self.speculation.count(len(draft), len(sampled) - 1)
+            kept.append([s.token for s in sampled])
             if (seq := self.sequences.get(key)) is None:  # its job failed this step
                 continue
-            try:
-                finish = seq.advance(sampled.token, self.eos_ids)
-            except Exception as exc:  # the grammar's host work: this job alone fails
-                self._fail(out, seq.job, exc)
-                continue
-            out.tokens.append(TokenOut(key, sampled.token, finish, sampled.logprob, sampled.top))
-            if finish:
-                ended.append(key)
-        self.scheduler.update(plan.samples, [s.token for s in result.sampled])
+            for i, s in enumerate(sampled):
+                try:
+                    finish = seq.advance(s.token, self.eos_ids)
+                except Exception as exc:  # the grammar's host work: this job alone fails
+                    self._fail(out, seq.job, exc)
+                    break
+                out.tokens.append(TokenOut(key, s.token, finish, s.logprob, s.top))
+                if finish:
+                    ended.append(key)
+                    del kept[-1][i + 1:]
+                    break
+        self.scheduler.update(plan.samples, kept, [len(draft) for draft in plan.drafts])
         self._mark_prefixes(out)
         self._end(ended)
         out.time_ms = time.time() * 1000

@@ -14,7 +14,10 @@ Each `schedule()`:
 3. **Prefill**: the next chunk of the waiting prompts, several sequences together, up to
    `prefill_chunk_tokens` (a model with linear-attention layers groups only chunks of equal width:
    right padding would be folded into its state; a bidirectional image is never split).
-4. **Decode**: one token for every decoding sequence.
+4. **Decode**: one token for every decoding sequence, and the draft tokens of those that
+   speculate (node_agent/engine/speculation.py) while at most `speculate_rows` sequences decode:
+   they count in the step's token budget (what prefill may take) and get blocks while some are
+   free (never by preempting); the blocks beyond a sequence's accepted tokens go back after it.
 Full blocks are registered in the pool by their hash chain as soon as they are planned, so the next
 step's admissions can reuse them.
 """
@@ -25,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from node_agent.engine.blocks import BlockPool, chain_hashes
+from node_agent.engine.speculation import Drafter
 from node_agent.model.step import DecodeRow, PrefillChunk, RowSetup, StepPlan
 from shared.wire import SamplingParams
 
@@ -38,6 +42,8 @@ class Sequence:
     prompt_len: int
     params: SamplingParams
     seed: int
+    max_tokens: int  # the most output tokens it may have
+    drafter: Drafter | None = None  # its speculation, when it speculates
     computed: int = 0  # tokens whose keys and values are in its blocks
     blocks: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # of the full blocks of its tokens, as far as computed
@@ -75,8 +81,9 @@ class PrefixStats:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, *, max_seqs: int, chunk_tokens: int, linear_attention: bool,
-                 root_hash: bytes):
+                 root_hash: bytes, speculate_rows: int = 0):
         self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
+        self.speculate_rows = speculate_rows
         self.linear_attention, self.root_hash = linear_attention, root_hash
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest read their prompt
@@ -93,16 +100,20 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int],
-            spans: list[tuple[int, int]] = (), images: bool = False, cache_salt: str = "") -> list[int]:
-        """Queue a job's sequences (one per seed); returns their keys. Its blocks are shared only with
-        jobs of the same `cache_salt` (`GenerationRequest.cache_salt`)."""
+    def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int], max_tokens: int,
+            spans: list[tuple[int, int]] = (), images: bool = False, cache_salt: str = "",
+            draft_tokens: int = 0) -> list[int]:
+        """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
+        step (0: not at all; never with linear attention, whose state cannot take a guess back);
+        returns their keys. Its blocks are shared only with jobs of the same `cache_salt`
+        (`GenerationRequest.cache_salt`)."""
         root = hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest() if cache_salt \
             else self.root_hash
         entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention, root_hash=root)
         for index, seed in enumerate(seeds):
+            drafter = Drafter.ngram(prompt_ids, draft_tokens) if draft_tokens and not self.linear_attention else None
             entry.sequences.append(Sequence(next(self._keys), entry, index, list(prompt_ids), len(prompt_ids),
-                                            params, seed))
+                                            params, seed, max_tokens, drafter))
         self.jobs[job] = entry
         self.waiting.extend(entry.sequences)
         return [s.key for s in entry.sequences]
@@ -168,8 +179,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._grow_decoding()
         plan = StepPlan(setups=self._admit())
-        plan.prefill = self._chunks()
-        plan.decode = [DecodeRow(row, s.tokens[-1], s.computed) for row, s in enumerate(self.rows[: self.n_decoding])]
+        drafts = self._drafts()
+        plan.prefill = self._chunks(self.chunk_tokens - sum(map(len, drafts)))
+        plan.decode = [DecodeRow(row, s.tokens[-1], s.computed, draft)
+                       for row, (s, draft) in enumerate(zip(self.rows[: self.n_decoding], drafts))]
         for seq in self.rows[: self.n_decoding]:
             seq.computed += 1
         self._register(self.rows)
@@ -182,16 +195,52 @@ class Scheduler:
         plan.sample_positions = [len(s.tokens) - 1 for s in sampled]
         return plan
 
-    def update(self, keys: list[int], tokens: list[int]) -> None:
-        """The tokens sampled for these sequences (a plan's `samples`); those that finished their
-        prompt decode from now on."""
+    def update(self, keys: list[int], tokens: list[list[int]], drafted: list[int]) -> None:
+        """The new tokens of these sequences (a plan's `samples`): the draft tokens accepted of the
+        `drafted` ones verified, then the model's next. Those that finished their prompt decode
+        from now on; the blocks a sequence took for draft tokens it did not keep go back."""
         by_key = {s.key: s for s in self.rows}
-        for key, token in zip(keys, tokens):
+        for key, new, verified in zip(keys, tokens, drafted):
             seq = by_key.get(key)
-            if seq is not None:
-                seq.tokens.append(token)
-                seq.decoding = True
+            if seq is None:
+                continue
+            if seq.decoding:  # the accepted draft tokens' keys and values stay
+                seq.computed += len(new) - 1
+            seq.tokens += new
+            seq.decoding = True
+            if seq.drafter is not None:
+                seq.drafter.accepted(verified, new)
+            self._trim(seq)
         self._pack()
+
+    def _drafts(self) -> list[list[int]]:
+        """Each decoding sequence's draft tokens this step (none above `speculate_rows` sequences),
+        within the token budget, its output limit and the blocks it holds or that are free."""
+        decoding = self.rows[: self.n_decoding]
+        if len(decoding) > self.speculate_rows:
+            return [[] for _ in decoding]
+        budget, drafts = self.chunk_tokens // 2, []
+        for seq in decoding:
+            room = min(budget, seq.max_tokens - len(seq.output_ids) - 1)
+            draft = seq.drafter.propose(room) if seq.drafter is not None else []
+            held = len(seq.blocks) * self.pool.block_size - seq.computed - 1  # positions after its last token
+            missing = self.pool.blocks_for(len(draft) - held) if len(draft) > held else 0
+            if missing > self.pool.free:
+                draft = draft[: held + self.pool.free * self.pool.block_size]
+                missing = self.pool.free
+            if missing:
+                seq.blocks += self.pool.allocate(missing)
+            budget -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def _trim(self, seq: Sequence) -> None:
+        """Give back the blocks beyond the one its next token is written to."""
+        keep = seq.computed // self.pool.block_size + 1
+        if len(seq.blocks) > keep:
+            self.pool.release(seq.blocks[keep:])
+            seq.blocks = seq.blocks[:keep]
+            seq.synced = (seq.synced[0], -1)  # its table changes under a length it had before
 
     def _grow_decoding(self) -> None:
         """A block for every decoding sequence whose next token starts one, preempting the newest
@@ -255,8 +304,8 @@ class Scheduler:
                 seq.job.cached_tokens = len(cached) * size
         return cached
 
-    def _chunks(self) -> list[PrefillChunk]:
-        budget, chunks = self.chunk_tokens, []
+    def _chunks(self, budget: int) -> list[PrefillChunk]:
+        chunks = []
         for row in range(self.n_decoding, len(self.rows)):
             seq = self.rows[row]
             if budget <= 0:

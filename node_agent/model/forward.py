@@ -56,13 +56,14 @@ def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: t
 
 
 def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                   decoding: int, chunks: list[PackedChunk]) -> torch.Tensor:
+                   decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> torch.Tensor:
     """One forward over the tokens of several sequences in one row, as vLLM's flattened batch: first
-    the last token of each of rows 0..decoding-1, then each prefill chunk's tokens; every Linear
+    one decode token of each of the rows `decode_rows` ([D]; a speculating row's last token and
+    draft tokens each), then each prefill chunk's tokens; every Linear
     layer reads its weights once for all of them. `tokens` and `positions` are [T]; returns the
     hidden states [T, H]. Only for a model whose attention reads the cache in place (the attention
     finds each token's sequence in the cache's binding: the mask passed through is a placeholder)."""
-    cache.bind_packed(positions, decoding, chunks)
+    cache.bind_packed(positions, decode_rows, chunks)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
     types = set(cache.layer_types)
     out = model.get_decoder()(input_ids=tokens[None], position_ids=positions[None],

@@ -304,17 +304,17 @@ class PagedCache:
         self._read_tables, self._read_lengths = tables, write_pos[:, -1] + 1  # what an in-place read takes
         self.reads_in_place, self.packed, self._chunk_masks = in_place, None, []
 
-    def bind_packed(self, positions: torch.Tensor, decoding: int, chunks: list[PackedChunk]) -> None:
+    def bind_packed(self, positions: torch.Tensor, decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> None:
         """Bind a packed forward (one row of tokens from several sequences, at `positions` [T]):
-        first one token for each of rows 0..decoding-1, then each chunk's tokens. Its attention
-        reads in place (node_agent/model/cpu_attention.py): the decode tokens through `read_rows()`,
-        each chunk through `read_chunk`."""
-        device, size = self.block_tables.device, self.block_size
-        rows = torch.cat([torch.arange(decoding, device=device)]
-                         + [torch.full((c.length,), c.row, device=device) for c in chunks])
+        first one decode token for each of `decode_rows` ([D]; a row may come several times, a
+        speculating row's tokens, each seeing the positions up to its own), then each chunk's
+        tokens. Its attention reads in place (node_agent/model/cpu_attention.py): the decode tokens
+        through `read_rows()`, each chunk through `read_chunk`. (Linear-attention layers never pack.)"""
+        device, size, decoding = self.block_tables.device, self.block_size, decode_rows.shape[0]
+        rows = torch.cat([decode_rows] + [torch.full((c.length,), c.row, device=device) for c in chunks])
         self._write_slots = self.block_tables[rows, positions // size] * size + positions % size
-        self._rows, self._write_pos = slice(0, decoding), positions[:decoding, None]
-        self._read_tables, self._read_lengths = self.block_tables[:decoding], positions[:decoding] + 1
+        self._rows, self._write_pos = slice(0, 0), positions[:decoding, None]
+        self._read_tables, self._read_lengths = self.block_tables[decode_rows], positions[:decoding] + 1
         self._kv_len = int(positions.max()) + 1
         self._chunk_masks = [self.attention_masks(positions[None, c.offset: c.offset + c.length], c.start + c.length)
                              for c in chunks]  # each layer type's, once a forward

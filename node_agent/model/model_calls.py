@@ -81,9 +81,9 @@ class ModelCalls:
         whose attention reads the cache in place, with no linear-attention state (kept per row)."""
         return forward.reads_in_place(self.model) and not self.cache.has_linear_attention
 
-    def packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, decoding: int,
+    def packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, decode_rows: torch.Tensor,
                        chunks: list[PackedChunk]) -> torch.Tensor:
-        return forward.packed_forward(self.model, self.cache, tokens, positions, decoding, chunks)
+        return forward.packed_forward(self.model, self.cache, tokens, positions, decode_rows, chunks)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return forward.logits(self.model, hidden)

@@ -7,6 +7,12 @@ A step: apply the plan's row moves and new rows, copy the changed block tables i
 decode step for the decoding rows (node_agent/model/decoders.py) and one prefill forward for the
 chunk group, then sample every row that has a next token (the decoding rows, then the chunks that
 finished their prompt: rows 0..k-1) with one call and one device->host copy of the ids.
+
+A step where some decoding row speculates (`DecodeRow.draft`) scores each such row's last token
+and draft tokens as decode tokens of the packed forward, one after the other on the row's blocks
+(each sees the positions up to its own: the decode kernel, one query a token), or, where the model
+does not pack, in one padded forward over the decoding rows; it runs eagerly, whatever the decoder.
+Its rows keep the draft tokens the model accepts (node_agent/model/acceptance.py).
 """
 
 import logging
@@ -16,11 +22,12 @@ import numpy as np
 import torch
 
 from node_agent.model import decoders
+from node_agent.model.acceptance import NO_DRAFT, kept, verify
 from node_agent.model.kv_cache import PackedChunk
 from node_agent.model.loader import LoadedModel
 from node_agent.model.model_calls import ModelCalls, paged_cache, weight_bytes
 from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
-from node_agent.model.step import PrefillChunk, PromptScores, Sampled, StepPlan, StepResult
+from node_agent.model.step import DecodeRow, PrefillChunk, PromptScores, Sampled, StepPlan, StepResult
 from node_agent.model.vision import VisionPrompt, embed_prompt
 from shared.catalog import ModelProfile
 
@@ -75,11 +82,12 @@ class Runner:
         result = StepResult()
         self._place(plan)
         parts = []
-        if plan.decode and plan.prefill and self._packs():
+        speculating = any(d.draft for d in plan.decode)
+        if plan.decode and (plan.prefill or speculating) and self._packs():
             parts.append(self._packed(plan, result))
         else:
             if plan.decode:
-                parts.append(self._decode(plan))
+                parts.append(self._verify(plan.decode) if speculating else self._decode(plan))
             if plan.prefill:
                 last = self._prefill(plan.prefill, len(plan.decode), result)
                 if last is not None:
@@ -122,41 +130,62 @@ class Runner:
 
     def _packed(self, plan: StepPlan, result: StepResult) -> torch.Tensor:
         """The decode rows and the prefill chunks in one forward (each Linear layer reads its weights
-        once a step, as vLLM's flattened batch); returns the logits of the rows that sample, in
-        `plan.samples` order."""
-        decoding, offset, packed = len(plan.decode), len(plan.decode), []
+        once a step, as vLLM's flattened batch): first each decoding row's last token and draft
+        tokens, then the prefill chunks; returns the logits of every position that samples, in
+        `plan.samples` order (a speculating row's all)."""
+        rows = [d.row for d in plan.decode for _ in range(d.width)]
+        offset, packed = len(rows), []
         for i, chunk in enumerate(plan.prefill):
-            packed.append(PackedChunk(row=decoding + i, start=chunk.start, length=len(chunk.tokens), offset=offset))
+            packed.append(PackedChunk(row=len(plan.decode) + i, start=chunk.start, length=len(chunk.tokens),
+                                      offset=offset))
             offset += len(chunk.tokens)
-        tokens = [d.token for d in plan.decode] + [t for chunk in plan.prefill for t in chunk.tokens]
-        positions = [d.position for d in plan.decode] + [p for c in packed for p in range(c.start, c.start + c.length)]
+        tokens = [t for d in plan.decode for t in [d.token, *d.draft]] + [t for c in plan.prefill for t in c.tokens]
+        positions = [d.position + j for d in plan.decode for j in range(d.width)] \
+            + [p for c in packed for p in range(c.start, c.start + c.length)]
         device = self.lm.device
         hidden = self.calls.packed_forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                           decoding, packed)
+                                           torch.tensor(rows, dtype=torch.long, device=device), packed)
         for chunk, place in zip(plan.prefill, packed):
             if chunk.score_top is not None and chunk.following:
                 result.prompt_scores[chunk.key] = self._score(chunk, hidden[place.offset: place.offset
                                                                             + len(chunk.following)])
-        sampled = list(range(decoding)) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
+        sampled = list(range(len(rows))) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
                                             if chunk.samples]
         return self.calls.logits(hidden[torch.tensor(sampled, device=device)])
+
+    def _verify(self, rows: list[DecodeRow]) -> torch.Tensor:
+        """The decoding rows' last tokens and draft tokens in one forward (rows 0.., right-padded to
+        the widest); returns the logits of all their positions, row after row."""
+        input_ids, positions, write_pos, kv_len = self._padded([([d.token, *d.draft], d.position) for d in rows])
+        rope = positions + self.rope_offsets[: len(rows), None]
+        hidden = self.calls.forward(slice(0, len(rows)), input_ids, positions, write_pos, kv_len, rope_positions=rope)
+        index = [(i, j) for i, d in enumerate(rows) for j in range(d.width)]
+        return self.calls.logits(hidden[[i for i, _ in index], [j for _, j in index]])
+
+    def _padded(self, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """A forward's inputs for rows of (tokens, first position), right-padded to the widest: token
+        ids, positions and write positions ([rows, width], on the device; padding writes the scratch
+        position), and the positions read."""
+        width = max(len(tokens) for tokens, _ in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        write_pos = torch.full((len(rows), width), self.cache.scratch_position, dtype=torch.long)
+        for i, (tokens, start) in enumerate(rows):
+            n = len(tokens)
+            input_ids[i, :n] = torch.tensor(tokens)
+            positions[i] = torch.arange(start, start + width).clamp(max=self.max_len - 1)
+            write_pos[i, :n] = positions[i, :n]
+        kv_len = min(max(start + len(tokens) for tokens, start in rows), self.max_len)
+        device = self.lm.device
+        return input_ids.to(device), positions.to(device), write_pos.to(device), kv_len
 
     def _prefill(self, chunks: list[PrefillChunk], start: int, result: StepResult) -> torch.Tensor | None:
         """One forward over the chunk group (rows start.., right-padded to the widest chunk);
         returns the logits of the chunks that sample."""
-        device, width = self.lm.device, max(len(c.tokens) for c in chunks)
-        input_ids = torch.zeros(len(chunks), width, dtype=torch.long)
-        positions = torch.zeros(len(chunks), width, dtype=torch.long)
-        write_pos = torch.full((len(chunks), width), self.cache.scratch_position, dtype=torch.long)
-        for i, chunk in enumerate(chunks):
-            n = len(chunk.tokens)
-            input_ids[i, :n] = torch.tensor(chunk.tokens)
-            positions[i] = torch.arange(chunk.start, chunk.start + width).clamp(max=self.max_len - 1)
-            write_pos[i, :n] = positions[i, :n]
-        kv_len = min(max(c.start + len(c.tokens) for c in chunks), self.max_len)
-        input_ids, positions = input_ids.to(device), positions.to(device)
+        device = self.lm.device
+        input_ids, positions, write_pos, kv_len = self._padded([(c.tokens, c.start) for c in chunks])
         embeds, rope, sees_until = self._vision_inputs(chunks, input_ids, positions, start, result)
-        hidden = self.calls.forward(slice(start, start + len(chunks)), input_ids, positions, write_pos.to(device),
+        hidden = self.calls.forward(slice(start, start + len(chunks)), input_ids, positions, write_pos,
                                     kv_len, inputs_embeds=embeds, rope_positions=rope, sees_until=sees_until)
         for i, chunk in enumerate(chunks):
             if chunk.score_top is not None and chunk.following:
@@ -220,26 +249,42 @@ class Runner:
         chosen, tops = token_logprobs(logits, torch.tensor(chunk.following, device=logits.device), chunk.score_top)
         return PromptScores(chunk.start, chunk.following, chosen, tops)
 
-    def _sample(self, logits: torch.Tensor, plan: StepPlan, bitmask: Bitmask | None) -> list[Sampled]:
-        params = plan.sample_params
+    def _sample(self, logits: torch.Tensor, plan: StepPlan, bitmask: Bitmask | None) -> list[list[Sampled]]:
+        """Each sampled row's new tokens from `logits` (a row per position that samples: a
+        speculating row's every position), with one device->host copy."""
+        params, drafts, device = plan.sample_params, plan.drafts, logits.device
         use = stages(params)
         raw = logits
         if bitmask is not None:
             logits = logits.clone()
             apply_bitmask(logits, *bitmask)
-        rows = slice(0, len(params))
-        noise_at = torch.tensor(plan.sample_positions, device=logits.device) if use.sampling else None
-        tokens = sample(logits, self.sampling, rows, noise_at, use)
+        widths = [1 + len(draft) for draft in drafts]
+        rows = torch.arange(len(params), device=device).repeat_interleave(torch.tensor(widths, device=device))
+        positions = [p + j for p, width in zip(plan.sample_positions, widths) for j in range(width)]
+        if len(positions) == len(params):  # no draft: a plain draw
+            noise_at = torch.tensor(positions, device=device) if use.sampling else None
+            tokens = sample(logits, self.sampling, slice(0, len(params)), noise_at, use)
+            ids, runs = tokens.tolist(), [0] * len(params)  # the step's one device->host copy
+        else:
+            guesses = [t for draft in drafts for t in [*draft, NO_DRAFT]]
+            accepted, tokens = verify(logits, self.sampling, rows, torch.tensor(positions, device=device),
+                                      torch.tensor(guesses, device=device), use)
+            ids, flags = torch.stack([tokens, accepted.long()]).tolist()  # the step's one device->host copy
+            runs = kept([bool(f) for f in flags], widths)
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        out = [[Sampled(ids[start + j]) for j in range(run + 1)] for start, run in zip(starts, runs)]
         if use.penalties:
-            self.sampling.record(rows, tokens)
-        ids = tokens.tolist()  # the step's one device->host copy
-        out = [Sampled(token) for token in ids]
+            place = torch.tensor([start + j for start, run in zip(starts, runs) for j in range(run + 1)], device=device)
+            self.sampling.record(rows[place], tokens[place])
         asked = [i for i, p in enumerate(params) if p.logprobs]
         if asked:
-            index = torch.tensor(asked, device=raw.device)
-            chosen, tops = token_logprobs(raw[index], tokens[index], max(params[i].top_logprobs for i in asked))
-            for i, logprob, top in zip(asked, chosen, tops):
-                out[i].logprob, out[i].top = logprob, top[: params[i].top_logprobs]
+            place = torch.tensor([starts[i] + j for i in asked for j in range(runs[i] + 1)], device=device)
+            chosen, tops = token_logprobs(raw[place], tokens[place], max(params[i].top_logprobs for i in asked))
+            entries = iter(zip(chosen, tops))
+            for i in asked:
+                for sampled in out[i]:
+                    sampled.logprob, top = next(entries)
+                    sampled.top = top[: params[i].top_logprobs]
         return out
 
 

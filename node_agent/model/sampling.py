@@ -99,9 +99,9 @@ class SlotSampling:
         for tensor in self._tensors():
             tensor[dst] = tensor[src]
 
-    def record(self, rows: slice, tokens: torch.Tensor) -> None:
-        """Count the tokens just chosen for rows `rows` (for presence/frequency penalties)."""
-        self.counts[rows].scatter_add_(1, tokens[:, None], torch.ones(tokens.shape[0], 1, device=tokens.device))
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count the tokens just chosen, `tokens[i]` for row `rows[i]` (for presence/frequency penalties)."""
+        self.counts.index_put_((rows, tokens), torch.ones(tokens.shape[0], device=tokens.device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
@@ -150,18 +150,17 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torc
     return ((x >> 8).float() + 0.5) / float(1 << 23)  # 23 bits: exact in float32, never 0 or 1
 
 
-def sample(logits: torch.Tensor, slots: SlotSampling, rows: slice, positions: torch.Tensor,
-           use: Stages) -> torch.Tensor:
-    """Next token for each row of `logits` ([rows, vocab] float32); `positions` [rows] makes each
-    draw's noise distinct per step."""
+def shape(logits: torch.Tensor, slots: SlotSampling, rows: slice | torch.Tensor, use: Stages) -> torch.Tensor:
+    """The logits each row draws from ([rows, vocab] float32; row i's parameters are slot
+    `rows[i]`'s): bias and penalties, then, where some row samples, temperature (1 for greedy
+    rows), top-k, top-p, min-p. A greedy row's argmax is unchanged by the latter."""
     if use.bias:
         logits = logits + slots.bias[rows]
     if use.penalties:
         logits = apply_penalties(logits, slots.counts[rows], slots.in_prompt[rows], slots.repetition[rows],
                                  slots.presence[rows], slots.frequency[rows])
-    greedy = logits.argmax(-1)
     if not use.sampling:
-        return greedy
+        return logits
     temperature = slots.temperature[rows]
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     if use.top_k or use.top_p:
@@ -172,9 +171,23 @@ def sample(logits: torch.Tensor, slots: SlotSampling, rows: slice, positions: to
             logits = apply_top_p(logits, slots.top_p[rows], sorted_desc)
     if use.min_p:
         logits = apply_min_p(logits, slots.min_p[rows])
-    gumbel = -torch.log(-torch.log(uniform_noise(slots.seed[rows], positions, logits.shape[-1])))
-    drawn = (logits + gumbel).argmax(-1)
-    return torch.where(temperature > 0, drawn, greedy)
+    return logits
+
+
+def gumbel(noise: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(noise))
+
+
+def sample(logits: torch.Tensor, slots: SlotSampling, rows: slice, positions: torch.Tensor,
+           use: Stages) -> torch.Tensor:
+    """Next token for each row of `logits` ([rows, vocab] float32); `positions` [rows] makes each
+    draw's noise distinct per step."""
+    shaped = shape(logits, slots, rows, use)
+    greedy = shaped.argmax(-1)
+    if not use.sampling:
+        return greedy
+    drawn = (shaped + gumbel(uniform_noise(slots.seed[rows], positions, logits.shape[-1]))).argmax(-1)
+    return torch.where(slots.temperature[rows] > 0, drawn, greedy)
 
 
 def token_logprobs(raw_logits: torch.Tensor, chosen: torch.Tensor, top_n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:

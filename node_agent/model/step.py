@@ -44,6 +44,12 @@ class DecodeRow:
     row: int
     token: int  # the last token, fed at `position`
     position: int
+    draft: list[int] = field(default_factory=list)  # guesses of the next tokens, fed after it (speculation)
+
+    @property
+    def width(self) -> int:
+        """Positions the row scores this step: its token's and each draft token's."""
+        return 1 + len(self.draft)
 
 
 @dataclass
@@ -57,6 +63,11 @@ class StepPlan:
     samples: list[int] = field(default_factory=list)  # sequence keys sampled, rows 0..len-1 in order
     sample_params: list[SamplingParams] = field(default_factory=list)  # theirs, in the same order
     sample_positions: list[int] = field(default_factory=list)  # each one's last position (its draw's noise)
+
+    @property
+    def drafts(self) -> list[list[int]]:
+        """Each sampled row's draft tokens, in `samples` order (none for the rows ending a prompt)."""
+        return [d.draft for d in self.decode] + [[] for _ in self.samples[len(self.decode):]]
 
 
 @dataclass
@@ -79,6 +90,8 @@ class PromptScores:
 
 @dataclass
 class StepResult:
-    sampled: list[Sampled] = field(default_factory=list)  # in `StepPlan.samples` order
+    # in `StepPlan.samples` order, each row's new tokens: the draft tokens the model accepted, then
+    # its own next token (just that one for a row without a draft)
+    sampled: list[list[Sampled]] = field(default_factory=list)
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # by sequence key
     failed: dict[str, Exception] = field(default_factory=dict)  # jobs whose own work raised (an image, say)

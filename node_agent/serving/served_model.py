@@ -89,6 +89,7 @@ class ServedModel:
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
                          kv=self.engine.kv_stats() if self.engine is not None else None,
+                         spec=self.engine.spec_stats() if self.engine is not None else None,
                          download=self.pull.progress() if self.pull is not None else None)
 
     @property

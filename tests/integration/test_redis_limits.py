@@ -9,11 +9,10 @@ import httpx
 import pytest
 import redis
 
-from shared.catalog import DEFAULT_MODEL_ID
-from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.processes import free_port, redis_answers, redis_server_argv
 from tests.conftest import Service
+from tests.stack import beat
 
 pytestmark = pytest.mark.integration
 KEYS = Keys()
@@ -56,12 +55,6 @@ def test_files_kept_before_the_count_existed_are_counted(gateway_url, redis_url)
     assert upload(gateway_url, LINE * 5).json()["error"]["code"] == "files_quota_exceeded"
 
 
-def beat(client: redis.Redis, node: str = "n1") -> None:
-    now_ms = int(time.time() * 1000)
-    heartbeat = NodeHeartbeat(node=node, version="test", started_ms=now_ms, heartbeat_ms=now_ms,
-                              models={DEFAULT_MODEL_ID: ModelInfo(state="ready", device="cpu")})
-    client.hset(KEYS.node(node), mapping=heartbeat.to_hash())
-    client.zadd(KEYS.nodes(), {node: now_ms})
 
 
 CHAT = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.stack import Stack, serving
+from tests.stack import Stack, checked, serving
 
 # fp32 on every machine, so batched and lone greedy answers agree token for token.
 MODELS_TOML = """
@@ -30,11 +30,7 @@ def smol(tmp_path_factory) -> Iterator[Stack]:
         yield stack
 
 
-@pytest.fixture
-def clean_smol(smol: Stack) -> Iterator[Stack]:
-    """The stack, checked afterwards for pending entries and stray keys."""
-    yield smol
-    smol.assert_clean()
+clean_smol = checked("smol", name="clean_smol")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests import tiny_models, tiny_poolers
-from tests.stack import Stack, serving
+from tests.stack import Stack, checked, serving
 
 # After a tool result the template ends the prompt with "Result:", so the scripted model answers
 # instead of calling the tool again.
@@ -131,11 +131,7 @@ max_tokens_policy = "reject"
         yield stack
 
 
-@pytest.fixture
-def stack(clients_stack: Stack) -> Iterator[Stack]:
-    """The stack, checked afterwards for pending entries and stray keys."""
-    yield clients_stack
-    clients_stack.assert_clean()
+stack = checked("clients_stack")
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests import tiny_poolers
-from tests.stack import Stack, start_stack
+from tests.integration.clients.conftest import openai_client  # noqa: F401 (a fixture)
+from tests.stack import Stack, checked, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -77,15 +78,4 @@ default_max_tokens = 8
         stack.stop()
 
 
-@pytest.fixture
-def stack(embeddings_stack: Stack) -> Iterator[Stack]:
-    """The stack, checked afterwards for pending entries and stray keys."""
-    yield embeddings_stack
-    embeddings_stack.assert_clean()
-
-
-@pytest.fixture
-def openai_client(stack: Stack):
-    import openai
-
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="unused", max_retries=0)
+stack = checked("embeddings_stack")

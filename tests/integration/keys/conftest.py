@@ -19,10 +19,7 @@ def keys_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("keys"), models_toml(tiny_dirs["llama"]), CORTEX_ADMIN_KEY=ADMIN_KEY,
                         CORTEX_ARQ_POLL_DELAY_S="0.1", CORTEX_TORCH_THREADS="1")
     try:
-        stack.start_gateway()
-        stack.replicas = [stack.gateway_url]
-        stack.start_gateway()
-        stack.replicas.append(stack.gateway_url)
+        stack.start_gateways(2)
         stack.start_node("node-a", ["tiny"])
         stack.start_batch_worker()
         yield stack

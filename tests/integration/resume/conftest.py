@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import tiny_models
-from tests.stack import Stack, start_stack
+from tests.stack import Stack, checked, start_stack
 
 RETENTION_S = 3
 GRACE_S = 3
@@ -34,17 +34,11 @@ max_model_len = 4096
                         CORTEX_DISCONNECT_GRACE_S=str(GRACE_S), CORTEX_JANITOR_INTERVAL_S="0.5", CORTEX_HEARTBEAT_S="0.5",
                         CORTEX_TORCH_THREADS="1")
     try:
-        stack.start_gateway()
-        stack.replicas = [stack.gateway_url]
-        stack.start_gateway()
-        stack.replicas.append(stack.gateway_url)
+        stack.start_gateways(2)
         stack.start_node("node-r", ["tiny"])
         yield stack
     finally:
         stack.stop()
 
 
-@pytest.fixture
-def stack(resume_stack: Stack) -> Iterator[Stack]:
-    yield resume_stack
-    resume_stack.assert_clean(timeout_s=15)
+stack = checked("resume_stack", timeout_s=15)

@@ -1,12 +1,15 @@
-"""/metrics: each replica's KV cache and prefix cache under vLLM's names, from heartbeats."""
+"""/metrics: each replica's KV cache, prefix cache and speculative decoding under vLLM's names,
+from heartbeats."""
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.heartbeat import KVCacheStats
+from shared.heartbeat import KVCacheStats, SpecDecodeStats
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import MODEL, beat
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
 
 
 async def scrape(app, client) -> dict:
@@ -38,6 +41,18 @@ async def test_usage_is_a_gauge_and_the_prefix_cache_and_preemptions_are_counter
         assert values(families[name]) == {(f"{name}_total", MODEL, "n1"): expected, (f"{name}_total", MODEL, "n2"): 0}
 
 
+async def test_speculative_decoding_counters_per_replica(app, client, redis):
+    await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10)},
+               spec={MODEL: SpecDecodeStats(drafts=40, draft_tokens=200, accepted_tokens=150)})
+    await beat(redis, "n2", kv={MODEL: KVCacheStats(blocks_total=10)})  # a node from before speculation: none
+
+    families = await scrape(app, client)
+
+    for name, expected in zip(SPEC_COUNTERS, (40, 200, 150)):
+        assert families[name].type == "counter"
+        assert values(families[name]) == {(f"{name}_total", MODEL, "n1"): expected}
+
+
 async def test_counters_follow_the_node_so_a_restart_reads_as_a_reset(app, client, redis):
     await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10, prefix_queries=500, prefix_hits=400,
                                                        preemptions=2)})
@@ -60,4 +75,4 @@ async def test_a_replica_gone_from_the_heartbeats_leaves_the_metrics(app, client
     families = await scrape(app, client)
 
     assert all(family.samples == [] for family in families.values())
-    assert set(families) == {"vllm:kv_cache_usage_perc", *COUNTERS}
+    assert set(families) == {"vllm:kv_cache_usage_perc", *COUNTERS, *SPEC_COUNTERS}

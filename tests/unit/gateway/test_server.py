@@ -12,22 +12,16 @@ import pytest
 import redis
 
 from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID
-from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.processes import free_port, redis_answers
 from tests.conftest import Service, _http_ok
+from tests.stack import beat
 
 pytestmark = pytest.mark.integration
 KEYS = Keys()
 HELLO = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def beat(client: redis.Redis, node: str = "n1") -> None:
-    now_ms = int(time.time() * 1000)
-    heartbeat = NodeHeartbeat(node=node, version="test", started_ms=now_ms, heartbeat_ms=now_ms,
-                              models={DEFAULT_MODEL_ID: ModelInfo(state="ready", device="cpu")})
-    client.hset(KEYS.node(node), mapping=heartbeat.to_hash())
-    client.zadd(KEYS.nodes(), {node: now_ms})
 
 
 def test_gateway_process(gateway_url, redis_url, tmp_path):

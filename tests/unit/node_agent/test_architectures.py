@@ -57,15 +57,52 @@ def test_the_matrix_is_what_the_loader_admits():
     assert set(MATRIX) == set(architectures.ATTENTION)
 
 
-@pytest.mark.parametrize("decode", ["eager", "static"])  # static: rows padded to buckets, as on a GPU
+def speculating(profile, **update):
+    """The profile with n-gram speculation on for every batch size."""
+    return profile.model_copy(update={"speculative": "ngram", "num_speculative_tokens": 4,
+                                      "speculative_max_batch": profile.slots} | update)
+
+
+def check_speculated(engine: Engine) -> None:
+    """Speculation ran where the model allows it (never with linear attention, whose state keeps no guess back)."""
+    stats = engine.spec_stats()
+    assert (stats.drafts > 0) != engine.cache.has_linear_attention
+    assert stats.accepted_tokens <= stats.draft_tokens
+
+
+# static: rows padded to buckets, as on a GPU; ngram: speculation, whose steps score several tokens a row
+@pytest.mark.parametrize("decode, speculative", [("eager", "off"), ("static", "off"), ("static", "ngram")])
 @pytest.mark.parametrize("arch", MATRIX)
-def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode):
+def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode, speculative):
     profile, lm, expected = references(arch)
     assert len({token for tokens, _ in expected.values() for token in tokens}) > 8  # one token repeated tests little
-    results = run(Engine(lm, profile.model_copy(update={"decode": decode})), *REQUESTS, join_every=2)
+    profile = profile.model_copy(update={"decode": decode})
+    engine = Engine(lm, speculating(profile) if speculative == "ngram" else profile)
+    results = run(engine, *REQUESTS, join_every=2)
     assert {job: r.token_ids[0] for job, r in results.items()} == {job: tokens for job, (tokens, _) in expected.items()}
     for job, (_, logprobs) in expected.items():
         assert [entry.logprob for entry in results[job].logprobs[0]] == pytest.approx(logprobs, abs=1e-3)
+    if speculative == "ngram":
+        check_speculated(engine)
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_speculation_keeps_greedy_output_through_prefix_hits_and_preemption(references, arch):
+    """Speculating in a cache of two sequences' worth of blocks: sequences are preempted and
+    recomputed, a prompt sent again finds its prefix cached, draft blocks come and go; every job's
+    tokens stay those of the engine without speculation or pressure."""
+    profile, lm, _ = references(arch)
+    requests = [r.model_copy(update={"job": job, "sampling": r.sampling.model_copy(update={"max_tokens": 40})})
+                for r in REQUESTS for job in (r.job, f"{r.job}-again")]
+    unpressured = run(Engine(lm, profile), *requests, join_every=1)
+    engine = Engine(lm, speculating(profile))
+    engine.pool.__init__(2 * -(-(52 + 40) // profile.block_size) + 1, profile.block_size)
+    results = run(engine, *requests, join_every=1)
+    assert {job: r.token_ids[0] for job, r in results.items()} == \
+        {job: r.token_ids[0] for job, r in unpressured.items()}
+    assert engine.kv_stats().preemptions > 0 and engine.pool.used == 0
+    assert (engine.kv_stats().prefix_hits > 0) != engine.cache.has_linear_attention
+    check_speculated(engine)
 
 
 def test_an_architecture_outside_the_matrix_is_refused(tmp_path):

@@ -107,5 +107,6 @@ def test_decode_rows_and_chunks_packed_in_one_forward_give_the_separate_forwards
             offset += length
         tokens = torch.cat([prompts[:2, 20]] + [prompts[row, start: start + length] for row, start, length in chunks])
         positions = torch.cat([decode_positions] + [torch.arange(start, start + length) for _, start, length in chunks])
-        together = forward.logits(lm.model, forward.packed_forward(lm.model, cache, tokens, positions, 2, packed))
+        together = forward.logits(lm.model, forward.packed_forward(lm.model, cache, tokens, positions, torch.arange(2),
+                                                                   packed))
     torch.testing.assert_close(together, torch.cat(apart), atol=1e-4, rtol=1e-4)

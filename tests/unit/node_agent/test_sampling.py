@@ -44,9 +44,9 @@ def test_min_p_scales_with_the_best_token():
 
 def test_penalties():
     slots = slots_with(dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[1, 2])
-    slots.record(slice(0, 1), torch.tensor([3]))
-    slots.record(slice(0, 1), torch.tensor([3]))
-    slots.record(slice(0, 1), torch.tensor([4]))
+    slots.record(torch.tensor([0]), torch.tensor([3]))
+    slots.record(torch.tensor([0]), torch.tensor([3]))
+    slots.record(torch.tensor([0]), torch.tensor([4]))
     logits = torch.zeros(1, VOCAB)
     logits[0, 1] = 2.0
     out = apply_penalties(logits, slots.counts[:1], slots.in_prompt[:1], slots.repetition[:1], slots.presence[:1],

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from gateway.cli.status import render_fleet
 from shared.fleet import Fleet
-from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat
+from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.fleet_status import FleetStatus
@@ -220,14 +220,16 @@ async def test_a_tensor_parallel_model_is_one_replica_spanning_its_devices(r):
     assert "tp=2 on cpu:0+cpu:1" in console.export_text()
 
 
-async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
+async def test_models_show_their_kv_cache_prefix_hit_rate_and_speculation(r):
     keys = Keys()
     warm = KVCacheStats(block_size=16, blocks_total=400, blocks_used=148, blocks_cached=52, prefix_queries=1000,
                         prefix_hits=819, preemptions=2)
     cold = KVCacheStats(block_size=16, blocks_total=100, blocks_used=29)
     await publish(r, keys, heartbeat("n1", **{
-        MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=16, slots_used=3, kv=warm),
-        "cold": ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, kv=cold),
+        MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=16, slots_used=3, kv=warm,
+                         spec=SpecDecodeStats(drafts=50, draft_tokens=300, accepted_tokens=227)),
+        "cold": ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, kv=cold,
+                          spec=SpecDecodeStats()),  # speculation off, or nothing drafted yet
         "loading": ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=4),
     }))
 
@@ -241,7 +243,7 @@ async def test_models_show_their_kv_cache_and_prefix_hit_rate(r):
     nodes_table = console.export_text().split("Queues")[0]
     rows = [line.split("│")[7:9] for line in nodes_table.splitlines() if line.count("│") == 9]
     kv_by_model = {model.split()[0]: kv.strip() for model, kv in rows}  # a row per model, its KV cache beside it
-    assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81%",  # floored, not rounded
+    assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81% spec 75%",  # floored, not rounded
                            "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
                            "loading": ""}  # no engine yet
 

@@ -28,7 +28,8 @@ def completion(**fields) -> CompletionRequest:
         {"messages": [{"role": "tool", "content": "x"}]}, {"messages": [{"content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
         {"tool_choice": "required"}, {"response_format": {"type": "json_schema"}}, {"parallel_tool_calls": "x"},
-        {"min_p": 2}, {"repetition_penalty": 0}, {"top_k": -2},
+        {"min_p": 2}, {"repetition_penalty": 0}, {"top_k": -2}, {"speculative": "medusa"},
+        {"num_speculative_tokens": 0},
     ],
 )
 def test_chat_rejects(fields):
@@ -50,7 +51,7 @@ def test_chat_converts_to_generation_request():
         stop="END", stop_token_ids=[2], ignore_eos=True, n=2, logprobs=True, top_logprobs=3,
         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"13": -100},
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-        chat_template_kwargs={"enable_thinking": False},
+        chat_template_kwargs={"enable_thinking": False}, speculative="ngram", num_speculative_tokens=5,
     )
     generation = request.to_generation_request("job1", "M")
     assert (generation.job, generation.model, generation.kind) == ("job1", "M", "chat")
@@ -66,11 +67,13 @@ def test_chat_converts_to_generation_request():
     assert (s.stop, s.stop_token_ids, s.ignore_eos, s.n) == (["END"], [2], True, 2)
     assert (s.logprobs, s.top_logprobs, s.logit_bias) == (True, 3, {13: -100.0})
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.1, 0.5, -0.5)
+    assert (s.speculative, s.num_speculative_tokens) == ("ngram", 5)
 
 
 def test_chat_defaults():
     s = chat().to_generation_request("j", "M").sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.n, s.logprobs, s.stop) == (None, 1.0, 1.0, 1, False, [])
+    assert (s.speculative, s.num_speculative_tokens) == (None, None)  # as the catalogue says
 
 
 def test_tool_choice_none_drops_tools():
