@@ -68,7 +68,7 @@ class ServedModel:
         self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id, state=ModelState.DOWNLOADING if pull else ModelState.LOADING)
+        self.replica = Replica(profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING)
         self.pull = pull  # while downloading
         self.engine: Engine | None = None
         self.link: OutputLink | None = None  # to the model's output process, while loaded
