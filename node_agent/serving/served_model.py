@@ -14,6 +14,7 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
+from node_agent.files.puller import Pull
 from node_agent.model import loader
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
@@ -26,7 +27,8 @@ from node_agent.serving.publisher import Outgoing, Publisher
 from node_agent.serving.replica import Replica
 from node_agent.tp import tensor_parallel
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned, NodeLost
+from shared.errors import (CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned,
+                           ModelPullFailed, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
@@ -58,11 +60,16 @@ class ServedModel:
     intake_type: type[Intake] = Intake  # what turns its stream entries into engine requests
 
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
+                 *, load_from: ModelProfile | None = None, pull: Pull | None = None):
+        """`load_from`: the profile the engine loads (its source the files' folder on this node, when
+        pulled); `pull`: its files are on their way (the replica starts `downloading`, see `fetch`)."""
         self.profile, self.device = profile, device
+        self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id)
+        self.replica = Replica(profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING)
+        self.pull = pull  # while downloading
         self.engine: Engine | None = None
         self.link: OutputLink | None = None  # to the model's output process, while loaded
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
@@ -82,7 +89,8 @@ class ServedModel:
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
                          kv=self.engine.kv_stats() if self.engine is not None else None,
-                         spec=self.engine.spec_stats() if self.engine is not None else None)
+                         spec=self.engine.spec_stats() if self.engine is not None else None,
+                         download=self.pull.progress() if self.pull is not None else None)
 
     @property
     def memory_mb(self) -> int:
@@ -95,6 +103,28 @@ class ServedModel:
     def idle_expired(self, now: int) -> bool:
         """`ready` and idle past its keep_alive (and past any request's keep_alive)."""
         return self.state == ModelState.READY and self.ledger.idle_past(self.profile.keep_alive_s, now)
+
+    async def fetch(self) -> bool:
+        """`downloading` → `loading` once its pull has every file here, checked; → `failed` when it fails
+        (with the jobs that waited for this replica alone). False: do not load (failed, or unloaded meanwhile)."""
+        try:
+            folder = await self.pull.wait()
+        except asyncio.CancelledError:
+            if not self.pull.task.cancelled():
+                raise  # this replica's load was cancelled, not the pull
+            await self._load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the node is "
+                                                    "shutting down"))
+            return False
+        except Exception as exc:
+            await self._load_failed(exc)
+            return False
+        finally:
+            self.pull = None
+        if not self.replica.can(ModelState.LOADING):
+            return False
+        self.load_from = self.profile.model_copy(update={"source": str(folder)})
+        self.replica.to(ModelState.LOADING)
+        return True
 
     async def load(self) -> None:
         """`loading` (or `poisoned`: a reload) → `ready`; or → `failed`, with the jobs that waited for
@@ -119,7 +149,7 @@ class ServedModel:
                                     heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
                                self.on_feedback, self.on_output_exit)
         await self.link.start()  # it starts up while the model loads
-        self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+        self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
                                              self.consumer_name)
         self.check_still_loading()
         self.intake.attach(self.engine)

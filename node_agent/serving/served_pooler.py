@@ -39,7 +39,7 @@ class ServedPooler(ServedModel):
     engine: PoolingEngine | None
 
     async def _open(self) -> None:
-        self.engine = await self.device.call(_start, self.profile, self.devices[0], self.settings)
+        self.engine = await self.device.call(_start, self.load_from, self.devices[0], self.settings)
         self.check_still_loading()
         self.intake.attach(self.engine)
         await self.device.attach(self.engine, self._on_step, self.on_failure)
@@ -56,7 +56,8 @@ class ServedPooler(ServedModel):
                          slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
-                         error=self.replica.error)
+                         error=self.replica.error,
+                         download=self.pull.progress() if self.pull is not None else None)
 
     def _on_step(self, out: PoolingStep) -> None:
         """On the device thread: hand the step's finished jobs to the event loop."""
