@@ -216,7 +216,8 @@ class NodeAgent:
                 log.info("%s failed here %.0f s ago; it may be placed here again", model_id, served.replica.age_s())
                 self.models.pop(model_id, None)
                 await self._beat()
-            elif served.idle_expired(now) and not await self._pinned(served):
+            elif (served.state == ModelState.READY and served.ledger.idle_past(served.profile.keep_alive_s, now)
+                  and not await self._pinned(served)):
                 log.info("%s idle past keep_alive; unloading", model_id)
                 await self.unload_model(model_id)
 

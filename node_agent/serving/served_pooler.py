@@ -67,7 +67,7 @@ class ServedPooler(ServedModel):
         """Publish each finished job's result with its acknowledgement (a job cancelled meanwhile has
         ended already), then free its slot."""
         finished = [(done, self.ledger.running[done.job]) for done in out.done if done.job in self.ledger]
-        self._send([Outgoing(running.reply, [DoneEvent(usage=Usage(prompt_tokens=done.prompt_tokens),
+        self.output.send([Outgoing(running.reply, [DoneEvent(usage=Usage(prompt_tokens=done.prompt_tokens),
                                                        timings=done.timings, node=self.consumer_name,
                                                        pooled=done.pooled)],
                              (running.stream, running.entry_id), job=done.job) for done, running in finished], [])
