@@ -1,9 +1,11 @@
-"""What an operator can ask of the fleet: load, unload, pin, drain. Used by the admin routes and
-the `cortex models`/`cortex drain` commands alike."""
+"""What an operator can ask of the fleet: load, unload, pull, remove files, pin, drain. Used by the
+admin routes and the `cortex models`/`cortex drain` commands alike."""
 
 import asyncio
 
-from shared.errors import NotFound
+from gateway.placement import allowed
+from shared.errors import InsufficientCapacity, InvalidRequest, NotFound
+from shared.model_store import HUB_PREFIX, HubRef
 
 
 async def load(ctx, model: str, node: str | None = None) -> str:
@@ -23,6 +25,36 @@ async def unload(ctx, model: str, node: str | None = None) -> list[str]:
     profile = ctx.catalog.resolve(model)
     holders = [n.node for n in await ctx.fleet.live_nodes() if profile.id in n.models and node in (None, n.node)]
     await asyncio.gather(*(ctx.placer.send(n, "unload", profile.id) for n in holders))
+    return holders
+
+
+def hub_folder(profile) -> str:
+    """The models-directory folder of an `hf:` model; InvalidRequest for any other source."""
+    if not profile.source.startswith(HUB_PREFIX):
+        raise InvalidRequest(f"{profile.id} comes from {profile.source}, not from a hub (hf:org/name): "
+                             "nodes have no files of it to pull or delete")
+    return HubRef.parse(profile.source).folder
+
+
+async def pull(ctx, model: str) -> list[str]:
+    """Ask every live node that may run `model` to fetch its files (from a peer, else the hub); returns them."""
+    profile = ctx.catalog.resolve(model)
+    hub_folder(profile)
+    nodes = [n.node for n in await ctx.fleet.live_nodes() if allowed(profile, n)]
+    if not nodes:
+        raise InsufficientCapacity(f"no live node may run {profile.id} (allowed nodes: {profile.nodes or 'any'}; "
+                                   f"labels: {profile.labels or 'none'})")
+    await asyncio.gather(*(ctx.placer.send(n, "pull", profile.id) for n in nodes))
+    return nodes
+
+
+async def remove_files(ctx, model: str, node: str | None = None) -> list[str]:
+    """Ask the live nodes holding `model`'s files (or `node` only) to delete them (each keeps them if it
+    has the model loaded, pinned or being pulled); returns the nodes asked."""
+    profile = ctx.catalog.resolve(model)
+    live = [n for n in await ctx.fleet.live_nodes() if node in (None, n.node)]
+    holders = await ctx.fleet.file_holders(hub_folder(profile), live)
+    await asyncio.gather(*(ctx.placer.send(n, "rm", profile.id) for n in holders))
     return holders
 
 

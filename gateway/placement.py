@@ -14,6 +14,8 @@ from shared.errors import InsufficientCapacity, ModelLoadFailed
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 from shared.memory import estimate_mb
+from shared.model_files import ModelLoadError
+from shared.model_store import HUB_PREFIX, HubRef
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +91,10 @@ def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[st
     return found
 
 
-def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summary: str = "") -> Plan:
-    """The node needing the fewest evictions (then with the most room left); 503 when none fits."""
+def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summary: str = "",
+         holding: frozenset[str] = frozenset()) -> Plan:
+    """A node that holds the model's files already (`holding`: no download), then the one needing the
+    fewest evictions, then with the most room left; 503 when none fits."""
     plans = []
     for c in found:
         free, evict = c.free_mb, list(c.must_evict)
@@ -102,7 +106,7 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
         if free >= need_mb:
             plans.append(Plan(c.node.node, evict, free - need_mb))
     if plans:
-        return min(plans, key=lambda p: (len(p.evict), -p.free_mb))
+        return min(plans, key=lambda p: (p.node not in holding, len(p.evict), -p.free_mb))
     if not found:
         devices = (f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
                    if profile.tensor_parallel > 1 else "")
@@ -162,9 +166,12 @@ class Placer:
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
         found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
-        need = share_mb(profile, await asyncio.to_thread(estimate_mb, profile)) if found else 0
+        need = share_mb(profile, await self._estimate_mb(profile)) if found else 0
+        holding = frozenset(await self.ctx.fleet.file_holders(HubRef.parse(profile.source).folder,
+                                                              [c.node for c in found])
+                            if profile.source.startswith(HUB_PREFIX) else [])
         try:
-            chosen = plan(profile, need, found, describe(nodes))
+            chosen = plan(profile, need, found, describe(nodes), holding)
         except InsufficientCapacity:
             if failed and not extra_replica:
                 raise ModelLoadFailed(f"{profile.id} failed to load on {failed[0].node}: "
@@ -178,6 +185,14 @@ class Placer:
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node
+
+    @staticmethod
+    async def _estimate_mb(profile: ModelProfile) -> int:
+        try:
+            return await asyncio.to_thread(estimate_mb, profile)
+        except ModelLoadError as exc:  # an `hf:` model the nodes pull, whose files this host does not have
+            raise InsufficientCapacity(f"{profile.id} has no memory_mb in the catalogue and its files are not on the "
+                                       f"gateway's host to estimate it from ({exc}); set memory_mb") from exc
 
     async def send(self, node: str, cmd: str, model: str = "") -> None:
         await self.ctx.fleet.command(node, cmd, model, by=f"gateway:{self.ctx.settings.port}")

@@ -25,9 +25,10 @@ class ModelProfile(BaseModel):
     # sentence-transformers model, pooled as its modules.json says) or "rerank" (/v1/rerank, /v1/score:
     # a cross-encoder, a one-label sequence-classification head over query + document).
     kind: Literal["generate", "embedding", "rerank"] = "generate"
-    # A local directory or file (.gguf / .safetensors), "hf:org/name" (Hugging Face cache,
-    # offline) or "pkg:package/file" (a file shipped inside an installed Python package; a .zip is
-    # unpacked once, into ~/.cache/cortex/unpacked).
+    # A local directory or file (.gguf / .safetensors), "hf:org/name[@revision]" (the node's models
+    # directory, else the Hugging Face cache; pulled from a peer node or the hub when neither has it;
+    # node_agent/files/) or "pkg:package/file" (a file shipped inside an installed Python package; a
+    # .zip is unpacked once, into ~/.cache/cortex/unpacked).
     source: str
     gguf_file: str | None = None  # which .gguf inside a directory or hf repo
     tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one

@@ -10,7 +10,8 @@ from shared.wire import WireError
 class NodeCommand(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    cmd: Literal["load", "unload", "drain"]
+    # pull: fetch the model's files (no load); rm: delete them (unless loaded, pinned or being pulled)
+    cmd: Literal["load", "unload", "drain", "pull", "rm"]
     model: str = ""
     by: str = ""  # who sent it (a gateway, the CLI)
     sent_ms: int = 0

@@ -138,6 +138,24 @@ class ModelPoisoned(ModelUnavailable):
     code = "model_poisoned"
 
 
+class ModelPullFailed(ModelUnavailable):
+    """A node could not fetch a model's files (from a peer node or the hub)."""
+
+    code = "model_pull_failed"
+
+
+class ModelFileCorrupt(ModelPullFailed):
+    """A fetched file's size or hash is not what the hub's metadata says: it was deleted, never loaded."""
+
+    code = "model_file_corrupt"
+
+
+class DiskBudgetExceeded(ModelPullFailed):
+    """A pull does not fit the node's `models_disk_gb`, even after evicting every idle model's files."""
+
+    code = "insufficient_disk"
+
+
 class NodeLost(CortexError):
     status, code, type = 503, "node_lost", "service_unavailable"
 

@@ -74,6 +74,14 @@ class Fleet:
             self._served_until[model] = time.monotonic() + SERVED_CACHE_S
         return served
 
+    async def file_holders(self, folder: str, nodes: list[NodeHeartbeat]) -> list[str]:
+        """Which of `nodes` hold a model folder whole (`Keys.model_files`, shared/model_store.py)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for node in nodes:
+                pipe.hexists(self._keys.model_files(node.node), folder)
+            held = await pipe.execute() if nodes else []
+        return [node.node for node, has in zip(nodes, held) if has]
+
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:

@@ -5,7 +5,7 @@ import json
 
 from pydantic import BaseModel
 
-from shared.heartbeat import KVCacheStats, NodeHeartbeat, SpecDecodeStats
+from shared.heartbeat import KVCacheStats, NodeHeartbeat, PullProgress, SpecDecodeStats
 from shared.redis_health import RedisHealth
 
 
@@ -31,6 +31,7 @@ class ModelStatus(BaseModel):
     kv: KVCacheStats | None = None  # its KV cache and prefix cache; None until its engine is built
     spec: SpecDecodeStats | None = None  # its speculative decoding's counters; None until its engine is built
     error: str = ""
+    download: PullProgress | None = None  # its files on their way, while `downloading`
 
 
 class NodeStatus(BaseModel):
@@ -64,7 +65,7 @@ class NodeStatus(BaseModel):
                     slots_total=m.slots_total, memory_mb=m.memory_mb, max_model_len=m.max_model_len,
                     last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
-                    spec=m.spec, error=m.error,
+                    spec=m.spec, error=m.error, download=m.download,
                 )
                 for name, m in hb.models.items()
             },

@@ -34,6 +34,20 @@ class KVCacheStats(BaseModel):
         return self.blocks_used / self.blocks_total if self.blocks_total else 0.0
 
 
+class PullProgress(BaseModel):
+    """A model's files on their way to a node (node_agent/files/puller.py)."""
+
+    source: str = ""  # "hub" or "peer NODE"; "" while the source is being chosen
+    bytes_done: int = 0
+    bytes_total: int = 0  # 0 until the source said how much
+    rate_bps: float = 0.0  # bytes per second over the last few seconds
+    error: str = ""  # why it failed (a failed pull stays listed `failed_backoff_s`, or until the next one starts)
+
+    @property
+    def fraction(self) -> float:
+        return min(self.bytes_done / self.bytes_total, 1.0) if self.bytes_total else 0.0
+
+
 class SpecDecodeStats(BaseModel):
     """A replica's speculative decoding (vLLM's spec_decode counters), counting from the engine's start."""
 
@@ -55,6 +69,7 @@ class ModelInfo(BaseModel):
     error: str = ""  # why it is poisoned or failed
     kv: KVCacheStats | None = None  # None: the engine is not built yet
     spec: SpecDecodeStats | None = None  # None: the engine is not built yet
+    download: PullProgress | None = None  # while `downloading`
 
 
 class NodeHeartbeat(BaseModel):
@@ -66,6 +81,8 @@ class NodeHeartbeat(BaseModel):
     heartbeat_ms: int
     devices: list[DeviceInfo] = []
     models: dict[str, ModelInfo] = {}
+    file_url: str = ""  # where peers fetch the model files it holds ('': it serves none)
+    pulls: dict[str, PullProgress] = {}  # model folder -> progress, for every pull in progress (loads and `pull`s)
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -77,6 +94,8 @@ class NodeHeartbeat(BaseModel):
             "labels": json.dumps(self.labels),
             "devices": json.dumps([d.model_dump() for d in self.devices]),
             "models": json.dumps({k: m.model_dump(mode="json") for k, m in self.models.items()}),
+            "file_url": self.file_url,
+            "pulls": json.dumps({k: p.model_dump() for k, p in self.pulls.items()}),
         }
 
     @classmethod
@@ -85,6 +104,7 @@ class NodeHeartbeat(BaseModel):
         data["labels"] = json.loads(data.get("labels", "[]"))
         data["devices"] = json.loads(data.get("devices", "[]"))
         data["models"] = json.loads(data.get("models", "{}"))
+        data["pulls"] = json.loads(data.get("pulls", "{}"))
         return cls.model_validate(data)
 
     @classmethod
@@ -96,7 +116,9 @@ class NodeHeartbeat(BaseModel):
         return self.state.takes_jobs
 
     def serves(self, model: str) -> bool:
-        """Ready, loading, or poisoned: a poisoned model reloads itself, and jobs for it wait for that
-        (rather than being placed elsewhere, or failed as if nobody could run it)."""
+        """Ready, downloading, loading, or poisoned: a poisoned model reloads itself, and jobs for it
+        wait for that (rather than being placed elsewhere, or failed as if nobody could run it); a
+        replica downloading its files is one coming, as one loading is."""
         info = self.models.get(model)
-        return info is not None and info.state in (ModelState.READY, ModelState.LOADING, ModelState.POISONED)
+        return info is not None and info.state in (ModelState.READY, ModelState.DOWNLOADING, ModelState.LOADING,
+                                                   ModelState.POISONED)

@@ -133,6 +133,17 @@ class Keys:
         """String with PX: held by the gateway replica placing `model`."""
         return self._in(FLEET, f"lock:placement:{model}")
 
+    def model_files(self, node: str) -> str:
+        """Hash with TTL (the node's heartbeat TTL, renewed by its heartbeats): the model folders whose
+        files `node` holds whole and serves to peers (`shared.model_store`) -> their manifest (JSON:
+        source, commit, each file's name, size and sha256 or git blob id)."""
+        return self._in(FLEET, f"modelfiles:{node}")
+
+    def pull_lock(self, folder: str) -> str:
+        """String with PX: held by the node pulling a model folder from the hub, so that other nodes
+        wait for it and copy from it rather than pull the same files from the hub too."""
+        return self._in(FLEET, f"lock:pull:{folder}")
+
     def pins(self) -> str:
         """Hash: model id -> "1" (pinned) / "0" (unpinned), set at run time over the catalogue's `pin`."""
         return self._in(FLEET, "pins")

@@ -14,6 +14,7 @@ class NodeState(StrEnum):
 
 
 class ModelState(StrEnum):
+    DOWNLOADING = "downloading"  # fetching its files (from a peer node or the hub) before loading
     LOADING = "loading"
     READY = "ready"
     POISONED = "poisoned"

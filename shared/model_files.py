@@ -46,11 +46,14 @@ def _package_file(spec: str) -> Path:
     return Path(list(found.submodule_search_locations)[0]) / rel
 
 
-def _hf_snapshot(repo_id: str, cache: str | None) -> Path:
+def _hf_snapshot(repo: str, cache: str | None) -> Path:
+    """`org/name[@revision]` in the Hugging Face cache (offline)."""
     from huggingface_hub import snapshot_download
 
+    repo_id, _, revision = repo.partition("@")
     try:
-        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(cache), local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hf_cache_dir(cache),
+                                      local_files_only=True))
     except Exception as exc:  # huggingface_hub raises several kinds for "not in the cache"
         raise ModelLoadError(f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}") from exc
 
@@ -100,8 +103,8 @@ def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
             files.gguf_file = profile.gguf_file or ggufs[0]
     if profile.tokenizer_source:
         files.tokenizer_folder = locate(profile.model_copy(update={"source": profile.tokenizer_source, "tokenizer_source": None}), hf_cache).folder
-    elif source.startswith("hf:") and source.endswith("-GGUF") and not (path / "tokenizer.json").exists():
-        files.tokenizer_folder = _hf_snapshot(source[3:].removesuffix("-GGUF"), hf_cache)
+    elif source.startswith("hf:") and source.partition("@")[0].endswith("-GGUF") and not (path / "tokenizer.json").exists():
+        files.tokenizer_folder = _hf_snapshot(source[3:].partition("@")[0].removesuffix("-GGUF"), hf_cache)
     return files
 
 

@@ -139,6 +139,19 @@ class NodeSettings(CortexSettings):
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
     gil_switch_interval_s: float = Field(0.0005, gt=0)
     hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
+    # Where `hf:` models this node pulls live (shared/model_store.py): from a peer node, else from the hub
+    # (huggingface_hub: HF_ENDPOINT for a mirror, HF_TOKEN for gated or private repos)
+    models_dir: Path = Path.home() / ".cache" / "cortex" / "models"
+    # The most the models directory may hold; a pull evicts the least recently used files of models
+    # not loaded, pinned or being pulled to fit, or fails naming what holds the disk. None: unbounded.
+    models_disk_gb: float | None = Field(None, gt=0)
+    # Peers: this node serves the files it holds, read-only, on `file_port` to nodes that send
+    # `fleet_secret` (Authorization: Bearer); both must be set for it to serve, and the secret to fetch
+    # from peers. `file_url` is the address other nodes use (default http://{hostname}:{file_port}).
+    file_port: int = Field(0, ge=0, le=65535)
+    file_host: str = "0.0.0.0"
+    file_url: str = ""
+    fleet_secret: str = ""
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     min_free_mb: int = 256  # below this much free device memory, new jobs get 503 insufficient_memory

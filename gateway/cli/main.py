@@ -27,7 +27,7 @@ import redis
 from pydantic import ValidationError
 
 from gateway import operations
-from gateway.cli import backup
+from gateway.cli import backup, pull_progress
 from gateway.cli.embedded_redis import default_data_dir
 from gateway.cli.run_file import settings_for_cli
 from gateway.cli.status import key_summary, render_fleet, render_keys
@@ -132,14 +132,14 @@ async def _backup(settings: GatewaySettings, path: Path) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    return asyncio.run(_operate(args.action, args.model, args.node))
+    return asyncio.run(_operate(args.action, args.model, args.node, follow=not args.detach))
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
     return asyncio.run(_operate("drain", None, args.node))
 
 
-async def _operate(action: str, model: str | None, node: str | None) -> int:
+async def _operate(action: str, model: str | None, node: str | None, follow: bool = False) -> int:
     """Run one fleet operation straight against Redis, as the admin API would (gateway/operations.py)."""
     settings = settings_for_cli()
     client = connect(settings.redis_url)
@@ -150,6 +150,20 @@ async def _operate(action: str, model: str | None, node: str | None) -> int:
             print(f"loading {model} on {await operations.load(ctx, model, node)}")
         elif action == "unload":
             print(f"unloading {model} from {', '.join(await operations.unload(ctx, model, node)) or 'no node'}")
+        elif action == "pull":
+            nodes = await operations.pull(ctx, model)
+            print(f"pulling {model} on {', '.join(nodes)}" + ("" if follow else "; `cortex status` shows the progress"))
+            if follow:
+                try:
+                    return 0 if await pull_progress.follow(ctx.fleet, operations.hub_folder(ctx.catalog.resolve(model)),
+                                                           nodes) else 2
+                except (KeyboardInterrupt, asyncio.CancelledError):
+                    print("stopped following; the nodes pull on (`cortex status` shows them)")
+                    return 130
+        elif action == "rm":
+            asked = await operations.remove_files(ctx, model, node)
+            print(f"deleting the files of {model} on {', '.join(asked) or 'no node (none holds them)'}; a node keeps "
+                  "them while it has the model loaded, pinned or being pulled")
         elif action in ("pin", "unpin"):
             await operations.set_pin(ctx, model, action == "pin")
             print(f"{model} {action}ned")
@@ -262,10 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "shutdown_grace_s + 10, 60 for Redis, 10 for the others); a second Ctrl-C kills at once")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("models", parents=[common], help="load, unload, pin or unpin a model across the fleet")
-    p.add_argument("action", choices=["load", "unload", "pin", "unpin"])
+    p = sub.add_parser("models", parents=[common],
+                       help="load, unload, pull (files), rm (files), pin or unpin a model across the fleet")
+    p.add_argument("action", choices=["load", "unload", "pull", "rm", "pin", "unpin"])
     p.add_argument("model", help="catalogue id or alias")
-    p.add_argument("--node", help="load on / unload from this node only (default: placement decides / every node)")
+    p.add_argument("--node", help="load on / unload from / rm on this node only (default: placement decides / "
+                                  "every node)")
+    p.add_argument("--detach", action="store_true", help="pull: return at once (default: follow the progress until "
+                                                         "every node has the files; Ctrl-C stops following only)")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("drain", parents=[common], help="stop a node taking jobs; it finishes running ones, unloads, idles")

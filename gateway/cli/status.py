@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shared.fleet_status import ROUTING_OUTCOMES, FleetStatus, ModelStatus
-from shared.heartbeat import KVCacheStats, SpecDecodeStats
+from shared.heartbeat import KVCacheStats, PullProgress, SpecDecodeStats
 from shared.lifecycle import ModelState
 
 
@@ -33,7 +33,13 @@ def _model(name: str, m: ModelStatus) -> str:
             + (f" ctx={m.max_model_len}" if m.max_model_len else "")
             + f" q={m.queue_depth} idle={idle}"
             + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
-            + (f" ({m.error})" if m.error else ""))
+            + (f" ({m.error})" if m.error else "")
+            + (f" {_pull(m.download)}" if m.download else ""))
+
+
+def _pull(p: PullProgress) -> str:
+    return (f"{_percent(p.bytes_done, p.bytes_total)} of {p.bytes_total / 1e6:.1f} MB"
+            f" at {p.rate_bps / 1e6:.1f} MB/s from {p.source or '?'}")
 
 
 def _kv(kv: KVCacheStats, spec: SpecDecodeStats | None) -> str:
@@ -46,6 +52,7 @@ def _kv(kv: KVCacheStats, spec: SpecDecodeStats | None) -> str:
 
 _STATE_STYLE = {
     ModelState.READY: "green",
+    ModelState.DOWNLOADING: "cyan",
     ModelState.LOADING: "yellow",
     ModelState.UNLOADING: "yellow",
     ModelState.POISONED: "red",

@@ -355,6 +355,9 @@ class ShowResponse(BaseModel):
 
 class ProgressResponse(BaseModel):
     status: str
+    digest: str | None = None  # what the line's bytes are of (Cortex: `{node}/{model folder}`)
+    total: int | None = None
+    completed: int | None = None
 
 
 class VersionResponse(BaseModel):

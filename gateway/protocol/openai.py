@@ -520,6 +520,7 @@ class ModelReplica(BaseModel):
     state: str
     slots_used: int
     slots_total: int
+    download_fraction: float | None = None  # while `downloading`: the share of its files here, 0..1
 
 
 class Model(BaseModel):

@@ -8,7 +8,8 @@ from shared.errors import ModelNotFound
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 
-_RANK = [ModelState.READY, ModelState.LOADING, ModelState.UNLOADING, ModelState.POISONED, ModelState.FAILED]
+_RANK = [ModelState.READY, ModelState.LOADING, ModelState.DOWNLOADING, ModelState.UNLOADING, ModelState.POISONED,
+         ModelState.FAILED]
 
 
 def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
@@ -24,11 +25,12 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
     for node in nodes:
         for model, info in node.models.items():
             replicas.setdefault(model, []).append(
-                ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total))
+                ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total,
+                             download_fraction=info.download.fraction if info.download else None))
             created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
             if info.max_model_len:
                 context[model] = min(context.get(model, info.max_model_len), info.max_model_len)
-    serving = (ModelState.READY, ModelState.LOADING)
+    serving = (ModelState.READY, ModelState.DOWNLOADING, ModelState.LOADING)
     extra = sorted(m for m in replicas if m not in catalog.profiles and any(r.state in serving for r in replicas[m]))
     data = []
     for model in [*catalog.profiles, *extra]:

@@ -33,6 +33,16 @@ async def unload(model: str, ctx: Ctx, node: str | None = None) -> JSONResponse:
     return JSONResponse({"model": model, "nodes": await operations.unload(ctx, model, node)})
 
 
+@admin.post("/models/{model}/pull")
+async def pull(model: str, ctx: Ctx) -> JSONResponse:
+    return JSONResponse({"model": model, "nodes": await operations.pull(ctx, model)})
+
+
+@admin.delete("/models/{model}/files")
+async def remove_files(model: str, ctx: Ctx, node: str | None = None) -> JSONResponse:
+    return JSONResponse({"model": model, "nodes": await operations.remove_files(ctx, model, node)})
+
+
 @admin.post("/models/{model}/pin")
 async def pin(model: str, ctx: Ctx) -> JSONResponse:
     await operations.set_pin(ctx, model, True)

@@ -5,10 +5,13 @@
 `stream: false` (gateway/render/ollama.py); with no messages (an empty prompt) they place the model
 on a node and answer `done_reason: "load"`. `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
 the catalogue and the fleet (gateway/render/ollama_models.py); `GET /api/version` needs no key, as
-VS Code's Copilot Chat asks it before anything else. `POST /api/pull` succeeds for a model the
-catalogue has and says pulling is not available for any other; `DELETE /api/delete` (admin key)
-unloads the model from every node (the catalogue itself is models.toml's). `POST /api/embed` (and
-the older `/api/embeddings`) embed through the same jobs as `/v1/embeddings` (gateway/pooling.py).
+VS Code's Copilot Chat asks it before anything else. `POST /api/pull` of a catalogue model with an
+`hf:` source asks the nodes that may run it to fetch its files and follows them (a progress line
+per node as its bytes move, then `success`, or an error line); for other catalogue models it
+succeeds at once, and it says pulling is not available for models outside the catalogue; `DELETE
+/api/delete` (admin key) unloads the model from every node (the catalogue itself is models.toml's).
+`POST /api/embed` (and the older `/api/embeddings`) embed through the same jobs as `/v1/embeddings`
+(gateway/pooling.py).
 """
 
 import time
@@ -16,12 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 
-from gateway import ndjson, operations, pooling
+from gateway import ndjson, operations, pooling, pulls
+from gateway.errors import ollama_error_body
 from gateway.auth import Caller, CallerDep, require_admin
 from gateway.context import Ctx, GatewayContext
 from gateway.disconnect import unless_disconnected
@@ -34,7 +38,8 @@ from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, ge
 from gateway.render.ollama_models import model_list, running, show
 from gateway.streaming import stream_job
 from shared.catalog import ModelProfile
-from shared.errors import ModelNotFound
+from shared.errors import CortexError, ModelNotFound, ModelPullFailed
+from shared.model_store import HUB_PREFIX
 
 
 class JsonBody(APIRoute):
@@ -137,14 +142,45 @@ async def ps(ctx: Ctx, caller: CallerDep) -> JSONResponse:
 @router.post("/api/pull", response_model=None)
 async def pull(body: PullRequest, ctx: Ctx, caller: CallerDep) -> Response:
     try:
-        _profile(ctx, caller, body.model)
+        profile = _profile(ctx, caller, body.model)
     except ModelNotFound:
         raise ModelNotFound(f"pulling models is not available yet: '{body.model}' is not in this fleet's catalogue "
                             "(an operator adds it to models.toml)", param="model") from None
-    done = ProgressResponse(status="success")
+    progress = _pull_progress(ctx, profile, await operations.pull(ctx, profile.id)) \
+        if profile.source.startswith(HUB_PREFIX) else _pulled()
     if body.stream:
-        return Response(ndjson.line(done), media_type=ndjson.MEDIA_TYPE)
-    return JSONResponse(done.model_dump())
+        return StreamingResponse(_lines(progress), media_type=ndjson.MEDIA_TYPE)
+    async for last in progress:
+        pass
+    return JSONResponse(last.model_dump(exclude_none=True))
+
+
+async def _pulled() -> AsyncIterator[ProgressResponse]:
+    yield ProgressResponse(status="success")
+
+
+async def _pull_progress(ctx: GatewayContext, profile: ModelProfile, nodes: list[str]) -> AsyncIterator[ProgressResponse]:
+    """A line per node whenever its bytes move, then `success` once every node has the files; a node
+    that cannot get them raises ModelPullFailed, naming it and why."""
+    folder = operations.hub_folder(profile)
+    sent: dict[str, int] = {}
+    async for states in pulls.watch(ctx.fleet, folder, nodes):
+        for node, state in states.items():
+            if state.why:
+                raise ModelPullFailed(f"{node} could not pull {profile.id}: {state.why}")
+            if state.progress is not None and state.progress.bytes_total and sent.get(node) != state.progress.bytes_done:
+                sent[node] = state.progress.bytes_done
+                yield ProgressResponse(status=f"pulling {folder} on {node}", digest=f"{node}/{folder}",
+                                       total=state.progress.bytes_total, completed=state.progress.bytes_done)
+    yield ProgressResponse(status="success")
+
+
+async def _lines(progress: AsyncIterator[ProgressResponse]) -> AsyncIterator[bytes]:
+    try:
+        async for item in progress:
+            yield ndjson.line(item)
+    except CortexError as exc:
+        yield ndjson.line(ollama_error_body(exc))
 
 
 @public.get("/api/version")

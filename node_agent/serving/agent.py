@@ -13,6 +13,8 @@ import time
 import torch
 from redis.exceptions import RedisError
 
+from node_agent.files.file_server import FileServer
+from node_agent.files.puller import Puller
 from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
@@ -23,6 +25,7 @@ from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
+from shared.model_store import HUB_PREFIX, HubRef
 from shared.errors import BrokerUnavailable, CortexError
 from shared.redis_conn import BACKOFF_MAX_S, Outage, atomic, broadcast_client, connect
 from shared.redis_health import warn_if_not_durable
@@ -58,6 +61,10 @@ class NodeAgent:
         self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard,
                                    on_lost=self._on_lost, retention_s=self.settings.stream_retention_s)
         self.publisher.start()
+        self.puller = Puller(self.settings, self.redis, self.keys, self.name, self._protected_files)
+        self.file_server = self._file_server()
+        if self.file_server is not None:
+            await self.file_server.start()
         for device in devices.discover(self.settings.device, self.settings.cpu_devices):
             thread = DeviceThread(device, loop)
             thread.start()
@@ -65,12 +72,30 @@ class NodeAgent:
         await self._recover_predecessor()
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
                  asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
-        await asyncio.gather(*(self.load_model(m) for m in self.settings.models))
-        await self._stop.wait()
+        starting = asyncio.gather(*(self.load_model(m) for m in self.settings.models))
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # stopped while starting: a download may take hours, a load finishes
+            await self.puller.stop()
+        await starting
+        await stopping
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _file_server(self) -> FileServer | None:
+        """The server of this node's model files to peers, when a file port and the fleet secret are set."""
+        if not (self.settings.file_port and self.settings.fleet_secret):
+            return None
+        return FileServer(self.puller.store, self.settings.fleet_secret, self.settings.file_host,
+                          self.settings.file_port)
+
+    @property
+    def file_url(self) -> str:
+        if self.file_server is None:
+            return ""
+        return self.settings.file_url or f"http://{socket.gethostname()}:{self.settings.file_port}"
 
     async def _recover_predecessor(self) -> None:
         """A node that died under this name (a restarted container or service) within the janitor's
@@ -100,10 +125,15 @@ class NodeAgent:
         # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
         ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
         chosen = ranked[: profile.tensor_parallel]
+        pull = self.puller.start(profile) if self.puller.needs(profile) else None
         served = served_class(profile)(profile, chosen[0], self.redis, self.keys, self.publisher, self.name,
-                                       self.settings, devices=[t.device for t in chosen])
+                                       self.settings, devices=[t.device for t in chosen],
+                                       load_from=self.puller.local_profile(profile), pull=pull)
         self.models[profile.id] = served
-        await self._beat()  # show `loading` at once: placement waits for it
+        await self._beat()  # show `downloading` or `loading` at once: placement waits for it
+        if pull is not None and not await served.fetch():
+            await self._beat()
+            return
         await served.load()
         await self._beat()
 
@@ -149,6 +179,13 @@ class NodeAgent:
             if command.cmd == "load":
                 if self.state.takes_jobs:
                     await self.load_model(command.model)
+            elif command.cmd == "pull":
+                profile = self.catalog.resolve(command.model)
+                if self.puller.needs(profile):
+                    self.puller.start(profile)  # its end is logged; its progress is in the heartbeat
+            elif command.cmd == "rm":
+                await self.puller.remove(self.catalog.resolve(command.model))
+                await self._beat()
             elif command.cmd == "unload":
                 await self.unload_model(command.model)
             else:
@@ -179,13 +216,26 @@ class NodeAgent:
                 log.info("%s failed here %.0f s ago; it may be placed here again", model_id, served.replica.age_s())
                 self.models.pop(model_id, None)
                 await self._beat()
-            elif served.idle_expired(now) and not await self._pinned(served):
+            elif (served.state == ModelState.READY and served.ledger.idle_past(served.profile.keep_alive_s, now)
+                  and not await self._pinned(served)):
                 log.info("%s idle past keep_alive; unloading", model_id)
                 await self.unload_model(model_id)
 
     async def _pinned(self, served: ServedModel) -> bool:
         override = await self.redis.hget(self.keys.pins(), served.profile.id)
         return served.profile.pin if override is None else override == b"1"
+
+    async def _protected_files(self) -> dict[str, str]:
+        """Model folders the disk budget must not delete -> why: those of replicas here, and of pinned models."""
+        overrides = {k.decode(): v == b"1" for k, v in (await self.redis.hgetall(self.keys.pins())).items()}
+        found = {}
+        for profile in self.catalog.profiles.values():
+            if profile.source.startswith(HUB_PREFIX) and overrides.get(profile.id, profile.pin):
+                found[HubRef.parse(profile.source).folder] = f"{profile.id} is pinned"
+        for model_id, served in self.models.items():
+            if served.profile.source.startswith(HUB_PREFIX):
+                found[HubRef.parse(served.profile.source).folder] = f"{model_id} is {served.state} here"
+        return found
 
     def stop(self) -> None:
         """Ask `run()` to shut down cleanly (what SIGTERM does)."""
@@ -198,11 +248,14 @@ class NodeAgent:
         await self._quietly(self._beat())
         await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
         await asyncio.gather(*(m.free() for m in self.models.values()))  # tensor-parallel workers stop too
+        await self.puller.stop()
+        if self.file_server is not None:
+            await self.file_server.stop()
         await self.publisher.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._quietly(self.redis.delete(self.keys.node(self.name),
+        await self._quietly(self.redis.delete(self.keys.node(self.name), self.keys.model_files(self.name),
                                               *(self.keys.prefixes(model, self.name) for model in self.models)))
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
         for thread in self.threads.values():
@@ -246,6 +299,7 @@ class NodeAgent:
             node=self.name, version=__version__, state=self.state, started_ms=self.started_ms, heartbeat_ms=now,
             labels=self.settings.labels, devices=[self._budgeted(await t.info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
+            file_url=self.file_url, pulls=self.puller.progress(),
         )
         key = self.keys.node(self.name)
         async with atomic(self.redis) as pipe:
@@ -254,6 +308,7 @@ class NodeAgent:
             pipe.zadd(self.keys.nodes(), {self.name: now})
             for model in self.models:  # what their caches hold lives as long as the heartbeat
                 pipe.pexpire(self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
+            self.puller.publish(pipe, int(self.settings.heartbeat_ttl_s * 1000))
             await pipe.execute()
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:

@@ -1,14 +1,19 @@
 """A model replica's state on its node: the one place it changes, and only along these transitions.
 
-| from \\ to  | loading            | ready          | poisoned            | unloading      | failed                  |
-|------------|--------------------|----------------|---------------------|----------------|-------------------------|
-| loading    |                    | loaded, groups | —                   | unload / drain | load failed; overdue    |
-| ready      |                    |                | device fault;       | unload / drain |                         |
-|            |                    |                | output process died |                |                         |
-| poisoned   |                    | reloaded       |                     | unload / drain | reload failed; overdue  |
-| unloading  |                    |                |                     |                |                         |
-| failed     |                    |                |                     | unload         |                         |
+| from \\ to   | loading            | ready          | poisoned            | unloading      | failed                  |
+|-------------|--------------------|----------------|---------------------|----------------|-------------------------|
+| downloading | files verified     |                |                     | unload / drain | pull failed             |
+| loading     |                    | loaded, groups | —                   | unload / drain | load failed; overdue    |
+| ready       |                    |                | device fault;       | unload / drain |                         |
+|             |                    |                | output process died |                |                         |
+| poisoned    |                    | reloaded       |                     | unload / drain | reload failed; overdue  |
+| unloading   |                    |                |                     |                |                         |
+| failed      |                    |                |                     | unload         |                         |
 
+- A replica whose files are not on the node starts `downloading` (node_agent/files/puller.py fetches
+  them from a peer node or the hub, sizes and hashes checked); it loads only once they are all here.
+  A pull is bounded by its transfers' own timeouts, not by `replica_stuck_s` (a 100 GB model may
+  take longer than that and still be moving).
 - `loading` → `ready` needs the engine built and the consumer groups made; if either fails the
   replica is `failed` (its own waiting jobs fail; placement backs off from this node).
 - `poisoned` → `ready` is the reload: the old engine freed, a new one built, all while the
@@ -24,8 +29,10 @@ import time
 
 from shared.lifecycle import ModelState
 
-L, R, P, U, F = ModelState.LOADING, ModelState.READY, ModelState.POISONED, ModelState.UNLOADING, ModelState.FAILED
+D, L, R, P, U, F = (ModelState.DOWNLOADING, ModelState.LOADING, ModelState.READY, ModelState.POISONED,
+                    ModelState.UNLOADING, ModelState.FAILED)
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
+    D: frozenset({L, U, F}),
     L: frozenset({R, U, F}),
     R: frozenset({P, U}),
     P: frozenset({R, U, F}),
@@ -40,9 +47,10 @@ class IllegalTransition(RuntimeError):
 
 
 class Replica:
-    def __init__(self, model: str, clock=time.monotonic):
+    def __init__(self, model: str, clock=time.monotonic, state: ModelState = L):
+        """A new replica: `loading`, or `downloading` when its files must be fetched first."""
         self.model, self._clock = model, clock
-        self.state, self.error = L, ""
+        self.state, self.error = state, ""
         self.since = clock()
 
     def can(self, state: ModelState) -> bool:

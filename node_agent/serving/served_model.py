@@ -3,7 +3,7 @@ table in node_agent/serving/replica.py, its engine on a device thread and its ou
 The parts do one job each: the ledger (node_agent/serving/ledger.py) holds its jobs and slots, the
 intake (intake.py) turns stream entries into engine requests, the consumer (consumer.py) reads the
 model's job streams only as far as the ledger has free slots. The device thread hands each step's
-record straight to the output process (through its `OutputLink`), whose feedback says which jobs
+record straight to the output process (replica_output.py), whose feedback says which jobs
 ended; a device error, or the output process dying, poisons the replica (its jobs fail, it is
 reloaded)."""
 
@@ -14,19 +14,21 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
+from node_agent.files.puller import Pull
 from node_agent.model import loader
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
-from node_agent.serving.output_link import OutputLink
-from node_agent.serving.output_process import Feedback, Delivery
-from node_agent.serving.publisher import Outgoing, Publisher
+from node_agent.serving.output_process import Feedback
+from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
+from node_agent.serving.replica_output import ReplicaOutput
 from node_agent.tp import tensor_parallel
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned, NodeLost
+from shared.errors import (CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned,
+                           ModelPullFailed, NodeLost)
 from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
@@ -51,24 +53,30 @@ def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSe
 
 
 class OutputProcessExited(RuntimeError):
-    pass
+    """The output process died: like a device fault, the jobs in flight fail and the model is reloaded."""
 
 
 class ServedModel:
     intake_type: type[Intake] = Intake  # what turns its stream entries into engine requests
 
     def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None):
+                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
+                 *, load_from: ModelProfile | None = None, pull: Pull | None = None):
+        """`load_from`: the profile the engine loads (its source the files' folder on this node, when
+        pulled); `pull`: its files are on their way (the replica starts `downloading`, see `fetch`)."""
         self.profile, self.device = profile, device
+        self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id)
+        self.replica = Replica(profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING)
+        self.pull = pull  # while downloading
         self.engine: Engine | None = None
-        self.link: OutputLink | None = None  # to the model's output process, while loaded
+        self.output = ReplicaOutput(settings, consumer_name, profile.id, publisher, self.on_feedback,
+                                    lambda reason: self.poison(OutputProcessExited(reason), list(self.ledger.running)))
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
-        self.ledger = Ledger(profile, settings, keys.jobs(profile.id), self._send)
-        self.intake = self.intake_type(profile, settings, consumer_name, device, self.ledger, self._send)
+        self.ledger = Ledger(profile, settings, keys.jobs(profile.id), self.output.send)
+        self.intake = self.intake_type(profile, settings, consumer_name, device, self.ledger, self.output.send)
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
 
     @property
@@ -82,7 +90,8 @@ class ServedModel:
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
                          kv=self.engine.kv_stats() if self.engine is not None else None,
-                         spec=self.engine.spec_stats() if self.engine is not None else None)
+                         spec=self.engine.spec_stats() if self.engine is not None else None,
+                         download=self.pull.progress() if self.pull is not None else None)
 
     @property
     def memory_mb(self) -> int:
@@ -92,9 +101,27 @@ class ServedModel:
         held = engine.memory_bytes() * self.profile.tensor_parallel if engine is not None and engine.decoder else 0
         return max(self.reserved_mb, held >> 20)
 
-    def idle_expired(self, now: int) -> bool:
-        """`ready` and idle past its keep_alive (and past any request's keep_alive)."""
-        return self.state == ModelState.READY and self.ledger.idle_past(self.profile.keep_alive_s, now)
+    async def fetch(self) -> bool:
+        """`downloading` → `loading` once its pull has every file here, checked; → `failed` when it fails
+        (with the jobs that waited for this replica alone). False: do not load (failed, or unloaded meanwhile)."""
+        try:
+            folder = await self.pull.wait()
+        except asyncio.CancelledError:
+            if not self.pull.task.cancelled():
+                raise  # this replica's load was cancelled, not the pull
+            await self._load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the node is "
+                                                    "shutting down"))
+            return False
+        except Exception as exc:
+            await self._load_failed(exc)
+            return False
+        finally:
+            self.pull = None
+        if not self.replica.can(ModelState.LOADING):
+            return False
+        self.load_from = self.profile.model_copy(update={"source": str(folder)})
+        self.replica.to(ModelState.LOADING)
+        return True
 
     async def load(self) -> None:
         """`loading` (or `poisoned`: a reload) → `ready`; or → `failed`, with the jobs that waited for
@@ -113,18 +140,13 @@ class ServedModel:
 
     async def _open(self) -> None:
         """Start the output process, build the engine on the device thread and step it there."""
-        self.link = OutputLink(dict(redis_url=self.settings.redis_url, key_prefix=self.settings.key_prefix,
-                                    node=self.consumer_name, model=self.profile.id, log_level=self.settings.log_level,
-                                    stream_retention_s=self.settings.stream_retention_s,
-                                    heartbeat_ttl_s=self.settings.heartbeat_ttl_s),
-                               self.on_feedback, self.on_output_exit)
-        await self.link.start()  # it starts up while the model loads
-        self.engine = await self.device.call(_start_engine, self.profile, self.devices, self.settings,
+        await self.output.start()  # it starts up while the model loads
+        self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
                                              self.consumer_name)
         self.check_still_loading()
         self.intake.attach(self.engine)
-        self.link.open(self.engine.text)
-        await self.device.attach(self.engine, self.link.step, self.on_failure)
+        self.output.open(self.engine)
+        await self.device.attach(self.engine, self.output.step, self.on_failure)
 
     def check_still_loading(self) -> None:
         """Raise when the replica was given up (overdue, unloaded) while its engine was being built."""
@@ -168,10 +190,6 @@ class ServedModel:
                                  "try again")
         for job in jobs:
             self.ledger.fail(job, error)
-
-    def on_output_exit(self, reason: str) -> None:
-        """The output process died: like a device fault, the jobs in flight fail and the model is reloaded."""
-        self.poison(OutputProcessExited(reason), list(self.ledger.running))
 
     def on_feedback(self, feedback: Feedback) -> None:
         """From the output process: sequences to free, jobs that ended, jobs to cancel."""
@@ -226,17 +244,7 @@ class ServedModel:
             engine, self.engine = self.engine, None
             await self.device.detach(engine)
             await self.device.call(engine.free)
-        if self.link is not None:
-            link, self.link = self.link, None
-            await link.close()
-
-    def _send(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
-        """Through the output process while it runs (after the events it holds for these jobs); else
-        straight from here (a model that failed to load, or whose output process died)."""
-        if self.link is not None and self.link.alive:
-            self.link.publish(items, routes)
-        else:
-            self.publisher.send(items)
+        await self.output.close()
 
     async def cancel(self, job: str, error: CortexError | None = None) -> None:
         """Drop the job from the engine; a client still listening is told it was cancelled (or `error`)."""

@@ -39,7 +39,7 @@ class ServedPooler(ServedModel):
     engine: PoolingEngine | None
 
     async def _open(self) -> None:
-        self.engine = await self.device.call(_start, self.profile, self.devices[0], self.settings)
+        self.engine = await self.device.call(_start, self.load_from, self.devices[0], self.settings)
         self.check_still_loading()
         self.intake.attach(self.engine)
         await self.device.attach(self.engine, self._on_step, self.on_failure)
@@ -56,7 +56,8 @@ class ServedPooler(ServedModel):
                          slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
-                         error=self.replica.error)
+                         error=self.replica.error,
+                         download=self.pull.progress() if self.pull is not None else None)
 
     def _on_step(self, out: PoolingStep) -> None:
         """On the device thread: hand the step's finished jobs to the event loop."""
@@ -66,7 +67,7 @@ class ServedPooler(ServedModel):
         """Publish each finished job's result with its acknowledgement (a job cancelled meanwhile has
         ended already), then free its slot."""
         finished = [(done, self.ledger.running[done.job]) for done in out.done if done.job in self.ledger]
-        self._send([Outgoing(running.reply, [DoneEvent(usage=Usage(prompt_tokens=done.prompt_tokens),
+        self.output.send([Outgoing(running.reply, [DoneEvent(usage=Usage(prompt_tokens=done.prompt_tokens),
                                                        timings=done.timings, node=self.consumer_name,
                                                        pooled=done.pooled)],
                              (running.stream, running.entry_id), job=done.job) for done, running in finished], [])

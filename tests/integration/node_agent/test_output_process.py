@@ -49,7 +49,7 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
         async with asyncio.timeout(60):
             while not (served := agent.models.get("tiny")) or served.state != ModelState.READY:
                 await asyncio.sleep(0.05)
-        first = served.link.process
+        first = served.output.link.process
         assert not any(redis_url in str(arg) for arg in first.args)  # `ps` shows it: no Redis URL (password) there
         in_flight = await submit(r, agent.keys, "in-flight", 480)
         started = await events_of(in_flight, lambda events: events[-1].type == "delta")
@@ -59,7 +59,7 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
         assert events[-1].type == "error" and events[-1].code == "model_poisoned", events[-1]
         assert "output process" in events[-1].message and "-9" in events[-1].message
         async with asyncio.timeout(60):
-            while served.state != ModelState.READY or served.link is None or served.link.process is first:
+            while served.state != ModelState.READY or served.output.link is None or served.output.link.process is first:
                 await asyncio.sleep(0.05)
         later = await events_of(await submit(r, agent.keys, "later", 8))  # served by the new output process
         assert [e.type for e in later][-1] == "done" and later[-1].usage.completion_tokens == 8
@@ -71,4 +71,4 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
         await r.aclose()
         agent.stop()
         await asyncio.wait_for(running, 60)
-    assert served.link is None and first.poll() is not None  # shut down with the node
+    assert served.output.link is None and first.poll() is not None  # shut down with the node

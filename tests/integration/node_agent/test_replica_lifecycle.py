@@ -120,7 +120,7 @@ async def test_groups_that_cannot_be_made_fail_the_load_and_free_the_engine(redi
         await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.FAILED)
         served = agent.models["tiny"]
         assert "Redis is restarting" in served.replica.error
-        await until(lambda: served.engine is None and served.link is None)
+        await until(lambda: served.engine is None and served.output.link is None)
 
 
 def blocking_start(monkeypatch) -> tuple[threading.Event, list[int]]:
@@ -141,7 +141,7 @@ async def test_a_fault_while_loading_starts_no_second_load(redis_url, tiny_dirs,
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
         await until(lambda: started)
         served = agent.models["tiny"]
-        served.on_output_exit("the output process of tiny exited (code -9)")
+        served.output.on_exit("the output process of tiny exited (code -9)")
         assert served.state == ModelState.LOADING
         release.set()
         await until(lambda: served.state == ModelState.READY)
@@ -159,7 +159,7 @@ async def test_a_load_past_its_bound_is_given_up_and_what_it_built_is_freed(redi
         heartbeat = await agent.redis.hget(agent.keys.node("n1"), "models")
         assert b"failed" in heartbeat  # the fleet sees it: nothing counts it as serving
         release.set()
-        await until(lambda: served.engine is None and served.link is None)
+        await until(lambda: served.engine is None and served.output.link is None)
         assert served.state == ModelState.FAILED
 
 
@@ -189,7 +189,7 @@ async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_come
 
         def broken(feedback):
             raise KeyError("a bug")
-        served.link.on_feedback = broken
+        served.output.link.on_feedback = broken
         pubsub = await subscribed(r, keys, ["first"])
         await enqueue(r, keys.jobs("tiny"), keys.events("first"), "first")
         await last_events(pubsub, 1)

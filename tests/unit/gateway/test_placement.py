@@ -50,3 +50,12 @@ def test_a_node_takes_a_second_sharded_model_only_by_evicting_its_idle_first():
     with pytest.raises(InsufficientCapacity, match="whose tensor-parallel model if any is idle"):
         choose(TP2, 100, node("n1", [900, 900], first=busy))
     assert choose(ModelProfile(id="small", source="x"), 100, node("n1", [900, 900], first=busy)).evict == []
+
+
+def test_a_node_holding_the_model_files_goes_first_even_with_less_room_or_an_eviction():
+    one = ModelProfile(id="m", source="hf:org/m")
+    found = candidates(one, [node("roomy", [900]), node("holder", [150], old=idle(300, "cuda:0"))], set(), set(), {},
+                       "lru")
+    assert plan(one, 200, found).node == "roomy"  # no files anywhere: the fewest evictions
+    chosen = plan(one, 200, found, holding=frozenset({"holder"}))
+    assert chosen.node == "holder" and chosen.evict == ["old"]  # an eviction costs less than a download

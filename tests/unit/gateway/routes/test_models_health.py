@@ -22,7 +22,8 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
                                                "default-embedding"]  # catalogue order first
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
                                "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [], "kind": "generate",
-                               "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4}],
+                               "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4,
+                                             "download_fraction": None}],
                                "max_model_len": 8192}  # the context the replica runs with, as vLLM shows it
     assert body["data"][2]["state"] == "loading" and body["data"][2]["max_model_len"] is None  # not loaded yet
     assert body["data"][3] == body["data"][0] | {"id": "default"}

@@ -1,0 +1,45 @@
+"""Fetch a model folder from a peer node's file server (node_agent/files/file_server.py): each file
+of the peer's manifest, resumed from its `.partial` file with a Range request, then checked against
+the size and hash the manifest carries from the hub."""
+
+from pathlib import Path
+
+import httpx
+
+from node_agent.files import hashes
+from shared.errors import ModelPullFailed
+from shared.model_store import HubRef, Manifest, partial_path
+
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+async def download(wanted: Manifest, folder: Path, base_url: str, secret: str, peer: str) -> None:
+    name = HubRef.parse(wanted.source).folder
+    headers = {"authorization": f"Bearer {secret}"}
+    async with httpx.AsyncClient(timeout=TIMEOUT, headers=headers) as client:
+        for entry in wanted.files:
+            target = folder / entry.name
+            if target.is_file() and target.stat().st_size == entry.size:
+                continue  # fetched whole before an interruption (checked again below)
+            partial = partial_path(folder, entry.name)
+            have = partial.stat().st_size if partial.exists() else 0
+            try:
+                await _fetch(client, f"{base_url}/files/{name}/{entry.name}", partial, have)
+            except httpx.HTTPError as exc:
+                raise ModelPullFailed(f"{wanted.source}: fetching {entry.name} from {peer} failed: {exc}") from exc
+            target.parent.mkdir(parents=True, exist_ok=True)  # a module's subfolder (1_Pooling/)
+            partial.rename(target)
+        for entry in wanted.files:
+            hashes.check(folder / entry.name, entry, f"{wanted.source} (from {peer})")
+
+
+async def _fetch(client: httpx.AsyncClient, url: str, partial: Path, have: int) -> None:
+    headers = {"range": f"bytes={have}-"} if have else {}
+    async with client.stream("GET", url, headers=headers) as response:
+        if response.status_code == 416:  # nothing left past what we have
+            return
+        response.raise_for_status()
+        mode = "ab" if response.status_code == 206 else "wb"
+        with partial.open(mode) as out:
+            async for chunk in response.aiter_bytes():  # as it arrives
+                out.write(chunk)
