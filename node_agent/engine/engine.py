@@ -34,8 +34,9 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
+from node_agent.engine.on_device import OnDevice
 from node_agent.engine.speculation import SpeculationStats
-from node_agent.model import devices, vision
+from node_agent.model import vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
@@ -61,7 +62,7 @@ def check_fits(max_len: int, prompt_len: int, max_tokens: int | None, max_prompt
             "Please reduce the length of the prompt or completion.", param="max_tokens")
 
 
-class Engine:
+class Engine(OnDevice):
     def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = ""):
         self.lm, self.profile, self.node = loaded, profile, node
         self.runner = Runner(loaded, profile)
@@ -135,11 +136,6 @@ class Engine:
         self.runner.close()
         self.lm.model = None
 
-    def free(self) -> None:
-        """On the device thread: `release`, then give the device the memory it held back."""
-        self.release()
-        devices.give_back_memory(self.lm.device)
-
     @property
     def tokenizer(self):
         return self.lm.tokenizer
@@ -149,9 +145,7 @@ class Engine:
         """A vision model's processor (its images into model inputs); None for a text model."""
         return self.lm.processor
 
-    def is_device_fault(self, exc: BaseException) -> bool:
-        """Whether `exc` (from a step) is the device's fault: the model is then poisoned and reloaded."""
-        return devices.is_device_fault(exc, self.lm.device)
+
 
     # ---- requests ----------------------------------------------------------------------------
 

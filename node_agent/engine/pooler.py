@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from node_agent.engine.on_device import OnDevice
 from node_agent.model import packed_pooling, pooling
 from node_agent.model.pooling import LoadedPooler
 from shared.catalog import ModelProfile
@@ -63,7 +64,7 @@ class PoolingStep:
         return not self.done
 
 
-class PoolingEngine:
+class PoolingEngine(OnDevice):
     def __init__(self, loaded: LoadedPooler, profile: ModelProfile, pack: bool = True):
         """`pack`: run passes packed where the model allows it (False: padded, as the in-process
         benchmark compares)."""
@@ -110,6 +111,8 @@ class PoolingEngine:
         self.lm.model = None
 
     def core_step(self) -> PoolingStep:
+        if not self._waiting:  # every waiting input's job was cancelled since the step was planned
+            return PoolingStep(done=[])
         chosen = self._next_pass()
         rows = [self._jobs[job].encoded.rows[i] for job, i in chosen]
         pairs = [self._jobs[job].encoded.type_ids for job, _ in chosen]

@@ -98,7 +98,7 @@ class DeviceThread:
             while work is not None:
                 work()
                 work = self._drain_one()
-            for engine in busy or [e for e in self._engines if e.has_work]:
+            for engine in [e for e in busy or self._engines if e.has_work]:  # the work just run may have taken it
                 self._step(engine, self._engines.get(engine))
 
     def _drain_one(self) -> Callable[[], None] | None:
@@ -115,7 +115,12 @@ class DeviceThread:
         except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
-            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, engine.is_device_fault(exc))
+            try:
+                device_fault = engine.is_device_fault(exc)
+            except Exception:  # cannot tell: treat it as the device's (the model is reloaded), keep the thread
+                log.exception("telling whether the failure is the device's failed on %s", self.device)
+                device_fault = True
+            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, device_fault)
             return
         if not out.empty:
             sinks.on_step(out)

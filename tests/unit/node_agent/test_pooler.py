@@ -143,3 +143,20 @@ def test_jobs_asking_different_dimensions_share_a_pass(folders):
     assert eng.forwards == 1 and done["full"].shape == (2, 64) and done["cut"].shape == (2, 8)
     np.testing.assert_allclose(done["cut"], done["full"][:, :8] / np.linalg.norm(done["full"][:, :8], axis=1,
                                                                                   keepdims=True), atol=1e-6)
+
+
+def test_a_step_after_its_only_job_was_cancelled_does_nothing(folders):
+    """The device thread may step an engine whose last waiting job a cancel (queued work, run between
+    two steps) just dropped: the step finds nothing to run, rather than failing."""
+    eng = engine(folders["mean"])
+    request = PoolingRequest(job="j", model="m", kind="embed", inputs=TEXTS)
+    eng.add(request.job, encode(eng.lm, request), None, 0.0)
+    eng.cancel("j")
+    assert eng.core_step().done == [] and not eng.has_work
+
+
+def test_the_engine_answers_what_serving_asks_of_its_device(folders):
+    eng = engine(folders["mean"])
+    assert eng.is_device_fault(torch.OutOfMemoryError("out of memory")) and not eng.is_device_fault(ValueError("x"))
+    eng.free()
+    assert eng.lm.model is None

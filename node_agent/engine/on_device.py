@@ -1,0 +1,16 @@
+"""What the serving layer asks of any engine about the device it runs on (a generation engine or the
+pooling engine): each holds its loaded model as `lm` (with `device`) and can `release` it."""
+
+from node_agent.model import devices
+
+
+class OnDevice:
+    def free(self) -> None:
+        """On the device thread: `release`, then give the device the memory it held back."""
+        device = self.lm.device
+        self.release()
+        devices.give_back_memory(device)
+
+    def is_device_fault(self, exc: BaseException) -> bool:
+        """Whether `exc` (from a step) is the device's fault: the model is then poisoned and reloaded."""
+        return devices.is_device_fault(exc, self.lm.device)
