@@ -21,8 +21,10 @@ def long_completion(base: str, max_tokens: int) -> None:
 
 def test_waiting_stream_sees_its_position_count_down(batch_stack):
     base = batch_stack.gateway_url
-    blockers = [threading.Thread(target=long_completion, args=(base, 120 + 12 * i)) for i in range(14)]
-    for thread in blockers:  # 8 take the slots, 6 wait ahead of our client
+    # 8 take the slots, 22 wait ahead of our client: the tiny model ends a blocker in well under a
+    # second on a quiet machine, so fewer would have drained before our client is queued
+    blockers = [threading.Thread(target=long_completion, args=(base, 120 + 4 * i)) for i in range(30)]
+    for thread in blockers:
         thread.start()
         time.sleep(0.02)
     time.sleep(0.3)

@@ -77,6 +77,8 @@ def check(response: httpx.Response, path: str) -> None:
     error = response.json()
     if path.startswith("/v1/messages"):
         assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"], error
+    elif path.startswith("/api/"):  # Ollama's shape: {"error": "..."}
+        assert isinstance(error["error"], str) and error["error"], error
     else:
         assert error["error"]["message"], error
 
