@@ -89,9 +89,12 @@ class ServedModel:
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
-                         kv=self.engine.kv_stats() if self.engine is not None else None,
-                         spec=self.engine.spec_stats() if self.engine is not None else None,
+                         **(self.engine_stats() if self.engine is not None else {}),
                          download=self.pull.progress() if self.pull is not None else None)
+
+    def engine_stats(self) -> dict:
+        """The loaded engine's figures the heartbeat carries (its KV cache, its speculation)."""
+        return dict(kv=self.engine.kv_stats(), spec=self.engine.spec_stats())
 
     @property
     def memory_mb(self) -> int:

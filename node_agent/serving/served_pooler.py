@@ -14,7 +14,6 @@ from node_agent.serving.pooling_intake import PoolingIntake
 from node_agent.serving.publisher import Outgoing
 from node_agent.serving.served_model import ServedModel
 from shared.catalog import ModelProfile
-from shared.heartbeat import ModelInfo
 from shared.model_files import ModelLoadError
 from shared.settings import NodeSettings
 from shared.wire import DoneEvent, Usage
@@ -51,13 +50,8 @@ class ServedPooler(ServedModel):
         held = self.engine.memory_bytes() if self.engine is not None else 0
         return max(self.reserved_mb, held >> 20)
 
-    def info(self) -> ModelInfo:
-        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
-                         slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
-                         max_model_len=self.engine.max_len if self.engine is not None else 0,
-                         last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
-                         error=self.replica.error,
-                         download=self.pull.progress() if self.pull is not None else None)
+    def engine_stats(self) -> dict:
+        return {}  # a pooling engine keeps no KV cache and does not speculate
 
     def _on_step(self, out: PoolingStep) -> None:
         """On the device thread: hand the step's finished jobs to the event loop."""
