@@ -27,7 +27,7 @@ from shared import event_log
 from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound
 from shared.redis_conn import broker_error, publish
-from shared.wire import DoneEvent, Event, WireError, ends_job
+from shared.wire import Event, WireError, ends_job
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,6 @@ class LoggedJob:
 class Folded:
     record: Resumable
     response: Response
-    done: DoneEvent | None  # its end, when it ended well
 
     @property
     def ended(self) -> bool:
@@ -89,16 +88,13 @@ async def fold(ctx, response_id: str) -> Folded | None:
     parser = parsers_for(record.tools, True, job)() if record.tools else None
     response = folded(LoggedJob(job, record.created, record.model), ResponseSpec.load(record.spec["response"]), events,
                       parser)
-    return Folded(record, response, next((e for e in events if isinstance(e, DoneEvent)), None))
+    return Folded(record, response)
 
 
 async def _finish(ctx, found: Folded) -> None:
-    """Store an ended background response and count its tokens (once, whoever else counts them)."""
+    """Store an ended background response (the node that ended its job counted its tokens)."""
     record = found.record
     await _store(ctx).put(found.response, found.kept)
-    if found.done is not None and record.metered:
-        job = job_of(found.response.id)
-        await ctx.limiter.record(record.owner, job, found.done.usage, once=ctx.keys.metered(job))
     log.info("background response %s %s", found.response.id, found.response.status)
 
 

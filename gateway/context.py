@@ -49,7 +49,7 @@ class GatewayContext:
         self.batch_queue = self.batch_queue or self.redis
         self.routing = Routing(self)
         self.api_keys = KeyStore(self.redis, self.keys)
-        self.limiter = Limiter(self.redis, self.keys, self.metrics, self.settings.stream_retention_s)
+        self.limiter = Limiter(self.redis, self.keys, self.metrics)
         self.departures = Departures(self)
         self.outage = OutageWait(self.redis, self.settings.redis_outage_wait_s, self.settings.redis_outage_max_waiting)
 

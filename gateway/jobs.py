@@ -171,9 +171,8 @@ class Job:
                     await self._ctx.routing.ran(self.model, self.session, item.node)
                 except RedisError as exc:
                     log.warning("job=%s: could not note where its session ran: %s", self.id, exc)
-            if self.metered:
-                once = None if self.on_disconnect == OnDisconnect.CANCEL else self._ctx.keys.metered(self.id)
-                await self._ctx.limiter.record(self.caller.name, self.id, item.usage, once=once)
+            if self.metered:  # the node counted them against the key's budgets (shared/usage_meter.py)
+                self._ctx.metrics.key_tokens(self.caller.name, item.usage)
         return item
 
     async def _get(self) -> Item:
@@ -247,6 +246,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest | PoolingReques
     except (OverflowError, ValueError, TypeError) as exc:  # free-form JSON (a tool schema) with a huge integer
         raise InvalidRequest(f"the request cannot be sent to a node ({exc}); integers must fit in 64 bits") from None
     trace = JobTrace(request.job, request.model)
+    metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
     entry = StreamEntry(
         job=request.job,
         kind=request.kind,
@@ -258,6 +258,7 @@ async def submit(ctx: GatewayContext, request: GenerationRequest | PoolingReques
         request_id=request_id_var.get(),
         stream=int(stream or resumable is not None),  # a resumable job's client may have seen tokens
         keep_alive_s=keep_alive_s,
+        key=caller.name if metered else None,
         traceparent=trace.traceparent,
         body=body,
     )
@@ -265,7 +266,6 @@ async def submit(ctx: GatewayContext, request: GenerationRequest | PoolingReques
     route = await ctx.routing.route(request, session, priority, band) if generation else SHARED
     stream = (ctx.keys.node_jobs(request.model, route.node, priority, band) if route.node
               else ctx.keys.jobs(request.model, priority, band))
-    metered = caller.key is not None and request.kind != "count"  # counting tokens uses none
     job = Job(ctx, request.job, request.model, await ctx.router.subscribe(channel), caller, parsers=parsers,
               metered=metered,
               prompt_text=request.prompt if generation and request.echo and isinstance(request.prompt, str) else None,

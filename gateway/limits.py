@@ -3,12 +3,13 @@ by Redis on Redis's clock, so two replicas admitting requests for one key at onc
 
 - requests per minute: a sliding window (`cortex:ratelimit:{key}:requests`, one member per
   admitted request in the last 60 s); a request is admitted while fewer than `rpm` are in it.
-- tokens per minute: a sliding window of finished jobs' real usage (`…:tokens`, members
+- tokens per minute: a sliding window of ended jobs' real usage (`…:tokens`, members
   `{job}:{tokens}`); a request is admitted while the last 60 s used fewer than `tpm` tokens.
 - tokens per day: `cortex:usage:{key}:{YYYY-MM-DD}` (UTC), admitted while below the budget.
 
-Token counts are only known when a job ends, so the one request that crosses a token limit
-finishes; the next ones wait. A refusal carries how long until a request would be admitted.
+Token counts are only known when a job ends, and the node that ends it counts them
+(shared/usage_meter.py: finished, failed or cancelled alike), so the one request that crosses a
+token limit finishes; the next ones wait. A refusal carries how long until a request would be admitted.
 """
 
 import logging
@@ -16,26 +17,22 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.metrics import Metrics
 from gateway.request_id import request_id_var
 from shared.api_keys import ApiKey, utc_day
 from shared.errors import DailyBudgetExceeded, RateLimited, TokensRateLimited
 from shared.keys import Keys
-from shared.wire import Usage
+from shared.usage_meter import REDIS_NOW_LUA
 
 log = logging.getLogger(__name__)
 
-WINDOW_MS = 60_000
-DAY_TTL_S = 2 * 86400  # a day's counter outlives its day, for `cortex keys show`
 
-_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
 # KEYS: 1 the key's record, 2 its requests window, 3 its tokens window, 4 today's tokens.
 # ARGV: 1 rpm, 2 tpm, 3 tokens per day (0: no limit), 4 ms to the end of the day, 5 a unique member.
 # Returns {'ok', 0} (admitted and counted) or {'requests' | 'tokens' | 'daily', ms to wait}.
-ADMIT_LUA = _NOW + """
+ADMIT_LUA = REDIS_NOW_LUA + """
 local window = 60000
 local function refuse(reason, wait_ms)
   redis.call('HINCRBY', KEYS[1], 'rejections', 1)
@@ -75,24 +72,6 @@ redis.call('HINCRBY', KEYS[1], 'requests', 1)
 return {'ok', 0}
 """
 
-# KEYS: 1 the key's record, 2 its tokens window, 3 today's tokens, and optionally 4 the job's
-# "metered" marker (a job several clients read is counted once). ARGV: 1 prompt tokens,
-# 2 completion tokens, 3 the job id, 4 the day counter's TTL in seconds, 5 the marker's TTL.
-# Returns the tokens counted, or -1 when the marker says they were already.
-RECORD_LUA = _NOW + """
-if KEYS[4] and not redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[5]) then return -1 end
-local total = tonumber(ARGV[1]) + tonumber(ARGV[2])
-redis.call('HINCRBY', KEYS[1], 'prompt_tokens', ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'completion_tokens', ARGV[2])
-redis.call('INCRBY', KEYS[3], total)
-redis.call('EXPIRE', KEYS[3], ARGV[4])
-if total > 0 then
-  redis.call('ZADD', KEYS[2], now, ARGV[3] .. ':' .. total)
-  redis.call('PEXPIRE', KEYS[2], 60000)
-end
-return total
-"""
-
 _REFUSALS = {
     "requests": (RateLimited, "requests per minute", "rpm"),
     "tokens": (TokensRateLimited, "tokens per minute", "tpm"),
@@ -106,11 +85,9 @@ def ms_to_end_of_day(now_s: float | None = None) -> int:
 
 
 class Limiter:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, metrics: Metrics, once_ttl_s: int = 600):
+    def __init__(self, redis: aioredis.Redis, keys: Keys, metrics: Metrics):
         self.keys, self.metrics = keys, metrics
-        self.once_ttl_s = once_ttl_s  # how long a job's "metered" marker outlives it (its event log's retention)
         self._admit = redis.register_script(ADMIT_LUA)
-        self._record = redis.register_script(RECORD_LUA)
 
     async def admit(self, key: ApiKey) -> None:
         """Count one request against `key`, or raise the limit it is over (429 with Retry-After)."""
@@ -130,21 +107,3 @@ class Limiter:
                         retry_after_s=int(wait_ms) / 1000)
         log.info("request=%s key=%s refused (429): %s", request_id_var.get(), name, refusal.message)
         raise refusal
-
-    async def record(self, name: str, job: str, usage: Usage, *, once: str | None = None) -> None:
-        """Count a finished job's real tokens against key `name` (its per-minute and per-day budgets
-        and its usage counters); with `once` (the job's `Keys.metered`), only the first time. A
-        Redis failure here loses the count, never the answer."""
-        counted = None
-        try:
-            counted = await self._record(
-                keys=[self.keys.api_key(name), self.keys.rate_window(name, "tokens"),
-                      self.keys.daily_tokens(name, utc_day()), *([once] if once else [])],
-                args=[usage.prompt_tokens, usage.completion_tokens, job, DAY_TTL_S, self.once_ttl_s],
-            )
-        except RedisError as exc:
-            log.warning("job=%s key=%s: could not count its %d+%d tokens: %s", job, name, usage.prompt_tokens,
-                        usage.completion_tokens, exc)
-        if counted != -1:
-            self.metrics.key_prompt_tokens.labels(name).inc(usage.prompt_tokens)
-            self.metrics.key_completion_tokens.labels(name).inc(usage.completion_tokens)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared.heartbeat import ModelInfo, NodeHeartbeat
-from shared.wire import DeltaEvent, DoneEvent
+from shared.wire import DeltaEvent, DoneEvent, Usage
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,11 @@ class Metrics:
         # per API key, by its name (never its secret)
         self.key_requests = c("key_requests", "Requests admitted, per API key.", ["key"])
         self.key_rejections = c("key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"])
-        self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs, per API key.", ["key"])
-        self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs, per API key.",
-                                       ["key"])
+        self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs this gateway delivered, per "
+                                   "API key (what each key was charged, cancelled and failed jobs too, is in "
+                                   "`cortex keys show`).", ["key"])
+        self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs this gateway "
+                                       "delivered, per API key.", ["key"])
         self.per_key = frozenset(family.name for metric in (self.key_requests, self.key_rejections,
                                                             self.key_prompt_tokens, self.key_completion_tokens)
                                  for family in metric.describe())
@@ -62,6 +64,10 @@ class Metrics:
         self.registry.register(self.replicas)
         self.routing = RoutingCollector()
         self.registry.register(self.routing)
+
+    def key_tokens(self, key: str, usage: Usage) -> None:
+        self.key_prompt_tokens.labels(key).inc(usage.prompt_tokens)
+        self.key_completion_tokens.labels(key).inc(usage.completion_tokens)
 
     def request(self, model: str, submitted: float) -> "RequestTimer":
         return RequestTimer(self, model, submitted)

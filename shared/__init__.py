@@ -7,4 +7,5 @@ WIRE_VERSION = 8  # 2: SamplingParams.grammar, kind "count"; 3: the start event,
 # (sent only when set, `Wire.added_within_version`: with API keys and scope `key`, or a request's `cache_salt`;
 # a node of 7 from before refuses those jobs, so upgrade nodes before gateways)
 # 8: embedding and rerank jobs (`PoolingRequest`, the done event's `pooled`); SamplingParams.speculative,
-# num_speculative_tokens
+# num_speculative_tokens; then the job entry's `key` (sent only for metered jobs: the node counts their tokens
+# where they end; a node of 8 from before refuses them, so upgrade nodes before gateways)

@@ -128,6 +128,7 @@ class StreamEntry(Wire):
     stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
     keep_alive_s: float | None = None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
     retries: int = 0  # times the janitor put it back after its node was lost
+    key: str | None = None  # the API key (its name) whose budgets the job's tokens count against, where it ends
     # the W3C trace context of the gateway's request span, when traced (shared/tracing.py)
     traceparent: str | None = Field(None, pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
     body: bytes

@@ -53,10 +53,12 @@ class OutputProcessor:
         self.tokenizer, self.node = tokenizer, node
         self.jobs: dict[str, JobOutput] = {}
         self.sequences: dict[int, SequenceOutput] = {}  # by the scheduler's sequence key
+        self.consumed: dict[str, Usage] = {}  # what each job that ended in the last `process` used, done or failed
 
     def process(self, out: StepOutput) -> tuple[StepEvents, list[int]]:
         """One step's record: every job's events of this step, and the keys of the sequences ended
         here that the core still runs (for `Engine.stop`)."""
+        self.consumed = {}
         for opened in out.opened:
             self._open(opened)
         for job_id, cached in out.admitted:
@@ -74,11 +76,13 @@ class OutputProcessor:
             del self.sequences[key]
         return events, stopped
 
-    def drop(self, job_id: str) -> None:
-        """A job that ended elsewhere (cancelled, failed on the node): no more events for it."""
+    def drop(self, job_id: str) -> Usage | None:
+        """A job that ended elsewhere (cancelled, failed on the node): no more events for it. Returns
+        what it used until then (None: it never reached the engine)."""
         job = self.jobs.pop(job_id, None)
         for seq in job.sequences if job else []:
             self.sequences.pop(seq.key, None)
+        return None if job is None else self._usage(job)
 
     def fail_job(self, job_id: str, error: ErrorEvent, core_ended: bool = False) -> None:
         """End a job's sequences and send `error` instead of its deltas."""
@@ -153,13 +157,18 @@ class OutputProcessor:
             else:
                 continue
             if job.error is not None or job.finished:
+                self.consumed[job.id] = self._usage(job)
                 del self.jobs[job.id]
         return out
 
+    @staticmethod
+    def _usage(job: JobOutput) -> Usage:
+        return Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences),
+                     cached_tokens=job.cached_tokens)
+
     def _done(self, job: JobOutput, now: float) -> DoneEvent:
         return DoneEvent(
-            usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences),
-                        cached_tokens=job.cached_tokens),
+            usage=self._usage(job),
             timings=Timings(queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
                             prefill_ms=job.first_token_ms - job.admitted_ms, decode_ms=now - job.first_token_ms),
             node=self.node,

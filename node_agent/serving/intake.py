@@ -78,7 +78,7 @@ class Intake:
         trace = JobSpans.of(entry, e.entry_id, self.node)
         self.ledger.admit(request.job, Running(e.entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
                                                stream=stream, job_class=e.job_class, streaming=bool(entry.stream),
-                                               trace=trace))
+                                               trace=trace, key=entry.key or ""))
         log.info("job=%s request=%s admitted from %s%s", request.job, entry.request_id, e.entry_id,
                  f" trace={entry.traceparent.split('-')[1]}" if entry.traceparent else "")
         try:
@@ -96,7 +96,7 @@ class Intake:
             sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
             check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
             self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
-                       [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream))])
+                       [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream), key=entry.key or "")])
             return request, ids, float(entry.submitted_ms), images
         except Exception as exc:
             self.failed(request.job, exc)

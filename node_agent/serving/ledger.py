@@ -31,6 +31,7 @@ class Running:
     job_class: str = "interactive"
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
     trace: JobSpans | None = None  # when its request is traced: its spans are made when it ends
+    key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
 
 
 def now_ms() -> int:

@@ -33,7 +33,7 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import StepOutput
 from node_agent.serving.cache_index import CacheIndex
-from node_agent.serving.publisher import Outgoing, Publisher
+from node_agent.serving.publisher import Charge, Outgoing, Publisher
 from shared.keys import Keys
 from shared.redis_conn import connect, is_cluster_url
 from shared.wire import DoneEvent, Event, Timings, ends_job
@@ -52,6 +52,7 @@ class Delivery(msgspec.Struct, array_like=True):
     entry_id: str
     streaming: bool = False  # a client streams it: its first output is noted in `Keys.started`
     started: bool = False
+    key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
 
 
 class Open(msgspec.Struct, tag=True, array_like=True):
@@ -128,8 +129,10 @@ class OutputSide:
             self.routes[route.job] = route
         for item in message.items:
             if item.ack and item.job:  # the node ended it (failed, cancelled): no more events from the engine's side
-                self.routes.pop(item.job, None)
-                self.output.drop(item.job)
+                route = self.routes.pop(item.job, None)
+                used = self.output.drop(item.job)
+                if route is not None and route.key and used is not None:
+                    item.charge = Charge(route.key, used)
         self.publisher.send(message.items)
 
     def _outgoing(self, job: str, events: list[Event]) -> Outgoing | None:
@@ -139,10 +142,13 @@ class OutputSide:
         ended = ends_job(events)
         first = route.streaming and not route.started
         route.started = True
+        charge = None
         if ended:
             del self.routes[job]
+            used = self.output.consumed.get(job)
+            charge = Charge(route.key, used) if route.key and used is not None else None
         return Outgoing(route.channel, events, (route.stream, route.entry_id) if ended else None, job,
-                        started=first, tracked=route.streaming)
+                        started=first, tracked=route.streaming, charge=charge)
 
 
 async def serve(inbox: socket.socket, feedback: socket.socket) -> None:

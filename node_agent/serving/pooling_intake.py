@@ -50,7 +50,8 @@ class PoolingIntake(Intake):
             self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
             return None
         self.ledger.admit(request.job, Running(e.entry_id, entry.reply, 1, entry.keep_alive_s, stream=stream,
-                                               job_class=e.job_class, trace=JobSpans.of(entry, e.entry_id, self.node)))
+                                               job_class=e.job_class, trace=JobSpans.of(entry, e.entry_id, self.node),
+                                               key=entry.key or ""))
         log.info("job=%s request=%s: %d inputs to %s, from %s", request.job, entry.request_id, len(request.inputs),
                  request.kind, e.entry_id)
         try:

@@ -1,10 +1,11 @@
 """Sends engine results to Redis: every step's events for every job, with the acks of jobs that
-ended, in one pipelined round trip. One task drains a queue, so events keep their order.
+ended (and the count of their tokens against the API key that sent them, shared/usage_meter.py),
+in one pipelined round trip. One task drains a queue, so events keep their order.
 
 When Redis does not take a round trip (it restarted, or is unreachable for longer than the
 client's retries), its events are lost and never sent again (a listener would get them twice or
 out of order). What must still happen is kept and retried until Redis answers: each ended job's
-acknowledgement, with an error event in place of its lost ones (a gateway still listening learns
+acknowledgement and token count, with an error event in place of its lost ones (a gateway still listening learns
 the job failed rather than waiting for a `done` that will not come). Each job still running whose
 events were lost is reported to `on_lost`, which fails it.
 
@@ -25,16 +26,23 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from node_agent.serving.cache_index import CacheIndex
-from shared import event_log
+from shared import event_log, usage_meter
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import Outage, publish
-from shared.wire import ErrorEvent, Event, pack_event
+from shared.wire import ErrorEvent, Event, Usage, pack_event
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
 NO_LOG = -1.0  # in `Publisher._logs`: the job has no event log
+
+
+class Charge(msgspec.Struct, array_like=True):
+    """What an ended job used, to count against the API key that sent it (shared/usage_meter.py)."""
+
+    key: str
+    usage: Usage
 
 
 class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -46,6 +54,7 @@ class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
     job: str = ""
     started: bool = False  # a streaming job's first output: noted in `Keys.started` (before it is published)
     tracked: bool = False  # a streaming job whose note is dropped when it ends (with `ack`)
+    charge: Charge | None = None  # with `ack`: the job's tokens, counted in the same round trip
 
 
 @dataclass
@@ -108,7 +117,8 @@ class Publisher:
         for item in failed:
             if item.ack:
                 events = [ErrorEvent(code=error.code, message=error.message)] if item.events else []
-                self._kept.append(Outgoing(item.channel, events, item.ack, item.job, tracked=item.tracked))
+                self._kept.append(Outgoing(item.channel, events, item.ack, item.job, tracked=item.tracked,
+                                           charge=item.charge))
             elif item.events and item.job:
                 self.on_lost(item.job)
 
@@ -130,6 +140,9 @@ class Publisher:
                 pipe.xdel(stream, entry_id)
                 if item.tracked:
                     pipe.srem(started, item.job)
+                if item.charge is not None:
+                    usage_meter.charge(pipe, self.keys, item.charge.key, item.job, item.charge.usage,
+                                       self.retention_s)
         marks = self.cache_index.write(pipe) if self.cache_index is not None else None  # replies after the items'
         try:
             replies = iter(await pipe.execute())
@@ -147,6 +160,8 @@ class Publisher:
             if item.ack:
                 next(replies), next(replies)
                 if item.tracked:
+                    next(replies)
+                if item.charge is not None:
                     next(replies)
                 self._logs.pop(item.job, None)
                 continue

@@ -8,10 +8,11 @@ is no text to make)."""
 
 import logging
 
-from node_agent.engine.pooler import PoolingEngine, PoolingStep
+from node_agent.engine.pooler import PooledJob, PoolingEngine, PoolingStep
 from node_agent.model import pooling
 from node_agent.serving.pooling_intake import PoolingIntake
-from node_agent.serving.publisher import Outgoing
+from node_agent.serving.ledger import Running
+from node_agent.serving.publisher import Charge, Outgoing
 from node_agent.serving.served_model import ServedModel
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError
@@ -61,9 +62,13 @@ class ServedPooler(ServedModel):
         """Publish each finished job's result with its acknowledgement (a job cancelled meanwhile has
         ended already), then free its slot."""
         finished = [(done, self.ledger.running[done.job]) for done in out.done if done.job in self.ledger]
-        self.output.send([Outgoing(running.reply, [DoneEvent(usage=Usage(prompt_tokens=done.prompt_tokens),
-                                                       timings=done.timings, node=self.consumer_name,
-                                                       pooled=done.pooled)],
-                             (running.stream, running.entry_id), job=done.job) for done, running in finished], [])
+        self.output.send([self._outgoing(done, running) for done, running in finished], [])
         for done, _ in finished:
             self.ledger.release(done.job, done.timings)
+
+    def _outgoing(self, done: PooledJob, running: Running) -> Outgoing:
+        usage = Usage(prompt_tokens=done.prompt_tokens)
+        return Outgoing(running.reply, [DoneEvent(usage=usage, timings=done.timings, node=self.consumer_name,
+                                                  pooled=done.pooled)],
+                        (running.stream, running.entry_id), job=done.job,
+                        charge=Charge(running.key, usage) if running.key else None)

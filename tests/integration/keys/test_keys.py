@@ -118,6 +118,24 @@ def test_tpm_and_daily_budgets_count_real_tokens(keys_stack):
     keys_stack.assert_clean()
 
 
+def test_a_client_that_leaves_is_charged_what_its_job_used(keys_stack):
+    name = "leaver"
+    stream = openai_client(keys_stack.replicas[0], create_key(keys_stack, name)).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = 0
+    for chunk in stream:
+        seen += bool(chunk.choices and chunk.choices[0].delta.content)
+        if seen == 3:
+            break
+    stream.close()  # the gateway cancels the job; the node ends it and counts what it used
+    deadline = time.monotonic() + 30
+    while (usage := show_key(keys_stack, name))["completion_tokens"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert usage["prompt_tokens"] > 0 and 3 <= usage["completion_tokens"] <= 400, usage
+    assert usage["tokens_today"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    keys_stack.assert_clean()
+
+
 def test_files_and_batches_belong_to_their_key(keys_stack):
     url = keys_stack.replicas[0]
     a, b = openai_client(url, create_key(keys_stack, "owner-a")), openai_client(url, create_key(keys_stack, "owner-b"))

@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 from fastapi import FastAPI
 
 from gateway.server import create_app
-from shared import event_log
+from shared import event_log, usage_meter
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
 from shared.keys import CONSUMER_GROUP, Keys
@@ -87,11 +87,14 @@ class ScriptedNode:
             await self.publish(entry, step)
 
     async def publish(self, entry: StreamEntry, event) -> None:
-        """As a node does: to the job's event log (if it has one), then to its channel."""
+        """As a node does: to the job's event log (if it has one), then to its channel; a done event
+        with the count of the job's tokens against its key, when it has one."""
         packed = pack_event(event)
         async with self.redis.pipeline(transaction=False) as pipe:
             event_log.append(pipe, KEYS.event_log(entry.job), [packed], 600)
             pipe.publish(entry.reply, packed)
+            if isinstance(event, DoneEvent) and entry.key:
+                usage_meter.charge(pipe, KEYS, entry.key, entry.job, event.usage, 600)
             await pipe.execute()
 
 
