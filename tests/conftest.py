@@ -144,6 +144,12 @@ TIERS = {"tests/integration/": "integration", "tests/model/": "model", "tests/gp
 SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py"}  # the architecture matrix
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak-s", type=float, default=0.0,
+                     help="run the fleet soak (tests/integration/fleet/test_soak.py) at least this long; "
+                          "0: each fault once")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         path = Path(str(item.fspath)).as_posix()

@@ -40,8 +40,9 @@ class Stack:
             return self.cluster.client(decode_responses=False)
         return redis.Redis.from_url(self.redis_url)
 
-    def start_gateway(self) -> None:
-        port = free_port()
+    def start_gateway(self, port: int | None = None) -> None:
+        """A gateway replica on `port` (None: a free one; a port: where a killed replica listened)."""
+        port = port or free_port()
         env = self.env | {"CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(port)}
         log_name = "gateway.log" if not self.gateway_url else f"gateway-{port}.log"  # a second replica's own log
         gateway = Service("gateway", [sys.executable, "-m", "gateway"], self.root / log_name, env=env)
@@ -124,10 +125,11 @@ def start_cluster_stack(root: Path, models_toml: str | None = None, **env: str) 
     return stack
 
 
-def start_stack(root: Path, models_toml: str | None = None, **env: str) -> Stack:
+def start_stack(root: Path, models_toml: str | None = None, durable: bool = False, **env: str) -> Stack:
+    """A stack of one redis-server (`durable`: with its append-only file, as `cortex up` runs it)."""
     port = free_port()
     redis_url = f"redis://127.0.0.1:{port}/0"
-    server = Service("redis-server", redis_server_argv(port, workdir=root), root / "redis.log")
+    server = Service("redis-server", redis_server_argv(port, workdir=root, durable=durable), root / "redis.log")
     server.wait_ready(lambda: redis_answers(redis_url))
     # one torch thread a node: a test's nodes share this machine's cores with each other and the suite
     stack_env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_LOG_LEVEL": "INFO", "CORTEX_TORCH_THREADS": "1"} | env

@@ -1,0 +1,282 @@
+"""The soak: a fleet as a user runs it (two gateway replicas, two nodes, a durable redis-server) under
+sustained mixed traffic (streamed, non-streamed, cancelled and malformed requests) while each part
+is hurt in turn: a node SIGKILLed, a node SIGTERMed (it drains), a node restarted under the same
+name within a second, a node's output process killed, a gateway killed, Redis killed and restarted.
+
+Every request ends, completed or with a clear error, before its deadline; every completed answer
+is the uninterrupted one (greedy), so no text is doubled by a retry; outside the faults' windows
+no request fails; afterwards no entry is pending, no job channel is subscribed, no key that should
+expire lives for ever, and every slot is free. The faults run once in CI (~2 minutes); `pytest
+--soak-s 240 …` repeats them for at least that long."""
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from itertools import count
+
+import httpx
+import psutil
+import pytest
+
+from shared.processes import redis_answers
+from tests.conftest import Service, _http_ok, wait_until
+from tests.integration.fleet.conftest import catalogue
+from tests.stack import NODE_START_TIMEOUT_S, Stack, start_stack
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-soak"
+NODES = ("node-a", "node-b")
+PROMPTS = ["Tell me a story.", "Name three colours.", "Count to five.", "Say something kind."]
+MAX_TOKENS = 16
+DEADLINE_S = 45.0  # no request may take longer (the gateways give up on a silent job after 20 s)
+GRACE_S = 3.0  # a fault's window lasts this long after the part is back
+CLIENTS = 4
+MALFORMED = [
+    (b"{not json", "application/json"),
+    (json.dumps({"model": MODEL, "messages": "hi"}).encode(), "application/json"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(),
+     "application/json"),
+    (b'{"model": "tiny-soak", "messages": [{"role": "user", "content": "\\ud800"}]}', "application/json"),
+]
+
+
+@dataclass
+class Outcome:
+    kind: str  # stream | whole | cancel | malformed
+    prompt: int
+    started: float
+    ended: float = 0.0
+    status: int | None = None
+    text: str = ""
+    error: str = ""  # why it did not complete ("" when it did)
+
+    @property
+    def hung(self) -> bool:
+        return self.ended - self.started > DEADLINE_S
+
+
+@dataclass
+class Window:
+    fault: str
+    start: float
+    end: float = float("inf")
+
+    def overlaps(self, outcome: Outcome) -> bool:
+        return outcome.started <= self.end and outcome.ended >= self.start
+
+
+def body(prompt: int, stream: bool) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+def ask(url: str, kind: str, prompt: int) -> Outcome:
+    outcome = Outcome(kind, prompt, time.monotonic())
+    timeout = httpx.Timeout(DEADLINE_S + 5, connect=5)
+    try:
+        if kind == "malformed":
+            raw, content_type = MALFORMED[prompt % len(MALFORMED)]
+            response = httpx.post(f"{url}/v1/chat/completions", content=raw, timeout=timeout,
+                                  headers={"content-type": content_type})
+            outcome.status = response.status_code
+            refused = 400 <= response.status_code < 500 and clear_error(response.content)
+            outcome.error = "" if refused else f"{response.status_code}: {response.text}"
+        elif kind == "whole":
+            response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, False), timeout=timeout)
+            outcome.status = response.status_code
+            if response.status_code == 200:
+                outcome.text = response.json()["choices"][0]["message"]["content"]
+            else:
+                outcome.error = f"{response.status_code}: {clear_error(response.content) or response.text}"
+        else:
+            read_stream(url, outcome, timeout)
+    except httpx.TimeoutException as exc:
+        outcome.error = f"hung: {type(exc).__name__}"
+    except httpx.HTTPError as exc:  # the gateway it talked to died, or was not there
+        outcome.error = f"connection: {type(exc).__name__}: {exc}"
+    outcome.ended = time.monotonic()
+    return outcome
+
+
+def clear_error(raw: bytes) -> str:
+    """The message of an OpenAI-shaped error body ("" when the body is not one)."""
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def read_stream(url: str, outcome: Outcome, timeout: httpx.Timeout) -> None:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body(outcome.prompt, True), timeout=timeout) as got:
+        outcome.status = got.status_code
+        if got.status_code != 200:
+            raw = got.read()
+            outcome.error = f"{got.status_code}: {clear_error(raw) or raw!r}"
+            return
+        chunks, finished = 0, False
+        for line in got.iter_lines():
+            data = line.removeprefix("data: ")
+            if not line.startswith("data: ") or data == "[DONE]":
+                finished = finished or data == "[DONE]"
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                outcome.error = f"stream error: {chunk['error']['message']}"
+                return
+            for choice in chunk["choices"]:
+                outcome.text += choice["delta"].get("content") or ""
+                chunks += bool(choice["delta"].get("content"))
+            if outcome.kind == "cancel" and chunks == 2:
+                return  # the client leaves: the gateway cancels the job
+        if not finished:
+            outcome.error = "the stream ended without [DONE]"
+
+
+class Fleet:
+    """The soak's stack and the faults it suffers."""
+
+    def __init__(self, stack: Stack, redis_argv: list[str]):
+        self.stack, self.redis_argv = stack, redis_argv
+        self.nodes: dict[str, Service] = {}
+        self.ports = [int(url.rsplit(":", 1)[1]) for url in stack.replicas]
+        self.gateways = list(stack.services[1:3])
+
+    def start_node(self, name: str) -> None:
+        since_ms = int(time.time() * 1000)
+        self.nodes[name] = self.stack.start_node(name, [MODEL])
+        self.wait_ready(name, since_ms)
+
+    def wait_ready(self, name: str, since_ms: int) -> None:
+        """`name`'s heartbeat comes from a process started after `since_ms` and says its model is ready."""
+        client = self.stack.client()
+
+        def ready() -> bool:
+            beat = client.hgetall(self.stack.keys.node(name))
+            models = json.loads(beat.get(b"models", b"{}"))
+            return int(beat.get(b"started_ms", 0)) >= since_ms and models.get(MODEL, {}).get("state") == "ready"
+        wait_until(ready, NODE_START_TIMEOUT_S, f"node {name}", alive=self.nodes[name].alive)
+
+    # ---- the faults: each returns once the part it hurt is back ----------------------------------
+    def kill_node(self) -> None:
+        self.nodes["node-b"].proc.kill()
+        time.sleep(4.0)  # past the node TTL: the janitor settles its jobs (and puts non-streamed ones back)
+        self.start_node("node-b")
+
+    def terminate_node(self) -> None:
+        node = self.nodes["node-a"]
+        node.proc.terminate()  # SIGTERM: it stops reading and drains what it holds
+        node.proc.wait(60)
+        self.start_node("node-a")
+
+    def restart_node_same_name(self) -> None:
+        self.nodes["node-b"].proc.kill()
+        self.start_node("node-b")  # at once: its predecessor's pending entries are its to settle
+
+    def kill_output_process(self) -> None:
+        node = psutil.Process(self.nodes["node-a"].proc.pid)
+        [output] = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
+        since_ms = int(time.time() * 1000)
+        output.kill()
+        client = self.stack.client()
+
+        def reloaded() -> bool:  # a new output process, and the model ready again
+            models = json.loads(client.hget(self.stack.keys.node("node-a"), "models") or b"{}")
+            fresh = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
+            return fresh and fresh[0].pid != output.pid and models.get(MODEL, {}).get("state") == "ready"
+        wait_until(reloaded, NODE_START_TIMEOUT_S, "the model's reload", alive=self.nodes["node-a"].alive)
+        assert time.time() * 1000 > since_ms
+
+    def kill_gateway(self) -> None:
+        self.gateways[0].proc.kill()
+        time.sleep(1.0)
+        self.stack.start_gateway(self.ports[0])
+        self.gateways[0] = self.stack.services[-1]
+
+    def kill_redis(self) -> None:
+        self.stack.services[0].proc.kill()
+        time.sleep(1.0)
+        self.stack.services[0] = Service("redis-server", self.redis_argv, self.stack.root / "redis-again.log")
+        self.stack.services[0].wait_ready(lambda: redis_answers(self.stack.redis_url))
+        wait_until(lambda: all(_http_ok(f"{url}/health") for url in self.stack.replicas), 30, "the gateways")
+        now_ms = int(time.time() * 1000)
+        for name in NODES:  # beating again, their models ready
+            wait_until(lambda: int(self.stack.client().hget(self.stack.keys.node(name), "heartbeat_ms") or 0) > now_ms,
+                       30, f"node {name}'s heartbeat")
+
+    FAULTS = ("kill_node", "terminate_node", "restart_node_same_name", "kill_output_process", "kill_gateway",
+              "kill_redis")
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_dirs) -> Fleet:
+    stack = start_stack(tmp_path, catalogue(tiny_dirs["llama"], **{MODEL: {}}), durable=True,
+                        CORTEX_JANITOR_INTERVAL_S="0.5", CORTEX_HEARTBEAT_S="0.5", CORTEX_HEARTBEAT_TTL_S="3",
+                        CORTEX_NODE_TTL_S="3", CORTEX_REQUEST_TIMEOUT_S="20")
+    try:
+        stack.start_gateways(2)
+        found = Fleet(stack, list(stack.services[0].proc.args))
+        for name in NODES:
+            found.start_node(name)
+        yield found
+    finally:
+        stack.stop()
+
+
+def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, request):
+    stack = fleet.stack
+    references = [ask(stack.replicas[0], "whole", prompt) for prompt in range(len(PROMPTS))]
+    assert all(not r.error for r in references), [r.error for r in references]
+    outcomes: list[Outcome] = []
+    stop = threading.Event()
+    numbers = count()
+
+    def client(index: int) -> None:
+        kinds = ["stream", "whole", "cancel", "whole", "stream", "malformed"]
+        while not stop.is_set():
+            n = next(numbers)
+            outcomes.append(ask(stack.replicas[(n + index) % 2], kinds[n % len(kinds)], n % len(PROMPTS)))
+
+    clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+    for thread in clients:
+        thread.start()
+    windows: list[Window] = []
+    soak_s = request.config.getoption("--soak-s")
+    started = time.monotonic()
+    while True:
+        for fault in Fleet.FAULTS:
+            time.sleep(3.0)  # steady traffic between faults
+            window = Window(fault, time.monotonic())
+            windows.append(window)
+            getattr(fleet, fault)()
+            window.end = time.monotonic() + GRACE_S
+        if time.monotonic() - started >= soak_s:
+            break
+    time.sleep(GRACE_S + 3.0)
+    stop.set()
+    for thread in clients:
+        thread.join(DEADLINE_S + 10)
+
+    completed = [o for o in outcomes if not o.error]
+    failed = [o for o in outcomes if o.error]
+    assert len(outcomes) > 50 and len(completed) > len(outcomes) / 2, (len(outcomes), len(completed))
+    assert [o for o in outcomes if o.hung or o.error.startswith("hung")] == []
+    for outcome in completed:  # the uninterrupted answer: nothing doubled, nothing lost
+        if outcome.kind in ("stream", "whole"):
+            assert outcome.text == references[outcome.prompt].text, (outcome, references[outcome.prompt].text)
+    outside = [o for o in failed if not any(w.overlaps(o) for w in windows)]
+    assert outside == [], "\n".join(f"{o.kind} {o.error}" for o in outside)
+
+    client = stack.client()
+    stack.assert_clean(timeout_s=30)
+    wait_until(lambda: client.pubsub_channels(f"{stack.keys.prefix}events:*") == [], 30, "job channels to close")
+    for pattern in ("eventlog:*", "metered:*", "detached:*", "session:*"):
+        assert [k for k in client.scan_iter(f"{stack.keys.prefix}{pattern}") if client.ttl(k) == -1] == [], pattern
+
+    def slots_free() -> bool:
+        return all(json.loads(client.hget(stack.keys.node(name), "models"))[MODEL]["slots_used"] == 0
+                   for name in NODES)
+    wait_until(slots_free, 30, "every slot free")
+    kinds = {kind: sum(o.kind == kind for o in completed) for kind in ("stream", "whole", "cancel", "malformed")}
+    print(f"soak: {len(outcomes)} requests, {len(failed)} failed inside fault windows; completed {kinds}")
