@@ -74,10 +74,6 @@ class Engine(OnDevice):
                                    linear_attention=cache.has_linear_attention, root_hash=root,
                                    speculate_rows=profile.speculative_max_batch)
         self.speculation = SpeculationStats()
-        if profile.speculative != "off" and self.runner.decoder.name == "cuda-graphs":
-            log.warning("%s: speculative = %r, but a step with draft tokens runs eagerly, off the captured decode "
-                        "graphs: where an eager step is launch-bound (small models) it is slower than no "
-                        "speculation (docs/benchmarks.md)", profile.id, profile.speculative)
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key

@@ -2,6 +2,10 @@
 padded to a bucket of batch sizes and static input buffers, captured in one CUDA graph per
 (batch bucket, cache-length bucket) on GPUs, optionally compiled first. Each takes the rows'
 last tokens and positions and returns their logits; everything else stays in the engine.
+
+The static decoder also runs speculation's verify step (`forward.verify_step`: a row's last token
+and its draft tokens) over rows padded to a batch bucket and a width bucket, captured per (batch,
+width, cache length) like the decode step: a speculating step on a GPU replays a graph too.
 """
 
 import logging
@@ -21,6 +25,7 @@ class CaptureFailed(RuntimeError):
 
 EAGER_KV_ROUND = 32  # eager steps attend over cache columns rounded up to this
 MIN_KV_BUCKET = 128  # static steps attend over a power of two of at least this many columns
+WIDTH_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # verify steps score a power of two of tokens a row (a row's token + its drafts)
 
 
 def batch_buckets(slots: int) -> list[int]:
@@ -46,6 +51,7 @@ class EagerDecoder:
 
     name = "eager"
     graph_bytes = 0
+    verifies = False  # speculation's verify step runs as the runner's padded forward
 
     def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor,
                  step: Callable = forward.decode_step):
@@ -65,14 +71,17 @@ class StaticDecoder:
     graph at first use and replayed after."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int, *,
-                 capture: bool, step: Callable = forward.decode_step):
+                 capture: bool, step: Callable = forward.decode_step, verifies: bool = True):
         self.model, self.cache, self.rope_offsets, self.step, self.capture = model, cache, rope_offsets, step, capture
+        self.verifies = verifies  # runs the verify step too (not a tensor-parallel model's: its ranks run each forward)
         self.name = "cuda-graphs" if capture else "static"
         self.batch_sizes, self.kv_sizes = batch_buckets(slots), kv_buckets(cache.max_len)
         device = cache.device
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
         self.staging = torch.zeros(2, slots, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.wide: torch.Tensor | None = None  # the verify step's tokens, positions, write positions [3, slots, W]
+        self.wide_staging: torch.Tensor | None = None
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, [width,] kv)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_s = 0.0
         self.graph_bytes = 0  # device memory the captured graphs' pool took
@@ -84,17 +93,47 @@ class StaticDecoder:
         self.staging[0, n:batch] = 0
         self.staging[1, n:batch] = self.cache.scratch_position
         self.inputs[:, :batch].copy_(self.staging[:, :batch], non_blocking=True)
+        return self._replay((batch, kv_len), lambda: self._run(batch, kv_len))[:n]
+
+    def verify(self, rows: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Each row's tokens (its last token, then its drafts) from its position in `starts`: their
+        logits [rows, width, V] (a shorter row's padding at the end of its own)."""
+        n, width = len(rows), bucket(list(WIDTH_BUCKETS), max(len(tokens) for tokens in rows))
+        batch = bucket(self.batch_sizes, n)
+        kv_len = bucket(self.kv_sizes, min(max(s + len(t) for t, s in zip(rows, starts)), self.cache.max_len))
+        if self.wide is None or self.wide.shape[2] < width:
+            slots = self.inputs.shape[1]
+            self.wide = torch.zeros(3, slots, width, dtype=torch.long, device=self.cache.device)
+            self.wide_staging = torch.zeros(3, slots, width, dtype=torch.long, pin_memory=self.capture)
+            self.graphs = {key: graph for key, graph in self.graphs.items() if len(key) == 2}  # read the old buffer
+        staging, scratch = self.wide_staging[:, :batch, :width], self.cache.scratch_position
+        staging[0].zero_()
+        staging[1:].fill_(scratch)
+        for i, (tokens, start) in enumerate(zip(rows, starts)):
+            staging[0, i, : len(tokens)] = torch.tensor(tokens)
+            staging[1, i] = torch.arange(start, start + width).clamp(max=self.cache.max_len - 1)
+            staging[2, i, : len(tokens)] = staging[1, i, : len(tokens)]
+        self.wide[:, :batch, :width].copy_(staging, non_blocking=True)
+        return self._replay((batch, width, kv_len), lambda: self._run_verify(batch, width, kv_len))[:n]
+
+    def _replay(self, key: tuple[int, ...], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         if not self.capture:
-            return self._run(batch, kv_len)[:n]
-        graph = self.graphs.get((batch, kv_len)) or self._capture(batch, kv_len)
+            return run()
+        graph = self.graphs.get(key) or self._capture(key, run)
         graph[0].replay()
-        return graph[1][:n]
+        return graph[1]
 
     def _run(self, batch: int, kv_len: int) -> torch.Tensor:
         return self.step(self.model, self.cache, self.inputs[0, :batch], self.inputs[1, :batch],
                          self.rope_offsets[:batch], kv_len)
 
-    def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _run_verify(self, batch: int, width: int, kv_len: int) -> torch.Tensor:
+        tokens, positions, write_pos = self.wide[:, :batch, :width]
+        return forward.verify_step(self.model, self.cache, tokens, positions, write_pos, self.rope_offsets[:batch],
+                                   kv_len)
+
+    def _capture(self, key: tuple[int, ...], run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph,
+                                                                                       torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
         with the same values as the replay that follows, so they change nothing there; they do
         move linear-attention states on, which are put back before the replay."""
@@ -106,23 +145,26 @@ class StaticDecoder:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._run(batch, kv_len)
+                    run()
             torch.cuda.current_stream().wait_stream(side)
             _put_back(states, saved)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._run(batch, kv_len)
+                out = run()
         except Exception as exc:
             torch.cuda.synchronize()
             _put_back(states, saved)
             raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
-        self.graphs[(batch, kv_len)] = (graph, out)
+        self.graphs[key] = (graph, out)
         elapsed = time.perf_counter() - started
         self.capture_s += elapsed
         self.graph_bytes += max(torch.cuda.memory_reserved() - reserved, 0)
-        log.info("captured the decode step for %d rows x %d cache columns in %.0f ms (%d graphs, %.1f s and %d MiB "
-                 "in all)", batch, kv_len, elapsed * 1000, len(self.graphs), self.capture_s, self.graph_bytes >> 20)
-        return self.graphs[(batch, kv_len)]
+        shape = " x ".join(f"{size} {what}" for size, what in
+                           zip(key, ("rows", "tokens", "cache columns") if len(key) == 3 else ("rows", "cache columns")))
+        log.info("captured the %s step for %s in %.0f ms (%d graphs, %.1f s and %d MiB in all)",
+                 "verify" if len(key) == 3 else "decode", shape, elapsed * 1000, len(self.graphs), self.capture_s,
+                 self.graph_bytes >> 20)
+        return self.graphs[key]
 
 
 def _put_back(states: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
@@ -144,8 +186,8 @@ def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: tor
     never compiled or captured."""
     cuda = cache.device.type == "cuda"
     if fixed_step is not None:
-        return StaticDecoder(model, cache, rope_offsets, slots, capture=False, step=fixed_step) if cuda else \
-            EagerDecoder(model, cache, rope_offsets, fixed_step)
+        return StaticDecoder(model, cache, rope_offsets, slots, capture=False, step=fixed_step, verifies=False) \
+            if cuda else EagerDecoder(model, cache, rope_offsets, fixed_step)
     if mode == "auto":
         mode = "graphs" if cuda else "eager"
     step = compiled_step() if mode == "compiled" else forward.decode_step

@@ -1,7 +1,7 @@
 """The model's forward over the paged cache, as small pure functions (gpt-fast's manner).
 
 `decode_step` is the fixed-shape step: one token for each of B rows, B and `kv_len` fixed by the
-caller's buckets, every input a tensor, the attention masks built on the device from the rows'
+caller's buckets (`verify_step`, W tokens a row: a speculating row's last token and its drafts), every input a tensor, the attention masks built on the device from the rows'
 positions (one per layer kind the model has). It has no host sync and no data-dependent Python,
 so it runs eagerly, compiles with `torch.compile(fullgraph=True)` and is captured in a CUDA graph
 (node_agent/model/decoders.py) unchanged. Prefill uses `forward` with chunks of any width, of token ids
@@ -92,3 +92,14 @@ def decode_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor,
     hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len,
                      rope_positions=positions + rope_offsets[:, None], decode=True)
     return logits(model, hidden[:, -1])
+
+
+def verify_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
+                write_pos: torch.Tensor, rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """W tokens for each of rows 0..B-1 (a row's last token, then its draft tokens): `tokens`,
+    `positions` and `write_pos` are [B, W] (a row with fewer drafts, and a padding row, write their
+    padding at the scratch position), `rope_offsets` [B]; each token sees the positions up to its
+    own. Returns logits [B, W, V]."""
+    hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens, positions, write_pos, kv_len,
+                     rope_positions=positions + rope_offsets[:, None])
+    return logits(model, hidden)

@@ -11,7 +11,8 @@ finished their prompt: rows 0..k-1) with one call and one device->host copy of t
 A step where some decoding row speculates (`DecodeRow.draft`) scores each such row's last token
 and draft tokens as decode tokens of the packed forward, one after the other on the row's blocks
 (each sees the positions up to its own: the decode kernel, one query a token), or, where the model
-does not pack, in one padded forward over the decoding rows; it runs eagerly, whatever the decoder.
+does not pack, in one padded forward over the decoding rows: the static decoder's verify step
+(captured in CUDA graphs on a GPU), else eagerly.
 Its rows keep the draft tokens the model accepts (node_agent/model/acceptance.py).
 """
 
@@ -156,11 +157,19 @@ class Runner:
     def _verify(self, rows: list[DecodeRow]) -> torch.Tensor:
         """The decoding rows' last tokens and draft tokens in one forward (rows 0.., right-padded to
         the widest); returns the logits of all their positions, row after row."""
+        index = [(i, j) for i, d in enumerate(rows) for j in range(d.width)]
+        picked = [i for i, _ in index], [j for _, j in index]
+        if self.decoder.verifies:
+            try:
+                return self.decoder.verify([[d.token, *d.draft] for d in rows], [d.position for d in rows])[picked]
+            except decoders.CaptureFailed as exc:
+                log.warning("%s: the verify step cannot be captured (%s); verifying eagerly from now on",
+                            self.profile.id, exc)
+                self.decoder.verifies = False
         input_ids, positions, write_pos, kv_len = self._padded([([d.token, *d.draft], d.position) for d in rows])
         rope = positions + self.rope_offsets[: len(rows), None]
         hidden = self.calls.forward(slice(0, len(rows)), input_ids, positions, write_pos, kv_len, rope_positions=rope)
-        index = [(i, j) for i, d in enumerate(rows) for j in range(d.width)]
-        return self.calls.logits(hidden[[i for i, _ in index], [j for _, j in index]])
+        return self.calls.logits(hidden[picked])
 
     def _padded(self, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A forward's inputs for rows of (tokens, first position), right-padded to the widest: token

@@ -59,3 +59,18 @@ def test_prefix_hits_and_preemption_under_graphs_match_full_forward_greedy(gpu_t
         ids = prompts.prompt_ids(lm.tokenizer, profile, req)
         expected = full_forward_greedy(lm, ids, req.sampling.max_tokens)
         assert first[req.job].token_ids[0] == expected and again[req.job + "-again"].token_ids[0] == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_speculation_verifies_drafts_in_captured_graphs(gpu_tiny_dirs, arch):
+    """A step with draft tokens replays a captured verify step (rows x width x cache columns) and
+    keeps the greedy output of the engine without speculation."""
+    profile, lm = load(gpu_tiny_dirs[arch], decode="graphs")
+    repeated = request("repeated", "one two three four " * 8, kind="completion", temperature=0, max_tokens=24,
+                       ignore_eos=True)
+    plain = run(Engine(lm, profile), *requests(), repeated)
+    engine = Engine(lm, profile.model_copy(update={"speculative": "ngram", "num_speculative_tokens": 4,
+                                                   "speculative_max_batch": profile.slots}))
+    fast = run(engine, *requests(), repeated)
+    assert {j: r.token_ids for j, r in fast.items()} == {j: r.token_ids for j, r in plain.items()}
+    assert engine.spec_stats().drafts > 0 and any(len(key) == 3 for key in engine.decoder.graphs)

@@ -13,6 +13,8 @@ import torch
 from node_agent.engine.engine import Engine
 from node_agent.engine.speculation import SEPARATOR, DraftLength, NgramIndex, RecentOutputs
 from node_agent.model import loader
+from node_agent.model.decoders import StaticDecoder
+from node_agent.model.model_calls import ModelCalls
 from tests import tiny_models
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import request, run
@@ -180,3 +182,21 @@ def test_sampled_output_follows_the_model_distribution(tmp_path, smol_tokenizer)
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted) if e > 0)
     assert len(big) > 20  # the test has cells enough to notice a skew
     assert statistic < chi_square_limit(len(observed) - 1), (statistic, len(observed))
+
+
+def test_the_static_decoders_verify_step_scores_drafts_as_the_padded_forward_does(scripted, monkeypatch):
+    """Where a model does not pack decode rows with prefill chunks (a GPU's), drafts are scored by
+    the static decoder's verify step (captured in CUDA graphs on a GPU): rows padded to a batch and
+    a width bucket. Greedy and sampled tokens equal the eager padded forward's."""
+    monkeypatch.setattr(ModelCalls, "packs", property(lambda self: False))
+    profile, lm, prompt = scripted
+    jobs = [request(f"j{i}", prompt, kind="completion", temperature=t, seed=i, max_tokens=30)
+            for i, t in enumerate((0, 0, 0.8))]
+    eager = Engine(lm, speculative(profile.model_copy(update={"decode": "eager"})))
+    static = Engine(lm, speculative(profile.model_copy(update={"decode": "static"})))
+    verified, verify = [], StaticDecoder.verify
+    monkeypatch.setattr(StaticDecoder, "verify", lambda self, rows, starts: verified.append(rows) or verify(
+        self, rows, starts))
+    assert {j: r.token_ids for j, r in run(static, *jobs).items()} == \
+        {j: r.token_ids for j, r in run(eager, *jobs).items()}
+    assert verified and static.spec_stats().accepted_tokens > 0
