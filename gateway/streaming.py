@@ -15,13 +15,12 @@ from typing import TypeVar
 import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import job_queue, sse
 from gateway.disconnect import ClientDisconnected, unless_disconnected
 from gateway.errors import error_body
-from gateway.gather import Gathered, gather_choices
 from gateway.jobs import Job
 from shared.errors import CortexError
 
@@ -54,17 +53,6 @@ async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel
     if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
         body = job_queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)), queue_notice)
     return JobStreamResponse(job, body, {job_queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}), media_type)
-
-
-async def whole_or_streamed(request: Request, job: Job, stream: bool, chunks: Callable[[], AsyncIterator[BaseModel]],
-                            whole: Callable[[Gathered], BaseModel], n: int = 1) -> Response:
-    """The job's answer as its client asked: streamed (`chunks()`, see `stream_job`), or its `n`
-    choices gathered and rendered by `whole` as one JSON body."""
-    if stream:
-        return await stream_job(request, job, chunks())
-    async with job:
-        gathered = await unless_disconnected(request, gather_choices(job.final_events(), n))
-    return JSONResponse(whole(gathered).model_dump(mode="json"))
 
 
 async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:

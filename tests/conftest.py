@@ -6,6 +6,8 @@
   conftest next to your tests to configure the gateway (e.g. `CORTEX_MODELS_FILE`).
 - `gateway_url` (function): `python -m gateway` on a free port against `redis_url`; yields
   its base URL (`http://127.0.0.1:P`) once `/health` answers 200.
+- `wait_until(ready, timeout_s, what)` / `await eventually(predicate, timeout_s, what)`: wait on a
+  condition (the second from a coroutine; its predicate may be async), never for a fixed time.
 - `spans` (function): tracing on in this process (shared/tracing.py), every span kept in memory;
   yields the OpenTelemetry SDK's in-memory exporter.
 
@@ -13,6 +15,8 @@ Process fixtures for other parts (a node agent, say) belong next to these and ca
 `free_port`, `wait_until` and `Service`.
 """
 
+import asyncio
+import inspect
 import os
 import shutil
 import sys
@@ -44,6 +48,19 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive:
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{what} not ready after {timeout_s:g}s")
+
+
+async def eventually(predicate: Callable[[], object], timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Until `predicate()` (or what it awaits to) is true; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not await _value(predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not so after {timeout_s:g}s")
+        await asyncio.sleep(0.01)
+
+
+async def _value(result: object) -> object:
+    return await result if inspect.isawaitable(result) else result
 
 
 class Service:

@@ -16,6 +16,7 @@ from node_agent.serving.agent import NodeAgent
 from shared.lifecycle import ModelState
 from shared.processes import free_port
 from shared.settings import GatewaySettings, NodeSettings
+from tests.conftest import eventually
 
 MAX_TOKENS = 6
 
@@ -34,9 +35,8 @@ async def fleet(redis_url, tiny_dirs, tmp_path):
                                            host="127.0.0.1", port=port, log_level="warning"))
     gateway = asyncio.create_task(server.serve())
     try:
-        async with asyncio.timeout(120):
-            while not (server.started and (served := agent.models.get("tiny")) and served.state == ModelState.READY):
-                await asyncio.sleep(0.05)
+        await eventually(lambda: server.started and (m := agent.models.get("tiny")) is not None
+                         and m.state == ModelState.READY, 120, "the gateway started and tiny ready")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
@@ -47,9 +47,7 @@ async def fleet(redis_url, tiny_dirs, tmp_path):
 
 async def finished(spans, names: set[str]) -> dict:
     """The finished spans by name, once all of `names` are there (the node's come when its job ends)."""
-    async with asyncio.timeout(30):
-        while not names <= {span.name for span in spans.get_finished_spans()}:
-            await asyncio.sleep(0.02)
+    await eventually(lambda: names <= {span.name for span in spans.get_finished_spans()}, 30, f"the spans {names}")
     got = spans.get_finished_spans()
     assert sorted(span.name for span in got) == sorted(names)  # each once, nothing else
     return {span.name: span for span in got}

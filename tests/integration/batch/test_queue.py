@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tests.integration.batch.conftest import MODEL, chat_line
-from tests.integration.batch.test_batches import submit_batch, wait_status
+from tests.integration.batch.test_batches import submit_batch, wait_completed_at_least, wait_status
+from tests.stack import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +28,11 @@ def test_waiting_stream_sees_its_position_count_down(batch_stack):
     for thread in blockers:
         thread.start()
         time.sleep(0.02)
-    time.sleep(0.3)
-    queue = httpx.get(f"{base}/v1/queue").json()["data"]
-    tiny = next(q for q in queue if q["model"] == MODEL)
-    assert tiny["running"] >= 1 and tiny["replicas"] == 1
+
+    def tiny_queue() -> dict:
+        return next(q for q in httpx.get(f"{base}/v1/queue").json()["data"] if q["model"] == MODEL)
+    wait_for(lambda: tiny_queue()["running"] >= 1, 10, "the blockers running")
+    assert tiny_queue()["replicas"] == 1
     positions, first_data = [], None
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
@@ -66,8 +68,7 @@ def test_interactive_ttft_idle_and_during_a_200_line_batch(client, batch_stack):
     idle = [ttft_s(base, f"Question {i}?") for i in range(20)]
     batch_id = submit_batch(client, [chat_line(f"t-{i}", f"Batch item {i}.", max_tokens=64, ignore_eos=True)
                                      for i in range(200)])
-    while client.batches.retrieve(batch_id).request_counts.completed < 5:
-        time.sleep(0.1)
+    wait_completed_at_least(client, batch_id, 5)
     busy = []
     for i in range(20):
         busy.append(ttft_s(base, f"Question {i}?"))

@@ -80,7 +80,7 @@ def test_drain_under_traffic_fails_nothing(fleet_stack):
     fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     outcomes, threads = run_requests(fleet_stack, 24, max_tokens=60, spacing_s=0.1)
-    time.sleep(0.8)
+    wait_for(lambda: fleet_stack.models_on("n1")["tiny-a"]["slots_used"] > 0, 10, "n1 under traffic")
     drained = subprocess.run([sys.executable, "-m", "gateway.cli", "drain", "n1"], env=fleet_stack.env,
                              capture_output=True, text=True, timeout=60)
     assert drained.returncode == 0, drained.stderr
@@ -98,9 +98,18 @@ def test_metrics_count_what_was_served(fleet_stack):
     fleet_stack.start_gateway()
     fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     for i in range(5):
-        client(fleet_stack).completions.create(model="tiny-a", prompt="Hi", max_tokens=3, stream=i % 2 == 0)
-    time.sleep(2.5)  # fleet gauges refresh every 2 s
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{fleet_stack.gateway_url}/metrics").text)}
+        answer = client(fleet_stack).completions.create(model="tiny-a", prompt="Hi", max_tokens=3, stream=i % 2 == 0)
+        if i % 2 == 0:
+            list(answer)  # to its end: a request counts at its done event, which nobody reads once its client left
+
+    def metrics() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{fleet_stack.gateway_url}/metrics").text)}
+
+    def prefix_cache_queries() -> float:
+        family = metrics().get("vllm:prefix_cache_queries")
+        return sum(s.value for s in family.samples) if family else 0
+    wait_for(lambda: prefix_cache_queries() > 0, 10, "the fleet gauges (refreshed every 2 s) to count the node's prompts")
+    families = metrics()
     ttft_count = sum(s.value for s in families["cortex:time_to_first_token_seconds"].samples
                      if s.name.endswith("_count"))
     assert ttft_count == 5

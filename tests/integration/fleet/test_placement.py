@@ -18,6 +18,13 @@ def ask(stack, model: str, **kw):
     return client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, **kw)
 
 
+def use(stack, model: str) -> None:
+    """Ask `model`, then wait for n1's heartbeat to say so: placement sees use through heartbeats."""
+    since_ms = int(time.time() * 1000)
+    ask(stack, model)
+    wait_for(lambda: stack.models_on("n1")[model]["last_used_ms"] >= since_ms, 10, f"n1's heartbeat to say {model} was used")
+
+
 def admin(stack, path: str) -> httpx.Response:
     return httpx.post(f"{stack.gateway_url}/admin/{path}", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
 
@@ -31,14 +38,12 @@ def test_cold_load_lru_eviction_pins_and_capacity(fleet_stack):
     assert ask(fleet_stack, "tiny-a").choices  # cold load on first use
     assert ask(fleet_stack, "tiny-b").choices
     assert set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-b"}
-    ask(fleet_stack, "tiny-a")  # tiny-b is now the least recently used
-    time.sleep(1.2)  # placement sees use through heartbeats (every 0.5 s here)
+    use(fleet_stack, "tiny-a")  # tiny-b is now the least recently used
     assert ask(fleet_stack, "tiny-c").choices
     wait_for(lambda: set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-c"}, 10, "tiny-b evicted")
 
     assert admin(fleet_stack, "models/tiny-a/pin").status_code == 200
-    ask(fleet_stack, "tiny-c")  # tiny-a is now LRU, but pinned
-    time.sleep(1.2)
+    use(fleet_stack, "tiny-c")  # tiny-a is now LRU, but pinned
     assert ask(fleet_stack, "tiny-b").choices
     wait_for(lambda: set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-b"}, 10, "tiny-c evicted, not tiny-a")
 

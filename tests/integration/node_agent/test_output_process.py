@@ -13,6 +13,7 @@ from node_agent.serving.agent import NodeAgent
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 from shared.wire import GenerationRequest, SamplingParams, StreamEntry, pack, unpack_event
+from tests.conftest import eventually
 
 
 async def submit(r: aioredis.Redis, keys, job: str, max_tokens: int):
@@ -46,9 +47,9 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
     running = asyncio.create_task(agent.run())
     r = aioredis.Redis.from_url(redis_url)
     try:
-        async with asyncio.timeout(60):
-            while not (served := agent.models.get("tiny")) or served.state != ModelState.READY:
-                await asyncio.sleep(0.05)
+        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60,
+                         "tiny ready")
+        served = agent.models["tiny"]
         first = served.output.link.process
         assert not any(redis_url in str(arg) for arg in first.args)  # `ps` shows it: no Redis URL (password) there
         in_flight = await submit(r, agent.keys, "in-flight", 480)
@@ -58,9 +59,8 @@ async def test_a_dead_output_process_fails_jobs_in_flight_and_the_model_comes_ba
         events = started + await events_of(in_flight)
         assert events[-1].type == "error" and events[-1].code == "model_poisoned", events[-1]
         assert "output process" in events[-1].message and "-9" in events[-1].message
-        async with asyncio.timeout(60):
-            while served.state != ModelState.READY or served.output.link is None or served.output.link.process is first:
-                await asyncio.sleep(0.05)
+        await eventually(lambda: served.state == ModelState.READY and served.output.link is not None
+                         and served.output.link.process is not first, 60, "tiny back with a new output process")
         later = await events_of(await submit(r, agent.keys, "later", 8))  # served by the new output process
         assert [e.type for e in later][-1] == "done" and later[-1].usage.completion_tokens == 8
         assert first.returncode == -signal.SIGKILL  # reaped, not left a zombie

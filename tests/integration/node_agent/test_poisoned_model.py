@@ -12,6 +12,7 @@ from node_agent.serving.agent import NodeAgent
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 from shared.wire import GenerationRequest, SamplingParams, StreamEntry, pack, unpack_event
+from tests.conftest import eventually
 
 
 async def ask(r: aioredis.Redis, keys, model: str, job: str) -> list:
@@ -33,12 +34,6 @@ async def ask(r: aioredis.Redis, keys, model: str, job: str) -> list:
     return events
 
 
-async def wait_state(served, state: ModelState) -> None:
-    async with asyncio.timeout(60):
-        while served.state != state:
-            await asyncio.sleep(0.05)
-
-
 async def test_device_error_poisons_then_reloads(redis_url, tiny_dirs, tmp_path):
     folder = tiny_dirs["llama"]
     (tmp_path / "models.toml").write_text(
@@ -49,9 +44,9 @@ async def test_device_error_poisons_then_reloads(redis_url, tiny_dirs, tmp_path)
     running = asyncio.create_task(agent.run())
     served = None
     try:
-        async with asyncio.timeout(60):
-            while not (served := agent.models.get("tiny")) or served.state != ModelState.READY:
-                await asyncio.sleep(0.05)
+        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60,
+                         "tiny ready")
+        served = agent.models["tiny"]
         r = aioredis.Redis.from_url(redis_url)
         assert (await ask(r, agent.keys, "tiny", "ok1"))[-1].type == "done"
 
@@ -72,7 +67,7 @@ async def test_device_error_poisons_then_reloads(redis_url, tiny_dirs, tmp_path)
         events = await ask(r, agent.keys, "tiny", "bad")
         assert events[-1].type == "error" and events[-1].code == "model_poisoned"
         assert "out of memory" in events[-1].message
-        await wait_state(served, ModelState.READY)
+        await eventually(lambda: served.state == ModelState.READY, 60, "tiny reloaded")
         assert (await ask(r, agent.keys, "tiny", "ok3"))[-1].type == "done"
         assert (await r.xpending(agent.keys.jobs("tiny"), "agents"))["pending"] == 0
         await r.aclose()

@@ -20,6 +20,7 @@ from shared.keys import Keys
 from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 from shared.wire import GenerationRequest, SamplingParams, StreamEntry, pack, unpack_event
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -52,12 +53,6 @@ async def running_agent(redis_url, **settings):
     finally:
         agent.stop()
         await asyncio.wait_for(task, 60)
-
-
-async def until(condition, timeout_s: float = 60) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
 
 
 async def enqueue(r: aioredis.Redis, stream: str, reply: str, job: str) -> None:
@@ -97,7 +92,7 @@ async def test_a_failed_load_fails_only_the_jobs_routed_to_its_node(redis_url, t
     for job, stream in jobs.items():
         await enqueue(r, stream, keys.events(job), job)
     async with running_agent(redis_url, **catalogue(tmp_path, "bad", tmp_path / "no-such-model")) as bad:
-        await until(lambda: (m := bad.models.get("tiny")) is not None and m.state == ModelState.FAILED)
+        await eventually(lambda: (m := bad.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60)
         assert bad.models["tiny"].replica.error
         async with asyncio.timeout(10):
             while (message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)) is None:
@@ -117,10 +112,10 @@ async def test_groups_that_cannot_be_made_fail_the_load_and_free_the_engine(redi
         raise RedisConnectionError("Redis is restarting")
     monkeypatch.setattr(JobReader, "ensure_groups", redis_away)
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.FAILED)
+        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60)
         served = agent.models["tiny"]
         assert "Redis is restarting" in served.replica.error
-        await until(lambda: served.engine is None and served.output.link is None)
+        await eventually(lambda: served.engine is None and served.output.link is None, 60)
 
 
 def blocking_start(monkeypatch) -> tuple[threading.Event, list[int]]:
@@ -139,12 +134,12 @@ def blocking_start(monkeypatch) -> tuple[threading.Event, list[int]]:
 async def test_a_fault_while_loading_starts_no_second_load(redis_url, tiny_dirs, tmp_path, monkeypatch):
     release, started = blocking_start(monkeypatch)
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await until(lambda: started)
+        await eventually(lambda: started, 60)
         served = agent.models["tiny"]
         served.output.on_exit("the output process of tiny exited (code -9)")
         assert served.state == ModelState.LOADING
         release.set()
-        await until(lambda: served.state == ModelState.READY)
+        await eventually(lambda: served.state == ModelState.READY, 60)
         assert len(started) == 1
 
 
@@ -153,29 +148,29 @@ async def test_a_load_past_its_bound_is_given_up_and_what_it_built_is_freed(redi
     release, started = blocking_start(monkeypatch)
     async with running_agent(redis_url, replica_stuck_s=0.5, failed_backoff_s=3600,
                              **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await until(lambda: started)
+        await eventually(lambda: started, 60)
         served = agent.models["tiny"]
-        await until(lambda: served.state == ModelState.FAILED)
+        await eventually(lambda: served.state == ModelState.FAILED, 60)
         heartbeat = await agent.redis.hget(agent.keys.node("n1"), "models")
         assert b"failed" in heartbeat  # the fleet sees it: nothing counts it as serving
         release.set()
-        await until(lambda: served.engine is None and served.output.link is None)
+        await eventually(lambda: served.engine is None and served.output.link is None, 60)
         assert served.state == ModelState.FAILED
 
 
 async def test_a_poisoned_replica_that_cannot_be_freed_fails_and_is_forgotten_after_its_back_off(
         redis_url, tiny_dirs, tmp_path, monkeypatch):
     async with running_agent(redis_url, failed_backoff_s=1.0, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY)
+        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60)
         served = agent.models["tiny"]
 
         def sticky_fault():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         monkeypatch.setattr(served.engine, "free", sticky_fault)
         served.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
-        await until(lambda: served.state == ModelState.FAILED)
+        await eventually(lambda: served.state == ModelState.FAILED, 60)
         assert "freeing it failed" in served.replica.error
-        await until(lambda: "tiny" not in agent.models, timeout_s=10)  # then placement may try it here again
+        await eventually(lambda: "tiny" not in agent.models, 10)  # then placement may try it here again
 
 
 async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_comes_back(redis_url, tiny_dirs, tmp_path):
@@ -184,7 +179,7 @@ async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_come
     r = aioredis.Redis.from_url(redis_url)
     keys = Keys()
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await until(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY)
+        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60)
         served = agent.models["tiny"]
 
         def broken(feedback):
@@ -193,9 +188,9 @@ async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_come
         pubsub = await subscribed(r, keys, ["first"])
         await enqueue(r, keys.jobs("tiny"), keys.events("first"), "first")
         await last_events(pubsub, 1)
-        await until(lambda: served.state == ModelState.POISONED)
+        await eventually(lambda: served.state == ModelState.POISONED, 60)
         assert "handling its feedback failed (KeyError" in served.replica.error
-        await until(lambda: served.state == ModelState.READY)
+        await eventually(lambda: served.state == ModelState.READY, 60)
         assert served.ledger.used_slots == 0
         pubsub = await subscribed(r, keys, ["second"])
         await enqueue(r, keys.jobs("tiny"), keys.events("second"), "second")

@@ -10,6 +10,7 @@ from gateway.events import EventRouter
 from shared.errors import BrokerUnavailable, GenerationFailed
 from shared.keys import CONSUMER_GROUP
 from shared.wire import DeltaEvent, pack_event
+from tests.conftest import eventually
 from tests.unit.gateway.conftest import delta, done
 
 
@@ -48,12 +49,15 @@ async def test_routes_each_channel_to_its_queue(router, redis):
     assert router.in_flight == 2
 
 
+async def listeners(redis, channel: str, count: int) -> bool:
+    return await redis.pubsub_numsub(channel) == [(channel.encode(), count)]
+
+
 async def test_unsubscribe(router, redis):
     queue = await router.subscribe("cortex:events:a")
     await router.unsubscribe("cortex:events:a", queue)
     await router.unsubscribe("cortex:events:a", queue)  # twice is fine
-    await asyncio.sleep(0.05)
-    assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 0)]
+    await eventually(lambda: listeners(redis, "cortex:events:a", 0), 2, "the channel unsubscribed")
     assert router.in_flight == 0
 
 
@@ -69,8 +73,7 @@ async def test_several_listeners_of_one_job_each_hear_it_and_the_last_unsubscrib
     assert (await asyncio.wait_for(second.get(), 1)).choices[0].text == "still"
     assert first.empty()
     await router.unsubscribe("cortex:events:a", second)
-    await asyncio.sleep(0.05)
-    assert await redis.pubsub_numsub("cortex:events:a") == [(b"cortex:events:a", 0)]
+    await eventually(lambda: listeners(redis, "cortex:events:a", 0), 2, "the channel unsubscribed")
 
 
 async def test_unreadable_event_fails_the_job_clearly(router, redis):
@@ -100,9 +103,7 @@ async def test_redis_going_away_fails_in_flight_jobs_then_recovers(fast_checks, 
     with pytest.raises(BrokerUnavailable):
         await router.subscribe("cortex:events:b")
     fake_server.connected = True
-    async with asyncio.timeout(5):
-        while not router.connected:
-            await asyncio.sleep(0.02)
+    await eventually(lambda: router.connected, 5, "the router reconnected")
     assert len(router.connects) == 2  # the on-connect hook ran again (catalogue rewritten)
     queue = await router.subscribe("cortex:events:c")
     await redis.publish("cortex:events:c", pack_event(delta("back")))
@@ -129,12 +130,6 @@ async def queued_job(router, redis, channel: str, *, read: bool = False) -> asyn
     return queue
 
 
-async def reconnected(router) -> None:
-    async with asyncio.timeout(5):
-        while not router.connected:
-            await asyncio.sleep(0.02)
-
-
 async def test_a_queued_job_waits_for_redis_and_is_served_when_its_entry_is_still_there(fast_checks, router,
                                                                                           fake_server, redis):
     waiting = await queued_job(router, redis, "cortex:events:w")
@@ -147,8 +142,7 @@ async def test_a_queued_job_waits_for_redis_and_is_served_when_its_entry_is_stil
     await asyncio.sleep(0.2)
     assert waiting.empty()  # the queued one waits
     fake_server.connected = True
-    await reconnected(router)
-    await asyncio.sleep(0.1)
+    await eventually(lambda: router.connected and not router.queued._checks, 5, "the queued job checked again")
     await redis.publish("cortex:events:w", pack_event(delta("served")))
     assert (await asyncio.wait_for(waiting.get(), 1)).choices[0].text == "served"
 
@@ -163,7 +157,7 @@ async def test_a_queued_job_whose_entry_was_lost_or_read_meanwhile_fails(fast_ch
     fake_server.connected = False
     await asyncio.sleep(0.3)
     fake_server.connected = True
-    await reconnected(router)
+    await eventually(lambda: router.connected, 5, "the router reconnected")
     for queue in (lost, read, read_late):  # read 0.3 s before the router listened again: its events may be lost
         item = await asyncio.wait_for(queue.get(), 2)
         assert isinstance(item, BrokerUnavailable) and "lost or read while Redis restarted" in item.message

@@ -104,13 +104,16 @@ async def test_cancelled_consumer_still_cleans_up(ctx, redis):
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
     await node_reads(redis, job)
 
+    reading = asyncio.Event()
+
     async def consume():
         async with job:
+            reading.set()  # the test runs again once this task waits for the job's first event
             async for _ in job.events():
                 pass
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.02)
+    await reading.wait()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert (await listener.get_message(timeout=1))["data"] == job.id.encode()

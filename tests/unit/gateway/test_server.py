@@ -5,7 +5,6 @@ import json
 import shutil
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import redis
 from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID, DEFAULT_MODEL_ID
 from shared.keys import Keys
 from shared.processes import free_port, redis_answers
-from tests.conftest import Service, _http_ok
+from tests.conftest import Service, _http_ok, wait_until
 from tests.stack import beat
 
 pytestmark = pytest.mark.integration
@@ -55,11 +54,12 @@ def test_a_redis_that_restarts_empty_fails_queued_requests_cleanly_then_recovers
     base = f"http://127.0.0.1:{gateway_port}"
     try:
         gateway.wait_ready(lambda: _http_ok(f"{base}/health"))
-        beat(redis.Redis.from_url(url))
+        client = redis.Redis.from_url(url)
+        beat(client)
         answers = []
         thread = threading.Thread(target=lambda: answers.append(httpx.post(f"{base}/v1/chat/completions", json=HELLO, timeout=10)))
         thread.start()
-        time.sleep(0.3)  # the job is queued; no node answers it
+        wait_until(lambda: client.xlen(KEYS.jobs(DEFAULT_MODEL_ID)) == 1, 5, "the job queued")  # no node answers it
         server.stop()
         assert httpx.get(f"{base}/health", timeout=5).status_code == 503
         thread.join(1)
@@ -71,11 +71,8 @@ def test_a_redis_that_restarts_empty_fails_queued_requests_cleanly_then_recovers
         assert answers and answers[0].status_code == 503, gateway.log_tail()
         assert answers[0].json()["error"]["code"] == "broker_unavailable"
         assert "lost or read while Redis restarted" in answers[0].json()["error"]["message"]
-        client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 5
-        while not client.exists(KEYS.catalog()) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the gateway reconnected and rewrote its catalogue
-        assert client.exists(KEYS.catalog()) and _http_ok(f"{base}/health")
+        wait_until(lambda: client.exists(KEYS.catalog()), 5, "the gateway reconnected and rewrote its catalogue")
+        assert _http_ok(f"{base}/health")
         beat(client)
         response = httpx.post(f"{base}/v1/chat/completions", json=HELLO, timeout=10)
         assert response.status_code == 504  # enqueued again; no node, so it times out, no hang

@@ -10,6 +10,7 @@ import pytest
 
 from shared.api_keys import KeySpec
 from shared.settings import GatewaySettings
+from tests.conftest import eventually
 from tests.unit.gateway.conftest import KEYS, WAIT_FOR_CANCEL, delta, done
 from tests.unit.gateway.routes.test_chat import HELLO, _call_then_disconnect, sse_payloads
 from tests.unit.gateway.routes.test_messages import sse_events
@@ -100,8 +101,7 @@ async def test_a_client_that_leaves_again_after_resuming_gets_a_grace_of_its_own
     await asyncio.gather(resumed, return_exceptions=True)
     await asyncio.sleep(0.15)  # the first departure's grace is over; the second's is not
     assert node.cancelled == [] and sent[0]["status"] == 200
-    await asyncio.sleep(0.3)
-    assert node.cancelled == [job]
+    await eventually(lambda: node.cancelled == [job], 2, "the job cancelled after the second grace")
 
 
 async def test_with_x_cortex_background_a_stream_runs_on_without_its_client(app, node):
@@ -174,14 +174,14 @@ async def test_the_janitor_stores_a_background_response_nobody_polls(client, nod
 async def test_a_background_response_is_cancelled(client, node):
     node.script = lambda entry: [delta("Once"), WAIT_FOR_CANCEL]
     body = (await client.post("/v1/responses", json={"model": "default", "input": "Tell", "background": True})).json()
-    while not node.entries:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+
+    async def answering() -> bool:
+        return (await client.get(f"/v1/responses/{body['id']}")).json()["output"] != []
+    await eventually(answering, 2, "the response's first words")
     cancelled = await client.post(f"/v1/responses/{body['id']}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert cancelled.json()["output"][0]["content"][0]["text"] == "Once"
-    await asyncio.sleep(0.1)
-    assert node.cancelled == [node.entries[0].job]
+    await eventually(lambda: node.cancelled == [node.entries[0].job], 2, "the job cancelled")
     assert (await client.get(f"/v1/responses/{body['id']}")).json()["status"] == "cancelled"
     again = await client.post(f"/v1/responses/{body['id']}/cancel")
     assert again.json()["status"] == "cancelled"
