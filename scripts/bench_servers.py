@@ -148,7 +148,8 @@ def spec_delta(before: dict | None, after: dict | None) -> dict:
     if before is None or after is None:
         return {"drafts": math.nan, "draft_tokens": math.nan, "accepted_tokens": math.nan, "acceptance": math.nan}
     delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
-    return delta | {"acceptance": delta["accepted_tokens"] / delta["draft_tokens"] if delta["draft_tokens"] else math.nan}
+    drafted = delta["draft_tokens"]
+    return delta | {"acceptance": delta["accepted_tokens"] / drafted if drafted else math.nan}
 
 
 def warm_up(served: Served, timeout_s: float, messages: list[dict] | None = None) -> None:
@@ -259,8 +260,8 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         wait_until(f"the model ready on {nodes} node(s)", ready, 300, procs)
         log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
             f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
-            + (f", routing {routing}" if routing else "") + (f", speculative {speculative}" if speculative != "off" else "")
-            + ")")
+            + (f", routing {routing}" if routing else "")
+            + (f", speculative {speculative}" if speculative != "off" else "") + ")")
         # the node counts drafts in its heartbeat, the gateway's /metrics reads heartbeats every REFRESH_S
         settle_s = NodeSettings().heartbeat_s + REFRESH_S + 0.5
         try:
@@ -452,12 +453,13 @@ def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | No
     """The HTTP systems by name, each a factory of its context manager (for `each_served`): Cortex's
     gateway (`kv_cache_mb` on its node) with each speculation setting, its `--nodes` fleets, and the
     peers on `folder`, vLLM with and without its n-gram speculator."""
-    gateways = {speculating("gateway", setting): setting for setting in SPECULATIVE}
-    return {**{name: lambda name=name, setting=setting: cortex_gateway(args, workdir, system=name, kv_cache_mb=kv_cache_mb,
-                                                                       speculative=setting)
-               for name, setting in gateways.items()},
+    def gateway(setting: str):
+        return cortex_gateway(args, workdir, system=speculating("gateway", setting), kv_cache_mb=kv_cache_mb,
+                              speculative=setting)
+
+    vllm_ngram = speculating("vllm-cpu", "ngram")
+    return {**{speculating("gateway", setting): lambda setting=setting: gateway(setting) for setting in SPECULATIVE},
             **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
             "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
-            speculating("vllm-cpu", "ngram"): lambda: vllm_cpu(args, folder, workdir, speculating("vllm-cpu", "ngram"),
-                                                               VLLM_NGRAM),
+            vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
             "tf-serve": lambda: transformers_serve(args, folder, workdir)}

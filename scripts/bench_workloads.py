@@ -119,7 +119,6 @@ def multiturn_run(served: Served, texts, args) -> dict:
         "first_ttft_p50_ms": first_ms, "later_ttft_p50_ms": later_ms,
         "later_over_first": later_ms / first_ms if first_ms else math.nan,
         "ttft_p50_ms_by_turn": by_turn, "wall_s": wall, "tokens": sum(s.tokens for s in ok),
-        "tok_s": sum(s.tokens for s in ok) / wall if wall > 0 else math.nan,
         "longest_prompt_tokens": max((s.prompt_tokens or 0 for s in ok), default=0) or None,
         "later_cached_pct": cached_pct([s for turns in agents for s in turns[1:] if s.error is None]),
         "requests": len(every), "errors": len(every) - len(ok),
@@ -297,20 +296,18 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
     if args.workload == "multiturn":
         columns = [("first-turn TTFT p50 ms", "first_ttft_p50_ms", 0),
                    ("later-turn TTFT p50 ms", "later_ttft_p50_ms", 0),
-                   ("later / first", "later_over_first", 2), ("tok/s", "tok_s", 1), ("wall s", "wall_s", 1),
-                   ("longest prompt", None, 0), ("cached % (later)", "later_cached_pct", 0)]
+                   ("later / first", "later_over_first", 2), ("wall s", "wall_s", 1), ("longest prompt", None, 0),
+                   ("cached % (later)", "later_cached_pct", 0)]
     else:
         columns = [("TTFT p50 ms", "ttft_p50_ms", 0), ("TTFT p95 ms", "ttft_p95_ms", 0),
                    ("aggregate tok/s", "aggregate_tok_s", 1), ("wall s", "wall_s", 1), ("prompt", None, 0),
                    ("cached %", "cached_pct", 0)]
-    if any("acceptance" in r for r in results):  # a speculating gateway ran
-        columns += [("draft tokens", "draft_tokens", 0), ("accepted share", "acceptance", 2)]
     table.add_column("system", no_wrap=True)
     for name, _, _ in columns + [("tokens", None, 0), ("other CPU %", None, 0), ("errors", None, 0)]:
         table.add_column(name, justify="right")
     for r in results:
         prompt = r.get("longest_prompt_tokens", r.get("prompt_tokens"))
-        cells = [str(prompt or "—") if key is None else fmt(r.get(key, math.nan), digits) for _, key, digits in columns]
+        cells = [str(prompt or "—") if key is None else fmt(r[key], digits) for _, key, digits in columns]
         table.add_row(label(NAMES, r["system"]), *cells, str(r["tokens"]), fmt(r["other_cpu_pct"], 0),
                       f"{r['errors']}/{r['requests']}" if r["errors"] else "")
     console.print(table)
@@ -318,6 +315,10 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
         for r in results:
             console.print(f"  {label(NAMES, r['system'])}: TTFT p50 by turn (ms) "
                           + " / ".join(fmt(v, 0) for v in r["ttft_p50_ms_by_turn"]))
+    for r in results:
+        if "acceptance" in r:  # a speculating gateway
+            console.print(f"  {label(NAMES, r['system'])}: {fmt(r['draft_tokens'], 0)} draft tokens checked during the "
+                          f"workload, {fmt(100 * r['acceptance'], 0)}% accepted")
     for r in results:
         if r["system"] in FLEET:
             console.print(f"  {NAMES[r['system']]}: jobs routed "
