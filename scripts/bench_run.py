@@ -400,7 +400,7 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
                          ("per-stream tok/s", "right"), ("aggregate tok/s", "right"), ("ms/step", "right"),
                          ("tokens", "right"), ("wall s", "right"), ("other CPU %", "right"), ("errors", "right")]:
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, no_wrap=col == "system")
     order = {name: i for i, name in enumerate(SYSTEMS)}
     rank = lambda system: (order.get(system.partition(" ")[0], 9), system)  # noqa: E731  (speculating after off)
     last_n = None
