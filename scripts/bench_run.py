@@ -594,7 +594,8 @@ def parse_args(argv=None):
     if set(args.speculative) - set(SPECULATIVE):
         p.error(f"--speculative takes {', '.join(SPECULATIVE)}")
     if set(args.speculative) - {"off"} and (args.url or args.nodes > 1):
-        p.error("--speculative sets the catalogue of the bench's own single-node stack: leave out --url and --nodes")
+        p.error("--speculative ngram or suffix sets the catalogue of the bench's own single-node stack: leave out "
+                "--url and --nodes, or give --speculative off")
     if args.workload in ("streams", "bus"):
         streams_workload(args)
     elif args.workload == "embed":
