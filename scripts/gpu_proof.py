@@ -68,7 +68,8 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
                      "--turns", "2", "--system-tokens", "64", "--user-tokens", "16", "--answer-tokens", "4",
                      "--skip-vllm", "--skip-serve", "--json", str(args.out / "multiturn.json")]
         speculation = [*bench, "--workload", "edit", "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2",
-                       "--max-tokens", "8", "--file-tokens", "64", "--json", str(args.out / "speculation.json")]
+                       "--max-tokens", "8", "--file-tokens", "64", "--skip-gateway", "--skip-vllm",
+                       "--json", str(args.out / "speculation.json")]
         limits = (120, 240, 180, 180)
     else:
         streams = [*bench, "--device", "cuda", "--shape", args.shape, *tokenizer, "--concurrency", "1,8,64,128",
@@ -78,9 +79,11 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
                      # the default 2 GB cache holds ~18,700 tokens of this shape: 16 agents' ~2,600 need ~4.6 GB
                      "--kv-cache-mb", "8192",
                      "--json", str(args.out / "multiturn.json")]
-        # a random model's drafts say nothing of acceptance: this measures what verifying them costs a step
+        # a random model's drafts say nothing of acceptance: this measures what verifying them costs a step,
+        # in the engine alone
         speculation = [*bench, "--workload", "edit", "--device", "cuda", "--shape", args.shape, *tokenizer,
-                       "--concurrency", "1,4,16", "--max-tokens", "128", "--json", str(args.out / "speculation.json")]
+                       "--concurrency", "1,4,16", "--max-tokens", "128", "--skip-gateway",
+                       "--json", str(args.out / "speculation.json")]
         limits = (150, 240, 100, 120)
     return [Stage("tests", tests, limits[0], "tests.log"), Stage("streams", streams, limits[1], "streams.log"),
             Stage("multiturn", multiturn, limits[2], "multiturn.log"),
@@ -220,14 +223,15 @@ def speculation_section(path: Path) -> list[str]:
         return ["No results (see speculation.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     rows = doc["results"]
-    keys = [k for k in ("system", "concurrency", "aggregate_tok_s", "per_stream_tok_s", "step_ms", "draft_tokens",
-                        "acceptance") if rows and k in rows[0]]
+    keys = [k for k in ("system", "speculation", "concurrency", "aggregate_tok_s", "per_stream_tok_s", "step_ms",
+                        "draft_tokens", "acceptance") if rows and k in rows[0]]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r[k], 2) if isinstance(r[k], float) or r[k] is None else str(r[k])
                                        for k in keys) + " |")
     lines += ["", "| aggregate tok/s against speculation off (same run) | N | value |", "|---|--:|--:|"]
-    lines += [f"| {r['system']} | {r['concurrency']} | {fmt(r['vs_off'], 2)} |" for r in doc.get("ratios", [])]
+    lines += [f"| {r['system']}, {r['speculation']} | {r['concurrency']} | {fmt(r['vs_off'], 2)} |"
+              for r in doc.get("ratios", [])]
     return lines
 
 

