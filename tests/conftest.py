@@ -167,8 +167,11 @@ def pytest_addoption(parser):
                           "0: each fault once")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    soak_s = config.getoption("--soak-s")
     for item in items:
+        if soak_s and item.get_closest_marker("timeout") and "test_soak" in item.nodeid:
+            item.add_marker(pytest.mark.timeout(600 + 2 * soak_s), append=False)  # the longer soak's own limit
         path = Path(str(item.fspath)).as_posix()
         tier = next((mark for folder, mark in TIERS.items() if f"/{folder}" in path), None)
         if tier:

@@ -7,7 +7,7 @@ Every request ends, completed or with a clear error, before its deadline; every 
 is the uninterrupted one (greedy), so no text is doubled by a retry; outside the faults' windows
 no request fails; afterwards no entry is pending, no job channel is subscribed, no key that should
 expire lives for ever, and every slot is free. The faults run once in CI (~2 minutes); `pytest
---soak-s 240 --timeout 900 …` repeats them for at least that long."""
+--soak-s 240 …` repeats them for at least that long."""
 
 import json
 import threading
@@ -224,7 +224,7 @@ def fleet(tmp_path, tiny_dirs) -> Fleet:
         stack.stop()
 
 
-@pytest.mark.timeout(600)  # one pass took 242 s on a busy 2-core box (with --soak-s, pass --timeout too)
+@pytest.mark.timeout(600)  # one pass took 242 s on a busy 2-core box (--soak-s adds its own)
 def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, request):
     stack = fleet.stack
     references = [ask(stack.replicas[0], "whole", prompt) for prompt in range(len(PROMPTS))]
