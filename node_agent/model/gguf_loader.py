@@ -49,13 +49,14 @@ def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module
     return model.get_submodule(owner), attr
 
 
-def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor, dtype: torch.dtype) -> None:
+def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor, dtype: torch.dtype,
+           device: torch.device) -> None:
     """Put one tensor where the model holds it: a quantized Linear weight replaces its layer;
     anything else becomes a dense parameter (a quantized layer's bias, a buffer of it)."""
     owner, attr = _module_and_attr(model, name)
     if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.tensor_type.name) != "dense":
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
-        layer = gguf_weights.linear(raw, tensor.tensor_type)
+        layer = gguf_weights.linear(raw, tensor.tensor_type, device)
         if owner.bias is not None and owner.bias.device.type != "meta":  # its bias came first
             layer.bias = owner.bias.detach()
         setattr(model.get_submodule(parent_name), child, layer)
@@ -67,8 +68,10 @@ def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor, dtype: to
         setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
-def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str) -> torch.nn.Module:
-    """The model of `config` (read from the same file), on the CPU, in eval mode."""
+def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str,
+         device: torch.device) -> torch.nn.Module:
+    """The model of `config` (read from the same file) in eval mode: its quantized layers on
+    `device`, the rest on the CPU (the caller moves it)."""
     from accelerate import init_empty_weights
 
     reader = GGUFReader(path)
@@ -82,7 +85,7 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
         for tensor in tensors:
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
-                _place(model, names[found.name], found.weights, tensor, dtype)
+                _place(model, names[found.name], found.weights, tensor, dtype, device)
     if config.tie_word_embeddings:
         model.tie_weights()
     empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]

@@ -58,10 +58,11 @@ def dense(raw: np.ndarray, qtype: T, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def linear(raw: np.ndarray, qtype: T) -> Int4Linear | Int8Linear:
-    """A quantized Linear weight [out, in] (bias set later) as the layer that runs it."""
+def linear(raw: np.ndarray, qtype: T, device: torch.device) -> Int4Linear | Int8Linear:
+    """A quantized Linear weight [out, in] (bias set later) as the layer that runs it on `device`
+    (each device's kernel has its own packing)."""
     if qtype.name in EXACT_INT4_TYPES:
-        codes, scale, low = int4_groups(raw, qtype)
+        codes, scale, low = (t.to(device) for t in int4_groups(raw, qtype))
         return Int4Linear(codes, scale, low + 8 * scale, None)
-    weight = dense(raw, qtype, torch.float32)
+    weight = dense(raw, qtype, torch.float32).to(device)
     return Int8Linear.quantize(weight) if gguf_layout(qtype.name) == "int8" else Int4Linear.quantize(weight)

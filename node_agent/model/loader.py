@@ -135,7 +135,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     if as_stored:
-        model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention)
+        model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention,
+                                 devices.torch_device(device))
     else:
         model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
                                             attn_implementation=attention, **sharding)

@@ -10,16 +10,18 @@ bfloat16 and its output back to the input's dtype."""
 
 import torch
 
-GROUP = 32  # inputs per 4-bit group: GGUF's Q4_0/Q4_1 blocks and Q4_K's sub-blocks
+from shared.weight_formats import GROUP  # inputs per 4-bit group: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
+
 COMPUTE_DTYPE = torch.bfloat16
-CUDA_INNER_K_TILES = 8  # tinygemm's packing (torchao's default)
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [out, in] (0..15) in the layout the device's int4 kernel reads."""
+    """Codes [out, in] (0..15) in the layout the device's int4 kernel reads. tinygemm tiles the
+    input by 16 x 8, 4 or 2 (the most that divide it: 8 is torchao's default)."""
     if codes.device.type == "cuda":
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
+        tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (tiles unused on a CPU)
 
 
