@@ -29,6 +29,8 @@ class LoadedModel:
     tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
     group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tp.tensor_parallel.RankGroup
     processor: object | None = None  # a vision model's processor (its tokenizer is `tokenizer`)
+    quant: str = "none"  # how its Linear weights are held (quantized_linear.held_as): "int4", "int8", …
+    weight_bytes: int = 0  # what its weights hold on the device (one rank's, when tensor-parallel)
 
 
 def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedConfig, str]:
@@ -154,4 +156,5 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
-                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor)
+                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor,
+                       quant=quantized_linear.held_as(model), weight_bytes=quantized_linear.weight_bytes(model))

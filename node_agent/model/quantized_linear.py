@@ -91,6 +91,13 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def held_as(model: torch.nn.Module) -> str:
+    """How a model's Linear weights are held: "int4", "int8", "int4+int8", or "none"."""
+    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear)}
+    kinds |= {"int8" for m in model.modules() if isinstance(m, Int8Linear)}
+    return "+".join(sorted(kinds)) or "none"
+
+
 def quantize(model: torch.nn.Module, bits: str) -> int:
     """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4" or
     "int8") quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes

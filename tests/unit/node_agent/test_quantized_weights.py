@@ -78,6 +78,8 @@ def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(gguf
     stored, dequantised = loader.load(profile, "cpu"), loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     layers = [m for m in stored.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert layers and all(type(m) is LAYOUT[qtype] for m in layers)
+    assert (stored.quant, dequantised.quant) == ("int4" if LAYOUT[qtype] is Int4Linear else "int8", "none")
+    assert stored.weight_bytes < dequantised.weight_bytes
     assert not any(type(m) is torch.nn.Linear and m is not stored.model.lm_head for m in stored.model.modules())
     ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
     got, want = last_logits(stored, ids), last_logits(dequantised, ids)
