@@ -84,10 +84,17 @@ class Int8Linear(torch.nn.Module):
 QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize}
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a state dict's entry (torch.ao's dynamic int8 layers keep a tuple, and a dtype)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (tuple, list)) else []
+
+
 def weight_bytes(module: torch.nn.Module) -> int:
     """The bytes a model's weights hold on its device: everything in its state dict (packed and
     quantized layers' buffers too; a tied weight counted once)."""
-    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    tensors = {id(t): t for value in module.state_dict(keep_vars=True).values() for t in _tensors(value)}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

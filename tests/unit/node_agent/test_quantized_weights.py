@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 from transformers import AutoConfig
 
 from node_agent.engine.engine import Engine
@@ -107,12 +108,13 @@ def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
     full = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     ids = full.tokenizer("Hello there, what is it?")["input_ids"]
     want = last_logits(full, ids)
-    for quant, layer, bound in [("int8", Int8Linear, 0.05), ("int4", Int4Linear, 0.35)]:  # measured 0.025, 0.22
+    # measured 0.081, 0.22; a CPU's int8 is torch's dynamic int8 (faster there than Int8Linear), head included
+    for quant, layer, count, bound in [("int8", DynamicInt8Linear, 15, 0.12), ("int4", Int4Linear, 14, 0.35)]:
         lm = loader.load(profile.model_copy(update={"quant": quant}), "cpu")
-        assert sum(isinstance(m, layer) for m in lm.model.modules()) == 7 * 2  # q k v o gate up down, 2 layers
+        assert sum(isinstance(m, layer) for m in lm.model.modules()) == count  # q k v o gate up down, 2 layers
         error = (last_logits(lm, ids) - want).abs().max() / want.abs().max()
         assert error <= bound, (quant, error)
-        assert quantized_linear.weight_bytes(lm.model) < quantized_linear.weight_bytes(full.model)
+        assert lm.quant == quant and lm.weight_bytes < full.weight_bytes
 
 
 def test_tensor_parallelism_refuses_quantizing_at_load(small_vocab_dirs):
