@@ -77,8 +77,8 @@ def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
 
 def weights_as_stored(files: ModelFiles, profile: ModelProfile, tp_size: int) -> bool:
     """Whether the model loads with its Linear weights quantized as its GGUF file stores them
-    (quant = "auto" on a file that quantizes them, not sharded)."""
-    if profile.quant != "auto" or not files.gguf_file or tp_size > 1:
+    (quant = "auto" on a text model's file that quantizes them, not sharded)."""
+    if profile.quant != "auto" or not files.gguf_file or tp_size > 1 or profile.vision:
         return False
     return gguf_loader.stores_quantized(files.folder / files.gguf_file)
 
