@@ -547,9 +547,9 @@ def parse_args(argv=None):
                         "and exit")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="every system's dtype (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--quant", default="none", choices=["none", "int8"],
-                   help="the catalogue's `quant` for the Cortex rows only (engine, gateway); the baselines stay "
-                        "unquantised")
+    p.add_argument("--quant", default="none", choices=["none", "auto", "int8", "int4"],
+                   help="the catalogue's `quant` for the Cortex rows only (engine, gateway; `auto`: a GGUF file's "
+                        "weights as stored); the baselines stay unquantised")
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "static", "graphs", "compiled"],
                    help="the catalogue's `decode` for the Cortex rows (how the engine runs a decode step; "
                         "auto: CUDA graphs on a GPU, eager on a CPU)")

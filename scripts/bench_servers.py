@@ -172,10 +172,8 @@ def model_profile(args, quant: str | None = None):
     from shared.catalog import ModelProfile
 
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    if quant and quant != "none":
-        extra["quant"] = quant
     return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
-                        dtype=args.dtype, decode=args.decode, **extra)
+                        dtype=args.dtype, decode=args.decode, quant=quant or "none", **extra)
 
 
 def fleet_routing(url: str, model: str) -> dict:
@@ -228,8 +226,7 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
             "[[models]]\n"
             f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
             f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
-            f'decode = "{profile.decode}"\n'
-            + (f'quant = "{args.quant}"\n' if args.quant != "none" else "")
+            f'decode = "{profile.decode}"\nquant = "{profile.quant}"\n'
             + (f"kv_cache_mb = {kv_cache_mb or args.kv_cache_mb}\n" if kv_cache_mb or args.kv_cache_mb else "")
             + (f'speculative = "{speculative}"\n' if speculative != "off" else "")
             + "pin = true\n")  # never unloaded for idleness in the middle of a run

@@ -34,9 +34,12 @@ class ModelProfile(BaseModel):
     tokenizer_source: str | None = None  # where the tokenizer lives when `source` lacks one
     aliases: list[str] = []
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # "int8": Linear weights quantised per channel, activations dynamically (CPU only; ~4x less
-    # memory traffic per decode step, which is what bounds small-batch decode on a CPU).
-    quant: Literal["none", "int8"] = "none"
+    # How Linear weights are held (node_agent/model/quantized_linear.py; docs/operations.md): "auto"
+    # as the file stores them (a GGUF file's 4- and 8-bit weights run quantized; full-precision
+    # checkpoints as they are); "none" at full precision (a GGUF file dequantised); "int4" (groups of
+    # 32) or "int8" (per channel): quantized at load from full precision. Small-batch decode is
+    # bound by the bytes of weights each step reads.
+    quant: Literal["auto", "none", "int8", "int4"] = "auto"
     # The most sequences decoded together (vLLM's max_num_seqs; 128 is its OpenAI server's default on
     # a CPU). The KV cache's free blocks bound how many run too; a slot itself costs only per-row
     # state (sampling: 9 bytes x vocab; linear-attention layers: their recurrent state).

@@ -1,4 +1,5 @@
-"""How much device memory one replica of a model needs: its weights (as the dtype it will run in),
+"""How much device memory one replica of a model needs: its weights (quantized as the node will hold
+them, shared/weight_formats.py, else in the dtype it will run in),
 its paged KV cache and its slots' own state (`row_bytes`), plus a margin for activations. Read
 from the files' headers only, so the gateway can place a model no node has loaded yet.
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from shared.catalog import ModelProfile
 from shared.model_files import locate
+from shared.weight_formats import StoredTensor, weight_bytes
 
 _MB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -50,7 +52,7 @@ def row_bytes(*, vocab: int, dtype_bytes: int, linear_layers: int = 0, conv: int
     return (4 + 4 + 1) * vocab + linear_layers * (conv * dtype_bytes + recurrent * 4)
 
 
-def _gguf_facts(path: Path) -> tuple[int, dict, dict]:
+def _gguf_facts(path: Path) -> tuple[list[StoredTensor], dict, dict]:
     from gguf import GGUFReader
 
     reader = GGUFReader(path)  # parses the whole header: seconds for a large vocabulary
@@ -65,20 +67,22 @@ def _gguf_facts(path: Path) -> tuple[int, dict, dict]:
                  context=field("context_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     rows = dict(vocab=field("vocab_size") or (len(tokens.data) if tokens else 0))
-    return sum(int(t.n_elements) for t in reader.tensors), shape, rows
+    tensors = [StoredTensor(t.name, int(t.n_elements), len(t.shape), t.tensor_type.name) for t in reader.tensors]
+    return tensors, shape, rows
 
 
-def _safetensors_facts(folder: Path) -> tuple[int, dict, dict]:
+def _safetensors_facts(folder: Path) -> tuple[list[StoredTensor], dict, dict]:
     from safetensors import safe_open
 
-    total = 0
+    tensors = []
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, framework="numpy") as f:
             for name in f.keys():
+                dims = f.get_slice(name).get_shape()
                 count = 1
-                for dim in f.get_slice(name).get_shape():
+                for dim in dims:
                     count *= dim
-                total += count
+                tensors.append(StoredTensor(name, count, len(dims)))
     config = json.loads((folder / "config.json").read_text())
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
@@ -93,7 +97,7 @@ def _safetensors_facts(folder: Path) -> tuple[int, dict, dict]:
         rows |= dict(linear_layers=kinds.count("linear_attention"),
                      conv=(2 * k_dim * k_heads + v_dim * v_heads) * config["linear_conv_kernel_dim"],
                      recurrent=v_heads * k_dim * v_dim)
-    return total, shape, rows
+    return tensors, shape, rows
 
 
 def _layer_kinds(config: dict) -> list[str]:
@@ -116,7 +120,7 @@ def _estimate(profile_json: str) -> int:
     profile = ModelProfile.model_validate_json(profile_json)
     files = locate(profile)
     dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)  # "auto" may pick bf16; fp32 is the safe guess
-    params, shape, rows = (_gguf_facts(files.folder / files.gguf_file) if files.gguf_file
+    tensors, shape, rows = (_gguf_facts(files.folder / files.gguf_file) if files.gguf_file
                            else _safetensors_facts(files.folder))
     if profile.kind != "generate":
         config = json.loads((files.folder / "config.json").read_text())
@@ -124,8 +128,8 @@ def _estimate(profile_json: str) -> int:
         activations = pooling_pass_bytes(profile, hidden=hidden, intermediate=config.get("intermediate_size", 4 * hidden),
                                          heads=config["num_attention_heads"],
                                          max_len=profile.effective_context(shape["context"] or None)[0])
-        return int((params * dtype_bytes + activations) * MARGIN / _MB) + 1
-    weights = params * (1 if profile.quant == "int8" else dtype_bytes)
+        return int((weight_bytes(tensors, "none", dtype_bytes) + activations) * MARGIN / _MB) + 1
+    weights = weight_bytes(tensors, profile.quant, dtype_bytes, profile.tensor_parallel)
     max_len, _ = profile.effective_context(shape.pop("context") or None)
     cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
     slots = profile.slots * row_bytes(dtype_bytes=dtype_bytes, **rows)

@@ -26,7 +26,8 @@ def model_list(catalog: Catalog, nodes: list[NodeHeartbeat],
         for model, info in node.models.items():
             replicas.setdefault(model, []).append(
                 ModelReplica(node=node.node, state=info.state, slots_used=info.slots_used, slots_total=info.slots_total,
-                             download_fraction=info.download.fraction if info.download else None))
+                             download_fraction=info.download.fraction if info.download else None,
+                             quant=info.quant or None, weight_mb=info.weight_mb or None))
             created[model] = min(created.get(model, node.started_ms // 1000), node.started_ms // 1000)
             if info.max_model_len:
                 context[model] = min(context.get(model, info.max_model_len), info.max_model_len)

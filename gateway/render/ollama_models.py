@@ -33,7 +33,7 @@ def digest(profile: ModelProfile) -> str:
 def details(profile: ModelProfile) -> ModelDetails:
     gguf = profile.gguf_file is not None or profile.source.endswith(".gguf")
     return ModelDetails(format="gguf" if gguf else "safetensors", family=ARCHITECTURE, families=[ARCHITECTURE],
-                        quantization_level="" if profile.quant == "none" else profile.quant.upper())
+                        quantization_level="" if profile.quant in ("auto", "none") else profile.quant.upper())
 
 
 def capabilities(profile: ModelProfile) -> list[Capability]:

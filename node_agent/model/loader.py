@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import architectures, cpu_attention, devices, packed_linear, vision
+from node_agent.model import architectures, cpu_attention, devices, gguf_loader, packed_linear, quantized_linear, vision
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -29,6 +29,8 @@ class LoadedModel:
     tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
     group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tp.tensor_parallel.RankGroup
     processor: object | None = None  # a vision model's processor (its tokenizer is `tokenizer`)
+    quant: str = "none"  # how its Linear weights are held (quantized_linear.held_as): "int4", "int8", …
+    weight_bytes: int = 0  # what its weights hold on the device (one rank's, when tensor-parallel)
 
 
 def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedConfig, str]:
@@ -62,31 +64,38 @@ def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
     partial.rename(target)
 
 
-def quantize_int8(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """Dynamic int8 Linear layers (fbgemm/oneDNN kernels; VNNI where the CPU has it)."""
-    if not devices.is_cpu(device):
-        raise ModelLoadError("quant = 'int8' runs on CPU devices only; use dtype bfloat16/float16 on GPUs")
+def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    """A CPU's int8: Linear layers with int8 weights per channel and activations quantized on the
+    fly (fbgemm/oneDNN, VNNI where the CPU has it): on a 2-core EPYC 51 / 270 tok/s at N = 1 / 8 on the
+    default model against 44 / 176 for the weight-only Int8Linear (docs/benchmarks.md)."""
     if model.dtype != torch.float32:
-        raise ModelLoadError("quant = 'int8' needs dtype float32 weights to quantise from")
+        raise ModelLoadError("quant = 'int8' on a CPU needs dtype float32 weights to quantise from")
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
+def weights_as_stored(files: ModelFiles, profile: ModelProfile, tp_size: int) -> bool:
+    """Whether the model loads with its Linear weights quantized as its GGUF file stores them
+    (quant = "auto" on a text model's file that quantizes them, not sharded)."""
+    if profile.quant != "auto" or not files.gguf_file or tp_size > 1 or profile.vision:
+        return False
+    return gguf_loader.stores_quantized(files.folder / files.gguf_file)
+
+
 def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
-    """A CPU model's Linear weights packed for oneDNN (node_agent/model/packed_linear.py; int8's own
-    layers stay) and its decode attention reading the paged cache in place
+    """A CPU model's full-precision Linear weights packed for oneDNN (node_agent/model/packed_linear.py;
+    quantized layers stay) and its decode attention reading the paged cache in place
     (node_agent/model/cpu_attention.py), with a log line for each, or for why not."""
     if profile.decode == "compiled":
         log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
                  "itself)", profile.id)
         return
-    if profile.quant != "int8":
-        why_not = packed_linear.packable(model)
-        if why_not:
-            log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
-        else:
-            log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+    why_not = packed_linear.packable(model)
+    if why_not:
+        log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
+    else:
+        log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
     if cpu_attention.enable(model):
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 
@@ -125,8 +134,10 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
-    dtype = _DTYPES.get(profile.dtype) or (torch.float32 if profile.quant == "int8" else devices.default_dtype(device))
-    converted = _converted_copy(files, convert_cache, dtype)
+    dynamic_int8 = profile.quant == "int8" and devices.is_cpu(device)
+    dtype = _DTYPES.get(profile.dtype) or (torch.float32 if dynamic_int8 else devices.default_dtype(device))
+    as_stored = weights_as_stored(files, profile, tp_size)
+    converted = None if as_stored else _converted_copy(files, convert_cache, dtype)
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
     config, attention = _architecture(files, profile)
@@ -137,19 +148,28 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
         tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
-    model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
-                                        attn_implementation=attention, **sharding)
+    if as_stored:
+        model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention,
+                                 devices.torch_device(device))
+    else:
+        model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
+                                            attn_implementation=attention, **sharding)
     if converted is not None and files.gguf_file:
         try:
             _save_converted(model, tokenizer, converted)
         except Exception as exc:  # a cache that cannot be written only costs time
             log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
     model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
-    if profile.quant == "int8":
-        model = quantize_int8(model, device)
+    if dynamic_int8:
+        model = quantize_int8_dynamic(model)
+    elif profile.quant in quantized_linear.QUANTIZERS:
+        log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
+                 profile.quant)
     if devices.is_cpu(device) and tp_size == 1:
         _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
     return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
-                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor)
+                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor,
+                       quant="int8" if dynamic_int8 else quantized_linear.held_as(model),
+                       weight_bytes=quantized_linear.weight_bytes(model))

@@ -87,10 +87,15 @@ class ServedModel:
         return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
                          slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
                          max_model_len=self.engine.max_len if self.engine is not None else 0,
+                         **(self.weight_facts() if self.engine is not None else {}),
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
                          error=self.replica.error,
                          **(self.engine_stats() if self.engine is not None else {}),
                          download=self.pull.progress() if self.pull is not None else None)
+
+    def weight_facts(self) -> dict:
+        """How the loaded model holds its weights, for the heartbeat."""
+        return dict(quant=self.engine.lm.quant, weight_mb=self.engine.lm.weight_bytes >> 20)
 
     def engine_stats(self) -> dict:
         """The loaded engine's figures the heartbeat carries (its KV cache, its speculation)."""

@@ -54,6 +54,9 @@ class ServedPooler(ServedModel):
     def engine_stats(self) -> dict:
         return {}  # a pooling engine keeps no KV cache and does not speculate
 
+    def weight_facts(self) -> dict:
+        return {}  # embedding and rerank models load at full precision
+
     def _on_step(self, out: PoolingStep) -> None:
         """On the device thread: hand the step's finished jobs to the event loop."""
         self.device.loop.call_soon_threadsafe(self._deliver, out)

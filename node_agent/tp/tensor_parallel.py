@@ -78,8 +78,9 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if profile.kv_memory_fraction is not None:
         raise ModelLoadError("every rank must hold as many KV blocks, and kv_memory_fraction sizes each device's cache "
                              f"from its own free memory: give {profile.id} a kv_cache_mb instead")
-    if profile.quant != "none":
-        raise ModelLoadError(f"quant = '{profile.quant}' is not tested with tensor parallelism; use a dtype instead")
+    if profile.quant not in ("auto", "none"):  # "auto" shards a GGUF file's weights dequantised
+        raise ModelLoadError(f"quant = '{profile.quant}' does not shard: tensor parallelism runs full-precision "
+                             f"weights (quant = 'none' or 'auto'); run {profile.id} with tensor_parallel = 1 to quantize it")
     RankGroup.refuse_second()
 
 

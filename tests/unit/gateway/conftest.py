@@ -136,11 +136,12 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
 async def beat(
     redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active",
     kv: dict[str, KVCacheStats] | None = None, max_model_len: int = 0, free_mb: int = 0,
-    spec: dict[str, SpecDecodeStats] | None = None,
+    spec: dict[str, SpecDecodeStats] | None = None, quant: str = "", weight_mb: int = 0,
 ) -> NodeHeartbeat:
     """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures, `spec`
-    their speculative decoding's, and all run with `max_model_len` (0: not said); a CPU device with
-    `free_mb` free, when given (placement reads it)."""
+    their speculative decoding's, and all run with `max_model_len` (0: not said) and hold their
+    weights as `quant` in `weight_mb` (not said: ""/0); a CPU device with `free_mb` free, when given
+    (placement reads it)."""
     now_ms = int((time.time() - age_s) * 1000)
     models = {MODEL: ModelState.READY} if models is None else models
     kv, spec = kv or {}, spec or {}
@@ -148,7 +149,7 @@ async def beat(
         node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
         devices=[DeviceInfo(id="cpu", name="cpu", total_mb=free_mb, free_mb=free_mb)] if free_mb else [],
         models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name), spec=spec.get(name),
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len, quant=quant, weight_mb=weight_mb)
                 for name, s in models.items()},
     )
     await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())

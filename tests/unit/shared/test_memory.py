@@ -65,9 +65,14 @@ def test_a_config_without_layer_types_has_every_full_attention_intervalth_layer_
 
 
 def test_the_default_model_is_estimated_at_its_weights_a_2_gb_cache_and_128_slots():
-    profile = Catalog.load(None).resolve("default").model_copy(update={"dtype": "float32"})
+    profile = Catalog.load(None).resolve("default").model_copy(update={"dtype": "float32", "quant": "none"})
     weights, cache, slots = 134_515_008 * 4, 2_146_959_360, 128 * 9 * 49152
     assert memory.estimate_mb(profile) == int((weights + cache + slots) * memory.MARGIN / (1 << 20)) + 1 == 2877
+    # as its file stores it: 4-bit layers (0.625 bytes a weight) and the float32 embedding (113 MB)
+    four_bit = 134_515_008 - 28_311_552 - 61 * 576
+    weights = 28_311_552 * 4 + int(four_bit * 0.625) + 61 * 576 * 4
+    assert memory.estimate_mb(profile.model_copy(update={"quant": "auto"})) == int(
+        (weights + cache + slots) * memory.MARGIN / (1 << 20)) + 1 == 2501
 
 
 def test_only_attention_layers_count(small_vocab_dirs):

@@ -13,7 +13,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
     assert (embedder["id"], embedder["kind"]) == (DEFAULT_EMBEDDING_MODEL_ID, "embedding")  # the built-in embedder
     assert embedder_alias == embedder | {"id": "default-embedding"}
     heartbeat = await beat(redis, "n1", {MODEL: ModelState.READY, "Poisoned-Model": ModelState.POISONED},
-                           max_model_len=8192)
+                           max_model_len=8192, quant="int4", weight_mb=171)
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
     await beat(redis, "n4", {"Draining-Model": ModelState.READY}, state="draining")
@@ -23,7 +23,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
     assert body["data"][0] == {"id": MODEL, "created": heartbeat.started_ms // 1000, "object": "model",
                                "owned_by": "cortex", "state": "ready", "root": MODEL, "capabilities": [], "kind": "generate",
                                "replicas": [{"node": "n1", "state": "ready", "slots_used": 0, "slots_total": 4,
-                                             "download_fraction": None}],
+                                             "download_fraction": None, "quant": "int4", "weight_mb": 171}],
                                "max_model_len": 8192}  # the context the replica runs with, as vLLM shows it
     assert body["data"][2]["state"] == "loading" and body["data"][2]["max_model_len"] is None  # not loaded yet
     assert body["data"][3] == body["data"][0] | {"id": "default"}

@@ -1,0 +1,95 @@
+"""Load a GGUF model with its Linear weights quantized as the file stores them, tensor by tensor:
+the model is built with empty (meta) parameters, each tensor's bytes are read from the file
+on their own and become a quantized layer (node_agent/model/gguf_weights.py) or a dense
+parameter, so the host never holds the model at full precision (peak: the quantized weights,
+one tensor's temporaries and the header).
+
+GGUF names map to transformers' with transformers' own map, and llama's permuted Q/K rows are
+put back by its own tensor processor (which moves whole rows, so it works on blocks as well)."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
+                                                      get_gguf_hf_weights_map)
+
+from node_agent.model import gguf_weights
+from shared.model_files import ModelLoadError
+from shared.weight_formats import gguf_layout
+
+# Tensor processors that keep one GGUF tensor one transformers tensor (MoE ones split and merge experts).
+_ROW_PROCESSORS = (TensorProcessor, LlamaTensorProcessor)
+
+
+def _architecture(reader: GGUFReader) -> str:
+    return bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+
+def stores_quantized(path: Path) -> bool:
+    """Whether the file keeps any 2-D weight quantized, in an architecture this loader reads."""
+    reader = GGUFReader(path)
+    if TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor) not in _ROW_PROCESSORS:
+        return False
+    return any(gguf_layout(t.tensor_type.name) != "dense" and len(t.shape) == 2 for t in reader.tensors)
+
+
+def _read(fd: int, tensor) -> np.ndarray:
+    """A tensor's bytes, read on their own (no mapping of the file stays resident), in the shape
+    and dtype the reader gives them (quantized: rows of blocks as uint8)."""
+    raw = os.pread(fd, int(tensor.n_bytes), int(tensor.data_offset))
+    return np.frombuffer(raw, dtype=tensor.data.dtype).reshape(tensor.data.shape)
+
+
+def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    owner, _, attr = name.rpartition(".")
+    return model.get_submodule(owner), attr
+
+
+def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor, dtype: torch.dtype,
+           device: torch.device) -> None:
+    """Put one tensor where the model holds it: a quantized Linear weight replaces its layer;
+    anything else becomes a dense parameter (a quantized layer's bias, a buffer of it)."""
+    owner, attr = _module_and_attr(model, name)
+    if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.tensor_type.name) != "dense":
+        parent_name, _, child = name.removesuffix(".weight").rpartition(".")
+        layer = gguf_weights.linear(raw, tensor.tensor_type, device)
+        if owner.bias is not None and owner.bias.device.type != "meta":  # its bias came first
+            layer.bias = owner.bias.detach()
+        setattr(model.get_submodule(parent_name), child, layer)
+        return
+    value = gguf_weights.dense(raw, tensor.tensor_type, dtype)
+    if attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+
+
+def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str,
+         device: torch.device) -> torch.nn.Module:
+    """The model of `config` (read from the same file) in eval mode: its quantized layers on
+    `device`, the rest on the CPU (the caller moves it)."""
+    from accelerate import init_empty_weights
+
+    reader = GGUFReader(path)
+    tensors, architecture = reader.tensors, _architecture(reader)
+    del reader  # its parsed header (a vocabulary's worth of small arrays) goes before the weights come
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) real
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    names = get_gguf_hf_weights_map(model, processor)
+    with open(path, "rb") as file:
+        for tensor in tensors:
+            found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
+            if found.name in names:
+                _place(model, names[found.name], found.weights, tensor, dtype, device)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if empty:
+        raise ModelLoadError(f"{path.name} has no tensors for {', '.join(empty[:5])}"
+                             f"{' …' if len(empty) > 5 else ''}")
+    return model.eval()

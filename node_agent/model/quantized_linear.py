@@ -1,0 +1,124 @@
+"""Linear layers whose weights stay quantized on the device, run by torch's own weight-only
+kernels: 4-bit in groups of `GROUP` along the input (`_weight_int4pack_mm_for_cpu` on a CPU,
+tinygemm's `_weight_int4pack_mm` on CUDA) and 8-bit per output channel (`_weight_int8pack_mm`).
+
+A 4-bit group holds codes q in 0..15 and reads as `(q - 8) * scale + zero` (the kernels'
+convention), so any affine group `scale * q + low` maps onto it exactly with
+`zero = low + 8 * scale`. The kernels take activations, scales and zeros in bfloat16 only (on a
+CPU their float32 path is scalar, 30-90x slower: docs/benchmarks.md): a layer casts its input to
+bfloat16 and its output back to the input's dtype."""
+
+import torch
+
+from shared.weight_formats import GROUP  # inputs per 4-bit group: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [out, in] (0..15) in the layout the device's int4 kernel reads. tinygemm tiles the
+    input by 16 x 8, 4 or 2 (the most that divide it: 8 is torchao's default)."""
+    if codes.device.type == "cuda":
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (tiles unused on a CPU)
+
+
+class Int4Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with `W[o, i] = (q[o, i] - 8) * scale[o, i // GROUP] + zero[o, i // GROUP]`."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"4-bit groups need in_features divisible by {GROUP}, not {self.in_features}")
+        self.register_buffer("weight_packed", _pack_int4(codes))
+        # [in / GROUP, out, 2]: what both kernels read
+        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
+        """Round a full-precision weight to 16 levels between each group's min and max."""
+        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return cls(codes.reshape(weight.shape), scale, low + 8 * scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if flat.device.type == "cuda":
+            y = torch.ops.aten._weight_int4pack_mm(flat, self.weight_packed, GROUP, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_packed, GROUP, self.scales_and_zeros)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o]` (q in -127..127)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("weight_int8", codes.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.to(COMPUTE_DTYPE))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """Round a full-precision weight symmetrically per output channel."""
+        scale = (weight.float().abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = (weight.float() / scale[:, None]).round().clamp(-127, 127)
+        return cls(codes, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scale)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in a state dict's entry (torch.ao's dynamic int8 layers keep a tuple, and a dtype)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for item in value for t in _tensors(item)] if isinstance(value, (tuple, list)) else []
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes a model's weights hold on its device: everything in its state dict (packed and
+    quantized layers' buffers too; a tied weight counted once)."""
+    tensors = {id(t): t for value in module.state_dict(keep_vars=True).values() for t in _tensors(value)}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def held_as(model: torch.nn.Module) -> str:
+    """How a model's Linear weights are held: "int4", "int8", "int4+int8", or "none"."""
+    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear)}
+    kinds |= {"int8" for m in model.modules() if isinstance(m, Int8Linear)}
+    return "+".join(sorted(kinds)) or "none"
+
+
+def quantize(model: torch.nn.Module, bits: str) -> int:
+    """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4" or
+    "int8") quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes
+    keep it at 6 bits or more; most small models tie it to the embedding), and so does a 4-bit
+    layer whose input does not fall into whole groups."""
+    head = model.get_output_embeddings()
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            if bits == "int4" and child.in_features % GROUP:
+                continue
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(parent, name, QUANTIZERS[bits](child.weight.detach(), bias))
+            count += 1
+    return count

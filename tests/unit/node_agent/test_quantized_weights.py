@@ -1,0 +1,181 @@
+"""Quantized weights (node_agent/model/quantized_linear.py, gguf_loader.py): GGUF files written
+here load with their Linear weights quantized, Q4_0/Q4_1/Q4_K code for code (their logits equal
+the dequantised model's within the bfloat16 rounding of the kernels' activations), Q8_0/Q6_K per
+channel and Q5_K requantized (within stated bounds); the engine runs them as HF runs them; and a
+load holds about the quantized size, never the full-precision model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+from transformers import AutoConfig
+
+from node_agent.engine.engine import Engine
+from node_agent.serving import prompts
+from node_agent.model import loader, quantized_linear
+from node_agent.model.quantized_linear import Int4Linear, Int8Linear
+from node_agent.tp import tensor_parallel
+from shared import memory
+from shared.catalog import Catalog
+from shared.model_files import ModelLoadError
+from tests import gguf_files, tiny_models
+from tests.model_fixtures import tiny_profile
+from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
+
+# Largest |logit difference| / largest |logit| against the dequantised model, per stored type
+# (measured on these models: Q4_0 0.009, Q4_1 0.013, Q4_K 0.002, Q8_0 0.031, Q6_K 0.027, Q5_K 0.005).
+EXACT = {T.Q4_0: 0.02, T.Q4_1: 0.02, T.Q4_K: 0.02}  # bfloat16 activations and scales only
+REQUANTIZED = {T.Q8_0: 0.05, T.Q6_K: 0.05, T.Q5_K: 0.02}  # + rounded per channel to int8, or to int4 groups
+LAYOUT = {T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear, T.Q5_K: Int4Linear, T.Q8_0: Int8Linear,
+          T.Q6_K: Int8Linear}
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """(arch, type) -> the profile of a GGUF file of a tiny model, its tokenizer from its HF folder.
+    Rows of 256 inputs (a k-quant super-block); the qwen3 one has Qwen3's head_dim of 128:
+    transformers reads no head size from a qwen3 file."""
+    root, tokenizer = tmp_path_factory.mktemp("gguf"), tiny_models.make_tokenizer()
+    size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
+    folders = {"llama": tiny_models.build("llama", root / "llama", tokenizer, **size),
+               "qwen3": tiny_models.build("qwen3", root / "qwen3", tokenizer, head_dim=128, **size)}
+    made = {}
+
+    def make(arch: str, qtype: T):
+        if (arch, qtype) not in made:
+            path = gguf_files.write(folders[arch], root / f"{arch}-{qtype.name}.gguf", qtype)
+            made[arch, qtype] = tiny_profile(path, id=path.stem, tokenizer_source=str(folders[arch]))
+        return made[arch, qtype]
+    return make
+
+
+def last_logits(lm, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return lm.model(torch.tensor([ids]), use_cache=False).logits[0].float()
+
+
+def test_an_int4_layer_computes_what_its_dequantised_weight_does():
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 5, 128)
+    layer = Int4Linear.quantize(weight, bias)
+    groups = weight.reshape(96, -1, 32)
+    low, scale = groups.amin(-1, keepdim=True), (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    dequantised = (((groups - low) / scale).round() * scale + low).reshape(96, 128)
+    expected = F.linear(x.bfloat16().float(), dequantised, bias)
+    assert (layer(x) - expected).abs().max() <= 0.01 * expected.abs().max()
+    assert (layer(x) - F.linear(x, weight, bias)).abs().max() > 0.05  # 4 bits do cost something: the test can fail
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("qtype", [*EXACT, *REQUANTIZED], ids=lambda t: t.name)
+def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(gguf_models, arch, qtype):
+    profile = gguf_models(arch, qtype)
+    stored, dequantised = loader.load(profile, "cpu"), loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    layers = [m for m in stored.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and all(type(m) is LAYOUT[qtype] for m in layers)
+    assert (stored.quant, dequantised.quant) == ("int4" if LAYOUT[qtype] is Int4Linear else "int8", "none")
+    assert stored.weight_bytes < dequantised.weight_bytes
+    assert not any(type(m) is torch.nn.Linear and m is not stored.model.lm_head for m in stored.model.modules())
+    ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
+    got, want = last_logits(stored, ids), last_logits(dequantised, ids)
+    bound = (EXACT | REQUANTIZED)[qtype]
+    assert (got - want).abs().max() <= bound * want.abs().max(), (got - want).abs().max() / want.abs().max()
+
+
+@pytest.mark.parametrize("arch, decode", [("llama", "eager"), ("qwen3", "eager"), ("llama", "static")])
+def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_and_preempted(gguf_models, arch,
+                                                                                             decode):
+    profile = gguf_models(arch, T.Q4_1).model_copy(update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1,
+                                                             "block_size": 4, "decode": decode})
+    lm = loader.load(profile, "cpu")
+    requests = [request(f"j{i}", PROMPTS[i % 3], temperature=0, max_tokens=12, ignore_eos=True) for i in range(6)]
+    got = run(Engine(lm, profile), *requests, join_every=2)  # arrivals join a running batch; repeats hit the cache
+    for req in requests:
+        ids = prompts.prompt_ids(lm.tokenizer, profile, req)
+        assert got[req.job].token_ids[0] == full_forward_greedy(lm, ids, 12), req.job
+
+
+def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
+    folder = tiny_models.build("llama", tmp_path / "llama", tiny_models.make_tokenizer(), hidden_size=256,
+                               intermediate_size=512, initializer_range=0.05)
+    profile = tiny_profile(folder)
+    full = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    ids = full.tokenizer("Hello there, what is it?")["input_ids"]
+    want = last_logits(full, ids)
+    # measured 0.081, 0.22; a CPU's int8 is torch's dynamic int8 (faster there than Int8Linear), head included
+    for quant, layer, count, bound in [("int8", DynamicInt8Linear, 15, 0.12), ("int4", Int4Linear, 14, 0.35)]:
+        lm = loader.load(profile.model_copy(update={"quant": quant}), "cpu")
+        assert sum(isinstance(m, layer) for m in lm.model.modules()) == count  # q k v o gate up down, 2 layers
+        error = (last_logits(lm, ids) - want).abs().max() / want.abs().max()
+        assert error <= bound, (quant, error)
+        assert lm.quant == quant and lm.weight_bytes < full.weight_bytes
+
+
+def test_tensor_parallelism_refuses_quantizing_at_load(small_vocab_dirs):
+    config = AutoConfig.from_pretrained(small_vocab_dirs["llama"])
+    profile = tiny_profile(small_vocab_dirs["llama"], tensor_parallel=2, quant="int4", kv_cache_mb=1)
+    with pytest.raises(ModelLoadError, match="quant = 'int4' does not shard"):
+        tensor_parallel.check(profile, config, ["cpu:0", "cpu:1"])
+
+
+def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models):
+    # decode = "compiled" leaves Linear layers unpacked: a packed output head is a copy of the tied embedding
+    profile = gguf_models("llama", T.Q4_0).model_copy(update={"kv_cache_mb": 1, "slots": 1, "decode": "compiled"})
+    lm = loader.load(profile, "cpu")
+    none = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    tensors = memory._gguf_facts(Path(profile.source))[0]
+    assert memory.weight_bytes(tensors, "auto", 4) == pytest.approx(quantized_linear.weight_bytes(lm.model), rel=0.01)
+    assert memory.weight_bytes(tensors, "none", 4) == quantized_linear.weight_bytes(none.model)
+
+
+def test_the_default_models_file_runs_4_bit_with_its_embedding_dense():
+    profile = Catalog.load(None).resolve("default")
+    tensors = memory._gguf_facts(memory.locate(profile).folder / memory.locate(profile).gguf_file)[0]
+    assert profile.quant == "auto"
+    # 4-bit layers (66 MB) and the float32 embedding its output head shares (113 MB): 0.34x of 538 MB
+    assert memory.weight_bytes(tensors, "auto", 4) < 0.35 * memory.weight_bytes(tensors, "none", 4)
+
+
+_PEAK_SCRIPT = """
+import json, sys
+from pathlib import Path
+from shared.catalog import ModelProfile
+from node_agent.model import loader, quantized_linear
+warm_up, profile = (ModelProfile.model_validate_json(arg) for arg in sys.argv[1:])
+loader.load(warm_up, "cpu")  # every module the load imports, imported
+Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
+
+def status(key):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
+    return int(line.split()[1]) * 1024
+base = status("VmRSS")
+lm = loader.load(profile, "cpu")
+print(json.dumps({"base": base, "peak": status("VmHWM"), "weights": quantized_linear.weight_bytes(lm.model)}))
+"""
+
+
+def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
+    """8 layers of hidden 512: 101 MB at float32, 15 MB as Q4_0. What the load adds at its peak
+    stays within the file's size, one layer at float32 and a fixed allowance, under the float32
+    model's size. The allowance is mostly the allocator's slack: per-tensor temporaries freed
+    between long-lived packed weights (68 MB added in all here; malloc_trim gives ~47 MB back)."""
+    tokenizer = tiny_models.make_tokenizer()
+    files = {}
+    for name, size in [("small", {}), ("wide", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                                     num_attention_heads=8, num_key_value_heads=4))]:
+        folder = tiny_models.build("llama", tmp_path / name, tokenizer, **size)
+        files[name] = gguf_files.write(folder, tmp_path / f"{name}.gguf", T.Q4_0)
+        files[name + "-profile"] = tiny_profile(files[name], tokenizer_source=str(folder)).model_dump_json()
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, files["small-profile"], files["wide-profile"]],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[3], check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    full_precision = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) * 4
+    one_layer = full_precision // 8
+    added = figures["peak"] - figures["base"]
+    assert added <= files["wide"].stat().st_size + one_layer + (48 << 20) < full_precision, figures | {"added": added}
