@@ -7,8 +7,8 @@ import pytest
 from tests.stack import Stack, checked, serving
 
 # fp32 on every machine, dequantised (quant = "none"), so batched and lone greedy answers agree token for
-# token: bfloat16 sums round differently as a step's rows change, and the file's 4-bit weights compute
-# in bfloat16 ("Tell me a joke." parted from its lone answer when the 16 arrived staggered).
+# token, as bfloat16 does not promise: the file's 4-bit weights compute in bfloat16, and "Tell me a joke."
+# parted from its lone answer when the 16 arrived staggered (docs/operations.md, quantized weights).
 MODELS_TOML = """
 [[models]]
 id = "SmolLM2-135M-Instruct"
