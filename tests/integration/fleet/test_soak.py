@@ -177,7 +177,6 @@ class Fleet:
     def kill_output_process(self) -> None:
         node = psutil.Process(self.nodes["node-a"].proc.pid)
         [output] = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
-        since_ms = int(time.time() * 1000)
         output.kill()
         client = self.stack.client()
 
@@ -186,7 +185,6 @@ class Fleet:
             fresh = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
             return fresh and fresh[0].pid != output.pid and models.get(MODEL, {}).get("state") == "ready"
         wait_until(reloaded, NODE_START_TIMEOUT_S, "the model's reload", alive=self.nodes["node-a"].alive)
-        assert time.time() * 1000 > since_ms
 
     def kill_gateway(self) -> None:
         self.gateways[0].proc.kill()
