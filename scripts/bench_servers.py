@@ -303,8 +303,6 @@ def hf_folder(args) -> Path:
     """The plain folder (config, safetensors, tokenizer) the peers load: the `--shape` model's, or
     the dequantised copy of the default GGUF that Cortex's loader keeps in its convert cache (made
     here by one load when it is missing)."""
-    import torch
-
     from node_agent.model import loader
     from shared import model_files
     from shared.settings import NodeSettings
@@ -312,7 +310,7 @@ def hf_folder(args) -> Path:
     profile = model_profile(args)
     files = model_files.locate(profile)
     cache = NodeSettings().convert_cache or Path.home() / ".cache" / "cortex" / "converted"
-    folder = loader._converted_copy(files, cache, getattr(torch, args.dtype)) or files.folder
+    folder = loader._converted_copy(files, cache, args.dtype) or files.folder
     if not folder.exists():
         log(f"dequantising {files.gguf_file} into {folder} for the peers")
         loader.load(profile, "cpu", None, cache)  # keeps the converted copy; the model itself is dropped

@@ -14,6 +14,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from shared import gguf_header
 from shared.catalog import ModelProfile
 from shared.model_files import locate
 from shared.weight_formats import StoredTensor, weight_bytes
@@ -53,21 +54,13 @@ def row_bytes(*, vocab: int, dtype_bytes: int, linear_layers: int = 0, conv: int
 
 
 def _gguf_facts(path: Path) -> tuple[list[StoredTensor], dict, dict]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)  # parses the whole header: seconds for a large vocabulary
-
-    def field(name: str, default: int = 0) -> int:
-        found = reader.fields.get(f"{arch}.{name}")
-        return int(found.parts[-1][0]) if found else default
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    heads = field("attention.head_count")
-    shape = dict(layers=field("block_count"), kv_heads=field("attention.head_count_kv", heads),
-                 head_dim=field("attention.key_length") or field("embedding_length") // heads,
-                 context=field("context_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    rows = dict(vocab=field("vocab_size") or (len(tokens.data) if tokens else 0))
-    tensors = [StoredTensor(t.name, int(t.n_elements), len(t.shape), t.tensor_type.name) for t in reader.tensors]
+    header = gguf_header.read(path)  # parsed once for placement and the loader
+    heads = header.number("attention.head_count")
+    shape = dict(layers=header.number("block_count"), kv_heads=header.number("attention.head_count_kv", heads),
+                 head_dim=header.number("attention.key_length") or header.number("embedding_length") // heads,
+                 context=header.number("context_length"))
+    rows = dict(vocab=header.vocab_size)
+    tensors = [StoredTensor(t.name, t.elements, len(t.shape), t.gguf_type) for t in header.tensors]
     return tensors, shape, rows
 
 

@@ -7,17 +7,22 @@ one tensor's temporaries and the header).
 GGUF names map to transformers' with transformers' own map, and llama's permuted Q/K rows are
 put back by its own tensor processor (which moves whole rows, so it works on blocks as well)."""
 
+import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
                                                       get_gguf_hf_weights_map)
 
 from node_agent.model import gguf_weights
+from shared import gguf_header
+from shared.gguf_header import TensorInfo
 from shared.model_files import ModelLoadError
 from shared.weight_formats import gguf_layout
 
@@ -25,23 +30,33 @@ from shared.weight_formats import gguf_layout
 _ROW_PROCESSORS = (TensorProcessor, LlamaTensorProcessor)
 
 
-def _architecture(reader: GGUFReader) -> str:
-    return bytes(reader.fields["general.architecture"].parts[-1]).decode()
-
-
 def stores_quantized(path: Path) -> bool:
     """Whether the file keeps any 2-D weight quantized, in an architecture this loader reads."""
-    reader = GGUFReader(path)
-    if TENSOR_PROCESSORS.get(_architecture(reader), TensorProcessor) not in _ROW_PROCESSORS:
+    header = gguf_header.read(path)
+    if TENSOR_PROCESSORS.get(header.architecture, TensorProcessor) not in _ROW_PROCESSORS:
         return False
-    return any(gguf_layout(t.tensor_type.name) != "dense" and len(t.shape) == 2 for t in reader.tensors)
+    return any(gguf_layout(t.gguf_type) != "dense" and len(t.shape) == 2 for t in header.tensors)
 
 
-def _read(fd: int, tensor) -> np.ndarray:
+def _read(fd: int, tensor: TensorInfo) -> np.ndarray:
     """A tensor's bytes, read on their own (no mapping of the file stays resident), in the shape
     and dtype the reader gives them (quantized: rows of blocks as uint8)."""
-    raw = os.pread(fd, int(tensor.n_bytes), int(tensor.data_offset))
-    return np.frombuffer(raw, dtype=tensor.data.dtype).reshape(tensor.data.shape)
+    raw = os.pread(fd, tensor.n_bytes, tensor.data_offset)
+    return np.frombuffer(raw, dtype=tensor.data_dtype).reshape(tensor.data_shape)
+
+
+@contextmanager
+def _one_name_map():
+    """transformers' `get_gguf_hf_weights_map` walks every submodule (about 400 in a small model)
+    and builds gguf's name map, the same one, afresh at each: seconds of a load. While this is open,
+    gguf's `get_tensor_name_map` (which it imports at each call) returns one map per architecture;
+    the maps are only read."""
+    plain = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(plain)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = plain
 
 
 def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
@@ -49,19 +64,20 @@ def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module
     return model.get_submodule(owner), attr
 
 
-def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor, dtype: torch.dtype,
+def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInfo, dtype: torch.dtype,
            device: torch.device) -> None:
     """Put one tensor where the model holds it: a quantized Linear weight replaces its layer;
     anything else becomes a dense parameter (a quantized layer's bias, a buffer of it)."""
     owner, attr = _module_and_attr(model, name)
-    if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.tensor_type.name) != "dense":
+    qtype = GGMLQuantizationType[tensor.gguf_type]
+    if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.gguf_type) != "dense":
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
-        layer = gguf_weights.linear(raw, tensor.tensor_type, device)
+        layer = gguf_weights.linear(raw, qtype, device)
         if owner.bias is not None and owner.bias.device.type != "meta":  # its bias came first
             layer.bias = owner.bias.detach()
         setattr(model.get_submodule(parent_name), child, layer)
         return
-    value = gguf_weights.dense(raw, tensor.tensor_type, dtype)
+    value = gguf_weights.dense(raw, qtype, dtype)
     if attr in owner._buffers:
         owner._buffers[attr] = value
     else:
@@ -74,15 +90,14 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
     `device`, the rest on the CPU (the caller moves it)."""
     from accelerate import init_empty_weights
 
-    reader = GGUFReader(path)
-    tensors, architecture = reader.tensors, _architecture(reader)
-    del reader  # its parsed header (a vocabulary's worth of small arrays) goes before the weights come
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    header = gguf_header.read(path)
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
     with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-    names = get_gguf_hf_weights_map(model, processor)
+    with _one_name_map():
+        names = get_gguf_hf_weights_map(model, processor)
     with open(path, "rb") as file:
-        for tensor in tensors:
+        for tensor in header.tensors:
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
                 _place(model, names[found.name], found.weights, tensor, dtype, device)

@@ -33,9 +33,11 @@ class LoadedModel:
     weight_bytes: int = 0  # what its weights hold on the device (one rank's, when tensor-parallel)
 
 
-def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedConfig, str]:
-    """The model's config and the attention implementation its (tested) architecture runs with."""
-    config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
+def _architecture(files: ModelFiles, profile: ModelProfile, header: Path | None) -> tuple[PretrainedConfig, str]:
+    """The model's config (from `header`, a GGUF file's config kept apart, when there is one) and
+    the attention implementation its (tested) architecture runs with."""
+    config = (AutoConfig.from_pretrained(header) if header is not None and header.exists()
+              else AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file))
     if profile.vision and not vision.is_vision(config):
         raise ModelLoadError(f"the catalogue says {profile.id} reads images (vision = true), but its model_type "
                              f"'{config.model_type}' is not a supported vision model; supported: "
@@ -43,13 +45,23 @@ def _architecture(files: ModelFiles, profile: ModelProfile) -> tuple[PretrainedC
     return config, architectures.attention_implementation(config.model_type)
 
 
-def _converted_copy(files: ModelFiles, cache_dir: Path | None, dtype: torch.dtype) -> Path | None:
-    """Where a dequantised copy of a GGUF file is kept, so later loads skip the slow unpacking."""
+def _converted_copy(files: ModelFiles, cache_dir: Path | None, what: str) -> Path | None:
+    """Where `what` of a GGUF file is kept, so later loads skip the slow unpacking: a dequantised
+    copy (`what` its dtype's name), or its config and tokenizer alone ("header", for a model whose
+    weights load as stored)."""
     if not (files.gguf_file and cache_dir):
         return None
     stat = (files.folder / files.gguf_file).stat()
-    dtype_name = str(dtype).removeprefix("torch.")
-    return cache_dir / f"{Path(files.gguf_file).stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype_name}"
+    return cache_dir / f"{Path(files.gguf_file).stem}-{stat.st_size}-{int(stat.st_mtime)}-{what}"
+
+
+def _save_header(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """A GGUF file's config and tokenizer as a folder: reading them back takes a fraction of a
+    second, where transformers parses the whole GGUF header (its vocabulary) for each."""
+    partial = target.with_name(target.name + ".partial")
+    config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
 
 
 def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
@@ -137,15 +149,26 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     dynamic_int8 = profile.quant == "int8" and devices.is_cpu(device)
     dtype = _DTYPES.get(profile.dtype) or (torch.float32 if dynamic_int8 else devices.default_dtype(device))
     as_stored = weights_as_stored(files, profile, tp_size)
-    converted = None if as_stored else _converted_copy(files, convert_cache, dtype)
+    converted = None if as_stored else _converted_copy(files, convert_cache, str(dtype).removeprefix("torch."))
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
-    config, attention = _architecture(files, profile)
+    header = _converted_copy(files, convert_cache, "header") if as_stored and not files.tokenizer_folder else None
+    config, attention = _architecture(files, profile, header)
     log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
     tokenizer_from = files.tokenizer_folder or files.folder
     processor = vision.load_processor(files.folder) if vision.is_vision(config) else None
-    tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(
-        tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file)
+    if header is not None and header.exists():
+        tokenizer = AutoTokenizer.from_pretrained(header)
+    elif processor is not None:
+        tokenizer = processor.tokenizer
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder
+                                                  else files.gguf_file)
+    if header is not None and not header.exists():
+        try:
+            _save_header(config, tokenizer, header)
+        except Exception as exc:  # a cache that cannot be written only costs time
+            log.warning("could not keep %s's config and tokenizer at %s: %s", files.gguf_file, header, exc)
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     if as_stored:
