@@ -5,7 +5,8 @@ vocabulary), and placement's estimate (shared/memory.py), the choice to load qua
 loader itself (node_agent/model/gguf_loader.py) all need the header: they share this record, which
 keeps no token and no mapping of the file. It is also kept as JSON under the node's convert cache
 (`CORTEX_CONVERT_CACHE`/gguf-headers), so a restarted node or a test run's next process skips the
-parse too."""
+parse too (files with a vocabulary of KEEP_VOCAB tokens or more: the tokens are what the parse
+spends its time on, and a small file's header is read about as fast as its JSON)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+KEEP_VOCAB = 10_000
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _parse(path: str, size: int, mtime_ns: int) -> GGUFHeader:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the kept header %s: %s", kept, exc)
     header = _read_file(path)
-    if kept is not None:
+    if kept is not None and header.vocab_size >= KEEP_VOCAB:
         try:
             kept.parent.mkdir(parents=True, exist_ok=True)
             partial = kept.with_name(kept.name + f".{os.getpid()}.partial")

@@ -179,3 +179,24 @@ def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     one_layer = full_precision // 8
     added = figures["peak"] - figures["base"]
     assert added <= files["wide"].stat().st_size + one_layer + (48 << 20) < full_precision, figures | {"added": added}
+
+
+def test_a_gguf_files_config_and_tokenizer_are_kept_and_read_back_on_the_next_load(tmp_path, monkeypatch):
+    """transformers parses the whole GGUF header (its vocabulary) for the config and again for the
+    tokenizer: the first load keeps both as a folder in the convert cache, later loads read that."""
+    profile = Catalog.load(None).resolve("default").model_copy(update={"kv_cache_mb": 1, "slots": 1})
+    first = loader.load(profile, "cpu", None, tmp_path)
+    kept = next(tmp_path.glob("*-header"))
+    assert (kept / "config.json").exists() and (kept / "tokenizer.json").exists()
+    sources = []
+    for reader in (loader.AutoConfig, loader.AutoTokenizer):
+        plain = reader.from_pretrained
+        monkeypatch.setattr(reader, "from_pretrained",
+                            lambda *a, plain=plain, **kw: sources.append((a[0], kw.get("gguf_file"))) or plain(*a, **kw))
+    again = loader.load(profile, "cpu", None, tmp_path)
+    assert len(sources) >= 2 and set(sources) == {(kept, None)}  # (the tokenizer reads the config too)
+    assert again.quant == first.quant == "int4"
+    assert again.tokenizer.get_vocab() == first.tokenizer.get_vocab()
+    assert again.tokenizer.chat_template == first.tokenizer.chat_template
+    where = lambda lm: lm.model.config.to_dict() | {"_name_or_path": None}  # noqa: E731  (the folder read from)
+    assert where(again) == where(first)
