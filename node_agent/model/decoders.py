@@ -106,13 +106,8 @@ class StaticDecoder:
             self.wide = torch.zeros(3, slots, width, dtype=torch.long, device=self.cache.device)
             self.wide_staging = torch.zeros(3, slots, width, dtype=torch.long, pin_memory=self.capture)
             self.graphs = {key: graph for key, graph in self.graphs.items() if len(key) == 2}  # read the old buffer
-        staging, scratch = self.wide_staging[:, :batch, :width], self.cache.scratch_position
-        staging[0].zero_()
-        staging[1:].fill_(scratch)
-        for i, (tokens, start) in enumerate(zip(rows, starts)):
-            staging[0, i, : len(tokens)] = torch.tensor(tokens)
-            staging[1, i] = torch.arange(start, start + width).clamp(max=self.cache.max_len - 1)
-            staging[2, i, : len(tokens)] = staging[1, i, : len(tokens)]
+        staging = self.wide_staging[:, :batch, :width]
+        forward.padded_inputs(list(zip(rows, starts)), staging, self.cache.scratch_position, self.cache.max_len)
         self.wide[:, :batch, :width].copy_(staging, non_blocking=True)
         return self._replay((batch, width, kv_len), lambda: self._run_verify(batch, width, kv_len))[:n]
 

@@ -94,6 +94,21 @@ def decode_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor,
     return logits(model, hidden[:, -1])
 
 
+def padded_inputs(rows: list[tuple[list[int], int]], out: torch.Tensor, scratch: int, max_len: int) -> None:
+    """Fill `out` [3, B, W] (token ids, positions, write positions) with rows of (tokens, first
+    position), each right-padded to W: a row's positions run on from its start (clamped to the
+    cache), its padding writes the scratch position; rows past `rows` are padding rows (token 0,
+    every column at the scratch position). The layout `forward` over several rows and `verify_step` take."""
+    out[0].zero_()
+    out[1:].fill_(scratch)
+    width = out.shape[2]
+    for i, (tokens, start) in enumerate(rows):
+        n = len(tokens)
+        out[0, i, :n] = torch.tensor(tokens)
+        out[1, i] = torch.arange(start, start + width).clamp(max=max_len - 1)
+        out[2, i, :n] = out[1, i, :n]
+
+
 def verify_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                 write_pos: torch.Tensor, rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
     """W tokens for each of rows 0..B-1 (a row's last token, then its draft tokens): `tokens`,

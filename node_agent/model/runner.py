@@ -22,7 +22,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from node_agent.model import decoders
+from node_agent.model import decoders, forward
 from node_agent.model.acceptance import NO_DRAFT, kept, verify
 from node_agent.model.kv_cache import PackedChunk
 from node_agent.model.loader import LoadedModel
@@ -175,18 +175,10 @@ class Runner:
         """A forward's inputs for rows of (tokens, first position), right-padded to the widest: token
         ids, positions and write positions ([rows, width], on the device; padding writes the scratch
         position), and the positions read."""
-        width = max(len(tokens) for tokens, _ in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        write_pos = torch.full((len(rows), width), self.cache.scratch_position, dtype=torch.long)
-        for i, (tokens, start) in enumerate(rows):
-            n = len(tokens)
-            input_ids[i, :n] = torch.tensor(tokens)
-            positions[i] = torch.arange(start, start + width).clamp(max=self.max_len - 1)
-            write_pos[i, :n] = positions[i, :n]
-        kv_len = min(max(start + len(tokens) for tokens, start in rows), self.max_len)
-        device = self.lm.device
-        return input_ids.to(device), positions.to(device), write_pos.to(device), kv_len
+        inputs = torch.empty(3, len(rows), max(len(tokens) for tokens, _ in rows), dtype=torch.long)
+        forward.padded_inputs(rows, inputs, self.cache.scratch_position, self.max_len)
+        input_ids, positions, write_pos = inputs.to(self.lm.device)
+        return input_ids, positions, write_pos, min(max(start + len(tokens) for tokens, start in rows), self.max_len)
 
     def _prefill(self, chunks: list[PrefillChunk], start: int, result: StepResult) -> torch.Tensor | None:
         """One forward over the chunk group (rows start.., right-padded to the widest chunk);
