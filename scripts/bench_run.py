@@ -599,8 +599,10 @@ def parse_args(argv=None):
                    help="comma-separated catalogue `quant` settings (none, auto, int8, int4) for the Cortex rows only "
                         "(engine, gateway; `auto`: a GGUF file's weights as stored); the baselines stay unquantised. "
                         "The first is the Cortex rows' as usual; each other one runs the engine and the gateway again, "
-                        "as `engine int4`, `gateway int4`, with ratios against the first and the memory each holds "
-                        "(e.g. --quant none,auto: the default model dequantised and as its GGUF stores it)")
+                        "as `engine int4`, `gateway int4`, with ratios against the first and the memory each holds; "
+                        "QUANT:DTYPE runs that row in its own dtype (e.g. --quant none,auto,auto:bfloat16 on a CPU: "
+                        "the default model dequantised to float32, as its GGUF stores it in float32, and as shipped "
+                        "on a CPU with bf16 instructions)")
     p.add_argument("--decode", default="auto", choices=["auto", "eager", "static", "graphs", "compiled"],
                    help="the catalogue's `decode` for the Cortex rows (how the engine runs a decode step; "
                         "auto: CUDA graphs on a GPU, eager on a CPU)")
@@ -653,8 +655,9 @@ def parse_args(argv=None):
                 "--url and --nodes, or give --speculative off")
     args.quant = list(dict.fromkeys(x.strip() for x in args.quant.split(",") if x.strip())) or ["none"]
     quants = typing.get_args(ModelProfile.model_fields["quant"].annotation)
-    if set(args.quant) - set(quants):
-        p.error(f"--quant takes {', '.join(quants)}")
+    if {q.partition(":")[0] for q in args.quant} - set(quants) or {q.partition(":")[2] for q in args.quant} - {
+            "", "float32", "bfloat16"}:
+        p.error(f"--quant takes {', '.join(quants)}, each optionally with :float32 or :bfloat16")
     if len(args.quant) > 1 and (args.url or args.nodes > 1 or set(args.speculative) - {"off"}
                                 or args.workload != "streams"):
         p.error("several --quant settings run the streams workload's engine and the bench's own "

@@ -178,12 +178,14 @@ def warm_up(served: Served, timeout_s: float, messages: list[dict] | None = None
 
 
 def model_profile(args, quant: str | None = None):
-    """The benchmarked model as Cortex's rows run it; `quant` only for the Cortex rows (--quant)."""
+    """The benchmarked model as Cortex's rows run it; `quant` only for the Cortex rows (--quant: a
+    catalogue `quant`, or `QUANT:DTYPE` for a row in its own dtype)."""
     from shared.catalog import ModelProfile
 
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    quant, _, dtype = (quant or "none").partition(":")  # "auto:bfloat16": a Cortex row's own dtype (--quant)
     return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
-                        dtype=args.dtype, decode=args.decode, quant=quant or "none", **extra)
+                        dtype=dtype or args.dtype, decode=args.decode, quant=quant, **extra)
 
 
 def fleet_routing(url: str, model: str) -> dict:

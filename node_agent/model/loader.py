@@ -104,16 +104,10 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
                  "itself)", profile.id)
         return
     why_not = packed_linear.packable(model)
-    # A quantized model's layers compute in bfloat16 (quantized_linear.COMPUTE_DTYPE): its output head,
-    # at one stream the largest read of a step, does too where the CPU has bf16 instructions
-    # (half the bytes of float32: a 4-bit default model's step ~25% faster here, docs/benchmarks.md).
-    head_dtype = (quantized_linear.COMPUTE_DTYPE if quantized_linear.held_as(model) != "none"
-                  and devices.cpu_has_fast_bf16() else None)
     if why_not:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
     else:
-        log.info("%s: %d Linear layers packed for oneDNN%s", profile.id, packed_linear.pack(model, head_dtype),
-                 ", the output head in bfloat16" if head_dtype is not None else "")
+        log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
     if cpu_attention.enable(model):
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 

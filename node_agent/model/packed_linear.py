@@ -10,20 +10,19 @@ ROWS_HINT = 32  # the rows oneDNN tunes its packing for: a decode batch
 
 
 class PackedLinear(torch.nn.Module):
-    """`y = x @ W.T + b` over the packed `W` ([out, in], opaque to everything but oneDNN), held and
-    computed in `dtype` (default the layer's own; the output is the input's dtype either way)."""
+    """`y = x @ W.T + b` over the packed `W` ([out, in], opaque to everything but oneDNN)."""
 
-    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype | None = None):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(dtype or linear.weight.dtype)
+        weight = linear.weight.detach()
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).to(self.weight.dtype), self.weight,
-                                                  self.bias, "none", [None], "")
-        return flat.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none",
+                                                  [None], "")
+        return flat.view(*x.shape[:-1], self.out_features)
 
 
 def packable(model: torch.nn.Module) -> str | None:
@@ -36,15 +35,14 @@ def packable(model: torch.nn.Module) -> str | None:
     return None
 
 
-def pack(model: torch.nn.Module, head_dtype: torch.dtype | None = None) -> int:
+def pack(model: torch.nn.Module) -> int:
     """Replace, in place, every plain `nn.Linear` of a CPU model by a `PackedLinear`; returns how
     many. A weight tied to an embedding (the output head of most small models) is packed as a
-    copy: the embedding keeps its own. `head_dtype`: the output head's (default its own)."""
-    head = model.get_output_embeddings()
+    copy: the embedding keeps its own."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child, head_dtype if child is head else None))
+                setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
