@@ -126,6 +126,12 @@ class Engine(OnDevice):
         s = self.speculation
         return SpecDecodeStats(drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
 
+    def replica_facts(self) -> dict:
+        """What a node's heartbeat says of this replica once loaded (shared/heartbeat.py ModelInfo's
+        fields): its context, how its weights are held, its KV cache and its speculation."""
+        return dict(max_model_len=self.max_len, quant=self.lm.quant, weight_mb=self.lm.weight_bytes >> 20,
+                    kv=self.kv_stats(), spec=self.spec_stats())
+
     def release(self) -> None:
         """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
         self.fail_all()

@@ -83,6 +83,11 @@ class PoolingEngine(OnDevice):
     def has_work(self) -> bool:
         return bool(self._waiting)
 
+    def replica_facts(self) -> dict:
+        """What a node's heartbeat says of this replica once loaded (ModelInfo's fields): its context
+        (embedding and rerank models load at full precision, keep no KV cache, do not speculate)."""
+        return dict(max_model_len=self.max_len)
+
     def memory_bytes(self) -> int:
         """Weights, plus one pass's activations (as placement counts them: shared/memory.py)."""
         config = self.lm.model.config

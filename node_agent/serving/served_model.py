@@ -14,8 +14,8 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
+from node_agent.serving.engine_start import start_engine
 from node_agent.files.puller import Pull
-from node_agent.model import loader
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.intake import Intake
@@ -25,7 +25,6 @@ from node_agent.serving.output_process import Feedback
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
 from node_agent.serving.replica_output import ReplicaOutput
-from node_agent.tp import tensor_parallel
 from shared.catalog import ModelProfile
 from shared.errors import (CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned,
                            ModelPullFailed, NodeLost)
@@ -35,21 +34,6 @@ from shared.lifecycle import ModelState
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
-
-
-def _start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
-    """On the device thread: load the model (sharded over `device_ids` when tensor-parallel) and
-    build its engine; a tensor-parallel model's other ranks stop if that fails."""
-    if profile.tensor_parallel > 1:
-        loaded = tensor_parallel.load(profile, device_ids, settings, node)
-    else:
-        loaded = loader.load(profile, device_ids[0], settings.hf_cache, settings.convert_cache)
-    try:
-        return Engine(loaded, profile, node)
-    except BaseException:
-        if loaded.group is not None:
-            loaded.group.close()
-        raise
 
 
 class OutputProcessExited(RuntimeError):
@@ -86,20 +70,9 @@ class ServedModel:
     def info(self) -> ModelInfo:
         return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
                          slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
-                         max_model_len=self.engine.max_len if self.engine is not None else 0,
-                         **(self.weight_facts() if self.engine is not None else {}),
                          last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
-                         error=self.replica.error,
-                         **(self.engine_stats() if self.engine is not None else {}),
-                         download=self.pull.progress() if self.pull is not None else None)
-
-    def weight_facts(self) -> dict:
-        """How the loaded model holds its weights, for the heartbeat."""
-        return dict(quant=self.engine.lm.quant, weight_mb=self.engine.lm.weight_bytes >> 20)
-
-    def engine_stats(self) -> dict:
-        """The loaded engine's figures the heartbeat carries (its KV cache, its speculation)."""
-        return dict(kv=self.engine.kv_stats(), spec=self.engine.spec_stats())
+                         error=self.replica.error, download=self.pull.progress() if self.pull is not None else None,
+                         **(self.engine.replica_facts() if self.engine is not None else {}))
 
     @property
     def memory_mb(self) -> int:
@@ -149,7 +122,7 @@ class ServedModel:
     async def _open(self) -> None:
         """Start the output process, build the engine on the device thread and step it there."""
         await self.output.start()  # it starts up while the model loads
-        self.engine = await self.device.call(_start_engine, self.load_from, self.devices, self.settings,
+        self.engine = await self.device.call(start_engine, self.load_from, self.devices, self.settings,
                                              self.consumer_name)
         self.check_still_loading()
         self.intake.attach(self.engine)

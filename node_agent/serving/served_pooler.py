@@ -9,14 +9,12 @@ is no text to make)."""
 import logging
 
 from node_agent.engine.pooler import PooledJob, PoolingEngine, PoolingStep
-from node_agent.model import pooling
+from node_agent.serving.engine_start import start_pooler
 from node_agent.serving.pooling_intake import PoolingIntake
 from node_agent.serving.ledger import Running
 from node_agent.serving.publisher import Charge, Outgoing
 from node_agent.serving.served_model import ServedModel
 from shared.catalog import ModelProfile
-from shared.model_files import ModelLoadError
-from shared.settings import NodeSettings
 from shared.wire import DoneEvent, Usage
 
 log = logging.getLogger(__name__)
@@ -27,19 +25,12 @@ def served_class(profile: ModelProfile) -> type[ServedModel]:
     return ServedModel if profile.kind == "generate" else ServedPooler
 
 
-def _start(profile: ModelProfile, device: str, settings: NodeSettings) -> PoolingEngine:
-    """On the device thread: load the model and build its engine."""
-    if profile.tensor_parallel > 1:
-        raise ModelLoadError(f"{profile.id}: embedding and rerank models run on one device (tensor_parallel = 1)")
-    return PoolingEngine(pooling.load(profile, device, settings.hf_cache), profile)
-
-
 class ServedPooler(ServedModel):
     intake_type = PoolingIntake
     engine: PoolingEngine | None
 
     async def _open(self) -> None:
-        self.engine = await self.device.call(_start, self.load_from, self.devices[0], self.settings)
+        self.engine = await self.device.call(start_pooler, self.load_from, self.devices[0], self.settings)
         self.check_still_loading()
         self.intake.attach(self.engine)
         await self.device.attach(self.engine, self._on_step, self.on_failure)
@@ -50,12 +41,6 @@ class ServedPooler(ServedModel):
     def memory_mb(self) -> int:
         held = self.engine.memory_bytes() if self.engine is not None else 0
         return max(self.reserved_mb, held >> 20)
-
-    def engine_stats(self) -> dict:
-        return {}  # a pooling engine keeps no KV cache and does not speculate
-
-    def weight_facts(self) -> dict:
-        return {}  # embedding and rerank models load at full precision
 
     def _on_step(self, out: PoolingStep) -> None:
         """On the device thread: hand the step's finished jobs to the event loop."""
