@@ -25,6 +25,8 @@ class ModelStatus(BaseModel):
     slots_total: int
     memory_mb: int = 0
     max_model_len: int = 0  # the context it runs with; 0 until loaded
+    quant: str = ""  # how its Linear weights are held ("int4", "int8", "none"); "" until loaded
+    weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
@@ -63,7 +65,7 @@ class NodeStatus(BaseModel):
                 name: ModelStatus(
                     state=str(m.state), device=m.device, devices=m.devices or [m.device], slots_used=m.slots_used,
                     slots_total=m.slots_total, memory_mb=m.memory_mb, max_model_len=m.max_model_len,
-                    last_used_ms=m.last_used_ms,
+                    quant=m.quant, weight_mb=m.weight_mb, last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
                     spec=m.spec, error=m.error, download=m.download,
                 )

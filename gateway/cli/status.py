@@ -31,6 +31,7 @@ def _model(name: str, m: ModelStatus) -> str:
     idle = "busy" if m.slots_used else (_age(m.idle_s) if m.idle_s is not None else "-")
     return (f"{name} [{_STATE_STYLE.get(m.state, 'white')}]{m.state}[/] {m.slots_used}/{m.slots_total}"
             + (f" ctx={m.max_model_len}" if m.max_model_len else "")
+            + (f" weights={m.quant}:{m.weight_mb}MB" if m.quant else "")
             + f" q={m.queue_depth} idle={idle}"
             + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
             + (f" ({m.error})" if m.error else "")

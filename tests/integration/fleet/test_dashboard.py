@@ -64,6 +64,7 @@ def test_the_dashboard_shows_the_fleet_and_its_queue_live(fleet_stack, tmp_path)
     assert int(re.search(r'data-refreshes="(\d+)"', dom).group(1)) >= 2  # it polled and redrew, no reload
     assert cell(dom, "nodes", "n1")[1] == "active" and cell(dom, "nodes", "n2")[1] == "active"
     assert {cell(dom, "models", "tiny-a")[2]} == {"ready"}
+    assert cell(dom, "models", "tiny-a")[3].startswith("none, ")  # a float32 checkpoint: weights not quantized
     assert int(cell(dom, "queues", "tiny-a")[1]) > 0
     assert "secret-prompt" not in dom  # never a prompt
     join_all(threads, 180)

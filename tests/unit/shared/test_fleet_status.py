@@ -184,10 +184,10 @@ async def test_catalogue_models_no_live_node_holds_are_not_loaded(r):
     assert "not loaded" in text and "cold" in text and "900" in text
 
 
-async def test_table_shows_idle_time_queue_depth_and_labels(r):
+async def test_table_shows_idle_time_queue_depth_weights_and_labels(r):
     keys = Keys()
     hb = heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, max_model_len=8192,
-                                             last_used_ms=NOW_MS - 125_000)})
+                                             last_used_ms=NOW_MS - 125_000, quant="int4", weight_mb=171)})
     hb.labels = ["gpu", "fast"]
     hb.state = "draining"
     await publish(r, keys, hb)
@@ -197,7 +197,7 @@ async def test_table_shows_idle_time_queue_depth_and_labels(r):
     render_fleet(await Fleet(r, keys, 8).status(NOW_MS), console)
 
     text = console.export_text()
-    for expected in ("ctx=8192", "q=1", "idle=2m05s", "draining", "gpu,fast"):
+    for expected in ("ctx=8192", "weights=int4:171MB", "q=1", "idle=2m05s", "draining", "gpu,fast"):
         assert expected in text
 
 
