@@ -7,7 +7,8 @@ parameters, and each tensor is read from the files on its own. A Linear whose we
 checkpoint quantizes becomes the quantized layer node_agent/model/checkpoint_weights.py makes
 of its tensors (quant "auto"), or a dense Linear of its dequantised weight (any other quant);
 every other tensor (embeddings, norms, an output head or layer left unquantized) loads dense
-in the model's dtype. The host never holds the model at full precision under "auto"."""
+in the model's dtype. Under "auto" the host holds no more at full precision than one Linear's
+float32 temporaries at a time (the files are memory-mapped: pages read stay in the page cache)."""
 
 import copy
 from contextlib import ExitStack
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
-from node_agent.model import checkpoint_weights
+from node_agent.model import checkpoint_weights, meta_model
 from node_agent.model.checkpoint_weights import FourBit
 from node_agent.model.quantized_linear import Int8Linear
 from shared.model_files import ModelLoadError
@@ -40,6 +41,8 @@ def _refuse_unread(settings: dict) -> None:
     kind = settings["quant_method"]
     if kind in ("awq", "gptq") and settings.get("bits", 4) != 4:
         raise ModelLoadError(f"{kind} checkpoints are read at 4 bits only, not {settings['bits']}")
+    if kind == "awq" and settings.get("zero_point") is False:
+        raise ModelLoadError("AWQ checkpoints without zero points (zero_point = false) are not read")
     if kind == "awq" and str(settings.get("version", "gemm")).lower() != "gemm":
         raise ModelLoadError(f"AWQ's '{settings['version']}' layout is not read; only 'gemm' (AutoAWQ's default)")
     if kind == "compressed-tensors":
@@ -108,13 +111,6 @@ def _weight(files: _Files, owner: str, attrs: set[str], settings: dict) -> FourB
     return None
 
 
-def _set_dense(module: torch.nn.Module, attr: str, value: torch.Tensor) -> None:
-    if attr in module._buffers:
-        module._buffers[attr] = value
-    else:
-        setattr(module, attr, torch.nn.Parameter(value, requires_grad=False))
-
-
 def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, dtype: torch.dtype) -> None:
     """A module's tensors the checkpoint keeps dense, floating point ones in `dtype`; a tensor the
     model has no place for is left (as transformers leaves unexpected keys)."""
@@ -124,7 +120,7 @@ def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Fi
         return
     for attr in sorted(a for a in attrs if hasattr(module, a)):
         value = files.read(f"{owner}.{attr}")
-        _set_dense(module, attr, value.to(dtype) if value.is_floating_point() else value)
+        meta_model.set_dense(module, attr, value.to(dtype) if value.is_floating_point() else value)
 
 
 def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Tensor, bias: torch.Tensor | None,
@@ -132,10 +128,13 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
     """A quantized Linear weight (and its bias) into the model: the layer that runs it quantized
     on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are not whole groups) its
     dequantised weight in `dtype`."""
-    linear = model.get_submodule(owner)
+    try:
+        linear = model.get_submodule(owner)
+    except AttributeError:
+        linear = None
     if type(linear) is not torch.nn.Linear:
-        raise ModelLoadError(f"{owner} is quantized in the checkpoint but is a {type(linear).__name__} in "
-                             f"transformers' {type(model).__name__}: only Linear layers are read quantized")
+        raise ModelLoadError(f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
+                             f"{type(model).__name__} (fused experts?): only Linear layers are read quantized")
     if keep_quantized:
         on_device = None if bias is None else bias.to(device)
         layer = (weight.layer(on_device, device) if isinstance(weight, FourBit)
@@ -144,9 +143,9 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
             parent, _, child = owner.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
             return
-    _set_dense(linear, "weight", (weight.dequantised() if isinstance(weight, FourBit) else weight).to(dtype))
+    meta_model.set_dense(linear, "weight", (weight.dequantised() if isinstance(weight, FourBit) else weight).to(dtype))
     if bias is not None:
-        _set_dense(linear, "bias", bias)
+        meta_model.set_dense(linear, "bias", bias)
 
 
 def _settings(config: PretrainedConfig) -> dict:
@@ -159,14 +158,11 @@ def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: 
     """The model of `config` (its `quantization_config` one `method` reads) in eval mode, its
     quantized Linear layers kept quantized on `device` or dequantised to `dtype`, the rest on the
     CPU (the caller moves it). Its config no longer carries the quantization_config."""
-    from accelerate import init_empty_weights
-
     settings = _settings(config)
     _refuse_unread(settings)
     plain = copy.deepcopy(config)
     del plain.quantization_config  # else transformers would look for the method's own layers
-    with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) real
-        model = AutoModelForCausalLM.from_config(plain, dtype=dtype, attn_implementation=attention)
+    model = meta_model.empty(plain, dtype, attention)
     with ExitStack() as stack:
         files = _Files(folder, stack)
         for owner, attrs in files.by_owner().items():
@@ -176,10 +172,4 @@ def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: 
             else:
                 bias = files.read(f"{owner}.bias").to(dtype) if "bias" in attrs else None
                 _place_linear(model, owner, weight, bias, keep_quantized, dtype, device)
-    if plain.tie_word_embeddings:
-        model.tie_weights()
-    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
-    if empty:
-        raise ModelLoadError(f"{folder.name} has no tensors for {', '.join(empty[:5])}"
-                             f"{' …' if len(empty) > 5 else ''}")
-    return model.eval()
+    return meta_model.filled(model, plain, folder.name)

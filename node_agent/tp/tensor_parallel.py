@@ -81,9 +81,9 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if profile.quant not in ("auto", "none"):  # "auto" shards a GGUF file's weights dequantised
         raise ModelLoadError(f"quant = '{profile.quant}' does not shard: tensor parallelism runs full-precision "
                              f"weights (quant = 'none' or 'auto'); run {profile.id} with tensor_parallel = 1 to quantize it")
-    if quantized_checkpoint.method(config):
-        raise ModelLoadError(f"{profile.id} is a {quantized_checkpoint.method(config)} checkpoint: its quantized layers "
-                             "do not shard; run it with tensor_parallel = 1")
+    if quantized := quantized_checkpoint.method(config):
+        raise ModelLoadError(f"{profile.id} is a {quantized} checkpoint: its quantized layers do not shard; run it "
+                             "with tensor_parallel = 1")
     RankGroup.refuse_second()
 
 

@@ -223,3 +223,17 @@ def test_tensor_parallelism_refuses_a_quantized_checkpoint(checkpoints):
     config = loader.AutoConfig.from_pretrained(profile.source)
     with pytest.raises(ModelLoadError, match="awq checkpoint: its quantized layers do not shard"):
         tensor_parallel.check(profile, config, ["cpu:0", "cpu:1"])
+
+
+@pytest.mark.parametrize("fmt, change, reason", [
+    ("awq", {"bits": 8}, "at 4 bits only"),
+    ("awq", {"version": "gemv"}, "only 'gemm'"),
+    ("fp8_channel", {"config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}, "only float8"),
+])
+def test_a_variant_that_is_not_read_is_refused_with_the_reason(checkpoints, tmp_path, fmt, change, reason):
+    folder = shutil.copytree(checkpoints(fmt)[0].source, tmp_path / fmt)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] |= change
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=reason):
+        loader.load(tiny_profile(folder), "cpu")
