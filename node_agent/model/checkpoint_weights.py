@@ -5,8 +5,11 @@ holds: a quantized layer (node_agent/model/quantized_linear.py) or the dequantis
   `W[o, i] = (q - z) * s`. That is Int4Linear's `(q - 8) * s + zero` with `zero = (8 - z) * s`,
   so wherever each run of GROUP (32) inputs falls in one group (groups of 32, 64, 128, or a whole
   row) a layer loads code for code, with only its scales and zeros rounded to bfloat16. A GPTQ
-  layer quantized in activation order (`desc_act`, its `g_idx` not sorted) mixes groups within
-  32 inputs: it is dequantised and rounded to 4-bit groups of 32 again.
+  layer quantized in activation order (`desc_act`, its `g_idx` not sorted) groups runs of a
+  permutation of the inputs: it loads code for code with its columns sorted by group, and
+  gathers its input in that order (ReorderedInt4Linear). Groups that stay mixed within 32
+  inputs (a group size that is no multiple of 32) are dequantised and rounded to 4-bit groups
+  of 32 again.
 - FP8 (float8_e4m3fn times a scale per tensor, output channel or block) has no integer codes to
   keep: dequantised and rounded to Int8Linear's 8 bits per output channel (FP8 matmuls, torch's
   `_scaled_mm` on a GPU, are not used)."""
@@ -15,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from node_agent.model.quantized_linear import Int4Linear
+from node_agent.model.quantized_linear import Int4Linear, ReorderedInt4Linear
 from shared.weight_formats import GROUP
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # the eight nibbles of an int32 word, lowest first
@@ -41,16 +44,30 @@ class FourBit(NamedTuple):
 
     def layer(self, bias: torch.Tensor | None, device: torch.device) -> Int4Linear | None:
         """The Int4Linear that runs it on `device`: code for code where every GROUP inputs share a
-        group, else its dequantised weight rounded to groups of GROUP; None where the inputs do
-        not fall into whole groups of GROUP (the layer stays dense)."""
+        group, or do once the inputs are sorted by group (GPTQ's activation order: a
+        ReorderedInt4Linear), else its dequantised weight rounded to groups of GROUP; None where
+        the inputs do not fall into whole groups of GROUP (the layer stays dense)."""
         if self.codes.shape[1] % GROUP:
             return None
-        runs = self.group.view(-1, GROUP)
-        if not (runs == runs[:, :1]).all():
-            return Int4Linear.quantize(self.dequantised().to(device), bias)
-        first = runs[:, 0]
+        if _whole_runs(self.group):
+            return Int4Linear(*self._on(device), bias)
+        order = torch.argsort(self.group, stable=True)
+        if _whole_runs(self.group[order]):
+            reordered = FourBit(self.codes[:, order], self.zeros, self.scales, self.group[order])
+            return ReorderedInt4Linear(order.to(torch.int32).to(device), *reordered._on(device), bias)
+        return Int4Linear.quantize(self.dequantised().to(device), bias)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Int4Linear's codes, scale and zero, on `device`, of a weight whose every GROUP inputs share a group."""
+        first = self.group.view(-1, GROUP)[:, 0]
         scale, zero = self.scales[first].t(), self.zeros[first].t()  # [out, in / GROUP]
-        return Int4Linear(self.codes.to(device), scale.to(device), ((8 - zero) * scale).to(device), bias)
+        return self.codes.contiguous().to(device), scale.to(device), ((8 - zero) * scale).to(device)
+
+
+def _whole_runs(group: torch.Tensor) -> bool:
+    """Whether each run of GROUP inputs falls in one group."""
+    runs = group.view(-1, GROUP)
+    return bool((runs == runs[:, :1]).all())
 
 
 def _groups(inputs: int, group_size: int) -> torch.Tensor:

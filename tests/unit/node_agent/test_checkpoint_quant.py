@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from node_agent.engine.engine import Engine
 from node_agent.model import loader, quantized_linear
-from node_agent.model.quantized_linear import Int4Linear, Int8Linear
+from node_agent.model.quantized_linear import Int4Linear, Int8Linear, ReorderedInt4Linear
 from node_agent.serving import prompts
 from node_agent.tp import tensor_parallel
 from shared import memory
@@ -45,11 +45,11 @@ CONFIGS = {
                        config_groups={"group_0": {"targets": ["Linear"], "weights": dict(
                            num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)}}),
 }
-LAYER = {"awq": Int4Linear, "gptq": Int4Linear, "gptq_v2": Int4Linear, "gptq_act_order": Int4Linear,
+LAYER = {"awq": Int4Linear, "gptq": Int4Linear, "gptq_v2": Int4Linear, "gptq_act_order": ReorderedInt4Linear,
          "fp8_block": Int8Linear, "fp8_channel": Int8Linear, "fp8_tensor": Int8Linear}
-# Largest |logit difference| / largest |logit| against the dequantised reference (measured: see BOUND_NOTE).
-BOUND = {"awq": 0.02, "gptq": 0.02, "gptq_v2": 0.02,  # code for code: bfloat16 activations, scales and zeros only
-         "gptq_act_order": 0.3,  # groups mixed within 32 inputs: rounded to 4-bit groups of 32 again
+# Largest |logit difference| / largest |logit| against the dequantised reference (measured: AWQ, GPTQ and gptq_v2
+# 0.0091, GPTQ in activation order 0.0094; FP8 per block 0.032, per channel 0.029, per tensor 0.025).
+BOUND = {"awq": 0.02, "gptq": 0.02, "gptq_v2": 0.02, "gptq_act_order": 0.02,  # code for code: bfloat16 only
          "fp8_block": 0.05, "fp8_channel": 0.05, "fp8_tensor": 0.05}  # rounded per output channel to 8 bits
 
 
@@ -172,7 +172,7 @@ def test_a_quantized_checkpoint_loads_into_quantized_layers_and_matches_its_dequ
     stored, reference = loader.load(profile, "cpu"), loader.load(reference_profile, "cpu")
     layers = [m for m in stored.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert len(layers) == 14 and all(type(m) is LAYER[fmt] for m in layers)  # q k v o gate up down, 2 layers
-    assert stored.quant == ("int4" if LAYER[fmt] is Int4Linear else "int8")
+    assert stored.quant == ("int4" if issubclass(LAYER[fmt], Int4Linear) else "int8")
     assert stored.weight_bytes < reference.weight_bytes
     ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
     got, want = last_logits(stored, ids), last_logits(reference, ids)
@@ -192,7 +192,7 @@ def test_quant_none_dequantises_a_quantized_checkpoint_to_its_reference(checkpoi
     assert all(torch.allclose(got[k], want[k], rtol=1e-6, atol=1e-7) for k in want)
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act_order"])
 def test_the_engine_decodes_a_4_bit_checkpoint_as_hf_runs_it_and_as_its_reference_begins(checkpoints, fmt):
     stored, reference_profile = checkpoints(fmt)
     profile = stored.model_copy(update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1, "block_size": 4})
@@ -207,7 +207,7 @@ def test_the_engine_decodes_a_4_bit_checkpoint_as_hf_runs_it_and_as_its_referenc
         assert got[req.job].token_ids[0][:8] == full_forward_greedy(reference, ids, 8), req.job
 
 
-@pytest.mark.parametrize("fmt", ["awq", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["awq", "fp8_block"])  # (act order adds 4 bytes an input it leaves out: 1.5% here)
 def test_placement_counts_a_quantized_checkpoint_as_the_node_holds_it(checkpoints, fmt):
     # decode = "compiled" leaves Linear layers unpacked: a packed output head is a copy of the tied embedding
     profile = checkpoints(fmt)[0].model_copy(update={"kv_cache_mb": 1, "slots": 1, "decode": "compiled"})
