@@ -127,7 +127,8 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
                   keep_quantized: bool, dtype: torch.dtype, device: torch.device) -> None:
     """A quantized Linear weight (and its bias) into the model: the layer that runs it quantized
     on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are not whole groups) its
-    dequantised weight in `dtype`."""
+    dequantised weight in `dtype`. A bias the model's layer has no place for is left, as
+    transformers leaves it (AutoGPTQ saves one, zeros, for every layer)."""
     try:
         linear = model.get_submodule(owner)
     except AttributeError:
@@ -135,6 +136,8 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
     if type(linear) is not torch.nn.Linear:
         raise ModelLoadError(f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
                              f"{type(model).__name__} (fused experts?): only Linear layers are read quantized")
+    if linear.bias is None:
+        bias = None
     if keep_quantized:
         on_device = None if bias is None else bias.to(device)
         layer = (weight.layer(on_device, device) if isinstance(weight, FourBit)
