@@ -22,7 +22,7 @@ from node_agent.model import checkpoint_weights, meta_model
 from node_agent.model.checkpoint_weights import FourBit
 from node_agent.model.quantized_linear import Int8Linear
 from shared.model_files import ModelLoadError
-from shared.weight_formats import CHECKPOINT_METHODS, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
+from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
 
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # fine-grained fp8's, compressed-tensors'
 
@@ -103,7 +103,7 @@ def _weight(files: _Files, owner: str, attrs: set[str], settings: dict) -> FourB
         return checkpoint_weights.gptq(*(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
                                        g_idx, group_size, zero_offset=0 if gptq_format == "gptq_v2" else 1)
     scale = next((a for a in _FP8_SCALES if a in attrs), None)
-    if "weight" in attrs and scale and files.dtype(f"{owner}.weight") == "F8_E4M3":
+    if "weight" in attrs and scale and files.dtype(f"{owner}.weight") == FP8_DTYPE:
         return checkpoint_weights.fp8(files.read(f"{owner}.weight"), files.read(f"{owner}.{scale}"),
                                       _fp8_block(settings))
     if attrs & {PACKED_4BIT, "weight_packed"}:
