@@ -19,7 +19,6 @@ from node_agent.engine.engine import Engine
 from node_agent.model import loader, quantized_linear
 from node_agent.model.quantized_linear import Int4Linear, Int8Linear, ReorderedInt4Linear
 from node_agent.serving import prompts
-from node_agent.tp import tensor_parallel
 from shared import memory
 from shared.model_files import ModelLoadError
 from tests import tiny_models
@@ -240,13 +239,6 @@ def test_placement_counts_a_quantized_checkpoint_as_the_node_holds_it(checkpoint
     assert memory.weight_bytes(tensors, "none", 4) == quantized_linear.weight_bytes(none.model)
 
 
-def test_tensor_parallelism_refuses_a_quantized_checkpoint(checkpoints):
-    profile = checkpoints("awq")[0].model_copy(update={"tensor_parallel": 2, "kv_cache_mb": 1})
-    config = loader.AutoConfig.from_pretrained(profile.source)
-    with pytest.raises(ModelLoadError, match="awq checkpoint: its quantized layers do not shard"):
-        tensor_parallel.check(profile, config, ["cpu:0", "cpu:1"])
-
-
 @pytest.mark.parametrize("fmt, change, reason", [
     ("awq", {"bits": 8}, "at 4 bits only"),
     ("awq", {"version": "gemv"}, "only 'gemm'"),
@@ -259,3 +251,9 @@ def test_a_variant_that_is_not_read_is_refused_with_the_reason(checkpoints, tmp_
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=reason):
         loader.load(tiny_profile(folder), "cpu")
+
+
+def test_a_rank_of_a_tensor_parallel_load_refuses_a_quantized_checkpoint(checkpoints):
+    """(tensor_parallel.check refuses it before any rank starts; a rank's load says so as well.)"""
+    with pytest.raises(ModelLoadError, match="tensor_parallel = 1"):
+        loader.load(checkpoints("awq")[0], "cpu", tp_size=2)
