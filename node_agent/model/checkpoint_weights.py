@@ -21,13 +21,14 @@ import torch
 from node_agent.model.quantized_linear import Int4Linear, ReorderedInt4Linear
 from shared.weight_formats import GROUP
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # the eight nibbles of an int32 word, lowest first
 _AWQ_COLUMNS = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ packs outputs 0,2,4,6,1,3,5,7 into nibbles 0..7
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 words [..., n] as their eight 4-bit codes [..., n, 8], lowest nibble first."""
-    return ((packed.to(torch.int32)[..., None] >> _SHIFTS) & 0xF).to(torch.uint8)
+    """int32 words [..., n] as their eight 4-bit codes [..., n, 8], lowest nibble first: read as
+    (little-endian) bytes, so that no temporary is wider than the codes."""
+    data = packed.to(torch.int32).contiguous().view(torch.uint8)  # [..., 4n]: nibbles 2k and 2k + 1 in byte k
+    return torch.stack([data & 0xF, data >> 4], dim=-1).view(*packed.shape, 8)
 
 
 class FourBit(NamedTuple):

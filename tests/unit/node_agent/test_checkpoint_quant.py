@@ -257,3 +257,4 @@ def test_a_rank_of_a_tensor_parallel_load_refuses_a_quantized_checkpoint(checkpo
     """(tensor_parallel.check refuses it before any rank starts; a rank's load says so as well.)"""
     with pytest.raises(ModelLoadError, match="tensor_parallel = 1"):
         loader.load(checkpoints("awq")[0], "cpu", tp_size=2)
+
