@@ -17,7 +17,7 @@ from pathlib import Path
 from shared import gguf_header
 from shared.catalog import ModelProfile
 from shared.model_files import locate
-from shared.weight_formats import StoredTensor, weight_bytes
+from shared.weight_formats import StoredTensor, checkpoint_method, checkpoint_tensor, weight_bytes
 
 _MB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -67,16 +67,14 @@ def _gguf_facts(path: Path) -> tuple[list[StoredTensor], dict, dict]:
 def _safetensors_facts(folder: Path) -> tuple[list[StoredTensor], dict, dict]:
     from safetensors import safe_open
 
+    config = json.loads((folder / "config.json").read_text())
     tensors = []
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, framework="numpy") as f:
             for name in f.keys():
-                dims = f.get_slice(name).get_shape()
-                count = 1
-                for dim in dims:
-                    count *= dim
-                tensors.append(StoredTensor(name, count, len(dims)))
-    config = json.loads((folder / "config.json").read_text())
+                stored = f.get_slice(name)
+                if tensor := checkpoint_tensor(name, stored.get_shape(), stored.get_dtype(), checkpoint_method(config)):
+                    tensors.append(tensor)
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
     kinds = config.get("layer_types") or _layer_kinds(config)

@@ -1,6 +1,6 @@
 """How each stored weight format runs on a node, and what it then holds: the one table the node's
-GGUF loader (node_agent/model/gguf_weights.py) and placement's estimate (shared/memory.py) share.
-No torch here, so the gateway can read it."""
+loaders (node_agent/model/gguf_weights.py, checkpoint_weights.py) and placement's estimate
+(shared/memory.py) share. No torch here, so the gateway can read it."""
 
 from typing import Literal, NamedTuple
 
@@ -14,12 +14,48 @@ GROUP = 32  # inputs per 4-bit group
 # a weight (and one bfloat16 scale per output channel, left out).
 BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0}
 
+# Safetensors checkpoints quantized as config.json's `quantization_config` says, and how a node holds
+# their quantized Linear weights under quant = "auto": AWQ's and GPTQ's 4-bit codes as 4-bit groups,
+# FP8 (fine-grained "fp8", compressed-tensors' float8) as 8-bit per output channel.
+CHECKPOINT_METHODS = {"awq", "gptq", "fp8", "compressed-tensors"}
+PACKED_4BIT = "qweight"  # AWQ's and GPTQ's int32 words of eight 4-bit codes
+FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+# What such a checkpoint keeps beside a Linear's codes: its groups' zeros and scales, GPTQ's group of each
+# input, FP8's scales and static activation scales; a layout's bytes a weight count them already.
+SIDE_TENSORS = {"qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale", "activation_scale"}
+
 
 class StoredTensor(NamedTuple):
     name: str
     elements: int
     dims: int
     gguf_type: str = ""  # the GGML type's name; "" in a safetensors checkpoint
+    stored_as: Layout = "dense"  # a quantized safetensors checkpoint's Linear weight: how quant = "auto" holds it
+
+
+def checkpoint_method(config: dict) -> str:
+    """A safetensors checkpoint's quantization (config.json's `quantization_config.quant_method`:
+    "awq", "gptq", "fp8", "compressed-tensors", or another transformers knows), "" where none."""
+    return str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
+
+
+def checkpoint_tensor(name: str, shape: list[int], dtype: str, method: str) -> StoredTensor | None:
+    """One tensor of a safetensors checkpoint as placement counts it. In a checkpoint quantized by
+    one of CHECKPOINT_METHODS: packed 4-bit codes as the weight they unpack to (eight a word), an
+    FP8 weight as a stored 8-bit one, a side tensor not at all (None); the rest as they are."""
+    attr = name.rpartition(".")[2]
+    elements = 1
+    for dim in shape:
+        elements *= dim
+    if method not in CHECKPOINT_METHODS:
+        return StoredTensor(name, elements, len(shape))
+    if attr in SIDE_TENSORS:
+        return None
+    if attr == PACKED_4BIT:
+        return StoredTensor(name, elements * 8, 2, stored_as="int4")
+    if dtype == FP8_DTYPE and len(shape) == 2:
+        return StoredTensor(name, elements, 2, stored_as="int8")
+    return StoredTensor(name, elements, len(shape))
 
 
 def gguf_layout(gguf_type: str) -> Layout:
@@ -38,8 +74,10 @@ def layout(tensor: StoredTensor, quant: str, tensor_parallel: int = 1) -> Layout
     embedding nor the output head) quantized as the node quantizes them, the rest dense."""
     if tensor.dims != 2 or tensor_parallel > 1:
         return "dense"
+    if quant == "auto" and tensor.gguf_type:
+        return "dense" if tensor.name == "token_embd.weight" else gguf_layout(tensor.gguf_type)
     if quant == "auto":
-        return gguf_layout(tensor.gguf_type) if tensor.gguf_type and tensor.name != "token_embd.weight" else "dense"
+        return tensor.stored_as
     if quant in BYTES_PER_WEIGHT and not _is_head_or_embedding(tensor.name):
         return quant
     return "dense"

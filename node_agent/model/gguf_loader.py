@@ -16,14 +16,13 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
                                                       get_gguf_hf_weights_map)
 
-from node_agent.model import gguf_weights
+from node_agent.model import gguf_weights, meta_model
 from shared import gguf_header
 from shared.gguf_header import TensorInfo
-from shared.model_files import ModelLoadError
 from shared.weight_formats import gguf_layout
 
 # Tensor processors that keep one GGUF tensor one transformers tensor (MoE ones split and merge experts).
@@ -77,23 +76,16 @@ def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInf
             layer.bias = owner.bias.detach()
         setattr(model.get_submodule(parent_name), child, layer)
         return
-    value = gguf_weights.dense(raw, qtype, dtype)
-    if attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        setattr(owner, attr, torch.nn.Parameter(value, requires_grad=False))
+    meta_model.set_dense(owner, attr, gguf_weights.dense(raw, qtype, dtype))
 
 
 def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str,
          device: torch.device) -> torch.nn.Module:
     """The model of `config` (read from the same file) in eval mode: its quantized layers on
     `device`, the rest on the CPU (the caller moves it)."""
-    from accelerate import init_empty_weights
-
     header = gguf_header.read(path)
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
-    with init_empty_weights():  # parameters on meta; buffers (rotary frequencies) real
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+    model = meta_model.empty(config, dtype, attention)
     with _one_name_map():
         names = get_gguf_hf_weights_map(model, processor)
     with open(path, "rb") as file:
@@ -101,10 +93,4 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
                 _place(model, names[found.name], found.weights, tensor, dtype, device)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
-    if empty:
-        raise ModelLoadError(f"{path.name} has no tensors for {', '.join(empty[:5])}"
-                             f"{' …' if len(empty) > 5 else ''}")
-    return model.eval()
+    return meta_model.filled(model, config, path.name)

@@ -10,7 +10,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import architectures, cpu_attention, devices, gguf_loader, packed_linear, quantized_linear, vision
+from node_agent.model import (architectures, cpu_attention, devices, gguf_loader, packed_linear, quantized_checkpoint,
+                              quantized_linear, vision)
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -171,9 +172,19 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
             log.warning("could not keep %s's config and tokenizer at %s: %s", files.gguf_file, header, exc)
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
+    quantized = quantized_checkpoint.method(config) if not files.gguf_file else ""
+    if quantized and (tp_size > 1 or processor is not None):
+        raise ModelLoadError(f"{profile.id}'s {quantized} checkpoint loads on one device as a text model only: run it "
+                             "with tensor_parallel = 1 (its quantized layers do not shard)"
+                             + (", vision = false" if processor is not None else ""))
     if as_stored:
         model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention,
                                  devices.torch_device(device))
+    elif quantized:
+        model = quantized_checkpoint.load(files.folder, config, dtype, attention, devices.torch_device(device),
+                                          keep_quantized=profile.quant == "auto")
+        log.info("%s: %s checkpoint read %s", profile.id, quantized,
+                 "with its Linear weights quantized" if profile.quant == "auto" else "dequantised")
     else:
         model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
                                             attn_implementation=attention, **sharding)

@@ -57,6 +57,21 @@ class Int4Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class ReorderedInt4Linear(Int4Linear):
+    """An Int4Linear over its inputs taken in `order` (`x[..., order]`): GPTQ's activation order
+    groups runs of a permutation of the inputs, which become whole groups of GROUP once the codes'
+    columns (and the input) follow that permutation. The order is int32: 4 bytes an input, left out
+    of placement's estimate (shared/weight_formats.py) as Int8Linear's scales are."""
+
+    def __init__(self, order: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None):
+        super().__init__(codes, scale, zero, bias)
+        self.register_buffer("input_order", order)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_order))
+
+
 class Int8Linear(torch.nn.Module):
     """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o]` (q in -127..127)."""
 

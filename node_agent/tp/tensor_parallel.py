@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent.model import devices, forward, kv_cache, loader, vision
+from node_agent.model import devices, forward, kv_cache, loader, quantized_checkpoint, vision
 from node_agent.tp import tp_worker
 from node_agent.model.kv_cache import PagedCache
 from node_agent.model.model_calls import ModelCalls
@@ -81,6 +81,9 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if profile.quant not in ("auto", "none"):  # "auto" shards a GGUF file's weights dequantised
         raise ModelLoadError(f"quant = '{profile.quant}' does not shard: tensor parallelism runs full-precision "
                              f"weights (quant = 'none' or 'auto'); run {profile.id} with tensor_parallel = 1 to quantize it")
+    if quantized := quantized_checkpoint.method(config):
+        raise ModelLoadError(f"{profile.id} is a {quantized} checkpoint: its quantized layers do not shard; run it "
+                             "with tensor_parallel = 1")
     RankGroup.refuse_second()
 
 

@@ -1,0 +1,181 @@
+"""Load a safetensors checkpoint that config.json's `quantization_config` marks AWQ, GPTQ or FP8
+(fine-grained "fp8" as Qwen3-*-FP8 ships, or compressed-tensors' float8) without transformers'
+quantizers, which need packages a node does not have (autoawq, gptqmodel) or a GPU.
+
+As the GGUF loader does (node_agent/model/gguf_loader.py): the model is built with empty (meta)
+parameters, and each tensor is read from the files on its own. A Linear whose weight the
+checkpoint quantizes becomes the quantized layer node_agent/model/checkpoint_weights.py makes
+of its tensors (quant "auto"), or a dense Linear of its dequantised weight (any other quant);
+every other tensor (embeddings, norms, an output head or layer left unquantized) loads dense
+in the model's dtype. Under "auto" the host holds no more at full precision than one Linear's
+float32 temporaries at a time (the files are memory-mapped: pages read stay in the page cache).
+What the load adds at its peak is not bounded by a test yet: on an 8-layer model of 101 MB at
+float32 (an AWQ file of 14 MB) it was 30-80 MB, most of it the allocator's slack from per-layer
+temporaries (25 MB stayed after malloc_trim)."""
+
+import copy
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from node_agent.model import checkpoint_weights, meta_model
+from node_agent.model.checkpoint_weights import FourBit
+from node_agent.model.quantized_linear import Int8Linear
+from shared.model_files import ModelLoadError
+from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
+
+_FP8_SCALES = ("weight_scale_inv", "weight_scale")  # fine-grained fp8's, compressed-tensors'
+
+
+def method(config: PretrainedConfig) -> str:
+    """The checkpoint's quantization this loader reads ("awq", "gptq", "fp8", "compressed-tensors"),
+    "" where it has none or one transformers loads itself."""
+    if getattr(config, "quantization_config", None) is None:
+        return ""
+    found = checkpoint_method({"quantization_config": _settings(config)})
+    return found if found in CHECKPOINT_METHODS else ""
+
+
+def _refuse_unread(settings: dict) -> None:
+    """A ModelLoadError for a variant of a method this loader does not read."""
+    kind = settings["quant_method"]
+    if kind in ("awq", "gptq") and settings.get("bits", 4) != 4:
+        raise ModelLoadError(f"{kind} checkpoints are read at 4 bits only, not {settings['bits']}")
+    if kind == "awq" and settings.get("zero_point") is False:
+        raise ModelLoadError("AWQ checkpoints without zero points (zero_point = false) are not read")
+    if kind == "awq" and str(settings.get("version", "gemm")).lower() != "gemm":
+        raise ModelLoadError(f"AWQ's '{settings['version']}' layout is not read; only 'gemm' (AutoAWQ's default)")
+    if kind == "compressed-tensors":
+        weights = [group.get("weights") or {} for group in (settings.get("config_groups") or {}).values()]
+        if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+            raise ModelLoadError("of compressed-tensors checkpoints only float8 weights are read (config_groups' "
+                                 "weights: type 'float', num_bits 8)")
+
+
+def _fp8_block(settings: dict) -> tuple[int, int] | None:
+    """The rows x columns one FP8 scale covers where the config says (a block-wise checkpoint);
+    None where the scale's shape says it (per tensor, per channel)."""
+    if settings["quant_method"] == "fp8":
+        block = settings.get("weight_block_size")
+    else:
+        block = next((group["weights"].get("block_structure") for group in settings["config_groups"].values()
+                      if group["weights"].get("strategy") == "block"), None)
+    return tuple(block) if block else None
+
+
+class _Files:
+    """Every tensor of a folder's safetensors files, read one at a time by name."""
+
+    def __init__(self, folder: Path, stack: ExitStack):
+        self.where = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(path, framework="pt"))
+            self.where |= {name: handle for name in handle.keys()}
+        if not self.where:
+            raise ModelLoadError(f"{folder} has no .safetensors files")
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def dtype(self, name: str) -> str:
+        return self.where[name].get_slice(name).get_dtype()
+
+    def by_owner(self) -> dict[str, set[str]]:
+        """Module name -> the attributes the files hold for it."""
+        owners: dict[str, set[str]] = {}
+        for name in self.where:
+            owner, _, attr = name.rpartition(".")
+            owners.setdefault(owner, set()).add(attr)
+        return owners
+
+
+def _weight(files: _Files, owner: str, attrs: set[str], settings: dict) -> FourBit | torch.Tensor | None:
+    """A Linear's quantized weight, as 4-bit groups (AWQ, GPTQ) or dequantised (FP8); None where the
+    checkpoint keeps it dense."""
+    kind = settings["quant_method"]
+    group_size = settings.get("group_size", 128)
+    if PACKED_4BIT in attrs and kind == "awq":
+        return checkpoint_weights.awq(*(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
+                                      group_size)
+    if PACKED_4BIT in attrs and kind == "gptq":
+        gptq_format = str(settings.get("checkpoint_format") or settings.get("format") or "gptq").lower()
+        g_idx = files.read(f"{owner}.g_idx") if "g_idx" in attrs else None
+        return checkpoint_weights.gptq(*(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
+                                       g_idx, group_size, zero_offset=0 if gptq_format == "gptq_v2" else 1)
+    scale = next((a for a in _FP8_SCALES if a in attrs), None)
+    if "weight" in attrs and scale and files.dtype(f"{owner}.weight") == FP8_DTYPE:
+        return checkpoint_weights.fp8(files.read(f"{owner}.weight"), files.read(f"{owner}.{scale}"),
+                                      _fp8_block(settings))
+    if attrs & {PACKED_4BIT, "weight_packed"}:
+        raise ModelLoadError(f"{owner}: its {kind} tensors ({', '.join(sorted(attrs))}) are not read")
+    return None
+
+
+def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, dtype: torch.dtype) -> None:
+    """A module's tensors the checkpoint keeps dense, floating point ones in `dtype`; a tensor the
+    model has no place for is left (as transformers leaves unexpected keys)."""
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return
+    for attr in sorted(a for a in attrs if hasattr(module, a)):
+        value = files.read(f"{owner}.{attr}")
+        meta_model.set_dense(module, attr, value.to(dtype) if value.is_floating_point() else value)
+
+
+def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Tensor, bias: torch.Tensor | None,
+                  keep_quantized: bool, dtype: torch.dtype, device: torch.device) -> None:
+    """A quantized Linear weight (and its bias) into the model: the layer that runs it quantized
+    on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are not whole groups) its
+    dequantised weight in `dtype`. A bias the model's layer has no place for is left, as
+    transformers leaves it (AutoGPTQ saves one, zeros, for every layer)."""
+    try:
+        linear = model.get_submodule(owner)
+    except AttributeError:
+        linear = None
+    if type(linear) is not torch.nn.Linear:
+        raise ModelLoadError(f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
+                             f"{type(model).__name__} (fused experts?): only Linear layers are read quantized")
+    if linear.bias is None:
+        bias = None
+    if keep_quantized:
+        on_device = None if bias is None else bias.to(device)
+        layer = (weight.layer(on_device, device) if isinstance(weight, FourBit)
+                 else Int8Linear.quantize(weight.to(device), on_device))
+        if layer is not None:
+            parent, _, child = owner.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer)
+            return
+    meta_model.set_dense(linear, "weight", (weight.dequantised() if isinstance(weight, FourBit) else weight).to(dtype))
+    if bias is not None:
+        meta_model.set_dense(linear, "bias", bias)
+
+
+def _settings(config: PretrainedConfig) -> dict:
+    quantization = config.quantization_config
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
+
+
+def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str, device: torch.device,
+         keep_quantized: bool) -> torch.nn.Module:
+    """The model of `config` (its `quantization_config` one `method` reads) in eval mode, its
+    quantized Linear layers kept quantized on `device` or dequantised to `dtype`, the rest on the
+    CPU (the caller moves it). Its config no longer carries the quantization_config."""
+    settings = _settings(config)
+    _refuse_unread(settings)
+    plain = copy.deepcopy(config)
+    del plain.quantization_config  # else transformers would look for the method's own layers
+    model = meta_model.empty(plain, dtype, attention)
+    with ExitStack() as stack:
+        files = _Files(folder, stack)
+        for owner, attrs in files.by_owner().items():
+            weight = _weight(files, owner, attrs, settings)
+            if weight is None:
+                _place_dense(model, owner, attrs - SIDE_TENSORS, files, dtype)
+            else:
+                bias = files.read(f"{owner}.bias").to(dtype) if "bias" in attrs else None
+                _place_linear(model, owner, weight, bias, keep_quantized, dtype, device)
+    return meta_model.filled(model, plain, folder.name)
