@@ -111,18 +111,20 @@ def heartbeat_ms(stack, node: str) -> int:
 
 
 @pytest.mark.models(slots=1, max_model_len=1024)
-@pytest.mark.env(CORTEX_HEARTBEAT_S="3", CORTEX_HEARTBEAT_TTL_S="10", CORTEX_NODE_TTL_S="10",
+@pytest.mark.env(CORTEX_HEARTBEAT_S="8", CORTEX_HEARTBEAT_TTL_S="30", CORTEX_NODE_TTL_S="30",
                  CORTEX_AFFINITY_WAIT_MS="200")
 def test_a_routed_job_its_busy_node_does_not_take_moves_to_the_other_nodes(fleet):
     """Both nodes busy (one slot each) while the heartbeat the gateway routes by still shows the
-    conversation's node free: the turn is routed there, waits `affinity_wait_ms`, and moves."""
+    conversation's node free: the turn is routed there, waits `affinity_wait_ms`, and moves. An
+    attempt (two busy streams, then the turn, which waits for one of them to end) must fit between
+    two heartbeats: 8 s apart, room for a loaded machine."""
     stack, _ = fleet
     messages, node, _ = first_turn(stack, 0)
     for _attempt in range(3):
         beat = heartbeat_ms(stack, node)
-        wait_for(lambda: heartbeat_ms(stack, node) != beat, 10, "a fresh heartbeat")  # the next is 3 s away
+        wait_for(lambda: heartbeat_ms(stack, node) != beat, 20, "a fresh heartbeat")  # the next is 8 s away
         beat = heartbeat_ms(stack, node)
-        busy = [client(stack).completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=900, stream=True,
+        busy = [client(stack).completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=300, stream=True,
                                                  extra_body={"ignore_eos": True}) for i in range(2)]
         for stream in busy:
             next(iter(stream))  # it runs: each node's one slot is taken
