@@ -158,7 +158,8 @@ def gateway_url(redis_url: str, gateway_env: dict[str, str], tmp_path: Path) -> 
 # Every test carries the marker of its tier, from where it lives (a file need not say it):
 # `scripts/test --quick` runs `-m quick` (the unit tier without the model-matrix modules below).
 TIERS = {"tests/integration/": "integration", "tests/model/": "model", "tests/gpu/": "gpu"}
-SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py"}  # the architecture matrix
+SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py",  # the architecture matrix
+                     "test_quantized_matrix.py"}
 
 
 def pytest_addoption(parser):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from node_agent.model.quantized_linear import Int4Linear, ReorderedInt4Linear
+from node_agent.model.quantized_linear import Int4Linear, ReorderedInt4Linear, fits_int4
 from shared.weight_formats import GROUP
 
 _AWQ_COLUMNS = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ packs outputs 0,2,4,6,1,3,5,7 into nibbles 0..7
@@ -48,7 +48,7 @@ class FourBit(NamedTuple):
         group, or do once the inputs are sorted by group (GPTQ's activation order: a
         ReorderedInt4Linear), else its dequantised weight rounded to groups of GROUP; None where
         the inputs do not fall into whole groups of GROUP (the layer stays dense)."""
-        if self.codes.shape[1] % GROUP:
+        if not fits_int4(*self.codes.shape):
             return None
         if _whole_runs(self.group):
             return Int4Linear(*self._on(device), bias)

@@ -65,13 +65,16 @@ def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module
 
 def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInfo, dtype: torch.dtype,
            device: torch.device) -> None:
-    """Put one tensor where the model holds it: a quantized Linear weight replaces its layer;
-    anything else becomes a dense parameter (a quantized layer's bias, a buffer of it)."""
+    """Put one tensor where the model holds it: a quantized Linear weight replaces its layer (where
+    the kernels take its shape); anything else becomes a dense parameter (a quantized layer's bias,
+    a buffer of it)."""
     owner, attr = _module_and_attr(model, name)
     qtype = GGMLQuantizationType[tensor.gguf_type]
+    layer = None
     if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.gguf_type) != "dense":
-        parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         layer = gguf_weights.linear(raw, qtype, device)
+    if layer is not None:
+        parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         if owner.bias is not None and owner.bias.device.type != "meta":  # its bias came first
             layer.bias = owner.bias.detach()
         setattr(model.get_submodule(parent_name), child, layer)

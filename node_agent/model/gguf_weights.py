@@ -13,10 +13,10 @@
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import dequantize
+from gguf import GGML_QUANT_SIZES, dequantize
 from gguf.quants import Q4_K
 
-from node_agent.model.quantized_linear import Int4Linear, Int8Linear
+from node_agent.model.quantized_linear import Int4Linear, Int8Linear, fits_int4
 from shared.weight_formats import EXACT_INT4_TYPES, gguf_layout
 
 
@@ -58,9 +58,14 @@ def dense(raw: np.ndarray, qtype: T, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def linear(raw: np.ndarray, qtype: T, device: torch.device) -> Int4Linear | Int8Linear:
+def linear(raw: np.ndarray, qtype: T, device: torch.device) -> Int4Linear | Int8Linear | None:
     """A quantized Linear weight [out, in] (bias set later) as the layer that runs it on `device`
-    (each device's kernel has its own packing)."""
+    (each device's kernel has its own packing); None for a 4-bit layout the int4 kernels do not
+    take in this shape (it loads dense)."""
+    block_elements, block_bytes = GGML_QUANT_SIZES[qtype]
+    out_features, in_features = raw.shape[0], raw.shape[1] // block_bytes * block_elements
+    if gguf_layout(qtype.name) == "int4" and not fits_int4(out_features, in_features):
+        return None
     if qtype.name in EXACT_INT4_TYPES:
         codes, scale, low = (t.to(device) for t in int4_groups(raw, qtype))
         return Int4Linear(codes, scale, low + 8 * scale, None)

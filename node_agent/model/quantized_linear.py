@@ -25,14 +25,23 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (tiles unused on a CPU)
 
 
+OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
+
+
+def fits_int4(out_features: int, in_features: int) -> bool:
+    """Whether the int4 kernels take a layer of this shape: inputs in whole groups, outputs in whole tiles."""
+    return in_features % GROUP == 0 and out_features % OUT_MULTIPLE == 0
+
+
 class Int4Linear(torch.nn.Module):
     """`y = x @ W.T + b` with `W[o, i] = (q[o, i] - 8) * scale[o, i // GROUP] + zero[o, i // GROUP]`."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        if self.in_features % GROUP:
-            raise ValueError(f"4-bit groups need in_features divisible by {GROUP}, not {self.in_features}")
+        if not fits_int4(self.out_features, self.in_features):
+            raise ValueError(f"4-bit layers need in_features divisible by {GROUP} and out_features by {OUT_MULTIPLE}, "
+                             f"not {self.in_features} and {self.out_features}")
         self.register_buffer("weight_packed", _pack_int4(codes))
         # [in / GROUP, out, 2]: what both kernels read
         self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
@@ -124,14 +133,14 @@ def quantize(model: torch.nn.Module, bits: str) -> int:
     """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4" or
     "int8") quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes
     keep it at 6 bits or more; most small models tie it to the embedding), and so does a 4-bit
-    layer whose input does not fall into whole groups."""
+    layer whose shape the int4 kernels do not take (`fits_int4`)."""
     head = model.get_output_embeddings()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or child is head:
                 continue
-            if bits == "int4" and child.in_features % GROUP:
+            if bits == "int4" and not fits_int4(child.out_features, child.in_features):
                 continue
             bias = None if child.bias is None else child.bias.detach()
             setattr(parent, name, QUANTIZERS[bits](child.weight.detach(), bias))

@@ -1,0 +1,44 @@
+"""The architecture matrix with its Linear weights quantized at load (`quant = "int4"`, `"int8"`):
+every architecture loads quantized and runs in the engine (continuous batching, chunked prefill,
+more jobs than slots). With 4-bit weights (bfloat16 activations, each row on its own) the engine
+decodes greedily what full forwards of the same quantized model decode (asserted). A CPU's int8 is
+torch's dynamic int8, which quantizes the activations of a whole batch with one scale, so a row's
+answer depends on the rows beside it: there only the tokens' count is asserted. How often the
+quantized model's greedy tokens agree with the full-precision model's is reported, not asserted
+(a tiny random model's near ties move): each case records it as a property of its test
+(`--junitxml`), and `-s` prints it; docs/benchmarks.md gives the figures."""
+
+import pytest
+
+from node_agent.engine.engine import Engine
+from node_agent.model import loader
+from node_agent.serving import prompts
+from tests.model_fixtures import tiny_profile
+from tests.unit.node_agent.engine_driver import full_forward_greedy, run
+from tests.unit.node_agent.test_architectures import MATRIX, REQUESTS, references  # noqa: F401  (a fixture)
+
+
+def agreeing(tokens: list[int], reference: list[int]) -> int:
+    """Tokens equal to the reference's before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+@pytest.mark.parametrize("arch", MATRIX)
+def test_a_quantized_model_runs_the_matrix_in_the_engine(references, small_vocab_dirs, arch, bits, record_property):
+    _, _, full_precision = references(arch)
+    quantized = tiny_profile(small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4, quant=bits)
+    lm = loader.load(quantized, "cpu")
+    assert lm.quant == bits  # (on a CPU, "int8" is torch's dynamic int8 layers)
+    results = run(Engine(lm, quantized), *REQUESTS, join_every=2)
+    agreed = total = 0
+    for r in REQUESTS:
+        tokens = results[r.job].token_ids[0]
+        assert len(tokens) == r.sampling.max_tokens, r.job
+        if bits == "int4":
+            ids = prompts.prompt_ids(lm.tokenizer, quantized, r)
+            assert tokens == full_forward_greedy(lm, ids, r.sampling.max_tokens), r.job
+        agreed += agreeing(tokens, full_precision[r.job][0])
+        total += r.sampling.max_tokens
+    record_property("greedy_agreement_with_full_precision", f"{agreed}/{total}")
+    print(f"{arch} {bits}: {agreed} of {total} tokens agree with full precision before the first difference")
