@@ -199,9 +199,9 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     elif profile.quant in quantized_linear.QUANTIZERS:
         log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
                  profile.quant)
-        if profile.quant == "int8" and not devices.is_cpu(device):
-            log.warning("%s: quant = 'int8' on a GPU saves memory but decodes several times slower than 'none' "
-                        "(ATen's int8 kernel; docs/operations.md): prefer 'int4' or 'none'", profile.id)
+    if "int8" in quantized_linear.held_as(model) and not devices.is_cpu(device):  # quant int8, FP8, Q8_0 alike
+        log.warning("%s: 8-bit weights on a GPU save memory but decode several times slower than 'none' (ATen's "
+                    "int8 kernel; docs/operations.md): prefer quant = 'int4' or 'none'", profile.id)
     if devices.is_cpu(device) and tp_size == 1:
         _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())
