@@ -299,7 +299,7 @@ def run_in_process(args, loaded, profile, waves: list[Wave]) -> None:
         plain = (profile, loaded)
         for quant in args.quant:  # HF generate and the ceiling keep the plain model; the engine gets each quant's
             profile, loaded = plain if quant == "none" else load_model(args, quant)
-            engine_rows(args, quantized(args, "engine", quant), profile, loaded, threads, waves)
+            engine_rows(args, quantized("engine", quant, args.quant[0]), profile, loaded, threads, waves)
             profile = loaded = None
             free_memory(args)
         profile, loaded = plain
@@ -408,12 +408,13 @@ def ratios(summaries: list[dict], concurrency: list[int], targets: dict[str, dic
               "aggregate_tok_s", n)
     for quant in quants[1:]:
         for base in ("engine", "gateway"):
+            system = quantized(base, quant, quants[0])
             for n in concurrency:
-                system = f"{base} {quant}"
                 ratio("quant", f"aggregate tok/s: {label(SYSTEMS, system)} / {label(SYSTEMS, base)} ({quants[0]})",
                       system, base, "aggregate_tok_s", n)
-        ratio("llama", f"aggregate tok/s: {label(SYSTEMS, f'gateway {quant}')} / llama.cpp (same file)",
-              f"gateway {quant}", "llama-cpp", "aggregate_tok_s", 1)
+        gateway = quantized("gateway", quant, quants[0])
+        ratio("llama", f"aggregate tok/s: {label(SYSTEMS, gateway)} / llama.cpp (same file)", gateway, "llama-cpp",
+              "aggregate_tok_s", 1)
     for setting in SPECULATIVE[1:]:
         system = speculating("gateway", setting)
         for n in concurrency:
@@ -701,7 +702,7 @@ def streams_workload(args) -> None:
 def gateways(args) -> list[tuple[str, bool]]:
     """Cortex's gateway once per --speculative setting and per --quant setting, each (system, skipped)."""
     return ([(speculating("gateway", setting), args.skip_gateway) for setting in args.speculative]
-            + [(quantized(args, "gateway", quant), args.skip_gateway) for quant in args.quant[1:]])
+            + [(quantized("gateway", quant, args.quant[0]), args.skip_gateway) for quant in args.quant[1:]])
 
 
 def edit_workload(args) -> None:

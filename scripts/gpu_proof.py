@@ -192,18 +192,26 @@ def tests_section(xml_path: Path) -> list[str]:
     return lines
 
 
-def streams_section(path: Path) -> list[str]:
+def streams_section(path: Path, what: str = "greedy, EOS ignored.", memory: bool = False) -> list[str]:
+    """A streams run's table and its ratios; `memory`: with what each row's weights, KV cache and
+    peak held (a --quant run)."""
     if not path.exists():
-        return ["No results (see streams.log in logs.tar.gz)."]
+        return [f"No results (see {path.stem}.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     meta = doc["meta"]
+    held = ["weights MiB", "KV cache MiB", "peak MiB"] if memory else []
     lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
-             "stream, greedy, EOS ignored.", "",
-             "| N | system | TTFT p50 ms | aggregate tok/s | per-stream tok/s | ms/step | errors |",
-             "|--:|---|--:|--:|--:|--:|--:|"]
+             f"stream, {what}", "",
+             "| " + " | ".join(["N", "system", "TTFT p50 ms", "aggregate tok/s", "per-stream tok/s", "ms/step",
+                                *held, "errors"]) + " |",
+             "|--:|---|" + "--:|" * (5 + len(held))]
     for r in sorted(doc["results"], key=lambda r: (r["concurrency"], r["system"])):
-        lines.append(f"| {r['concurrency']} | {r['system']} | {fmt(r['ttft_p50_ms'], 0)} | {fmt(r['aggregate_tok_s'])}"
-                     f" | {fmt(r['per_stream_tok_s'])} | {fmt(r['step_ms'], 2)} | {r['errors'] or ''} |")
+        m = r.get("memory") or {}
+        held_cells = [fmt(m.get("weight_mb"), 0), fmt(m.get("kv_cache_mb"), 0),
+                      fmt(m.get("cuda_peak_mb", m.get("peak_rss_mb")), 0)] if memory else []
+        lines.append("| " + " | ".join([str(r["concurrency"]), r["system"], fmt(r["ttft_p50_ms"], 0),
+                                        fmt(r["aggregate_tok_s"]), fmt(r["per_stream_tok_s"]), fmt(r["step_ms"], 2),
+                                        *held_cells, str(r["errors"] or "")]) + " |")
     if doc.get("ratios"):
         lines += ["", "| ratio (same run) | N | value |", "|---|--:|--:|"]
         lines += [f"| {r['name']} | {r['concurrency']} | {fmt(r['value'], 2)} |" for r in doc["ratios"]]
@@ -244,26 +252,6 @@ def speculation_section(path: Path) -> list[str]:
     return lines
 
 
-def quant_section(path: Path) -> list[str]:
-    if not path.exists():
-        return ["No results (see quant.log in logs.tar.gz)."]
-    doc = json.loads(path.read_text())
-    meta = doc["meta"]
-    lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
-             "stream, greedy; the engine in-process.", "",
-             "| N | weights | aggregate tok/s | per-stream tok/s | ms/step | weights MiB | KV cache MiB | peak MiB |",
-             "|--:|---|--:|--:|--:|--:|--:|--:|"]
-    for r in sorted(doc["results"], key=lambda r: (r["concurrency"], r["system"])):
-        m = r.get("memory") or {}
-        lines.append(f"| {r['concurrency']} | {r['system']} | {fmt(r['aggregate_tok_s'])} | {fmt(r['per_stream_tok_s'])}"
-                     f" | {fmt(r['step_ms'], 2)} | {fmt(m.get('weight_mb'), 0)} | {fmt(m.get('kv_cache_mb'), 0)} | "
-                     f"{fmt(m.get('cuda_peak_mb', m.get('peak_rss_mb')), 0)} |")
-    lines += ["", "| ratio (same run) | N | value |", "|---|--:|--:|"]
-    lines += [f"| {r['name']} | {r['concurrency']} | {fmt(r['value'], 2)} |" for r in doc.get("ratios", [])]
-    lines += [f"- {system}: {why}" for system, why in doc.get("failures", {}).items()]
-    return lines
-
-
 def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
     title = "GPU proof (dry run on CPU)" if args.dry_run else "GPU proof"
     lines = [f"# {title}, {time.strftime('%Y-%m-%d %H:%M %Z')}", "", "```", env_text, "```", ""]
@@ -277,7 +265,8 @@ def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
               "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json"),
               "", "## Speculation: what verifying drafts costs a step", "",
               *speculation_section(args.out / "speculation.json"),
-              "", "## Quantized weights: an 8B shape as bfloat16, int4 and int8", "", *quant_section(args.out / "quant.json")]
+              "", "## Quantized weights: an 8B shape as bfloat16, int4 and int8", "",
+              *streams_section(args.out / "quant.json", "greedy; the engine in-process.", memory=True)]
     return "\n".join(lines) + "\n"
 
 
