@@ -19,6 +19,9 @@ import torch
 from shared.wire import SamplingParams
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (dividing by them overflows)
+# Temperatures above float32's largest (Ollama's options bound none) are held as it: every token
+# kept is as likely at either.
+TEMPERATURE_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,10 @@ class SlotSampling:
         """Give row `row` to a sequence with these parameters (seed None: a random one) that has
         output `output_ids` so far (a preempted sequence resuming)."""
         greedy = params.temperature < GREEDY_BELOW
-        values = {self.temperature: 0.0 if greedy else params.temperature, self.top_p: params.top_p,
-                  self.top_k: params.top_k, self.min_p: params.min_p, self.repetition: params.repetition_penalty,
-                  self.presence: params.presence_penalty, self.frequency: params.frequency_penalty,
+        values = {self.temperature: 0.0 if greedy else min(params.temperature, TEMPERATURE_MAX),
+                  self.top_p: params.top_p, self.top_k: params.top_k, self.min_p: params.min_p,
+                  self.repetition: params.repetition_penalty, self.presence: params.presence_penalty,
+                  self.frequency: params.frequency_penalty,
                   self.seed: random.getrandbits(31) if seed is None else seed & 0x7FFFFFFF}
         for tensor, value in values.items():
             tensor[row] = value

@@ -29,6 +29,10 @@ CASES = {
     "empty prompt": ("/v1/completions", COMPLETION | {"prompt": ""}, 400),
     "top_p underflows": ("/v1/completions", COMPLETION | {"top_p": 1e-50}, 200),
     "temperature underflows": ("/v1/chat/completions", CHAT | {"temperature": 1e-320}, 200),
+    "temperature beyond float32 (ollama)": ("/api/generate", {"model": MODEL, "prompt": "0", "stream": True,
+                                                              "logprobs": True, "options": {
+        "temperature": 6.293853914943464e+307, "top_k": 576.0, "seed": -1657755.0, "num_predict": 4,
+        "frequency_penalty": 6.555421306584769e-11, "presence_penalty": 0.06601988241297319}}, 200),
     "repetition_penalty underflows": ("/v1/completions", COMPLETION | {"repetition_penalty": 1e-300}, 200),
     "keep_alive 1e308": ("/v1/chat/completions", CHAT | {"keep_alive": 1e308}, 400),
     "keep_alive in hours overflows": ("/v1/completions", COMPLETION | {"keep_alive": "999999999h"}, 400),
