@@ -22,8 +22,8 @@ shard's slots now (a replica promoted after a failover), SSUBSCRIBEd to the chan
 slots. A shard whose slots move to another master (resharding) unsubscribes them: its jobs are
 treated as after a broken connection.
 
-The connections and the shard map are gateway/event_links.py; what a broken connection means for
-a queued job, gateway/queued_jobs.py.
+The connections and the shard map are gateway/event_links.py; who listens here to which job,
+gateway/listeners.py; what a broken connection means for a queued job, gateway/queued_jobs.py.
 """
 
 import asyncio
@@ -34,13 +34,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, RedisError
 
 from gateway.event_links import Link, Links, reconnected
+from gateway.listeners import Item, Listeners
 from gateway.queued_jobs import SUBSCRIBE_TIMEOUT_S, QueuedJobs
-from shared.errors import BrokerUnavailable, CortexError, GenerationFailed, RedisUnreachable
-from shared.wire import Event, WireError, unpack_event
+from shared.errors import BrokerUnavailable, GenerationFailed, RedisUnreachable
+from shared.wire import WireError, unpack_event
 
 log = logging.getLogger(__name__)
-
-Item = Event | CortexError  # what a job's queue holds
 
 MESSAGES = ("message", "smessage")
 CONFIRMATIONS = ("subscribe", "ssubscribe")
@@ -55,11 +54,9 @@ class EventRouter:
         outage_wait_s: float = 30.0,
     ):
         self.links = Links(client_factory, self, on_connect)
-        self.queued = QueuedJobs(self, outage_wait_s)  # what a broken link means for a queued job
-        self._link_of: dict[bytes, Link] = {}  # channel -> the link it was subscribed on
-        self._queues: dict[bytes, list[asyncio.Queue[Item]]] = {}  # channel -> its listeners' queues
-        self._confirmations: dict[bytes, asyncio.Future[None]] = {}
-        self._heard: set[bytes] = set()  # channels an event came on
+        self.listeners = Listeners(on_forget=lambda key: self.queued.forget(key))  # who listens to which job
+        self.queued = QueuedJobs(self.listeners, self.resubscribe, outage_wait_s)  # a broken link's queued jobs
+        self._confirmations: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE, until confirmed
 
     @property
     def connected(self) -> bool:
@@ -68,7 +65,7 @@ class EventRouter:
     @property
     def in_flight(self) -> int:
         """Jobs with a listener here."""
-        return len(self._queues)
+        return len(self.listeners)
 
     async def start(self) -> None:
         await self.links.start()
@@ -78,28 +75,25 @@ class EventRouter:
         self.queued.stop()
         for link in self.links.all:
             link.connected.clear()
-            self._fail_all(link, [key for key, on in self._link_of.items() if on is link],
-                           "the gateway is shutting down")
+            self._fail_all(self.listeners.on(link), "the gateway is shutting down")
             await self.links.close_link(link)
         await self.links.close()
 
     async def subscribe(self, channel: str) -> asyncio.Queue[Item]:
         """Route `channel` to a new queue; returns once Redis has confirmed the subscription."""
         key = channel.encode()
-        link = self._link_of.get(key) or await self.links.link_for(key)
+        link = self.listeners.link_of(key) or await self.links.link_for(key)
         await reconnected(link.connected, link.wake)
         pubsub = link.pubsub
         if pubsub is None:
             raise RedisUnreachable("Redis is unreachable; the gateway is reconnecting")
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        listeners = self._queues.setdefault(key, [])
-        listeners.append(queue)
-        if len(listeners) == 1:  # the first listener here: subscribe
-            self._link_of[key] = link
+        first = self.listeners.add(key, queue, link)
+        if first:  # the first listener here: subscribe
             self._confirmations[key] = asyncio.get_running_loop().create_future()
         confirmed = self._confirmations.get(key)
         try:
-            if len(listeners) == 1:
+            if first:
                 await self.links.send(link, "SUBSCRIBE", key)
             if confirmed is not None:  # else subscribed (and confirmed) for an earlier listener
                 async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
@@ -114,20 +108,16 @@ class EventRouter:
     def track(self, channel: str, stream: str, entry_id: str) -> None:
         """The job listening on `channel` is queued as `entry_id` on `stream`: it may wait for Redis
         to come back rather than fail when the connection breaks before any event came."""
-        if (key := channel.encode()) in self._queues:
+        if (key := channel.encode()) in self.listeners:
             self.queued.track(key, stream, entry_id)
 
     async def unsubscribe(self, channel: str, queue: asyncio.Queue[Item]) -> None:
         """Stop routing `channel` to `queue`; the last listener here unsubscribes. Idempotent."""
         key = channel.encode()
-        listeners = self._queues.get(key, [])
-        if queue in listeners:
-            listeners.remove(queue)
-        if listeners:
+        link = self.listeners.link_of(key)
+        if not self.listeners.remove(key, queue):  # others still listen
             return
-        link = self._link_of.get(key)
         self._confirmations.pop(key, None)
-        self.forget(key)
         if link is None or not link.connected.is_set():
             return
         try:
@@ -139,19 +129,17 @@ class EventRouter:
 
     def on_message(self, link: Link, message: dict) -> None:
         kind, channel = message["type"], message["channel"]
-        if kind in MESSAGES and (listeners := self._queues.get(channel)):
-            self._heard.add(channel)
+        if kind in MESSAGES and channel in self.listeners:
             try:
                 item = unpack_event(message["data"])
             except WireError as exc:
                 log.error("refusing an event on %s: %s", channel.decode(), exc)
                 item = GenerationFailed(f"the node sent an event this gateway cannot read: {exc}")
-            for queue in listeners:
-                queue.put_nowait(item)
+            self.listeners.hear(channel, item)
         elif kind in CONFIRMATIONS and (confirmed := self._confirmations.pop(channel, None)) is not None:
             if not confirmed.done():
                 confirmed.set_result(None)
-        elif kind == "sunsubscribe" and self._link_of.get(channel) is link:  # not asked for: its slot moved
+        elif kind == "sunsubscribe" and self.listeners.link_of(channel) is link:  # not asked for: its slot moved
             raise ConnectionError(f"the Redis Cluster moved {channel.decode()} to another shard")
 
     async def on_link_connected(self, link: Link, reconnect: bool) -> None:
@@ -160,17 +148,16 @@ class EventRouter:
     async def on_link_dropped(self, link: Link, why: str) -> None:
         """`link` broke: its jobs that heard an event fail with a 503, queued ones wait for it to
         come back (for `outage_wait_s`, then they fail too)."""
-        on_link = [key for key, on in self._link_of.items() if on is link]
-        self._fail_all(link, self.queued.park(link, on_link), why)
+        self._fail_all(self.queued.park(link, self.listeners.on(link)), why)
         for key in self.queued.parked(link):  # a resubscription of theirs in flight will not be confirmed
             self._fail_confirmation(key, why)
         self.queued.expire(link)
 
-    def _fail_all(self, link: Link, keys: list[bytes], why: str) -> None:
+    def _fail_all(self, keys: list[bytes], why: str) -> None:
         for key in keys:
-            self.tell(key, BrokerUnavailable(why))
+            self.listeners.tell(key, BrokerUnavailable(why))
             self._fail_confirmation(key, why)
-            self.forget(key)
+            self.listeners.forget(key)
 
     def _fail_confirmation(self, key: bytes, why: str) -> None:
         if (confirmed := self._confirmations.pop(key, None)) is not None and not confirmed.done():
@@ -178,23 +165,8 @@ class EventRouter:
 
     # ---- what the parking rules ask (gateway/queued_jobs.py) -----------------------------------
 
-    def waiting(self, key: bytes) -> bool:
-        return key in self._queues and key not in self._heard
-
-    def link_of(self, key: bytes) -> Link | None:
-        return self._link_of.get(key)
-
-    def tell(self, key: bytes, error: CortexError) -> None:
-        for queue in self._queues.get(key, []):
-            queue.put_nowait(error)
-
-    def forget(self, key: bytes) -> None:
-        self._queues.pop(key, None)
-        self._heard.discard(key)
-        self._link_of.pop(key, None)
-        self.queued.forget(key)
-
     async def resubscribe(self, link: Link, keys: list[bytes]) -> dict[bytes, asyncio.Future[None]]:
+        """Subscribe the parked jobs' channels again on `link`; each one's confirmation, to await."""
         confirmations = {key: asyncio.get_running_loop().create_future() for key in keys}
         self._confirmations.update(confirmations)
         await self.links.send(link, "SUBSCRIBE", *keys)

@@ -26,8 +26,8 @@ from redis.exceptions import RedisError
 from gateway import job_queue
 from gateway.auth import Caller
 from gateway.context import GatewayContext
-from gateway.events import Item
 from gateway.images import ImageLimits, take_images
+from gateway.listeners import Item
 from gateway.request_id import request_id_var
 from gateway.routing import SHARED, session_hint
 from gateway.tools import grammars

@@ -12,15 +12,16 @@ checked by the same rule (`entry_waiting`, the one copy of it)."""
 
 import asyncio
 import logging
-from typing import Protocol
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from gateway.event_links import Link
+from gateway.listeners import Listeners
 from shared import queues
-from shared.errors import BrokerUnavailable, CortexError
+from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP
 
 log = logging.getLogger(__name__)
@@ -49,18 +50,12 @@ async def entry_waiting(client: aioredis.Redis | None, stream: str, entry_id: st
     return False
 
 
-class Listeners(Protocol):
-    """The router, as the parking rules see it."""
-    def waiting(self, key: bytes) -> bool: ...  # someone listens and no event came yet
-    def tell(self, key: bytes, error: CortexError) -> None: ...
-    def forget(self, key: bytes) -> None: ...
-    def link_of(self, key: bytes) -> Link | None: ...
-    async def resubscribe(self, link: Link, keys: list[bytes]) -> dict[bytes, asyncio.Future[None]]: ...
+Resubscribe = Callable[[Link, list[bytes]], Awaitable[dict[bytes, asyncio.Future[None]]]]  # the router's
 
 
 class QueuedJobs:
-    def __init__(self, listeners: Listeners, outage_wait_s: float):
-        self._listeners, self.outage_wait_s = listeners, outage_wait_s
+    def __init__(self, listeners: Listeners, resubscribe: Resubscribe, outage_wait_s: float):
+        self._listeners, self._resubscribe, self.outage_wait_s = listeners, resubscribe, outage_wait_s
         self.entries: dict[bytes, tuple[str, str]] = {}  # channel -> its job's (stream, entry id)
         self._parked: dict[Link, set[bytes]] = {}  # per link: queued jobs waiting for it to come back
         self._parked_at: dict[Link, float] = {}
@@ -118,7 +113,7 @@ class QueuedJobs:
             self._listeners.forget(key)
         parked = [key for key in parked if key not in moved]
         if parked:
-            confirmations = await self._listeners.resubscribe(link, parked)
+            confirmations = await self._resubscribe(link, parked)
             self._spawn(self._check_parked(link, confirmations, commands))
         else:
             self._parked_at.pop(link, None)

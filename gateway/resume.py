@@ -21,8 +21,8 @@ from starlette.requests import Request
 
 from gateway.auth import Caller
 from gateway.context import GatewayContext
-from gateway.events import Item
 from gateway.jobs import Job, OnDisconnect, Resumable
+from gateway.listeners import Item
 from gateway.tools.parsers import no_parser, parsers_for
 from shared import event_log
 from shared.errors import BrokerUnavailable, GenerationFailed, InvalidRequest, NotFound

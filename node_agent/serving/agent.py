@@ -210,7 +210,7 @@ class NodeAgent:
         failed replica after `failed_backoff_s` (until then placement does not place it here again)."""
         now = _now_ms()
         for model_id, served in list(self.models.items()):
-            if served.give_up_if_overdue():
+            if served.faults.give_up_if_overdue():
                 await self._beat()
             elif served.state == ModelState.FAILED and served.replica.age_s() > self.settings.failed_backoff_s:
                 log.info("%s failed here %.0f s ago; it may be placed here again", model_id, served.replica.age_s())

@@ -1,11 +1,11 @@
-"""One model replica on one node: its lifecycle (load, poison, reload, unload) along the state
-table in node_agent/serving/replica.py, its engine on a device thread and its output process.
+"""One model replica on one node: its way up and down (pull, load, unload) along the state table
+in node_agent/serving/replica.py, its engine on a device thread and its output process.
 The parts do one job each: the ledger (node_agent/serving/ledger.py) holds its jobs and slots, the
 intake (intake.py) turns stream entries into engine requests, the consumer (consumer.py) reads the
-model's job streams only as far as the ledger has free slots. The device thread hands each step's
-record straight to the output process (replica_output.py), whose feedback says which jobs
-ended; a device error, or the output process dying, poisons the replica (its jobs fail, it is
-reloaded)."""
+model's job streams only as far as the ledger has free slots, and its faults (replica_faults.py)
+make every move to `poisoned` or `failed`. The device thread hands each step's record straight to
+the output process (replica_output.py), whose feedback says which jobs ended; a device error, or
+the output process dying, poisons the replica (its jobs fail, it is reloaded)."""
 
 import asyncio
 import logging
@@ -24,10 +24,10 @@ from node_agent.serving.ledger import Ledger, now_ms
 from node_agent.serving.output_process import Feedback
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
+from node_agent.serving.replica_faults import ReplicaFaults
 from node_agent.serving.replica_output import ReplicaOutput
 from shared.catalog import ModelProfile
-from shared.errors import (CortexError, GenerationFailed, JobCancelled, ModelLoadFailed, ModelPoisoned,
-                           ModelPullFailed, NodeLost)
+from shared.errors import CortexError, JobCancelled, ModelLoadFailed, ModelPullFailed, NodeLost
 from shared.heartbeat import ModelInfo
 from shared.keys import Keys
 from shared.lifecycle import ModelState
@@ -55,13 +55,14 @@ class ServedModel:
         self.replica = Replica(profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING)
         self.pull = pull  # while downloading
         self.engine: Engine | None = None
-        self.output = ReplicaOutput(settings, consumer_name, profile.id, publisher, self.on_feedback,
-                                    lambda reason: self.poison(OutputProcessExited(reason), list(self.ledger.running)))
+        self.output = ReplicaOutput(settings, consumer_name, profile.id, publisher, self.on_feedback, lambda reason:
+                                    self.faults.poison(OutputProcessExited(reason), list(self.ledger.running)))
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
         self.ledger = Ledger(profile, settings, keys.jobs(profile.id), self.output.send)
         self.intake = self.intake_type(profile, settings, consumer_name, device, self.ledger, self.output.send)
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
+        self.faults = ReplicaFaults(self)  # every move to `poisoned` or `failed`
 
     @property
     def state(self) -> ModelState:
@@ -90,11 +91,11 @@ class ServedModel:
         except asyncio.CancelledError:
             if not self.pull.task.cancelled():
                 raise  # this replica's load was cancelled, not the pull
-            await self._load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the node is "
-                                                    "shutting down"))
+            await self.faults.load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the "
+                                                          "node is shutting down"))
             return False
         except Exception as exc:
-            await self._load_failed(exc)
+            await self.faults.load_failed(exc)
             return False
         finally:
             self.pull = None
@@ -113,7 +114,7 @@ class ServedModel:
             await self.reader.ensure_groups()
             self.replica.to(ModelState.READY)
         except Exception as exc:
-            await self._load_failed(exc)
+            await self.faults.load_failed(exc)
             return
         self.ledger.last_used_ms = now_ms()
         self.consumer.start()
@@ -127,50 +128,12 @@ class ServedModel:
         self.check_still_loading()
         self.intake.attach(self.engine)
         self.output.open(self.engine)
-        await self.device.attach(self.engine, self.output.step, self.on_failure)
+        await self.device.attach(self.engine, self.output.step, self.faults.on_failure)
 
     def check_still_loading(self) -> None:
         """Raise when the replica was given up (overdue, unloaded) while its engine was being built."""
         if self.state not in (ModelState.LOADING, ModelState.POISONED):
             raise ModelLoadFailed(f"the load finished after the replica was {self.state}")
-
-    async def _load_failed(self, exc: Exception) -> None:
-        """Free what the load built; when this replica is now `failed`, fail the jobs routed to this
-        node alone (the model's shared queue waits for the fleet's other replicas or placement)."""
-        error = f"{type(exc).__name__}: {exc}"
-        log.error("loading %s failed: %s", self.profile.id, error)
-        failed = self.replica.can(ModelState.FAILED)
-        if failed:
-            self.replica.to(ModelState.FAILED, error)
-        try:
-            await self.free()
-        except Exception as free_exc:
-            log.error("%s: freeing a failed load failed too: %s", self.profile.id, free_exc)
-        if failed:
-            await self.consumer.fail_own_backlog(
-                ModelLoadFailed(f"loading {self.profile.id} on {self.consumer_name} failed: {error}"))
-
-    def give_up_if_overdue(self) -> bool:
-        """`loading` or `poisoned` past `replica_stuck_s`: `failed`, so the fleet places the model elsewhere."""
-        if not self.replica.overdue(self.settings.replica_stuck_s):
-            return False
-        log.error("%s has been %s for over %.0f s; giving it up", self.profile.id, self.state,
-                  self.settings.replica_stuck_s)
-        self.replica.to(ModelState.FAILED, f"{self.state} for over {self.settings.replica_stuck_s:.0f} s")
-        self.ledger.fail_all(ModelLoadFailed(f"{self.profile.id} on {self.consumer_name} was given up: "
-                                             f"{self.replica.error}"))
-        return True
-
-    def on_failure(self, exc: BaseException, jobs: list[str], device_fault: bool) -> None:
-        """A step failed on the device thread (its jobs are out of the engine): a fault of the device
-        poisons the model; anything else fails those jobs only."""
-        if device_fault:
-            self.poison(exc, jobs)
-            return
-        error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still served, "
-                                 "try again")
-        for job in jobs:
-            self.ledger.fail(job, error)
 
     def on_feedback(self, feedback: Feedback) -> None:
         """From the output process: sequences to free, jobs that ended, jobs to cancel."""
@@ -182,34 +145,6 @@ class ServedModel:
             self.publisher.on_unheard(job)
         for job in feedback.lost:
             self.publisher.on_lost(job)
-
-    def poison(self, exc: BaseException, jobs: list[str]) -> None:
-        """A device error: fail this model's jobs with a 503 that says why; a `ready` replica stops
-        reading and is reloaded (once: in any other state nothing more starts)."""
-        error = f"{type(exc).__name__}: {exc}"
-        if self.state == ModelState.READY:
-            self.replica.to(ModelState.POISONED, error)
-            log.error("%s is poisoned (%s); reloading it", self.profile.id, error)
-            self.consumer.halt()  # the slots freed below must not wake the reader
-            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{self.profile.id}")
-        self.ledger.fail_all(ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name} "
-                                           f"({', '.join(self.devices)}): {error}; it is being reloaded"), jobs)
-
-    async def _reload(self) -> None:
-        """`poisoned` → `ready` once the old engine is freed and a new one built; → `failed` when either fails."""
-        error = self.replica.error
-        await self.consumer.stop()
-        self.ledger.fail_all(ModelPoisoned(f"{self.profile.id} failed on {self.consumer_name}: {error}; "
-                                           "it is being reloaded"))  # handed over by the last read
-        try:
-            await self.free()
-        except Exception as exc:
-            if self.replica.can(ModelState.FAILED):
-                self.replica.to(ModelState.FAILED, f"{error}; freeing it failed: {type(exc).__name__}: {exc}")
-            log.error("%s could not be freed after it was poisoned: %s", self.profile.id, exc)
-            return
-        if self.state == ModelState.POISONED:  # not unloaded or given up meanwhile
-            await self.load()
 
     async def unload(self, grace_s: float) -> None:
         """Finish (within `grace_s`) or fail running jobs, then free the device memory."""

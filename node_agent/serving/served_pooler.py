@@ -33,7 +33,7 @@ class ServedPooler(ServedModel):
         self.engine = await self.device.call(start_pooler, self.load_from, self.devices[0], self.settings)
         self.check_still_loading()
         self.intake.attach(self.engine)
-        await self.device.attach(self.engine, self._on_step, self.on_failure)
+        await self.device.attach(self.engine, self._on_step, self.faults.on_failure)
         log.info("%s: forward passes of up to %d tokens, %s", self.profile.id, self.engine.budget,
                  "packed (no padding)" if self.engine.packed else "padded to each pass's longest input")
 

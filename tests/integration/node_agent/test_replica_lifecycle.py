@@ -167,7 +167,7 @@ async def test_a_poisoned_replica_that_cannot_be_freed_fails_and_is_forgotten_af
         def sticky_fault():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         monkeypatch.setattr(served.engine, "free", sticky_fault)
-        served.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
+        served.faults.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
         await eventually(lambda: served.state == ModelState.FAILED, 60)
         assert "freeing it failed" in served.replica.error
         await eventually(lambda: "tiny" not in agent.models, 10)  # then placement may try it here again
