@@ -30,6 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 log = logging.getLogger(__name__)
 
 NAME = "cortex_cpu_paged"
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 
 
@@ -76,12 +77,36 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     decoding = paged_cache.read_rows()[1].shape[0]
     parts = [_decode(module, query[0, :, :decoding].transpose(0, 1), key, value, paged_cache, scale, kwargs)] \
         if decoding else []
+    causal = not paged_cache.layers[module.layer_idx].window and not kwargs.get("softcap") \
+        and kwargs.get("s_aux") is None
     for index, chunk in enumerate(paged_cache.packed):
         keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
         rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
-        parts.append(sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
+        parts.append(_causal_chunk(rows, keys, values, chunk.start, scale) if causal else
+                     sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
                                             **kwargs)[0][0])
     return torch.cat(parts)[None], None
+
+
+def _causal_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                  scale: float) -> torch.Tensor:
+    """A prefill chunk's attention, its queries ([1, heads, L, dim]) at positions start..start+L-1
+    over its row's keys and values ([1, kv_heads, >= start + L, dim]), as [L, heads, dim]: over its
+    own positions causally (the flash kernel skips the masked half) and over the positions before
+    it with no mask, each group's query heads laid along the sequence so that no key is copied per
+    head; the two merged by their log-sum-exps. (SDPA with the chunk's mask over the whole width
+    reads an [L, width] mask for every head and computes the masked half too: 2x slower at 0.)"""
+    _, heads, length, dim = query.shape
+    kv_heads = keys.shape[1]
+    group, own = heads // kv_heads, slice(start, start + length)
+    out, lse = _flash(query, keys[:, :, own].repeat_interleave(group, 1), values[:, :, own].repeat_interleave(group, 1),
+                      is_causal=True, scale=scale)
+    if start:
+        before, before_lse = _flash(query.reshape(1, kv_heads, group * length, dim), keys[:, :, :start],
+                                    values[:, :, :start], scale=scale)
+        share = torch.sigmoid(before_lse.reshape(1, heads, length) - lse)[..., None].to(out.dtype)
+        out = torch.lerp(out, before.reshape(1, heads, length, dim), share)
+    return out[0].transpose(0, 1)
 
 
 def _decode(module: torch.nn.Module, query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,
