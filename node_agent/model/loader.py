@@ -10,8 +10,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import (architectures, cpu_attention, devices, gguf_loader, packed_linear, quantized_checkpoint,
-                              quantized_linear, vision)
+from node_agent.model import (architectures, cpu_attention, devices, fused_norm, gguf_loader, packed_linear,
+                              quantized_checkpoint, quantized_linear, vision)
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -98,8 +98,9 @@ def weights_as_stored(files: ModelFiles, profile: ModelProfile, tp_size: int) ->
 
 def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     """A CPU model's full-precision Linear weights packed for oneDNN (node_agent/model/packed_linear.py;
-    quantized layers stay) and its decode attention reading the paged cache in place
-    (node_agent/model/cpu_attention.py), with a log line for each, or for why not."""
+    quantized layers stay), its RMSNorms one ATen call each (node_agent/model/fused_norm.py) and its
+    decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
+    log line for each, or for why not."""
     if profile.decode == "compiled":
         log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
                  "itself)", profile.id)
@@ -109,6 +110,7 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
     else:
         log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+    log.info("%s: %d RMSNorm layers run as one ATen call each", profile.id, fused_norm.fuse(model))
     if cpu_attention.enable(model):
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 

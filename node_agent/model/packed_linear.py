@@ -7,6 +7,7 @@ default model's step 28-34% faster than the plain `F.linear` at 8 and 32 rows on
 import torch
 
 ROWS_HINT = 32  # the rows oneDNN tunes its packing for: a decode batch
+_LINEAR = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup by arguments at each call
 
 
 class PackedLinear(torch.nn.Module):
@@ -20,8 +21,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none",
-                                                  [None], "")
+        flat = _LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [None], "")
         return flat.view(*x.shape[:-1], self.out_features)
 
 
