@@ -120,7 +120,7 @@ def _estimate(profile_json: str) -> int:
                                          heads=config["num_attention_heads"],
                                          max_len=profile.effective_context(shape["context"] or None)[0])
         return int((weight_bytes(tensors, "none", dtype_bytes) + activations) * MARGIN / _MB) + 1
-    weights = weight_bytes(tensors, profile.quant, dtype_bytes, profile.tensor_parallel)
+    weights = weight_bytes(tensors, profile.quant, dtype_bytes)
     max_len, _ = profile.effective_context(shape.pop("context") or None)
     cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
     slots = profile.slots * row_bytes(dtype_bytes=dtype_bytes, **rows)

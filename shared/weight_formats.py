@@ -10,6 +10,7 @@ DENSE_TYPES = {"F32", "F16", "BF16"}  # GGUF tensor types held at full precision
 EXACT_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # affine groups of 32 four-bit codes: mapped code for code
 INT8_TYPES = {"Q8_0", "Q6_K", "Q8_K"}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
 GROUP = 32  # inputs per 4-bit group
+OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
 # A 4-bit layer: half a byte a weight, and a bfloat16 scale and zero per group. An 8-bit one: a byte
 # a weight (and one bfloat16 scale per output channel, left out).
 BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0}
@@ -69,10 +70,11 @@ def _is_head_or_embedding(name: str) -> bool:
     return any(part in name for part in ("embed", "lm_head", "token_embd", "output.weight", "wte"))
 
 
-def layout(tensor: StoredTensor, quant: str, tensor_parallel: int = 1) -> Layout:
+def layout(tensor: StoredTensor, quant: str) -> Layout:
     """How a node holds `tensor` under the catalogue's `quant`: Linear weights (2-D, neither the
-    embedding nor the output head) quantized as the node quantizes them, the rest dense."""
-    if tensor.dims != 2 or tensor_parallel > 1:
+    embedding nor the output head) quantized as the node quantizes them, the rest dense (tensor
+    parallelism splits them as they are: each rank holds its share)."""
+    if tensor.dims != 2:
         return "dense"
     if quant == "auto" and tensor.gguf_type:
         return "dense" if tensor.name == "token_embd.weight" else gguf_layout(tensor.gguf_type)
@@ -83,10 +85,10 @@ def layout(tensor: StoredTensor, quant: str, tensor_parallel: int = 1) -> Layout
     return "dense"
 
 
-def weight_bytes(tensors: list[StoredTensor], quant: str, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+def weight_bytes(tensors: list[StoredTensor], quant: str, dtype_bytes: int) -> int:
     """What the weights hold on a node's device(s)."""
     total = 0.0
     for tensor in tensors:
-        held = layout(tensor, quant, tensor_parallel)
+        held = layout(tensor, quant)
         total += tensor.elements * (dtype_bytes if held == "dense" else BYTES_PER_WEIGHT[held])
     return int(total)

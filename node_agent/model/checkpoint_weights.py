@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from node_agent.model.linear_shards import Shard
 from node_agent.model.quantized_linear import Int4Linear, ReorderedInt4Linear, fits_int4
-from shared.weight_formats import GROUP
+from shared.weight_formats import GROUP, OUT_MULTIPLE
 
 _AWQ_COLUMNS = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ packs outputs 0,2,4,6,1,3,5,7 into nibbles 0..7
 
@@ -42,6 +43,12 @@ class FourBit(NamedTuple):
     def dequantised(self) -> torch.Tensor:
         """W [out, in] in float32."""
         return (self.codes.float() - self.zeros[self.group].t()) * self.scales[self.group].t()
+
+    def shard(self, part: Shard) -> "FourBit":
+        """A tensor-parallel rank's part: its output rows, or its inputs cut on runs of GROUP (a
+        checkpoint's larger group then keeps its scale and zero on both sides of the cut)."""
+        rows, columns = part.outputs(self.codes.shape[0], OUT_MULTIPLE), part.inputs(self.codes.shape[1], GROUP)
+        return FourBit(self.codes[rows, columns], self.zeros[:, rows], self.scales[:, rows], self.group[columns])
 
     def layer(self, bias: torch.Tensor | None, device: torch.device) -> Int4Linear | None:
         """The Int4Linear that runs it on `device`: code for code where every GROUP inputs share a

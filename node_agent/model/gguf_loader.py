@@ -21,6 +21,7 @@ from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTe
                                                       get_gguf_hf_weights_map)
 
 from node_agent.model import gguf_weights, meta_model
+from node_agent.model.linear_shards import Plan
 from shared import gguf_header
 from shared.gguf_header import TensorInfo
 from shared.weight_formats import gguf_layout
@@ -64,36 +65,41 @@ def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module
 
 
 def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInfo, dtype: torch.dtype,
-           device: torch.device) -> None:
-    """Put one tensor where the model holds it: a quantized Linear weight replaces its layer (where
-    the kernels take its shape); anything else becomes a dense parameter (a quantized layer's bias,
-    a buffer of it)."""
+           device: torch.device, plan: Plan) -> None:
+    """Put this rank's part (`plan`) of one tensor where the model holds it: a quantized Linear
+    weight replaces its layer (where the kernels take its shape); anything else becomes a dense
+    parameter (a quantized layer's bias, a buffer of it)."""
     owner, attr = _module_and_attr(model, name)
+    shard = plan.shard(name.rpartition(".")[0])
     qtype = GGMLQuantizationType[tensor.gguf_type]
     layer = None
     if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.gguf_type) != "dense":
-        layer = gguf_weights.linear(raw, qtype, device)
+        layer = gguf_weights.linear(raw, qtype, device, shard)
     if layer is not None:
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
         if owner.bias is not None and owner.bias.device.type != "meta":  # its bias came first
             layer.bias = owner.bias.detach()
         setattr(model.get_submodule(parent_name), child, layer)
         return
-    meta_model.set_dense(owner, attr, gguf_weights.dense(raw, qtype, dtype))
+    meta_model.set_dense(owner, attr, shard.dense(attr, gguf_weights.dense(raw, qtype, dtype)))
 
 
 def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str,
-         device: torch.device) -> torch.nn.Module:
+         device: torch.device, ranks: int = 1) -> torch.nn.Module:
     """The model of `config` (read from the same file) in eval mode: its quantized layers on
-    `device`, the rest on the CPU (the caller moves it)."""
+    `device`, the rest on the CPU (the caller moves it); with `ranks` > 1, this rank's part of it
+    (node_agent/model/linear_shards.py)."""
     header = gguf_header.read(path)
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
     model = meta_model.empty(config, dtype, attention)
+    plan = Plan.of(model, ranks)
     with _one_name_map():
         names = get_gguf_hf_weights_map(model, processor)
     with open(path, "rb") as file:
         for tensor in header.tensors:
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
-                _place(model, names[found.name], found.weights, tensor, dtype, device)
-    return meta_model.filled(model, config, path.name)
+                _place(model, names[found.name], found.weights, tensor, dtype, device, plan)
+    model = meta_model.filled(model, config, path.name)
+    plan.sum_rows(model)
+    return model

@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, dequantize
 from gguf.quants import Q4_K
 
-from node_agent.model.quantized_linear import Int4Linear, Int8Linear, fits_int4
+from node_agent.model.linear_shards import WHOLE, Shard
+from node_agent.model.quantized_linear import Int4Linear, Int8Linear, fits_int4, round_int4, round_int8
 from shared.weight_formats import EXACT_INT4_TYPES, gguf_layout
-
 
 
 def _half(raw: torch.Tensor) -> torch.Tensor:
@@ -58,16 +58,19 @@ def dense(raw: np.ndarray, qtype: T, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def linear(raw: np.ndarray, qtype: T, device: torch.device) -> Int4Linear | Int8Linear | None:
-    """A quantized Linear weight [out, in] (bias set later) as the layer that runs it on `device`
-    (each device's kernel has its own packing); None for a 4-bit layout the int4 kernels do not
-    take in this shape (it loads dense)."""
+def linear(raw: np.ndarray, qtype: T, device: torch.device, shard: Shard = WHOLE) -> Int4Linear | Int8Linear | None:
+    """A quantized Linear weight [out, in] (bias set later) as the layer that runs `shard` of it on
+    `device` (each device's kernel has its own packing; the whole layer is rounded before it is cut,
+    so each rank's part is what one device holds of it); None for a 4-bit layout the int4 kernels
+    do not take in this shape (it loads dense)."""
     block_elements, block_bytes = GGML_QUANT_SIZES[qtype]
     out_features, in_features = raw.shape[0], raw.shape[1] // block_bytes * block_elements
     if gguf_layout(qtype.name) == "int4" and not fits_int4(out_features, in_features):
         return None
     if qtype.name in EXACT_INT4_TYPES:
-        codes, scale, low = (t.to(device) for t in int4_groups(raw, qtype))
-        return Int4Linear(codes, scale, low + 8 * scale, None)
+        codes, scale, low = int4_groups(raw, qtype)
+        return Int4Linear(*(t.to(device) for t in shard.int4(codes, scale, low + 8 * scale)), None)
     weight = dense(raw, qtype, torch.float32).to(device)
-    return Int8Linear.quantize(weight) if gguf_layout(qtype.name) == "int8" else Int4Linear.quantize(weight)
+    if gguf_layout(qtype.name) == "int8":
+        return Int8Linear(*shard.int8(*round_int8(weight)), None)
+    return Int4Linear(*shard.int4(*round_int4(weight)), None)

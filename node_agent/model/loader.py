@@ -88,10 +88,10 @@ def quantize_int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
     return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, inplace=True)
 
 
-def weights_as_stored(files: ModelFiles, profile: ModelProfile, tp_size: int) -> bool:
+def weights_as_stored(files: ModelFiles, profile: ModelProfile) -> bool:
     """Whether the model loads with its Linear weights quantized as its GGUF file stores them
-    (quant = "auto" on a text model's file that quantizes them, not sharded)."""
-    if profile.quant != "auto" or not files.gguf_file or tp_size > 1 or profile.vision:
+    (quant = "auto" on a text model's file that quantizes them)."""
+    if profile.quant != "auto" or not files.gguf_file or profile.vision:
         return False
     return gguf_loader.stores_quantized(files.folder / files.gguf_file)
 
@@ -149,9 +149,9 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
-    dynamic_int8 = profile.quant == "int8" and devices.is_cpu(device)
+    dynamic_int8 = profile.quant == "int8" and devices.is_cpu(device) and tp_size == 1  # (its layers do not shard)
     dtype = _DTYPES.get(profile.dtype) or (torch.float32 if dynamic_int8 else devices.default_dtype(device))
-    as_stored = weights_as_stored(files, profile, tp_size)
+    as_stored = weights_as_stored(files, profile)
     converted = None if as_stored else _converted_copy(files, convert_cache, str(dtype).removeprefix("torch."))
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
@@ -175,16 +175,15 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     quantized = quantized_checkpoint.method(config) if not files.gguf_file else ""
-    if quantized and (tp_size > 1 or processor is not None):
-        raise ModelLoadError(f"{profile.id}'s {quantized} checkpoint loads on one device as a text model only: run it "
-                             "with tensor_parallel = 1 (its quantized layers do not shard)"
-                             + (", vision = false" if processor is not None else ""))
+    if quantized and processor is not None:
+        raise ModelLoadError(f"{profile.id}'s {quantized} checkpoint loads as a text model only: run it with "
+                             "vision = false")
     if as_stored:
         model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention,
-                                 devices.torch_device(device))
+                                 devices.torch_device(device), ranks=tp_size)
     elif quantized:
         model = quantized_checkpoint.load(files.folder, config, dtype, attention, devices.torch_device(device),
-                                          keep_quantized=profile.quant == "auto")
+                                          keep_quantized=profile.quant == "auto", ranks=tp_size)
         log.info("%s: %s checkpoint read %s", profile.id, quantized,
                  "with its Linear weights quantized" if profile.quant == "auto" else "dequantised")
     else:
@@ -195,7 +194,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
             _save_converted(model, tokenizer, converted)
         except Exception as exc:  # a cache that cannot be written only costs time
             log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
-    model = (model if tp_size > 1 else model.to(devices.torch_device(device))).eval()  # TP placed its shards
+    sharded_by_transformers = bool(sharding) and not (as_stored or quantized)  # it placed its shards itself
+    model = (model if sharded_by_transformers else model.to(devices.torch_device(device))).eval()
     if dynamic_int8:
         model = quantize_int8_dynamic(model)
     elif profile.quant in quantized_linear.QUANTIZERS:

@@ -23,7 +23,8 @@ from transformers import PretrainedConfig
 
 from node_agent.model import checkpoint_weights, meta_model
 from node_agent.model.checkpoint_weights import FourBit
-from node_agent.model.quantized_linear import Int8Linear
+from node_agent.model.linear_shards import Plan, Shard
+from node_agent.model.quantized_linear import Int8Linear, round_int8
 from shared.model_files import ModelLoadError
 from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
 
@@ -114,24 +115,25 @@ def _weight(files: _Files, owner: str, attrs: set[str], settings: dict) -> FourB
     return None
 
 
-def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, dtype: torch.dtype) -> None:
-    """A module's tensors the checkpoint keeps dense, floating point ones in `dtype`; a tensor the
-    model has no place for is left (as transformers leaves unexpected keys)."""
+def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, dtype: torch.dtype,
+                 shard: Shard) -> None:
+    """A module's tensors the checkpoint keeps dense (this rank's `shard` of them), floating point
+    ones in `dtype`; a tensor the model has no place for is left (as transformers leaves unexpected keys)."""
     try:
         module = model.get_submodule(owner)
     except AttributeError:
         return
     for attr in sorted(a for a in attrs if hasattr(module, a)):
-        value = files.read(f"{owner}.{attr}")
+        value = shard.dense(attr, files.read(f"{owner}.{attr}"))
         meta_model.set_dense(module, attr, value.to(dtype) if value.is_floating_point() else value)
 
 
 def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Tensor, bias: torch.Tensor | None,
-                  keep_quantized: bool, dtype: torch.dtype, device: torch.device) -> None:
-    """A quantized Linear weight (and its bias) into the model: the layer that runs it quantized
-    on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are not whole groups) its
-    dequantised weight in `dtype`. A bias the model's layer has no place for is left, as
-    transformers leaves it (AutoGPTQ saves one, zeros, for every layer)."""
+                  keep_quantized: bool, dtype: torch.dtype, device: torch.device, shard: Shard) -> None:
+    """This rank's `shard` of a quantized Linear weight (and its bias) into the model: the layer
+    that runs it quantized on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are
+    not whole groups) its dequantised weight in `dtype`. A bias the model's layer has no place for
+    is left, as transformers leaves it (AutoGPTQ saves one, zeros, for every layer)."""
     try:
         linear = model.get_submodule(owner)
     except AttributeError:
@@ -139,17 +141,17 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
     if type(linear) is not torch.nn.Linear:
         raise ModelLoadError(f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
                              f"{type(model).__name__} (fused experts?): only Linear layers are read quantized")
-    if linear.bias is None:
-        bias = None
+    bias = None if linear.bias is None or bias is None else shard.dense("bias", bias)
     if keep_quantized:
         on_device = None if bias is None else bias.to(device)
-        layer = (weight.layer(on_device, device) if isinstance(weight, FourBit)
-                 else Int8Linear.quantize(weight.to(device), on_device))
+        layer = (weight.shard(shard).layer(on_device, device) if isinstance(weight, FourBit)
+                 else Int8Linear(*shard.int8(*round_int8(weight.to(device))), on_device))
         if layer is not None:
             parent, _, child = owner.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
             return
-    meta_model.set_dense(linear, "weight", (weight.dequantised() if isinstance(weight, FourBit) else weight).to(dtype))
+    dense = weight.dequantised() if isinstance(weight, FourBit) else weight
+    meta_model.set_dense(linear, "weight", shard.dense("weight", dense).to(dtype))
     if bias is not None:
         meta_model.set_dense(linear, "bias", bias)
 
@@ -160,22 +162,26 @@ def _settings(config: PretrainedConfig) -> dict:
 
 
 def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str, device: torch.device,
-         keep_quantized: bool) -> torch.nn.Module:
+         keep_quantized: bool, ranks: int = 1) -> torch.nn.Module:
     """The model of `config` (its `quantization_config` one `method` reads) in eval mode, its
     quantized Linear layers kept quantized on `device` or dequantised to `dtype`, the rest on the
-    CPU (the caller moves it). Its config no longer carries the quantization_config."""
+    CPU (the caller moves it); with `ranks` > 1, this rank's part of it
+    (node_agent/model/linear_shards.py). Its config no longer carries the quantization_config."""
     settings = _settings(config)
     _refuse_unread(settings)
     plain = copy.deepcopy(config)
     del plain.quantization_config  # else transformers would look for the method's own layers
     model = meta_model.empty(plain, dtype, attention)
+    plan = Plan.of(model, ranks)
     with ExitStack() as stack:
         files = _Files(folder, stack)
         for owner, attrs in files.by_owner().items():
             weight = _weight(files, owner, attrs, settings)
             if weight is None:
-                _place_dense(model, owner, attrs - SIDE_TENSORS, files, dtype)
+                _place_dense(model, owner, attrs - SIDE_TENSORS, files, dtype, plan.shard(owner))
             else:
                 bias = files.read(f"{owner}.bias").to(dtype) if "bias" in attrs else None
-                _place_linear(model, owner, weight, bias, keep_quantized, dtype, device)
-    return meta_model.filled(model, plain, folder.name)
+                _place_linear(model, owner, weight, bias, keep_quantized, dtype, device, plan.shard(owner))
+    model = meta_model.filled(model, plain, folder.name)
+    plan.sum_rows(model)
+    return model

@@ -9,8 +9,10 @@ CPU their float32 path is scalar, 30-90x slower: docs/benchmarks.md): a layer ca
 bfloat16 and its output back to the input's dtype."""
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from shared.weight_formats import GROUP  # inputs per 4-bit group: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
+from node_agent.model import linear_shards
+from shared.weight_formats import GROUP, OUT_MULTIPLE  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -25,12 +27,26 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (tiles unused on a CPU)
 
 
-OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
-
-
 def fits_int4(out_features: int, in_features: int) -> bool:
     """Whether the int4 kernels take a layer of this shape: inputs in whole groups, outputs in whole tiles."""
     return in_features % GROUP == 0 and out_features % OUT_MULTIPLE == 0
+
+
+def round_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A full-precision weight [out, in] rounded to 16 levels between each group's min and max: the
+    codes [out, in], scale and zero [out, in / GROUP] Int4Linear takes."""
+    groups = weight.float().reshape(weight.shape[0], -1, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return codes.reshape(weight.shape), scale, low + 8 * scale
+
+
+def round_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-precision weight [out, in] rounded symmetrically per output channel: the codes [out, in]
+    and scale [out] Int8Linear takes."""
+    scale = (weight.float().abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return (weight.float() / scale[:, None]).round().clamp(-127, 127), scale
 
 
 class Int4Linear(torch.nn.Module):
@@ -49,12 +65,7 @@ class Int4Linear(torch.nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
-        """Round a full-precision weight to 16 levels between each group's min and max."""
-        groups = weight.float().reshape(weight.shape[0], -1, GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-        return cls(codes.reshape(weight.shape), scale, low + 8 * scale, bias)
+        return cls(*round_int4(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
@@ -93,10 +104,7 @@ class Int8Linear(torch.nn.Module):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
-        """Round a full-precision weight symmetrically per output channel."""
-        scale = (weight.float().abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        codes = (weight.float() / scale[:, None]).round().clamp(-127, 127)
-        return cls(codes, scale, bias)
+        return cls(*round_int8(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
@@ -109,17 +117,20 @@ QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize}
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    """The tensors in a state dict's entry (torch.ao's dynamic int8 layers keep a tuple, and a dtype)."""
+    """The tensors in a state dict's entry (torch.ao's dynamic int8 layers keep a tuple, and a dtype;
+    transformers' TP shards are DTensors, of which this rank holds its local part)."""
+    if isinstance(value, DTensor):
+        return [value.to_local()]
     if isinstance(value, torch.Tensor):
         return [value]
     return [t for item in value for t in _tensors(item)] if isinstance(value, (tuple, list)) else []
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """The bytes a model's weights hold on its device: everything in its state dict (packed and
-    quantized layers' buffers too; a tied weight counted once)."""
-    tensors = {id(t): t for value in module.state_dict(keep_vars=True).values() for t in _tensors(value)}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """The bytes a model's weights hold on its device (a tensor-parallel rank's own part): everything
+    in its state dict (packed and quantized layers' buffers too; a tied weight counted once)."""
+    entries = {id(value): value for value in module.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * t.element_size() for value in entries.values() for t in _tensors(value))
 
 
 def held_as(model: torch.nn.Module) -> str:
@@ -133,16 +144,19 @@ def quantize(model: torch.nn.Module, bits: str) -> int:
     """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4" or
     "int8") quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes
     keep it at 6 bits or more; most small models tie it to the embedding), and so does a 4-bit
-    layer whose shape the int4 kernels do not take (`fits_int4`)."""
+    layer whose shape the int4 kernels do not take (`fits_int4`). A layer transformers' TP sharded
+    is quantized as this rank's shard, a row-parallel one summing its partial product over the
+    ranks (node_agent/model/linear_shards.py)."""
     head = model.get_output_embeddings()
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or child is head:
                 continue
-            if bits == "int4" and not fits_int4(child.out_features, child.in_features):
+            weight, bias, rowwise = linear_shards.local(child)
+            if bits == "int4" and not fits_int4(*weight.shape):
                 continue
-            bias = None if child.bias is None else child.bias.detach()
-            setattr(parent, name, QUANTIZERS[bits](child.weight.detach(), bias))
+            layer = QUANTIZERS[bits](weight, bias)
+            setattr(parent, name, linear_shards.RowParallel(layer) if rowwise else layer)
             count += 1
     return count

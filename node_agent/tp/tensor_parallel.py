@@ -1,5 +1,6 @@
 """Tensor parallelism (a profile's `tensor_parallel = N`): one model sharded over N devices of one
-node with transformers' own TP plan.
+node with transformers' own TP plan (quantized weights: each rank's part cut by the node's own
+loaders along the same plan, node_agent/model/linear_shards.py).
 
 Rank 0 is the device thread of the model's first device: it runs the engine as for one device.
 Ranks 1..N-1 are worker processes (node_agent/tp/tp_worker.py), spawned one per further device, each
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from node_agent.model import devices, forward, kv_cache, loader, quantized_checkpoint, vision
+from node_agent.model import devices, forward, kv_cache, loader, vision
 from node_agent.tp import tp_worker
 from node_agent.model.kv_cache import PagedCache
 from node_agent.model.model_calls import ModelCalls
@@ -78,12 +79,6 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     if profile.kv_memory_fraction is not None:
         raise ModelLoadError("every rank must hold as many KV blocks, and kv_memory_fraction sizes each device's cache "
                              f"from its own free memory: give {profile.id} a kv_cache_mb instead")
-    if profile.quant not in ("auto", "none"):  # "auto" shards a GGUF file's weights dequantised
-        raise ModelLoadError(f"quant = '{profile.quant}' does not shard: tensor parallelism runs full-precision "
-                             f"weights (quant = 'none' or 'auto'); run {profile.id} with tensor_parallel = 1 to quantize it")
-    if quantized := quantized_checkpoint.method(config):
-        raise ModelLoadError(f"{profile.id} is a {quantized} checkpoint: its quantized layers do not shard; run it "
-                             "with tensor_parallel = 1")
     RankGroup.refuse_second()
 
 
@@ -244,9 +239,10 @@ class Rank0Calls(ModelCalls):
 def load(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str = "") -> loader.LoadedModel:
     """On rank 0's device thread: check, start the workers, load the shards on every rank."""
     files = locate(profile, settings.hf_cache)
-    if files.gguf_file:
-        raise ModelLoadError("tensor_parallel needs a safetensors model (a directory or hf: source), not a .gguf file")
-    config = AutoConfig.from_pretrained(files.folder)
+    if files.gguf_file and not loader.weights_as_stored(files, profile):
+        raise ModelLoadError("a .gguf file shards with its Linear weights quantized as it stores them (quant = "
+                             "'auto'); dequantised, tensor_parallel needs a safetensors model (a directory or hf: source)")
+    config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
     check(profile, config, device_ids, node)
     device_ids = device_ids[: profile.tensor_parallel]
     group = RankGroup(profile, device_ids, settings)

@@ -43,7 +43,8 @@ def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_ca
         calls = ModelCalls(loaded.model, paged_cache(loaded, profile))
         channel = Channel(channel_group, loaded.model.config.hidden_size, loaded.dtype)
         dist.barrier(group=channel_group)  # rank 0 waits here for every rank's cache
-        log.info("%s: rank %d of %d on %s ready (pid %d)", profile.id, rank, world, device, os.getpid())
+        log.info("%s: rank %d of %d on %s ready (pid %d, %d bytes of weights)", profile.id, rank, world, device,
+                 os.getpid(), loaded.weight_bytes)
         serve(channel, calls, loaded.device)
         log.info("%s: rank %d stopped", profile.id, rank)
     except Exception:

@@ -251,10 +251,3 @@ def test_a_variant_that_is_not_read_is_refused_with_the_reason(checkpoints, tmp_
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=reason):
         loader.load(tiny_profile(folder), "cpu")
-
-
-def test_a_rank_of_a_tensor_parallel_load_refuses_a_quantized_checkpoint(checkpoints):
-    """(tensor_parallel.check refuses it before any rank starts; a rank's load says so as well.)"""
-    with pytest.raises(ModelLoadError, match="tensor_parallel = 1"):
-        loader.load(checkpoints("awq")[0], "cpu", tp_size=2)
-

@@ -14,16 +14,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-from transformers import AutoConfig
 
 from node_agent.engine.engine import Engine
 from node_agent.serving import prompts
 from node_agent.model import loader, quantized_linear
 from node_agent.model.quantized_linear import Int4Linear, Int8Linear
-from node_agent.tp import tensor_parallel
 from shared import memory
 from shared.catalog import Catalog
-from shared.model_files import ModelLoadError
 from tests import gguf_files, tiny_models
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
@@ -115,13 +112,6 @@ def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
         error = (last_logits(lm, ids) - want).abs().max() / want.abs().max()
         assert error <= bound, (quant, error)
         assert lm.quant == quant and lm.weight_bytes < full.weight_bytes
-
-
-def test_tensor_parallelism_refuses_quantizing_at_load(small_vocab_dirs):
-    config = AutoConfig.from_pretrained(small_vocab_dirs["llama"])
-    profile = tiny_profile(small_vocab_dirs["llama"], tensor_parallel=2, quant="int4", kv_cache_mb=1)
-    with pytest.raises(ModelLoadError, match="quant = 'int4' does not shard"):
-        tensor_parallel.check(profile, config, ["cpu:0", "cpu:1"])
 
 
 def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models):

@@ -118,8 +118,6 @@ def config(model_type: str, **fields):
                                                    r"\(1\)"),
     (config("mistral", sliding_window=64), CPUS, "full-attention layers only"),
     (config("qwen3_moe", num_experts=4), CPUS, "mixture-of-experts"),
-    (config("llama", quantization_config={"quant_method": "gptq", "bits": 4}), CPUS,
-     "gptq checkpoint: its quantized layers do not shard"),
 ])
 def test_what_cannot_be_sharded_is_refused_up_front(model_config, device_ids, reason):
     with pytest.raises(ModelLoadError, match=reason):
