@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
                           DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
 
-from node_agent.model import (architectures, cpu_attention, devices, fused_norm, gguf_loader, packed_linear,
+from node_agent.model import (architectures, cpu_attention, devices, fused_layers, gguf_loader, packed_linear,
                               quantized_checkpoint, quantized_linear, vision)
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
@@ -98,19 +98,19 @@ def weights_as_stored(files: ModelFiles, profile: ModelProfile) -> bool:
 
 def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     """A CPU model's full-precision Linear weights packed for oneDNN (node_agent/model/packed_linear.py;
-    quantized layers stay), its RMSNorms one ATen call each (node_agent/model/fused_norm.py) and its
+    quantized layers stay), its RMSNorms and gated MLPs fused (node_agent/model/fused_layers.py) and its
     decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
     log line for each, or for why not."""
     if profile.decode == "compiled":
         log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
                  "itself)", profile.id)
         return
+    log.info("%s: %d RMSNorm and MLP layers fused", profile.id, fused_layers.fuse(model))
     why_not = packed_linear.packable(model)
     if why_not:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
     else:
         log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
-    log.info("%s: %d RMSNorm layers run as one ATen call each", profile.id, fused_norm.fuse(model))
     if cpu_attention.enable(model):
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 
