@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, dequantize
 from gguf.quants import Q4_K
 
 from node_agent.model.linear_shards import WHOLE, Shard
-from node_agent.model.quantized_linear import Int4Linear, Int8Linear, fits_int4, round_int4, round_int8
+from node_agent.model.quantized_linear import Int4Linear, Int8Linear, fits_int4
 from shared.weight_formats import EXACT_INT4_TYPES, gguf_layout
 
 
@@ -71,6 +71,4 @@ def linear(raw: np.ndarray, qtype: T, device: torch.device, shard: Shard = WHOLE
         codes, scale, low = int4_groups(raw, qtype)
         return Int4Linear(*(t.to(device) for t in shard.int4(codes, scale, low + 8 * scale)), None)
     weight = dense(raw, qtype, torch.float32).to(device)
-    if gguf_layout(qtype.name) == "int8":
-        return Int8Linear(*shard.int8(*round_int8(weight)), None)
-    return Int4Linear(*shard.int4(*round_int4(weight)), None)
+    return (Int8Linear if gguf_layout(qtype.name) == "int8" else Int4Linear).quantize(weight, shard=shard)

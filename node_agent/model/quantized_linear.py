@@ -64,8 +64,10 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
-        return cls(*round_int4(weight), bias)
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Int4Linear":
+        """`weight` rounded whole (`round_int4`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
+        return cls(*shard.int4(*round_int4(weight)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
@@ -103,8 +105,10 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
-        return cls(*round_int8(weight), bias)
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Int8Linear":
+        """`weight` rounded whole (`round_int8`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
+        return cls(*shard.int8(*round_int8(weight)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
