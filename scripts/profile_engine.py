@@ -37,7 +37,8 @@ def load(args):
 
         profile = profile.model_copy(update={"source": str(bench_models.build(args.shape, args.dtype, "cpu", None)),
                                              "gguf_file": None, "tokenizer_source": None})
-    profile = profile.model_copy(update={"dtype": args.dtype, "slots": args.rows, "max_model_len": 2 * CONTEXT})
+    profile = profile.model_copy(update={"dtype": args.dtype, "quant": args.quant, "slots": args.rows,
+                                         "max_model_len": 2 * CONTEXT})
     return loader.load(profile, "cpu")
 
 
@@ -72,6 +73,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1, help="torch threads (a 2-core node runs 1; default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quant", default="none", help="the catalogue's `quant` (default none: float32 weights, as "
+                                                  "scripts/bench's Cortex rows; auto: the GGUF's as stored)")
     p.add_argument("--shape", default=None, help="a random model in this shape instead of the default model")
     p.add_argument("--rows", type=int, default=32, help="the widest decode batch (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs a case (default 3)")

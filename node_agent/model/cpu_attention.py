@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 NAME = "cortex_cpu_paged"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+MAX_HEAD_DIM = 256  # the kernel's kMaxDim
 
 
 @functools.cache
@@ -125,9 +126,14 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # a forward of transformers' o
 
 def enable(model: torch.nn.Module) -> bool:
     """Run the model's text attention through `attention` (it must run SDPA now); False, with the
-    reason logged, where the kernel is not there."""
+    reason logged, where the kernel is not there or the heads are wider than it takes."""
     config = model.config.get_text_config()
     if config._attn_implementation != "sdpa" or not kernel():
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim > MAX_HEAD_DIM:
+        log.info("CPU decode attention reads the KV cache through a copy: heads of %d dims (the kernel takes up to %d)",
+                 head_dim, MAX_HEAD_DIM)
         return False
     config._attn_implementation = NAME
     return True

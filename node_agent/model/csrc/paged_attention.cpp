@@ -4,12 +4,16 @@
 // value where the pool keeps it: no copy of the context. Pools are [kv_heads, slots, head_dim]
 // (node_agent/model/kv_cache.py), the tables [rows, max_blocks] (block ids, 0 the null block).
 // A row sees positions [first, length), first = max(0, length - window) with a sliding window.
-// GQA: each key/value head serves `groups` query heads; a key is loaded once for all of them.
-// Softmax is online, one block at a time, accumulated in float32 whatever the storage dtype.
+// GQA: each key/value head serves `groups` query heads; a key is loaded once for several of them.
+// Softmax is online, a tile of up to 16 positions at a time, in float32 whatever the storage
+// dtype. Written over GCC's vector types, so the same source vectorises for AVX-512, AVX2 or NEON;
+// head dims 64 and 128 are compiled in (their queries and sums stay in registers), any other up
+// to kMaxDim runs the same code with the dim read at run time.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -20,90 +24,194 @@ namespace {
 #endif
 constexpr int64_t kPrefetchBlocks = CORTEX_PREFETCH_BLOCKS;  // how far ahead a row's blocks are fetched
 
+// Vectors of 16 floats (GCC's vector extension): one AVX-512 register, two AVX2 ones; the
+// compiler lowers them to what the machine (-march=native) has.
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxChunks = kMaxDim / kLanes;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+// `lanes` values from p (the rest 0), as float32.
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
+inline Vec load_vec(const T* p, int64_t lanes = kLanes) {
+  Vec out{};
+  for (int64_t j = 0; j < lanes; ++j) out[j] = static_cast<float>(p[j]);
+  return out;
+}
+template <>
+inline Vec load_vec<float>(const float* p, int64_t lanes) {
+  Vec out{};
+  __builtin_memcpy(&out, p, lanes * sizeof(float));
+  return out;
 }
 
-template <typename T>
-inline void axpy(float a, const T* v, float* acc, int64_t d) {
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
+inline float sum(Vec v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
-template <typename T>
+inline Vec larger(Vec a, Vec b) { return a > b ? a : b; }
+
+inline float largest(Vec v) {
+  v = larger(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = larger(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = larger(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = larger(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// Lane t of the result: the sum of v[t]'s lanes (16 horizontal sums in 15 shuffle-and-add steps).
+inline Vec lane_sums(const Vec* v) {
+  Vec h[8], q[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    h[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    q[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(h[2 * i], h[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// e^x for x <= 0 (scores less their maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits; 0 below -87.
+inline Vec exp_nonpositive(Vec x) {
+  const IVec tiny = x < -87.f;
+  x = tiny ? splat(-87.f) : x;
+  const IVec n = __builtin_convertvector(x * 1.44269504f - 0.5f, IVec);  // round to nearest (x <= 0)
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+  Vec p = splat(1.f / 720.f);
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const IVec bits = (n + 127) << 23;
+  Vec scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? splat(0.f) : p * scale;
+}
+
+// One row's attention over one KV head for GB of the query heads that share it, positions
+// [first, length): tiles of up to 16 positions within a block, an online softmax over them.
+// D: the head dim when compiled (0: `dim_`, up to kMaxDim); the queries and sums of a tile are held
+// in registers when D is known, each key and value loaded once for the GB heads.
+template <typename T, int64_t D, int64_t GB>
+void attend(const T* q, float scale, const T* kh, const T* vh, const int64_t* table, int64_t first, int64_t length,
+            int64_t block_size, float softcap, int64_t dim_, T* out) {
+  const int64_t dim = D ? D : dim_;
+  constexpr int64_t kChunks = D ? (D + kLanes - 1) / kLanes : kMaxChunks;
+  const int64_t chunks = (dim + kLanes - 1) / kLanes, tail = dim - (chunks - 1) * kLanes;
+  auto lanes = [&](int64_t c) { return c == chunks - 1 ? tail : kLanes; };
+  Vec query[GB][kChunks], acc[GB][kChunks];
+  float m[GB], l[GB];
+  for (int64_t g = 0; g < GB; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) query[g][c] = load_vec(q + g * dim + c * kLanes, lanes(c)) * scale, acc[g][c] = Vec{};
+    m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+  }
+  alignas(64) float weights[GB][kLanes];
+  Vec partial[GB][kLanes];
+  for (int64_t p = first; p < length;) {
+    const int64_t in_block = p % block_size;
+    const int64_t count = std::min(std::min(kLanes, block_size - in_block), length - p);
+    const int64_t slot = table[p / block_size] * block_size + in_block, next = p + count;
+    if (in_block == 0) {  // the block after next is elsewhere: ask for it now
+      const int64_t ahead = (p / block_size + kPrefetchBlocks) * block_size;
+      if (ahead < length) {
+        const int64_t at = table[ahead / block_size] * block_size * dim;
+        for (int64_t i = 0; i < block_size * dim; i += 64 / sizeof(T)) {
+          __builtin_prefetch(kh + at + i);
+          __builtin_prefetch(vh + at + i);
+        }
+      }
+    }
+    for (int64_t t = 0; t < kLanes; ++t) {  // past the tile: its last key again, masked below
+      const T* key = kh + (slot + std::min(t, count - 1)) * dim;
+      Vec k[kChunks];
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load_vec(key + c * kLanes, lanes(c));
+      for (int64_t g = 0; g < GB; ++g) {
+        Vec dot = query[g][0] * k[0];
+        for (int64_t c = 1; c < chunks; ++c) dot += query[g][c] * k[c];
+        partial[g][t] = dot;
+      }
+    }
+    const IVec outside = kIota >= static_cast<int32_t>(count);
+    for (int64_t g = 0; g < GB; ++g) {
+      Vec score = lane_sums(partial[g]);
+      if (softcap > 0) {
+        for (int64_t t = 0; t < count; ++t) score[t] = softcap * std::tanh(score[t] / softcap);
+      }
+      score = outside ? splat(-std::numeric_limits<float>::infinity()) : score;
+      const float top = std::max(m[g], largest(score));
+      const Vec weight = outside ? splat(0.f) : exp_nonpositive(score - top);
+      const float rescale = exp_nonpositive(splat(m[g] - top))[0];  // 0 at the first tile (m = -inf)
+      l[g] = l[g] * rescale + sum(weight);
+      m[g] = top;
+      __builtin_memcpy(weights[g], &weight, sizeof(weight));
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] *= rescale;
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const T* value = vh + (slot + t) * dim;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const Vec v = load_vec(value + c * kLanes, lanes(c));
+        for (int64_t g = 0; g < GB; ++g) acc[g][c] += weights[g][t] * v;
+      }
+    }
+    p = next;
+  }
+  for (int64_t g = 0; g < GB; ++g) {
+    const float inv = l[g] > 0 ? 1.f / l[g] : 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Vec o = acc[g][c] * inv;
+      for (int64_t j = 0; j < lanes(c); ++j) out[g * dim + c * kLanes + j] = static_cast<T>(o[j]);
+    }
+  }
+}
+
+// The G query heads of each KV head in slices of GB (held in registers with their sums when the
+// head dim D is known when compiled).
+template <typename T, int64_t D, int64_t GB>
 void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths, T* out,
             int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t slots, int64_t max_blocks,
             int64_t block_size, double scale, int64_t window, double softcap) {
-  const int64_t groups = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(groups * dim), acc(groups * dim), m(groups), l(groups), s(groups * block_size);
+  const int64_t slices = heads / GB, per_kv_head = heads / kv_heads / GB;
+  at::parallel_for(0, rows * slices, 1, [&](int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t row = job / kv_heads, kvh = job % kv_heads;
+      const int64_t row = job / slices, kvh = job % slices / per_kv_head;
       const int64_t length = lengths[row];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* qrow = q + (row * heads + kvh * groups + g) * dim;
-        for (int64_t i = 0; i < dim; ++i) qf[g * dim + i] = static_cast<float>(qrow[i]) * static_cast<float>(scale);
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const T* kh = k + kvh * slots * dim;
-      const T* vh = v + kvh * slots * dim;
-      for (int64_t b = first / block_size; b * block_size < length && b < max_blocks; ++b) {
-        const int64_t base = tables[row * max_blocks + b] * block_size;
-        const int64_t lo = std::max(first, b * block_size) - b * block_size;
-        const int64_t hi = std::min(length, (b + 1) * block_size) - b * block_size;
-        const int64_t ahead = b + kPrefetchBlocks;  // a block further on is elsewhere: ask for it now
-        if (ahead * block_size < length && ahead < max_blocks) {
-          const int64_t next = tables[row * max_blocks + ahead] * block_size * dim;
-          for (int64_t i = 0; i < block_size * dim; i += 64 / sizeof(T)) {
-            __builtin_prefetch(kh + next + i);
-            __builtin_prefetch(vh + next + i);
-          }
-        }
-        for (int64_t t = lo; t < hi; ++t) {  // each key loaded once for its group's query heads
-          const T* krow = kh + (base + t) * dim;
-          for (int64_t g = 0; g < groups; ++g) s[g * block_size + t] = dot(qf.data() + g * dim, krow, dim);
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          float* sg = s.data() + g * block_size;
-          if (softcap > 0) {
-            const float cap = static_cast<float>(softcap);
-            for (int64_t t = lo; t < hi; ++t) sg[t] = cap * std::tanh(sg[t] / cap);
-          }
-          float top = m[g];
-          for (int64_t t = lo; t < hi; ++t) top = std::max(top, sg[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = lo; t < hi; ++t) {
-            sg[t] = std::exp(sg[t] - top);
-            sum += sg[t];
-          }
-          const float rescale = std::exp(m[g] - top);  // exp(-inf) = 0 at the first block
-          float* ag = acc.data() + g * dim;
-          if (rescale != 1.f) {
-            for (int64_t i = 0; i < dim; ++i) ag[i] *= rescale;
-          }
-          l[g] = l[g] * rescale + sum;
-          m[g] = top;
-        }
-        for (int64_t t = lo; t < hi; ++t) {  // each value loaded once too
-          const T* vrow = vh + (base + t) * dim;
-          for (int64_t g = 0; g < groups; ++g) axpy(s[g * block_size + t], vrow, acc.data() + g * dim, dim);
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        T* orow = out + (row * heads + kvh * groups + g) * dim;
-        const float inv = l[g] > 0 ? 1.f / l[g] : 0.f;
-        for (int64_t i = 0; i < dim; ++i) orow[i] = static_cast<T>(acc[g * dim + i] * inv);
-      }
+      const int64_t at = (row * heads + job % slices * GB) * dim;
+      attend<T, D, GB>(q + at, static_cast<float>(scale), k + kvh * slots * dim, v + kvh * slots * dim,
+                       tables + row * max_blocks, first, std::min(length, max_blocks * block_size), block_size,
+                       static_cast<float>(softcap), dim, out + at);
     }
   });
+}
+
+template <typename T>
+using Decode = decltype(&decode<T, 0, 1>);
+
+// The instance for a head dim and group size: D = 64 or 128 compiled in, the group's heads taken
+// 4, 3, 2 or 1 at a time for D = 64 (the largest that divides the group), one at a time otherwise.
+template <typename T>
+Decode<T> pick(int64_t dim, int64_t groups) {
+  if (dim == 64) {
+    return groups % 4 == 0 ? decode<T, 64, 4> : groups % 3 == 0 ? decode<T, 64, 3>
+         : groups % 2 == 0 ? decode<T, 64, 2> : decode<T, 64, 1>;
+  }
+  return dim == 128 ? decode<T, 128, 1> : decode<T, 0, 1>;
 }
 
 }  // namespace
@@ -120,6 +228,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor keys, at::Tensor 
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "the pools must be contiguous");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = keys.size(0), slots = keys.size(1);
+  TORCH_CHECK(dim <= kMaxDim, "head dims up to ", kMaxDim);
   TORCH_CHECK(keys.size(2) == dim && heads % kv_heads == 0 && tables.size(0) >= rows && lengths.size(0) >= rows,
               "mismatched sizes");
   auto q = query.contiguous();
@@ -127,7 +236,7 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor keys, at::Tensor 
   auto n = lengths.contiguous();
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+    pick<scalar_t>(dim, heads / kv_heads)(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
                      t.data_ptr<int64_t>(), n.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads, kv_heads,
                      dim, slots, t.size(1), block_size, scale, window, softcap);
   });

@@ -39,10 +39,13 @@ def reference(q, keys, values, tables, lengths, block_size, scale, window, softc
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (0, 5.0)])
-@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 4, 16), (9, 3, 64), (8, 2, 128)])
-def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, softcap, heads, kv_heads, dim):
+@pytest.mark.parametrize("heads, kv_heads, dim", [  # the kernel's instances: a group's heads 1-4 at a time
+    (4, 4, 16), (9, 3, 64), (8, 2, 64), (4, 2, 64), (7, 1, 64), (8, 2, 128),
+    (6, 2, 24), (2, 1, 80), (4, 4, 8)])  # and dims known only at run time, not all multiples of 16
+@pytest.mark.parametrize("block_size", [4, 32])  # tiles of a whole block, and of half of one
+def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, softcap, heads, kv_heads, dim, block_size):
     torch.manual_seed(0)
-    rows, block_size, max_blocks, pool_blocks = 5, 4, 12, 64
+    rows, max_blocks, pool_blocks = 5, 12, 64
     keys, values = (torch.randn(kv_heads, pool_blocks * block_size, dim).to(dtype) for _ in range(2))
     tables = torch.stack([torch.randperm(pool_blocks - 1)[:max_blocks] + 1 for _ in range(rows)])
     lengths = torch.tensor([1, 4, 5, 23, 48])  # one position, a whole block, a block and one, blocks and some
