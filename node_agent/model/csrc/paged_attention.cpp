@@ -5,10 +5,11 @@
 // (node_agent/model/kv_cache.py), the tables [rows, max_blocks] (block ids, 0 the null block).
 // A row sees positions [first, length), first = max(0, length - window) with a sliding window.
 // GQA: each key/value head serves `groups` query heads; a key is loaded once for several of them.
-// Softmax is online, a tile of up to 16 positions at a time, in float32 whatever the storage
-// dtype. Written over GCC's vector types, so the same source vectorises for AVX-512, AVX2 or NEON;
-// head dims 64 and 128 are compiled in (their queries and sums stay in registers), any other up
-// to kMaxDim runs the same code with the dim read at run time.
+// Softmax is online, a tile of 8 or 16 positions (a vector's width) at a time, in float32
+// whatever the storage dtype. Written over GCC's vector types, so that the same source
+// vectorises for AVX-512, AVX2 or NEON; head dims 64, 128 and 256 are compiled in (queries
+// and sums held in registers), any other up to kMaxDim runs the same code with the dim read at
+// run time.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,14 +25,22 @@ namespace {
 #endif
 constexpr int64_t kPrefetchBlocks = CORTEX_PREFETCH_BLOCKS;  // how far ahead a row's blocks are fetched
 
-// Vectors of 16 floats (GCC's vector extension): one AVX-512 register, two AVX2 ones; the
-// compiler lowers them to what the machine (-march=native) has.
+// Vectors of the machine's width (GCC's vector extension): 16 floats with AVX-512, 8 otherwise
+// (AVX2; two registers on NEON).
+#ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;  // AVX2, NEON (two registers there)
+#endif
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxChunks = kMaxDim / kLanes;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+#ifdef __AVX512F__
 constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
 inline Vec splat(float x) { return Vec{} + x; }
 
@@ -49,22 +58,19 @@ inline Vec load_vec<float>(const float* p, int64_t lanes) {
   return out;
 }
 
-inline float sum(Vec v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
-}
-
 inline Vec larger(Vec a, Vec b) { return a > b ? a : b; }
 
+#ifdef __AVX512F__
+inline Vec swap8(Vec v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline Vec swap4(Vec v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
+inline Vec swap2(Vec v) { return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
+inline Vec swap1(Vec v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); }
+inline float sum(Vec v) { v += swap8(v); v += swap4(v); v += swap2(v); return (v + swap1(v))[0]; }
 inline float largest(Vec v) {
-  v = larger(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = larger(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = larger(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = larger(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
+  v = larger(v, swap8(v));
+  v = larger(v, swap4(v));
+  v = larger(v, swap2(v));
+  return larger(v, swap1(v))[0];
 }
 
 // Lane t of the result: the sum of v[t]'s lanes (16 horizontal sums in 15 shuffle-and-add steps).
@@ -82,6 +88,26 @@ inline Vec lane_sums(const Vec* v) {
   return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+inline Vec swap4(Vec v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); }
+inline Vec swap2(Vec v) { return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5); }
+inline Vec swap1(Vec v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6); }
+inline float sum(Vec v) { v += swap4(v); v += swap2(v); return (v + swap1(v))[0]; }
+inline float largest(Vec v) { v = larger(v, swap4(v)); v = larger(v, swap2(v)); return larger(v, swap1(v))[0]; }
+
+// Lane t of the result: the sum of v[t]'s lanes (8 horizontal sums in 7 shuffle-and-add steps).
+inline Vec lane_sums(const Vec* v) {
+  Vec q[4], e[2];
+  for (int i = 0; i < 4; ++i)
+    q[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // e^x for x <= 0 (scores less their maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits; 0 below -87.
@@ -104,8 +130,15 @@ inline Vec exp_nonpositive(Vec x) {
   return tiny ? splat(0.f) : p * scale;
 }
 
+// tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|), lane by lane.
+inline Vec tanh(Vec x) {
+  const Vec e = exp_nonpositive(x < 0 ? 2.f * x : -2.f * x);
+  const Vec magnitude = (1.f - e) / (1.f + e);
+  return x < 0 ? -magnitude : magnitude;
+}
+
 // One row's attention over one KV head for GB of the query heads that share it, positions
-// [first, length): tiles of up to 16 positions within a block, an online softmax over them.
+// [first, length): tiles of up to kLanes positions within a block, an online softmax over them.
 // D: the head dim when compiled (0: `dim_`, up to kMaxDim); the queries and sums of a tile are held
 // in registers when D is known, each key and value loaded once for the GB heads.
 template <typename T, int64_t D, int64_t GB>
@@ -118,7 +151,10 @@ void attend(const T* q, float scale, const T* kh, const T* vh, const int64_t* ta
   Vec query[GB][kChunks], acc[GB][kChunks];
   float m[GB], l[GB];
   for (int64_t g = 0; g < GB; ++g) {
-    for (int64_t c = 0; c < chunks; ++c) query[g][c] = load_vec(q + g * dim + c * kLanes, lanes(c)) * scale, acc[g][c] = Vec{};
+    for (int64_t c = 0; c < chunks; ++c) {
+      query[g][c] = load_vec(q + g * dim + c * kLanes, lanes(c)) * scale;
+      acc[g][c] = Vec{};
+    }
     m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
   }
   alignas(64) float weights[GB][kLanes];
@@ -150,9 +186,7 @@ void attend(const T* q, float scale, const T* kh, const T* vh, const int64_t* ta
     const IVec outside = kIota >= static_cast<int32_t>(count);
     for (int64_t g = 0; g < GB; ++g) {
       Vec score = lane_sums(partial[g]);
-      if (softcap > 0) {
-        for (int64_t t = 0; t < count; ++t) score[t] = softcap * std::tanh(score[t] / softcap);
-      }
+      if (softcap > 0) score = softcap * tanh(score / softcap);
       score = outside ? splat(-std::numeric_limits<float>::infinity()) : score;
       const float top = std::max(m[g], largest(score));
       const Vec weight = outside ? splat(0.f) : exp_nonpositive(score - top);
@@ -203,15 +237,16 @@ void decode(const T* q, const T* k, const T* v, const int64_t* tables, const int
 template <typename T>
 using Decode = decltype(&decode<T, 0, 1>);
 
-// The instance for a head dim and group size: D = 64 or 128 compiled in, the group's heads taken
-// 4, 3, 2 or 1 at a time for D = 64 (the largest that divides the group), one at a time otherwise.
+// The instance for a head dim and group size: D = 64, 128 or 256 compiled in, the group's heads taken
+// 4, 3, 2 or 1 at a time for D = 64 (the largest that divides the group), one at a time otherwise
+// (D = 256 too).
 template <typename T>
 Decode<T> pick(int64_t dim, int64_t groups) {
   if (dim == 64) {
     return groups % 4 == 0 ? decode<T, 64, 4> : groups % 3 == 0 ? decode<T, 64, 3>
          : groups % 2 == 0 ? decode<T, 64, 2> : decode<T, 64, 1>;
   }
-  return dim == 128 ? decode<T, 128, 1> : decode<T, 0, 1>;
+  return dim == 128 ? decode<T, 128, 1> : dim == 256 ? decode<T, 256, 1> : decode<T, 0, 1>;
 }
 
 }  // namespace
@@ -236,9 +271,10 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor keys, at::Tensor 
   auto n = lengths.contiguous();
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    pick<scalar_t>(dim, heads / kv_heads)(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
-                     t.data_ptr<int64_t>(), n.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads, kv_heads,
-                     dim, slots, t.size(1), block_size, scale, window, softcap);
+    const auto run = pick<scalar_t>(dim, heads / kv_heads);
+    run(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(), t.data_ptr<int64_t>(),
+        n.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), rows, heads, kv_heads, dim, slots, t.size(1), block_size,
+        scale, window, softcap);
   });
   return out;
 }

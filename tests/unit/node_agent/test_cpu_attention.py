@@ -40,7 +40,7 @@ def reference(q, keys, values, tables, lengths, block_size, scale, window, softc
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (7, 0.0), (0, 5.0)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [  # the kernel's instances: a group's heads 1-4 at a time
-    (4, 4, 16), (9, 3, 64), (8, 2, 64), (4, 2, 64), (7, 1, 64), (8, 2, 128),
+    (4, 4, 16), (9, 3, 64), (8, 2, 64), (4, 2, 64), (7, 1, 64), (8, 2, 128), (2, 1, 256),
     (6, 2, 24), (2, 1, 80), (4, 4, 8)])  # and dims known only at run time, not all multiples of 16
 @pytest.mark.parametrize("block_size", [4, 32])  # tiles of a whole block, and of half of one
 def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, softcap, heads, kv_heads, dim, block_size):
