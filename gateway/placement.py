@@ -44,12 +44,6 @@ def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
             and (profile.tensor_parallel == 1 or len(node.devices) >= profile.tensor_parallel))
 
 
-def share_mb(profile: ModelProfile, need_mb: int) -> int:
-    """What each of the model's devices needs: all of it, or a 1/N share (weights and cache) of a
-    model sharded over N devices."""
-    return -(-need_mb // profile.tensor_parallel)
-
-
 def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> int:
     """Free memory for one share of the model once `evicted` are gone: on the node's emptiest
     device, or for a model sharded over N devices the N-th emptiest. An evicted model frees its
@@ -166,7 +160,7 @@ class Placer:
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
         found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
-        need = share_mb(profile, await self._estimate_mb(profile)) if found else 0
+        need = await self._estimate_mb(profile) if found else 0  # on each of its devices
         holding = frozenset(await self.ctx.fleet.file_holders(HubRef.parse(profile.source).folder,
                                                               [c.node for c in found])
                             if profile.source.startswith(HUB_PREFIX) else [])

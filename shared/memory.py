@@ -8,7 +8,12 @@ The KV cache follows the node's rule (node_agent/model/model_calls.py `kv_blocks
 `slots` sequences of `max_model_len` tokens and never below one. Only attention layers hold keys
 and values (a linear-attention layer keeps a state per slot instead). A `kv_memory_fraction`
 takes what the device has free at load: placement counts the default's worth for it. An embedding or
-rerank model holds no KV cache: its weights and one forward pass (`pooling_pass_bytes`)."""
+rerank model holds no KV cache: its weights and one forward pass (`pooling_pass_bytes`).
+
+A model sharded over N devices (`tensor_parallel`) is estimated per device, as its rank 0 holds
+it: each tensor the ranks copy whole, a 1/N part of each they split (`weights_per_device`), 1/N of
+the KV cache (each rank holds its share of the key/value heads in every block) and every slot's
+state whole (rank 0 alone samples)."""
 
 import json
 from functools import lru_cache
@@ -17,7 +22,8 @@ from pathlib import Path
 from shared import gguf_header
 from shared.catalog import ModelProfile
 from shared.model_files import locate
-from shared.weight_formats import StoredTensor, checkpoint_method, checkpoint_tensor, weight_bytes
+from shared.weight_formats import (StoredTensor, checkpoint_method, checkpoint_tensor, layout, split_over_ranks,
+                                   weight_bytes)
 
 _MB = 1 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -51,6 +57,22 @@ def row_bytes(*, vocab: int, dtype_bytes: int, linear_layers: int = 0, conv: int
     tokens as bools) and each linear-attention layer's last conv inputs (`conv` elements, the
     model's dtype) and recurrent state (`recurrent` elements, float32)."""
     return (4 + 4 + 1) * vocab + linear_layers * (conv * dtype_bytes + recurrent * 4)
+
+
+def weights_per_device(tensors: list[StoredTensor], quant: str, dtype_bytes: int, ranks: int,
+                       layers_only: bool) -> int:
+    """What the weights hold on each of `ranks` devices: every tensor the ranks copy whole, and a
+    `ranks`-th of each they split (shared/weight_formats.py `split_over_ranks`)."""
+    split = [t for t in tensors if split_over_ranks(t, layers_only)]
+    whole = [t for t in tensors if not split_over_ranks(t, layers_only)]
+    return weight_bytes(whole, quant, dtype_bytes) + weight_bytes(split, quant, dtype_bytes) // ranks
+
+
+def read_by_node_loaders(tensors: list[StoredTensor], quant: str, gguf: bool) -> bool:
+    """Whether the node's own loaders read the model, splitting its layers' projections only: a
+    GGUF file whose Linear weights quant "auto" keeps as stored, or a quantized checkpoint (any
+    quant). Else transformers loads it and its TP plan splits the embedding and head too."""
+    return (quant == "auto" or not gguf) and any(layout(t, "auto") != "dense" for t in tensors)
 
 
 def _gguf_facts(path: Path) -> tuple[list[StoredTensor], dict, dict]:
@@ -120,15 +142,18 @@ def _estimate(profile_json: str) -> int:
                                          heads=config["num_attention_heads"],
                                          max_len=profile.effective_context(shape["context"] or None)[0])
         return int((weight_bytes(tensors, "none", dtype_bytes) + activations) * MARGIN / _MB) + 1
-    weights = weight_bytes(tensors, profile.quant, dtype_bytes)
+    ranks = profile.tensor_parallel
+    weights = weights_per_device(tensors, profile.quant, dtype_bytes, ranks,
+                                 read_by_node_loaders(tensors, profile.quant, bool(files.gguf_file)))
     max_len, _ = profile.effective_context(shape.pop("context") or None)
-    cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape)
+    cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape) // ranks
     slots = profile.slots * row_bytes(dtype_bytes=dtype_bytes, **rows)
     return int((weights + cache + slots) * MARGIN / _MB) + 1
 
 
 def estimate_mb(profile: ModelProfile) -> int:
-    """`memory_mb` from the catalogue, else an estimate from the files on this host."""
+    """What each of the model's devices needs: `memory_mb` from the catalogue (one replica's, over
+    its `tensor_parallel` devices), else an estimate from the files on this host."""
     if profile.memory_mb is not None:
-        return profile.memory_mb
+        return -(-profile.memory_mb // profile.tensor_parallel)
     return _estimate(profile.model_dump_json())

@@ -67,7 +67,7 @@ def gguf_layout(gguf_type: str) -> Layout:
 
 
 def _is_head_or_embedding(name: str) -> bool:
-    return any(part in name for part in ("embed", "lm_head", "token_embd", "output.weight", "wte"))
+    return name == "output.weight" or any(part in name for part in ("embed", "lm_head", "token_embd", "wte"))
 
 
 def layout(tensor: StoredTensor, quant: str) -> Layout:
@@ -83,6 +83,16 @@ def layout(tensor: StoredTensor, quant: str) -> Layout:
     if quant in BYTES_PER_WEIGHT and not _is_head_or_embedding(tensor.name):
         return quant
     return "dense"
+
+
+def split_over_ranks(tensor: StoredTensor, layers_only: bool) -> bool:
+    """Whether tensor parallelism splits `tensor` over the ranks (each holds its part) rather than
+    copying it whole to every rank. transformers' TP plan splits every 2-D weight: the layers'
+    projections, and the embedding and output head on the vocabulary. The node's own loaders
+    (`layers_only`: a GGUF file read as stored, a quantized checkpoint) split the layers'
+    projections only (node_agent/model/linear_shards.py): the embedding and the head stay whole.
+    Norms and biases count whole either way (a column-parallel layer's bias is split: a few bytes over)."""
+    return tensor.dims == 2 and not (layers_only and _is_head_or_embedding(tensor.name))
 
 
 def weight_bytes(tensors: list[StoredTensor], quant: str, dtype_bytes: int) -> int:

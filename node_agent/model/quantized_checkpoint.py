@@ -8,17 +8,21 @@ checkpoint quantizes becomes the quantized layer node_agent/model/checkpoint_wei
 of its tensors (quant "auto"), or a dense Linear of its dequantised weight (any other quant);
 every other tensor (embeddings, norms, an output head or layer left unquantized) loads dense
 in the model's dtype. Under "auto" the host holds no more at full precision than one Linear's
-float32 temporaries at a time (the files are memory-mapped: pages read stay in the page cache).
-What the load adds at its peak is not bounded by a test yet: on an 8-layer model of 101 MB at
-float32 (an AWQ file of 14 MB) it was 30-80 MB, most of it the allocator's slack from per-layer
-temporaries (25 MB stayed after malloc_trim)."""
+float32 temporaries at a time: each tensor's bytes are read on their own (pread: no mapping of the
+files stays resident), and the pages a Linear's temporaries freed go back to the system after it
+(glibc's malloc_trim; else the heap kept them as slack between the long-lived quantized weights:
+on 8 layers of hidden 1024, 384 MiB at float32, an FP8 load held 320 MiB of it at the end).
+What the load adds at its peak is bounded by tests/unit/node_agent/test_checkpoint_quant.py."""
 
 import copy
+import ctypes
+import json
+import os
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from node_agent.model import checkpoint_weights, meta_model
@@ -29,6 +33,7 @@ from shared.model_files import ModelLoadError
 from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
 
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # fine-grained fp8's, compressed-tensors'
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
 
 
 def method(config: PretrainedConfig) -> str:
@@ -67,22 +72,60 @@ def _fp8_block(settings: dict) -> tuple[int, int] | None:
     return tuple(block) if block else None
 
 
+# safetensors' dtype names, as torch's
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, FP8_DTYPE: torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class _Stored(NamedTuple):
+    """Where a tensor lies in a safetensors file, and what it is."""
+    fd: int
+    offset: int
+    size: int
+    dtype: str
+    shape: list[int]
+
+
 class _Files:
-    """Every tensor of a folder's safetensors files, read one at a time by name."""
+    """Every tensor of a folder's safetensors files, read one at a time by name: its bytes alone,
+    with pread (a mapping of the file, as safe_open keeps, would hold every page read resident in
+    the process until the load ends: the checkpoint's size again)."""
 
     def __init__(self, folder: Path, stack: ExitStack):
-        self.where = {}
+        self.where: dict[str, _Stored] = {}
         for path in sorted(folder.glob("*.safetensors")):
-            handle = stack.enter_context(safe_open(path, framework="pt"))
-            self.where |= {name: handle for name in handle.keys()}
+            fd = os.open(path, os.O_RDONLY)
+            stack.callback(os.close, fd)
+            self.where |= self._header(fd)
         if not self.where:
             raise ModelLoadError(f"{folder} has no .safetensors files")
 
+    @staticmethod
+    def _header(fd: int) -> dict[str, _Stored]:
+        """A file's tensors, from its header: 8 bytes of its length, then JSON of each tensor's
+        dtype, shape and offsets from the header's end."""
+        length = int.from_bytes(os.pread(fd, 8, 0), "little")
+        entries = json.loads(os.pread(fd, length, 8))
+        entries.pop("__metadata__", None)
+        return {name: _Stored(fd, 8 + length + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0],
+                              e["dtype"], e["shape"]) for name, e in entries.items()}
+
     def read(self, name: str) -> torch.Tensor:
-        return self.where[name].get_tensor(name)
+        stored = self.where[name]
+        data = bytearray(stored.size)
+        view, offset = memoryview(data), stored.offset
+        while view:  # (one read returns at most 2 GiB)
+            count = os.preadv(stored.fd, [view], offset)
+            if not count:
+                raise ModelLoadError(f"{name} ends past the end of its file")
+            view, offset = view[count:], offset + count
+        if not data:  # (torch.frombuffer takes no empty buffer)
+            return torch.empty(stored.shape, dtype=_DTYPES[stored.dtype])
+        return torch.frombuffer(data, dtype=_DTYPES[stored.dtype]).reshape(stored.shape)
 
     def dtype(self, name: str) -> str:
-        return self.where[name].get_slice(name).get_dtype()
+        return self.where[name].dtype
 
     def by_owner(self) -> dict[str, set[str]]:
         """Module name -> the attributes the files hold for it."""
@@ -156,6 +199,25 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
         meta_model.set_dense(linear, "bias", bias)
 
 
+def _place(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, settings: dict, keep_quantized: bool,
+           dtype: torch.dtype, device: torch.device, shard: Shard) -> None:
+    """Module `owner`'s tensors into the model: a Linear the checkpoint quantizes as `_place_linear`
+    makes it, any other module's tensors dense."""
+    weight = _weight(files, owner, attrs, settings)
+    if weight is None:
+        _place_dense(model, owner, attrs - SIDE_TENSORS, files, dtype, shard)
+        return
+    bias = files.read(f"{owner}.bias").to(dtype) if "bias" in attrs else None
+    _place_linear(model, owner, weight, bias, keep_quantized, dtype, device, shard)
+
+
+def _return_freed_pages() -> None:
+    """Hand the pages that freed temporaries left in the C heap back to the system, where the C
+    library can (glibc)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _settings(config: PretrainedConfig) -> dict:
     quantization = config.quantization_config
     return quantization if isinstance(quantization, dict) else quantization.to_dict()
@@ -176,12 +238,8 @@ def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: 
     with ExitStack() as stack:
         files = _Files(folder, stack)
         for owner, attrs in files.by_owner().items():
-            weight = _weight(files, owner, attrs, settings)
-            if weight is None:
-                _place_dense(model, owner, attrs - SIDE_TENSORS, files, dtype, plan.shard(owner))
-            else:
-                bias = files.read(f"{owner}.bias").to(dtype) if "bias" in attrs else None
-                _place_linear(model, owner, weight, bias, keep_quantized, dtype, device, plan.shard(owner))
+            _place(model, owner, attrs, files, settings, keep_quantized, dtype, device, plan.shard(owner))
+            _return_freed_pages()  # (what the module's temporaries freed: none outlives its placing)
     model = meta_model.filled(model, plain, folder.name)
     plan.sum_rows(model)
     return model

@@ -1,12 +1,16 @@
 """Placement of tensor-parallel models: N devices of one node, a share of the memory on each."""
 
+import asyncio
+
 import pytest
 
-from gateway.placement import candidates, plan
+from gateway.placement import Placer, candidates, plan
 from shared.catalog import ModelProfile
 from shared.errors import InsufficientCapacity
 from shared.heartbeat import DeviceInfo, ModelInfo, NodeHeartbeat
 from shared.lifecycle import ModelState
+from tests.model_fixtures import tiny_profile
+from tests.unit.shared.test_memory import awq_llama
 
 
 def node(name: str, free_mb: list[int], **models: ModelInfo) -> NodeHeartbeat:
@@ -59,3 +63,14 @@ def test_a_node_holding_the_model_files_goes_first_even_with_less_room_or_an_evi
     assert plan(one, 200, found).node == "roomy"  # no files anywhere: the fewest evictions
     chosen = plan(one, 200, found, holding=frozenset({"holder"}))
     assert chosen.node == "holder" and chosen.evict == ["old"]  # an eviction costs less than a download
+
+
+def test_a_sharded_quantized_model_is_placed_by_what_its_rank_0_holds(tmp_path):
+    """An AWQ model whose tied embedding (64 MiB) is most of it: the node's loaders copy the
+    embedding to each rank, so each device needs it whole, not half of the model."""
+    profile = tiny_profile(awq_llama(tmp_path / "awq", vocab=65536, hidden=256, layers=2), slots=2, quant="auto")
+    whole = asyncio.run(Placer._estimate_mb(profile))
+    per_device = asyncio.run(Placer._estimate_mb(profile.model_copy(update={"tensor_parallel": 2})))
+    assert whole // 2 < 64 < per_device < whole
+    with pytest.raises(InsufficientCapacity):
+        choose(profile.model_copy(update={"tensor_parallel": 2}), per_device, node("n1", [per_device - 1] * 2))

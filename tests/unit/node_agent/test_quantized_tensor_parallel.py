@@ -2,9 +2,10 @@
 as tests/unit/node_agent/test_tensor_parallel.py runs it: a GGUF file served as stored (Q4_0, Q4_1,
 Q8_0), a full-precision model quantized at load (`quant = "int4"`) and AWQ/GPTQ checkpoints load on
 two ranks, each holding half of the quantized layers' bytes (rank 1 says its own in its ready
-line), and the engine's greedy tokens over the two ranks equal the same quantized model's on one
-device, but for a near tie (NEAR_TIE) that bfloat16 rounding may swap. A split that would cut a
-4-bit group or an int4 tile is refused with the reason."""
+line; placement's estimate of one device's weights counts as much), and the engine's greedy
+tokens over the two ranks equal the same quantized model's on one device, but for a near tie
+(NEAR_TIE) that bfloat16 rounding may swap. A split that would cut a 4-bit group or an int4 tile
+is refused with the reason."""
 
 import re
 
@@ -17,7 +18,8 @@ from node_agent.model import loader
 from node_agent.model.linear_shards import Shard
 from node_agent.model.quantized_linear import Int4Linear, Int8Linear
 from node_agent.tp import tensor_parallel
-from shared.model_files import ModelLoadError
+from shared import memory
+from shared.model_files import ModelLoadError, locate
 from tests import gguf_files, tiny_models
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent import engine_driver as driver
@@ -48,6 +50,16 @@ def quantized(tmp_path_factory, checkpoints):  # noqa: F811
 def quantized_bytes(model: torch.nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     return sum(t.numel() * t.element_size() for m in layers for t in m.buffers())
+
+
+def estimated_weight_bytes(profile) -> int:
+    """What placement's estimate (shared/memory.py) counts of the weights on each of the model's devices."""
+    files = locate(profile)
+    gguf = bool(files.gguf_file)
+    facts = memory._gguf_facts(files.folder / files.gguf_file) if gguf else memory._safetensors_facts(files.folder)
+    tensors = facts[0]
+    return memory.weights_per_device(tensors, profile.quant, 4, profile.tensor_parallel,
+                                     memory.read_by_node_loaders(tensors, profile.quant, gguf))
 
 
 def greedy_requests() -> list:
@@ -84,6 +96,9 @@ def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_devi
     assert rank0 == pytest.approx(whole / 2, rel=0.01)  # (an 8-bit row-parallel layer keeps its rows' scales whole)
     rank1 = int(re.search(r"rank 1 of 2 on cpu:1 ready \(pid \d+, (\d+) bytes of weights\)", capfd.readouterr().err)[1])
     assert rank1 == lm.weight_bytes < single.weight_bytes
+    # the embedding and norms whole, the projections halved (over by GPTQ's zero biases the node drops, under
+    # by Q8_0's per-row scales: 2% at most; counting the embedding at half would be 25-50% under)
+    assert estimated_weight_bytes(sharded) == pytest.approx(lm.weight_bytes, rel=0.03)
     parted = {}
     for job, want in expected.items():
         if (at := parted_at(got[job], want)) is not None:

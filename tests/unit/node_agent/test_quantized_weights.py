@@ -150,6 +150,15 @@ print(json.dumps({"base": base, "peak": status("VmHWM"), "weights": quantized_li
 """
 
 
+def load_peak(warm_up: str, profile: str) -> dict:
+    """In a fresh process, once `warm_up` (a profile's JSON) has loaded: the process's resident
+    bytes before `profile` loads ("base"), its peak while it does ("peak"), and what the model's
+    weights take ("weights")."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, warm_up, profile],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[3], check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     """8 layers of hidden 512: 101 MB at float32, 15 MB as Q4_0. What the load adds at its peak
     stays within the file's size, one layer at float32 and a fixed allowance, under the float32
@@ -162,9 +171,7 @@ def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
         folder = tiny_models.build("llama", tmp_path / name, tokenizer, **size)
         files[name] = gguf_files.write(folder, tmp_path / f"{name}.gguf", T.Q4_0)
         files[name + "-profile"] = tiny_profile(files[name], tokenizer_source=str(folder)).model_dump_json()
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, files["small-profile"], files["wide-profile"]],
-                         capture_output=True, text=True, cwd=Path(__file__).parents[3], check=True)
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = load_peak(files["small-profile"], files["wide-profile"])
     full_precision = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) * 4
     one_layer = full_precision // 8
     added = figures["peak"] - figures["base"]

@@ -90,3 +90,75 @@ def test_an_embedding_model_counts_its_weights_and_one_pass(tmp_path):
     pass_bytes = memory.pooling_pass_bytes(profile, hidden=64, intermediate=128, heads=4, max_len=128)
     assert pass_bytes == 8192 * (128 + 4 * 64 + 4 * 128) * 4  # no KV cache, no slots' sampling state
     assert memory.estimate_mb(profile) == int((weights + pass_bytes) * memory.MARGIN / (1 << 20)) + 1
+
+
+def awq_llama(folder: memory.Path, *, vocab: int, hidden: int, layers: int) -> memory.Path:
+    """The files of an AWQ Llama (4-bit codes in groups of 128), every tensor zeros: what the
+    estimate reads of them is their names, shapes and dtypes."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden // 2, hidden), "v_proj": (hidden // 2, hidden),
+              "o_proj": (hidden, hidden), "gate_proj": (2 * hidden, hidden), "up_proj": (2 * hidden, hidden),
+              "down_proj": (hidden, 2 * hidden)}
+    tensors = {"model.embed_tokens.weight": torch.zeros(vocab, hidden), "model.norm.weight": torch.zeros(hidden)}
+    for i in range(layers):
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = torch.zeros(hidden)
+        for proj, (out, inputs) in shapes.items():
+            owner = f"model.layers.{i}.{'mlp' if proj in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{proj}"
+            tensors |= {f"{owner}.qweight": torch.zeros(inputs, out // 8, dtype=torch.int32),
+                        f"{owner}.qzeros": torch.zeros(inputs // 128, out // 8, dtype=torch.int32),
+                        f"{owner}.scales": torch.zeros(inputs // 128, out, dtype=torch.float16)}
+    save_file(tensors, folder / "model.safetensors")
+    config = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=True,
+                  quantization_config=dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_sharded_quantized_model_holds_its_embedding_whole_on_every_device(tmp_path):
+    """The node's loaders split an AWQ model's projections over the ranks and copy its embedding
+    (tied to the head) and norms to each: each device needs the embedding whole, more than half of
+    the model, with half of the projections and of the KV cache and every slot's sampling state."""
+    vocab, hidden, layers = 65536, 256, 2
+    folder = awq_llama(tmp_path / "awq", vocab=vocab, hidden=hidden, layers=layers)
+    profile = tiny_profile(folder, slots=2, max_model_len=256, quant="auto")
+    embedding, norms = vocab * hidden * 4, (layers + 1) * hidden * 4  # 64 MiB of 65 MiB
+    projections = int(layers * 9 * hidden * hidden * 0.625)  # q, o; k, v at half; gate, up, down at twice
+    cache = 2 * 256 * 2 * layers * 2 * 64 * 4  # 2 slots of 256 tokens: keys and values of 2 heads of 64
+    slots = 2 * memory.row_bytes(vocab=vocab, dtype_bytes=4)
+    assert memory.weight_bytes(memory._safetensors_facts(folder)[0], "auto", 4) == embedding + norms + projections
+    assert memory.kv_cache_bytes(profile, layers=layers, kv_heads=2, head_dim=64, max_len=256, dtype_bytes=4) == cache
+    whole = memory.estimate_mb(profile)
+    per_device = memory.estimate_mb(profile.model_copy(update={"tensor_parallel": 2}))
+    device_bytes = embedding + norms + projections // 2 + cache // 2 + slots
+    assert per_device == int(device_bytes * memory.MARGIN / (1 << 20)) + 1
+    assert per_device * (1 << 20) >= embedding * memory.MARGIN > whole * (1 << 20) / 2  # (half of it would not hold it)
+
+
+def test_a_catalogue_memory_mb_is_one_replicas_shared_over_its_devices():
+    profile = ModelProfile(id="m", source="x", memory_mb=1001)
+    assert memory.estimate_mb(profile) == 1001
+    assert memory.estimate_mb(profile.model_copy(update={"tensor_parallel": 2})) == 501
+
+
+def test_transformers_splits_a_full_precision_models_embedding_the_node_loaders_copy_it():
+    """transformers' TP plan splits the embedding and head on the vocabulary ("embedding_rowwise",
+    "colwise_gather_output"); the node's loaders (a GGUF read as stored, a quantized checkpoint)
+    split the layers' projections only. Norms stay whole on both."""
+    gguf = [memory.StoredTensor("token_embd.weight", 1000, 2, "F32"),
+            memory.StoredTensor("output.weight", 1000, 2, "Q8_0"),
+            memory.StoredTensor("blk.0.attn_output.weight", 640, 2, "Q4_0"),
+            memory.StoredTensor("blk.0.attn_norm.weight", 10, 1, "F32")]
+    assert memory.read_by_node_loaders(gguf, "auto", gguf=True)
+    held = memory.weights_per_device(gguf, "auto", 4, 2, layers_only=True)
+    assert held == 1000 * 4 + 1000 + 10 * 4 + 640 * 0.625 // 2  # (not attn_output.weight: a layer's, split)
+    plain = [memory.StoredTensor("model.embed_tokens.weight", 1000, 2), memory.StoredTensor("lm_head.weight", 1000, 2),
+             memory.StoredTensor("model.layers.0.self_attn.o_proj.weight", 640, 2),
+             memory.StoredTensor("model.norm.weight", 10, 1)]
+    assert not memory.read_by_node_loaders(plain, "auto", gguf=False)
+    assert not memory.read_by_node_loaders(gguf, "none", gguf=True)
+    assert memory.weights_per_device(plain, "none", 4, 2, layers_only=False) == 10 * 4 + (2000 + 640) * 4 // 2
