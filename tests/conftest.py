@@ -156,10 +156,13 @@ def gateway_url(redis_url: str, gateway_env: dict[str, str], tmp_path: Path) -> 
 
 
 # Every test carries the marker of its tier, from where it lives (a file need not say it):
-# `scripts/test --quick` runs `-m quick` (the unit tier without the model-matrix modules below).
+# `scripts/test --quick` runs `-m quick`: the unit tier without the modules below and without the
+# unit tests marked `slow` one by one (a whole step compiled, a fresh process's peak memory, a
+# default-model load, thousands of samples); the full run has them all.
 TIERS = {"tests/integration/": "integration", "tests/model/": "model", "tests/gpu/": "gpu"}
 SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py",  # the architecture matrix
-                     "test_quantized_matrix.py"}
+                     "test_quantized_matrix.py",
+                     "test_tensor_parallel.py", "test_quantized_tensor_parallel.py"}  # ranks in processes (gloo)
 
 
 def pytest_addoption(parser):
@@ -177,7 +180,7 @@ def pytest_collection_modifyitems(config, items):
         tier = next((mark for folder, mark in TIERS.items() if f"/{folder}" in path), None)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
-        elif Path(path).name in SLOW_UNIT_MODULES:
+        elif Path(path).name in SLOW_UNIT_MODULES or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
         else:
             item.add_marker(pytest.mark.quick)

@@ -265,6 +265,7 @@ def wide_llama(tmp_path_factory) -> Path:
                              initializer_range=0.05, **WIDE)
 
 
+@pytest.mark.slow  # writes a 384 MiB-at-float32 checkpoint and loads it in a fresh process (10-30 s each)
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8_block"])
 def test_a_quantized_checkpoint_load_never_holds_the_full_precision_model(checkpoints, wide_llama, tmp_path, fmt):
     """What the load adds at its peak (in a fresh process, after a small checkpoint of the same

@@ -20,6 +20,7 @@ TOOLS = [{"name": "set_unit", "parameters": {"type": "object", "properties": {"u
          {"name": "ping", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
 
 
+@pytest.mark.slow  # decodes under a grammar one token a step (~20 s)
 def test_json_schema_output_validates(tiny_llama):
     profile, lm = tiny_llama
     grammar = json_grammar(SCHEMA)

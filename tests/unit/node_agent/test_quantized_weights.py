@@ -159,6 +159,7 @@ def load_peak(warm_up: str, profile: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # loads in a fresh process to measure its peak memory
 def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     """8 layers of hidden 512: 101 MB at float32, 15 MB as Q4_0. What the load adds at its peak
     stays within the file's size, one layer at float32 and a fixed allowance, under the float32
@@ -178,6 +179,7 @@ def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     assert added <= files["wide"].stat().st_size + one_layer + (48 << 20) < full_precision, figures | {"added": added}
 
 
+@pytest.mark.slow  # loads the default model twice (~20 s)
 def test_a_gguf_files_config_and_tokenizer_are_kept_and_read_back_on_the_next_load(tmp_path, monkeypatch):
     """transformers parses the whole GGUF header (its vocabulary) for the config and again for the
     tokenizer: the first load keeps both as a folder in the convert cache, later loads read that."""

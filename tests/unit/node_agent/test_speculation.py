@@ -149,6 +149,7 @@ def chi_square_limit(df: int, z: float = 3.09) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.slow  # samples thousands of tokens to compare distributions (~30 s)
 def test_sampled_output_follows_the_model_distribution(tmp_path, smol_tokenizer):
     """2,560 sampled continuations of 3 tokens (the first drawn at the prompt's end, the others
     through drafts accepted or refused) against the probabilities of every triple by full forwards."""
