@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shared import gguf_header
 from shared.catalog import ModelProfile
-from shared.model_files import locate
+from shared.model_files import ModelFiles, locate
 from shared.weight_formats import (StoredTensor, checkpoint_method, checkpoint_tensor, layout, split_over_ranks,
                                    weight_bytes)
 
@@ -63,9 +63,17 @@ def weights_per_device(tensors: list[StoredTensor], quant: str, dtype_bytes: int
                        layers_only: bool) -> int:
     """What the weights hold on each of `ranks` devices: every tensor the ranks copy whole, and a
     `ranks`-th of each they split (shared/weight_formats.py `split_over_ranks`)."""
-    split = [t for t in tensors if split_over_ranks(t, layers_only)]
-    whole = [t for t in tensors if not split_over_ranks(t, layers_only)]
+    split, whole = [], []
+    for tensor in tensors:
+        (split if split_over_ranks(tensor, layers_only) else whole).append(tensor)
     return weight_bytes(whole, quant, dtype_bytes) + weight_bytes(split, quant, dtype_bytes) // ranks
+
+
+def device_weight_bytes(profile: ModelProfile, tensors: list[StoredTensor], dtype_bytes: int, gguf: bool) -> int:
+    """What a generate model's weights hold on each of its `tensor_parallel` devices, as whoever
+    loads it splits them (`read_by_node_loaders`)."""
+    return weights_per_device(tensors, profile.quant, dtype_bytes, profile.tensor_parallel,
+                              read_by_node_loaders(tensors, profile.quant, gguf))
 
 
 def read_by_node_loaders(tensors: list[StoredTensor], quant: str, gguf: bool) -> bool:
@@ -73,6 +81,12 @@ def read_by_node_loaders(tensors: list[StoredTensor], quant: str, gguf: bool) ->
     GGUF file whose Linear weights quant "auto" keeps as stored, or a quantized checkpoint (any
     quant). Else transformers loads it and its TP plan splits the embedding and head too."""
     return (quant == "auto" or not gguf) and any(layout(t, "auto") != "dense" for t in tensors)
+
+
+def stored_facts(files: ModelFiles) -> tuple[list[StoredTensor], dict, dict]:
+    """A model's stored tensors, its attention shape and what each slot holds, from its GGUF file or
+    its safetensors files' headers."""
+    return _gguf_facts(files.folder / files.gguf_file) if files.gguf_file else _safetensors_facts(files.folder)
 
 
 def _gguf_facts(path: Path) -> tuple[list[StoredTensor], dict, dict]:
@@ -133,8 +147,7 @@ def _estimate(profile_json: str) -> int:
     profile = ModelProfile.model_validate_json(profile_json)
     files = locate(profile)
     dtype_bytes = _DTYPE_BYTES.get(profile.dtype, 4)  # "auto" may pick bf16; fp32 is the safe guess
-    tensors, shape, rows = (_gguf_facts(files.folder / files.gguf_file) if files.gguf_file
-                           else _safetensors_facts(files.folder))
+    tensors, shape, rows = stored_facts(files)
     if profile.kind != "generate":
         config = json.loads((files.folder / "config.json").read_text())
         hidden = config["hidden_size"]
@@ -142,11 +155,9 @@ def _estimate(profile_json: str) -> int:
                                          heads=config["num_attention_heads"],
                                          max_len=profile.effective_context(shape["context"] or None)[0])
         return int((weight_bytes(tensors, "none", dtype_bytes) + activations) * MARGIN / _MB) + 1
-    ranks = profile.tensor_parallel
-    weights = weights_per_device(tensors, profile.quant, dtype_bytes, ranks,
-                                 read_by_node_loaders(tensors, profile.quant, bool(files.gguf_file)))
+    weights = device_weight_bytes(profile, tensors, dtype_bytes, bool(files.gguf_file))
     max_len, _ = profile.effective_context(shape.pop("context") or None)
-    cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape) // ranks
+    cache = kv_cache_bytes(profile, max_len=max_len, dtype_bytes=dtype_bytes, **shape) // profile.tensor_parallel
     slots = profile.slots * row_bytes(dtype_bytes=dtype_bytes, **rows)
     return int((weights + cache + slots) * MARGIN / _MB) + 1
 

@@ -16,7 +16,6 @@
 #include <cmath>
 #include <algorithm>
 #include <limits>
-#include <vector>
 
 namespace {
 
@@ -65,14 +64,6 @@ inline Vec swap8(Vec v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12,
 inline Vec swap4(Vec v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
 inline Vec swap2(Vec v) { return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
 inline Vec swap1(Vec v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); }
-inline float sum(Vec v) { v += swap8(v); v += swap4(v); v += swap2(v); return (v + swap1(v))[0]; }
-inline float largest(Vec v) {
-  v = larger(v, swap8(v));
-  v = larger(v, swap4(v));
-  v = larger(v, swap2(v));
-  return larger(v, swap1(v))[0];
-}
-
 // Lane t of the result: the sum of v[t]'s lanes (16 horizontal sums in 15 shuffle-and-add steps).
 inline Vec lane_sums(const Vec* v) {
   Vec h[8], q[4], e[2];
@@ -92,9 +83,6 @@ inline Vec lane_sums(const Vec* v) {
 inline Vec swap4(Vec v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); }
 inline Vec swap2(Vec v) { return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5); }
 inline Vec swap1(Vec v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6); }
-inline float sum(Vec v) { v += swap4(v); v += swap2(v); return (v + swap1(v))[0]; }
-inline float largest(Vec v) { v = larger(v, swap4(v)); v = larger(v, swap2(v)); return larger(v, swap1(v))[0]; }
-
 // Lane t of the result: the sum of v[t]'s lanes (8 horizontal sums in 7 shuffle-and-add steps).
 inline Vec lane_sums(const Vec* v) {
   Vec q[4], e[2];
@@ -108,6 +96,20 @@ inline Vec lane_sums(const Vec* v) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 #endif
+
+// `combine` over a vector's lanes, by halving it: the lanes swapped in blocks of 8 (AVX-512), 4, 2, 1.
+template <typename Combine>
+inline float across(Vec v, Combine combine) {
+#ifdef __AVX512F__
+  v = combine(v, swap8(v));
+#endif
+  v = combine(v, swap4(v));
+  v = combine(v, swap2(v));
+  return combine(v, swap1(v))[0];
+}
+
+inline float sum(Vec v) { return across(v, [](Vec a, Vec b) { return a + b; }); }
+inline float largest(Vec v) { return across(v, larger); }
 
 // e^x for x <= 0 (scores less their maximum): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
 // degree-6 Taylor polynomial (relative error < 2e-7), 2^n put in the exponent bits; 0 below -87.
@@ -163,7 +165,7 @@ void attend(const T* q, float scale, const T* kh, const T* vh, const int64_t* ta
     const int64_t in_block = p % block_size;
     const int64_t count = std::min(std::min(kLanes, block_size - in_block), length - p);
     const int64_t slot = table[p / block_size] * block_size + in_block, next = p + count;
-    if (in_block == 0) {  // the block after next is elsewhere: ask for it now
+    if (in_block == 0) {  // a block further on is elsewhere: ask for it now
       const int64_t ahead = (p / block_size + kPrefetchBlocks) * block_size;
       if (ahead < length) {
         const int64_t at = table[ahead / block_size] * block_size * dim;

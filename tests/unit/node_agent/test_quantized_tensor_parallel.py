@@ -55,11 +55,7 @@ def quantized_bytes(model: torch.nn.Module) -> int:
 def estimated_weight_bytes(profile) -> int:
     """What placement's estimate (shared/memory.py) counts of the weights on each of the model's devices."""
     files = locate(profile)
-    gguf = bool(files.gguf_file)
-    facts = memory._gguf_facts(files.folder / files.gguf_file) if gguf else memory._safetensors_facts(files.folder)
-    tensors = facts[0]
-    return memory.weights_per_device(tensors, profile.quant, 4, profile.tensor_parallel,
-                                     memory.read_by_node_loaders(tensors, profile.quant, gguf))
+    return memory.device_weight_bytes(profile, memory.stored_facts(files)[0], 4, bool(files.gguf_file))
 
 
 def greedy_requests() -> list:

@@ -126,7 +126,7 @@ def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models):
 
 def test_the_default_models_file_runs_4_bit_with_its_embedding_dense():
     profile = Catalog.load(None).resolve("default")
-    tensors = memory._gguf_facts(memory.locate(profile).folder / memory.locate(profile).gguf_file)[0]
+    tensors = memory.stored_facts(memory.locate(profile))[0]
     assert profile.quant == "auto"
     # 4-bit layers (66 MB) and the float32 embedding its output head shares (113 MB): 0.34x of 538 MB
     assert memory.weight_bytes(tensors, "auto", 4) < 0.35 * memory.weight_bytes(tensors, "none", 4)
