@@ -58,8 +58,8 @@ def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: t
 def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                    decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> torch.Tensor:
     """One forward over the tokens of several sequences in one row, as vLLM's flattened batch: first
-    one decode token of each of the rows `decode_rows` ([D]; a speculating row's last token and
-    draft tokens each), then each prefill chunk's tokens; every Linear
+    one decode token of each of the rows `decode_rows` ([D], possibly none; a speculating row's last
+    token and draft tokens each), then each prefill chunk's tokens; every Linear
     layer reads its weights once for all of them. `tokens` and `positions` are [T]; returns the
     hidden states [T, H]. Only for a model whose attention reads the cache in place (the attention
     finds each token's sequence in the cache's binding: the mask passed through is a placeholder)."""

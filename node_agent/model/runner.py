@@ -84,7 +84,7 @@ class Runner:
         self._place(plan)
         parts = []
         speculating = any(d.draft for d in plan.decode)
-        if plan.decode and (plan.prefill or speculating) and self._packs():
+        if (plan.prefill or speculating) and self._packs():
             parts.append(self._packed(plan, result))
         else:
             if plan.decode:
@@ -124,9 +124,11 @@ class Runner:
             return self.decoder(tokens, positions)
 
     def _packs(self) -> bool:
-        """Whether this step's decode rows and chunks run as one packed forward: text prompts of a
-        model that can (node_agent/model/model_calls.py), on a text-only model (rotary offsets and
-        image embeddings are per row)."""
+        """Whether this step's prefill chunks and decode rows run as one packed forward: text prompts
+        of a model that can (node_agent/model/model_calls.py), on a text-only model (rotary offsets and
+        image embeddings are per row). Chunks with no row decoding pack too: the padded forward would
+        compute every chunk at the widest one's width, through masks over whole rows (a step that
+        ends one 2,600-token prompt and starts the next took 3.2 s padded, 0.95 s packed)."""
         return self.calls.packs and self.lm.processor is None
 
     def _packed(self, plan: StepPlan, result: StepResult) -> torch.Tensor:
@@ -152,7 +154,7 @@ class Runner:
                                                                             + len(chunk.following)])
         sampled = list(range(len(rows))) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
                                             if chunk.samples]
-        return self.calls.logits(hidden[torch.tensor(sampled, device=device)])
+        return self.calls.logits(hidden[torch.tensor(sampled, dtype=torch.long, device=device)])
 
     def _verify(self, rows: list[DecodeRow]) -> torch.Tensor:
         """The decoding rows' last tokens and draft tokens in one forward (rows 0.., right-padded to

@@ -32,6 +32,27 @@ def test_batched_equals_alone_with_arrivals_mid_stream(tiny_llama):
         assert got[f"b{i}"] == alone[i][0]
 
 
+def test_prompts_read_together_with_nothing_decoding_run_as_one_packed_forward(tiny_llama, monkeypatch):
+    """Prompts that arrive together are read a chunk budget at a time with no row decoding yet (a
+    step may end one prompt and start the next): each such step is one packed forward, never the
+    padded forward over every chunk's width, and each prompt's tokens are the ones it gets alone."""
+    profile, lm = tiny_llama
+    profile = profile.model_copy(update={"prefill_chunk_tokens": 16})
+    alone = {i: run(Engine(lm, profile), request(f"a{i}", p, temperature=0, max_tokens=8))[f"a{i}"].token_ids
+             for i, p in enumerate(PROMPTS)}
+    engine = Engine(lm, profile)
+    assert engine.runner.calls.packs
+    calls = {"packed": 0, "padded": 0}
+    for name, kind in (("packed_forward", "packed"), ("forward", "padded")):
+        original = getattr(type(engine.runner.calls), name)
+        monkeypatch.setattr(type(engine.runner.calls), name,
+                            lambda self, *a, _original=original, _kind=kind, **k: calls.__setitem__(_kind, calls[_kind] + 1)
+                            or _original(self, *a, **k))
+    results = run(engine, *[request(f"b{i}", p, temperature=0, max_tokens=8) for i, p in enumerate(PROMPTS)])
+    assert calls["packed"] > 0 and calls["padded"] == 0
+    assert {i: results[f"b{i}"].token_ids for i in range(len(PROMPTS))} == alone
+
+
 def test_more_jobs_than_slots_wait_and_finish(tiny_llama):
     profile, lm = tiny_llama
     engine = Engine(lm, profile.model_copy(update={"slots": 2}))
