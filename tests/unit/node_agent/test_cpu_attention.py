@@ -58,10 +58,12 @@ def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, so
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("start, length", [(0, 1), (0, 37), (1, 1), (16, 16), (45, 20), (300, 7)])
+@pytest.mark.parametrize("start, length", [(0, 1), (0, 37), (1, 1), (16, 16), (45, 20), (300, 7),
+                                           (0, 600), (70, 512)])  # past OWN_BLOCK: blocks of its own
 def test_a_prefill_chunk_equals_sdpa_under_its_causal_mask(dtype, tolerance, heads, kv_heads, start, length):
-    """A chunk's attention split at its start (the positions before it unmasked, its own causally)
-    and merged equals SDPA over all its row's positions with the chunk's causal mask."""
+    """A chunk's attention split at its start and in blocks of its own positions (the positions
+    before each block unmasked, its own causally) and merged equals SDPA over all its row's
+    positions with the chunk's causal mask."""
     torch.manual_seed(0)
     dim, width = 64, start + length + 5  # the row's blocks run past the chunk's last position
     query = torch.randn(1, heads, length, dim).to(dtype)
