@@ -2,7 +2,8 @@
 the model is built with empty (meta) parameters, each tensor's bytes are read from the file
 on their own and become a quantized layer (node_agent/model/gguf_weights.py) or a dense
 parameter, so the host never holds the model at full precision (peak: the quantized weights,
-one tensor's temporaries and the header).
+one tensor's temporaries and the header; the pages a block's temporaries freed go back to the
+system after it, node_agent/model/meta_model.return_freed_pages).
 
 GGUF names map to transformers' with transformers' own map, and llama's permuted Q/K rows are
 put back by its own tensor processor (which moves whole rows, so it works on blocks as well)."""
@@ -59,6 +60,11 @@ def _one_name_map():
         gguf.get_tensor_name_map = plain
 
 
+def _block(name: str) -> str | None:
+    """The layer a GGUF tensor belongs to (`blk.N.…`), None for the others (embeddings, norms, head)."""
+    return name.split(".", 2)[1] if name.startswith("blk.") else None
+
+
 def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     owner, _, attr = name.rpartition(".")
     return model.get_submodule(owner), attr
@@ -96,10 +102,15 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
     with _one_name_map():
         names = get_gguf_hf_weights_map(model, processor)
     with open(path, "rb") as file:
+        block = None
         for tensor in header.tensors:
+            if _block(tensor.name) != block:  # what the last block's temporaries freed (none outlives its placing)
+                meta_model.return_freed_pages()  # once a block: ~7 ms a call, 2 s of the default model's load a tensor
+                block = _block(tensor.name)
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
                 _place(model, names[found.name], found.weights, tensor, dtype, device, plan)
+        meta_model.return_freed_pages()
     model = meta_model.filled(model, config, path.name)
     plan.sum_rows(model)
     return model

@@ -2,10 +2,14 @@
 host never holds a second, full-precision copy (node_agent/model/gguf_loader.py,
 quantized_checkpoint.py), and the check that the loader filled it all."""
 
+import ctypes
+
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from shared.model_files import ModelLoadError
+
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
 
 
 def empty(config: PretrainedConfig, dtype: torch.dtype, attention: str) -> torch.nn.Module:
@@ -35,3 +39,10 @@ def filled(model: torch.nn.Module, config: PretrainedConfig, source: str) -> tor
         raise ModelLoadError(f"{source} has no tensors for {', '.join(empty_tensors[:5])}"
                              f"{' …' if len(empty_tensors) > 5 else ''}")
     return model.eval()
+
+
+def return_freed_pages() -> None:
+    """Hand the pages that a tensor's freed temporaries left in the C heap back to the system, where
+    the C library can (glibc): else the heap keeps them as slack between the long-lived weights."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -15,7 +15,6 @@ on 8 layers of hidden 1024, 384 MiB at float32, an FP8 load held 320 MiB of it a
 What the load adds at its peak is bounded by tests/unit/node_agent/test_checkpoint_quant.py."""
 
 import copy
-import ctypes
 import json
 import os
 from contextlib import ExitStack
@@ -33,7 +32,6 @@ from shared.model_files import ModelLoadError
 from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
 
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # fine-grained fp8's, compressed-tensors'
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
 
 
 def method(config: PretrainedConfig) -> str:
@@ -211,13 +209,6 @@ def _place(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, s
     _place_linear(model, owner, weight, bias, keep_quantized, dtype, device, shard)
 
 
-def _return_freed_pages() -> None:
-    """Hand the pages that freed temporaries left in the C heap back to the system, where the C
-    library can (glibc)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
 def _settings(config: PretrainedConfig) -> dict:
     quantization = config.quantization_config
     return quantization if isinstance(quantization, dict) else quantization.to_dict()
@@ -239,7 +230,7 @@ def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: 
         files = _Files(folder, stack)
         for owner, attrs in files.by_owner().items():
             _place(model, owner, attrs, files, settings, keep_quantized, dtype, device, plan.shard(owner))
-            _return_freed_pages()  # (what the module's temporaries freed: none outlives its placing)
+            meta_model.return_freed_pages()  # (what the module's temporaries freed: none outlives its placing)
     model = meta_model.filled(model, plain, folder.name)
     plan.sum_rows(model)
     return model

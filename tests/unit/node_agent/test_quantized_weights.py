@@ -163,8 +163,8 @@ def load_peak(warm_up: str, profile: str) -> dict:
 def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     """8 layers of hidden 512: 101 MB at float32, 15 MB as Q4_0. What the load adds at its peak
     stays within the file's size, one layer at float32 and a fixed allowance, under the float32
-    model's size. The allowance is mostly the allocator's slack: per-tensor temporaries freed
-    between long-lived packed weights (68 MB added in all here; malloc_trim gives ~47 MB back)."""
+    model's size: 30 MB added here. Without the freed pages handed back after each block the
+    allocator kept per-tensor temporaries as slack between the long-lived packed weights (46-68 MB)."""
     tokenizer = tiny_models.make_tokenizer()
     files = {}
     for name, size in [("small", {}), ("wide", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -176,7 +176,7 @@ def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     full_precision = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) * 4
     one_layer = full_precision // 8
     added = figures["peak"] - figures["base"]
-    assert added <= files["wide"].stat().st_size + one_layer + (48 << 20) < full_precision, figures | {"added": added}
+    assert added <= files["wide"].stat().st_size + one_layer + (16 << 20) < full_precision, figures | {"added": added}
 
 
 @pytest.mark.slow  # loads the default model twice (~20 s)
