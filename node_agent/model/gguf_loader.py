@@ -104,8 +104,8 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
     with open(path, "rb") as file:
         block = None
         for tensor in header.tensors:
-            if _block(tensor.name) != block:  # what the last block's temporaries freed (none outlives its placing)
-                meta_model.return_freed_pages()  # once a block: ~7 ms a call, 2 s of the default model's load a tensor
+            if _block(tensor.name) != block:  # what the last block's temporaries freed (none outlives its placing):
+                meta_model.return_freed_pages()  # once a block (once a tensor took 2 s of the default model's 8 s load)
                 block = _block(tensor.name)
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
