@@ -104,9 +104,9 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
     with open(path, "rb") as file:
         block = None
         for tensor in header.tensors:
-            if _block(tensor.name) != block:  # what the last block's temporaries freed (none outlives its placing):
-                meta_model.return_freed_pages()  # once a block (once a tensor took 2 s of the default model's 8 s load)
-                block = _block(tensor.name)
+            if (this_block := _block(tensor.name)) != block:  # what the last block's temporaries freed (none
+                meta_model.return_freed_pages()  # outlives its placing), once a block (a tensor: 2 s of an 8 s load)
+                block = this_block
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
                 _place(model, names[found.name], found.weights, tensor, dtype, device, plan)

@@ -42,7 +42,7 @@ def filled(model: torch.nn.Module, config: PretrainedConfig, source: str) -> tor
 
 
 def return_freed_pages() -> None:
-    """Hand the pages that a tensor's freed temporaries left in the C heap back to the system, where
+    """Hand the pages that a loader's freed temporaries left in the C heap back to the system, where
     the C library can (glibc): else the heap keeps them as slack between the long-lived weights."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

@@ -42,14 +42,19 @@ def test_prompts_read_together_with_nothing_decoding_run_as_one_packed_forward(t
              for i, p in enumerate(PROMPTS)}
     engine = Engine(lm, profile)
     assert engine.runner.calls.packs
-    calls = {"packed": 0, "padded": 0}
-    for name, kind in (("packed_forward", "packed"), ("forward", "padded")):
+    calls = {"packed_forward": 0, "forward": 0}
+
+    def counted(name):
         original = getattr(type(engine.runner.calls), name)
-        monkeypatch.setattr(type(engine.runner.calls), name,
-                            lambda self, *a, _original=original, _kind=kind, **k: calls.__setitem__(_kind, calls[_kind] + 1)
-                            or _original(self, *a, **k))
+
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+        return call
+    for name in calls:
+        monkeypatch.setattr(type(engine.runner.calls), name, counted(name))
     results = run(engine, *[request(f"b{i}", p, temperature=0, max_tokens=8) for i, p in enumerate(PROMPTS)])
-    assert calls["packed"] > 0 and calls["padded"] == 0
+    assert calls["packed_forward"] > 0 and calls["forward"] == 0  # `forward`: the padded one
     assert {i: results[f"b{i}"].token_ids for i in range(len(PROMPTS))} == alone
 
 
