@@ -597,7 +597,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="every system's dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--quant", default="none",
-                   help="comma-separated catalogue `quant` settings (none, auto, int8, int4) for the Cortex rows only "
+                   help="comma-separated catalogue `quant` settings (none, auto, int8, int4, fp8) for the Cortex rows only "
                         "(engine, gateway; `auto`: a GGUF file's weights as stored); the baselines stay unquantised. "
                         "The first is the Cortex rows' as usual; each other one runs the engine and the gateway again, "
                         "as `engine int4`, `gateway int4`, with ratios against the first and the memory each holds; "

@@ -37,9 +37,10 @@ class ModelProfile(BaseModel):
     # How Linear weights are held (node_agent/model/quantized_linear.py; docs/operations.md): "auto"
     # as the file stores them (a GGUF file's and an AWQ, GPTQ or FP8 checkpoint's 4- and 8-bit weights
     # run quantized; full-precision checkpoints as they are); "none" at full precision (a quantized
-    # file dequantised); "int4" (groups of 32) or "int8" (per channel): quantized at load from full
-    # precision. Small-batch decode is bound by the bytes of weights each step reads.
-    quant: Literal["auto", "none", "int8", "int4"] = "auto"
+    # file dequantised); "int4" (groups of 32), "int8" (per channel) or "fp8" (float8 per channel, FP8
+    # matmuls on a GPU that has them; 8-bit integers elsewhere): quantized at load from full precision.
+    # Small-batch decode is bound by the bytes of weights each step reads.
+    quant: Literal["auto", "none", "int8", "int4", "fp8"] = "auto"
     # The most sequences decoded together (vLLM's max_num_seqs; 128 is its OpenAI server's default on
     # a CPU). The KV cache's free blocks bound how many run too; a slot itself costs only per-row
     # state (sampling: 9 bytes x vocab; linear-attention layers: their recurrent state).

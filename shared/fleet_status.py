@@ -25,7 +25,7 @@ class ModelStatus(BaseModel):
     slots_total: int
     memory_mb: int = 0
     max_model_len: int = 0  # the context it runs with; 0 until loaded
-    quant: str = ""  # how its Linear weights are held ("int4", "int8", "none"); "" until loaded
+    quant: str = ""  # how its Linear weights are held ("int4", "int8", "fp8", "none"); "" until loaded
     weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown

@@ -64,7 +64,7 @@ class ModelInfo(BaseModel):
     slots_used: int = 0
     memory_mb: int = 0  # what this replica holds on its device (weights + KV cache)
     max_model_len: int = 0  # the longest sequence it runs (the catalogue's, capped by the model's own); 0 until loaded
-    quant: str = ""  # how its Linear weights run: "int4", "int8", "int4+int8", "none"; "" until loaded
+    quant: str = ""  # how its Linear weights run: "int4", "int8", "fp8", "int4+int8", "none"; "" until loaded
     weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready)
     keep_until_ms: int = 0  # a request's keep_alive (Ollama's) holds it loaded at least until then

@@ -4,20 +4,21 @@ loaders (node_agent/model/gguf_weights.py, checkpoint_weights.py) and placement'
 
 from typing import Literal, NamedTuple
 
-Layout = Literal["dense", "int4", "int8"]
+Layout = Literal["dense", "int4", "int8", "fp8"]
 
 DENSE_TYPES = {"F32", "F16", "BF16"}  # GGUF tensor types held at full precision
 EXACT_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # affine groups of 32 four-bit codes: mapped code for code
 INT8_TYPES = {"Q8_0", "Q6_K", "Q8_K"}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
 GROUP = 32  # inputs per 4-bit group
 OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
-# A 4-bit layer: half a byte a weight, and a bfloat16 scale and zero per group. An 8-bit one: a byte
-# a weight (and one bfloat16 scale per output channel, left out).
-BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0}
+# A 4-bit layer: half a byte a weight, and a bfloat16 scale and zero per group. An 8-bit one (integer
+# or float8): a byte a weight (and one scale per output channel, left out).
+BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0, "fp8": 1.0}
 
 # Safetensors checkpoints quantized as config.json's `quantization_config` says, and how a node holds
 # their quantized Linear weights under quant = "auto": AWQ's and GPTQ's 4-bit codes as 4-bit groups,
-# FP8 (fine-grained "fp8", compressed-tensors' float8) as 8-bit per output channel.
+# FP8 (fine-grained "fp8", compressed-tensors' float8) as 8-bit per output channel (float8 on a GPU with
+# FP8 matmuls, else integers: the same bytes, so placement counts it as "int8").
 CHECKPOINT_METHODS = {"awq", "gptq", "fp8", "compressed-tensors"}
 PACKED_4BIT = "qweight"  # AWQ's and GPTQ's int32 words of eight 4-bit codes
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn

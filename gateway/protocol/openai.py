@@ -521,7 +521,7 @@ class ModelReplica(BaseModel):
     slots_used: int
     slots_total: int
     download_fraction: float | None = None  # while `downloading`: the share of its files here, 0..1
-    quant: str | None = None  # how its Linear weights run ("int4", "int8", "int4+int8", "none"); None until loaded
+    quant: str | None = None  # how its Linear weights run ("int4", "int8", "fp8", "int4+int8", "none"); None until loaded
     weight_mb: int | None = None  # what its weights hold on its device; None until loaded
 
 

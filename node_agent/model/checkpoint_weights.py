@@ -10,9 +10,10 @@ holds: a quantized layer (node_agent/model/quantized_linear.py) or the dequantis
   gathers its input in that order (ReorderedInt4Linear). Groups that stay mixed within 32
   inputs (a group size that is no multiple of 32) are dequantised and rounded to 4-bit groups
   of 32 again.
-- FP8 (float8_e4m3fn times a scale per tensor, output channel or block) has no integer codes to
-  keep: dequantised and rounded to Int8Linear's 8 bits per output channel (FP8 matmuls, torch's
-  `_scaled_mm` on a GPU, are not used)."""
+- FP8 (float8_e4m3fn times a scale per tensor, output channel or block) is dequantised and scaled
+  per output channel again (`quantized_linear.eight_bit`): float8 codes for FP8 matmuls on a GPU
+  that has them (a per-tensor or per-channel checkpoint's codes come back as stored, up to a
+  channel's rescaling), else Int8Linear's 8-bit integers."""
 
 from typing import NamedTuple
 

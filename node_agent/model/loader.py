@@ -149,7 +149,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
-    dynamic_int8 = profile.quant == "int8" and devices.is_cpu(device) and tp_size == 1  # (its layers do not shard)
+    # a CPU's 8 bits, "fp8" too (it has no FP8 matmuls): torch's dynamic int8 (its layers do not shard)
+    dynamic_int8 = profile.quant in ("int8", "fp8") and devices.is_cpu(device) and tp_size == 1
     dtype = _DTYPES.get(profile.dtype) or (torch.float32 if dynamic_int8 else devices.default_dtype(device))
     as_stored = weights_as_stored(files, profile)
     converted = None if as_stored else _converted_copy(files, convert_cache, str(dtype).removeprefix("torch."))
@@ -201,9 +202,10 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     elif profile.quant in quantized_linear.QUANTIZERS:
         log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
                  profile.quant)
-    if "int8" in quantized_linear.held_as(model) and not devices.is_cpu(device):  # quant int8, FP8, Q8_0 alike
-        log.warning("%s: 8-bit weights on a GPU save memory but decode several times slower than 'none' (ATen's "
-                    "int8 kernel; docs/operations.md): prefer quant = 'int4' or 'none'", profile.id)
+    if "int8" in quantized_linear.held_as(model) and not devices.is_cpu(device):  # quant int8, Q8_0; FP8 without FP8 matmuls
+        log.warning("%s: 8-bit integer weights on a GPU save memory but decode several times slower than 'none' "
+                    "(ATen's int8 kernel; docs/operations.md): prefer quant = 'fp8' on a GPU with FP8 matmuls "
+                    "(Hopper, Ada, Blackwell), else 'int4' or 'none'", profile.id)
     if devices.is_cpu(device) and tp_size == 1:
         _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from node_agent.model import checkpoint_weights, meta_model
 from node_agent.model.checkpoint_weights import FourBit
 from node_agent.model.linear_shards import Plan, Shard
-from node_agent.model.quantized_linear import Int8Linear
+from node_agent.model.quantized_linear import eight_bit
 from shared.model_files import ModelLoadError
 from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
 
@@ -186,7 +186,7 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
     if keep_quantized:
         on_device = None if bias is None else bias.to(device)
         layer = (weight.shard(shard).layer(on_device, device) if isinstance(weight, FourBit)
-                 else Int8Linear.quantize(weight.to(device), on_device, shard))
+                 else eight_bit(weight.to(device), on_device, shard))
         if layer is not None:
             parent, _, child = owner.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)

@@ -1,12 +1,16 @@
 """Linear layers whose weights stay quantized on the device, run by torch's own weight-only
 kernels: 4-bit in groups of `GROUP` along the input (`_weight_int4pack_mm_for_cpu` on a CPU,
-tinygemm's `_weight_int4pack_mm` on CUDA) and 8-bit per output channel (`_weight_int8pack_mm`).
+tinygemm's `_weight_int4pack_mm` on CUDA), 8-bit integers per output channel (`_weight_int8pack_mm`)
+and, on a GPU with FP8 matmuls (Hopper, Ada, Blackwell), float8 per output channel with each row of
+the input rounded to float8 on the fly (`_scaled_mm`: FP8 tensor cores, both operands 8-bit).
 
 A 4-bit group holds codes q in 0..15 and reads as `(q - 8) * scale + zero` (the kernels'
 convention), so any affine group `scale * q + low` maps onto it exactly with
 `zero = low + 8 * scale`. The kernels take activations, scales and zeros in bfloat16 only (on a
 CPU their float32 path is scalar, 30-90x slower: docs/benchmarks.md): a layer casts its input to
 bfloat16 and its output back to the input's dtype."""
+
+import functools
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -117,7 +121,77 @@ class Int8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MULTIPLE = 16  # `_scaled_mm` takes inputs and outputs in multiples of 16
+
+
+def round_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full-precision weight [out, in] scaled per output channel onto float8's range: the codes
+    [out, in] (float8_e4m3fn) and scale [out] (float32) Float8Linear takes."""
+    scale = (weight.float().abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@functools.cache
+def _fp8_matmul_runs(device: torch.device) -> bool:
+    """Whether `_scaled_mm` with a scale per row of each operand runs on this GPU (FP8 tensor cores:
+    compute capability 8.9 and up, and a torch built for it): tried once on a tiny product."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    a = torch.ones(FP8_MULTIPLE, FP8_MULTIPLE, device=device).to(FP8)
+    try:
+        product = torch._scaled_mm(a, a.t(), scale_a=torch.ones(FP8_MULTIPLE, 1, device=device),
+                                   scale_b=torch.ones(1, FP8_MULTIPLE, device=device), out_dtype=COMPUTE_DTYPE)
+    except RuntimeError:
+        return False
+    return bool((product == FP8_MULTIPLE).all())
+
+
+def fits_fp8(weight: torch.Tensor) -> bool:
+    """Whether a weight [out, in] on its device runs as Float8Linear: a GPU with FP8 matmuls and
+    both sides in multiples of FP8_MULTIPLE."""
+    return (weight.shape[0] % FP8_MULTIPLE == 0 and weight.shape[1] % FP8_MULTIPLE == 0
+            and _fp8_matmul_runs(weight.device))
+
+
+class Float8Linear(torch.nn.Module):
+    """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o]` (q float8_e4m3fn), as one FP8 matmul:
+    each row of x is scaled onto float8's range by its own largest magnitude (computed on the
+    device, so the layer runs inside CUDA graphs), and `_scaled_mm` applies both scales to the
+    float32 accumulator."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("weight_fp8", codes.to(FP8).contiguous())
+        self.register_buffer("scale", scale.float().reshape(1, -1).contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Float8Linear":
+        """`weight` scaled whole (`round_fp8`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
+        return cls(*shard.int8(*round_fp8(weight)), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        row_scale = (flat.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = (flat.float() / row_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        y = torch._scaled_mm(codes, self.weight_fp8.t(), scale_a=row_scale, scale_b=self.scale,
+                             out_dtype=COMPUTE_DTYPE)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def eight_bit(weight: torch.Tensor, bias: torch.Tensor | None = None,
+              shard: linear_shards.Shard = linear_shards.WHOLE) -> "Float8Linear | Int8Linear":
+    """An 8-bit layer for `weight` on its device: FP8 matmuls where the GPU has them (`fits_fp8`),
+    else 8-bit integer weights (what `quant = "fp8"` and FP8 checkpoints run as on a CPU or an older GPU)."""
+    return (Float8Linear if fits_fp8(weight) else Int8Linear).quantize(weight, bias, shard)
+
+
+QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize, "fp8": eight_bit}
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -138,15 +212,16 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def held_as(model: torch.nn.Module) -> str:
-    """How a model's Linear weights are held: "int4", "int8", "int4+int8", or "none"."""
+    """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"."""
     kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear)}
     kinds |= {"int8" for m in model.modules() if isinstance(m, Int8Linear)}
+    kinds |= {"fp8" for m in model.modules() if isinstance(m, Float8Linear)}
     return "+".join(sorted(kinds)) or "none"
 
 
 def quantize(model: torch.nn.Module, bits: str) -> int:
-    """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4" or
-    "int8") quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes
+    """Replace, in place, every plain `nn.Linear` but the output head by its `bits` ("int4", "int8"
+    or "fp8": `eight_bit`) quantization; returns how many. The head stays as it is (llama.cpp's k-quant mixes
     keep it at 6 bits or more; most small models tie it to the embedding), and so does a 4-bit
     layer whose shape the int4 kernels do not take (`fits_int4`). A layer transformers' TP sharded
     is quantized as this rank's shard, a row-parallel one summing its partial product over the

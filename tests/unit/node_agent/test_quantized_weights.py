@@ -18,7 +18,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 from node_agent.engine.engine import Engine
 from node_agent.serving import prompts
 from node_agent.model import loader, quantized_linear
-from node_agent.model.quantized_linear import Int4Linear, Int8Linear
+from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8Linear
 from shared import memory
 from shared.catalog import Catalog
 from tests import gguf_files, tiny_models
@@ -67,6 +67,30 @@ def test_an_int4_layer_computes_what_its_dequantised_weight_does():
     expected = F.linear(x.bfloat16().float(), dequantised, bias)
     assert (layer(x) - expected).abs().max() <= 0.01 * expected.abs().max()
     assert (layer(x) - F.linear(x, weight, bias)).abs().max() > 0.05  # 4 bits do cost something: the test can fail
+
+
+def test_a_float8_layer_computes_what_its_weight_does_within_float8s_rounding():
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 5, 128)
+    weight[7] *= 50  # a channel of its own scale: rows are scaled one by one
+    layer = Float8Linear.quantize(weight, bias)  # (torch's CPU `_scaled_mm` runs it here; a node uses it on GPUs)
+    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.scale.shape == (1, 96)
+    expected = F.linear(x, weight, bias)
+    error = (layer(x) - expected).abs()
+    # float8_e4m3 keeps 3 bits of mantissa: about 6% of each weight and input, mostly averaging out
+    assert error.max() <= 0.05 * expected.abs().max()
+    assert error[..., 7].max() > error[..., :7].max()  # the wide channel's own scale: its error is its own
+    assert (layer(x[:, :1]) - layer(x)[:, :1]).abs().max() == 0  # a row's rounding does not depend on the others
+
+
+def test_without_fp8_matmuls_fp8_runs_as_8_bit_integers(tmp_path):
+    weight = torch.randn(64, 128)
+    assert not quantized_linear.fits_fp8(weight)  # a CPU: no FP8 tensor cores
+    assert type(quantized_linear.eight_bit(weight)) is Int8Linear
+    folder = tiny_models.build("llama", tmp_path / "llama", tiny_models.make_tokenizer(), hidden_size=256,
+                               intermediate_size=512, initializer_range=0.05)
+    lm = loader.load(tiny_profile(folder, quant="fp8"), "cpu")
+    assert lm.quant == "int8" and any(isinstance(m, DynamicInt8Linear) for m in lm.model.modules())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
