@@ -74,7 +74,7 @@ def test_a_float8_layer_computes_what_its_weight_does_within_float8s_rounding():
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 5, 128)
     weight[7] *= 50  # a channel of its own scale: rows are scaled one by one
     layer = Float8Linear.quantize(weight, bias)  # (torch's CPU `_scaled_mm` runs it here; a node uses it on GPUs)
-    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.scale.shape == (1, 96)
+    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (1, 96)
     expected = F.linear(x, weight, bias)
     error = (layer(x) - expected).abs()
     # float8_e4m3 keeps 3 bits of mantissa: about 6% of each weight and input, mostly averaging out

@@ -73,6 +73,11 @@ def test_the_default_model_is_estimated_at_its_weights_a_2_gb_cache_and_128_slot
     weights = 28_311_552 * 4 + int(four_bit * 0.625) + 61 * 576 * 4
     assert memory.estimate_mb(profile.model_copy(update={"quant": "auto"})) == int(
         (weights + cache + slots) * memory.MARGIN / (1 << 20)) + 1 == 2501
+    # quantized at load to 8 bits, integer or float8 alike: a byte a weight of the layers (embedding and head dense)
+    weights = 28_311_552 * 4 + four_bit + 61 * 576 * 4
+    for bits in ("int8", "fp8"):
+        assert memory.estimate_mb(profile.model_copy(update={"quant": bits})) == int(
+            (weights + cache + slots) * memory.MARGIN / (1 << 20)) + 1, bits
 
 
 def test_only_attention_layers_count(small_vocab_dirs):
