@@ -98,14 +98,14 @@ def weights_as_stored(files: ModelFiles, profile: ModelProfile) -> bool:
 
 def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     """A CPU model's full-precision Linear weights packed for oneDNN (node_agent/model/packed_linear.py;
-    quantized layers stay), its RMSNorms and gated MLPs fused (node_agent/model/fused_layers.py) and its
+    quantized layers stay), its RMSNorms, gated MLPs and q/k/v projections fused (node_agent/model/fused_layers.py) and its
     decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
     log line for each, or for why not."""
     if profile.decode == "compiled":
         log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
                  "itself)", profile.id)
         return
-    log.info("%s: %d RMSNorm and MLP layers fused", profile.id, fused_layers.fuse(model))
+    log.info("%s: %d RMSNorm, MLP and attention projection layers fused", profile.id, fused_layers.fuse(model))
     why_not = packed_linear.packable(model)
     if why_not:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)

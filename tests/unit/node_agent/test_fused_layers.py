@@ -1,13 +1,14 @@
 """A CPU model's fused layers (node_agent/model/fused_layers.py): RMSNorm as one ATen call gives
 transformers' Llama RMSNorm's numbers in float32 and bfloat16; a gated MLP over its stacked gate
-and up weights gives Llama's MLP's within float rounding; layers with another forward (Gemma's
-1 + weight norm, quantized projections) stay."""
+and up weights gives Llama's MLP's within float rounding, and so do an attention's stacked query,
+key and value projections (one matmul a call); layers with another forward (Gemma's 1 + weight
+norm, quantized projections) stay."""
 
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from node_agent.model import fused_layers, quantized_linear
@@ -47,3 +48,32 @@ def test_only_layers_whose_forward_is_llamas_are_replaced():
     assert isinstance(model["inner"]["norm"], fused_layers.FusedRMSNorm)
     assert isinstance(model["inner"]["mlp"], fused_layers.FusedMLP)
     assert type(model["gemma"]) is GemmaRMSNorm and type(model["quantized"]) is Qwen3MLP
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_qkv_projections_give_the_attentions_numbers_with_one_matmul_a_call(bias):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, attention_bias=bias)
+    attention = LlamaAttention(config, layer_idx=0).eval()
+    x = torch.randn(2, 7, 64)
+    rotary = LlamaRotaryEmbedding(config)(x, torch.arange(7)[None].expand(2, -1))
+    with torch.inference_mode():
+        want = attention(x, rotary, None)[0]
+        assert fused_layers.fuse(attention) == 1
+        stacked = attention.qkv_proj.stacked
+        calls = []
+        stacked.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+        got = attention(x, rotary, None)[0]
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert calls == [(2, 7, 64)]  # one matmul for q, k and v
+        assert attention.qkv_proj._parts == ()  # nothing held between calls
+        # a part called on its own input computes it: any order, any input, the same numbers
+        other = torch.randn(3, 64)
+        torch.testing.assert_close(attention.v_proj(other), other @ stacked.weight[-32:].t() + (
+            stacked.bias[-32:] if bias else 0), atol=1e-6, rtol=1e-5)
+
+
+def test_projections_that_are_not_plain_linear_layers_are_not_stacked():
+    attention = LlamaAttention(LlamaConfig(hidden_size=64, num_attention_heads=4), layer_idx=0)
+    attention.k_proj = quantized_linear.Int8Linear.quantize(attention.k_proj.weight)
+    assert fused_layers.fuse(attention) == 0 and type(attention.q_proj) is torch.nn.Linear
