@@ -60,8 +60,9 @@ class FusedMLP(torch.nn.Module):
 
 
 class StackedProjections(torch.nn.Module):
-    """Several Linear layers over one input as one Linear over their stacked weights: `outputs(x)`
-    is each layer's output for `x`, computed once for the last input seen (its parts are views)."""
+    """Several Linear layers over one input as one Linear over their stacked weights: `part(i, x)`
+    is layer i's output for `x`, all of them computed by one matmul for the input seen last (the
+    parts are views of its output)."""
 
     def __init__(self, layers: list[torch.nn.Linear]):
         super().__init__()

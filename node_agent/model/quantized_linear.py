@@ -190,9 +190,14 @@ class Float8Linear(torch.nn.Module):
 
 def eight_bit(weight: torch.Tensor, bias: torch.Tensor | None = None,
               shard: linear_shards.Shard = linear_shards.WHOLE) -> "Float8Linear | Int8Linear":
-    """An 8-bit layer for `weight` on its device: FP8 matmuls where the GPU has them (`fits_fp8`),
-    else 8-bit integer weights (what `quant = "fp8"` and FP8 checkpoints run as on a CPU or an older GPU)."""
-    return (Float8Linear if fits_fp8(weight) else Int8Linear).quantize(weight, bias, shard)
+    """An 8-bit layer for `weight` on its device, a tensor-parallel rank's `shard` of it: FP8 matmuls
+    where the GPU has them and the shard's sides fit (`fits_fp8`), else 8-bit integer weights (what
+    `quant = "fp8"` and FP8 checkpoints run as on a CPU or an older GPU)."""
+    if _fp8_matmul_runs(weight.device):
+        codes, scale = shard.int8(*round_fp8(weight))
+        if fits_fp8(codes):
+            return Float8Linear(codes, scale, bias)
+    return Int8Linear.quantize(weight, bias, shard)
 
 
 QUANTIZERS = {"int4": Int4Linear.quantize, "int8": Int8Linear.quantize, "fp8": eight_bit}
