@@ -266,7 +266,7 @@ def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
               "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json"),
               "", "## Speculation: what verifying drafts costs a step", "",
               *speculation_section(args.out / "speculation.json"),
-              "", "## Quantized weights: an 8B shape as bfloat16, int4 and int8", "",
+              "", "## Quantized weights: an 8B shape, each quant against bfloat16", "",
               *streams_section(args.out / "quant.json", "greedy; the engine in-process.", memory=True)]
     return "\n".join(lines) + "\n"
 
