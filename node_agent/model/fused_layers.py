@@ -39,19 +39,26 @@ class FusedRMSNorm(torch.nn.Module):
         return self.weight * normed.to(hidden_states.dtype)
 
 
+def _stacked(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
+    """One Linear over the same input as `layers` (biased alike), their weights stacked in order:
+    its output is theirs side by side."""
+    first = layers[0]
+    stacked = torch.nn.Linear(first.in_features, sum(layer.out_features for layer in layers),
+                              bias=first.bias is not None, dtype=first.weight.dtype, device=first.weight.device)
+    with torch.no_grad():
+        stacked.weight.copy_(torch.cat([layer.weight for layer in layers]))
+        if first.bias is not None:
+            stacked.bias.copy_(torch.cat([layer.bias for layer in layers]))
+    return stacked
+
+
 class FusedMLP(torch.nn.Module):
     """`down(act(gate(x)) * up(x))` with gate and up as one Linear layer over their stacked weights."""
 
     def __init__(self, mlp: torch.nn.Module):
         super().__init__()
-        gate, up = mlp.gate_proj, mlp.up_proj
-        self.width = gate.out_features
-        self.gate_up = torch.nn.Linear(gate.in_features, 2 * self.width, bias=gate.bias is not None,
-                                       dtype=gate.weight.dtype, device=gate.weight.device)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(torch.cat([gate.weight, up.weight]))
-            if gate.bias is not None:
-                self.gate_up.bias.copy_(torch.cat([gate.bias, up.bias]))
+        self.width = mlp.gate_proj.out_features
+        self.gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,14 +73,8 @@ class StackedProjections(torch.nn.Module):
 
     def __init__(self, layers: list[torch.nn.Linear]):
         super().__init__()
-        first = layers[0]
         self.widths = [layer.out_features for layer in layers]
-        self.stacked = torch.nn.Linear(first.in_features, sum(self.widths), bias=first.bias is not None,
-                                       dtype=first.weight.dtype, device=first.weight.device)
-        with torch.no_grad():
-            self.stacked.weight.copy_(torch.cat([layer.weight for layer in layers]))
-            if first.bias is not None:
-                self.stacked.bias.copy_(torch.cat([layer.bias for layer in layers]))
+        self.stacked = _stacked(layers)
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken = 0

@@ -46,10 +46,22 @@ def round_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes.reshape(weight.shape), scale, low + 8 * scale
 
 
+def _channel_scale(weight: torch.Tensor, largest_code: float) -> torch.Tensor:
+    """The scale [out] that puts each output channel's largest magnitude of `weight` [out, in] at `largest_code`."""
+    return (weight.float().abs().amax(-1) / largest_code).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def _as_output(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """A kernel's [rows, out] product of `x`'s rows as the layer's output: in `x`'s dtype and leading
+    dimensions, plus the bias."""
+    y = y.to(x.dtype).view(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
 def round_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A full-precision weight [out, in] rounded symmetrically per output channel: the codes [out, in]
     and scale [out] Int8Linear takes."""
-    scale = (weight.float().abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = _channel_scale(weight, 127)
     return (weight.float() / scale[:, None]).round().clamp(-127, 127), scale
 
 
@@ -79,8 +91,7 @@ class Int4Linear(torch.nn.Module):
             y = torch.ops.aten._weight_int4pack_mm(flat, self.weight_packed, GROUP, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_packed, GROUP, self.scales_and_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return _as_output(y, x, self.out_features, self.bias)
 
 
 class ReorderedInt4Linear(Int4Linear):
@@ -117,8 +128,7 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scale)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return _as_output(y, x, self.out_features, self.bias)
 
 
 FP8 = torch.float8_e4m3fn
@@ -129,7 +139,7 @@ FP8_MULTIPLE = 16  # `_scaled_mm` takes inputs and outputs in multiples of 16
 def round_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A full-precision weight [out, in] scaled per output channel onto float8's range: the codes
     [out, in] (float8_e4m3fn) and scale [out] (float32) Float8Linear takes."""
-    scale = (weight.float().abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = _channel_scale(weight, FP8_MAX)
     return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -184,8 +194,7 @@ class Float8Linear(torch.nn.Module):
         codes = (flat * (FP8_MAX / largest)).to(FP8)
         y = torch._scaled_mm(codes, self.weight_fp8.t(), scale_a=largest, scale_b=self.weight_scale,
                              out_dtype=COMPUTE_DTYPE)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return _as_output(y, x, self.out_features, self.bias)
 
 
 def eight_bit(weight: torch.Tensor, bias: torch.Tensor | None = None,
