@@ -34,6 +34,7 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 MAX_HEAD_DIM = 256  # the kernel's kMaxDim
 OWN_BLOCK = 256  # prefill positions a block that attends causally over its own positions (_causal_chunk)
+PREFILL_TILE = 128  # key positions a tile of the prefill kernel (64-512 measured: 64 and 128 fastest)
 
 
 @functools.cache
@@ -82,12 +83,24 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     causal = not paged_cache.layers[module.layer_idx].window and not kwargs.get("softcap") \
         and kwargs.get("s_aux") is None
     for index, chunk in enumerate(paged_cache.packed):
-        keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
         rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
+        if causal and query.dtype == torch.float32:
+            parts.append(_prefill(rows, key, value, paged_cache, module.layer_idx, chunk, scale))
+            continue
+        keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
         parts.append(_causal_chunk(rows, keys, values, chunk.start, scale) if causal else
                      sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
                                             **kwargs)[0][0])
     return torch.cat(parts)[None], None
+
+
+def _prefill(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor, paged_cache, layer_idx: int,
+             chunk, scale: float) -> torch.Tensor:
+    """A float32 prefill chunk's queries ([1, heads, L, dim]) causally over its row's cache, read in
+    place by the kernel (its two products by oneDNN's batch-reduce GEMM): [L, heads, dim]."""
+    table, (keys_t, values) = paged_cache.chunk_in_place(layer_idx, chunk, PREFILL_TILE)
+    return torch.ops.cortex.paged_prefill_attention(query[0], pool_keys, pool_values, table, chunk.start,
+                                                    paged_cache.block_size, scale, PREFILL_TILE, keys_t, values)
 
 
 def _causal_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,

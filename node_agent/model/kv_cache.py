@@ -334,6 +334,13 @@ class PagedCache:
                                   self._buffers(layer, width))
         return keys, values, self._chunk_masks[index][self.layer_types[layer_idx]]
 
+    def chunk_in_place(self, layer_idx: int, chunk: PackedChunk, tile: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What a kernel reading the packed forward's `chunk` in place takes: its row's block table
+        ([max_blocks]) and two buffers for the keys and values it packs, of at least the chunk's
+        positions rounded up to `tile`."""
+        positions = -(-(chunk.start + chunk.length) // tile) * tile
+        return self.block_tables[chunk.row], self._buffers(self.layers[layer_idx], positions)
+
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
                         sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """Each layer type's mask ([B, 1, T, width] bool; None for linear attention)."""

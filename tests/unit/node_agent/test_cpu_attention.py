@@ -1,5 +1,6 @@
-"""The CPU decode attention kernel (node_agent/model/cpu_attention.py): what it computes equals SDPA
-over the same rows' blocks copied out (GQA, sliding windows, soft-capping, float32 and bfloat16);
+"""The CPU attention kernels (node_agent/model/cpu_attention.py): what the decode kernel computes equals SDPA
+over the same rows' blocks copied out (GQA, sliding windows, soft-capping, float32 and bfloat16), and
+so does the float32 prefill kernel's causal chunk read from scattered blocks;
 which models read in place; a machine that cannot build it decodes through the copy; and decode
 rows packed with prefill chunks into one forward give what the separate forwards give, a chunk's
 attention split at its start equals SDPA under its causal mask.
@@ -75,6 +76,33 @@ def test_a_prefill_chunk_equals_sdpa_under_its_causal_mask(dtype, tolerance, hea
     got = cpu_attention._causal_chunk(query, keys, values, start, 0.3)
     assert got.shape == (length, heads, dim) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 128), (8, 2, 80), (2, 1, 8)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("start, length", [(0, 1), (0, 37), (5, 1), (16, 16), (45, 20), (120, 300), (0, 200),
+                                           (250, 6)])  # within one key tile, across several, the last one partial
+def test_the_prefill_kernel_reads_a_chunk_in_place_as_sdpa_under_its_causal_mask(heads, kv_heads, dim, block_size,
+                                                                                   start, length):
+    """The float32 prefill kernel over the row's blocks, scattered in the pools as a long-running node's
+    are (its scratch larger than needed, holding garbage), equals SDPA over the row's positions copied
+    out with the chunk's causal mask."""
+    torch.manual_seed(0)
+    seen, pool_blocks, tile = start + length, 128, cpu_attention.PREFILL_TILE
+    blocks = -(-seen // block_size)
+    keys, values = (torch.randn(kv_heads, (pool_blocks + 1) * block_size, dim) for _ in range(2))
+    table = torch.zeros(pool_blocks + 4, dtype=torch.long)
+    table[:blocks] = torch.randperm(pool_blocks)[:blocks] + 1
+    slots = table[torch.arange(seen) // block_size] * block_size + torch.arange(seen) % block_size
+    query = torch.randn(heads, length, dim)
+    mask = torch.arange(seen)[None] <= torch.arange(start, seen)[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query[None], keys[:, slots][None].repeat_interleave(heads // kv_heads, 1),
+        values[:, slots][None].repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3)
+    scratch = [torch.full((kv_heads * (-(-seen // tile) + 1) * tile * dim,), float("nan")) for _ in range(2)]
+    got = torch.ops.cortex.paged_prefill_attention(query, keys, values, table, start, block_size, 0.3, tile, *scratch)
+    assert got.shape == (length, heads, dim)
+    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=5e-5, rtol=1e-4)  # float32 sums in another order
 
 
 @pytest.mark.parametrize("arch, decode, reads_in_place", [
