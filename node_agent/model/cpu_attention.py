@@ -1,19 +1,26 @@
-"""Decode attention on a CPU that reads the paged KV cache in place (csrc/paged_attention.cpp).
+"""Attention on a CPU that reads the paged KV cache in place (csrc/paged_attention.cpp).
 
 A decode step's attention otherwise copies every block each row reads into one tensor for SDPA
 (node_agent/model/kv_cache.py): at 2k tokens of context that copy was 43-45% of the default
-model's step, more than the attention itself. The kernel walks each row's block table and reads
-keys and values where the pool holds them, one key load for all the query heads of its group,
-with an online softmax in float32; sliding windows and soft-capping as the layer has them.
+model's step, more than the attention itself. The decode kernel walks each row's block table and
+reads keys and values where the pool holds them, one key load for all the query heads of its
+group, with an online softmax in float32; sliding windows and soft-capping as the layer has them.
 
-The kernel is compiled at the first load of a CPU model on this machine (~25 s, g++ and the
+A prefill chunk of a packed forward (causal, no window, no soft-capping) goes through the prefill
+kernel: flash attention over its row's blocks, packed once a call into float32 tiles, its two
+products by oneDNN's batch-reduce GEMM (JIT-compiled for the machine's vector units): 2.1-2.8x
+torch's CPU flash attention on 512-token chunks on a 2-vCPU Zen 5, in float32 and bfloat16
+(docs/benchmarks.md). Other chunks (windows, soft-capping, sinks) copy their blocks and run
+torch's flash kernel (`_causal_chunk`) or SDPA.
+
+The kernels are compiled at the first load of a CPU model on this machine (~25 s, g++ and the
 Python headers; `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions), keyed by the source, torch's version and this CPU's instruction set.
-Where it cannot be built, decode keeps the copy and a log line says why.
+Where they cannot be built, attention keeps the copy and a log line says why.
 
-It plugs into transformers as an attention implementation (`NAME`) for the architectures that
-run SDPA: decode forwards whose cache reads in place go through the kernel, every other call
-(prefill chunks, vision towers) is transformers' SDPA unchanged.
+They plug into transformers as an attention implementation (`NAME`) for the architectures that
+run SDPA: forwards whose cache reads in place go through the kernels, every other call (vision
+towers, transformers' own forwards) is transformers' SDPA unchanged.
 """
 
 import functools
@@ -84,7 +91,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         and kwargs.get("s_aux") is None
     for index, chunk in enumerate(paged_cache.packed):
         rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
-        if causal and query.dtype == torch.float32:
+        if causal:
             parts.append(_prefill(rows, key, value, paged_cache, module.layer_idx, chunk, scale))
             continue
         keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
@@ -96,8 +103,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 def _prefill(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor, paged_cache, layer_idx: int,
              chunk, scale: float) -> torch.Tensor:
-    """A float32 prefill chunk's queries ([1, heads, L, dim]) causally over its row's cache, read in
-    place by the kernel (its two products by oneDNN's batch-reduce GEMM): [L, heads, dim]."""
+    """A prefill chunk's queries ([1, heads, L, dim]) causally over its row's cache, read in place by
+    the kernel (its two products in float32 by oneDNN's batch-reduce GEMM): [L, heads, dim]."""
     table, (keys_t, values) = paged_cache.chunk_in_place(layer_idx, chunk, PREFILL_TILE)
     return torch.ops.cortex.paged_prefill_attention(query[0], pool_keys, pool_values, table, chunk.start,
                                                     paged_cache.block_size, scale, PREFILL_TILE, keys_t, values)

@@ -241,7 +241,8 @@ class PagedCache:
         self._write_slots: torch.Tensor | None = None  # [B * T] the cache slot each is written at
         self._read_blocks: torch.Tensor | None = None  # [B, W / block_size] the blocks of positions 0..W-1
         self._kv_len = 0
-        self._read_buffers: list[torch.Tensor] = []  # CPU: where attention layers copy the blocks they read
+        # CPU: where attention layers copy the blocks they read (the pools' dtype), or a kernel packs them (float32)
+        self._read_buffers: dict[torch.dtype, list[torch.Tensor]] = {}
         self._read_tables: torch.Tensor | None = None  # [B, max_blocks], and
         self._read_lengths: torch.Tensor | None = None  # [B]: what an in-place read's decode rows see
         self._chunk_masks: list[dict[str, torch.Tensor | None]] = []  # a packed forward's chunks' masks
@@ -336,10 +337,10 @@ class PagedCache:
 
     def chunk_in_place(self, layer_idx: int, chunk: PackedChunk, tile: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What a kernel reading the packed forward's `chunk` in place takes: its row's block table
-        ([max_blocks]) and two buffers for the keys and values it packs, of at least the chunk's
-        positions rounded up to `tile`."""
+        ([max_blocks]) and two float32 buffers for the keys and values it packs, of at least the
+        chunk's positions rounded up to `tile`."""
         positions = -(-(chunk.start + chunk.length) // tile) * tile
-        return self.block_tables[chunk.row], self._buffers(self.layers[layer_idx], positions)
+        return self.block_tables[chunk.row], self._buffers(self.layers[layer_idx], positions, torch.float32)
 
     def attention_masks(self, positions: torch.Tensor, kv_len: int,
                         sees_until: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
@@ -357,19 +358,21 @@ class PagedCache:
         buffers = self._buffers(layer, self._read_blocks.numel() * self.block_size)
         return layer.update(key_states, value_states, self._write_slots, self._read_blocks, buffers)
 
-    def _buffers(self, layer: PagedAttention, positions: int) -> list[torch.Tensor] | None:
+    def _buffers(self, layer: PagedAttention, positions: int, dtype: torch.dtype | None = None
+                 ) -> list[torch.Tensor] | None:
         """On a CPU, two buffers every layer reuses for the blocks it reads (a fresh allocation of
-        tens of MB page-faults its way in at every layer of every step: 5x the copy itself); grown
-        to the largest read yet. None on a GPU (its caching allocator reuses memory, and a captured
-        graph must own what it reads) and while compiling."""
+        tens of MB page-faults its way in at every layer of every step: 5x the copy itself), in
+        `dtype` (default the pools'); grown to the largest read yet. None on a GPU (its caching
+        allocator reuses memory, and a captured graph must own what it reads) and while compiling."""
         if self.device.type != "cpu" or torch.compiler.is_compiling():
             return None
         heads, _, dim = layer.keys.shape
-        needed = heads * positions * dim
-        if not self._read_buffers or self._read_buffers[0].numel() < needed \
-                or self._read_buffers[0].dtype != layer.keys.dtype:
-            self._read_buffers = [torch.empty(needed, dtype=layer.keys.dtype, device=self.device) for _ in range(2)]
-        return self._read_buffers
+        needed, dtype = heads * positions * dim, dtype or layer.keys.dtype
+        buffers = self._read_buffers.get(dtype)
+        if not buffers or buffers[0].numel() < needed:
+            buffers = self._read_buffers[dtype] = [torch.empty(needed, dtype=dtype, device=self.device)
+                                                   for _ in range(2)]
+        return buffers
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: the model then hands every conv input to `update_conv_state` (it never updates a

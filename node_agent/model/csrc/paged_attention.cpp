@@ -1,5 +1,5 @@
 // Attention read in place from the paged KV cache (node_agent/model/cpu_attention.py): decode
-// rows (`paged_decode_attention`) and float32 prefill chunks (`paged_prefill_attention`, below).
+// rows (`paged_decode_attention`) and prefill chunks (`paged_prefill_attention`, below).
 //
 // One query token per row attends over the positions its block table names, reading each key and
 // value where the pool keeps it: no copy of the context. Pools are [kv_heads, slots, head_dim]
@@ -262,7 +262,8 @@ Decode<T> pick(int64_t dim, int64_t groups) {
 // oneDNN's batch-reduce GEMM (ATen's cpublas::brgemm, JIT-compiled for the machine's vector
 // units: ~250 GFLOP/s a core on Zen 5 where torch's CPU flash attention runs ~90 for these
 // shapes). First each KV head's keys are packed transposed ([dim, tile] per tile) and its values
-// contiguously ([positions, dim]) from the blocks the row's table names; then each (query head,
+// contiguously ([positions, dim]), in float32 whatever the pools' dtype, from the blocks the row's
+// table names; then each (query head,
 // tile of kQueryTile queries) runs an online softmax over the key tiles up to its last position,
 // the diagonal tile masked.
 
@@ -270,7 +271,8 @@ constexpr int64_t kQueryTile = 64;
 
 // One KV head's keys at positions [first, first + tile) as [dim, tile] and its values as [tile,
 // dim]; positions from `length` on are zeros (masked by the causal mask: no query sees them).
-void pack_tile(const float* kh, const float* vh, const int64_t* table, int64_t block_size, int64_t first,
+template <typename T>
+void pack_tile(const T* kh, const T* vh, const int64_t* table, int64_t block_size, int64_t first,
                int64_t tile, int64_t length, int64_t dim, float* keys_t, float* values) {
   for (int64_t j = 0; j < tile; ++j) {
     const int64_t p = first + j;
@@ -280,9 +282,10 @@ void pack_tile(const float* kh, const float* vh, const int64_t* table, int64_t b
       continue;
     }
     const int64_t slot = table[p / block_size] * block_size + p % block_size;
-    const float* key = kh + slot * dim;
-    for (int64_t d = 0; d < dim; ++d) keys_t[d * tile + j] = key[d];
-    std::copy(vh + slot * dim, vh + (slot + 1) * dim, values + j * dim);
+    const T* key = kh + slot * dim;
+    const T* value = vh + slot * dim;
+    for (int64_t d = 0; d < dim; ++d) keys_t[d * tile + j] = static_cast<float>(key[d]);
+    for (int64_t d = 0; d < dim; ++d) values[j * dim + d] = static_cast<float>(value[d]);
   }
 }
 
@@ -312,7 +315,8 @@ void softmax_tile(float* s, int64_t rows, int64_t tile, const int64_t* seen, flo
   }
 }
 
-void prefill(const float* q, const float* k, const float* v, const int64_t* table, float* out, float* keys_t,
+template <typename T>
+void prefill(const T* q, const T* k, const T* v, const int64_t* table, T* out, float* keys_t,
              float* values, int64_t length, int64_t start, int64_t heads, int64_t kv_heads, int64_t dim,
              int64_t slots, int64_t block_size, int64_t tile, float scale) {
   const int64_t seen = start + length, tiles = (seen + tile - 1) / tile, padded = tiles * tile;
@@ -332,7 +336,8 @@ void prefill(const float* q, const float* k, const float* v, const int64_t* tabl
       const int64_t h = job / query_tiles, first = job % query_tiles * kQueryTile;
       const int64_t rows = std::min(kQueryTile, length - first), kvh = h / group;
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t d = 0; d < dim; ++d) queries[i * dim + d] = q[(h * length + first + i) * dim + d] * scale;
+        for (int64_t d = 0; d < dim; ++d)
+          queries[i * dim + d] = static_cast<float>(q[(h * length + first + i) * dim + d]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(top, top + rows, -std::numeric_limits<float>::infinity());
       std::fill(total, total + rows, 0.f);
@@ -348,8 +353,8 @@ void prefill(const float* q, const float* k, const float* v, const int64_t* tabl
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.f / total[i];
-        float* o = out + ((first + i) * heads + h) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[i * dim + d] * inv;
+        T* o = out + ((first + i) * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[i * dim + d] * inv);
       }
     }
     at::native::cpublas::brgemm_release(false);
@@ -387,7 +392,8 @@ at::Tensor paged_decode_attention(at::Tensor query, at::Tensor keys, at::Tensor 
 }
 
 
-// query [heads, length, dim] float32: a chunk of one row at positions start..start+length-1, its
+// query [heads, length, dim] (float32, bfloat16 or float16, as the pools; the products run in
+// float32): a chunk of one row at positions start..start+length-1, its
 // keys and values already written; keys, values [kv_heads, slots, dim]; table [max_blocks] int64
 // (the row's); keys_t, values_scratch: float32 buffers of at least kv_heads * ceil((start + length)
 // / tile) * tile * dim each. Returns [length, heads, dim].
@@ -395,8 +401,10 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor keys, at::Tensor
                                    int64_t start, int64_t block_size, double scale, int64_t tile,
                                    at::Tensor keys_t, at::Tensor values_scratch) {
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(), "bad shapes");
-  for (const auto& x : {query, keys, values, keys_t, values_scratch})
-    TORCH_CHECK(x.scalar_type() == at::kFloat, "paged_prefill_attention runs float32");
+  TORCH_CHECK(query.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "query, keys and values must share a dtype");
+  TORCH_CHECK(keys_t.scalar_type() == at::kFloat && values_scratch.scalar_type() == at::kFloat,
+              "float32 scratch buffers (the products run in float32)");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 1, "an int64 table");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys_t.is_contiguous() &&
               values_scratch.is_contiguous(), "contiguous pools and buffers");
@@ -411,9 +419,12 @@ at::Tensor paged_prefill_attention(at::Tensor query, at::Tensor keys, at::Tensor
   auto q = query.contiguous();
   auto t = table.contiguous();
   auto out = at::empty({length, heads, dim}, q.options());
-  prefill(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), t.data_ptr<int64_t>(),
-          out.data_ptr<float>(), keys_t.data_ptr<float>(), values_scratch.data_ptr<float>(), length, start, heads,
-          kv_heads, dim, slots, block_size, tile, static_cast<float>(scale));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_prefill_attention", [&] {
+    prefill<scalar_t>(q.data_ptr<scalar_t>(), keys.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                      t.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), keys_t.data_ptr<float>(),
+                      values_scratch.data_ptr<float>(), length, start, heads, kv_heads, dim, slots, block_size, tile,
+                      static_cast<float>(scale));
+  });
   return out;
 }
 

@@ -78,31 +78,32 @@ def test_a_prefill_chunk_equals_sdpa_under_its_causal_mask(dtype, tolerance, hea
     torch.testing.assert_close(got.float(), want[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 128), (8, 2, 80), (2, 1, 8)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("start, length", [(0, 1), (0, 37), (5, 1), (16, 16), (45, 20), (120, 300), (0, 200),
                                            (250, 6)])  # within one key tile, across several, the last one partial
-def test_the_prefill_kernel_reads_a_chunk_in_place_as_sdpa_under_its_causal_mask(heads, kv_heads, dim, block_size,
-                                                                                   start, length):
-    """The float32 prefill kernel over the row's blocks, scattered in the pools as a long-running node's
-    are (its scratch larger than needed, holding garbage), equals SDPA over the row's positions copied
-    out with the chunk's causal mask."""
+def test_the_prefill_kernel_reads_a_chunk_in_place_as_sdpa_under_its_causal_mask(dtype, tolerance, heads, kv_heads,
+                                                                                   dim, block_size, start, length):
+    """The prefill kernel over the row's blocks, scattered in the pools as a long-running node's are
+    (its scratch larger than needed, holding garbage), equals SDPA in float32 over the row's positions
+    copied out with the chunk's causal mask."""
     torch.manual_seed(0)
     seen, pool_blocks, tile = start + length, 128, cpu_attention.PREFILL_TILE
     blocks = -(-seen // block_size)
-    keys, values = (torch.randn(kv_heads, (pool_blocks + 1) * block_size, dim) for _ in range(2))
+    keys, values = (torch.randn(kv_heads, (pool_blocks + 1) * block_size, dim).to(dtype) for _ in range(2))
     table = torch.zeros(pool_blocks + 4, dtype=torch.long)
     table[:blocks] = torch.randperm(pool_blocks)[:blocks] + 1
     slots = table[torch.arange(seen) // block_size] * block_size + torch.arange(seen) % block_size
-    query = torch.randn(heads, length, dim)
+    query = torch.randn(heads, length, dim).to(dtype)
     mask = torch.arange(seen)[None] <= torch.arange(start, seen)[:, None]
     want = torch.nn.functional.scaled_dot_product_attention(
-        query[None], keys[:, slots][None].repeat_interleave(heads // kv_heads, 1),
-        values[:, slots][None].repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3)
+        query[None].float(), keys[:, slots][None].float().repeat_interleave(heads // kv_heads, 1),
+        values[:, slots][None].float().repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3)
     scratch = [torch.full((kv_heads * (-(-seen // tile) + 1) * tile * dim,), float("nan")) for _ in range(2)]
     got = torch.ops.cortex.paged_prefill_attention(query, keys, values, table, start, block_size, 0.3, tile, *scratch)
-    assert got.shape == (length, heads, dim)
-    torch.testing.assert_close(got, want[0].transpose(0, 1), atol=5e-5, rtol=1e-4)  # float32 sums in another order
+    assert got.shape == (length, heads, dim) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("arch, decode, reads_in_place", [
