@@ -135,6 +135,9 @@ class NodeSettings(CortexSettings):
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
     torch_threads: int = 0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
+    # A CPU node's torch threads bound one to a CPU each ("" off; "auto": the first CPUs it may run
+    # on; or a list such as "0-15" or "0,2,4,6", as vLLM's VLLM_CPU_OMP_THREADS_BIND)
+    cpu_bind: str = ""
     # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
     gil_switch_interval_s: float = Field(0.0005, gt=0)

@@ -13,62 +13,30 @@ torch's CPU flash attention on 512-token chunks on a 2-vCPU Zen 5, in float32 an
 (docs/benchmarks.md). Other chunks (windows, soft-capping, sinks) copy their blocks and run
 torch's flash kernel (`_causal_chunk`) or SDPA.
 
-The kernels are compiled at the first load of a CPU model on this machine (~25 s, g++ and the
-Python headers; `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
-~/.cache/torch_extensions), keyed by the source, torch's version and this CPU's instruction set.
-Where they cannot be built, attention keeps the copy and a log line says why.
+The kernels are built at the first load of a CPU model on this machine (node_agent/model/cpu_kernels.py);
+where they cannot be, attention keeps the copy and a log line says why.
 
 They plug into transformers as an attention implementation (`NAME`) for the architectures that
 run SDPA: forwards whose cache reads in place go through the kernels, every other call (vision
 towers, transformers' own forwards) is transformers' SDPA unchanged.
 """
 
-import functools
-import hashlib
 import logging
-import platform
-from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from node_agent.model import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 NAME = "cortex_cpu_paged"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 MAX_HEAD_DIM = 256  # the kernel's kMaxDim
 OWN_BLOCK = 256  # prefill positions a block that attends causally over its own positions (_causal_chunk)
 PREFILL_TILE = 128  # key positions a tile of the prefill kernel (64-512 measured: 64 and 128 fastest)
-
-
-@functools.cache
-def kernel() -> bool:
-    """Whether torch.ops.cortex.paged_decode_attention is there (built and loaded here, or logged
-    why not). A process loads one build: a second library registering the same operator aborts."""
-    if _registered():
-        return True
-    source = _SOURCE.read_bytes()
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    digest = hashlib.sha256(source + torch.__version__.encode() + flags.encode()).hexdigest()[:12]
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name=f"cortex_paged_attention_{digest}", sources=[str(_SOURCE)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-             extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # no compiler, no headers, a read-only cache: decode keeps the copy
-        log.warning("CPU decode attention reads the KV cache through a copy: its kernel could not be built (%s: %s)",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-        return False
-    return True
-
-
-def _registered() -> bool:
-    return torch._C._dispatch_has_kernel("cortex::paged_decode_attention")
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -182,7 +150,7 @@ def enable(model: torch.nn.Module) -> bool:
     """Run the model's text attention through `attention` (it must run SDPA now); False, with the
     reason logged, where the kernel is not there or the heads are wider than it takes."""
     config = model.config.get_text_config()
-    if config._attn_implementation != "sdpa" or not kernel():
+    if config._attn_implementation != "sdpa" or not cpu_kernels.load():
         return False
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim > MAX_HEAD_DIM:

@@ -1,4 +1,4 @@
-"""Device discovery: CUDA devices through torch, else one CPU device."""
+"""Device discovery: CUDA devices through torch, else one CPU device; torch's threads on a CPU node."""
 
 import os
 from pathlib import Path
@@ -39,6 +39,45 @@ def node_torch_threads(setting: int, device_ids: list[str]) -> int | None:
     if not all(is_cpu(d) for d in device_ids):
         return None
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_list(spec: str, threads: int) -> list[int]:
+    """The CPUs a CPU node's `threads` torch threads are bound to, one each, from the `cpu_bind`
+    setting: "auto" (the first `threads` CPUs this process may run on) or a list as vLLM's
+    VLLM_CPU_OMP_THREADS_BIND takes it ("0-7", "0,2,4,6", "0-3,8-11"), each CPU one this process may
+    run on. ValueError with the reason otherwise."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if spec == "auto":
+        cpus = allowed[:threads]
+    else:
+        try:
+            cpus = [cpu for part in spec.split(",") for cpu in _cpu_range(part.strip())]
+        except ValueError:
+            raise ValueError(f"cpu_bind {spec!r}: give 'auto' or CPUs as '0-7' or '0,2,4,6'") from None
+    outside = sorted(set(cpus) - set(allowed))
+    if outside or len(set(cpus)) != len(cpus) or len(cpus) < threads:
+        raise ValueError(f"cpu_bind {spec!r}: {threads} torch threads need as many distinct CPUs of those this "
+                         f"process may use ({','.join(map(str, allowed))})"
+                         + (f"; {outside} are not among them" if outside else ""))
+    return cpus[:threads]
+
+
+def _cpu_range(part: str) -> list[int]:
+    first, _, last = part.partition("-")
+    return list(range(int(first), int(last or first) + 1))
+
+
+def bind_threads(spec: str) -> list[int]:
+    """Bind torch's OpenMP threads of the calling thread (a CPU device's thread: its forwards' team)
+    one to a CPU each, as `cpu_list` names them; returns the CPU each thread runs on. On a 2-vCPU
+    host it changed nothing measurable (docs/benchmarks.md); on a host with several NUMA nodes it
+    keeps each thread, and the memory it touches first, on one node, as vLLM-CPU does."""
+    from node_agent.model import cpu_kernels
+
+    cpus = cpu_list(spec, torch.get_num_threads())
+    if not cpu_kernels.load():
+        raise RuntimeError("cpu_bind needs the node's CPU kernels, which could not be built here (see the log)")
+    return list(torch.ops.cortex.bind_threads(cpus))
 
 
 def torch_device(device: str) -> torch.device:

@@ -69,6 +69,8 @@ class NodeAgent:
             thread = DeviceThread(device, loop)
             thread.start()
             self.threads[device] = thread
+        if self.settings.cpu_bind:
+            await self._bind_cpu_threads()
         await self._recover_predecessor()
         tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
                  asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
@@ -81,6 +83,21 @@ class NodeAgent:
         await stopping
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
+
+    async def _bind_cpu_threads(self) -> None:
+        """`cpu_bind`: the CPU device thread's torch threads one to a CPU each (one CPU device only:
+        several would share the CPUs), or a log line saying why not."""
+        cpu_threads = [thread for device, thread in self.threads.items() if devices.is_cpu(device)]
+        if len(cpu_threads) != 1:
+            log.warning("cpu_bind %r ignored: it binds the threads of one CPU device (this node has %d)",
+                        self.settings.cpu_bind, len(cpu_threads))
+            return
+        try:
+            placed = await cpu_threads[0].call(devices.bind_threads, self.settings.cpu_bind)
+        except (ValueError, RuntimeError) as exc:
+            log.warning("torch threads not bound to CPUs: %s", exc)
+            return
+        log.info("torch threads bound to CPUs %s (cpu_bind %r)", placed, self.settings.cpu_bind)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

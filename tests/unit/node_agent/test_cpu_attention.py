@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from node_agent.engine.engine import Engine
-from node_agent.model import cpu_attention, forward, loader
+from node_agent.model import cpu_attention, cpu_kernels, forward, loader
 from node_agent.model.kv_cache import PackedChunk
 from tests.model_fixtures import tiny_profile
 
-pytestmark = pytest.mark.skipif(not cpu_attention.kernel(), reason="the kernel could not be built here (see the log)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the kernels could not be built here (see the log)")
 
 
 def reference(q, keys, values, tables, lengths, block_size, scale, window, softcap):
@@ -122,13 +122,13 @@ def test_without_a_compiler_decode_keeps_the_copy_and_says_why(small_vocab_dirs,
         raise RuntimeError("Error building extension: g++: command not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
-    monkeypatch.setattr(cpu_attention, "_registered", lambda: False)  # as in a process that never loaded it
-    cpu_attention.kernel.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "registered", lambda: False)  # as in a process that never loaded it
+    cpu_kernels.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="node_agent.model.cpu_attention"):
+        with caplog.at_level(logging.WARNING, logger="node_agent.model.cpu_kernels"):
             lm = loader.load(tiny_profile(small_vocab_dirs["llama"]), "cpu")
     finally:
-        cpu_attention.kernel.cache_clear()
+        cpu_kernels.load.cache_clear()
     assert lm.model.config._attn_implementation == "sdpa"
     assert "could not be built" in caplog.text and "g++: command not found" in caplog.text
 

@@ -1,0 +1,49 @@
+"""The node's C++ CPU kernels (node_agent/model/csrc/): attention read in place from the paged KV
+cache (paged_attention.cpp, node_agent/model/cpu_attention.py) and torch's OpenMP threads bound to
+CPUs (cpu_threads.cpp, node_agent/model/devices.py), as torch operators in one library.
+
+Compiled at the first load of a CPU model on this machine (~25 s, g++ and the Python headers;
+`torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
+~/.cache/torch_extensions), keyed by the sources, torch's version and this CPU's instruction set.
+Where they cannot be built, a log line says why and each user goes on without them."""
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_threads.cpp")]
+
+
+@functools.cache
+def load() -> bool:
+    """Whether the torch.ops.cortex operators are there (built and loaded here, or logged why not).
+    A process loads one build: a second library registering the same operators aborts."""
+    if registered():
+        return True
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
+        if Path("/proc/cpuinfo").exists() else platform.processor()
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + torch.__version__.encode()
+                            + flags.encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build(name=f"cortex_cpu_kernels_{digest}", sources=[str(source) for source in _SOURCES],
+              is_python_module=False,
+              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+              extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no headers, a read-only cache
+        log.warning("the CPU kernels could not be built (%s: %s): decode attention reads the KV cache through a "
+                    "copy, prefill runs torch's flash attention, and OpenMP threads cannot be bound to CPUs",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    return True
+
+
+def registered() -> bool:
+    return torch._C._dispatch_has_kernel("cortex::paged_decode_attention")
