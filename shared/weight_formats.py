@@ -4,16 +4,18 @@ loaders (node_agent/model/gguf_weights.py, checkpoint_weights.py) and placement'
 
 from typing import Literal, NamedTuple
 
-Layout = Literal["dense", "int4", "int8", "fp8"]
+Layout = Literal["dense", "int4", "int8", "int8-groups", "fp8"]
 
 DENSE_TYPES = {"F32", "F16", "BF16"}  # GGUF tensor types held at full precision
 EXACT_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # affine groups of 32 four-bit codes: mapped code for code
-INT8_TYPES = {"Q8_0", "Q6_K", "Q8_K"}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
+EXACT_INT8_TYPES = {"Q8_0"}  # groups of 32 eight-bit codes, one scale each: mapped code for code
+INT8_TYPES = {"Q6_K", "Q8_K"}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
 GROUP = 32  # inputs per 4-bit group
 OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
 # A 4-bit layer: half a byte a weight, and a bfloat16 scale and zero per group. An 8-bit one (integer
-# or float8): a byte a weight (and one scale per output channel, left out).
-BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0, "fp8": 1.0}
+# or float8): a byte a weight (and one scale per output channel, left out). 8-bit groups run as two
+# 4-bit layers (node_agent/model/quantized_linear.py: Int8GroupLinear).
+BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0, "int8-groups": 2 * (0.5 + 2 * 2 / GROUP), "fp8": 1.0}
 
 # Safetensors checkpoints quantized as config.json's `quantization_config` says, and how a node holds
 # their quantized Linear weights under quant = "auto": AWQ's and GPTQ's 4-bit codes as 4-bit groups,
@@ -64,6 +66,8 @@ def gguf_layout(gguf_type: str) -> Layout:
     """How a GGUF Linear weight of this type runs under quant = "auto"."""
     if gguf_type in DENSE_TYPES:
         return "dense"
+    if gguf_type in EXACT_INT8_TYPES:
+        return "int8-groups"
     return "int8" if gguf_type in INT8_TYPES else "int4"
 
 

@@ -57,6 +57,12 @@ class Shard(NamedTuple):
         groups = slice(None) if columns.start is None else slice(columns.start // GROUP, columns.stop // GROUP)
         return codes[rows, columns].contiguous(), scale[rows, groups], zero[rows, groups]
 
+    def int8_groups(self, codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An 8-bit grouped layer's codes [out, in] and per-group scale [out, in / GROUP], this rank's
+        part (cut as a 4-bit layer's: it runs as two)."""
+        codes, scale, _ = self.int4(codes, scale, scale)
+        return codes, scale
+
     def int8(self, codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An 8-bit layer's codes [out, in] and per-row scale [out], this rank's part."""
         rows, columns = self.outputs(codes.shape[0]), self.inputs(codes.shape[1])

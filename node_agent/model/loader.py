@@ -202,7 +202,8 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     elif profile.quant in quantized_linear.QUANTIZERS:
         log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
                  profile.quant)
-    if "int8" in quantized_linear.held_as(model) and not devices.is_cpu(device):  # quant int8, Q8_0; FP8 without FP8 matmuls
+    if not devices.is_cpu(device) and any(isinstance(m, quantized_linear.Int8Linear) for m in model.modules()):
+        # quant int8, Q6_K; FP8 without FP8 matmuls (Q8_0's 8-bit groups run on the int4 kernels)
         log.warning("%s: 8-bit integer weights on a GPU save memory but decode several times slower than 'none' "
                     "(ATen's int8 kernel; docs/operations.md): prefer quant = 'fp8' on a GPU with FP8 matmuls "
                     "(Hopper, Ada, Blackwell), else 'int4' or 'none'", profile.id)

@@ -109,6 +109,26 @@ class ReorderedInt4Linear(Int4Linear):
         return super().forward(x.index_select(-1, self.input_order))
 
 
+class Int8GroupLinear(torch.nn.Module):
+    """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o, i // GROUP]` (q in -128..127): GGUF's
+    Q8_0 code for code, where torch has no 8-bit group kernel. It runs as two 4-bit layers over the
+    same input, since `q = 16 * (q >> 4) + (q & 15)`: the high nibbles (-8..7, at 16 x scale) and
+    the low ones (0..15, at scale). A byte and two group scales a weight; two int4 kernel calls, about
+    twice the time of one per-channel Int8Linear on a CPU (docs/benchmarks.md)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        codes = codes.to(torch.int16)
+        self.out_features, self.in_features = codes.shape
+        self.high = Int4Linear((codes >> 4) + 8, 16 * scale, torch.zeros_like(scale), None)
+        self.low = Int4Linear(codes & 15, scale, 8 * scale, None)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.high(x) + self.low(x)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8Linear(torch.nn.Module):
     """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o]` (q in -127..127)."""
 
@@ -230,9 +250,11 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def held_as(model: torch.nn.Module) -> str:
-    """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"."""
-    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear)}
-    kinds |= {"int8" for m in model.modules() if isinstance(m, Int8Linear)}
+    """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"
+    (8-bit groups are "int8": their two 4-bit halves are one layer)."""
+    halves = {id(half) for m in model.modules() if isinstance(m, Int8GroupLinear) for half in (m.high, m.low)}
+    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in halves}
+    kinds |= {"int8" for m in model.modules() if isinstance(m, (Int8Linear, Int8GroupLinear))}
     kinds |= {"fp8" for m in model.modules() if isinstance(m, Float8Linear)}
     return "+".join(sorted(kinds)) or "none"
 

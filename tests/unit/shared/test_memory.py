@@ -160,7 +160,8 @@ def test_transformers_splits_a_full_precision_models_embedding_the_node_loaders_
             memory.StoredTensor("blk.0.attn_norm.weight", 10, 1, "F32")]
     assert memory.read_by_node_loaders(gguf, "auto", gguf=True)
     held = memory.weights_per_device(gguf, "auto", 4, 2, layers_only=True)
-    assert held == 1000 * 4 + 1000 + 10 * 4 + 640 * 0.625 // 2  # (not attn_output.weight: a layer's, split)
+    # Q8_0 as 8-bit groups (two 4-bit halves: 1.25 bytes a weight); attn_output.weight a layer's, split
+    assert held == 1000 * 4 + 1000 * 1.25 + 10 * 4 + 640 * 0.625 // 2
     plain = [memory.StoredTensor("model.embed_tokens.weight", 1000, 2), memory.StoredTensor("lm_head.weight", 1000, 2),
              memory.StoredTensor("model.layers.0.self_attn.o_proj.weight", 640, 2),
              memory.StoredTensor("model.norm.weight", 10, 1)]
