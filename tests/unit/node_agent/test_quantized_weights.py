@@ -125,11 +125,13 @@ def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(gguf
     assert (got - want).abs().max() <= bound * want.abs().max(), (got - want).abs().max() / want.abs().max()
 
 
-@pytest.mark.parametrize("arch, decode", [("llama", "eager"), ("qwen3", "eager"), ("llama", "static")])
+@pytest.mark.parametrize("arch, decode, qtype", [("llama", "eager", T.Q4_1), ("qwen3", "eager", T.Q4_1),
+                                                 ("llama", "static", T.Q4_1), ("llama", "eager", T.Q4_0),
+                                                 ("qwen3", "eager", T.Q8_0)], ids=str)
 def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_and_preempted(gguf_models, arch,
-                                                                                             decode):
-    profile = gguf_models(arch, T.Q4_1).model_copy(update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1,
-                                                             "block_size": 4, "decode": decode})
+                                                                                             decode, qtype):
+    profile = gguf_models(arch, qtype).model_copy(update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1,
+                                                            "block_size": 4, "decode": decode})
     lm = loader.load(profile, "cpu")
     requests = [request(f"j{i}", PROMPTS[i % 3], temperature=0, max_tokens=12, ignore_eos=True) for i in range(6)]
     got = run(Engine(lm, profile), *requests, join_every=2)  # arrivals join a running batch; repeats hit the cache
