@@ -10,8 +10,8 @@ A prefill chunk of a packed forward (causal, no window, no soft-capping) goes th
 kernel: flash attention over its row's blocks, packed once a call into float32 tiles, its two
 products by oneDNN's batch-reduce GEMM (JIT-compiled for the machine's vector units): 2.1-2.8x
 torch's CPU flash attention on 512-token chunks on a 2-vCPU Zen 5, in float32 and bfloat16
-(docs/benchmarks.md). Other chunks (windows, soft-capping, sinks) copy their blocks and run
-torch's flash kernel (`_causal_chunk`) or SDPA.
+(docs/benchmarks.md). Other chunks (windows, soft-capping, sinks) copy their blocks and run SDPA
+under their masks.
 
 The kernels are built at the first load of a CPU model on this machine (node_agent/model/cpu_kernels.py);
 where they cannot be, attention keeps the copy and a log line says why.
@@ -33,9 +33,7 @@ from node_agent.model import cpu_kernels
 log = logging.getLogger(__name__)
 
 NAME = "cortex_cpu_paged"
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 MAX_HEAD_DIM = 256  # the kernel's kMaxDim
-OWN_BLOCK = 256  # prefill positions a block that attends causally over its own positions (_causal_chunk)
 PREFILL_TILE = 128  # key positions a tile of the prefill kernel (64-512 measured: 64 and 128 fastest)
 
 
@@ -63,8 +61,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
             parts.append(_prefill(rows, key, value, paged_cache, module.layer_idx, chunk, scale))
             continue
         keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
-        parts.append(_causal_chunk(rows, keys, values, chunk.start, scale) if causal else
-                     sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
+        parts.append(sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
                                             **kwargs)[0][0])
     return torch.cat(parts)[None], None
 
@@ -76,60 +73,6 @@ def _prefill(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Te
     table, (keys_t, values) = paged_cache.chunk_in_place(layer_idx, chunk, PREFILL_TILE)
     return torch.ops.cortex.paged_prefill_attention(query[0], pool_keys, pool_values, table, chunk.start,
                                                     paged_cache.block_size, scale, PREFILL_TILE, keys_t, values)
-
-
-def _causal_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                  scale: float) -> torch.Tensor:
-    """A prefill chunk's attention, its queries ([1, heads, L, dim]) at positions start..start+L-1
-    over its row's keys and values ([1, kv_heads, >= start + L, dim]), as [L, heads, dim]. The
-    flash kernel is fastest with no mask and each group's query heads laid along the sequence (no
-    key copied per head: ~150 GFLOP/s here), slowest causal (~60: small query blocks): so each
-    block of `OWN_BLOCK` positions attends causally only over its own positions, over the chunk's
-    positions before it and over the row's positions before the chunk with no mask, and the parts
-    are merged by their log-sum-exps (a 512-token chunk's attention at 0: 6.05 -> 4.20 ms a layer).
-    (SDPA with the chunk's mask over the whole width reads an [L, width] mask for every head and
-    computes the masked half too: 2x slower at 0.)"""
-    length = query.shape[2]
-    outs, lses = [], []
-    for first in range(0, length, OWN_BLOCK):
-        block = query[:, :, first: first + OWN_BLOCK]
-        own = slice(start + first, start + first + block.shape[2])
-        out, lse = _causal(block, keys[:, :, own], values[:, :, own], scale)
-        if first:
-            out, lse = _merged(out, lse, *_unmasked(block, keys[:, :, start: start + first],
-                                                     values[:, :, start: start + first], scale))
-        outs.append(out)
-        lses.append(lse)
-    out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
-    if start:
-        out, _ = _merged(out, lse, *_unmasked(query, keys[:, :, :start], values[:, :, :start], scale))
-    return out[0].transpose(0, 1)
-
-
-def _causal(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries [1, heads, L, dim] over the keys and values of their own L positions, causally (the
-    kernel skips the masked half): the output and its log-sum-exps [1, heads, L]."""
-    group = query.shape[1] // keys.shape[1]
-    return _flash(query, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), is_causal=True,
-                  scale=scale)[:2]
-
-
-def _unmasked(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries [1, heads, L, dim] over keys and values all before them ([1, kv_heads, S, dim]), each
-    group's query heads laid along the sequence: the output and its log-sum-exps [1, heads, L]."""
-    _, heads, length, dim = query.shape
-    kv_heads = keys.shape[1]
-    out, lse = _flash(query.reshape(1, kv_heads, heads // kv_heads * length, dim), keys, values, scale=scale)[:2]
-    return out.reshape(1, heads, length, dim), lse.reshape(1, heads, length)
-
-
-def _merged(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor,
-            other_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two attentions of the same queries over disjoint keys as one, weighted by their log-sum-exps."""
-    share = torch.sigmoid(other_lse - lse)[..., None].to(out.dtype)
-    return torch.lerp(out, other, share), torch.logaddexp(lse, other_lse)
 
 
 def _decode(module: torch.nn.Module, query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,

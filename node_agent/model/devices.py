@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from node_agent.model import cpu_kernels
 from shared.heartbeat import DeviceInfo
 
 _MB = 1 << 20
@@ -72,8 +73,6 @@ def bind_threads(spec: str) -> list[int]:
     one to a CPU each, as `cpu_list` names them; returns the CPU each thread runs on. On a 2-vCPU
     host it changed nothing measurable (docs/benchmarks.md); on a host with several NUMA nodes it
     keeps each thread, and the memory it touches first, on one node, as vLLM-CPU does."""
-    from node_agent.model import cpu_kernels
-
     cpus = cpu_list(spec, torch.get_num_threads())
     if not cpu_kernels.load():
         raise RuntimeError("cpu_bind needs the node's CPU kernels, which could not be built here (see the log)")

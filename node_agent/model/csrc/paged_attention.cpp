@@ -263,9 +263,8 @@ Decode<T> pick(int64_t dim, int64_t groups) {
 // units: ~250 GFLOP/s a core on Zen 5 where torch's CPU flash attention runs ~90 for these
 // shapes). First each KV head's keys are packed transposed ([dim, tile] per tile) and its values
 // contiguously ([positions, dim]), in float32 whatever the pools' dtype, from the blocks the row's
-// table names; then each (query head,
-// tile of kQueryTile queries) runs an online softmax over the key tiles up to its last position,
-// the diagonal tile masked.
+// table names; then each (query head, tile of kQueryTile queries) runs an online softmax over the
+// key tiles up to its last position, the diagonal tile masked.
 
 constexpr int64_t kQueryTile = 64;
 

@@ -1,9 +1,8 @@
 """The CPU attention kernels (node_agent/model/cpu_attention.py): what the decode kernel computes equals SDPA
 over the same rows' blocks copied out (GQA, sliding windows, soft-capping, float32 and bfloat16), and
-so does the float32 prefill kernel's causal chunk read from scattered blocks;
-which models read in place; a machine that cannot build it decodes through the copy; and decode
-rows packed with prefill chunks into one forward give what the separate forwards give, a chunk's
-attention split at its start equals SDPA under its causal mask.
+so does the prefill kernel's causal chunk read from scattered blocks (float32 and bfloat16);
+which models read in place; a machine that cannot build them decodes through the copy; and decode
+rows packed with prefill chunks into one forward give what the separate forwards give.
 The engine's greedy equality with transformers through it is the architecture matrix's
 (test_architectures.py)."""
 
@@ -55,27 +54,6 @@ def test_it_equals_attention_over_the_copied_blocks(dtype, tolerance, window, so
     want = reference(q, keys, values, tables, lengths, block_size, 0.3, window, softcap)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("start, length", [(0, 1), (0, 37), (1, 1), (16, 16), (45, 20), (300, 7),
-                                           (0, 600), (70, 512)])  # past OWN_BLOCK: blocks of its own
-def test_a_prefill_chunk_equals_sdpa_under_its_causal_mask(dtype, tolerance, heads, kv_heads, start, length):
-    """A chunk's attention split at its start and in blocks of its own positions (the positions
-    before each block unmasked, its own causally) and merged equals SDPA over all its row's
-    positions with the chunk's causal mask."""
-    torch.manual_seed(0)
-    dim, width = 64, start + length + 5  # the row's blocks run past the chunk's last position
-    query = torch.randn(1, heads, length, dim).to(dtype)
-    keys, values = (torch.randn(1, kv_heads, width, dim).to(dtype) for _ in range(2))
-    mask = torch.arange(width)[None] <= torch.arange(start, start + length)[:, None]
-    want = torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.float().repeat_interleave(heads // kv_heads, 1),
-        values.float().repeat_interleave(heads // kv_heads, 1), attn_mask=mask, scale=0.3)
-    got = cpu_attention._causal_chunk(query, keys, values, start, 0.3)
-    assert got.shape == (length, heads, dim) and got.dtype == dtype
-    torch.testing.assert_close(got.float(), want[0].transpose(0, 1), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-5), (torch.bfloat16, 2e-2)])
