@@ -76,6 +76,14 @@ class Stack:
         """What `node`'s heartbeat says it holds: model -> info."""
         return json.loads(self.client().hget(self.keys.node(node), "models") or b"{}")
 
+    def jobs_held_by(self, node: str) -> int:
+        """Entries of any job stream that Redis holds as delivered to `node` and not yet
+        acknowledged: the jobs it runs now, read from the consumer groups themselves (a heartbeat's
+        `slots_used` is a sample every 2 s, which short jobs fall between)."""
+        client = self.client()
+        return sum(int(c["pending"]) for s in client.keys("cortex:jobs:*")
+                   for c in client.xpending(s, CONSUMER_GROUP)["consumers"] if c["name"] in (node, node.encode()))
+
     def start_batch_worker(self, **env: str) -> Service:
         """`python -m gateway.batch`; ready once arq has run its start-up (it logs "Starting worker")."""
         worker = Service("batch worker", [sys.executable, "-m", "gateway.batch"],

@@ -58,7 +58,7 @@ def test_killed_node_loses_only_its_streams_and_leaves_nothing_pending(fleet_sta
     victim = fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     outcomes, threads = run_requests(fleet_stack, 20, max_tokens=120)
-    wait_for(lambda: fleet_stack.models_on("n1")["tiny-a"]["slots_used"] > 0, 30, "n1 to be busy")
+    wait_for(lambda: fleet_stack.jobs_held_by("n1") > 0, 30, "n1 to be busy")
     victim.proc.kill()  # SIGKILL: no clean shutdown, its heartbeat just stops
     join_all(threads, 90)
     assert len(outcomes) == 20
@@ -80,7 +80,7 @@ def test_drain_under_traffic_fails_nothing(fleet_stack):
     fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     fleet_stack.start_node("n2", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     outcomes, threads = run_requests(fleet_stack, 24, max_tokens=60, spacing_s=0.1)
-    wait_for(lambda: fleet_stack.models_on("n1")["tiny-a"]["slots_used"] > 0, 10, "n1 under traffic")
+    wait_for(lambda: fleet_stack.jobs_held_by("n1") > 0, 30, "n1 under traffic")
     drained = subprocess.run([sys.executable, "-m", "gateway.cli", "drain", "n1"], env=fleet_stack.env,
                              capture_output=True, text=True, timeout=60)
     assert drained.returncode == 0, drained.stderr
