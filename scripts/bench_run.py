@@ -322,8 +322,11 @@ def engine_rows(args, system: str, profile, loaded, threads: int, waves: list[Wa
     cuda = args.device != "cpu"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(loaded, profile, "bench")
-    log(f"{system}: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB; warm-up")
+    from shared.settings import NodeSettings
+
+    engine = Engine(loaded, profile, "bench", NodeSettings().compile_cache)  # as a node builds it
+    log(f"{system}: {profile.slots} slots, KV cache {engine.cache.bytes / 2**30:.2f} GiB, {engine.decoder.name} "
+        f"decode steps; warm-up")
     for n in args.concurrency:
         engine_wave(engine, loaded, profile, n, args.warmup_tokens)
         wave = quietest(args, lambda: metered(engine_wave, engine, loaded, profile, n, args.max_tokens))

@@ -33,6 +33,11 @@ from shared.processes import free_port, redis_answers
 
 pytest_plugins = ["tests.model_fixtures"]
 
+# Nodes started by tests decode eagerly: with a compile cache each tiny full-precision model would
+# compile its decode step at load (15-40 s on a 2-core host). The compiled step has its own tests:
+# the architecture matrix's "compiled" mode and tests/model/test_compiled_restart.py.
+os.environ.setdefault("CORTEX_COMPILE_CACHE", "")
+
 START_TIMEOUT_S = 20.0
 
 

@@ -24,6 +24,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import llguidance
 import numpy as np
@@ -63,9 +64,9 @@ def check_fits(max_len: int, prompt_len: int, max_tokens: int | None, max_prompt
 
 
 class Engine(OnDevice):
-    def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = ""):
+    def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = "", compile_cache: Path | None = None):
         self.lm, self.profile, self.node = loaded, profile, node
-        self.runner = Runner(loaded, profile)
+        self.runner = Runner(loaded, profile, compile_cache)  # compile_cache: where a CPU's compiled decode step is kept
         self.vocab = self.runner.vocab
         cache = self.runner.cache
         self.pool = BlockPool(cache.blocks, cache.block_size, caching=profile.prefix_caching)

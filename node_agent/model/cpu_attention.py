@@ -21,6 +21,7 @@ run SDPA: forwards whose cache reads in place go through the kernels, every othe
 towers, transformers' own forwards) is transformers' SDPA unchanged.
 """
 
+import functools
 import logging
 
 import torch
@@ -101,4 +102,13 @@ def enable(model: torch.nn.Module) -> bool:
                  head_dim, MAX_HEAD_DIM)
         return False
     config._attn_implementation = NAME
+    _register_fakes()
     return True
+
+
+@functools.cache
+def _register_fakes() -> None:
+    """The decode kernel's output shape, for a compiled step (node_agent/model/compiled_step.py)
+    that calls it as an opaque operator: its query's."""
+    torch.library.register_fake("cortex::paged_decode_attention")(
+        lambda query, keys, values, tables, lengths, block_size, scale, window, softcap: torch.empty_like(query))

@@ -11,10 +11,11 @@ width, cache length) like the decode step: a speculating step on a GPU replays a
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from node_agent.model import forward
+from node_agent.model import compiled_step, forward
 from node_agent.model.kv_cache import PagedCache
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,12 @@ def kv_buckets(max_len: int) -> list[int]:
 class EagerDecoder:
     """The step on exactly the running rows (CPU, or a model that cannot be captured)."""
 
-    name = "eager"
     graph_bytes = 0
     verifies = False  # speculation's verify step runs as the runner's padded forward
 
     def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor,
-                 step: Callable = forward.decode_step):
-        self.model, self.cache, self.rope_offsets, self.step = model, cache, rope_offsets, step
+                 step: Callable = forward.decode_step, name: str = "eager"):
+        self.model, self.cache, self.rope_offsets, self.step, self.name = model, cache, rope_offsets, step, name
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         device = self.cache.device
@@ -167,15 +167,16 @@ def _put_back(states: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
         state.copy_(copy)
 
 
-def compiled_step() -> Callable:
-    """`decode_step` under torch.compile (fullgraph: no host sync, no graph break)."""
+def gpu_compiled_step() -> Callable:
+    """`decode_step` under torch.compile (fullgraph: no host sync, no graph break), to be captured."""
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
 def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int,
-         fixed_step: Callable | None = None) -> EagerDecoder | StaticDecoder:
-    """`mode`: auto (CUDA graphs on a GPU, eager elsewhere), eager, static, graphs, compiled
-    (compiled, then captured on a GPU). `rope_offsets`: the engine's per-slot rotary offsets, read
+         fixed_step: Callable | None = None, compile_cache: Path | None = None) -> EagerDecoder | StaticDecoder:
+    """`mode`: auto (CUDA graphs on a GPU; on a CPU the step compiled where there is a
+    `compile_cache` folder for Inductor's caches, node_agent/model/compiled_step.py, else eager),
+    eager, static, graphs, compiled (on a GPU compiled, then captured; on a CPU compiled at load). `rope_offsets`: the engine's per-slot rotary offsets, read
     in place by every step (rows 0..B-1). A `fixed_step` (a tensor-parallel model's, which sends
     each step to its other ranks) runs as it is: eagerly on a CPU, padded to buckets on a GPU,
     never compiled or captured."""
@@ -184,9 +185,13 @@ def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: tor
         return StaticDecoder(model, cache, rope_offsets, slots, capture=False, step=fixed_step, verifies=False) \
             if cuda else EagerDecoder(model, cache, rope_offsets, fixed_step)
     if mode == "auto":
-        mode = "graphs" if cuda else "eager"
-    step = compiled_step() if mode == "compiled" else forward.decode_step
-    if mode == "eager" or (mode == "compiled" and not cuda):
+        mode = "graphs" if cuda else "compiled" if compile_cache is not None else "eager"
+    if not cuda and mode == "compiled":
+        step = compiled_step.load(model, cache, compile_cache)
+        return EagerDecoder(model, cache, rope_offsets, step, "compiled") if step is not None \
+            else EagerDecoder(model, cache, rope_offsets)
+    step = gpu_compiled_step() if mode == "compiled" else forward.decode_step
+    if mode == "eager":
         return EagerDecoder(model, cache, rope_offsets, step)
     if mode == "graphs" and not cuda:
         raise ValueError("decode = 'graphs' needs a CUDA device")

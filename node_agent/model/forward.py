@@ -33,9 +33,8 @@ def attention_masks(model: torch.nn.Module, cache: PagedCache, positions: torch.
 
 def reads_in_place(model: torch.nn.Module) -> bool:
     """Whether the model's decode attention reads the paged cache in place (a CPU model whose
-    kernel is built, node_agent/model/cpu_attention.py; never while compiling)."""
-    return model.config.get_text_config()._attn_implementation == cpu_attention.NAME \
-        and not torch.compiler.is_compiling()
+    kernel is built, node_agent/model/cpu_attention.py; compiled too, the kernel as an opaque operator)."""
+    return model.config.get_text_config()._attn_implementation == cpu_attention.NAME
 
 
 def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: torch.Tensor,

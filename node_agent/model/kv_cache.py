@@ -236,7 +236,8 @@ class PagedCache:
         self.blocks, self.block_size = blocks, block_size
         self.max_blocks = -(-max_len // block_size)
         self.block_tables = torch.zeros(slots, self.max_blocks, dtype=torch.long, device=device)
-        self._rows = slice(0, 0)
+        self._row_span = (0, 0)  # the bound rows' first and end (a slice of symbolic bounds would be specialized
+        # when torch.compile writes this attribute back after a compiled step)
         self._write_pos: torch.Tensor | None = None  # [B, T] position each new token is written at
         self._write_slots: torch.Tensor | None = None  # [B * T] the cache slot each is written at
         self._read_blocks: torch.Tensor | None = None  # [B, W / block_size] the blocks of positions 0..W-1
@@ -301,7 +302,7 @@ class PagedCache:
         slots = tables.gather(1, index) * size + write_pos % size
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
         self._read_blocks = tables[:, : self.width(kv_len) // size]
-        self._rows, self._write_pos, self._kv_len = rows, write_pos, kv_len
+        self._row_span, self._write_pos, self._kv_len = (rows.start, rows.stop), write_pos, kv_len
         self._read_tables, self._read_lengths = tables, write_pos[:, -1] + 1  # what an in-place read takes
         self.reads_in_place, self.packed, self._chunk_masks = in_place, None, []
 
@@ -314,7 +315,7 @@ class PagedCache:
         device, size, decoding = self.block_tables.device, self.block_size, decode_rows.shape[0]
         rows = torch.cat([decode_rows] + [torch.full((c.length,), c.row, device=device) for c in chunks])
         self._write_slots = self.block_tables[rows, positions // size] * size + positions % size
-        self._rows, self._write_pos = slice(0, 0), positions[:decoding, None]
+        self._row_span, self._write_pos = (0, 0), positions[:decoding, None]
         self._read_tables, self._read_lengths = self.block_tables[decode_rows], positions[:decoding] + 1
         self._kv_len = int(positions.max()) + 1
         self._chunk_masks = [self.attention_masks(positions[None, c.offset: c.offset + c.length], c.start + c.length)
@@ -373,6 +374,10 @@ class PagedCache:
             buffers = self._read_buffers[dtype] = [torch.empty(needed, dtype=dtype, device=self.device)
                                                    for _ in range(2)]
         return buffers
+
+    @property
+    def _rows(self) -> slice:
+        return slice(*self._row_span)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         """True: the model then hands every conv input to `update_conv_state` (it never updates a

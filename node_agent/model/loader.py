@@ -101,10 +101,6 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     quantized layers stay), its RMSNorms, gated MLPs and q/k/v projections fused (node_agent/model/fused_layers.py) and its
     decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
     log line for each, or for why not."""
-    if profile.decode == "compiled":
-        log.info("%s: Linear layers unpacked, attention through SDPA: decode = 'compiled' (Inductor lowers them "
-                 "itself)", profile.id)
-        return
     log.info("%s: %d RMSNorm, MLP and attention projection layers fused", profile.id, fused_layers.fuse(model))
     why_not = packed_linear.packable(model)
     if why_not:

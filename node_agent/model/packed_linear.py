@@ -21,8 +21,24 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _LINEAR(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [None], "")
-        return flat.view(*x.shape[:-1], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():  # opaque to Inductor (node_agent/model/compiled_step.py)
+            out = packed_linear(flat, self.weight, self.bias, self.out_features)
+        else:  # eager: the ATen call itself, without the custom operator's own dispatch
+            out = _LINEAR(flat, self.weight, self.bias, "none", [None], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("cortex::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's matmul over a packed weight as one operator that a compiled graph calls as it is:
+    Inductor lowers `mkldnn._linear_pointwise` only over weights it packed itself."""
+    return _LINEAR(x, weight, bias, "none", [None], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
 
 
 def packable(model: torch.nn.Module) -> str | None:

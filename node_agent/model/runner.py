@@ -17,6 +17,7 @@ Its rows keep the draft tokens the model accepts (node_agent/model/acceptance.py
 """
 
 import logging
+from pathlib import Path
 
 import llguidance.torch
 import numpy as np
@@ -38,7 +39,7 @@ Bitmask = tuple[torch.Tensor, list[int]]  # llguidance's packed token bitmask, a
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, profile: ModelProfile):
+    def __init__(self, loaded: LoadedModel, profile: ModelProfile, compile_cache: Path | None = None):
         self.lm, self.profile = loaded, profile
         self.vocab = loaded.model.config.get_text_config().vocab_size
         self.cache = paged_cache(loaded, profile)
@@ -47,7 +48,7 @@ class Runner:
         self.sampling = SlotSampling(profile.slots, self.vocab, loaded.device)
         self.rope_offsets = torch.zeros(profile.slots, dtype=torch.long, device=loaded.device)  # moved with rows
         self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.rope_offsets, profile.slots,
-                                     self.calls.step)
+                                     self.calls.step, compile_cache)
         self.tables = torch.zeros(profile.slots, self.cache.max_blocks, dtype=torch.long,
                                   pin_memory=loaded.device.type == "cuda")
         self.images: dict[str, tuple[list[int], dict[str, np.ndarray]]] = {}  # a job's prompt and processor inputs,

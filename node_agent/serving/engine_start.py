@@ -19,7 +19,7 @@ def start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSet
     else:
         loaded = loader.load(profile, device_ids[0], settings.hf_cache, settings.convert_cache)
     try:
-        return Engine(loaded, profile, node)
+        return Engine(loaded, profile, node, settings.compile_cache)
     except BaseException:
         if loaded.group is not None:
             loaded.group.close()

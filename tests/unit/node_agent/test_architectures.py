@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from node_agent.model import architectures, loader
+from node_agent.model import architectures, compiled_step, loader
 from node_agent.serving import prompts
 from node_agent.engine.engine import Engine
 from shared.model_files import ModelLoadError
@@ -70,8 +70,10 @@ def check_speculated(engine: Engine) -> None:
     assert stats.accepted_tokens <= stats.draft_tokens
 
 
-# static: rows padded to buckets, as on a GPU; ngram: speculation, whose steps score several tokens a row
-@pytest.mark.parametrize("decode, speculative", [("eager", "off"), ("static", "off"), ("static", "ngram")])
+# static: rows padded to buckets, as on a GPU; ngram: speculation, whose steps score several tokens a row;
+# compiled: a CPU's decode step compiled ahead of time (node_agent/model/compiled_step.py), or eager where it cannot be
+@pytest.mark.parametrize("decode, speculative", [("eager", "off"), ("static", "off"), ("static", "ngram"),
+                                                 ("compiled", "off")])
 @pytest.mark.parametrize("arch", MATRIX)
 def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode, speculative):
     profile, lm, expected = references(arch)
@@ -84,6 +86,8 @@ def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, dec
         assert [entry.logprob for entry in results[job].logprobs[0]] == pytest.approx(logprobs, abs=1e-3)
     if speculative == "ngram":
         check_speculated(engine)
+    if decode == "compiled":  # compiled wherever the model allows it (else eager, for the reason logged)
+        assert (engine.decoder.name == "compiled") == (compiled_step.why_not(lm.model, engine.cache) is None)
 
 
 @pytest.mark.parametrize("arch", MATRIX)

@@ -72,7 +72,7 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
 @pytest.mark.slow  # torch.compile of a whole step (15-30 s each)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])  # full attention; linear attention and full
 def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
-    profile = tiny_profile(small_vocab_dirs[arch], slots=4, decode="compiled")  # loads Linear layers unpacked
+    profile = tiny_profile(small_vocab_dirs[arch], slots=4, decode="eager")  # the step compiled here, as a GPU's
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
     engine.cache.set_tables(_tables(engine.cache, 4))
