@@ -62,10 +62,11 @@ class ModelProfile(BaseModel):
     max_tokens_policy: Literal["clamp", "reject"] = "clamp"
     default_max_tokens: int | None = Field(1024, ge=1)  # for requests that give none; None: up to the context
     prefill_chunk_tokens: int = Field(512, ge=16)
-    # How decode steps run (node_agent/model/decoders.py): "auto" = CUDA graphs on a GPU, eager on a CPU;
+    # How decode steps run (node_agent/model/decoders.py): "auto" = CUDA graphs on a GPU, on a CPU
+    # compiled at load where the node has a compile_cache (node_agent/model/compiled_step.py), else eager;
     # "eager"; "static" (rows padded to batch buckets, not captured); "graphs" (GPU only);
-    # "compiled" (torch.compile, then captured on a GPU). A model whose step cannot be captured
-    # falls back to eager with a log line.
+    # "compiled" (torch.compile, then captured on a GPU; at load on a CPU). A model whose step cannot
+    # be captured or compiled falls back to eager with a log line.
     decode: Literal["auto", "eager", "static", "graphs", "compiled"] = "auto"
     # Speculative decoding without a draft model (node_agent/engine/speculation.py): "ngram" drafts
     # up to `num_speculative_tokens` tokens a step from the sequence's own prompt and output;

@@ -57,8 +57,9 @@ class CompiledStep:
 
     def __call__(self, model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                  rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
-        if tokens.shape[0] > 1:
-            return self._run(model, cache, tokens, positions, rope_offsets, kv_len)
+        if tokens.shape[0] > 1:  # the offsets (a view of the engine's) as a tensor made here like the others,
+            # so that guards on how tensors were made pass for every call
+            return self._run(model, cache, tokens, positions, rope_offsets.clone(), kv_len)
         pad = tokens.new_zeros(1)  # a padding row: token 0 written at the scratch position (the null block)
         return self._run(model, cache, torch.cat([tokens, pad]), torch.cat([positions, pad + cache.scratch_position]),
                          torch.cat([rope_offsets, pad]), kv_len)[:1]
@@ -86,9 +87,9 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
              os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     started = time.perf_counter()
     step = CompiledStep()
-    padding = torch.zeros(2, dtype=torch.long, device=cache.device)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode():  # as the runner's steps run
+            padding = torch.zeros(2, dtype=torch.long, device=cache.device)
             step(model, cache, padding, padding + cache.scratch_position, padding, 2 * cache.block_size)
     except Exception as exc:
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

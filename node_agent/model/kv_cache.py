@@ -303,7 +303,8 @@ class PagedCache:
         self._write_slots = torch.where(write_pos >= self.max_len, 0, slots).reshape(-1)
         self._read_blocks = tables[:, : self.width(kv_len) // size]
         self._row_span, self._write_pos, self._kv_len = (rows.start, rows.stop), write_pos, kv_len
-        self._read_tables, self._read_lengths = tables, write_pos[:, -1] + 1  # what an in-place read takes
+        last = write_pos[:, -1]  # what an in-place read takes: a padding row (at the scratch position) reads one
+        self._read_tables, self._read_lengths = tables, torch.where(last >= self.max_len, 0, last) + 1  # position
         self.reads_in_place, self.packed, self._chunk_masks = in_place, None, []
 
     def bind_packed(self, positions: torch.Tensor, decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> None:
