@@ -54,9 +54,22 @@ class CompiledStep:
         # object, so each replica's are its own (and go with it) rather than piling up on one (8 at most)
         own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__)
         self.compiled = torch.compile(own, fullgraph=True, dynamic=True)
+        self.eager = False  # set once a call could not be compiled: every step after runs eagerly
 
     def __call__(self, model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                  rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+        if not self.eager:
+            try:
+                return self._padded(model, cache, tokens, positions, rope_offsets, kv_len)
+            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+                # a call that needed another graph and could not have one (raised while tracing: nothing ran)
+                log.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on",
+                            type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+                self.eager = True
+        return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
+
+    def _padded(self, model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
+                rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
         if tokens.shape[0] > 1:  # the offsets (a view of the engine's) as a tensor made here like the others,
             # so that guards on how tensors were made pass for every call
             return self._run(model, cache, tokens, positions, rope_offsets.clone(), kv_len)
@@ -90,7 +103,7 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
     try:
         with torch.inference_mode():  # as the runner's steps run
             padding = torch.zeros(2, dtype=torch.long, device=cache.device)
-            step(model, cache, padding, padding + cache.scratch_position, padding, 2 * cache.block_size)
+            step._padded(model, cache, padding, padding + cache.scratch_position, padding, 2 * cache.block_size)
     except Exception as exc:
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         log.warning("decode steps run eagerly: compiling the step failed (%s: %s)", type(exc).__name__, why)

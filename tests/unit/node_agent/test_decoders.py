@@ -5,7 +5,7 @@ host sync, no data-dependent Python: what a CUDA graph needs too)."""
 import pytest
 import torch
 
-from node_agent.model import decoders, forward, loader
+from node_agent.model import compiled_step, decoders, forward, loader
 from node_agent.engine.engine import Engine
 from node_agent.model.kv_cache import LinearAttentionState
 from shared.errors import InvalidRequest
@@ -86,6 +86,26 @@ def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
         compiled = torch.compile(forward.decode_step, fullgraph=True)(lm.model, engine.cache, tokens, positions,
                                                                        rope_offsets, 32)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_step_that_cannot_compile_a_call_decodes_eagerly_from_then_on(tiny_llama):
+    """A call that would need a graph torch cannot make (a recompile past its limit, say) is run
+    eagerly, and so is every later one: the replica keeps serving rather than failing its jobs."""
+    profile, lm = tiny_llama
+    engine = Engine(lm, profile.model_copy(update={"decode": "eager"}))
+    step, tried = compiled_step.CompiledStep(), []
+
+    def cannot(*args):
+        tried.append(args)
+        raise torch._dynamo.exc.Unsupported("another graph needed")
+    step.compiled = cannot
+    tokens, positions, offsets = torch.tensor([5, 6]), torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
+    with torch.inference_mode():
+        first, second = (step(lm.model, engine.cache, tokens, positions, offsets, 32) for _ in range(2))
+        eager = forward.decode_step(lm.model, engine.cache, tokens, positions, offsets, 32)
+    assert step.eager and len(tried) == 1
+    torch.testing.assert_close(first, eager)
+    torch.testing.assert_close(second, eager)
 
 
 @pytest.mark.parametrize("sampling, param", [(dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(), "prompt")])
