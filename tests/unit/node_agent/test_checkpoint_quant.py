@@ -211,11 +211,11 @@ def test_where_the_device_has_fp8_matmuls_an_fp8_checkpoint_runs_them(checkpoint
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8_block"])
-def test_quant_none_dequantises_a_quantized_checkpoint_to_its_reference(checkpoints, fmt):
-    unpacked = {"decode": "compiled"}  # Linear weights left as they load (not packed for oneDNN)
+def test_quant_none_dequantises_a_quantized_checkpoint_to_its_reference(checkpoints, fmt, monkeypatch):
+    monkeypatch.setattr(loader, "_tune_for_cpu", lambda model, profile: None)  # Linear weights left as they load
     profile, reference_profile = checkpoints(fmt)
-    dequantised = loader.load(profile.model_copy(update={"quant": "none"} | unpacked), "cpu")
-    reference = loader.load(reference_profile.model_copy(update=unpacked), "cpu")
+    dequantised = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    reference = loader.load(reference_profile, "cpu")
     assert dequantised.quant == "none" and not hasattr(dequantised.model.config, "quantization_config")
     got, want = dequantised.model.state_dict(), reference.model.state_dict()
     assert got.keys() == want.keys()
@@ -253,9 +253,10 @@ def test_the_engine_decodes_a_4_bit_checkpoint_as_hf_runs_it_and_as_its_referenc
 
 
 @pytest.mark.parametrize("fmt", ["awq", "fp8_block"])  # (act order adds 4 bytes an input it leaves out: 1.5% here)
-def test_placement_counts_a_quantized_checkpoint_as_the_node_holds_it(checkpoints, fmt):
-    # decode = "compiled" leaves Linear layers unpacked: a packed output head is a copy of the tied embedding
-    profile = checkpoints(fmt)[0].model_copy(update={"kv_cache_mb": 1, "slots": 1, "decode": "compiled"})
+def test_placement_counts_a_quantized_checkpoint_as_the_node_holds_it(checkpoints, fmt, monkeypatch):
+    profile = checkpoints(fmt)[0].model_copy(update={"kv_cache_mb": 1, "slots": 1})
+    # Linear layers left as they load: a packed output head is a copy of the tied embedding
+    monkeypatch.setattr(loader, "_tune_for_cpu", lambda model, profile: None)
     lm = loader.load(profile, "cpu")
     none = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     tensors = memory._safetensors_facts(Path(profile.source))[0]

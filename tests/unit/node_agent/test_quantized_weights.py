@@ -156,9 +156,10 @@ def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
         assert lm.quant == quant and lm.weight_bytes < full.weight_bytes
 
 
-def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models):
-    # decode = "compiled" leaves Linear layers unpacked: a packed output head is a copy of the tied embedding
-    profile = gguf_models("llama", T.Q4_0).model_copy(update={"kv_cache_mb": 1, "slots": 1, "decode": "compiled"})
+def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models, monkeypatch):
+    profile = gguf_models("llama", T.Q4_0).model_copy(update={"kv_cache_mb": 1, "slots": 1})
+    # Linear layers left as they load: a packed output head is a copy of the tied embedding
+    monkeypatch.setattr(loader, "_tune_for_cpu", lambda model, profile: None)
     lm = loader.load(profile, "cpu")
     none = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     tensors = memory._gguf_facts(Path(profile.source))[0]
