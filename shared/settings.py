@@ -157,8 +157,8 @@ class NodeSettings(CortexSettings):
     fleet_secret: str = ""
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
-    # A CPU model's decode step compiled ahead of time (node_agent/model/compiled_step.py: ~1.2-1.6x
-    # faster steps; a minute or two to compile once, ~2 s to load after); empty: decode eagerly.
+    # Where a CPU node keeps Inductor's caches for the decode step it compiles at load
+    # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode eagerly.
     compile_cache: Path | None = Path.home() / ".cache" / "cortex" / "compiled"
 
     @field_validator("convert_cache", "compile_cache", mode="before")

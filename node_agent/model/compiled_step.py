@@ -63,8 +63,7 @@ class CompiledStep:
                 return self._padded(model, cache, tokens, positions, rope_offsets, kv_len)
             except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
                 # a call that needed another graph and could not have one (raised while tracing: nothing ran)
-                log.warning("the compiled decode step failed (%s: %s); decoding eagerly from now on",
-                            type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+                log.warning("the compiled decode step failed (%s); decoding eagerly from now on", _said(exc))
                 self.eager = True
         return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
 
@@ -105,8 +104,13 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
             padding = torch.zeros(2, dtype=torch.long, device=cache.device)
             step._padded(model, cache, padding, padding + cache.scratch_position, padding, 2 * cache.block_size)
     except Exception as exc:
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        log.warning("decode steps run eagerly: compiling the step failed (%s: %s)", type(exc).__name__, why)
+        log.warning("decode steps run eagerly: compiling the step failed (%s)", _said(exc))
         return None
     log.info("decode step compiled in %.1f s", time.perf_counter() - started)
     return step
+
+
+def _said(exc: Exception) -> str:
+    """An exception's type and the first line of its message (torch's run to pages)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
