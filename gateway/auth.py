@@ -49,10 +49,14 @@ class Caller:
         if self.key is None:
             return
         if (state := self.key.state()) != "active":
-            raise Unauthorized(f"API key {self.name!r} ({self.key.hint}…) is {state}; ask an operator for another")
+            raise Unauthorized(
+                f"API key {self.name!r} ({self.key.hint}…) is {state}; ask an operator for another"
+            )
         if not self.may_use({profile.id, *profile.aliases}):
-            raise ModelNotAllowed(f"The model `{profile.id}` does not exist or API key {self.name!r} may not use it",
-                                  param="model")
+            raise ModelNotAllowed(
+                f"The model `{profile.id}` does not exist or API key {self.name!r} may not use it",
+                param="model",
+            )
 
 
 ADMIN_CALLER, ANONYMOUS_CALLER = Caller(ADMIN), Caller(ANONYMOUS)
@@ -73,12 +77,18 @@ def bearer(request: Request) -> str | None:
 
 
 def _is_admin(settings: GatewaySettings, token: str | None) -> bool:
-    return bool(settings.admin_key and token) and hmac.compare_digest(token.encode(), settings.admin_key.encode())
+    return bool(settings.admin_key and token) and hmac.compare_digest(
+        token.encode(), settings.admin_key.encode()
+    )
 
 
 async def auth_required(ctx: GatewayContext) -> bool:
     settings = ctx.settings
-    return settings.require_api_keys or not is_loopback(settings.host) or await ctx.api_keys.any_exist()
+    return (
+        settings.require_api_keys
+        or not is_loopback(settings.host)
+        or await ctx.api_keys.any_exist()
+    )
 
 
 async def identify(ctx: GatewayContext, request: Request) -> Caller:
@@ -89,13 +99,17 @@ async def identify(ctx: GatewayContext, request: Request) -> Caller:
     key = await ctx.api_keys.find(secret) if secret else None
     if key is not None:
         if (state := key.state()) != "active":
-            raise Unauthorized(f"API key {key.name!r} ({key.hint}…) is {state}; ask an operator for another")
+            raise Unauthorized(
+                f"API key {key.name!r} ({key.hint}…) is {state}; ask an operator for another"
+            )
         return Caller(key.name, key)
     if not await auth_required(ctx):
         return ANONYMOUS_CALLER
     if secret is None:
-        raise Unauthorized("no API key was sent: send Authorization: Bearer <key> (OpenAI) or x-api-key: <key> "
-                           "(Anthropic); an operator creates keys with `cortex keys create`")
+        raise Unauthorized(
+            "no API key was sent: send Authorization: Bearer <key> (OpenAI) or x-api-key: <key> "
+            "(Anthropic); an operator creates keys with `cortex keys create`"
+        )
     raise Unauthorized("Incorrect API key provided; an operator lists keys with `cortex keys list`")
 
 
@@ -150,7 +164,13 @@ async def warn_if_exposed(ctx: GatewayContext) -> None:
                 "is refused with 401 until an operator creates a key, e.g.\n    cortex keys create --name NAME "
                 "[--models a,b] [--rpm N] [--tpm N] [--max-tokens-per-day N] [--expires 30d]\n"
                 "(run it with the gateway's CORTEX_REDIS_URL; the key works on every replica at once)\n%s",
-                "!" * 100, settings.host, ", CORTEX_REQUIRE_API_KEYS is set" if settings.require_api_keys else "",
-                "!" * 100)
+                "!" * 100,
+                settings.host,
+                ", CORTEX_REQUIRE_API_KEYS is set" if settings.require_api_keys else "",
+                "!" * 100,
+            )
         else:
-            log.info("auth is off: no API key exists and the gateway listens on loopback (%s)", settings.host)
+            log.info(
+                "auth is off: no API key exists and the gateway listens on loopback (%s)",
+                settings.host,
+            )

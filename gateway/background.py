@@ -86,14 +86,17 @@ async def fold(ctx, response_id: str) -> Folded | None:
         except WireError as exc:
             log.error("job=%s: an unreadable event in its log: %s", job, exc)
     parser = parsers_for(record.tools, True, job)() if record.tools else None
-    response = folded(LoggedJob(job, record.created, record.model), ResponseSpec.load(record.spec["response"]), events,
-                      parser)
+    response = folded(
+        LoggedJob(job, record.created, record.model),
+        ResponseSpec.load(record.spec["response"]),
+        events,
+        parser,
+    )
     return Folded(record, response)
 
 
 async def _finish(ctx, found: Folded) -> None:
     """Store an ended background response (the node that ended its job counted its tokens)."""
-    record = found.record
     await _store(ctx).put(found.response, found.kept)
     log.info("background response %s %s", found.response.id, found.response.status)
 
@@ -135,18 +138,23 @@ async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
     if stored is None:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
     if not stored["response"].get("background"):
-        raise InvalidRequest("Only responses created with background: true can be cancelled.", param="response_id")
+        raise InvalidRequest(
+            "Only responses created with background: true can be cancelled.", param="response_id"
+        )
     if "pending" not in stored:
         return stored["response"]  # it ended already
     found = await fold(ctx, response_id)
     pending, job = stored["pending"], job_of(response_id)
-    await job_queue.withdraw(ctx, pending["stream"], pending["entry"])  # still queued: nobody will read it
+    await job_queue.withdraw(
+        ctx, pending["stream"], pending["entry"]
+    )  # still queued: nobody will read it
     await publish(ctx.redis, ctx.keys.cancel(), job)  # running: the node stops it at its next step
     if found is not None and found.ended:
         await _finish(ctx, found)
         return found.response.model_dump(mode="json")
-    response = (found.response if found else Response.model_validate(stored["response"])).model_copy(
-        update={"status": "cancelled"})
+    response = (
+        found.response if found else Response.model_validate(stored["response"])
+    ).model_copy(update={"status": "cancelled"})
     await store.put(response, found.kept if found else Kept([], stored.get("owner", ANONYMOUS)))
     log.info("background response %s cancelled", response_id)
     return response.model_dump(mode="json")
@@ -175,7 +183,12 @@ async def _settle(ctx, response_id: str) -> None:
     if found is not None:
         await _finish(ctx, found)
         return
-    error = {"code": "expired", "message": "the job's events expired before it ended (stream_retention_s)"}
-    failed = Response.model_validate(stored["response"]).model_copy(update={"status": "failed", "error": error})
+    error = {
+        "code": "expired",
+        "message": "the job's events expired before it ended (stream_retention_s)",
+    }
+    failed = Response.model_validate(stored["response"]).model_copy(
+        update={"status": "failed", "error": error}
+    )
     await store.put(failed, Kept([], stored.get("owner", ANONYMOUS)))
     log.warning("background response %s failed: its job's event log is gone", response_id)

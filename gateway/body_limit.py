@@ -19,7 +19,11 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.files_max_bytes + 64 * 1024 if scope["path"].startswith(FILES_PATH) else self.max_bytes
+        limit = (
+            self.files_max_bytes + 64 * 1024
+            if scope["path"].startswith(FILES_PATH)
+            else self.max_bytes
+        )
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             return await error_response(_too_large(limit), Request(scope))(scope, receive, send)
@@ -37,4 +41,6 @@ class BodyLimitMiddleware:
 
 
 def _too_large(limit: int) -> RequestTooLarge:
-    return RequestTooLarge(f"the request body is over the limit of {limit} bytes (max_request_bytes)")
+    return RequestTooLarge(
+        f"the request body is over the limit of {limit} bytes (max_request_bytes)"
+    )

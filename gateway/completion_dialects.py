@@ -29,17 +29,22 @@ class CompletionDialect:
     chunks: Callable[[Job, dict], AsyncIterator[BaseModel]]  # the job's events, streamed
     whole: Callable[[Job, Gathered, dict], BaseModel]  # its choices, gathered
 
-    async def answer(self, request: Request, ctx: GatewayContext, caller: Caller, body: Any) -> Response:
+    async def answer(
+        self, request: Request, ctx: GatewayContext, caller: Caller, body: Any
+    ) -> Response:
         spec = self.spec(body)
         resumable = Resumable(self.name, spec, on_disconnect(request)) if body.stream else None
         job = await submit_request(ctx, body, caller, resumable=resumable)
         if body.stream:
             return await stream_job(request, job, self.chunks(job, spec))
         async with job:
-            gathered = await unless_disconnected(request, gather_choices(job.final_events(), body.n))
+            gathered = await unless_disconnected(
+                request, gather_choices(job.final_events(), body.n)
+            )
         return JSONResponse(self.whole(job, gathered, spec).model_dump(mode="json"))
 
-    async def resumed(self, request: Request, ctx: GatewayContext, caller: Caller, given_id: str,
-                      at: ResumePoint) -> Response:
+    async def resumed(
+        self, request: Request, ctx: GatewayContext, caller: Caller, given_id: str, at: ResumePoint
+    ) -> Response:
         job = await resume(ctx, caller, self.name, given_id, self.id_prefix, at)
         return await stream_job(request, job, self.chunks(job, job.record.spec))

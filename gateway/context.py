@@ -9,12 +9,12 @@ from fastapi import Depends, Request
 from gateway.dashboard import Dashboard
 from gateway.detach import Departures
 from gateway.events import EventRouter
-from shared.fleet import Fleet
 from gateway.limits import Limiter
 from gateway.metrics import Metrics
 from gateway.outage import OutageWait
 from shared.api_keys import KeyStore
 from shared.catalog import Catalog
+from shared.fleet import Fleet
 from shared.keys import Keys
 from shared.settings import GatewaySettings
 
@@ -34,7 +34,9 @@ class GatewayContext:
     metrics: Metrics = field(default_factory=Metrics)
     dashboard: Dashboard = field(default_factory=Dashboard)
     placer: "Placer" = None  # set right after construction: it needs the context
-    batch_queue: aioredis.Redis | None = None  # arq's Redis (`batch_redis_url`); None: `redis` itself
+    batch_queue: aioredis.Redis | None = (
+        None  # arq's Redis (`batch_redis_url`); None: `redis` itself
+    )
     api_keys: KeyStore = field(init=False)
     limiter: Limiter = field(init=False)
     departures: "Departures" = field(init=False)
@@ -51,7 +53,9 @@ class GatewayContext:
         self.api_keys = KeyStore(self.redis, self.keys)
         self.limiter = Limiter(self.redis, self.keys, self.metrics)
         self.departures = Departures(self)
-        self.outage = OutageWait(self.redis, self.settings.redis_outage_wait_s, self.settings.redis_outage_max_waiting)
+        self.outage = OutageWait(
+            self.redis, self.settings.redis_outage_wait_s, self.settings.redis_outage_max_waiting
+        )
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -32,7 +32,9 @@ class Departures:
         grace_s = self.ctx.settings.disconnect_grace_s
         token = uuid.uuid4().hex
         try:
-            await self.ctx.redis.set(self.ctx.keys.detached(job), token, px=int((grace_s + TOKEN_SLACK_S) * 1000))
+            await self.ctx.redis.set(
+                self.ctx.keys.detached(job), token, px=int((grace_s + TOKEN_SLACK_S) * 1000)
+            )
         except RedisError as exc:  # the job runs to its end; nothing else is lost
             log.warning("job=%s: could not note its client's departure: %s", job, exc)
             return

@@ -32,9 +32,17 @@ def error_body(exc: CortexError) -> dict[str, Any]:
 
 ANTHROPIC_PATHS = "/v1/messages"
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_status(exc: CortexError) -> int:
@@ -44,7 +52,9 @@ def anthropic_status(exc: CortexError) -> int:
 def anthropic_error_body(exc: CortexError) -> dict[str, Any]:
     status = anthropic_status(exc)
     kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return anthropic.ErrorResponse(error=anthropic.ErrorDetail(type=kind, message=exc.message)).model_dump()
+    return anthropic.ErrorResponse(
+        error=anthropic.ErrorDetail(type=kind, message=exc.message)
+    ).model_dump()
 
 
 def is_anthropic(request: Request | None) -> bool:
@@ -62,7 +72,9 @@ def is_ollama(request: Request | None) -> bool:
     return request is not None and request.url.path.startswith(OLLAMA_PATHS)
 
 
-def error_response(exc: CortexError, request: Request | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    exc: CortexError, request: Request | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """The error in the dialect of `request`'s path, with the error's own headers (`Retry-After`)."""
     if is_anthropic(request):
         body, status = anthropic_error_body(exc), anthropic_status(exc)
@@ -80,14 +92,23 @@ def _log_refusal(request: Request | None, status: int, message: str) -> None:
     logged where they are raised, at WARNING or with their traceback)."""
     if 400 <= status < 500:
         where = f"{request.method} {request.url.path}" if request is not None else "-"
-        log.info("request=%s key=%s %s → %d %s", request_id_var.get(), caller_var.get(), where, status, message)
+        log.info(
+            "request=%s key=%s %s → %d %s",
+            request_id_var.get(),
+            caller_var.get(),
+            where,
+            status,
+            message,
+        )
 
 
 def _keep(request: Request | None, status: int, code: str) -> None:
     """The error on the dashboard's list of recent ones (gateway/dashboard.py)."""
     ctx = getattr(request.app.state, "ctx", None) if request is not None else None
     if ctx is not None:
-        ctx.dashboard.error(status, code, request.method, request.url.path, request_id_var.get(), caller_var.get())
+        ctx.dashboard.error(
+            status, code, request.method, request.url.path, request_id_var.get(), caller_var.get()
+        )
 
 
 def _field(loc: tuple[Any, ...]) -> str | None:
@@ -107,7 +128,10 @@ def _problem(error: dict[str, Any]) -> tuple[str, str | None]:
     if field is None and error["type"] == "value_error" and ": " in message:  # a model validator's
         field, message = message.split(": ", 1)  # "top_logprobs: requires logprobs to be true"
     if field is None:
-        return "the request body must be a JSON object, sent with Content-Type: application/json", None
+        return (
+            "the request body must be a JSON object, sent with Content-Type: application/json",
+            None,
+        )
     return f"{field}: {message}", field
 
 
@@ -122,8 +146,15 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
 async def _on_cortex_error(request: Request, exc: CortexError) -> JSONResponse:
     if exc.status >= 500:
         path, request_id = request.url.path, request_id_var.get()
-        log.warning("request=%s key=%s %s %s → %d %s", request_id, caller_var.get(), request.method, path, exc.status,
-                    exc.message)
+        log.warning(
+            "request=%s key=%s %s %s → %d %s",
+            request_id,
+            caller_var.get(),
+            request.method,
+            path,
+            exc.status,
+            exc.message,
+        )
     return error_response(exc, request)
 
 
@@ -132,7 +163,9 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed", 413: RequestTooLarge.code}.get(exc.status_code, f"http_{exc.status_code}")
+    code = {404: "not_found", 405: "method_not_allowed", 413: RequestTooLarge.code}.get(
+        exc.status_code, f"http_{exc.status_code}"
+    )
     message = f"{exc.detail}: {request.method} {request.url.path}"
     if is_anthropic(request) or is_ollama(request):
         error = CortexError(message)
@@ -149,8 +182,13 @@ async def _on_redis_error(request: Request, exc: RedisError) -> JSONResponse:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("request=%s key=%s %s %s failed", request_id_var.get(), caller_var.get(), request.method,
-                  request.url.path)
+    log.exception(
+        "request=%s key=%s %s %s failed",
+        request_id_var.get(),
+        caller_var.get(),
+        request.method,
+        request.url.path,
+    )
     return error_response(CortexError(f"internal error: {type(exc).__name__}"), request)
 
 

@@ -28,7 +28,9 @@ POLL_S = 1.0  # the reader wakes at least this often to check the connection
 PING_AFTER_IDLE_S = 5.0  # nothing heard for this long: send a PING
 DEAD_AFTER_IDLE_S = 15.0  # not even the PING answered: the connection is dead
 BACKOFF_MIN_S = 0.05
-WOKEN_AFTER_S = 0.1  # a reconnect a waiting request asks for comes no sooner than this after the last try
+WOKEN_AFTER_S = (
+    0.1  # a reconnect a waiting request asks for comes no sooner than this after the last try
+)
 
 
 def pubsub_client(url: str) -> aioredis.Redis:
@@ -68,7 +70,9 @@ class Link:
     """One pub/sub connection: to the Redis, or to the master that holds one shard's slots."""
 
     def __init__(self, slot: int | None = None, slots: frozenset[int] = frozenset()):
-        self.slot = slot  # a cluster: one slot of its shard (whoever holds it is asked at each connect)
+        self.slot = (
+            slot  # a cluster: one slot of its shard (whoever holds it is asked at each connect)
+        )
         self.slots = slots  # ... and all of them, as of the last connect
         self.name = "Redis" if slot is None else f"the shard of slot {slot}"
         self.client: aioredis.Redis | None = None
@@ -76,7 +80,9 @@ class Link:
         self.connected = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.was_connected = False
-        self.wake = asyncio.Event()  # set by a request waiting for this link: retry now (`_back_off`)
+        self.wake = (
+            asyncio.Event()
+        )  # set by a request waiting for this link: retry now (`_back_off`)
 
     @property
     def sharded(self) -> bool:
@@ -90,13 +96,19 @@ class Owner(Protocol):
 
 
 class Links:
-    def __init__(self, client_factory: Callable[[], aioredis.Redis], owner: Owner,
-                 on_connect: Callable[[], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        client_factory: Callable[[], aioredis.Redis],
+        owner: Owner,
+        on_connect: Callable[[], Awaitable[None]] | None = None,
+    ):
         self._client_factory, self._owner = client_factory, owner
         self._on_connect = on_connect  # run after every (re)connect, e.g. to rewrite the catalogue
         self.cluster: RedisCluster | None = None  # a cluster's client: its map, and commands
         self.all: list[Link] = []
-        self._mapped = asyncio.Event()  # the links exist (at once for one Redis; a cluster's map read)
+        self._mapped = (
+            asyncio.Event()
+        )  # the links exist (at once for one Redis; a cluster's map read)
         self._mapper: asyncio.Task | None = None
 
     @property
@@ -165,7 +177,11 @@ class Links:
                 self._add(await self._read_map())
                 return
             except (RedisError, OSError) as exc:
-                log.warning("event router: the Redis Cluster is unreachable (%s); trying again in %.2fs", exc, delay)
+                log.warning(
+                    "event router: the Redis Cluster is unreachable (%s); trying again in %.2fs",
+                    exc,
+                    delay,
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
@@ -177,7 +193,9 @@ class Links:
             by_master.setdefault(nodes[0].name, set()).add(slot)
         return {min(slots): frozenset(slots) for slots in by_master.values()}
 
-    def _add(self, shards: dict[int | None, frozenset[int]], client: aioredis.Redis | None = None) -> None:
+    def _add(
+        self, shards: dict[int | None, frozenset[int]], client: aioredis.Redis | None = None
+    ) -> None:
         """Links to the shards not linked yet (`client`: the one Redis's first client)."""
         for slot, slots in shards.items():
             if slot is not None and any(slot in link.slots for link in self.all):
@@ -199,18 +217,29 @@ class Links:
                 log.info("event router connected to %s", link.name)
                 await self._read(link)
             except (RedisError, OSError) as exc:
-                log.warning("event router: %s unreachable (%s); reconnecting in %.2fs", link.name, exc, delay)
+                log.warning(
+                    "event router: %s unreachable (%s); reconnecting in %.2fs",
+                    link.name,
+                    exc,
+                    delay,
+                )
             except Exception:  # never let the router die: every job depends on it
                 log.exception("event router: unexpected error; reconnecting in %.2fs", delay)
             link.connected.clear()
-            await self._owner.on_link_dropped(link, "lost the connection to Redis while the job was running")
+            await self._owner.on_link_dropped(
+                link, "lost the connection to Redis while the job was running"
+            )
             await self.close_link(link)
             await _back_off(delay, link.wake)
             delay = min(delay * 2, BACKOFF_MAX_S)
 
     async def _connect(self, link: Link) -> None:
-        if link.sharded:  # whoever holds the shard's slots now (a replica promoted after a failover)
-            link.slots = next(slots for slots in (await self._read_map()).values() if link.slot in slots)
+        if (
+            link.sharded
+        ):  # whoever holds the shard's slots now (a replica promoted after a failover)
+            link.slots = next(
+                slots for slots in (await self._read_map()).values() if link.slot in slots
+            )
             master = self.cluster.nodes_manager.slots_cache[link.slot][0]
             link.client = node_client(self.cluster, master.host, master.port)
         elif link.client is None:

@@ -54,9 +54,15 @@ class EventRouter:
         outage_wait_s: float = 30.0,
     ):
         self.links = Links(client_factory, self, on_connect)
-        self.listeners = Listeners(on_forget=lambda key: self.queued.forget(key))  # who listens to which job
-        self.queued = QueuedJobs(self.listeners, self.resubscribe, outage_wait_s)  # a broken link's queued jobs
-        self._confirmations: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE, until confirmed
+        self.listeners = Listeners(
+            on_forget=lambda key: self.queued.forget(key)
+        )  # who listens to which job
+        self.queued = QueuedJobs(
+            self.listeners, self.resubscribe, outage_wait_s
+        )  # a broken link's queued jobs
+        self._confirmations: dict[
+            bytes, asyncio.Future[None]
+        ] = {}  # channel -> its SUBSCRIBE, until confirmed
 
     @property
     def connected(self) -> bool:
@@ -101,7 +107,9 @@ class EventRouter:
         except BaseException as exc:
             await self.unsubscribe(channel, queue)
             if isinstance(exc, RedisError | OSError | TimeoutError):
-                raise RedisUnreachable(f"could not subscribe to {channel}: {exc or 'timed out'}") from exc
+                raise RedisUnreachable(
+                    f"could not subscribe to {channel}: {exc or 'timed out'}"
+                ) from exc
             raise
         return queue
 
@@ -136,10 +144,15 @@ class EventRouter:
                 log.error("refusing an event on %s: %s", channel.decode(), exc)
                 item = GenerationFailed(f"the node sent an event this gateway cannot read: {exc}")
             self.listeners.hear(channel, item)
-        elif kind in CONFIRMATIONS and (confirmed := self._confirmations.pop(channel, None)) is not None:
+        elif (
+            kind in CONFIRMATIONS
+            and (confirmed := self._confirmations.pop(channel, None)) is not None
+        ):
             if not confirmed.done():
                 confirmed.set_result(None)
-        elif kind == "sunsubscribe" and self.listeners.link_of(channel) is link:  # not asked for: its slot moved
+        elif (
+            kind == "sunsubscribe" and self.listeners.link_of(channel) is link
+        ):  # not asked for: its slot moved
             raise ConnectionError(f"the Redis Cluster moved {channel.decode()} to another shard")
 
     async def on_link_connected(self, link: Link, reconnect: bool) -> None:
@@ -149,7 +162,9 @@ class EventRouter:
         """`link` broke: its jobs that heard an event fail with a 503, queued ones wait for it to
         come back (for `outage_wait_s`, then they fail too)."""
         self._fail_all(self.queued.park(link, self.listeners.on(link)), why)
-        for key in self.queued.parked(link):  # a resubscription of theirs in flight will not be confirmed
+        for key in self.queued.parked(
+            link
+        ):  # a resubscription of theirs in flight will not be confirmed
             self._fail_confirmation(key, why)
         self.queued.expire(link)
 

@@ -51,14 +51,21 @@ def new_file_id() -> str:
 def check_batch_input(content: bytes, *, max_bytes: int, max_lines: int) -> None:
     """Refuse an upload over the limits (413) or an empty one (400); lines are checked when a batch runs."""
     if len(content) > max_bytes:
-        raise PayloadTooLarge(f"the file is {len(content)} bytes; the limit is {max_bytes} bytes (files_max_bytes)",
-                              param="file")
+        raise PayloadTooLarge(
+            f"the file is {len(content)} bytes; the limit is {max_bytes} bytes (files_max_bytes)",
+            param="file",
+        )
     lines = sum(1 for line in content.splitlines() if line.strip())
     if lines == 0:
-        raise InvalidRequest("the file has no lines; a batch input file holds one JSON request per line", param="file")
+        raise InvalidRequest(
+            "the file has no lines; a batch input file holds one JSON request per line",
+            param="file",
+        )
     if lines > max_lines:
-        raise PayloadTooLarge(f"the file has {lines} lines; the limit is {max_lines} lines (files_max_lines)",
-                              param="file")
+        raise PayloadTooLarge(
+            f"the file has {lines} lines; the limit is {max_lines} lines (files_max_lines)",
+            param="file",
+        )
 
 
 class FileStore:
@@ -70,19 +77,37 @@ class FileStore:
         self._create = redis.register_script(_CREATE)
         self._delete = redis.register_script(_DELETE)
 
-    async def create(self, content: bytes, *, filename: str, purpose: str, owner: str,
-                     quota_bytes: int | None) -> FileObject:
+    async def create(
+        self, content: bytes, *, filename: str, purpose: str, owner: str, quota_bytes: int | None
+    ) -> FileObject:
         """Store a file; with `quota_bytes`, refuse it (413) if every file kept would then pass it."""
-        meta = FileObject(id=new_file_id(), bytes=len(content), created_at=int(time.time()), filename=filename,
-                          purpose=purpose)
+        meta = FileObject(
+            id=new_file_id(),
+            bytes=len(content),
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+        )
         await self._count_once()
         stored, total = await self._create(
             keys=[self.keys.file(meta.id), self.keys.files(), self.keys.files_bytes()],
-            args=[meta.id, time.time(), len(content), quota_bytes or 0, meta.model_dump_json(), owner, content])
+            args=[
+                meta.id,
+                time.time(),
+                len(content),
+                quota_bytes or 0,
+                meta.model_dump_json(),
+                owner,
+                content,
+            ],
+        )
         if not stored:
-            raise FilesQuotaExceeded(f"storing this file ({len(content)} bytes) would bring the files kept to "
-                                  f"{total + len(content)} bytes, over files_max_total_bytes={quota_bytes}; delete "
-                                     "files you no longer need (DELETE /v1/files/{id})", param="file")
+            raise FilesQuotaExceeded(
+                f"storing this file ({len(content)} bytes) would bring the files kept to "
+                f"{total + len(content)} bytes, over files_max_total_bytes={quota_bytes}; delete "
+                "files you no longer need (DELETE /v1/files/{id})",
+                param="file",
+            )
         return meta
 
     async def _count_once(self) -> None:
@@ -110,30 +135,52 @@ class FileStore:
 
     async def delete(self, file_id: str, owner: str | None = None) -> None:
         await self._field(file_id, "owner", owner)
-        deleted = await self._delete(keys=[self.keys.file(file_id), self.keys.files(), self.keys.files_bytes()],
-                                     args=[file_id])
+        deleted = await self._delete(
+            keys=[self.keys.file(file_id), self.keys.files(), self.keys.files_bytes()],
+            args=[file_id],
+        )
         if not deleted:
             raise NotFound(f"no file with id {file_id!r}", param="file_id")
 
-    async def list(self, *, purpose: str | None, limit: int, after: str | None, order: str,
-                   owner: str | None = None) -> FileList:
-        ids = [i.decode() for i in await self.redis.zrange(self.keys.files(), 0, -1, desc=order == "desc")]
+    async def list(
+        self,
+        *,
+        purpose: str | None,
+        limit: int,
+        after: str | None,
+        order: str,
+        owner: str | None = None,
+    ) -> FileList:
+        ids = [
+            i.decode()
+            for i in await self.redis.zrange(self.keys.files(), 0, -1, desc=order == "desc")
+        ]
         if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
         found: list[FileObject] = []
         for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
+            chunk = ids[start : start + 500]
             async with self.redis.pipeline(transaction=False) as pipe:
                 for file_id in chunk:
                     pipe.hmget(self.keys.file(file_id), ["meta", "owner"])
                 metas = await pipe.execute()
-            found += [m for raw, file_owner in metas if raw and visible(file_owner, owner)
-                      and (m := FileObject.model_validate_json(raw)) and (purpose is None or m.purpose == purpose)]
+            found += [
+                m
+                for raw, file_owner in metas
+                if raw
+                and visible(file_owner, owner)
+                and (m := FileObject.model_validate_json(raw))
+                and (purpose is None or m.purpose == purpose)
+            ]
             if len(found) > limit:
                 break
         page = found[:limit]
-        return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                        has_more=len(found) > limit)
+        return FileList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(found) > limit,
+        )
 
 
 def visible(stored_owner: bytes | str | None, owner: str | None) -> bool:

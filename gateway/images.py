@@ -26,7 +26,9 @@ from shared.settings import GatewaySettings
 from shared.wire import GenerationRequest
 
 FORMATS = {"PNG", "JPEG", "WEBP", "GIF"}
-_DATA_URI = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*);base64,(?P<data>.*)", re.DOTALL | re.IGNORECASE)
+_DATA_URI = re.compile(
+    r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*);base64,(?P<data>.*)", re.DOTALL | re.IGNORECASE
+)
 
 
 @dataclass(frozen=True)
@@ -40,26 +42,38 @@ class ImageLimits:
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> "ImageLimits":
-        return cls(settings.image_max_bytes, settings.image_max_pixels, settings.image_max_side,
-                   settings.images_per_request, frozenset(h.lower() for h in settings.image_url_hosts),
-                   settings.image_fetch_timeout_s)
+        return cls(
+            settings.image_max_bytes,
+            settings.image_max_pixels,
+            settings.image_max_side,
+            settings.images_per_request,
+            frozenset(h.lower() for h in settings.image_url_hosts),
+            settings.image_fetch_timeout_s,
+        )
 
 
 def check_image(data: bytes, limits: ImageLimits, where: str) -> None:
     """Refuse (400, naming `where`) bytes that are not one readable PNG/JPEG/WebP/GIF image within
     the limits. The size is checked from the header before any pixel is decoded."""
     if len(data) > limits.max_bytes:
-        raise InvalidRequest(f"{where}: the image has {len(data)} bytes; at most {limits.max_bytes} are accepted",
-                             param=where)
+        raise InvalidRequest(
+            f"{where}: the image has {len(data)} bytes; at most {limits.max_bytes} are accepted",
+            param=where,
+        )
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in FORMATS:
-                raise InvalidRequest(f"{where}: {image.format} images are not accepted; send PNG, JPEG, WebP or GIF",
-                                     param=where)
+                raise InvalidRequest(
+                    f"{where}: {image.format} images are not accepted; send PNG, JPEG, WebP or GIF",
+                    param=where,
+                )
             width, height = image.size
             if max(width, height) > limits.max_side or width * height > limits.max_pixels:
-                raise InvalidRequest(f"{where}: the image is {width}x{height} pixels; at most {limits.max_side} per "
-                                     f"side and {limits.max_pixels} in all are accepted", param=where)
+                raise InvalidRequest(
+                    f"{where}: the image is {width}x{height} pixels; at most {limits.max_side} per "
+                    f"side and {limits.max_pixels} in all are accepted",
+                    param=where,
+                )
             image.load()  # decodes the (first) frame: a truncated or corrupt image fails here
     except InvalidRequest:
         raise
@@ -70,11 +84,16 @@ def check_image(data: bytes, limits: ImageLimits, where: str) -> None:
 def decode_data_uri(url: str, limits: ImageLimits, where: str) -> bytes:
     match = _DATA_URI.fullmatch(url)
     if match is None:
-        raise InvalidRequest(f"{where}: a data URI must be base64 (data:image/png;base64,...)", param=where)
+        raise InvalidRequest(
+            f"{where}: a data URI must be base64 (data:image/png;base64,...)", param=where
+        )
     encoded = re.sub(r"\s+", "", match["data"])
     if len(encoded) * 3 // 4 > limits.max_bytes + 2:  # refused before decoding
-        raise InvalidRequest(f"{where}: the image has about {len(encoded) * 3 // 4} bytes; at most {limits.max_bytes} "
-                             "are accepted", param=where)
+        raise InvalidRequest(
+            f"{where}: the image has about {len(encoded) * 3 // 4} bytes; at most {limits.max_bytes} "
+            "are accepted",
+            param=where,
+        )
     try:
         return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
@@ -84,18 +103,26 @@ def decode_data_uri(url: str, limits: ImageLimits, where: str) -> bytes:
 async def fetch(url: str, limits: ImageLimits, where: str) -> bytes:
     """An allow-listed image URL's bytes, at most `max_bytes`, within the fetch timeout."""
     try:
-        async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            timeout=limits.fetch_timeout_s, follow_redirects=False, trust_env=False
+        ) as client:
             async with client.stream("GET", url) as response:
                 if response.status_code != 200:
-                    raise InvalidRequest(f"{where}: fetching the image gave HTTP {response.status_code}", param=where)
+                    raise InvalidRequest(
+                        f"{where}: fetching the image gave HTTP {response.status_code}", param=where
+                    )
                 data = bytearray()
                 async for chunk in response.aiter_bytes():
                     data += chunk
                     if len(data) > limits.max_bytes:
-                        raise InvalidRequest(f"{where}: the image is over {limits.max_bytes} bytes", param=where)
+                        raise InvalidRequest(
+                            f"{where}: the image is over {limits.max_bytes} bytes", param=where
+                        )
                 return bytes(data)
     except httpx.HTTPError as exc:
-        raise InvalidRequest(f"{where}: the image could not be fetched ({type(exc).__name__})", param=where) from None
+        raise InvalidRequest(
+            f"{where}: the image could not be fetched ({type(exc).__name__})", param=where
+        ) from None
 
 
 async def image_bytes(url: str, limits: ImageLimits, where: str) -> bytes:
@@ -106,8 +133,11 @@ async def image_bytes(url: str, limits: ImageLimits, where: str) -> bytes:
     if parts.scheme.lower() not in ("http", "https"):
         raise InvalidRequest(f"{where}: image URLs must be data: URIs (base64)", param=where)
     if (parts.hostname or "").lower() not in limits.url_hosts:
-        raise InvalidRequest(f"{where}: image URLs from {parts.hostname or 'that host'} are not fetched; send the image "
-                             "as a data: URI (base64)", param=where)
+        raise InvalidRequest(
+            f"{where}: image URLs from {parts.hostname or 'that host'} are not fetched; send the image "
+            "as a data: URI (base64)",
+            param=where,
+        )
     return await fetch(url, limits, where)
 
 
@@ -117,8 +147,11 @@ def _image_parts(request: GenerationRequest) -> list[tuple[str, list, int]]:
     for m, message in enumerate(request.messages or []):
         content = message.get("content")
         if isinstance(content, list):
-            found += [(f"messages[{m}].content[{p}]", content, p) for p, part in enumerate(content)
-                      if isinstance(part, dict) and part.get("type") in ("image_url", "image")]
+            found += [
+                (f"messages[{m}].content[{p}]", content, p)
+                for p, part in enumerate(content)
+                if isinstance(part, dict) and part.get("type") in ("image_url", "image")
+            ]
     return found
 
 
@@ -129,14 +162,20 @@ async def take_images(request: GenerationRequest, limits: ImageLimits, *, vision
     if not found:
         return
     if not vision:
-        raise InvalidRequest(f"the model {request.model} is text-only and cannot read images ({found[0][0]})",
-                             param=found[0][0])
+        raise InvalidRequest(
+            f"the model {request.model} is text-only and cannot read images ({found[0][0]})",
+            param=found[0][0],
+        )
     if len(found) > limits.per_request:
-        raise InvalidRequest(f"the request has {len(found)} images; at most {limits.per_request} are accepted",
-                             param="messages")
+        raise InvalidRequest(
+            f"the request has {len(found)} images; at most {limits.per_request} are accepted",
+            param="messages",
+        )
     for where, content, index in found:
         url = ((content[index].get("image_url") or {}).get("url")) or ""
         data = await image_bytes(url, limits, where)
-        await asyncio.to_thread(check_image, data, limits, where)  # decoding pixels: off the event loop
+        await asyncio.to_thread(
+            check_image, data, limits, where
+        )  # decoding pixels: off the event loop
         content[index] = {"type": "image"}
         request.images.append(data)

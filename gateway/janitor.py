@@ -33,6 +33,7 @@ from shared.wire import ErrorEvent
 
 log = logging.getLogger(__name__)
 
+
 class Janitor:
     def __init__(self, ctx):
         self.ctx = ctx
@@ -52,7 +53,9 @@ class Janitor:
         while True:
             await asyncio.sleep(interval)
             try:
-                lock = self.ctx.redis.lock(self.ctx.keys.janitor_lock(), timeout=max(5 * interval, 5))
+                lock = self.ctx.redis.lock(
+                    self.ctx.keys.janitor_lock(), timeout=max(5 * interval, 5)
+                )
                 if await lock.acquire(blocking=False):
                     try:
                         await self.sweep()
@@ -68,7 +71,9 @@ class Janitor:
         nodes = await self.ctx.fleet.live_nodes()
         live = {n.node for n in nodes}
         dead = set()
-        for stream in [k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.all_jobs())]:
+        for stream in [
+            k.decode() async for k in self.ctx.redis.scan_iter(match=self.ctx.keys.all_jobs())
+        ]:
             dead |= await self._reap_dead_consumers(stream, live)
             if (name := queues.parse(self.ctx.keys, stream)) is not None and name.node is not None:
                 await self._move_waiting(stream, name, {n.node: n for n in nodes}.get(name.node))
@@ -89,26 +94,42 @@ class Janitor:
             return set()
         dead = set()
         for consumer in consumers:
-            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            name = (
+                consumer["name"].decode()
+                if isinstance(consumer["name"], bytes)
+                else consumer["name"]
+            )
             if name in live:
                 continue
-            await recovery.recover_consumer(self.ctx.redis, self.ctx.keys, stream, name,
-                                            self.ctx.settings.stream_retention_s)
+            await recovery.recover_consumer(
+                self.ctx.redis, self.ctx.keys, stream, name, self.ctx.settings.stream_retention_s
+            )
             dead.add(name)
             log.info("removed dead consumer %s from %s", name, stream)
         return dead
 
-    async def _move_waiting(self, stream: str, name: queues.StreamName, node: NodeHeartbeat | None) -> None:
+    async def _move_waiting(
+        self, stream: str, name: queues.StreamName, node: NodeHeartbeat | None
+    ) -> None:
         """Move what waits on a node's own stream to the moved stream: all of it when the node is gone,
         draining or without the model (then the stream goes once empty), else what waited too long."""
         serving = node is not None and node.takes_jobs and node.serves(name.model)
-        newest = str(int(time.time() * 1000) - self.ctx.settings.affinity_wait_ms) if serving else "+"
+        newest = (
+            str(int(time.time() * 1000) - self.ctx.settings.affinity_wait_ms) if serving else "+"
+        )
         script = self.ctx.redis.register_script(queues.MOVE_LUA)
-        moved = await script(keys=[stream, self.ctx.keys.moved_jobs(name.model, name.job_class, name.band)],
-                             args=[CONSUMER_GROUP, newest, 1000, "0" if node is not None else "1"])
+        moved = await script(
+            keys=[stream, self.ctx.keys.moved_jobs(name.model, name.job_class, name.band)],
+            args=[CONSUMER_GROUP, newest, 1000, "0" if node is not None else "1"],
+        )
         if moved:
             await self.ctx.redis.hincrby(self.ctx.keys.routing(name.model), "moved", moved)
-            log.info("moved %d jobs from %s (%s)", moved, stream, "waited too long" if serving else "node gone")
+            log.info(
+                "moved %d jobs from %s (%s)",
+                moved,
+                stream,
+                "waited too long" if serving else "node gone",
+            )
 
     async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat]) -> None:
         """`nodes`: the live nodes as this sweep read them (once for every model: a fleet of 100 nodes
@@ -117,12 +138,18 @@ class Janitor:
         if self._replicas_missing(profile, waiting, nodes) == 0:
             return
         try:
-            async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1):
-                replicas = self._replicas_missing(profile, waiting, await self.ctx.fleet.live_nodes())  # under the lock
+            async with self.ctx.redis.lock(
+                self.ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1
+            ):
+                replicas = self._replicas_missing(
+                    profile, waiting, await self.ctx.fleet.live_nodes()
+                )  # under the lock
                 if replicas == 0:
                     return
                 node = await self.ctx.placer.place(profile, extra_replica=replicas < 0)
-                log.info("janitor placed a replica of %s on %s (%d waiting)", profile.id, node, waiting)
+                log.info(
+                    "janitor placed a replica of %s on %s (%d waiting)", profile.id, node, waiting
+                )
         except LockError:  # another gateway is placing it right now
             return
         except ModelUnavailable as exc:
@@ -142,7 +169,11 @@ class Janitor:
     async def _waiting(self, model: str, nodes: list[NodeHeartbeat]) -> int:
         """Entries of any class nobody has read yet (on the own streams of its nodes too)."""
         serving = tuple(n.node for n in nodes if n.serves(model))
-        return sum((await queues.depth(self.ctx.redis, self.ctx.keys, model, nodes=serving))["queued"].values())
+        return sum(
+            (await queues.depth(self.ctx.redis, self.ctx.keys, model, nodes=serving))[
+                "queued"
+            ].values()
+        )
 
     async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
         """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""

@@ -17,7 +17,9 @@ from shared.keys import CONSUMER_GROUP, Keys
 POSITION_CAP = 10_000  # positions are counted exactly up to this many jobs ahead
 
 
-async def _position(redis: aioredis.Redis, keys: Keys, stream: str, entry_id: str, *, take_back: bool) -> int:
+async def _position(
+    redis: aioredis.Redis, keys: Keys, stream: str, entry_id: str, *, take_back: bool
+) -> int:
     script = redis.register_script(queues.QUEUE_POSITION_LUA)
     for where in queues.homes(stream):
         ahead = queues.streams_before(keys, where)
@@ -56,9 +58,14 @@ async def first_event_or_position(job, first: asyncio.Future) -> int:
     return 0
 
 
-async def queued_frames(job, first: asyncio.Future, place: int, frames: AsyncIterator[bytes],
-                        failed: Callable[[CortexError], AsyncIterator[bytes]],
-                        notice: Callable[[int], bytes] | None = sse.queued) -> AsyncIterator[bytes]:
+async def queued_frames(
+    job,
+    first: asyncio.Future,
+    place: int,
+    frames: AsyncIterator[bytes],
+    failed: Callable[[CortexError], AsyncIterator[bytes]],
+    notice: Callable[[int], bytes] | None = sse.queued,
+) -> AsyncIterator[bytes]:
     """A `notice` of the job's place (SSE comments `: queued position=N`; None: nothing, for a
     framing that has no comments) while the job waits, then the job's own frames (or, if it failed
     before its first token, the dialect's error frames)."""
@@ -71,7 +78,9 @@ async def queued_frames(job, first: asyncio.Future, place: int, frames: AsyncIte
             if not first.done() and place > 0:
                 try:
                     place = await position(ctx, job.stream, job.entry_id)
-                except RedisError:  # Redis restarting: the job waits on (gateway/events.py), so does its place
+                except (
+                    RedisError
+                ):  # Redis restarting: the job waits on (gateway/events.py), so does its place
                     pass
         try:
             first.result()

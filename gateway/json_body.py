@@ -14,10 +14,16 @@ import re
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-MAX_DEPTH = 64  # arrays and objects within one another; OpenAI's structured outputs allow 10 schema levels
+MAX_DEPTH = (
+    64  # arrays and objects within one another; OpenAI's structured outputs allow 10 schema levels
+)
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # where one may hide; most bodies have none
-STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: ~60 ms for an 8 MB body of short strings
-INNERMOST = re.compile(rb"\[\]|\{\}")  # a pair with nothing (but values) inside, once strings are gone
+STRING = re.compile(
+    rb'"[^"\\]*(?:\\.[^"\\]*)*"'
+)  # unrolled: ~60 ms for an 8 MB body of short strings
+INNERMOST = re.compile(
+    rb"\[\]|\{\}"
+)  # a pair with nothing (but values) inside, once strings are gone
 NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 UNPAIRED = "a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff alone), which is not Unicode text"
 TOO_DEEP = f"arrays and objects are nested more than {MAX_DEPTH} deep"

@@ -28,11 +28,12 @@ from shared.usage_meter import REDIS_NOW_LUA
 log = logging.getLogger(__name__)
 
 
-
 # KEYS: 1 the key's record, 2 its requests window, 3 its tokens window, 4 today's tokens.
 # ARGV: 1 rpm, 2 tpm, 3 tokens per day (0: no limit), 4 ms to the end of the day, 5 a unique member.
 # Returns {'ok', 0} (admitted and counted) or {'requests' | 'tokens' | 'daily', ms to wait}.
-ADMIT_LUA = REDIS_NOW_LUA + """
+ADMIT_LUA = (
+    REDIS_NOW_LUA
+    + """
 local window = 60000
 local function refuse(reason, wait_ms)
   redis.call('HINCRBY', KEYS[1], 'rejections', 1)
@@ -71,6 +72,7 @@ end
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 return {'ok', 0}
 """
+)
 
 _REFUSALS = {
     "requests": (RateLimited, "requests per minute", "rpm"),
@@ -93,8 +95,12 @@ class Limiter:
         """Count one request against `key`, or raise the limit it is over (429 with Retry-After)."""
         name = key.name
         verdict, wait_ms = await self._admit(
-            keys=[self.keys.api_key(name), self.keys.rate_window(name, "requests"),
-                  self.keys.rate_window(name, "tokens"), self.keys.daily_tokens(name, utc_day())],
+            keys=[
+                self.keys.api_key(name),
+                self.keys.rate_window(name, "requests"),
+                self.keys.rate_window(name, "tokens"),
+                self.keys.daily_tokens(name, utc_day()),
+            ],
             args=[key.rpm, key.tpm, key.max_tokens_per_day, ms_to_end_of_day(), uuid.uuid4().hex],
         )
         verdict = verdict.decode()
@@ -103,7 +109,9 @@ class Limiter:
             return
         self.metrics.key_rejections.labels(name, verdict).inc()
         error, what, setting = _REFUSALS[verdict]
-        refusal = error(f"API key {name!r} is over its limit of {getattr(key, setting)} {what} ({setting})",
-                        retry_after_s=int(wait_ms) / 1000)
+        refusal = error(
+            f"API key {name!r} is over its limit of {getattr(key, setting)} {what} ({setting})",
+            retry_after_s=int(wait_ms) / 1000,
+        )
         log.info("request=%s key=%s refused (429): %s", request_id_var.get(), name, refusal.message)
         raise refusal

@@ -16,7 +16,9 @@ Item = Event | CortexError  # what a job's queue holds
 class Listeners:
     def __init__(self, on_forget: Callable[[bytes], None]):
         self._on_forget = on_forget
-        self._queues: dict[bytes, list[asyncio.Queue[Item]]] = {}  # channel -> its listeners' queues
+        self._queues: dict[
+            bytes, list[asyncio.Queue[Item]]
+        ] = {}  # channel -> its listeners' queues
         self._link_of: dict[bytes, Link] = {}  # channel -> the link it was subscribed on
         self._heard: set[bytes] = set()  # channels an event came on
 

@@ -18,8 +18,43 @@ from shared.wire import DeltaEvent, DoneEvent, Usage
 log = logging.getLogger(__name__)
 
 REFRESH_S = 2.0
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class Metrics:
@@ -27,39 +62,74 @@ class Metrics:
         self.registry = CollectorRegistry()
         per_request = ["model", "node"]
         h = lambda name, doc, buckets=_LATENCY_BUCKETS: Histogram(
-            f"cortex:{name}", doc, per_request, buckets=buckets, registry=self.registry)
+            f"cortex:{name}", doc, per_request, buckets=buckets, registry=self.registry
+        )
         self.ttft = h("time_to_first_token_seconds", "Time from submission to the first token.")
-        self.itl = h("inter_token_latency_seconds", "Time between successive token deliveries.", _ITL_BUCKETS)
+        self.itl = h(
+            "inter_token_latency_seconds", "Time between successive token deliveries.", _ITL_BUCKETS
+        )
         self.e2e = h("e2e_request_latency_seconds", "Time from submission to the last token.")
-        self.queue = h("request_queue_time_seconds", "Time a job waited before an engine admitted it.")
-        c = lambda name, doc, labels=per_request: Counter(f"cortex:{name}", doc, labels, registry=self.registry)
+        self.queue = h(
+            "request_queue_time_seconds", "Time a job waited before an engine admitted it."
+        )
+        c = lambda name, doc, labels=per_request: Counter(
+            f"cortex:{name}", doc, labels, registry=self.registry
+        )
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
-        self.success = c("request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"])
+        self.success = c(
+            "request_success", "Requests finished, by reason.", ["model", "node", "finished_reason"]
+        )
         self.pooled_inputs = c("pooled_inputs", "Inputs of finished embedding and rerank jobs.")
-        self.pooled_forwards = c("pooled_forwards", "Forward passes that finished embedding and rerank jobs took "
-                                 "(per job: a pass shared by several jobs counts in each).")
+        self.pooled_forwards = c(
+            "pooled_forwards",
+            "Forward passes that finished embedding and rerank jobs took "
+            "(per job: a pass shared by several jobs counts in each).",
+        )
         # per API key, by its name (never its secret)
         self.key_requests = c("key_requests", "Requests admitted, per API key.", ["key"])
-        self.key_rejections = c("key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"])
-        self.key_prompt_tokens = c("key_prompt_tokens", "Prompt tokens of finished jobs this gateway delivered, per "
-                                   "API key (what each key was charged, cancelled and failed jobs too, is in "
-                                   "`cortex keys show`).", ["key"])
-        self.key_completion_tokens = c("key_completion_tokens", "Tokens generated for finished jobs this gateway "
-                                       "delivered, per API key.", ["key"])
-        self.per_key = frozenset(family.name for metric in (self.key_requests, self.key_rejections,
-                                                            self.key_prompt_tokens, self.key_completion_tokens)
-                                 for family in metric.describe())
+        self.key_rejections = c(
+            "key_rejections", "Requests refused by a key's limits, by limit.", ["key", "limit"]
+        )
+        self.key_prompt_tokens = c(
+            "key_prompt_tokens",
+            "Prompt tokens of finished jobs this gateway delivered, per "
+            "API key (what each key was charged, cancelled and failed jobs too, is in "
+            "`cortex keys show`).",
+            ["key"],
+        )
+        self.key_completion_tokens = c(
+            "key_completion_tokens",
+            "Tokens generated for finished jobs this gateway delivered, per API key.",
+            ["key"],
+        )
+        self.per_key = frozenset(
+            family.name
+            for metric in (
+                self.key_requests,
+                self.key_rejections,
+                self.key_prompt_tokens,
+                self.key_completion_tokens,
+            )
+            for family in metric.describe()
+        )
         g = lambda name, doc, labels: Gauge(f"cortex:{name}", doc, labels, registry=self.registry)
         self.running = g("requests_running", "Jobs read by a node and not finished.", ["model"])
         self.waiting = g("requests_waiting", "Jobs queued and not yet read by any node.", ["model"])
-        self.memory_used = g("node_memory_used_bytes", "Device memory in use, from heartbeats.", ["node", "device"])
-        self.memory_total = g("node_memory_total_bytes", "Device memory, from heartbeats.", ["node", "device"])
+        self.memory_used = g(
+            "node_memory_used_bytes", "Device memory in use, from heartbeats.", ["node", "device"]
+        )
+        self.memory_total = g(
+            "node_memory_total_bytes", "Device memory, from heartbeats.", ["node", "device"]
+        )
         self.slots_used = g("model_slots_used", "Slots taken, from heartbeats.", ["model", "node"])
         self.slots_total = g("model_slots_total", "Slots, from heartbeats.", ["model", "node"])
-        self.prefix_hit_rate = g("prefix_cache_hit_rate", "Prompt tokens found in prefix caches over those looked "
-                                 "up, all replicas of the model together (their counters since they started).",
-                                 ["model"])
+        self.prefix_hit_rate = g(
+            "prefix_cache_hit_rate",
+            "Prompt tokens found in prefix caches over those looked "
+            "up, all replicas of the model together (their counters since they started).",
+            ["model"],
+        )
         self.replicas = ReplicaCollector()
         self.registry.register(self.replicas)
         self.routing = RoutingCollector()
@@ -80,7 +150,9 @@ class Metrics:
         for node in nodes:
             for device in node.devices:
                 self.memory_total.labels(node.node, device.id).set(device.total_mb << 20)
-                self.memory_used.labels(node.node, device.id).set((device.total_mb - device.free_mb) << 20)
+                self.memory_used.labels(node.node, device.id).set(
+                    (device.total_mb - device.free_mb) << 20
+                )
             for model, info in node.models.items():
                 self.slots_used.labels(model, node.node).set(info.slots_used)
                 self.slots_total.labels(model, node.node).set(info.slots_total)
@@ -104,14 +176,42 @@ class Metrics:
 
 
 _COUNTERS = (  # (name, ModelInfo part, its field, help); exposed with `_total` appended
-    ("vllm:prefix_cache_queries", "kv", "prefix_queries", "Prefix cache queries, in prompt tokens looked up."),
-    ("vllm:prefix_cache_hits", "kv", "prefix_hits", "Prefix cache hits, in prompt tokens found cached."),
-    ("vllm:num_preemptions", "kv", "preemptions", "Sequences preempted (recomputed later) for lack of KV blocks."),
-    ("vllm:spec_decode_num_drafts", "spec", "drafts", "Speculative decoding: steps of a sequence that checked a "
-     "draft."),
-    ("vllm:spec_decode_num_draft_tokens", "spec", "draft_tokens", "Speculative decoding: draft tokens checked."),
-    ("vllm:spec_decode_num_accepted_tokens", "spec", "accepted_tokens", "Speculative decoding: draft tokens "
-     "accepted."),
+    (
+        "vllm:prefix_cache_queries",
+        "kv",
+        "prefix_queries",
+        "Prefix cache queries, in prompt tokens looked up.",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "kv",
+        "prefix_hits",
+        "Prefix cache hits, in prompt tokens found cached.",
+    ),
+    (
+        "vllm:num_preemptions",
+        "kv",
+        "preemptions",
+        "Sequences preempted (recomputed later) for lack of KV blocks.",
+    ),
+    (
+        "vllm:spec_decode_num_drafts",
+        "spec",
+        "drafts",
+        "Speculative decoding: steps of a sequence that checked a draft.",
+    ),
+    (
+        "vllm:spec_decode_num_draft_tokens",
+        "spec",
+        "draft_tokens",
+        "Speculative decoding: draft tokens checked.",
+    ),
+    (
+        "vllm:spec_decode_num_accepted_tokens",
+        "spec",
+        "accepted_tokens",
+        "Speculative decoding: draft tokens accepted.",
+    ),
 )
 
 
@@ -126,15 +226,25 @@ class ReplicaCollector:
         self.replicas: dict[tuple[str, str], ModelInfo] = {}  # (model, node) -> its latest figures
 
     def update(self, nodes: list[NodeHeartbeat]) -> None:
-        self.replicas = {(model, node.node): info for node in nodes for model, info in node.models.items()
-                         if info.kv is not None}
+        self.replicas = {
+            (model, node.node): info
+            for node in nodes
+            for model, info in node.models.items()
+            if info.kv is not None
+        }
 
     def collect(self):
         labels = ["model", "node"]
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0..1: blocks held by running sequences"
-                                  " over the pool (blocks only holding a cached prefix are free).", labels=labels)
-        counters = [(CounterMetricFamily(name, doc, labels=labels), part, field)
-                    for name, part, field, doc in _COUNTERS]
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV cache usage, 0..1: blocks held by running sequences"
+            " over the pool (blocks only holding a cached prefix are free).",
+            labels=labels,
+        )
+        counters = [
+            (CounterMetricFamily(name, doc, labels=labels), part, field)
+            for name, part, field, doc in _COUNTERS
+        ]
         for (model, node), info in self.replicas.items():
             usage.add_metric([model, node], info.kv.usage)
             for family, part, field in counters:
@@ -153,10 +263,13 @@ class RoutingCollector:
         self.routed: dict[str, dict[str, int]] = {}  # model -> outcome -> jobs
 
     def collect(self):
-        family = CounterMetricFamily("cortex:routed_jobs", "Jobs by routing outcome: cache (to the node holding their "
-                                     "prefix), session (to where their session last ran), full (such a node had no "
-                                     "room), shared (nothing to route by), moved (left a node's own stream unserved).",
-                                     labels=["model", "outcome"])
+        family = CounterMetricFamily(
+            "cortex:routed_jobs",
+            "Jobs by routing outcome: cache (to the node holding their "
+            "prefix), session (to where their session last ran), full (such a node had no "
+            "room), shared (nothing to route by), moved (left a node's own stream unserved).",
+            labels=["model", "outcome"],
+        )
         for model, counts in self.routed.items():
             for outcome, jobs in counts.items():
                 family.add_metric([model, outcome], jobs)
@@ -180,12 +293,16 @@ class RequestTimer:
                 self.gaps.append(now - self.last)
             self.first = self.first or now
             self.last = now
-            self.finish_reason = next((c.finish_reason for c in event.choices if c.finish_reason), self.finish_reason)
+            self.finish_reason = next(
+                (c.finish_reason for c in event.choices if c.finish_reason), self.finish_reason
+            )
             return
         m, node = self.metrics, event.node or "?"
         labels = (self.model, node)
         if event.pooled is not None:
-            m.pooled_inputs.labels(*labels).inc(len(event.pooled.vectors) + len(event.pooled.scores))
+            m.pooled_inputs.labels(*labels).inc(
+                len(event.pooled.vectors) + len(event.pooled.scores)
+            )
             m.pooled_forwards.labels(*labels).inc(event.pooled.forwards)
         else:
             m.ttft.labels(*labels).observe((self.first or now) - self.submitted)

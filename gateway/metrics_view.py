@@ -37,12 +37,19 @@ def _folded(family: Metric) -> Metric:
     """`family` with its `node` and `device` labels summed away."""
     values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for sample in family.samples:
-        key = (sample.name, tuple((k, v) for k, v in sample.labels.items() if k not in FOLDED_LABELS))
+        key = (
+            sample.name,
+            tuple((k, v) for k, v in sample.labels.items() if k not in FOLDED_LABELS),
+        )
         earlier = values.get(key)
         if earlier is None:
             values[key] = sample.value
         else:
-            values[key] = min(earlier, sample.value) if sample.name.endswith(CREATED) else earlier + sample.value
+            values[key] = (
+                min(earlier, sample.value)
+                if sample.name.endswith(CREATED)
+                else earlier + sample.value
+            )
     folded = Metric(family.name, family.documentation, family.type, family.unit)
     for (name, labels), value in values.items():
         folded.add_sample(name, dict(labels), value)

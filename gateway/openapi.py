@@ -25,8 +25,11 @@ SUCCESS: dict[str, type[BaseModel]] = {  # POST path → what a non-streamed ans
     "/api/chat": ollama.ChatResponse,
     "/api/generate": ollama.GenerateResponse,
 }
-SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
-             "required": ["data"]}
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
 NDJSON_LINE = {"type": "string"}
 STREAMED = {  # path → how its stream is framed
     "/v1/chat/completions": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
@@ -39,13 +42,21 @@ STREAMED = {  # path → how its stream is framed
 
 def dialect(path: str) -> str:
     """The prefix of the dialect a path answers in (its error shape's and objects' names)."""
-    return "Anthropic." if path.startswith(ANTHROPIC_PATHS) else "Ollama." if path.startswith(OLLAMA_PATHS) else "OpenAI."
+    return (
+        "Anthropic."
+        if path.startswith(ANTHROPIC_PATHS)
+        else "Ollama."
+        if path.startswith(OLLAMA_PATHS)
+        else "OpenAI."
+    )
 
 
 def _component(components: dict[str, Any], model: type[BaseModel], prefix: str) -> dict[str, str]:
     """`model`'s serialised schema among the components, its names prefixed by its dialect (both
     dialects have a `Usage` and an `ErrorResponse`)."""
-    schema = model.model_json_schema(mode="serialization", ref_template=f"#/components/schemas/{prefix}{{model}}")
+    schema = model.model_json_schema(
+        mode="serialization", ref_template=f"#/components/schemas/{prefix}{{model}}"
+    )
     for name, definition in schema.pop("$defs", {}).items():
         components[prefix + name] = definition
     components[prefix + model.__name__] = schema
@@ -57,20 +68,30 @@ def document(app: FastAPI) -> dict[str, Any]:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = doc.setdefault("components", {}).setdefault("schemas", {})
-    errors = {"OpenAI.": _component(components, openai.ErrorResponse, "OpenAI."),
-              "Anthropic.": _component(components, anthropic.ErrorResponse, "Anthropic."),
-              "Ollama.": _component(components, ollama.ErrorResponse, "Ollama.")}
+    errors = {
+        "OpenAI.": _component(components, openai.ErrorResponse, "OpenAI."),
+        "Anthropic.": _component(components, anthropic.ErrorResponse, "Anthropic."),
+        "Ollama.": _component(components, ollama.ErrorResponse, "Ollama."),
+    }
     for path, operations in doc["paths"].items():
         prefix = dialect(path)
-        error = {"description": "An error, in the dialect's shape", "content": {"application/json": {"schema": errors[prefix]}}}
+        error = {
+            "description": "An error, in the dialect's shape",
+            "content": {"application/json": {"schema": errors[prefix]}},
+        }
         for method, operation in operations.items():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             responses.update({"4XX": error, "5XX": error})
             if method == "post" and path in SUCCESS:
-                content = {"application/json": {"schema": _component(components, SUCCESS[path], prefix)}}
+                content = {
+                    "application/json": {"schema": _component(components, SUCCESS[path], prefix)}
+                }
                 content |= STREAMED.get(path, {})
-                responses["200"] = {"description": "The answer (a stream when asked for one)", "content": content}
+                responses["200"] = {
+                    "description": "The answer (a stream when asked for one)",
+                    "content": content,
+                }
     components.pop("HTTPValidationError", None)
     components.pop("ValidationError", None)
     app.openapi_schema = doc

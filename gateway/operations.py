@@ -13,7 +13,9 @@ async def load(ctx, model: str, node: str | None = None) -> str:
     profile = ctx.catalog.resolve(model)
     async with ctx.redis.lock(ctx.keys.placement_lock(profile.id), timeout=30, blocking_timeout=40):
         if node is None:
-            return await ctx.placer.place(profile, extra_replica=await ctx.fleet.is_served(profile.id, fresh=True))
+            return await ctx.placer.place(
+                profile, extra_replica=await ctx.fleet.is_served(profile.id, fresh=True)
+            )
         if await ctx.fleet.node(node) is None:
             raise NotFound(f"node {node} has no live heartbeat")
         await ctx.placer.send(node, "load", profile.id)
@@ -23,7 +25,11 @@ async def load(ctx, model: str, node: str | None = None) -> str:
 async def unload(ctx, model: str, node: str | None = None) -> list[str]:
     """Unload `model` from `node`, or from every node holding it; returns those nodes."""
     profile = ctx.catalog.resolve(model)
-    holders = [n.node for n in await ctx.fleet.live_nodes() if profile.id in n.models and node in (None, n.node)]
+    holders = [
+        n.node
+        for n in await ctx.fleet.live_nodes()
+        if profile.id in n.models and node in (None, n.node)
+    ]
     await asyncio.gather(*(ctx.placer.send(n, "unload", profile.id) for n in holders))
     return holders
 
@@ -31,8 +37,10 @@ async def unload(ctx, model: str, node: str | None = None) -> list[str]:
 def hub_folder(profile) -> str:
     """The models-directory folder of an `hf:` model; InvalidRequest for any other source."""
     if not profile.source.startswith(HUB_PREFIX):
-        raise InvalidRequest(f"{profile.id} comes from {profile.source}, not from a hub (hf:org/name): "
-                             "nodes have no files of it to pull or delete")
+        raise InvalidRequest(
+            f"{profile.id} comes from {profile.source}, not from a hub (hf:org/name): "
+            "nodes have no files of it to pull or delete"
+        )
     return HubRef.parse(profile.source).folder
 
 
@@ -42,8 +50,10 @@ async def pull(ctx, model: str) -> list[str]:
     hub_folder(profile)
     nodes = [n.node for n in await ctx.fleet.live_nodes() if allowed(profile, n)]
     if not nodes:
-        raise InsufficientCapacity(f"no live node may run {profile.id} (allowed nodes: {profile.nodes or 'any'}; "
-                                   f"labels: {profile.labels or 'none'})")
+        raise InsufficientCapacity(
+            f"no live node may run {profile.id} (allowed nodes: {profile.nodes or 'any'}; "
+            f"labels: {profile.labels or 'none'})"
+        )
     await asyncio.gather(*(ctx.placer.send(n, "pull", profile.id) for n in nodes))
     return nodes
 

@@ -27,7 +27,15 @@ PING_TIMEOUT_S = 0.5  # one PING of the probe (the client's own retries would ta
 
 def unreachable(exc: BaseException) -> bool:
     """Whether `exc` says Redis did not answer (rather than answered no)."""
-    return isinstance(exc, (RedisUnreachable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
+    return isinstance(
+        exc,
+        (
+            RedisUnreachable,
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            OSError,
+        ),
+    )
 
 
 class OutageWait:
@@ -46,8 +54,10 @@ class OutageWait:
             if not unreachable(exc):
                 raise
             if self.waiting >= self.max_waiting:
-                raise RedisUnreachable(f"Redis is unreachable and {self.waiting} requests already wait for it on "
-                                       "this gateway (redis_outage_max_waiting)") from exc
+                raise RedisUnreachable(
+                    f"Redis is unreachable and {self.waiting} requests already wait for it on "
+                    "this gateway (redis_outage_max_waiting)"
+                ) from exc
             first = exc
         deadline = asyncio.get_running_loop().time() + self.wait_s
         self.waiting += 1
@@ -77,13 +87,18 @@ class OutageWait:
             async with asyncio.timeout(max(left, 0)):
                 await asyncio.shield(self._back)
         except TimeoutError:
-            raise RedisUnreachable(f"Redis did not come back within {self.wait_s:g}s (redis_outage_wait_s): "
-                                   f"{str(failure) or type(failure).__name__}") from failure
+            raise RedisUnreachable(
+                f"Redis did not come back within {self.wait_s:g}s (redis_outage_wait_s): "
+                f"{str(failure) or type(failure).__name__}"
+            ) from failure
 
     async def _probe(self) -> None:
         delay = FIRST_PROBE_S
-        log.warning("Redis is unreachable: new requests wait up to %gs for it (at most %d at once)", self.wait_s,
-                    self.max_waiting)
+        log.warning(
+            "Redis is unreachable: new requests wait up to %gs for it (at most %d at once)",
+            self.wait_s,
+            self.max_waiting,
+        )
         while True:
             with contextlib.suppress(redis.exceptions.RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(PING_TIMEOUT_S):

@@ -7,10 +7,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from shared.fleet import describe
 from shared import queues
 from shared.catalog import ModelProfile
 from shared.errors import InsufficientCapacity, ModelLoadFailed
+from shared.fleet import describe
 from shared.heartbeat import NodeHeartbeat
 from shared.lifecycle import ModelState
 from shared.memory import estimate_mb
@@ -35,13 +35,18 @@ class Candidate:
     node: NodeHeartbeat
     free_mb: int
     evictable: list[str]  # idle, unpinned models, in eviction order
-    must_evict: list[str] = field(default_factory=list)  # the node's tensor-parallel model, for another one
+    must_evict: list[str] = field(
+        default_factory=list
+    )  # the node's tensor-parallel model, for another one
 
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
-    return (node.takes_jobs and (not profile.nodes or node.node in profile.nodes)
-            and set(profile.labels) <= set(node.labels)
-            and (profile.tensor_parallel == 1 or len(node.devices) >= profile.tensor_parallel))
+    return (
+        node.takes_jobs
+        and (not profile.nodes or node.node in profile.nodes)
+        and set(profile.labels) <= set(node.labels)
+        and (profile.tensor_parallel == 1 or len(node.devices) >= profile.tensor_parallel)
+    )
 
 
 def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> int:
@@ -61,11 +66,21 @@ def room_mb(profile: ModelProfile, node: NodeHeartbeat, evicted: list[str]) -> i
 
 def sharded_models(node: NodeHeartbeat) -> list[str]:
     """The tensor-parallel model a node agent holds: one at a time (it owns the process group)."""
-    return [m for m, info in node.models.items() if len(info.devices) > 1 and info.state != ModelState.FAILED]
+    return [
+        m
+        for m, info in node.models.items()
+        if len(info.devices) > 1 and info.state != ModelState.FAILED
+    ]
 
 
-def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[str], busy: set[str],
-               priority: dict[str, int], strategy: str) -> list[Candidate]:
+def candidates(
+    profile: ModelProfile,
+    nodes: list[NodeHeartbeat],
+    pinned: set[str],
+    busy: set[str],
+    priority: dict[str, int],
+    strategy: str,
+) -> list[Candidate]:
     """Allowed nodes not yet holding `profile`, each with what it could free for it. A
     tensor-parallel model goes only where the node's own tensor-parallel model (if any) is idle,
     and evicts it."""
@@ -73,20 +88,40 @@ def candidates(profile: ModelProfile, nodes: list[NodeHeartbeat], pinned: set[st
     for node in nodes:
         if not allowed(profile, node) or profile.id in node.models:
             continue
-        idle = [m for m, info in node.models.items()
-                if info.state == ModelState.READY and info.slots_used == 0 and m not in pinned and m not in busy]
-        order = (lambda m: (priority.get(m, 0), node.models[m].last_used_ms)) if strategy == "priority" \
+        idle = [
+            m
+            for m, info in node.models.items()
+            if info.state == ModelState.READY
+            and info.slots_used == 0
+            and m not in pinned
+            and m not in busy
+        ]
+        order = (
+            (lambda m: (priority.get(m, 0), node.models[m].last_used_ms))
+            if strategy == "priority"
             else (lambda m: node.models[m].last_used_ms)
+        )
         must_evict = sharded_models(node) if profile.tensor_parallel > 1 else []
         if any(m not in idle for m in must_evict):
             continue
-        found.append(Candidate(node, room_mb(profile, node, must_evict),
-                               [m for m in sorted(idle, key=order) if m not in must_evict], must_evict))
+        found.append(
+            Candidate(
+                node,
+                room_mb(profile, node, must_evict),
+                [m for m in sorted(idle, key=order) if m not in must_evict],
+                must_evict,
+            )
+        )
     return found
 
 
-def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summary: str = "",
-         holding: frozenset[str] = frozenset()) -> Plan:
+def plan(
+    profile: ModelProfile,
+    need_mb: int,
+    found: list[Candidate],
+    fleet_summary: str = "",
+    holding: frozenset[str] = frozenset(),
+) -> Plan:
     """A node that holds the model's files already (`holding`: no download), then the one needing the
     fewest evictions, then with the most room left; 503 when none fits."""
     plans = []
@@ -102,18 +137,26 @@ def plan(profile: ModelProfile, need_mb: int, found: list[Candidate], fleet_summ
     if plans:
         return min(plans, key=lambda p: (p.node not in holding, len(p.evict), -p.free_mb))
     if not found:
-        devices = (f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
-                   if profile.tensor_parallel > 1 else "")
-        raise InsufficientCapacity(f"no live node may run {profile.id} "
-                                   f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}"
-                                   f"{devices}); live nodes: {fleet_summary}")
+        devices = (
+            f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
+            if profile.tensor_parallel > 1
+            else ""
+        )
+        raise InsufficientCapacity(
+            f"no live node may run {profile.id} "
+            f"(allowed nodes: {profile.nodes or 'any'}; labels: {profile.labels or 'none'}"
+            f"{devices}); live nodes: {fleet_summary}"
+        )
     best = max(found, key=lambda c: room_mb(profile, c.node, c.must_evict + c.evictable))
     could = room_mb(profile, best.node, best.must_evict + best.evictable)
-    per_device = f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
+    per_device = (
+        f" on each of {profile.tensor_parallel} devices" if profile.tensor_parallel > 1 else ""
+    )
     raise InsufficientCapacity(
         f"{profile.id} needs {need_mb} MB{per_device}; the best candidate, {best.node.node}, has {best.free_mb} MB "
         "free "
-        f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})")
+        f"and {could - best.free_mb} MB in idle unpinned models ({', '.join(best.evictable) or 'none'})"
+    )
 
 
 class Placer:
@@ -126,7 +169,9 @@ class Placer:
         for profile in self.ctx.catalog.profiles.values():
             try:
                 await asyncio.to_thread(estimate_mb, profile)
-            except Exception as exc:  # a model whose files are not on this host is estimated later, or not
+            except (
+                Exception
+            ) as exc:  # a model whose files are not on this host is estimated later, or not
                 log.info("no memory estimate for %s here: %s", profile.id, exc)
 
     async def pinned(self) -> set[str]:
@@ -147,8 +192,11 @@ class Placer:
         """Make sure a live node has `profile` ready or loading; place it if none has."""
         if await self.ctx.fleet.is_served(profile.id):
             return
-        async with self.ctx.redis.lock(self.ctx.keys.placement_lock(profile.id), timeout=LOCK_TIMEOUT_S,
-                                       blocking_timeout=LOCK_TIMEOUT_S + ACK_TIMEOUT_S):
+        async with self.ctx.redis.lock(
+            self.ctx.keys.placement_lock(profile.id),
+            timeout=LOCK_TIMEOUT_S,
+            blocking_timeout=LOCK_TIMEOUT_S + ACK_TIMEOUT_S,
+        ):
             if not await self.ctx.fleet.is_served(profile.id, fresh=True):
                 await self.place(profile)
 
@@ -156,26 +204,43 @@ class Placer:
         """Choose a node (evicting idle models if needed), send `load`, wait for it to say `loading`.
         Call it holding the model's placement lock."""
         nodes = await self.ctx.fleet.live_nodes()
-        failed = [n for n in nodes if n.models.get(profile.id) and n.models[profile.id].state == ModelState.FAILED]
+        failed = [
+            n
+            for n in nodes
+            if n.models.get(profile.id) and n.models[profile.id].state == ModelState.FAILED
+        ]
         strategy = self.ctx.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.ctx.catalog.profiles.items()}
-        found = candidates(profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy)
+        found = candidates(
+            profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy
+        )
         need = await self._estimate_mb(profile) if found else 0  # on each of its devices
-        holding = frozenset(await self.ctx.fleet.file_holders(HubRef.parse(profile.source).folder,
-                                                              [c.node for c in found])
-                            if profile.source.startswith(HUB_PREFIX) else [])
+        holding = frozenset(
+            await self.ctx.fleet.file_holders(
+                HubRef.parse(profile.source).folder, [c.node for c in found]
+            )
+            if profile.source.startswith(HUB_PREFIX)
+            else []
+        )
         try:
             chosen = plan(profile, need, found, describe(nodes), holding)
         except InsufficientCapacity:
             if failed and not extra_replica:
-                raise ModelLoadFailed(f"{profile.id} failed to load on {failed[0].node}: "
-                                      f"{failed[0].models[profile.id].error}") from None
+                raise ModelLoadFailed(
+                    f"{profile.id} failed to load on {failed[0].node}: "
+                    f"{failed[0].models[profile.id].error}"
+                ) from None
             raise
         for model in chosen.evict:
             log.info("evicting %s from %s for %s (%s)", model, chosen.node, profile.id, strategy)
             await self.send(chosen.node, "unload", model)
-        log.info("placing %s (%d MB on each of %d devices) on %s", profile.id, need, profile.tensor_parallel,
-                 chosen.node)
+        log.info(
+            "placing %s (%d MB on each of %d devices) on %s",
+            profile.id,
+            need,
+            profile.tensor_parallel,
+            chosen.node,
+        )
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node
@@ -184,9 +249,13 @@ class Placer:
     async def _estimate_mb(profile: ModelProfile) -> int:
         try:
             return await asyncio.to_thread(estimate_mb, profile)
-        except ModelLoadError as exc:  # an `hf:` model the nodes pull, whose files this host does not have
-            raise InsufficientCapacity(f"{profile.id} has no memory_mb in the catalogue and its files are not on the "
-                                       f"gateway's host to estimate it from ({exc}); set memory_mb") from exc
+        except (
+            ModelLoadError
+        ) as exc:  # an `hf:` model the nodes pull, whose files this host does not have
+            raise InsufficientCapacity(
+                f"{profile.id} has no memory_mb in the catalogue and its files are not on the "
+                f"gateway's host to estimate it from ({exc}); set memory_mb"
+            ) from exc
 
     async def send(self, node: str, cmd: str, model: str = "") -> None:
         await self.ctx.fleet.command(node, cmd, model, by=f"gateway:{self.ctx.settings.port}")

@@ -32,43 +32,74 @@ class Scored:
     job: str  # the job's id (a response's id is made of it)
 
 
-async def embed(ctx: GatewayContext, caller: Caller, model: str, inputs: list[str | list[int]], *,
-                dimensions: int | None = None, truncate: bool = False) -> Embedded:
+async def embed(
+    ctx: GatewayContext,
+    caller: Caller,
+    model: str,
+    inputs: list[str | list[int]],
+    *,
+    dimensions: int | None = None,
+    truncate: bool = False,
+) -> Embedded:
     """One vector per input (a text, or the model's own token ids); `dimensions`: keep that many
     leading ones (models trained for it: `matryoshka_dimensions`); `truncate`: cut inputs longer
     than the model takes instead of refusing them (OpenAI refuses them: its route leaves it off;
     Ollama's `/api/embed` truncates by default)."""
-    return await embedded(await submit_embedding(ctx, caller, model, inputs, dimensions=dimensions, truncate=truncate))
+    return await embedded(
+        await submit_embedding(ctx, caller, model, inputs, dimensions=dimensions, truncate=truncate)
+    )
 
 
-async def score(ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str]) -> Scored:
+async def score(
+    ctx: GatewayContext, caller: Caller, model: str, queries: list[str], documents: list[str]
+) -> Scored:
     """The relevance of each document to its query (a cross-encoder's score of the pair)."""
+
     async def admitted() -> Job:
         with span("admission"):
             profile = await admit(ctx, model, "rerank", caller, "interactive")
-        request = PoolingRequest(job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries)
+        request = PoolingRequest(
+            job=new_job_id(), model=profile.id, kind="rerank", inputs=documents, queries=queries
+        )
         return await _placed_and_submitted(ctx, caller, profile, request, "interactive")
+
     job = await ctx.outage.through(admitted)
     done = await _done(job)
     return Scored(list(done.pooled.scores), done.usage.prompt_tokens, job.id)
 
 
-async def submit_embedding(ctx: GatewayContext, caller: Caller, model: str, inputs: list[str | list[int]], *,
-                           dimensions: int | None = None, truncate: bool = False,
-                           priority: str = "interactive") -> Job:
+async def submit_embedding(
+    ctx: GatewayContext,
+    caller: Caller,
+    model: str,
+    inputs: list[str | list[int]],
+    *,
+    dimensions: int | None = None,
+    truncate: bool = False,
+    priority: str = "interactive",
+) -> Job:
     async def admitted() -> Job:
         with span("admission"):
             profile = await admit(ctx, model, "embedding", caller, priority)
             check_dimensions(profile, dimensions)
-        request = PoolingRequest(job=new_job_id(), model=profile.id, kind="embed", inputs=inputs,
-                                 dimensions=dimensions, truncate=truncate)
+        request = PoolingRequest(
+            job=new_job_id(),
+            model=profile.id,
+            kind="embed",
+            inputs=inputs,
+            dimensions=dimensions,
+            truncate=truncate,
+        )
         return await _placed_and_submitted(ctx, caller, profile, request, priority)
+
     return await ctx.outage.through(admitted)
 
 
 async def embedded(job: Job) -> Embedded:
     done = await _done(job)
-    return Embedded([np.frombuffer(v, dtype="<f4") for v in done.pooled.vectors], done.usage.prompt_tokens)
+    return Embedded(
+        [np.frombuffer(v, dtype="<f4") for v in done.pooled.vectors], done.usage.prompt_tokens
+    )
 
 
 def check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:
@@ -79,12 +110,19 @@ def check_dimensions(profile: ModelProfile, dimensions: int | None) -> None:
     if allowed is None:
         message = f"{profile.id} was not trained for truncated embeddings (Matryoshka): it takes no dimensions"
     else:
-        message = f"{profile.id} takes dimensions of {', '.join(map(str, allowed))}; got {dimensions}"
+        message = (
+            f"{profile.id} takes dimensions of {', '.join(map(str, allowed))}; got {dimensions}"
+        )
     raise InvalidRequest(message, param="dimensions")
 
 
-async def _placed_and_submitted(ctx: GatewayContext, caller: Caller, profile: ModelProfile, request: PoolingRequest,
-                                priority: str) -> Job:
+async def _placed_and_submitted(
+    ctx: GatewayContext,
+    caller: Caller,
+    profile: ModelProfile,
+    request: PoolingRequest,
+    priority: str,
+) -> Job:
     with span("placement"):
         await ctx.placer.ensure_placed(profile)
     return await submit(ctx, request, caller, priority=priority)

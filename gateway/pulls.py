@@ -10,7 +10,9 @@ from shared.fleet import Fleet
 from shared.heartbeat import PullProgress
 
 POLL_S = 0.5
-START_WAIT_S = 15.0  # a node showing no pull and not holding the files after this long is not pulling
+START_WAIT_S = (
+    15.0  # a node showing no pull and not holding the files after this long is not pulling
+)
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,12 @@ async def watch(fleet: Fleet, folder: str, nodes: list[str]) -> AsyncIterator[di
     states: dict[str, NodePull] = {}
     started = time.monotonic()
     while True:
-        beats = {name: await fleet.node(name) for name in nodes if not states.get(name, NodePull()).ended}
-        holders = set(await fleet.file_holders(folder, [b for b in beats.values() if b is not None]))
+        beats = {
+            name: await fleet.node(name) for name in nodes if not states.get(name, NodePull()).ended
+        }
+        holders = set(
+            await fleet.file_holders(folder, [b for b in beats.values() if b is not None])
+        )
         for name, beat in beats.items():
             progress = beat.pulls.get(folder) if beat is not None else None
             if name in holders:
@@ -39,7 +45,9 @@ async def watch(fleet: Fleet, folder: str, nodes: list[str]) -> AsyncIterator[di
             elif progress is not None:
                 states[name] = NodePull(progress, ended=bool(progress.error), why=progress.error)
             elif time.monotonic() - started > START_WAIT_S:
-                states[name] = NodePull(ended=True, why="it is not pulling (are its files in its Hugging Face cache?)")
+                states[name] = NodePull(
+                    ended=True, why="it is not pulling (are its files in its Hugging Face cache?)"
+                )
             else:
                 states[name] = NodePull()
         yield dict(states)

@@ -18,7 +18,12 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.files import visible
-from gateway.protocol.responses import Response, ResponseCompletedEvent, ResponseIncompleteEvent, ResponseStreamEvent
+from gateway.protocol.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseIncompleteEvent,
+    ResponseStreamEvent,
+)
 from gateway.render.responses import assistant_turn
 from shared.errors import NotFound, PreviousResponseNotFound
 from shared.keys import Keys
@@ -45,8 +50,12 @@ class ResponseStore:
 
     async def put(self, response: Response, kept: Kept) -> None:
         """Keep `response` with what `kept` says, its own turn last in the conversation."""
-        value = {"response": response.model_dump(mode="json"), "owner": kept.owner, "input": kept.input,
-                 "conversation": [*kept.conversation, assistant_turn(response)]}
+        value = {
+            "response": response.model_dump(mode="json"),
+            "owner": kept.owner,
+            "input": kept.input,
+            "conversation": [*kept.conversation, assistant_turn(response)],
+        }
         async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zrem(self.keys.background_responses(), response.id)
@@ -54,8 +63,11 @@ class ResponseStore:
 
     async def hold(self, response: Response, stream: str, entry_id: str, owner: str) -> None:
         """Keep `owner`'s background response as it is queued, until it is `put` finished."""
-        value = {"response": response.model_dump(mode="json"), "pending": {"stream": stream, "entry": entry_id},
-                 "owner": owner}
+        value = {
+            "response": response.model_dump(mode="json"),
+            "pending": {"stream": stream, "entry": entry_id},
+            "owner": owner,
+        }
         async with atomic(self.redis) as pipe:
             pipe.set(self.keys.response(response.id), json.dumps(value), ex=self.ttl_s)
             pipe.zadd(self.keys.background_responses(), {response.id: response.created_at * 1000})
@@ -70,12 +82,16 @@ class ResponseStore:
 
     async def conversation(self, response_id: str, owner: str | None) -> list[dict[str, Any]]:
         if (stored := await self.read(response_id, owner)) is None:
-            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
-                                           param="previous_response_id")
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found.",
+                param="previous_response_id",
+            )
         if "pending" in stored:
-            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' is still "
-                                           f"{stored['response']['status']}; continue from it once it has finished.",
-                                           param="previous_response_id")
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' is still "
+                f"{stored['response']['status']}; continue from it once it has finished.",
+                param="previous_response_id",
+            )
         return stored["conversation"]
 
     async def input_items(self, response_id: str, owner: str | None) -> list[dict[str, Any]]:
@@ -84,7 +100,10 @@ class ResponseStore:
         stored = await self.read(response_id, owner)
         if stored is None or "pending" in stored:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
-        return [{"id": f"{response_id}_input_{i}"} | item for i, item in enumerate(stored.get("input", []))]
+        return [
+            {"id": f"{response_id}_input_{i}"} | item
+            for i, item in enumerate(stored.get("input", []))
+        ]
 
     async def delete(self, response_id: str, owner: str | None) -> None:
         if await self.read(response_id, owner) is None:
@@ -96,8 +115,9 @@ class ResponseStore:
         if not deleted:
             raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
 
-    async def kept_at_the_end(self, events: AsyncIterator[ResponseStreamEvent],
-                              kept: Kept) -> AsyncIterator[ResponseStreamEvent]:
+    async def kept_at_the_end(
+        self, events: AsyncIterator[ResponseStreamEvent], kept: Kept
+    ) -> AsyncIterator[ResponseStreamEvent]:
         """`events`, storing the final response (with `kept`) before its last event goes out."""
         async for event in events:
             if isinstance(event, ResponseCompletedEvent | ResponseIncompleteEvent):

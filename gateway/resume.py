@@ -26,8 +26,8 @@ from gateway.listeners import Item
 from gateway.tools.parsers import no_parser, parsers_for
 from shared import event_log
 from shared.errors import BrokerUnavailable, GenerationFailed, InvalidRequest, NotFound
-from shared.wire import WireError
 from shared.redis_conn import broker_error
+from shared.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ class ResumePoint:
     after: int  # the number of the last frame it saw; -1: from the start
 
 
-def resume_point(stream: bool = False, starting_after: Annotated[int | None, Query(ge=0)] = None,
-                 last_event_id: Annotated[str | None, Header()] = None) -> ResumePoint:
+def resume_point(
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> ResumePoint:
     """Where a resumed stream starts: after `starting_after`, else after `Last-Event-ID`."""
     if starting_after is not None:
         return ResumePoint(stream, starting_after)
@@ -51,8 +54,10 @@ def resume_point(stream: bool = False, starting_after: Annotated[int | None, Que
     try:
         return ResumePoint(stream, int(last_event_id))
     except ValueError:
-        raise InvalidRequest(f"Last-Event-ID: {last_event_id[:40]!r} is not a frame number (the `id:` of a frame)",
-                             param="Last-Event-ID") from None
+        raise InvalidRequest(
+            f"Last-Event-ID: {last_event_id[:40]!r} is not a frame number (the `id:` of a frame)",
+            param="Last-Event-ID",
+        ) from None
 
 
 ResumeAt = Annotated[ResumePoint, Depends(resume_point)]
@@ -69,12 +74,30 @@ class ResumedJob(Job):
     """A job rendered again from its event log: `_get` reads the log after the last entry it read,
     waiting for the node's next PUBLISH (on the job's channel) when it has read it all."""
 
-    def __init__(self, ctx: GatewayContext, job: str, record: Resumable, record_id: bytes, queue, caller: Caller,
-                 after: int):
+    def __init__(
+        self,
+        ctx: GatewayContext,
+        job: str,
+        record: Resumable,
+        record_id: bytes,
+        queue,
+        caller: Caller,
+        after: int,
+    ):
         parsers = parsers_for(record.tools, True, job) if record.tools else no_parser
-        super().__init__(ctx, job, record.model, queue, caller, parsers=parsers, metered=record.metered,
-                         prompt_text=record.prompt_text, on_disconnect=record.on_disconnect, created=record.created,
-                         timed=False)
+        super().__init__(
+            ctx,
+            job,
+            record.model,
+            queue,
+            caller,
+            parsers=parsers,
+            metered=record.metered,
+            prompt_text=record.prompt_text,
+            on_disconnect=record.on_disconnect,
+            created=record.created,
+            timed=False,
+        )
         self.record, self.after = record, after
         self._log = ctx.keys.event_log(job)
         self._last = record_id
@@ -88,7 +111,9 @@ class ResumedJob(Job):
 
     async def _read_log(self) -> bool:
         try:
-            entries = await self._ctx.redis.xrange(self._log, min=b"(" + self._last, count=READ_COUNT)
+            entries = await self._ctx.redis.xrange(
+                self._log, min=b"(" + self._last, count=READ_COUNT
+            )
             if not entries and not await self._ctx.redis.exists(self._log):
                 raise NotFound(f"the event log of job {self.id} expired while it was read")
         except RedisError as exc:
@@ -98,36 +123,52 @@ class ResumedJob(Job):
             try:
                 self._read.extend(event_log.events(fields))
             except WireError as exc:
-                self._read.append(GenerationFailed(f"the node logged an event this gateway cannot read: {exc}"))
+                self._read.append(
+                    GenerationFailed(f"the node logged an event this gateway cannot read: {exc}")
+                )
         return bool(entries)
 
     async def _wait_for_news(self) -> None:
         """Until the node publishes again (or the router fails: Redis went away)."""
         news = await super()._get()  # a Timeout when nothing comes within request_timeout_s
         while True:
-            if isinstance(news, BrokerUnavailable):  # the router lost Redis: what it missed is in the log, not here
+            if isinstance(
+                news, BrokerUnavailable
+            ):  # the router lost Redis: what it missed is in the log, not here
                 raise news
             if self._queue.empty():
                 return
             news = self._queue.get_nowait()
 
 
-async def resume(ctx: GatewayContext, caller: Caller, dialect: str, given_id: str, prefix: str,
-                 at: ResumePoint) -> ResumedJob:
+async def resume(
+    ctx: GatewayContext, caller: Caller, dialect: str, given_id: str, prefix: str, at: ResumePoint
+) -> ResumedJob:
     """The job behind `given_id` (an API object's id: `prefix` + job id), for its owner, ready to
     stream again after frame `at.after`; 404 for a job that is not (or no longer) there, was made
     through another endpoint, or belongs to another key."""
     job = given_id.removeprefix(prefix)
     channel = ctx.keys.events(job)
-    queue = await ctx.router.subscribe(channel)  # before reading the log: nothing the node adds is missed
+    queue = await ctx.router.subscribe(
+        channel
+    )  # before reading the log: nothing the node adds is missed
     try:
         first = await ctx.redis.xrange(ctx.keys.event_log(job), count=1)
-        record = Resumable.loads(first[0][1][event_log.RECORD]) if first and event_log.RECORD in first[0][1] else None
+        record = (
+            Resumable.loads(first[0][1][event_log.RECORD])
+            if first and event_log.RECORD in first[0][1]
+            else None
+        )
         if record is None or record.dialect != dialect or record.owner != caller.name:
-            raise NotFound(f"No stream '{given_id}' to resume: none was made here for this key, or it ended more "
-                           f"than stream_retention_s ({ctx.settings.stream_retention_s}s) ago", param="id")
+            raise NotFound(
+                f"No stream '{given_id}' to resume: none was made here for this key, or it ended more "
+                f"than stream_retention_s ({ctx.settings.stream_retention_s}s) ago",
+                param="id",
+            )
         if not at.stream:
-            raise InvalidRequest("Cortex keeps a job's events to stream them again: add stream=true", param="stream")
+            raise InvalidRequest(
+                "Cortex keeps a job's events to stream them again: add stream=true", param="stream"
+            )
     except BaseException as exc:
         await ctx.router.unsubscribe(channel, queue)
         if isinstance(exc, RedisError):
@@ -135,4 +176,3 @@ async def resume(ctx: GatewayContext, caller: Caller, dialect: str, given_id: st
         raise
     log.info("job=%s key=%s resumed after frame %d", job, caller.name, at.after)
     return ResumedJob(ctx, job, record, first[0][0], queue, caller, at.after)
-

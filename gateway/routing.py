@@ -67,8 +67,12 @@ def session_hint(body) -> str:
     """The request's session, as its dialect names one: OpenAI's `prompt_cache_key` or `user`,
     Anthropic's `metadata.user_id`, or the `x-cortex-session` header; '' for none."""
     metadata = getattr(body, "metadata", None)
-    return (getattr(body, "prompt_cache_key", None) or getattr(body, "user", None)
-            or getattr(metadata, "user_id", None) or session_header_var.get())
+    return (
+        getattr(body, "prompt_cache_key", None)
+        or getattr(body, "user", None)
+        or getattr(metadata, "user_id", None)
+        or session_header_var.get()
+    )
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,9 @@ class Route:
 
 SHARED = Route(None, "shared")
 FULL = Route(None, "full")  # a node held it (or ran its session) but none had room
-FORGET_AFTER_MS = 3_600_000  # a routed job never seen to end here (its client detached) is forgotten after this
+FORGET_AFTER_MS = (
+    3_600_000  # a routed job never seen to end here (its client detached) is forgotten after this
+)
 
 
 @dataclass
@@ -99,7 +105,9 @@ class Routing:
         self._nodes: list[NodeHeartbeat] = []
         self._read_at = -NODES_FRESH_S
         self._lock = asyncio.Lock()
-        self._routed: dict[str, dict[str, _Routed]] = {}  # node -> job -> what this gateway routed there
+        self._routed: dict[
+            str, dict[str, _Routed]
+        ] = {}  # node -> job -> what this gateway routed there
 
     @property
     def mode(self) -> str:
@@ -117,13 +125,18 @@ class Routing:
                 self._read_at = time.monotonic()
             return self._nodes
 
-    async def route(self, request: GenerationRequest, session: str, job_class: str, band: str) -> Route:
+    async def route(
+        self, request: GenerationRequest, session: str, job_class: str, band: str
+    ) -> Route:
         """Where the job goes (see the module's docstring)."""
         if self.mode == "none" or not (request.prefix_marks or session):
             return SHARED
         model, keys = request.model, self.ctx.keys
-        nodes = [n for n in await self._live()
-                 if (info := n.models.get(model)) is not None and info.state == ModelState.READY]
+        nodes = [
+            n
+            for n in await self._live()
+            if (info := n.models.get(model)) is not None and info.state == ModelState.READY
+        ]
         if len(nodes) < 2:
             return SHARED
         marks = [mark for mark, _ in request.prefix_marks] if self.mode == "cache" else []
@@ -140,12 +153,19 @@ class Routing:
         since = {n.node: self._since_heartbeat(n) for n in nodes}
         active = {n.node: _active(n, model, since[n.node][1]) for n in nodes}
         roomy = [n for n in nodes if _has_room(n, model, queued[n.node], since[n.node][0])]
-        prompt = request.prefix_marks[-1][1] if request.prefix_marks else 0  # its tokens, as the marks count them
-        held = {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
+        prompt = (
+            request.prefix_marks[-1][1] if request.prefix_marks else 0
+        )  # its tokens, as the marks count them
+        held = (
+            {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
+        )
         last = replies[-1].decode() if session and replies[-1] else None
         if any(held.values()):
             weight = self.ctx.settings.routing_load_weight
-            outcome, cost = "cache", lambda n: (prompt - held[n.node] + weight * active[n.node], -held[n.node])
+            outcome, cost = (
+                "cache",
+                lambda n: (prompt - held[n.node] + weight * active[n.node], -held[n.node]),
+            )
         elif last in {n.node for n in nodes}:
             outcome, cost = "session", lambda n: (n.node != last, active[n.node])
         else:
@@ -153,7 +173,9 @@ class Routing:
         best = min(roomy, key=cost, default=None)
         if best is None:
             return SHARED if outcome == "load" else FULL
-        if (outcome == "cache" and not held[best.node]) or (outcome == "session" and best.node != last):
+        if (outcome == "cache" and not held[best.node]) or (
+            outcome == "session" and best.node != last
+        ):
             outcome = "full"  # a node with room that holds none of it costs less (or the session's has none)
         self._routed.setdefault(best.node, {})[request.job] = _Routed(_now_ms(), prompt)
         return Route(best.node, outcome)
@@ -162,12 +184,18 @@ class Routing:
         """What changed on `node` since its last heartbeat, as far as this gateway knows: (sequences,
         prompt tokens) routed there since that have not ended, less those routed before it that
         ended since (the heartbeat still counts them)."""
-        jobs, beat, old = self._routed.get(node.node, {}), node.heartbeat_ms, _now_ms() - FORGET_AFTER_MS
+        jobs, beat, old = (
+            self._routed.get(node.node, {}),
+            node.heartbeat_ms,
+            _now_ms() - FORGET_AFTER_MS,
+        )
         sequences = tokens = 0
         for job, routed in list(jobs.items()):
             ended = routed.ended_ms
             if (ended is not None and ended <= beat) or (ended is None and routed.sent_ms < old):
-                del jobs[job]  # ended before the heartbeat (which no longer counts it), or long forgotten
+                del jobs[
+                    job
+                ]  # ended before the heartbeat (which no longer counts it), or long forgotten
             elif routed.sent_ms > beat and ended is None:
                 sequences, tokens = sequences + 1, tokens + routed.tokens
             elif routed.sent_ms <= beat and ended is not None:
@@ -182,7 +210,9 @@ class Routing:
 
     async def ran(self, model: str, session: str, node: str) -> None:
         """The session's last turn ran on `node`: its next goes there too (`session_ttl_s`)."""
-        await self.ctx.redis.set(self.ctx.keys.session(model, session), node, ex=self.ctx.settings.session_ttl_s)
+        await self.ctx.redis.set(
+            self.ctx.keys.session(model, session), node, ex=self.ctx.settings.session_ttl_s
+        )
 
 
 def _longest(found: list[bytes | None]) -> int:
@@ -200,7 +230,9 @@ def _active(node: NodeHeartbeat, model: str, tokens_since: int) -> int:
 def _has_room(node: NodeHeartbeat, model: str, queued: int, sequences_since: int) -> bool:
     """A free sequence slot (its heartbeat's, corrected as in `_active`) and a short own stream."""
     info = node.models[model]
-    return max(0, info.slots_used + sequences_since) < info.slots_total and queued < info.slots_total
+    return (
+        max(0, info.slots_used + sequences_since) < info.slots_total and queued < info.slots_total
+    )
 
 
 def _cached_blocks(node: NodeHeartbeat, model: str) -> int:

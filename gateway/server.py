@@ -16,7 +16,6 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.context import GatewayContext
 from gateway.event_links import pubsub_client
 from gateway.events import EventRouter
-from shared.fleet import Fleet
 from gateway.janitor import Janitor
 from gateway.json_body import JsonBodyMiddleware
 from gateway.request_id import RequestIdMiddleware
@@ -24,6 +23,7 @@ from gateway.routing import SessionHeaderMiddleware
 from gateway.tracing import TraceLogFormatter, TracingMiddleware
 from shared import __version__, tracing
 from shared.catalog import Catalog
+from shared.fleet import Fleet
 from shared.keys import Keys
 from shared.redis_conn import atomic, connect, redact
 from shared.redis_health import warn_if_not_durable
@@ -39,11 +39,16 @@ async def publish_catalog(redis: aioredis.Redis, keys: Keys, catalog: Catalog) -
     """`cortex:catalog`: model id → profile JSON, replaced as a whole (one transaction on one Redis)."""
     async with atomic(redis) as pipe:
         pipe.delete(keys.catalog())
-        pipe.hset(keys.catalog(), mapping={id_: p.model_dump_json() for id_, p in catalog.profiles.items()})
+        pipe.hset(
+            keys.catalog(),
+            mapping={id_: p.model_dump_json() for id_, p in catalog.profiles.items()},
+        )
         await pipe.execute()
 
 
-def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredis.Redis] | None = None) -> FastAPI:
+def create_app(
+    settings: GatewaySettings, *, redis_factory: Callable[[], aioredis.Redis] | None = None
+) -> FastAPI:
     """`redis_factory` (for tests) makes every Redis client; by default commands go through a
     client that retries with backoff and pub/sub through one that reports every failure."""
     catalog = Catalog.load(settings.models_file)
@@ -54,19 +59,35 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
         redis = redis_factory() if redis_factory else connect(settings.redis_url)
         router = EventRouter(
             redis_factory or partial(pubsub_client, settings.redis_url),
-            on_connect=partial(publish_catalog, redis, keys, catalog),  # again after a Redis restart
+            on_connect=partial(
+                publish_catalog, redis, keys, catalog
+            ),  # again after a Redis restart
             outage_wait_s=settings.redis_outage_wait_s,
         )
         queue_url = settings.batch_queue_url  # refuses a cluster: arq needs one Redis
-        batch_queue = connect(queue_url) if queue_url != settings.redis_url and not redis_factory else None
-        app.state.ctx = ctx = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s),
-                                             batch_queue=batch_queue)
+        batch_queue = (
+            connect(queue_url) if queue_url != settings.redis_url and not redis_factory else None
+        )
+        app.state.ctx = ctx = GatewayContext(
+            settings,
+            keys,
+            redis,
+            catalog,
+            router,
+            Fleet(redis, keys, settings.node_ttl_s),
+            batch_queue=batch_queue,
+        )
         janitor = Janitor(ctx)
         await router.start()
         janitor.start()
         warm_up = asyncio.create_task(ctx.placer.warm_up(), name="estimate-memory")
         metrics = asyncio.create_task(ctx.metrics.refresh_forever(ctx), name="metrics")
-        log.info("gateway %s serving %s on Redis %s", __version__, ", ".join(catalog.profiles), redact(settings.redis_url))
+        log.info(
+            "gateway %s serving %s on Redis %s",
+            __version__,
+            ", ".join(catalog.profiles),
+            redact(settings.redis_url),
+        )
         await warn_if_exposed(ctx)
         await warn_if_not_durable(redis, log)
         try:
@@ -83,11 +104,18 @@ def create_app(settings: GatewaySettings, *, redis_factory: Callable[[], aioredi
                 await batch_queue.aclose()
 
     app = FastAPI(title="Cortex gateway", version=__version__, lifespan=lifespan)
-    app.add_middleware(JsonBodyMiddleware)  # inside BodyLimitMiddleware: it reads only what that one let through
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
-                       files_max_bytes=settings.files_max_bytes)
+    app.add_middleware(
+        JsonBodyMiddleware
+    )  # inside BodyLimitMiddleware: it reads only what that one let through
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        files_max_bytes=settings.files_max_bytes,
+    )
     app.add_middleware(SessionHeaderMiddleware)
-    app.add_middleware(TracingMiddleware)  # inside RequestIdMiddleware: a request's span names its request id
+    app.add_middleware(
+        TracingMiddleware
+    )  # inside RequestIdMiddleware: a request's span names its request id
     app.add_middleware(RequestIdMiddleware)
     errors.install(app)
     app.openapi = partial(openapi.document, app)
@@ -114,7 +142,9 @@ def setup_logging(level: str) -> None:
 def run(settings: GatewaySettings) -> None:
     """Serve the gateway in the foreground until SIGINT/SIGTERM."""
     setup_logging(settings.log_level)
-    tracing.configure("cortex-gateway", settings.otlp_endpoint, instance=f"{settings.host}:{settings.port}")
+    tracing.configure(
+        "cortex-gateway", settings.otlp_endpoint, instance=f"{settings.host}:{settings.port}"
+    )
     uvicorn.run(
         create_app(settings),
         host=settings.host,

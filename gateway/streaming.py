@@ -31,10 +31,16 @@ T = TypeVar("T")
 Frames = Callable[[Job, AsyncIterator[BaseModel]], AsyncIterator[bytes]]
 
 
-async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel],
-                     frames: Frames | None = None, headers: dict[str, str] | None = None, *,
-                     media_type: str = sse.MEDIA_TYPE,
-                     queue_notice: Callable[[int], bytes] | None = sse.queued) -> StreamingResponse:
+async def stream_job(
+    request: Request,
+    job: Job,
+    chunks: AsyncIterator[BaseModel],
+    frames: Frames | None = None,
+    headers: dict[str, str] | None = None,
+    *,
+    media_type: str = sse.MEDIA_TYPE,
+    queue_notice: Callable[[int], bytes] | None = sse.queued,
+) -> StreamingResponse:
     """Wait for the job's first event (errors before it are plain HTTP errors), then stream
     `chunks` (rendered from `job.events()`) as SSE frames: by default OpenAI's, ending with
     `data: [DONE]`; `frames` frames them another way (Anthropic's named events, Ollama's NDJSON
@@ -50,9 +56,15 @@ async def stream_job(request: Request, job: Job, chunks: AsyncIterator[BaseModel
         await (job.detach() if isinstance(exc, ClientDisconnected) else job.close())
         raise
     body = make(job, chunks)
-    if place > 0:  # waiting in the queue: start the response now, with `: queued position=N` comments
-        body = job_queue.queued_frames(job, first, place, body, lambda exc: make(job, _raise(exc)), queue_notice)
-    return JobStreamResponse(job, body, {job_queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}), media_type)
+    if (
+        place > 0
+    ):  # waiting in the queue: start the response now, with `: queued position=N` comments
+        body = job_queue.queued_frames(
+            job, first, place, body, lambda exc: make(job, _raise(exc)), queue_notice
+        )
+    return JobStreamResponse(
+        job, body, {job_queue.QUEUE_POSITION_HEADER: str(place)} | (headers or {}), media_type
+    )
 
 
 async def _raise(exc: CortexError) -> AsyncIterator[BaseModel]:
@@ -71,7 +83,13 @@ async def numbered(job: Job, chunks: AsyncIterator[T]) -> AsyncIterator[tuple[in
 
 def failed_while_streaming(job: Job, exc: CortexError) -> None:
     """Log a job that failed after its response's headers went out (its error travels in the stream)."""
-    log.info("job=%s request=%s key=%s failed while streaming: %s", job.id, job.request_id, job.caller.name, exc.message)
+    log.info(
+        "job=%s request=%s key=%s failed while streaming: %s",
+        job.id,
+        job.request_id,
+        job.caller.name,
+        exc.message,
+    )
 
 
 async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
@@ -85,8 +103,13 @@ async def _frames(job: Job, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[b
 
 
 class JobStreamResponse(StreamingResponse):
-    def __init__(self, job: Job, frames: AsyncIterator[bytes], headers: dict[str, str] | None = None,
-                 media_type: str = sse.MEDIA_TYPE):
+    def __init__(
+        self,
+        job: Job,
+        frames: AsyncIterator[bytes],
+        headers: dict[str, str] | None = None,
+        media_type: str = sse.MEDIA_TYPE,
+    ):
         super().__init__(frames, media_type=media_type, headers=sse.HEADERS | (headers or {}))
         self.job = job
 

@@ -21,7 +21,9 @@ from shared.wire import DoneEvent
 
 SCOPE = "cortex.gateway"
 HEADER = b"x-trace-id"
-TRACED_PREFIX = "/v1/"  # the API; health checks, metrics scrapes and the dashboard's polling are not traced
+TRACED_PREFIX = (
+    "/v1/"  # the API; health checks, metrics scrapes and the dashboard's polling are not traced
+)
 _CONTEXT_HEADERS = (b"traceparent", b"tracestate")
 
 trace_id_var: ContextVar[str] = ContextVar("trace_id", default="")
@@ -38,12 +40,17 @@ class TracingMiddleware:
         if tracer is None or scope["type"] != "http" or not scope["path"].startswith(TRACED_PREFIX):
             return await self.app(scope, receive, send)
         method = scope["method"]
-        parent = tracing.parent_context({k.decode(): v.decode("latin-1") for k, v in scope["headers"]
-                                         if k in _CONTEXT_HEADERS})
-        attributes = {"http.request.method": method, "url.path": scope["path"],
-                      "cortex.request_id": request_id_var.get()}
-        with tracer.start_as_current_span(f"{method} {scope['path']}", context=parent, kind=SpanKind.SERVER,
-                                          attributes=attributes) as span:
+        parent = tracing.parent_context(
+            {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _CONTEXT_HEADERS}
+        )
+        attributes = {
+            "http.request.method": method,
+            "url.path": scope["path"],
+            "cortex.request_id": request_id_var.get(),
+        }
+        with tracer.start_as_current_span(
+            f"{method} {scope['path']}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        ) as span:
             trace_id = tracing.trace_id(span)
             token = trace_id_var.set(trace_id)
 
@@ -59,7 +66,9 @@ class TracingMiddleware:
                 await self.app(scope, receive, send_traced)
             finally:
                 trace_id_var.reset(token)
-                route = getattr(scope.get("route"), "path", None)  # the matched route's template, once routed
+                route = getattr(
+                    scope.get("route"), "path", None
+                )  # the matched route's template, once routed
                 span.update_name(f"{method} {route}" if route else method)
 
 
@@ -98,9 +107,13 @@ class JobTrace:
 
     def done(self, event: DoneEvent) -> None:
         if self.request.is_recording():
-            self.request.set_attributes({"cortex.node": event.node,
-                                         "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
-                                         "gen_ai.usage.output_tokens": event.usage.completion_tokens})
+            self.request.set_attributes(
+                {
+                    "cortex.node": event.node,
+                    "gen_ai.usage.input_tokens": event.usage.prompt_tokens,
+                    "gen_ai.usage.output_tokens": event.usage.completion_tokens,
+                }
+            )
 
     def failed(self, code: str) -> None:
         if self.request.is_recording():

@@ -33,8 +33,12 @@ class Stream:
     tokens: int = 0  # completion tokens (the final chunk's usage, else the content chunks counted)
     error: str | None = None
     prompt_tokens: int | None = None  # from usage, when the server sends it
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
-    text: str = ""  # the content streamed (a multi-turn conversation sends it back as the assistant's turn)
+    cached_tokens: int | None = (
+        None  # usage.prompt_tokens_details.cached_tokens, when the server sends it
+    )
+    text: str = (
+        ""  # the content streamed (a multi-turn conversation sends it back as the assistant's turn)
+    )
 
     @property
     def decode_tok_s(self) -> float:
@@ -54,8 +58,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 NOISY_PCT = 5  # other processes' CPU share (of the whole machine) above which a wave is flagged
-OWN_GROUPS: dict[int, str] = {}  # process groups this run started (the stack, transformers serve) -> name
-_SUBPROCESSES = {"node_agent.serving.output_process": "node output"}  # a part's own children, named apart
+OWN_GROUPS: dict[
+    int, str
+] = {}  # process groups this run started (the stack, transformers serve) -> name
+_SUBPROCESSES = {
+    "node_agent.serving.output_process": "node output"
+}  # a part's own children, named apart
 _names: dict[int, str] = {}  # pid -> its name in the table
 
 
@@ -126,8 +134,12 @@ class Wave:
     streams: list[Stream]
     other_cpu_pct: float = math.nan
     cores: dict[str, float] = field(default_factory=dict)  # cores each of our processes kept busy
-    step_ms: float = math.nan  # engine: median wall of its steps while every row decodes; ceiling: one replay
-    memory: dict = field(default_factory=dict)  # Cortex rows: weight_mb, and the node's rss_mb / peak_rss_mb or CUDA's
+    step_ms: float = (
+        math.nan
+    )  # engine: median wall of its steps while every row decodes; ceiling: one replay
+    memory: dict = field(
+        default_factory=dict
+    )  # Cortex rows: weight_mb, and the node's rss_mb / peak_rss_mb or CUDA's
 
     def summary(self) -> dict:
         ok = [s for s in self.streams if s.error is None]
@@ -173,17 +185,23 @@ class Procs:
         self.supervisor = processes.Supervisor()
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        child = self.supervisor.start(name, argv, env, log_path=self.logdir / f"{name}.log", cwd=ROOT)
+        child = self.supervisor.start(
+            name, argv, env, log_path=self.logdir / f"{name}.log", cwd=ROOT
+        )
         OWN_GROUPS[child.proc.pid] = name
         return child.proc
 
     def check(self) -> None:
         if (dead := self.supervisor.first_dead()) is not None:
-            raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode}:\n{self.tail(dead.name)}")
+            raise RuntimeError(
+                f"{dead.name} exited with {dead.proc.returncode}:\n{self.tail(dead.name)}"
+            )
 
     def tail(self, name: str, lines: int = 25) -> str:
         try:
-            return "\n".join((self.logdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(
+                (self.logdir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:]
+            )
         except OSError:
             return ""
 
@@ -209,12 +227,18 @@ def wait_until(what: str, probe, timeout_s: float, procs: Procs, every_s: float 
 # ---- the HTTP client -------------------------------------------------------------------------
 
 
-async def concurrent_streams(requests: list[tuple[str, dict]], timeout_s: float) -> tuple[float, list[Stream]]:
+async def concurrent_streams(
+    requests: list[tuple[str, dict]], timeout_s: float
+) -> tuple[float, list[Stream]]:
     """Every (URL, body) streamed at once; the wall time (to the last stream's end) and the streams."""
     import httpx
 
-    limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)) as client:
+    limits = httpx.Limits(
+        max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4
+    )
+    async with httpx.AsyncClient(
+        limits=limits, timeout=httpx.Timeout(timeout_s, connect=30)
+    ) as client:
         t0 = time.perf_counter()
         async with asyncio.timeout(timeout_s), asyncio.TaskGroup() as group:
             tasks = [group.create_task(one_http(client, url, body)) for url, body in requests]
@@ -233,7 +257,9 @@ async def one_http(client, url: str, body: dict) -> Stream:
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                s.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                s.error = (
+                    f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                )
                 return s
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
@@ -248,7 +274,9 @@ async def one_http(client, url: str, body: dict) -> Stream:
                 if usage := chunk.get("usage"):
                     usage_tokens = usage.get("completion_tokens")
                     s.prompt_tokens = usage.get("prompt_tokens")
-                    s.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    s.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    )
                 for choice in chunk.get("choices") or []:
                     if content := (choice.get("delta") or {}).get("content"):
                         s.text += content
@@ -276,7 +304,11 @@ def finite(value):
 
 
 def fmt(value: float, digits: int) -> str:
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    return (
+        "—"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.{digits}f}"
+    )
 
 
 def verdict(ratio: dict) -> tuple[str, str]:
@@ -285,4 +317,6 @@ def verdict(ratio: dict) -> tuple[str, str]:
         return "", ""
     higher = ratio["better"] == "higher"
     met = ratio["value"] >= ratio["target"] if higher else ratio["value"] <= ratio["target"]
-    return ("≥ " if higher else "≤ ") + f"{ratio['target']:g}", "meets" if met else "below" if higher else "above"
+    return (
+        "≥ " if higher else "≤ "
+    ) + f"{ratio['target']:g}", "meets" if met else "below" if higher else "above"

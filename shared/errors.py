@@ -8,7 +8,9 @@ from typing import ClassVar
 
 class CortexError(Exception):
     status: ClassVar[int] = 500
-    anthropic_status: ClassVar[int | None] = None  # the status under /v1/messages, where Anthropic's differs
+    anthropic_status: ClassVar[int | None] = (
+        None  # the status under /v1/messages, where Anthropic's differs
+    )
     code: ClassVar[str] = "internal_error"
     type: ClassVar[str] = "server_error"
 
@@ -78,7 +80,9 @@ class RateLimited(CortexError):
     status, code, type = 429, "rate_limit_exceeded", "requests"
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        self.retry_after = max(1, math.ceil(retry_after_s))  # whole seconds, as Retry-After carries them
+        self.retry_after = max(
+            1, math.ceil(retry_after_s)
+        )  # whole seconds, as Retry-After carries them
         super().__init__(f"{message}; try again in {self.retry_after}s")
 
     @property

@@ -18,7 +18,9 @@ from redis.asyncio.client import Pipeline
 
 from shared.wire import Event, unpack_event
 
-MAXLEN = 100_000  # entries (engine steps) kept at most; a job's steps are bounded by its context first
+MAXLEN = (
+    100_000  # entries (engine steps) kept at most; a job's steps are bounded by its context first
+)
 RECORD = b"record"  # the field of the gateway's first entry
 _NAMES = tuple(str(i).encode() for i in range(16))
 
@@ -26,7 +28,9 @@ _NAMES = tuple(str(i).encode() for i in range(16))
 def append(pipe: Pipeline, log: str, packed: list[bytes], expire_s: int | None) -> None:
     """Queue on `pipe` one entry of packed events to an existing log (two replies: the entry id or
     None when there is no log, then the expiry's if `expire_s`)."""
-    fields = {(_NAMES[i] if i < len(_NAMES) else str(i).encode()): event for i, event in enumerate(packed)}
+    fields = {
+        (_NAMES[i] if i < len(_NAMES) else str(i).encode()): event for i, event in enumerate(packed)
+    }
     pipe.xadd(log, fields, maxlen=MAXLEN, approximate=True, nomkstream=True)
     if expire_s is not None:
         pipe.expire(log, expire_s)

@@ -53,7 +53,9 @@ class Fleet:
         for name, node in zip(names, await self._heartbeats(names) if names else []):
             if isinstance(node, ValueError):
                 log.warning("ignoring node %s: unreadable heartbeat: %s", name.decode(), node)
-            elif node is not None and node.heartbeat_ms >= since_ms:  # None: expired or shut down cleanly
+            elif (
+                node is not None and node.heartbeat_ms >= since_ms
+            ):  # None: expired or shut down cleanly
                 nodes.append(node)
         return sorted(nodes, key=lambda node: node.node)
 
@@ -88,19 +90,31 @@ class Fleet:
         """Per model: queued jobs by class (the own streams of `nodes` too), running jobs, replicas taking
         jobs, oldest wait (every model's sent at once)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
-        streams = {model: queues.streams(self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model)))
-                   for model in sorted(models)}
+        streams = {
+            model: queues.streams(
+                self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model))
+            )
+            for model in sorted(models)
+        }
         # concurrently, not pipelined: a cluster pipeline cannot run scripts (each model's on its shard)
-        replies = await asyncio.gather(*(script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
-                                         for pairs in streams.values()),
-                                       *(self._redis.hgetall(self._keys.routing(model)) for model in streams))
-        replies, routings = replies[:len(streams)], replies[len(streams):]
+        replies = await asyncio.gather(
+            *(
+                script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+                for pairs in streams.values()
+            ),
+            *(self._redis.hgetall(self._keys.routing(model)) for model in streams),
+        )
+        replies, routings = replies[: len(streams)], replies[len(streams) :]
         found = []
         for (model, pairs), reply, routed in zip(streams.items(), replies, routings):
             replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
-            found.append(QueueStatus(**queues.summarize(model, [c for c, _ in pairs], reply, replicas),
-                                     routed={k.decode(): int(v) for k, v in routed.items()},
-                                     prefix_hit_rate=prefix_hit_rate(model, nodes)))
+            found.append(
+                QueueStatus(
+                    **queues.summarize(model, [c for c, _ in pairs], reply, replicas),
+                    routed={k.decode(): int(v) for k, v in routed.items()},
+                    prefix_hit_rate=prefix_hit_rate(model, nodes),
+                )
+            )
         return found
 
     # ---- everything, for `cortex status` --------------------------------------------------
@@ -111,11 +125,17 @@ class Fleet:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         scored = await self._redis.zrange(self._keys.nodes(), 0, -1, withscores=True)
         heartbeats = await self._heartbeats([name for name, _ in scored]) if scored else []
-        by_name = sorted(zip(scored, heartbeats), key=lambda pair: pair[0][0])  # heartbeats stay with their nodes
+        by_name = sorted(
+            zip(scored, heartbeats), key=lambda pair: pair[0][0]
+        )  # heartbeats stay with their nodes
         heartbeats = [hb for _, hb in by_name]
-        nodes = [NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
-                 for (name, score), hb in by_name]
-        catalog = {k.decode(): v for k, v in (await self._redis.hgetall(self._keys.catalog())).items()}
+        nodes = [
+            NodeStatus.of(name.decode(), int(score), hb, node_ttl_s=self._node_ttl_s, now_ms=now_ms)
+            for (name, score), hb in by_name
+        ]
+        catalog = {
+            k.decode(): v for k, v in (await self._redis.hgetall(self._keys.catalog())).items()
+        }
         models = {m for n in nodes for m in n.models} | set(catalog)
         async for key in self._redis.scan_iter(match=self._keys.all_jobs(), count=500):
             models.add(queues.model_of(self._keys, key.decode()))
@@ -125,9 +145,17 @@ class Fleet:
         for n in nodes:
             for name, m in n.models.items():
                 m.queue_depth = depth.get(name, 0)
-        held = {name for n in nodes if n.alive for name, m in n.models.items() if m.state != ModelState.FAILED}
-        not_loaded = [CatalogModelStatus.of(model, catalog[model], depth.get(model, 0))
-                      for model in sorted(set(catalog) - held)]
+        held = {
+            name
+            for n in nodes
+            if n.alive
+            for name, m in n.models.items()
+            if m.state != ModelState.FAILED
+        }
+        not_loaded = [
+            CatalogModelStatus.of(model, catalog[model], depth.get(model, 0))
+            for model in sorted(set(catalog) - held)
+        ]
         return FleetStatus(now_ms=now_ms, nodes=nodes, queues=found, not_loaded=not_loaded)
 
     # ---- operations that are plain Redis commands ----------------------------------------
@@ -135,7 +163,9 @@ class Fleet:
     async def command(self, node: str, cmd: str, model: str = "", *, by: str) -> None:
         """Send `load`, `unload` or `drain` to one node (`by`: who asks, for its log)."""
         command = NodeCommand(cmd=cmd, model=model, by=by, sent_ms=int(time.time() * 1000))
-        await self._redis.xadd(self._keys.cmd(node), command.to_fields(), maxlen=COMMANDS_KEPT, approximate=True)
+        await self._redis.xadd(
+            self._keys.cmd(node), command.to_fields(), maxlen=COMMANDS_KEPT, approximate=True
+        )
 
     async def set_pin(self, model: str, pinned: bool) -> None:
         """Override the catalogue's `pin` for `model` fleet-wide."""
@@ -143,13 +173,19 @@ class Fleet:
 
     async def pins(self) -> dict[str, bool]:
         """The pin overrides set with `set_pin`."""
-        return {k.decode(): v == b"1" for k, v in (await self._redis.hgetall(self._keys.pins())).items()}
+        return {
+            k.decode(): v == b"1" for k, v in (await self._redis.hgetall(self._keys.pins())).items()
+        }
 
 
 def prefix_hit_rate(model: str, nodes: list[NodeHeartbeat]) -> float | None:
     """The share of prompt tokens `model`'s replicas on `nodes` found in their prefix caches, all
     together (None before any prompt was looked up)."""
-    stats = [info.kv for node in nodes if (info := node.models.get(model)) is not None and info.kv is not None]
+    stats = [
+        info.kv
+        for node in nodes
+        if (info := node.models.get(model)) is not None and info.kv is not None
+    ]
     queries = sum(kv.prefix_queries for kv in stats)
     return sum(kv.prefix_hits for kv in stats) / queries if queries else None
 
@@ -160,6 +196,8 @@ def describe(nodes: list[NodeHeartbeat]) -> str:
         return "none (no node agent has sent a recent heartbeat)"
     parts = []
     for node in nodes:
-        models = ", ".join(f"{model} {info.state}" for model, info in node.models.items()) or "no models"
+        models = (
+            ", ".join(f"{model} {info.state}" for model, info in node.models.items()) or "no models"
+        )
         parts.append(f"{node.node} ({'' if node.takes_jobs else f'{node.state}; '}{models})")
     return ", ".join(parts)

@@ -20,18 +20,24 @@ class DeviceStatus(BaseModel):
 class ModelStatus(BaseModel):
     state: str
     device: str
-    devices: list[str] = []  # every device it holds: one replica spanning several when tensor-parallel
+    devices: list[
+        str
+    ] = []  # every device it holds: one replica spanning several when tensor-parallel
     slots_used: int
     slots_total: int
     memory_mb: int = 0
     max_model_len: int = 0  # the context it runs with; 0 until loaded
-    quant: str = ""  # how its Linear weights are held ("int4", "int8", "fp8", "none"); "" until loaded
+    quant: str = (
+        ""  # how its Linear weights are held ("int4", "int8", "fp8", "none"); "" until loaded
+    )
     weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
     kv: KVCacheStats | None = None  # its KV cache and prefix cache; None until its engine is built
-    spec: SpecDecodeStats | None = None  # its speculative decoding's counters; None until its engine is built
+    spec: SpecDecodeStats | None = (
+        None  # its speculative decoding's counters; None until its engine is built
+    )
     error: str = ""
     download: PullProgress | None = None  # its files on their way, while `downloading`
 
@@ -50,24 +56,54 @@ class NodeStatus(BaseModel):
     error: str = ""  # the hash could not be read
 
     @classmethod
-    def of(cls, node: str, score_ms: int, hb: NodeHeartbeat | ValueError | None, *, node_ttl_s: float,
-           now_ms: int) -> "NodeStatus":
+    def of(
+        cls,
+        node: str,
+        score_ms: int,
+        hb: NodeHeartbeat | ValueError | None,
+        *,
+        node_ttl_s: float,
+        now_ms: int,
+    ) -> "NodeStatus":
         """One node's row: from its heartbeat hash if it still exists, else a `gone` row from its score."""
         if not isinstance(hb, NodeHeartbeat):
-            return cls(node=node, alive=False, heartbeat_ms=score_ms, heartbeat_age_s=(now_ms - score_ms) / 1000,
-                       **({"state": "unreadable", "error": str(hb)} if hb is not None else {}))
+            return cls(
+                node=node,
+                alive=False,
+                heartbeat_ms=score_ms,
+                heartbeat_age_s=(now_ms - score_ms) / 1000,
+                **({"state": "unreadable", "error": str(hb)} if hb is not None else {}),
+            )
         age_s = (now_ms - hb.heartbeat_ms) / 1000
         return cls(
-            node=node, alive=age_s <= node_ttl_s, heartbeat_ms=hb.heartbeat_ms, heartbeat_age_s=age_s,
-            version=hb.version, state=str(hb.state), labels=hb.labels, started_ms=hb.started_ms,
-            devices=[DeviceStatus(**d.model_dump(), used_mb=d.total_mb - d.free_mb) for d in hb.devices],
+            node=node,
+            alive=age_s <= node_ttl_s,
+            heartbeat_ms=hb.heartbeat_ms,
+            heartbeat_age_s=age_s,
+            version=hb.version,
+            state=str(hb.state),
+            labels=hb.labels,
+            started_ms=hb.started_ms,
+            devices=[
+                DeviceStatus(**d.model_dump(), used_mb=d.total_mb - d.free_mb) for d in hb.devices
+            ],
             models={
                 name: ModelStatus(
-                    state=str(m.state), device=m.device, devices=m.devices or [m.device], slots_used=m.slots_used,
-                    slots_total=m.slots_total, memory_mb=m.memory_mb, max_model_len=m.max_model_len,
-                    quant=m.quant, weight_mb=m.weight_mb, last_used_ms=m.last_used_ms,
-                    idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None, kv=m.kv,
-                    spec=m.spec, error=m.error, download=m.download,
+                    state=str(m.state),
+                    device=m.device,
+                    devices=m.devices or [m.device],
+                    slots_used=m.slots_used,
+                    slots_total=m.slots_total,
+                    memory_mb=m.memory_mb,
+                    max_model_len=m.max_model_len,
+                    quant=m.quant,
+                    weight_mb=m.weight_mb,
+                    last_used_ms=m.last_used_ms,
+                    idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None,
+                    kv=m.kv,
+                    spec=m.spec,
+                    error=m.error,
+                    download=m.download,
                 )
                 for name, m in hb.models.items()
             },
@@ -90,8 +126,12 @@ class QueueStatus(BaseModel):
     replicas: int  # live replicas taking jobs
     oldest_wait_s: float | None  # the longest any queued job has waited
     oldest_wait_s_by_class: dict[str, float | None]
-    routed: dict[str, int] = {}  # jobs by how the gateways routed them (`Keys.routing`), by ROUTING_OUTCOMES
-    prefix_hit_rate: float | None = None  # prompt tokens found cached over those looked up, all its replicas together
+    routed: dict[
+        str, int
+    ] = {}  # jobs by how the gateways routed them (`Keys.routing`), by ROUTING_OUTCOMES
+    prefix_hit_rate: float | None = (
+        None  # prompt tokens found cached over those looked up, all its replicas together
+    )
 
 
 class CatalogModelStatus(BaseModel):
@@ -109,8 +149,12 @@ class CatalogModelStatus(BaseModel):
             profile = json.loads(raw_profile)
         except (ValueError, TypeError):
             profile = {}
-        return cls(model=model, memory_mb=profile.get("memory_mb"), pin=bool(profile.get("pin", False)),
-                   queue_depth=queue_depth)
+        return cls(
+            model=model,
+            memory_mb=profile.get("memory_mb"),
+            pin=bool(profile.get("pin", False)),
+            queue_depth=queue_depth,
+        )
 
 
 class FleetStatus(BaseModel):

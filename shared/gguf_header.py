@@ -25,6 +25,7 @@ KEEP_VOCAB = 10_000
 class TensorInfo:
     """One tensor's place in the file and the array the reader would give for it (quantized
     types: rows of blocks as uint8)."""
+
     name: str
     shape: tuple[int, ...]  # as GGUF lists it (innermost first)
     gguf_type: str  # the GGML type's name
@@ -59,9 +60,17 @@ def _parse(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     if kept is not None and kept.exists():
         try:
             doc = json.loads(kept.read_text())
-            return GGUFHeader(doc["architecture"], doc["numbers"], doc["vocab_size"],
-                              tuple(TensorInfo(**{**t, "shape": tuple(t["shape"]), "data_shape": tuple(t["data_shape"])})
-                                    for t in doc["tensors"]))
+            return GGUFHeader(
+                doc["architecture"],
+                doc["numbers"],
+                doc["vocab_size"],
+                tuple(
+                    TensorInfo(
+                        **{**t, "shape": tuple(t["shape"]), "data_shape": tuple(t["data_shape"])}
+                    )
+                    for t in doc["tensors"]
+                ),
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the kept header %s: %s", kept, exc)
     header = _read_file(path)
@@ -90,12 +99,25 @@ def _read_file(path: str) -> GGUFHeader:
     reader = GGUFReader(path)
     numbers = {}
     for name, found in reader.fields.items():
-        if len(found.types) == 1 and found.types[0] not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+        if len(found.types) == 1 and found.types[0] not in (
+            GGUFValueType.STRING,
+            GGUFValueType.ARRAY,
+        ):
             numbers[name] = found.parts[-1][0].item()
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(numbers.get(f"{architecture}.vocab_size", 0)) or (len(tokens.data) if tokens else 0)
-    tensors = tuple(TensorInfo(t.name, tuple(int(d) for d in t.shape), t.tensor_type.name, int(t.n_elements),
-                               int(t.n_bytes), int(t.data_offset), t.data.dtype.str, tuple(t.data.shape))
-                    for t in reader.tensors)
+    tensors = tuple(
+        TensorInfo(
+            t.name,
+            tuple(int(d) for d in t.shape),
+            t.tensor_type.name,
+            int(t.n_elements),
+            int(t.n_bytes),
+            int(t.data_offset),
+            t.data.dtype.str,
+            tuple(t.data.shape),
+        )
+        for t in reader.tensors
+    )
     return GGUFHeader(architecture, numbers, vocab, tensors)

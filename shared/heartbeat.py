@@ -84,7 +84,9 @@ class NodeHeartbeat(BaseModel):
     devices: list[DeviceInfo] = []
     models: dict[str, ModelInfo] = {}
     file_url: str = ""  # where peers fetch the model files it holds ('': it serves none)
-    pulls: dict[str, PullProgress] = {}  # model folder -> progress, for every pull in progress (loads and `pull`s)
+    pulls: dict[
+        str, PullProgress
+    ] = {}  # model folder -> progress, for every pull in progress (loads and `pull`s)
 
     def to_hash(self) -> dict[str, str]:
         return {
@@ -122,5 +124,9 @@ class NodeHeartbeat(BaseModel):
         wait for that (rather than being placed elsewhere, or failed as if nobody could run it); a
         replica downloading its files is one coming, as one loading is."""
         info = self.models.get(model)
-        return info is not None and info.state in (ModelState.READY, ModelState.DOWNLOADING, ModelState.LOADING,
-                                                   ModelState.POISONED)
+        return info is not None and info.state in (
+            ModelState.READY,
+            ModelState.DOWNLOADING,
+            ModelState.LOADING,
+            ModelState.POISONED,
+        )

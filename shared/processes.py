@@ -66,13 +66,29 @@ class Child:
         return self.proc.returncode
 
 
-def start(name: str, argv: list[str], env: dict[str, str] | None = None, *, log_path: Path | None = None,
-          stop_timeout_s: float | None = None, cwd: Path | None = None, append: bool = False) -> Child:
+def start(
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    log_path: Path | None = None,
+    stop_timeout_s: float | None = None,
+    cwd: Path | None = None,
+    append: bool = False,
+) -> Child:
     """Start one child in its own process group, its output to `log_path` when given (after what
     the file holds, with `append`)."""
     log = open(log_path, "ab" if append else "wb") if log_path is not None else None
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT if log else None, process_group=0, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT if log else None,
+        process_group=0,
+        preexec_fn=_die_with_parent,
+    )
     return Child(name, proc, stop_timeout_s, log_path, env, _log=log)
 
 
@@ -84,7 +100,9 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     signals: int = 0  # how many stop signals arrived; a second one skips the grace period
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, **options) -> Child:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, **options
+    ) -> Child:
         child = start(name, argv, env, **options)
         self.children.append(child)
         return child
@@ -92,8 +110,14 @@ class Supervisor:
     def restart(self, child: Child, argv: list[str] | None = None) -> Child:
         """Start a dead child again (with `argv`, or its own), in its place in the stopping order."""
         child.stop(0)
-        again = start(child.name, argv or list(child.proc.args), child.env, log_path=child.log_path,
-                      stop_timeout_s=child.stop_timeout_s, append=True)
+        again = start(
+            child.name,
+            argv or list(child.proc.args),
+            child.env,
+            log_path=child.log_path,
+            stop_timeout_s=child.stop_timeout_s,
+            append=True,
+        )
         self.children[self.children.index(child)] = again
         return again
 
@@ -102,7 +126,9 @@ class Supervisor:
 
     def stop_all(self, log=lambda message: None) -> None:
         for child in reversed(self.children):
-            timeout_s = self.stop_timeout_s if child.stop_timeout_s is None else child.stop_timeout_s
+            timeout_s = (
+                self.stop_timeout_s if child.stop_timeout_s is None else child.stop_timeout_s
+            )
             child.stop(timeout_s, log, hurry=lambda: self.signals >= 2)
 
     def install_signal_handlers(self) -> None:
@@ -140,8 +166,9 @@ def free_port() -> int:
 SNAPSHOTS = "3600 1 300 100 60 10000"
 
 
-def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | None = None,
-                      durable: bool = False) -> list[str]:
+def redis_server_argv(
+    port: int, *, workdir: Path | None = None, logfile: str | None = None, durable: bool = False
+) -> list[str]:
     """A private redis-server on loopback; FileNotFoundError when none is installed. `durable`: an
     append-only file fsynced every second plus snapshots, both in `workdir` (what `cortex up` runs);
     otherwise nothing is kept across a restart (tests)."""
@@ -153,8 +180,16 @@ def redis_server_argv(port: int, *, workdir: Path | None = None, logfile: str | 
         if workdir is None:
             raise ValueError("a durable redis-server needs a workdir for its files")
         # a failed snapshot (a fork refused for memory) does not stop writes: the append-only file has them
-        argv += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", SNAPSHOTS,
-                 "--stop-writes-on-bgsave-error", "no"]
+        argv += [
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            SNAPSHOTS,
+            "--stop-writes-on-bgsave-error",
+            "no",
+        ]
     else:
         argv += ["--save", "", "--appendonly", "no"]
     if workdir is not None:

@@ -34,13 +34,22 @@ def band(priority: int | None) -> str:
     return "high" if priority < 0 else "low"
 
 
-def streams(keys: Keys, model: str, classes: tuple[str, ...] = CLASSES, nodes: tuple[str, ...] = ()
-            ) -> list[tuple[str, str]]:
+def streams(
+    keys: Keys, model: str, classes: tuple[str, ...] = CLASSES, nodes: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
     """(class, stream key) for the streams of `model` in the order a node reads them: by class and
     band, most urgent first, and within a band the own streams of `nodes` (`Keys.node_jobs`), then
     the moved stream, then the shared one (a node takes the moved and shared streams oldest first)."""
-    return [(c, s) for c in classes for b in BANDS
-            for s in [*(keys.node_jobs(model, n, c, b) for n in nodes), keys.moved_jobs(model, c, b), keys.jobs(model, c, b)]]
+    return [
+        (c, s)
+        for c in classes
+        for b in BANDS
+        for s in [
+            *(keys.node_jobs(model, n, c, b) for n in nodes),
+            keys.moved_jobs(model, c, b),
+            keys.jobs(model, c, b),
+        ]
+    ]
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ def parse(keys: Keys, stream: str) -> StreamName | None:
     head = keys.all_jobs()[:-1]
     if not stream.startswith(head):
         return None
-    rest, model, node, moved = stream[len(head):], None, None, False
+    rest, model, node, moved = stream[len(head) :], None, None, False
     if keys.cluster:  # jobs:{model}:suffix
         if not rest.startswith("{") or "}" not in rest:
             return None
@@ -73,7 +82,9 @@ def parse(keys: Keys, stream: str) -> StreamName | None:
         for b in BANDS:
             suffix = keys.stream_suffix(c, b)
             if suffix and rest.endswith(suffix):
-                return StreamName(model if model is not None else rest[: -len(suffix)], c, b, node, moved)
+                return StreamName(
+                    model if model is not None else rest[: -len(suffix)], c, b, node, moved
+                )
     return StreamName(model if model is not None else rest, "interactive", "normal", node, moved)
 
 
@@ -114,7 +125,9 @@ end
 """
 
 # KEYS: streams; ARGV[1]: group. Returns {now_ms, {unread, pending, oldest unread id or ''} per stream}.
-QUEUE_STATS_LUA = LUA_PENDING + """
+QUEUE_STATS_LUA = (
+    LUA_PENDING
+    + """
 local t = redis.call('TIME')
 local out = {}
 for i, key in ipairs(KEYS) do
@@ -129,12 +142,15 @@ for i, key in ipairs(KEYS) do
 end
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}
 """
+)
 
 # KEYS[1]: the job's stream; KEYS[2..]: streams nodes read before it. ARGV: entry id, group,
 # cap on counting, '1' to withdraw the entry if nobody has read it yet.
 # Returns 0 once a node has read the entry (or it is gone); else its position (1 = next), or 1
 # when it was withdrawn.
-QUEUE_POSITION_LUA = LUA_PENDING + """
+QUEUE_POSITION_LUA = (
+    LUA_PENDING
+    + """
 local id = ARGV[1]
 if #redis.call('XRANGE', KEYS[1], id, id) == 0 then return 0 end
 local n, maxp = pending(KEYS[1], ARGV[2])
@@ -147,13 +163,16 @@ for i = 2, #KEYS do
 end
 return ahead + 1
 """
+)
 
 
 # KEYS[1]: a node's own stream; KEYS[2]: the moved stream of its class and band. ARGV: group, the
 # newest entry id to move (ms; '+': all), the most to move, '1' to delete the own stream once empty.
 # Moves the entries nobody has read, oldest first, each under its own id where the moved stream
 # allows (else just after the moved stream's last id), so it keeps its place. Returns how many moved.
-MOVE_LUA = LUA_PENDING + """
+MOVE_LUA = (
+    LUA_PENDING
+    + """
 local n, maxp = pending(KEYS[1], ARGV[1])
 local entries = redis.call('XRANGE', KEYS[1], maxp and ('(' .. maxp) or '-', ARGV[2], 'COUNT', tonumber(ARGV[3]))
 for _, e in ipairs(entries) do
@@ -170,14 +189,19 @@ end
 if ARGV[4] == '1' and redis.call('XLEN', KEYS[1]) == 0 then redis.call('DEL', KEYS[1]) end
 return #entries
 """
+)
 
 
-async def depth(redis, keys: Keys, model: str, replicas: int = 0, nodes: tuple[str, ...] = ()) -> dict:
+async def depth(
+    redis, keys: Keys, model: str, replicas: int = 0, nodes: tuple[str, ...] = ()
+) -> dict:
     """One model's `/v1/queue` entry (`summarize`) from an asyncio client: what is really waiting
     (entries no node has read, counted from the streams, not the group's `lag`, which deletions
     can leave stale) and running; with the own streams of `nodes`."""
     pairs = streams(keys, model, nodes=nodes)
-    reply = await redis.register_script(QUEUE_STATS_LUA)(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
+    reply = await redis.register_script(QUEUE_STATS_LUA)(
+        keys=[s for _, s in pairs], args=[CONSUMER_GROUP]
+    )
     return summarize(model, [c for c, _ in pairs], reply, replicas)
 
 
@@ -187,7 +211,9 @@ def streams_before(keys: Keys, stream: str) -> list[str]:
     name = parse(keys, stream)
     if name is None:
         return []
-    ordered = [s for _, s in streams(keys, name.model, nodes=(name.node,) if name.node is not None else ())]
+    ordered = [
+        s for _, s in streams(keys, name.model, nodes=(name.node,) if name.node is not None else ())
+    ]
     return ordered[: ordered.index(stream)] if stream in ordered else []
 
 
@@ -208,6 +234,13 @@ def summarize(model: str, classes: list[str], reply: list, replicas: int = 0) ->
             wait_s = max(0.0, (now_ms - entry_ms(_text(oldest))) / 1000)
             oldest_wait_s[job_class] = max(wait_s, oldest_wait_s[job_class] or 0.0)
     waits = [w for w in oldest_wait_s.values() if w is not None]
-    return {"model": model, "queued": queued, "running": running, "replicas": replicas,
-            "oldest_wait_s": round(max(waits), 3) if waits else None,
-            "oldest_wait_s_by_class": {c: (round(w, 3) if w is not None else None) for c, w in oldest_wait_s.items()}}
+    return {
+        "model": model,
+        "queued": queued,
+        "running": running,
+        "replicas": replicas,
+        "oldest_wait_s": round(max(waits), 3) if waits else None,
+        "oldest_wait_s_by_class": {
+            c: (round(w, 3) if w is not None else None) for c, w in oldest_wait_s.items()
+        },
+    }

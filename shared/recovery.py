@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 MAX_DELIVERIES = 2  # a job is tried at most this often
 
 
-def fail_job(pipe, keys: Keys, fields: dict[bytes, bytes], error: ErrorEvent, retention_s: float) -> None:
+def fail_job(
+    pipe, keys: Keys, fields: dict[bytes, bytes], error: ErrorEvent, retention_s: float
+) -> None:
     """Queue on `pipe` the job's end with `error`: in its log (if any), then to its listeners."""
     packed = pack_event(error)
     if job := fields.get(b"job", b"").decode(errors="replace"):
@@ -30,13 +32,16 @@ def fail_job(pipe, keys: Keys, fields: dict[bytes, bytes], error: ErrorEvent, re
     publish(pipe, fields[b"reply"], packed, sharded=keys.cluster)
 
 
-async def recover_consumer(redis: aioredis.Redis, keys: Keys, stream: str, consumer: str, retention_s: float) -> bool:
+async def recover_consumer(
+    redis: aioredis.Redis, keys: Keys, stream: str, consumer: str, retention_s: float
+) -> bool:
     """Requeue or fail what `consumer` had read from `stream`, then delete the consumer; False when
     the stream has no such group or consumer."""
     started = await redis.smembers(keys.started(consumer))
     try:
-        pending = await redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=1000,
-                                             consumername=consumer)
+        pending = await redis.xpending_range(
+            stream, CONSUMER_GROUP, min="-", max="+", count=1000, consumername=consumer
+        )
     except ResponseError:  # no group yet
         return False
     for entry in pending:
@@ -44,8 +49,15 @@ async def recover_consumer(redis: aioredis.Redis, keys: Keys, stream: str, consu
     return bool(await redis.xgroup_delconsumer(stream, CONSUMER_GROUP, consumer)) or bool(pending)
 
 
-async def _recover(redis: aioredis.Redis, keys: Keys, stream: str, entry_id: bytes, node: str, started: set[bytes],
-                   retention_s: float) -> None:
+async def _recover(
+    redis: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    entry_id: bytes,
+    node: str,
+    started: set[bytes],
+    retention_s: float,
+) -> None:
     entries = await redis.xrange(stream, entry_id, entry_id)
     if not entries:
         await redis.xack(stream, CONSUMER_GROUP, entry_id)
@@ -56,7 +68,9 @@ async def _recover(redis: aioredis.Redis, keys: Keys, stream: str, entry_id: byt
     async with atomic(redis) as pipe:
         if fields.get(b"job") in started or retries + 1 >= MAX_DELIVERIES:
             error = NodeLost(f"node {node} was lost while it ran job {job}")
-            fail_job(pipe, keys, fields, ErrorEvent(code=error.code, message=error.message), retention_s)
+            fail_job(
+                pipe, keys, fields, ErrorEvent(code=error.code, message=error.message), retention_s
+            )
             log.warning("job=%s failed: node %s lost", job, node)
         else:
             name = queues.parse(keys, stream)

@@ -19,11 +19,25 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError, OutOfMemoryError, ReadOnlyError, RedisError, TimeoutError
+from redis.exceptions import (
+    ConnectionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    TimeoutError,
+)
 
-from shared.errors import BrokerCannotPersist, BrokerOutOfMemory, BrokerReadOnly, BrokerUnavailable, RedisUnreachable
+from shared.errors import (
+    BrokerCannotPersist,
+    BrokerOutOfMemory,
+    BrokerReadOnly,
+    BrokerUnavailable,
+    RedisUnreachable,
+)
 
-MESSAGE_CHARS = 300  # of a Redis error quoted in a message (a pipeline's error quotes its commands' values)
+MESSAGE_CHARS = (
+    300  # of a Redis error quoted in a message (a pipeline's error quotes its commands' values)
+)
 BACKOFF_MAX_S = 2.0  # the longest wait between two tries to reach Redis, for every part
 
 
@@ -37,7 +51,7 @@ def is_cluster_url(url: str) -> bool:
 def node_url(url: str) -> str:
     """A cluster URL as the plain URL of the node it names (redis-py's own scheme); others unchanged."""
     scheme = urlsplit(url).scheme
-    return CLUSTER_SCHEMES[scheme] + url[len(scheme):] if scheme in CLUSTER_SCHEMES else url
+    return CLUSTER_SCHEMES[scheme] + url[len(scheme) :] if scheme in CLUSTER_SCHEMES else url
 
 
 def seed_urls(url: str) -> list[str]:
@@ -47,7 +61,10 @@ def seed_urls(url: str) -> list[str]:
         return [url]
     parts = urlsplit(node_url(url))
     credentials, _, hosts = parts.netloc.rpartition("@")
-    return [parts._replace(netloc=f"{credentials}@{host}" if credentials else host).geturl() for host in hosts.split(",")]
+    return [
+        parts._replace(netloc=f"{credentials}@{host}" if credentials else host).geturl()
+        for host in hosts.split(",")
+    ]
 
 
 def cluster_client(url: str, **kwargs) -> RedisCluster:
@@ -99,9 +116,15 @@ def node_client(cluster: RedisCluster, host: str, port: int) -> aioredis.Redis:
     """A plain client of one node of `cluster`, with the cluster client's credentials and TLS, and no
     retry of its own (pub/sub must see every broken connection)."""
     given = cluster.nodes_manager.connection_kwargs
-    return aioredis.Redis(host=host, port=port, username=given.get("username"), password=given.get("password"),
-                          ssl=issubclass(given["connection_class"], SSLConnection), socket_connect_timeout=2.0,
-                          socket_keepalive=True)
+    return aioredis.Redis(
+        host=host,
+        port=port,
+        username=given.get("username"),
+        password=given.get("password"),
+        ssl=issubclass(given["connection_class"], SSLConnection),
+        socket_connect_timeout=2.0,
+        socket_keepalive=True,
+    )
 
 
 async def broadcast_client(client, url: str) -> aioredis.Redis:
@@ -131,16 +154,26 @@ def broker_error(exc: RedisError, doing: str = "") -> BrokerUnavailable:
     replica, a disk Redis cannot write to, or Redis unreachable. `doing`: what failed, for the message."""
     what = f"{doing}: " if doing else ""
     if isinstance(exc, OutOfMemoryError):
-        return BrokerOutOfMemory(f"{what}Redis refuses writes: it is out of memory (used memory > maxmemory); "
-                                 "an operator must free some (delete files, finished batches) or raise maxmemory")
+        return BrokerOutOfMemory(
+            f"{what}Redis refuses writes: it is out of memory (used memory > maxmemory); "
+            "an operator must free some (delete files, finished batches) or raise maxmemory"
+        )
     if isinstance(exc, ReadOnlyError):
-        return BrokerReadOnly(f"{what}Redis refuses writes: it is a read-only replica; point CORTEX_REDIS_URL at "
-                              "the primary")
+        return BrokerReadOnly(
+            f"{what}Redis refuses writes: it is a read-only replica; point CORTEX_REDIS_URL at "
+            "the primary"
+        )
     if str(exc).startswith("MISCONF"):
-        return BrokerCannotPersist(f"{what}Redis refuses writes: it cannot save to disk (MISCONF); an operator must "
-                                   "check its disk and log")
-    unavailable = RedisUnreachable if isinstance(exc, ConnectionError | TimeoutError) else BrokerUnavailable
-    return unavailable(f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}")
+        return BrokerCannotPersist(
+            f"{what}Redis refuses writes: it cannot save to disk (MISCONF); an operator must "
+            "check its disk and log"
+        )
+    unavailable = (
+        RedisUnreachable if isinstance(exc, ConnectionError | TimeoutError) else BrokerUnavailable
+    )
+    return unavailable(
+        f"{what}Redis is unavailable: {str(exc)[:MESSAGE_CHARS] or type(exc).__name__}"
+    )
 
 
 class Outage:
@@ -154,8 +187,11 @@ class Outage:
     def failed(self, exc: BaseException) -> None:
         if self.since is None:
             self.since = time.monotonic()
-            self.log.warning("%s failed: %s; retrying quietly until it works", self.what,
-                             str(exc) or type(exc).__name__)
+            self.log.warning(
+                "%s failed: %s; retrying quietly until it works",
+                self.what,
+                str(exc) or type(exc).__name__,
+            )
 
     def ok(self) -> bool:
         """Call after a success; True when it ends an outage."""

@@ -32,11 +32,15 @@ class RedisHealth(BaseModel):
         kept = [f"append-only file (fsync {self.appendfsync or '?'})"] if self.aof else []
         if self.snapshots:
             kept.append(f"snapshots (save {self.snapshots})")
-        return " + ".join(kept) or ("none" if self.snapshots == "" else "no append-only file; snapshots unknown")
+        return " + ".join(kept) or (
+            "none" if self.snapshots == "" else "no append-only file; snapshots unknown"
+        )
 
     @property
     def memory(self) -> str:
-        limit = f"of {self.maxmemory_mb:.0f} MB maxmemory" if self.maxmemory_mb else "(no maxmemory)"
+        limit = (
+            f"of {self.maxmemory_mb:.0f} MB maxmemory" if self.maxmemory_mb else "(no maxmemory)"
+        )
         return f"{self.used_memory_mb:.1f} MB used {limit}"
 
 
@@ -56,9 +60,12 @@ async def inspect(redis: aioredis.Redis) -> RedisHealth:
     except ResponseError:
         config = {}
     health = RedisHealth(
-        version=str(info.get("redis_version", "?")), aof=bool(info.get("aof_enabled")),
-        appendfsync=config.get("appendfsync"), snapshots=config.get("save"),
-        eviction_policy=str(info.get("maxmemory_policy", "?")), used_memory_mb=info.get("used_memory", 0) / _MB,
+        version=str(info.get("redis_version", "?")),
+        aof=bool(info.get("aof_enabled")),
+        appendfsync=config.get("appendfsync"),
+        snapshots=config.get("save"),
+        eviction_policy=str(info.get("maxmemory_policy", "?")),
+        used_memory_mb=info.get("used_memory", 0) / _MB,
         maxmemory_mb=info.get("maxmemory", 0) / _MB,
     )
     health.warnings = _warnings(health, info)
@@ -68,22 +75,36 @@ async def inspect(redis: aioredis.Redis) -> RedisHealth:
 def _warnings(health: RedisHealth, info: dict) -> list[str]:
     found = []
     if not health.aof and health.snapshots == "":
-        found.append("Redis keeps nothing on disk (appendonly no, save \"\"): API keys, files, batches and stored "
-                     "responses are lost when it restarts; run it with --appendonly yes --appendfsync everysec")
+        found.append(
+            'Redis keeps nothing on disk (appendonly no, save ""): API keys, files, batches and stored '
+            "responses are lost when it restarts; run it with --appendonly yes --appendfsync everysec"
+        )
     elif not health.aof:
-        found.append(f"Redis has no append-only file (snapshots: {health.snapshots or 'unknown'}): what changed "
-                     "since its last snapshot is lost when it crashes; run it with --appendonly yes")
+        found.append(
+            f"Redis has no append-only file (snapshots: {health.snapshots or 'unknown'}): what changed "
+            "since its last snapshot is lost when it crashes; run it with --appendonly yes"
+        )
     if health.eviction_policy != "noeviction":
-        found.append(f"Redis may evict keys when full (maxmemory-policy {health.eviction_policy}): it could drop "
-                     "API keys, files, batches or queued jobs; set maxmemory-policy noeviction")
+        found.append(
+            f"Redis may evict keys when full (maxmemory-policy {health.eviction_policy}): it could drop "
+            "API keys, files, batches or queued jobs; set maxmemory-policy noeviction"
+        )
     if health.aof and info.get("aof_last_write_status", "ok") != "ok":
         found.append("Redis could not write its append-only file: it refuses writes until it can")
     if info.get("rdb_last_bgsave_status", "ok") != "ok":
-        found.append("Redis's last snapshot failed (its log says why)" + (
-            "" if health.aof else "; with stop-writes-on-bgsave-error yes it refuses writes until one succeeds"))
+        found.append(
+            "Redis's last snapshot failed (its log says why)"
+            + (
+                ""
+                if health.aof
+                else "; with stop-writes-on-bgsave-error yes it refuses writes until one succeeds"
+            )
+        )
     if health.maxmemory_mb and health.used_memory_mb >= FULL_AT * health.maxmemory_mb:
-        found.append(f"Redis is nearly full ({health.memory}): writes are refused (503) once it is; delete "
-                     "files or raise maxmemory")
+        found.append(
+            f"Redis is nearly full ({health.memory}): writes are refused (503) once it is; delete "
+            "files or raise maxmemory"
+        )
     return found
 
 

@@ -6,7 +6,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 
 class _TomlTable(TomlConfigSettingsSource):
@@ -27,14 +32,18 @@ class CortexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORTEX_", extra="ignore")
     toml_table: ClassVar[str] = ""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
+    redis_url: str = (
+        "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
+    )
     key_prefix: str = "cortex:"
     models_file: Path | None = None  # models.toml; the built-in catalogue when absent
     log_level: str = "INFO"
     # A streamed or background job's events are kept in Redis (`Keys.event_log`) this long after it
     # ends, for clients that resume; nodes keep the log alive while the job runs.
     stream_retention_s: int = Field(600, ge=1)
-    otlp_endpoint: str = ""  # an OTLP/HTTP collector (http://HOST:4318) for traces (shared/tracing.py); '': off
+    otlp_endpoint: str = (
+        ""  # an OTLP/HTTP collector (http://HOST:4318) for traces (shared/tracing.py); '': off
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -61,18 +70,24 @@ class GatewaySettings(CortexSettings):
     # back; at most `redis_outage_max_waiting` new requests at once (gateway/outage.py), then a 503
     redis_outage_wait_s: float = 30.0
     redis_outage_max_waiting: int = Field(1000, ge=0)
-    max_request_bytes: int = 8 * 1024 * 1024  # a request body over this is refused with 413 (not /v1/files)
+    max_request_bytes: int = (
+        8 * 1024 * 1024
+    )  # a request body over this is refused with 413 (not /v1/files)
     # /v1/files: files live in Redis (every replica sees them, they survive gateway restarts)
     files_max_bytes: int = 64 * 1024 * 1024  # an upload over this is refused with 413
     files_max_lines: int = 50_000  # a batch input file with more lines is refused with 413
-    files_max_total_bytes: int = Field(1 << 30, gt=0)  # every file kept together; an upload past it is refused with 413
+    files_max_total_bytes: int = Field(
+        1 << 30, gt=0
+    )  # every file kept together; an upload past it is refused with 413
     # streaming clients that wait in the queue get `: queued position=N` comments this often
     queue_position_poll_s: float = 0.25
     queued_after_s: float = 0.1  # no first token within this long: look up the queue position
     stream_maxlen: int = 100_000  # MAXLEN ~ for each per-model job stream
     eviction_strategy: Literal["lru", "priority"] = "lru"
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work
-    scale_out_queue_depth: int = 4  # waiting jobs per replica that start another replica (up to max_replicas)
+    scale_out_queue_depth: int = (
+        4  # waiting jobs per replica that start another replica (up to max_replicas)
+    )
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
     # /metrics without the admin key: once auth is on, series per API key are left out and those per node
     # and device summed over them (gateway/metrics_view.py); true refuses it to anyone but the admin key
@@ -96,14 +111,18 @@ class GatewaySettings(CortexSettings):
     # only its own (callers without one, anonymous or the admin key, share theirs); `fleet`, every key. Within
     # either, a request's `cache_salt` keeps its prompts apart from those without the same salt.
     prefix_cache_scope: Literal["key", "fleet"] = "key"
-    responses_ttl_s: int = 30 * 24 * 3600  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
+    responses_ttl_s: int = (
+        30 * 24 * 3600
+    )  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
     # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)
     image_max_bytes: int = 5 * 1024 * 1024  # an encoded image over this is refused with 400
     image_max_pixels: int = 16_000_000  # width x height
     image_max_side: int = 8192  # pixels, either dimension
     images_per_request: int = 8
-    image_url_hosts: list[str] = []  # hosts whose http(s) image URLs the gateway may fetch; empty: none
+    image_url_hosts: list[
+        str
+    ] = []  # hosts whose http(s) image URLs the gateway may fetch; empty: none
     image_fetch_timeout_s: float = 10.0
     # the batch queue (arq, which needs one Redis, not a cluster): '' is `redis_url` itself, and must be
     # set when that names a Redis Cluster
@@ -115,8 +134,10 @@ class GatewaySettings(CortexSettings):
         from shared.redis_conn import is_cluster_url
 
         if is_cluster_url(self.batch_redis_url or self.redis_url):
-            raise ValueError("CORTEX_REDIS_URL names a Redis Cluster, and the batch queue (arq) needs one Redis: "
-                             "set CORTEX_BATCH_REDIS_URL to a single Redis (redis://host:port/db)")
+            raise ValueError(
+                "CORTEX_REDIS_URL names a Redis Cluster, and the batch queue (arq) needs one Redis: "
+                "set CORTEX_BATCH_REDIS_URL to a single Redis (redis://host:port/db)"
+            )
         return self.batch_redis_url or self.redis_url
 
 
@@ -126,22 +147,30 @@ class NodeSettings(CortexSettings):
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    memory_budget_mb: int = 0  # each CPU device reports this much memory (0: the host's); simulates a fleet
+    memory_budget_mb: int = (
+        0  # each CPU device reports this much memory (0: the host's); simulates a fleet
+    )
     # Logical CPU devices ("cpu:0", "cpu:1", …), each its own device thread, for testing tensor
     # parallelism without GPUs and for CPU fleets; they share the host's cores and memory.
     cpu_devices: int = Field(1, ge=1, le=64)
-    tp_timeout_s: float = Field(30.0, gt=0)  # a tensor-parallel collective waiting longer than this fails its model
+    tp_timeout_s: float = Field(
+        30.0, gt=0
+    )  # a tensor-parallel collective waiting longer than this fails its model
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
-    torch_threads: int = 0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
+    torch_threads: int = (
+        0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
+    )
     # A CPU node's torch threads bound one to a CPU each ("" off; "auto": the first CPUs it may run
     # on; or a list such as "0-15" or "0,2,4,6", as vLLM's VLLM_CPU_OMP_THREADS_BIND)
     cpu_bind: str = ""
     # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
     gil_switch_interval_s: float = Field(0.0005, gt=0)
-    hf_cache: str | None = None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
+    hf_cache: str | None = (
+        None  # Hugging Face cache dir; else HF_HUB_CACHE, HF_HOME/hub, the default
+    )
     # Where `hf:` models this node pulls live (shared/model_store.py): from a peer node, else from the hub
     # (huggingface_hub: HF_ENDPOINT for a mirror, HF_TOKEN for gated or private repos)
     models_dir: Path = Path.home() / ".cache" / "cortex" / "models"
@@ -165,7 +194,10 @@ class NodeSettings(CortexSettings):
     @classmethod
     def _empty_is_off(cls, value: Any) -> Any:
         return None if value in ("", None) else value
-    min_free_mb: int = 256  # below this much free device memory, new jobs get 503 insufficient_memory
+
+    min_free_mb: int = (
+        256  # below this much free device memory, new jobs get 503 insufficient_memory
+    )
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish
     # A replica `loading` or `poisoned` for longer than this is given up (`failed`), so that the fleet
     # places its model elsewhere (node_agent/serving/replica.py)
@@ -185,7 +217,9 @@ class BatchSettings(GatewaySettings):
     toml_table: ClassVar[str] = "batch"
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
-    batch_max_tries: int = 3  # tries of a line whose node died (waiting for Redis to come back costs none)
+    batch_max_tries: int = (
+        3  # tries of a line whose node died (waiting for Redis to come back costs none)
+    )
     batch_lease_s: float = 15.0  # a dead worker's batches are resumed by another this long after
     batch_resume_every_s: int = 5  # how often each worker looks for batches nobody runs (1-60)
     batch_max_concurrent: int = 16  # batches one worker runs at once

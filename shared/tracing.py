@@ -40,8 +40,12 @@ def configure(service: str, endpoint: str, instance: str = "") -> trace.TracerPr
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create({"service.name": service} | ({"service.instance.id": instance} if instance else {}))
-    provider = TracerProvider(resource=resource)  # its sampler follows OTEL_TRACES_SAMPLER; it flushes at exit
+    resource = Resource.create(
+        {"service.name": service} | ({"service.instance.id": instance} if instance else {})
+    )
+    provider = TracerProvider(
+        resource=resource
+    )  # its sampler follows OTEL_TRACES_SAMPLER; it flushes at exit
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
     install(provider)
     log.info("tracing: %s sends spans to %s", service, traces_url(endpoint))

@@ -7,15 +7,27 @@ from typing import Literal, NamedTuple
 Layout = Literal["dense", "int4", "int8", "int8-groups", "fp8"]
 
 DENSE_TYPES = {"F32", "F16", "BF16"}  # GGUF tensor types held at full precision
-EXACT_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # affine groups of 32 four-bit codes: mapped code for code
+EXACT_INT4_TYPES = {
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+}  # affine groups of 32 four-bit codes: mapped code for code
 EXACT_INT8_TYPES = {"Q8_0"}  # groups of 32 eight-bit codes, one scale each: mapped code for code
-INT8_TYPES = {"Q6_K", "Q8_K"}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
+INT8_TYPES = {
+    "Q6_K",
+    "Q8_K",
+}  # rounded per output channel to 8 bits; other quantized types to 4-bit groups
 GROUP = 32  # inputs per 4-bit group
 OUT_MULTIPLE = 16  # the int4 kernels pack output rows in tiles of 16 (CPU) / 8 (tinygemm)
 # A 4-bit layer: half a byte a weight, and a bfloat16 scale and zero per group. An 8-bit one (integer
 # or float8): a byte a weight (and one scale per output channel, left out). 8-bit groups run as two
 # 4-bit layers (node_agent/model/quantized_linear.py: Int8GroupLinear).
-BYTES_PER_WEIGHT = {"int4": 0.5 + 2 * 2 / GROUP, "int8": 1.0, "int8-groups": 2 * (0.5 + 2 * 2 / GROUP), "fp8": 1.0}
+BYTES_PER_WEIGHT = {
+    "int4": 0.5 + 2 * 2 / GROUP,
+    "int8": 1.0,
+    "int8-groups": 2 * (0.5 + 2 * 2 / GROUP),
+    "fp8": 1.0,
+}
 
 # Safetensors checkpoints quantized as config.json's `quantization_config` says, and how a node holds
 # their quantized Linear weights under quant = "auto": AWQ's and GPTQ's 4-bit codes as 4-bit groups,
@@ -26,7 +38,15 @@ PACKED_4BIT = "qweight"  # AWQ's and GPTQ's int32 words of eight 4-bit codes
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 # What such a checkpoint keeps beside a Linear's codes: its groups' zeros and scales, GPTQ's group of each
 # input, FP8's scales and static activation scales; a layout's bytes a weight count them already.
-SIDE_TENSORS = {"qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "input_scale", "activation_scale"}
+SIDE_TENSORS = {
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_scale",
+    "weight_scale_inv",
+    "input_scale",
+    "activation_scale",
+}
 
 
 class StoredTensor(NamedTuple):
@@ -34,7 +54,9 @@ class StoredTensor(NamedTuple):
     elements: int
     dims: int
     gguf_type: str = ""  # the GGML type's name; "" in a safetensors checkpoint
-    stored_as: Layout = "dense"  # a quantized safetensors checkpoint's Linear weight: how quant = "auto" holds it
+    stored_as: Layout = (
+        "dense"  # a quantized safetensors checkpoint's Linear weight: how quant = "auto" holds it
+    )
 
 
 def checkpoint_method(config: dict) -> str:
@@ -72,7 +94,9 @@ def gguf_layout(gguf_type: str) -> Layout:
 
 
 def _is_head_or_embedding(name: str) -> bool:
-    return name == "output.weight" or any(part in name for part in ("embed", "lm_head", "token_embd", "wte"))
+    return name == "output.weight" or any(
+        part in name for part in ("embed", "lm_head", "token_embd", "wte")
+    )
 
 
 def layout(tensor: StoredTensor, quant: str) -> Layout:

@@ -64,11 +64,25 @@ class SamplingParams(BaseModel):
 
 # `chat_template_kwargs` keys that would change how a prompt is rendered or returned rather than
 # what the template says; the gateway refuses them and nodes never pass them on.
-RENDERING_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+RENDERING_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class GenerationRequest(Wire):
@@ -107,7 +121,9 @@ class PoolingRequest(Wire):
     # embed: each input a text or the model's own token ids; rerank: the documents' texts
     inputs: list[str | list[int]]
     queries: list[str] = []  # rerank: each input's query (one per input), scored as a pair with it
-    dimensions: int | None = None  # embed: keep this many leading dimensions (Matryoshka), renormalised when it normalises
+    dimensions: int | None = (
+        None  # embed: keep this many leading dimensions (Matryoshka), renormalised when it normalises
+    )
     truncate: bool = False  # inputs longer than the model's context are cut (else refused: context_length_exceeded)
 
 
@@ -126,11 +142,17 @@ class StreamEntry(Wire):
     reply: str
     request_id: str = ""  # the client's x-request-id, so node logs can name it
     stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
-    keep_alive_s: float | None = None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
+    keep_alive_s: float | None = (
+        None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
+    )
     retries: int = 0  # times the janitor put it back after its node was lost
-    key: str | None = None  # the API key (its name) whose budgets the job's tokens count against, where it ends
+    key: str | None = (
+        None  # the API key (its name) whose budgets the job's tokens count against, where it ends
+    )
     # the W3C trace context of the gateway's request span, when traced (shared/tracing.py)
-    traceparent: str | None = Field(None, pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+    traceparent: str | None = Field(
+        None, pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+    )
     body: bytes
 
     def to_fields(self) -> dict[str, str | int | float | bytes]:
@@ -250,7 +272,9 @@ class ErrorEvent(_Event, tag="error", kw_only=True):
 
 
 Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent
-StepEvents = list[tuple[str, list[Event]]]  # one engine step: (job id, its events in order) per job with news
+StepEvents = list[
+    tuple[str, list[Event]]
+]  # one engine step: (job id, its events in order) per job with news
 _event_encoder = msgspec.msgpack.Encoder()
 _event_decoder = msgspec.msgpack.Decoder(Event)
 
@@ -262,7 +286,9 @@ def ends_job(events: list[Event]) -> bool:
 
 def pack(message: BaseModel) -> bytes:
     added = getattr(message, "added_within_version", frozenset())
-    unused = {name for name in added if getattr(message, name) == type(message).model_fields[name].default}
+    unused = {
+        name for name in added if getattr(message, name) == type(message).model_fields[name].default
+    }
     return msgpack.packb(message.model_dump(mode="python", exclude=unused), use_bin_type=True)
 
 

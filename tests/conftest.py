@@ -41,7 +41,13 @@ os.environ.setdefault("CORTEX_COMPILE_CACHE", "")
 START_TIMEOUT_S = 20.0
 
 
-def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive: Callable[[], bool] = lambda: True) -> None:
+def wait_until(
+    ready: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    *,
+    alive: Callable[[], bool] = lambda: True,
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
@@ -55,7 +61,9 @@ def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, *, alive:
     raise TimeoutError(f"{what} not ready after {timeout_s:g}s")
 
 
-async def eventually(predicate: Callable[[], object], timeout_s: float = 5.0, what: str = "condition") -> None:
+async def eventually(
+    predicate: Callable[[], object], timeout_s: float = 5.0, what: str = "condition"
+) -> None:
     """Until `predicate()` (or what it awaits to) is true; TimeoutError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not await _value(predicate()):
@@ -72,7 +80,9 @@ class Service:
     """A child process (started by shared.processes, like every part Cortex starts) with its output
     in a log file; `stop()` terminates it (then kills)."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+    ):
         self.name, self.log_path = name, log_path
         self.child = processes.start(name, args, env, log_path=log_path)
         self.proc = self.child.proc
@@ -108,7 +118,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("redis-server is not on PATH (scripts/test installs it)")
     port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
-    server = Service("redis-server", processes.redis_server_argv(port, workdir=workdir), workdir / "redis.log")
+    server = Service(
+        "redis-server", processes.redis_server_argv(port, workdir=workdir), workdir / "redis.log"
+    )
     url = f"redis://127.0.0.1:{port}/0"
     server.wait_ready(lambda: redis_answers(url))
     yield url
@@ -147,13 +159,19 @@ def gateway_env() -> dict[str, str]:
 @pytest.fixture
 def gateway_url(redis_url: str, gateway_env: dict[str, str], tmp_path: Path) -> Iterator[str]:
     port = free_port()
-    env = os.environ | {
-        "CORTEX_REDIS_URL": redis_url,
-        "CORTEX_HOST": "127.0.0.1",
-        "CORTEX_PORT": str(port),
-        "CORTEX_LOG_LEVEL": "INFO",
-    } | gateway_env
-    gateway = Service("gateway", [sys.executable, "-m", "gateway"], tmp_path / "gateway.log", env=env)
+    env = (
+        os.environ
+        | {
+            "CORTEX_REDIS_URL": redis_url,
+            "CORTEX_HOST": "127.0.0.1",
+            "CORTEX_PORT": str(port),
+            "CORTEX_LOG_LEVEL": "INFO",
+        }
+        | gateway_env
+    )
+    gateway = Service(
+        "gateway", [sys.executable, "-m", "gateway"], tmp_path / "gateway.log", env=env
+    )
     url = f"http://127.0.0.1:{port}"
     gateway.wait_ready(lambda: _http_ok(f"{url}/health"))
     yield url
@@ -165,22 +183,33 @@ def gateway_url(redis_url: str, gateway_env: dict[str, str], tmp_path: Path) -> 
 # unit tests marked `slow` one by one (a whole step compiled, a fresh process's peak memory, a
 # default-model load, thousands of samples); the full run has them all.
 TIERS = {"tests/integration/": "integration", "tests/model/": "model", "tests/gpu/": "gpu"}
-SLOW_UNIT_MODULES = {"test_architectures.py", "test_vision.py", "test_cpu_attention.py",  # the architecture matrix
-                     "test_quantized_matrix.py",
-                     "test_tensor_parallel.py", "test_quantized_tensor_parallel.py"}  # ranks in processes (gloo)
+SLOW_UNIT_MODULES = {
+    "test_architectures.py",
+    "test_vision.py",
+    "test_cpu_attention.py",  # the architecture matrix
+    "test_quantized_matrix.py",
+    "test_tensor_parallel.py",
+    "test_quantized_tensor_parallel.py",
+}  # ranks in processes (gloo)
 
 
 def pytest_addoption(parser):
-    parser.addoption("--soak-s", type=float, default=0.0,
-                     help="run the fleet soak (tests/integration/fleet/test_soak.py) at least this long; "
-                          "0: each fault once")
+    parser.addoption(
+        "--soak-s",
+        type=float,
+        default=0.0,
+        help="run the fleet soak (tests/integration/fleet/test_soak.py) at least this long; "
+        "0: each fault once",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     soak_s = config.getoption("--soak-s")
     for item in items:
         if soak_s and item.get_closest_marker("timeout") and "test_soak" in item.nodeid:
-            item.add_marker(pytest.mark.timeout(600 + 2 * soak_s), append=False)  # the longer soak's own limit
+            item.add_marker(
+                pytest.mark.timeout(600 + 2 * soak_s), append=False
+            )  # the longer soak's own limit
         path = Path(str(item.fspath)).as_posix()
         tier = next((mark for folder, mark in TIERS.items() if f"/{folder}" in path), None)
         if tier:

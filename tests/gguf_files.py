@@ -21,14 +21,18 @@ _ARCHES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen3": gguf.MODEL_ARCH.QWEN3}
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's permutation of a llama Q/K weight's rows (transformers undoes it at load)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _random_k_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> np.ndarray:
     block_elements, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_elements, block_bytes), dtype=np.uint8)
     for at, scale in zip(_SUPER_SCALES[qtype], (0.002, 0.006)):
-        blocks[:, at:at + 2 or None] = np.array([scale], np.float16).view(np.uint8)
+        blocks[:, at : at + 2 or None] = np.array([scale], np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -57,9 +61,15 @@ def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:
         if weight.ndim != 2 or name == "token_embd.weight":
             writer.add_tensor(name, weight.astype(np.float32))
         elif linear_type in WRITABLE:
-            writer.add_tensor(name, gguf.quants.quantize(weight.astype(np.float32), linear_type), raw_dtype=linear_type)
+            writer.add_tensor(
+                name,
+                gguf.quants.quantize(weight.astype(np.float32), linear_type),
+                raw_dtype=linear_type,
+            )
         else:
-            writer.add_tensor(name, _random_k_blocks(*weight.shape, linear_type, rng), raw_dtype=linear_type)
+            writer.add_tensor(
+                name, _random_k_blocks(*weight.shape, linear_type, rng), raw_dtype=linear_type
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -24,7 +24,9 @@ LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")
 CHUNK = 4096
 
 
-def publish(root: Path, repo: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> dict:
+def publish(
+    root: Path, repo: str, folder: Path, commit: str = "0123456789abcdef0123456789abcdef01234567"
+) -> dict:
     """Copy every file of `folder` into the hub as `repo` at `commit`; returns its metadata."""
     target = root / repo
     target.mkdir(parents=True, exist_ok=True)
@@ -32,10 +34,17 @@ def publish(root: Path, repo: str, folder: Path, commit: str = "0123456789abcdef
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         data = path.read_bytes()
         (target / path.name).write_bytes(data)
-        entry = {"rfilename": path.name, "size": len(data),
-                 "blobId": hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()}
+        entry = {
+            "rfilename": path.name,
+            "size": len(data),
+            "blobId": hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest(),
+        }
         if path.name.endswith(LFS_SUFFIXES):
-            entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            entry["lfs"] = {
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "pointerSize": 134,
+            }
         siblings.append(entry)
     meta = {"id": repo, "sha": commit, "siblings": siblings}
     (root / f"{repo}.meta.json").write_text(json.dumps(meta))
@@ -62,8 +71,11 @@ class Hub(BaseHTTPRequestHandler):
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(status)
-        for name, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                            **(headers or {})}.items():
+        for name, value in {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(data)),
+            **(headers or {}),
+        }.items():
             self.send_header(name, value)
         self.end_headers()
         if self.command != "HEAD":
@@ -94,23 +106,45 @@ class Hub(BaseHTTPRequestHandler):
         meta = self._meta(repo)
         revision = parts[3] if parts[2:3] == ["revision"] else "main"
         if meta is None or revision not in ("main", meta["sha"]):
-            self._send_json(404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"})
+            self._send_json(
+                404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
+            )
             return
         blobs = "blobs=true" in (urlparse(self.path).query or "").lower()
-        siblings = meta["siblings"] if blobs else [{"rfilename": s["rfilename"]} for s in meta["siblings"]]
-        self._send_json(200, {"id": repo, "modelId": repo, "sha": meta["sha"], "private": False, "siblings": siblings})
+        siblings = (
+            meta["siblings"] if blobs else [{"rfilename": s["rfilename"]} for s in meta["siblings"]]
+        )
+        self._send_json(
+            200,
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": meta["sha"],
+                "private": False,
+                "siblings": siblings,
+            },
+        )
 
     def _resolve(self, repo: str, revision: str, name: str) -> None:
         meta = self._meta(repo)
-        sibling = next((s for s in (meta or {}).get("siblings", []) if s["rfilename"] == name), None)
+        sibling = next(
+            (s for s in (meta or {}).get("siblings", []) if s["rfilename"] == name), None
+        )
         if meta is None or sibling is None or revision not in ("main", meta["sha"]):
             self._send_json(404, {"error": "Entry not found"}, {"X-Error-Code": "EntryNotFound"})
             return
         data = (self.root / repo / name).read_bytes()
-        headers = {"X-Repo-Commit": meta["sha"], "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        headers = {
+            "X-Repo-Commit": meta["sha"],
+            "Accept-Ranges": "bytes",
+            "Content-Type": "application/octet-stream",
+        }
         if "lfs" in sibling:
-            headers |= {"ETag": f'"{sibling["lfs"]["sha256"]}"', "X-Linked-Etag": f'"{sibling["lfs"]["sha256"]}"',
-                        "X-Linked-Size": str(sibling["size"])}
+            headers |= {
+                "ETag": f'"{sibling["lfs"]["sha256"]}"',
+                "X-Linked-Etag": f'"{sibling["lfs"]["sha256"]}"',
+                "X-Linked-Size": str(sibling["size"]),
+            }
         else:
             headers["ETag"] = f'"{sibling["blobId"]}"'
         start = 0
@@ -129,7 +163,7 @@ class Hub(BaseHTTPRequestHandler):
         if self.command == "HEAD":
             return
         for at in range(0, len(body), CHUNK):
-            self.wfile.write(body[at:at + CHUNK])
+            self.wfile.write(body[at : at + CHUNK])
             if self.throttle_bps:
                 self.wfile.flush()
                 time.sleep(CHUNK / self.throttle_bps)
@@ -143,7 +177,12 @@ def main() -> None:
     parser.add_argument("--throttle-bps", type=int, default=0)
     parser.add_argument("--token", default="")
     args = parser.parse_args()
-    Hub.root, Hub.log_file, Hub.throttle_bps, Hub.token = args.root, args.log, args.throttle_bps, args.token
+    Hub.root, Hub.log_file, Hub.throttle_bps, Hub.token = (
+        args.root,
+        args.log,
+        args.throttle_bps,
+        args.token,
+    )
     ThreadingHTTPServer(("127.0.0.1", args.port), Hub).serve_forever()
 
 

@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 MAX_ITEMS = 3
 # any code point, surrogates included (`st.characters()` leaves them out by default)
 TEXT = st.text(st.characters(exclude_categories=()), max_size=12)
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**63 - 2, max_value=2**70),
-                    st.floats(allow_nan=False, allow_infinity=False), TEXT)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=2**63 - 2, max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    TEXT,
+)
 DEEPEST = 600  # levels of nesting a drawn value may have: past pydantic's serializer (~250), within json's parser (~1,000)
 
 
@@ -22,9 +28,13 @@ def nested(depth: int, leaf: Any = "x") -> Any:
     return leaf
 
 
-ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=MAX_ITEMS)
-                        | st.dictionaries(TEXT, inner, max_size=MAX_ITEMS), max_leaves=8) \
-    | st.integers(1, DEEPEST).map(nested)
+ANY_JSON = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=MAX_ITEMS) | st.dictionaries(TEXT, inner, max_size=MAX_ITEMS)
+    ),
+    max_leaves=8,
+) | st.integers(1, DEEPEST).map(nested)
 
 
 class Bodies:
@@ -64,16 +74,25 @@ class Bodies:
             return self._object(schema, junk)
         if kind == "array":
             if "prefixItems" in schema:
-                return st.tuples(*(self.of(item, junk=junk) for item in schema["prefixItems"])).map(list)
+                return st.tuples(*(self.of(item, junk=junk) for item in schema["prefixItems"])).map(
+                    list
+                )
             items = self.of(schema.get("items", {}), junk=junk)
-            return st.lists(items, min_size=min(schema.get("minItems", 0), MAX_ITEMS), max_size=MAX_ITEMS)
+            return st.lists(
+                items, min_size=min(schema.get("minItems", 0), MAX_ITEMS), max_size=MAX_ITEMS
+            )
         if kind == "string":
             return st.one_of(TEXT, st.text(max_size=12))
         if kind == "integer":
-            low, high = (None if (bound := schema.get(name)) is None else int(bound) for name in ("minimum", "maximum"))
+            low, high = (
+                None if (bound := schema.get(name)) is None else int(bound)
+                for name in ("minimum", "maximum")
+            )
             return st.integers(low, high) | st.integers(-3, 300)
         if kind == "number":
-            return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False)
+            return st.floats(
+                schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False
+            )
         if kind == "boolean":
             return st.booleans()
         if kind == "null":
@@ -85,7 +104,11 @@ class Bodies:
         required = set(schema.get("required", ()))
         fields = {name: self.of(sub, junk=junk) for name, sub in properties.items()}
         optional = [name for name in properties if name not in required]
-        chosen = st.sets(st.sampled_from(optional), max_size=len(optional)) if optional else st.just(set())
+        chosen = (
+            st.sets(st.sampled_from(optional), max_size=len(optional))
+            if optional
+            else st.just(set())
+        )
         extra = schema.get("additionalProperties")
         values = self.of(extra, junk=junk) if isinstance(extra, dict) else ANY_JSON
 
@@ -96,4 +119,5 @@ class Bodies:
             if extra is not None and extra is not False:
                 body |= draw(st.dictionaries(st.text(max_size=8), values, max_size=2))
             return body
+
         return build()

@@ -45,8 +45,16 @@ def small_vocab_dirs(tmp_path_factory) -> TinyDirs:
 
 
 def tiny_profile(folder: Path, **overrides) -> ModelProfile:
-    return ModelProfile(**{"id": folder.name, "source": str(folder), "dtype": "float32", "slots": 8,
-                           "max_model_len": 256} | overrides)
+    return ModelProfile(
+        **{
+            "id": folder.name,
+            "source": str(folder),
+            "dtype": "float32",
+            "slots": 8,
+            "max_model_len": 256,
+        }
+        | overrides
+    )
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +66,10 @@ def tiny_llama(tiny_dirs):
 @pytest.fixture(scope="session")
 def tiny_vision_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-vision")
-    return {arch: tiny_models.build_vision(arch, root / arch, smol_tokenizer) for arch in tiny_models.VISION_ARCHITECTURES}
+    return {
+        arch: tiny_models.build_vision(arch, root / arch, smol_tokenizer)
+        for arch in tiny_models.VISION_ARCHITECTURES
+    }
 
 
 @pytest.fixture(scope="session", params=sorted(tiny_models.VISION_ARCHITECTURES))

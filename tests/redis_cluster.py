@@ -101,20 +101,35 @@ class LocalCluster:
     def masters(self) -> list[int]:
         """Ports of the masters not flagged failed, as a live node sees them."""
         nodes = self._ask(lambda c: c.execute_command("CLUSTER NODES"))
-        return sorted(int(addr.rsplit(":", 1)[1]) for addr, node in nodes.items()
-                      if "master" in node["flags"] and "fail" not in node["flags"])
+        return sorted(
+            int(addr.rsplit(":", 1)[1])
+            for addr, node in nodes.items()
+            if "master" in node["flags"] and "fail" not in node["flags"]
+        )
 
     def replicas(self) -> list[int]:
         """Live nodes whose role is replica."""
-        return [port for port in self.live_ports()
-                if self._ask(lambda c: c.info("replication")["role"], port) == "slave"]
+        return [
+            port
+            for port in self.live_ports()
+            if self._ask(lambda c: c.info("replication")["role"], port) == "slave"
+        ]
 
     def masters_with_replicas(self) -> list[int]:
         """Ports of the live masters that a live replica follows (those that can fail over)."""
         nodes = self._ask(lambda c: c.execute_command("CLUSTER NODES"))
-        followed = {node["master_id"] for node in nodes.values() if "slave" in node["flags"] and "fail" not in node["flags"]}
-        return sorted(int(addr.rsplit(":", 1)[1]) for addr, node in nodes.items()
-                      if "master" in node["flags"] and "fail" not in node["flags"] and node["node_id"] in followed)
+        followed = {
+            node["master_id"]
+            for node in nodes.values()
+            if "slave" in node["flags"] and "fail" not in node["flags"]
+        }
+        return sorted(
+            int(addr.rsplit(":", 1)[1])
+            for addr, node in nodes.items()
+            if "master" in node["flags"]
+            and "fail" not in node["flags"]
+            and node["node_id"] in followed
+        )
 
     def client(self, decode_responses: bool = True) -> RedisCluster:
         """A cluster client seeded with a live master."""
@@ -124,8 +139,12 @@ class LocalCluster:
 
     def commands_per_node(self) -> dict[int, int]:
         """Per live node: total calls in INFO commandstats (every command it has served)."""
-        return {port: sum(stat["calls"] for stat in self._ask(lambda c: c.info("commandstats"), port).values())
-                for port in self.live_ports()}
+        return {
+            port: sum(
+                stat["calls"] for stat in self._ask(lambda c: c.info("commandstats"), port).values()
+            )
+            for port in self.live_ports()
+        }
 
     def kill(self, port: int) -> None:
         """SIGKILL the node on `port` and reap it."""
@@ -140,17 +159,31 @@ class LocalCluster:
         with self.node(port) as master:
             info = master.info("replication")
             target = int(info["master_repl_offset"])
-            _wait(lambda: all(int(r["offset"]) >= target for k, r in master.info("replication").items()
-                              if k.startswith("slave") and isinstance(r, dict)) and info["connected_slaves"] > 0,
-                  timeout_s, lambda: f"the replicas of {port} did not reach offset {target}")
+            _wait(
+                lambda: (
+                    all(
+                        int(r["offset"]) >= target
+                        for k, r in master.info("replication").items()
+                        if k.startswith("slave") and isinstance(r, dict)
+                    )
+                    and info["connected_slaves"] > 0
+                ),
+                timeout_s,
+                lambda: f"the replicas of {port} did not reach offset {target}",
+            )
 
     def rejoin(self, port: int, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Start a killed node again on its files: it rejoins as a replica of the master that took its
         slots (what an operator does after a failover); returns once its replication link is up."""
         workdir = self.root / f"node-{port}"
         self.nodes[port] = Service(f"redis-{port}", self.argv[port], workdir / "redis-rejoined.log")
-        _wait(lambda: self._ask(lambda c: c.info("replication").get("master_link_status"), port) == "up", timeout_s,
-              lambda: f"{port} did not rejoin as a replica; cluster nodes:\n{self._describe()}")
+        _wait(
+            lambda: (
+                self._ask(lambda c: c.info("replication").get("master_link_status"), port) == "up"
+            ),
+            timeout_s,
+            lambda: f"{port} did not rejoin as a replica; cluster nodes:\n{self._describe()}",
+        )
 
     def healthy(self, without: int | None = None) -> bool:
         """Every live node: cluster_state ok, all slots ok, and (with `without`) no slot owned by it."""
@@ -158,7 +191,9 @@ class LocalCluster:
             info = self._ask(lambda c: c.cluster("info"), port)
             if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != SLOTS:
                 return False
-            if without is not None and any(owner == without for _, _, owner in self._slot_owners(port)):
+            if without is not None and any(
+                owner == without for _, _, owner in self._slot_owners(port)
+            ):
                 return False
         return True
 
@@ -166,8 +201,11 @@ class LocalCluster:
         """Until every live node sees all slots served by masters other than `dead_port` and says
         cluster_state:ok; returns the seconds it took."""
         started = time.monotonic()
-        _wait(lambda: self.healthy(without=dead_port), timeout_s,
-              lambda: f"no failover from {dead_port}; cluster nodes:\n{self._describe()}")
+        _wait(
+            lambda: self.healthy(without=dead_port),
+            timeout_s,
+            lambda: f"no failover from {dead_port}; cluster nodes:\n{self._describe()}",
+        )
         return time.monotonic() - started
 
     def wait_ready(self, masters: int, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -181,11 +219,23 @@ class LocalCluster:
                     return False
             if not self.healthy() or len(self.masters()) != masters:
                 return False
-            return all(self._ask(lambda c: c.info("replication").get("master_link_status"), port) == "up"
-                       for port in self.replicas()) and len(self.replicas()) == total - masters
+            return (
+                all(
+                    self._ask(lambda c: c.info("replication").get("master_link_status"), port)
+                    == "up"
+                    for port in self.replicas()
+                )
+                and len(self.replicas()) == total - masters
+            )
 
-        _wait(ready, timeout_s, lambda: f"cluster not ready; redis-cli said:\n{self.create_output}\n"
-                                        f"cluster nodes:\n{self._describe()}")
+        _wait(
+            ready,
+            timeout_s,
+            lambda: (
+                f"cluster not ready; redis-cli said:\n{self.create_output}\n"
+                f"cluster nodes:\n{self._describe()}"
+            ),
+        )
 
     def _describe(self) -> str:
         def raw_nodes(client: redis.Redis) -> str:
@@ -215,20 +265,43 @@ def start_cluster(root: Path, masters: int = 3, replicas: int = 1) -> LocalClust
             workdir = root / f"node-{port}"
             workdir.mkdir(parents=True)
             argv = redis_server_argv(port, workdir=workdir) + [
-                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                "--cluster-node-timeout", "1000", "--cluster-port", str(bus_port),
-                "--repl-diskless-sync-delay", "0"]  # a replica's first sync at once, not after 5 s
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{port}.conf",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-port",
+                str(bus_port),
+                "--repl-diskless-sync-delay",
+                "0",
+            ]  # a replica's first sync at once, not after 5 s
             cluster.argv[port] = argv
             cluster.nodes[port] = Service(f"redis-{port}", argv, workdir / "redis.log")
             cluster.ports.append(port)
         for port, service in cluster.nodes.items():
             service.wait_ready(lambda url=f"redis://{HOST}:{port}": redis_answers(url))
-        create = subprocess.run([cli, "--cluster", "create", *(f"{HOST}:{port}" for port in cluster.ports),
-                                 "--cluster-replicas", str(replicas), "--cluster-yes"],
-                                capture_output=True, text=True, timeout=READY_TIMEOUT_S)
-        cluster.create_output = re.sub(r"\x1b\[[0-9;]*m", "", create.stdout + create.stderr)  # no colours
+        create = subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"{HOST}:{port}" for port in cluster.ports),
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=READY_TIMEOUT_S,
+        )
+        cluster.create_output = re.sub(
+            r"\x1b\[[0-9;]*m", "", create.stdout + create.stderr
+        )  # no colours
         if create.returncode != 0:
-            raise RuntimeError(f"redis-cli --cluster create failed ({create.returncode}):\n{cluster.create_output}")
+            raise RuntimeError(
+                f"redis-cli --cluster create failed ({create.returncode}):\n{cluster.create_output}"
+            )
         cluster.wait_ready(masters)
         first = cluster.masters()
         cluster.ports.sort(key=lambda port: port not in first)  # masters first, in creation order

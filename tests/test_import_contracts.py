@@ -10,12 +10,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
-MODEL_MODULES = [p.stem for p in (ROOT / "node_agent" / "model").glob("*.py") if p.stem != "__init__"]
+MODEL_MODULES = [
+    p.stem for p in (ROOT / "node_agent" / "model").glob("*.py") if p.stem != "__init__"
+]
 
 
 def lint_imports(cwd: Path, config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(LINT_IMPORTS), "--config", str(config), "--no-cache"], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--config", str(config), "--no-cache"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(cwd), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_the_tree_keeps_the_import_contracts():
@@ -25,11 +33,15 @@ def test_the_tree_keeps_the_import_contracts():
 
 
 def test_the_contracts_catch_imports_against_the_rules(tmp_path: Path):
-    modules = {"gateway/server.py": "", "shared/server.py": "import gateway.server\n",
-               "node_agent/agent.py": "from gateway import server\n",
-               "node_agent/serving/agent.py": "import node_agent.model.runner\n",
-               "node_agent/engine/engine.py": "", "node_agent/tp/channel.py": "",
-               "node_agent/model/forward.py": "import node_agent.engine.engine\n"}
+    modules = {
+        "gateway/server.py": "",
+        "shared/server.py": "import gateway.server\n",
+        "node_agent/agent.py": "from gateway import server\n",
+        "node_agent/serving/agent.py": "import node_agent.model.runner\n",
+        "node_agent/engine/engine.py": "",
+        "node_agent/tp/channel.py": "",
+        "node_agent/model/forward.py": "import node_agent.engine.engine\n",
+    }
     modules |= {f"node_agent/model/{name}.py": "" for name in MODEL_MODULES if name != "forward"}
     for path, source in modules.items():
         for package in Path(path).parents:

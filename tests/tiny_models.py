@@ -10,22 +10,45 @@ import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-_LINEAR_ATTENTION = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=4)  # 3 linear, 1 full
-_SLIDING = dict(sliding_window=8, head_dim=16, num_hidden_layers=4,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
-_GEMMA = dict(query_pre_attn_scalar=16, tie_word_embeddings=False)  # tied, its scaled embeddings make one token win
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+_LINEAR_ATTENTION = dict(
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_hidden_layers=4,
+)  # 3 linear, 1 full
+_SLIDING = dict(
+    sliding_window=8,
+    head_dim=16,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
+_GEMMA = dict(
+    query_pre_attn_scalar=16, tie_word_embeddings=False
+)  # tied, its scaled embeddings make one token win
+_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 
 ARCHITECTURES = {  # the architecture matrix (node_agent/model/architectures.py): model_type and config overrides
     "llama": dict(model_type="llama"),
     "mistral": dict(model_type="mistral", sliding_window=8),  # every layer sliding
-    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "mixtral": dict(
+        model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, **_MOE),
     "qwen3_5_text": dict(model_type="qwen3_5_text", **_LINEAR_ATTENTION),
-    "qwen3_next": dict(model_type="qwen3_next", shared_expert_intermediate_size=32, **_LINEAR_ATTENTION, **_MOE),
+    "qwen3_next": dict(
+        model_type="qwen3_next", shared_expert_intermediate_size=32, **_LINEAR_ATTENTION, **_MOE
+    ),
     "gemma2": dict(model_type="gemma2", **_SLIDING, **_GEMMA),
     "gemma3_text": dict(model_type="gemma3_text", **_SLIDING, **_GEMMA),
     "phi3": dict(model_type="phi3"),
@@ -38,11 +61,23 @@ def build(arch: str, folder: Path, tokenizer, seed: int = 0, **config: object) -
     """Save a random model of `arch` (hidden 64, 2 layers, unless its entry says otherwise) with
     `tokenizer` into `folder`; `config` overrides fields of its config (`model_type="gpt2"`
     builds an architecture outside ARCHITECTURES, for tests of what is refused)."""
-    spec = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    ) | ARCHITECTURES[arch] | config
+    spec = (
+        dict(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.2,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=True,
+        )
+        | ARCHITECTURES[arch]
+        | config
+    )
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -51,19 +86,35 @@ def build(arch: str, folder: Path, tokenizer, seed: int = 0, **config: object) -
     return folder
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["The capital of France is Paris.", "Write a poem about the sea and the sky.", "1 2 3 4 5 6 7 8 9 10",
-          "Tell me about transformers and attention in detail please.", "Hello there! Why? What is it?"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris.",
+    "Write a poem about the sea and the sky.",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Tell me about transformers and attention in detail please.",
+    "Hello there! Why? What is it?",
+]
 
 
 def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (any text encodes; every id decodes) with a ChatML template."""
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS * 20, vocab_size=vocab_size, min_frequency=1,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                   bos_token="<|endoftext|>", chat_template=CHATML)
+    bpe.train_from_iterator(
+        CORPUS * 20,
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
 
 
 def _distinct_tokens(tokenizer, text: str, taken: set[int]) -> list[int]:
@@ -91,7 +142,9 @@ def _distinct_tokens(tokenizer, text: str, taken: set[int]) -> list[int]:
     return ids
 
 
-def build_scripted(folder: Path, tokenizer, replies: dict[int, str], *, context: int = 32768) -> Path:
+def build_scripted(
+    folder: Path, tokenizer, replies: dict[int, str], *, context: int = 32768
+) -> Path:
     """A Llama whose output is a script: after a prompt whose last token is a key of `replies`, it
     writes that reply, then EOS (after any other prompt, EOS at once), at any temperature.
 
@@ -109,9 +162,18 @@ def build_scripted(folder: Path, tokenizer, replies: dict[int, str], *, context:
             chain[current] = following
     hidden = 1 << max(len(chain) + 1, 64).bit_length()
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.02,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        "llama",
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=0.02,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -136,12 +198,22 @@ def build_scripted(folder: Path, tokenizer, replies: dict[int, str], *, context:
 # ---- vision models ----------------------------------------------------------------------------
 
 # A ChatML template that writes each image part as the model's image placeholder (Qwen2-VL's manner).
-VISION_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ IMAGE }}{% elif p['type'] == 'text' %}"
-                 "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True)
+VISION_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}{{ IMAGE }}{% elif p['type'] == 'text' %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    tie_word_embeddings=True,
+)
 
 
 def _qwen_vision(tokenizer) -> tuple[dict, list, str]:
@@ -154,10 +226,22 @@ def _qwen_vision(tokenizer) -> tuple[dict, list, str]:
     special = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tokenizer.add_special_tokens({"additional_special_tokens": special})
     start, end, image, video = tokenizer.convert_tokens_to_ids(special)
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=4 * 28 * 28, max_pixels=16 * 28 * 28, patch_size=14,
-                                               merge_size=2, temporal_patch_size=2)
-    tokenizer.chat_template = VISION_CHATML.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
-    ids = dict(image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=4 * 28 * 28,
+        max_pixels=16 * 28 * 28,
+        patch_size=14,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    tokenizer.chat_template = VISION_CHATML.replace(
+        "{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>"
+    )
+    ids = dict(
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+    )
     return ids, [tokenizer, image_processor], tokenizer.chat_template
 
 
@@ -166,13 +250,32 @@ def _qwen2_5_vl(tokenizer):
 
     ids, parts, template = _qwen_vision(tokenizer)
     config = Qwen2_5_VLConfig(
-        text_config=TEXT | dict(vocab_size=len(tokenizer), rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
-                                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                                pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
-                           initializer_range=0.2),
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, **ids)
+        text_config=TEXT
+        | dict(
+            vocab_size=len(tokenizer),
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3]},
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=56,
+            fullatt_block_indexes=[1],
+            initializer_range=0.2,
+        ),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        **ids,
+    )
     return config, parts, template
 
 
@@ -182,17 +285,37 @@ def _idefics3(tokenizer):
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     template = VISION_CHATML.replace("{{ IMAGE }}", "<image>")
-    image_processor = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 64},
-                                                max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
-                                  chat_template=template)  # (32 / 8)^2 patches / scale_factor^2 = 4 tokens per tile
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=4,
+        chat_template=template,
+    )  # (32 / 8)^2 patches / scale_factor^2 = 4 tokens per tile
     config = Idefics3Config(
-        text_config=TEXT | dict(model_type="llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                           patch_size=8, initializer_range=0.2),
-        scale_factor=2, image_token_id=processor.image_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True)
+        text_config=TEXT
+        | dict(
+            model_type="llama",
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+            initializer_range=0.2,
+        ),
+        scale_factor=2,
+        image_token_id=processor.image_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
     return config, [processor], template
 
 
@@ -203,13 +326,35 @@ def _qwen3_5(tokenizer):
     ids, parts, template = _qwen_vision(tokenizer)
     text = {k: v for k, v in TEXT.items() if k != "num_hidden_layers"} | _LINEAR_ATTENTION
     config = Qwen3_5Config(
-        text_config=text | dict(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.2),
-        tie_word_embeddings=True, **ids)
+        text_config=text
+        | dict(
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            initializer_range=0.2,
+        ),
+        tie_word_embeddings=True,
+        **ids,
+    )
     return config, parts, template
 
 
@@ -218,24 +363,55 @@ def _gemma3(tokenizer):
     from transformers.models.gemma3 import Gemma3Config, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    names = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
     tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
-    tokenizer._set_model_specific_special_tokens(special_tokens=names)  # what Gemma's tokenizer config declares
+    tokenizer._set_model_specific_special_tokens(
+        special_tokens=names
+    )  # what Gemma's tokenizer config declares
     template = VISION_CHATML.replace("{{ IMAGE }}", "<start_of_image>")
-    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
-                                tokenizer=tokenizer, image_seq_length=4, chat_template=template)
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=template,
+    )
     text = {k: v for k, v in TEXT.items() if k != "num_hidden_layers"} | _SLIDING
     config = Gemma3Config(
-        text_config=text | dict(query_pre_attn_scalar=16, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-                           patch_size=8),
-        mm_tokens_per_image=4, boi_token_index=tokenizer.boi_token_id, eoi_token_index=tokenizer.eoi_token_id,
-        image_token_index=tokenizer.image_token_id, tie_word_embeddings=True, initializer_range=0.2)
+        text_config=text
+        | dict(
+            query_pre_attn_scalar=16,
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        image_token_index=tokenizer.image_token_id,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
     return config, [processor], template
 
 
-VISION_ARCHITECTURES = {"qwen2_5_vl": _qwen2_5_vl, "idefics3": _idefics3, "qwen3_5": _qwen3_5, "gemma3": _gemma3}
+VISION_ARCHITECTURES = {
+    "qwen2_5_vl": _qwen2_5_vl,
+    "idefics3": _idefics3,
+    "qwen3_5": _qwen3_5,
+    "gemma3": _gemma3,
+}
 
 
 def build_vision(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
@@ -248,7 +424,9 @@ def build_vision(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     projector = getattr(model.model, "multi_modal_projector", None)
-    if hasattr(projector, "mm_input_projection_weight"):  # Gemma 3 starts it at zeros: images would not matter
+    if hasattr(
+        projector, "mm_input_projection_weight"
+    ):  # Gemma 3 starts it at zeros: images would not matter
         torch.nn.init.normal_(projector.mm_input_projection_weight, std=0.2)
     model.save_pretrained(folder)
     for part in parts:

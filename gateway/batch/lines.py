@@ -31,11 +31,17 @@ from shared.errors import CortexError, InvalidRequest
 @dataclass(frozen=True)
 class Endpoint:
     request: type[BaseModel]  # a `gateway.jobs.ApiRequest`, or the embeddings request
-    render: Callable[[Job, Any, Any], BaseModel]  # (job, request, result): as the endpoint answers it, not streamed
-    start: Callable[[GatewayContext, Any, Caller], Awaitable[Job]] = (  # queue the line's job in the batch class
-        lambda ctx, body, caller: submit_request(ctx, body, caller, priority="batch"))
+    render: Callable[
+        [Job, Any, Any], BaseModel
+    ]  # (job, request, result): as the endpoint answers it, not streamed
+    start: Callable[
+        [GatewayContext, Any, Caller], Awaitable[Job]
+    ] = (  # queue the line's job in the batch class
+        lambda ctx, body, caller: submit_request(ctx, body, caller, priority="batch")
+    )
     result: Callable[[Job, Any], Awaitable[Any]] = (  # the job's result, once done (the job closed)
-        lambda job, body: _gathered(job, getattr(body, "n", 1)))
+        lambda job, body: _gathered(job, getattr(body, "n", 1))
+    )
 
 
 async def _gathered(job: Job, n: int) -> Gathered:
@@ -44,15 +50,21 @@ async def _gathered(job: Job, n: int) -> Gathered:
 
 
 ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": Endpoint(ChatCompletionRequest, lambda job, _, g: chat_completion(job, g, job.parsers)),
+    "/v1/chat/completions": Endpoint(
+        ChatCompletionRequest, lambda job, _, g: chat_completion(job, g, job.parsers)
+    ),
     "/v1/completions": Endpoint(CompletionRequest, lambda job, _, g: completion(job, g)),
     "/v1/embeddings": Endpoint(
-        EmbeddingCreateParams, lambda job, body, result: embedding_response(body.model, result, body.encoding_format),
-        start=lambda ctx, body, caller: submit_embedding(ctx, caller, body.model, body.inputs,
-                                                         dimensions=body.dimensions, priority="batch"),
-        result=lambda job, body: embedded(job)),
-    "/v1/messages": Endpoint(MessageCreateParams,
-                             lambda job, _, g: message(job, g.choices[0], g.usage, job.parsers())),
+        EmbeddingCreateParams,
+        lambda job, body, result: embedding_response(body.model, result, body.encoding_format),
+        start=lambda ctx, body, caller: submit_embedding(
+            ctx, caller, body.model, body.inputs, dimensions=body.dimensions, priority="batch"
+        ),
+        result=lambda job, body: embedded(job),
+    ),
+    "/v1/messages": Endpoint(
+        MessageCreateParams, lambda job, _, g: message(job, g.choices[0], g.usage, job.parsers())
+    ),
 }
 
 
@@ -76,23 +88,41 @@ def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LineError("invalid_json", f"the line is not JSON: {exc}") from None
     if not isinstance(line, dict):
-        raise LineError("invalid_request", "the line must be a JSON object with custom_id, method, url and body")
+        raise LineError(
+            "invalid_request", "the line must be a JSON object with custom_id, method, url and body"
+        )
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "the line has no custom_id (a non-empty string)")
     if line.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"method must be POST; got {line.get('method')!r}", custom_id)
+        raise LineError(
+            "invalid_method", f"method must be POST; got {line.get('method')!r}", custom_id
+        )
     if line.get("url") != endpoint:
-        raise LineError("invalid_url", f"url must be the batch's endpoint {endpoint}; got {line.get('url')!r}", custom_id)
+        raise LineError(
+            "invalid_url",
+            f"url must be the batch's endpoint {endpoint}; got {line.get('url')!r}",
+            custom_id,
+        )
     if endpoint not in ENDPOINTS:
-        raise LineError("unsupported_endpoint", f"{endpoint} is not served for batches by this worker yet", custom_id)
+        raise LineError(
+            "unsupported_endpoint",
+            f"{endpoint} is not served for batches by this worker yet",
+            custom_id,
+        )
     if not isinstance(line.get("body"), dict):
-        raise LineError("invalid_request", "body must be a JSON object: the request for the endpoint", custom_id)
+        raise LineError(
+            "invalid_request", "body must be a JSON object: the request for the endpoint", custom_id
+        )
     try:
         request = ENDPOINTS[endpoint].request
-        body = request.model_validate(line["body"] | ({"stream": False} if "stream" in request.model_fields else {}))
+        body = request.model_validate(
+            line["body"] | ({"stream": False} if "stream" in request.model_fields else {})
+        )
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:3])
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:3]
+        )
         raise LineError("invalid_request", f"invalid body: {problems}", custom_id) from None
     return ParsedLine(custom_id, body)
 
@@ -110,15 +140,29 @@ async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine
     return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)
 
 
-def failed_line(line_no: int, exc: LineError | CortexError, custom_id: str | None, job_id: str = "") -> BatchOutputLine:
+def failed_line(
+    line_no: int, exc: LineError | CortexError, custom_id: str | None, job_id: str = ""
+) -> BatchOutputLine:
     """An error-file line: a request the model refused carries its HTTP status and error body;
     an unusable line carries just the error."""
     line_id = f"batch_req_{job_id or f'line{line_no}'}"
     if isinstance(exc, LineError):
-        return BatchOutputLine(id=line_id, custom_id=exc.custom_id or custom_id,
-                               error=BatchLineError(code=exc.code, message=f"line {line_no + 1}: {exc.message}"))
+        return BatchOutputLine(
+            id=line_id,
+            custom_id=exc.custom_id or custom_id,
+            error=BatchLineError(code=exc.code, message=f"line {line_no + 1}: {exc.message}"),
+        )
     response = BatchLineResponse(status_code=exc.status, request_id=job_id, body=error_body(exc))
     return BatchOutputLine(id=line_id, custom_id=custom_id, response=response)
 
 
-__all__ = ["ENDPOINTS", "InvalidRequest", "LineError", "ParsedLine", "failed_line", "finish", "parse_line", "start"]
+__all__ = [
+    "ENDPOINTS",
+    "InvalidRequest",
+    "LineError",
+    "ParsedLine",
+    "failed_line",
+    "finish",
+    "parse_line",
+    "start",
+]

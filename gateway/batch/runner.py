@@ -14,7 +14,6 @@ import logging
 import time
 import uuid
 
-
 from redis.exceptions import RedisError
 
 from gateway.auth import ANONYMOUS_CALLER, Caller
@@ -22,21 +21,46 @@ from gateway.batch import lines
 from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.files import FileStore
-from gateway.protocol.openai_batch import Batch, BatchError, BatchErrors, BatchOutputLine, BatchRequestCounts
 from gateway.job_queue import withdraw
+from gateway.protocol.openai_batch import (
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchOutputLine,
+    BatchRequestCounts,
+)
 from shared.api_keys import ADMIN, ANONYMOUS
-from shared.errors import BrokerUnavailable, CortexError, JobCancelled, ModelUnavailable, NodeLost, NotFound, Timeout
+from shared.errors import (
+    BrokerUnavailable,
+    CortexError,
+    JobCancelled,
+    ModelUnavailable,
+    NodeLost,
+    NotFound,
+    Timeout,
+)
 from shared.redis_conn import atomic, publish
 from shared.settings import BatchSettings
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (NodeLost, Timeout, ModelUnavailable)  # worth another try of the line (`batch_max_tries` in all)
-RETRY_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)  # also while Redis is away or full, which costs a line no try
+RETRYABLE = (
+    NodeLost,
+    Timeout,
+    ModelUnavailable,
+)  # worth another try of the line (`batch_max_tries` in all)
+RETRY_BACKOFF_S = (
+    1.0,
+    2.0,
+    4.0,
+    8.0,
+)  # also while Redis is away or full, which costs a line no try
 STATUS_POLL_S = 0.5  # how often a running batch looks for a cancel
 
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_RELEASE = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 class LeaseLost(Exception):
@@ -53,7 +77,9 @@ class BatchRunner:
         self.stop_reason: str | None = None  # cancelled | expired
         self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
         self.running: dict[int, asyncio.Task] = {}
-        self.broken: BaseException | None = None  # a line failed on Redis (it cannot be recorded): the run stops
+        self.broken: BaseException | None = (
+            None  # a line failed on Redis (it cannot be recorded): the run stops
+        )
 
     def key(self, what: str) -> str:
         return self.keys.batch_lines(self.id, what)
@@ -62,14 +88,18 @@ class BatchRunner:
 
     async def acquire(self) -> bool:
         lease_ms = int(self.settings.batch_lease_s * 1000)
-        return bool(await self.redis.set(self.keys.batch_lease(self.id), self.token, nx=True, px=lease_ms))
+        return bool(
+            await self.redis.set(self.keys.batch_lease(self.id), self.token, nx=True, px=lease_ms)
+        )
 
     async def _keep_lease(self) -> None:
         lease_ms = int(self.settings.batch_lease_s * 1000)
         while True:
             await asyncio.sleep(self.settings.batch_lease_s / 3)
             try:
-                renewed = await self.redis.eval(_RENEW, 1, self.keys.batch_lease(self.id), self.token, lease_ms)
+                renewed = await self.redis.eval(
+                    _RENEW, 1, self.keys.batch_lease(self.id), self.token, lease_ms
+                )
             except RedisError as exc:
                 log.warning("batch %s: could not renew its lease: %s", self.id, exc)
                 continue
@@ -121,13 +151,17 @@ class BatchRunner:
     async def _read_owner(self) -> None:
         """The batch's key, read again while the batch runs: a line of a key revoked since fails."""
         name = await self.store.owner(self.id)
-        self.owner = Caller(name, await self.ctx.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None)
+        self.owner = Caller(
+            name, await self.ctx.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None
+        )
 
     async def _input(self, batch: Batch) -> list[bytes] | None:
         try:
             content = await self.files.content(batch.input_file_id)
         except NotFound:
-            await self._fail(f"the input file {batch.input_file_id} no longer exists", "file_not_found")
+            await self._fail(
+                f"the input file {batch.input_file_id} no longer exists", "file_not_found"
+            )
             return None
         return [line for line in content.splitlines() if line.strip()]
 
@@ -136,19 +170,26 @@ class BatchRunner:
         if content is None:
             return await self.store.get(self.id)
         if len(content) > self.settings.files_max_lines:
-            await self._fail(f"the input file has {len(content)} lines; the limit is {self.settings.files_max_lines}",
-                             "too_many_lines")
+            await self._fail(
+                f"the input file has {len(content)} lines; the limit is {self.settings.files_max_lines}",
+                "too_many_lines",
+            )
             return await self.store.get(self.id)
-        await self.store.update(self.id, request_counts=BatchRequestCounts(total=len(content)).model_dump())
-        await self.store.transition(self.id, "in_progress", from_=("validating",), stamp="in_progress_at")
+        await self.store.update(
+            self.id, request_counts=BatchRequestCounts(total=len(content)).model_dump()
+        )
+        await self.store.transition(
+            self.id, "in_progress", from_=("validating",), stamp="in_progress_at"
+        )
         log.info("batch %s: %d lines, in progress", self.id, len(content))
         return await self.store.get(self.id)
 
     async def _fail(self, message: str, code: str) -> None:
         errors = BatchErrors(data=[BatchError(code=code, message=message)])
         await self.store.update(self.id, errors=errors.model_dump())
-        await self.store.transition(self.id, "failed", from_=("validating", "in_progress", "cancelling"),
-                                    stamp="failed_at")
+        await self.store.transition(
+            self.id, "failed", from_=("validating", "in_progress", "cancelling"), stamp="failed_at"
+        )
         log.warning("batch %s failed: %s", self.id, message)
 
     async def _run_lines(self, batch: Batch, content: list[bytes]) -> None:
@@ -162,9 +203,15 @@ class BatchRunner:
         watcher = asyncio.create_task(self._watch(batch), name=f"watch-{self.id}")
         try:
             for line_no in todo:
-                while len(self.running) >= self.settings.batch_lines_in_flight and not self.stop_reason:
-                    await asyncio.wait(set(self.running.values()), timeout=STATUS_POLL_S,
-                                       return_when=asyncio.FIRST_COMPLETED)
+                while (
+                    len(self.running) >= self.settings.batch_lines_in_flight
+                    and not self.stop_reason
+                ):
+                    await asyncio.wait(
+                        set(self.running.values()),
+                        timeout=STATUS_POLL_S,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
                     self._check_broken()
                 if self.stop_reason:
                     break
@@ -226,7 +273,11 @@ class BatchRunner:
             await withdraw(self.ctx, stream, entry_id)
             await publish(self.redis, self.keys.cancel(), job)
         if leftovers:
-            log.info("batch %s: %d lines were in flight in an earlier run; running them again", self.id, len(leftovers))
+            log.info(
+                "batch %s: %d lines were in flight in an earlier run; running them again",
+                self.id,
+                len(leftovers),
+            )
             await self.redis.delete(self.key("inflight"))
 
     async def _line(self, line_no: int, raw: bytes, endpoint: str) -> None:
@@ -243,16 +294,22 @@ class BatchRunner:
         else:
             await self._record(line_no, "out", result)
 
-    async def _attempts(self, line_no: int, parsed: lines.ParsedLine, endpoint: str) -> BatchOutputLine:
+    async def _attempts(
+        self, line_no: int, parsed: lines.ParsedLine, endpoint: str
+    ) -> BatchOutputLine:
         tries, waits = 0, 0
         while True:
             job = None
             try:
                 job = await lines.start(self.ctx, parsed, self.owner, endpoint)
                 await self.redis.hincrby(self.key("tries"), str(line_no), 1)
-                await self.redis.hset(self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}")
+                await self.redis.hset(
+                    self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}"
+                )
                 return await lines.finish(job, parsed, endpoint)
-            except BrokerUnavailable as exc:  # Redis away (or full): not the line's fault, it costs no try
+            except (
+                BrokerUnavailable
+            ) as exc:  # Redis away (or full): not the line's fault, it costs no try
                 if self.stop_reason:
                     exc.job_id = job.id if job else ""
                     raise
@@ -279,14 +336,18 @@ class BatchRunner:
         batch_key = self.keys.batch(self.id)
         counts = await self.redis.hget(batch_key, "request_counts")
         total = BatchRequestCounts.model_validate_json(counts).total if counts else 0
-        await self.store.update(self.id, request_counts={"total": total, "completed": completed, "failed": failed})
+        await self.store.update(
+            self.id, request_counts={"total": total, "completed": completed, "failed": failed}
+        )
 
     # ---- finishing ----------------------------------------------------------------------------
 
     async def _finalize(self, batch: Batch) -> None:
         ending = {"cancelling": "cancelled"}.get(batch.status, self.stop_reason or "completed")
         if batch.status != "finalizing":
-            had = await self.store.transition(self.id, "finalizing", from_=(batch.status,), stamp="finalizing_at")
+            had = await self.store.transition(
+                self.id, "finalizing", from_=(batch.status,), stamp="finalizing_at"
+            )
             if had != batch.status:  # cancelled just now: finish as cancelled
                 return await self._finalize(await self.store.get(self.id))
         out, completed = await self._lines("out")
@@ -294,18 +355,34 @@ class BatchRunner:
         total = (await self.store.get(self.id)).request_counts.total
         fields = {"request_counts": {"total": total, "completed": completed, "failed": failed}}
         if out:
-            fields["output_file_id"] = (await self.files.create(out, filename=f"{self.id}_output.jsonl",
-                                                                purpose="batch_output", owner=self.owner.name,
-                                                                quota_bytes=None)).id
+            fields["output_file_id"] = (
+                await self.files.create(
+                    out,
+                    filename=f"{self.id}_output.jsonl",
+                    purpose="batch_output",
+                    owner=self.owner.name,
+                    quota_bytes=None,
+                )
+            ).id
         if err:
-            fields["error_file_id"] = (await self.files.create(err, filename=f"{self.id}_error.jsonl",
-                                                               purpose="batch_output", owner=self.owner.name,
-                                                               quota_bytes=None)).id
+            fields["error_file_id"] = (
+                await self.files.create(
+                    err,
+                    filename=f"{self.id}_error.jsonl",
+                    purpose="batch_output",
+                    owner=self.owner.name,
+                    quota_bytes=None,
+                )
+            ).id
         await self.store.update(self.id, **fields)
-        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[ending]
+        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[
+            ending
+        ]
         await self.store.transition(self.id, ending, from_=("finalizing",), stamp=stamp)
         await self.redis.delete(*(self.key(k) for k in ("out", "err", "inflight", "tries")))
-        log.info("batch %s %s: %d output bytes, %d error bytes", self.id, ending, len(out), len(err))
+        log.info(
+            "batch %s %s: %d output bytes, %d error bytes", self.id, ending, len(out), len(err)
+        )
 
     async def _lines(self, kind: str) -> tuple[bytes, int]:
         """The file content of one kind of line, in input order, and how many lines it has."""

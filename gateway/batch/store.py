@@ -14,7 +14,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.files import visible
-from gateway.protocol.openai_batch import TERMINAL, Batch, BatchList, BatchRequestCounts, CreateBatchRequest
+from gateway.protocol.openai_batch import (
+    TERMINAL,
+    Batch,
+    BatchList,
+    BatchRequestCounts,
+    CreateBatchRequest,
+)
 from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound
 from shared.keys import Keys
@@ -55,19 +61,32 @@ class BatchStore:
     async def create(self, body: CreateBatchRequest, owner: str, lines: int = 0) -> Batch:
         """A new batch, `validating`; `lines`: its request count when known already (the worker counts them)."""
         now = int(time.time())
-        batch = Batch(id=new_batch_id(), endpoint=body.endpoint, input_file_id=body.input_file_id,
-                      completion_window=body.completion_window, status="validating", created_at=now,
-                      expires_at=now + COMPLETION_WINDOW_S, metadata=body.metadata,
-                      request_counts=BatchRequestCounts(total=lines))
+        batch = Batch(
+            id=new_batch_id(),
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id,
+            completion_window=body.completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + COMPLETION_WINDOW_S,
+            metadata=body.metadata,
+            request_counts=BatchRequestCounts(total=lines),
+        )
         async with atomic(self.redis) as pipe:
-            pipe.hset(self.keys.batch(batch.id), mapping=_dump(batch.model_dump(mode="json") | {"owner": owner}))
+            pipe.hset(
+                self.keys.batch(batch.id),
+                mapping=_dump(batch.model_dump(mode="json") | {"owner": owner}),
+            )
             pipe.zadd(self.keys.batches(), {batch.id: time.time() * 1000})
             pipe.sadd(self.keys.batches_active(), batch.id)
             await pipe.execute()
         return batch
 
     async def get(self, batch_id: str, owner: str | None = None) -> Batch:
-        fields = {k.decode(): json.loads(v) for k, v in (await self.redis.hgetall(self.keys.batch(batch_id))).items()}
+        fields = {
+            k.decode(): json.loads(v)
+            for k, v in (await self.redis.hgetall(self.keys.batch(batch_id))).items()
+        }
         if not fields or not visible(fields.pop("owner", None), owner):
             raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
         return Batch.model_validate(fields)
@@ -80,12 +99,20 @@ class BatchStore:
     async def update(self, batch_id: str, **fields: Any) -> None:
         await self.redis.hset(self.keys.batch(batch_id), mapping=_dump(fields))
 
-    async def transition(self, batch_id: str, to: str, *, from_: tuple[str, ...], stamp: str | None = None) -> str | None:
+    async def transition(
+        self, batch_id: str, to: str, *, from_: tuple[str, ...], stamp: str | None = None
+    ) -> str | None:
         """Set status `to` (and `stamp` = now) if the status is one of `from_`; returns the
         status it had, so `== from_` tells whether it changed. Terminal statuses leave the active set."""
         had = await self._transition(
             keys=[self.keys.batch(batch_id)],
-            args=[batch_id, json.dumps(to), stamp or "", json.dumps(int(time.time())), *map(json.dumps, from_)],
+            args=[
+                batch_id,
+                json.dumps(to),
+                stamp or "",
+                json.dumps(int(time.time())),
+                *map(json.dumps, from_),
+            ],
         )
         if had is None:
             raise NotFound(f"no batch with id {batch_id!r}", param="batch_id")
@@ -98,16 +125,26 @@ class BatchStore:
         """Ask the batch's worker to stop new lines (lines already running finish); a 404 for
         another owner's batch, a 400 for one that has ended."""
         await self.get(batch_id, owner)
-        had = await self.transition(batch_id, "cancelling", from_=("validating", "in_progress"), stamp="cancelling_at")
+        had = await self.transition(
+            batch_id, "cancelling", from_=("validating", "in_progress"), stamp="cancelling_at"
+        )
         if had not in ("validating", "in_progress", "cancelling", "cancelled"):
-            raise InvalidRequest(f"batch {batch_id} is {had}; it can no longer be cancelled", param="batch_id")
+            raise InvalidRequest(
+                f"batch {batch_id} is {had}; it can no longer be cancelled", param="batch_id"
+            )
         return await self.get(batch_id)
 
     async def active(self) -> list[str]:
         return [i.decode() for i in await self.redis.smembers(self.keys.batches_active())]
 
-    async def list(self, *, after: str | None, limit: int, owner: str | None = None,
-                   endpoint: str | None = None) -> BatchList:
+    async def list(
+        self,
+        *,
+        after: str | None,
+        limit: int,
+        owner: str | None = None,
+        endpoint: str | None = None,
+    ) -> BatchList:
         """Newest first, `limit` per page after the batch `after`, only `owner`'s (None: all), only
         those for `endpoint` if given."""
         start = 0
@@ -116,7 +153,12 @@ class BatchStore:
             start = rank + 1 if rank is not None else 0
         found: list[Batch] = []
         while len(found) <= limit:
-            ids = [i.decode() for i in await self.redis.zrevrange(self.keys.batches(), start, start + LIST_SCAN - 1)]
+            ids = [
+                i.decode()
+                for i in await self.redis.zrevrange(
+                    self.keys.batches(), start, start + LIST_SCAN - 1
+                )
+            ]
             for batch_id in ids:
                 try:
                     batch = await self.get(batch_id, owner)
@@ -128,5 +170,9 @@ class BatchStore:
                 break
             start += LIST_SCAN
         page = found[:limit]
-        return BatchList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
-                         has_more=len(found) > limit)
+        return BatchList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(found) > limit,
+        )

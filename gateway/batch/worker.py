@@ -17,9 +17,9 @@ from typing import Any
 from arq import cron
 from arq.connections import ArqRedis, RedisSettings
 from arq.worker import Worker, func
+from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis import exceptions as redis_errors
 from redis.exceptions import RedisError
 
 from gateway.batch.runner import BatchRunner, LeaseLost
@@ -27,9 +27,9 @@ from gateway.batch.store import BatchStore
 from gateway.context import GatewayContext
 from gateway.event_links import pubsub_client
 from gateway.events import EventRouter
-from shared.fleet import Fleet
 from shared import __version__
 from shared.catalog import Catalog
+from shared.fleet import Fleet
 from shared.keys import Keys
 from shared.redis_conn import BACKOFF_MAX_S, Outage, connect, redact
 from shared.redis_health import warn_if_not_durable
@@ -43,7 +43,9 @@ RUN_BATCH_TIMEOUT_S = 25 * 3600  # the 24 h completion window, and then some
 async def enqueue(redis: Any, keys: Keys, batch_id: str) -> None:
     """Ask some batch worker to run `batch_id` (a unique arq job: the lease stops doubles)."""
     arq = ArqRedis(pool_or_conn=redis.connection_pool, default_queue_name=keys.arq_queue())
-    await arq.enqueue_job("run_batch", batch_id, _job_id=f"run-batch:{batch_id}:{uuid.uuid4().hex[:8]}")
+    await arq.enqueue_job(
+        "run_batch", batch_id, _job_id=f"run-batch:{batch_id}:{uuid.uuid4().hex[:8]}"
+    )
 
 
 async def run_batch(ctx: dict, batch_id: str) -> None:
@@ -52,8 +54,12 @@ async def run_batch(ctx: dict, batch_id: str) -> None:
     except LeaseLost as exc:
         log.warning("%s; leaving the batch to it", exc)
     except (RedisError, OSError) as exc:
-        log.warning("batch %s stopped: Redis failed (%s); it resumes from what Redis holds once Redis answers and "
-                    "its lease expires", batch_id, exc)
+        log.warning(
+            "batch %s stopped: Redis failed (%s); it resumes from what Redis holds once Redis answers and "
+            "its lease expires",
+            batch_id,
+            exc,
+        )
 
 
 class QuietCron(logging.Filter):
@@ -61,7 +67,10 @@ class QuietCron(logging.Filter):
     ~35,000 lines a day of nothing. They are dropped: `resume_batches` says when it resumes a batch."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"cron:{resume_batches.__name__}" not in record.getMessage()
+        return (
+            record.levelno >= logging.WARNING
+            or f"cron:{resume_batches.__name__}" not in record.getMessage()
+        )
 
 
 async def resume_batches(ctx: dict) -> None:
@@ -76,15 +85,29 @@ async def resume_batches(ctx: dict) -> None:
 async def startup(ctx: dict, settings: BatchSettings) -> None:
     keys = settings.keys
     redis = connect(settings.redis_url)
-    router = EventRouter(partial(pubsub_client, settings.redis_url), outage_wait_s=settings.redis_outage_wait_s)
+    router = EventRouter(
+        partial(pubsub_client, settings.redis_url), outage_wait_s=settings.redis_outage_wait_s
+    )
     catalog = Catalog.load(settings.models_file)
     ctx["settings"] = settings
     # the batches this worker resumes go on arq's queue through arq's own connection
-    ctx["cortex"] = GatewayContext(settings, keys, redis, catalog, router, Fleet(redis, keys, settings.node_ttl_s),
-                                   batch_queue=ctx["redis"])
+    ctx["cortex"] = GatewayContext(
+        settings,
+        keys,
+        redis,
+        catalog,
+        router,
+        Fleet(redis, keys, settings.node_ttl_s),
+        batch_queue=ctx["redis"],
+    )
     await router.start()
-    log.info("batch worker %s on Redis %s, queue %s on %s", __version__, redact(settings.redis_url), keys.arq_queue(),
-             redact(settings.batch_queue_url))
+    log.info(
+        "batch worker %s on Redis %s, queue %s on %s",
+        __version__,
+        redact(settings.redis_url),
+        keys.arq_queue(),
+        redact(settings.batch_queue_url),
+    )
     await warn_if_not_durable(redis, log)
 
 
@@ -97,16 +120,26 @@ async def shutdown(ctx: dict) -> None:
 
 def arq_redis(url: str) -> RedisSettings:
     """arq's connection, retrying as `shared.redis_conn.connect` does: a short blip of Redis goes unnoticed."""
-    return dataclasses.replace(RedisSettings.from_dsn(url), retry=Retry(ExponentialBackoff(BACKOFF_MAX_S, 0.05), 5),
-                               retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError])
+    return dataclasses.replace(
+        RedisSettings.from_dsn(url),
+        retry=Retry(ExponentialBackoff(BACKOFF_MAX_S, 0.05), 5),
+        retry_on_error=[redis_errors.ConnectionError, redis_errors.TimeoutError],
+    )
 
 
 def create_worker(settings: BatchSettings) -> Worker:
     every_s = min(max(settings.batch_resume_every_s, 1), 60)
     return Worker(
         functions=[func(run_batch, timeout=RUN_BATCH_TIMEOUT_S, max_tries=1000)],
-        cron_jobs=[cron(resume_batches, second=set(range(0, 60, every_s)), run_at_startup=True, unique=True,
-                        timeout=60)],
+        cron_jobs=[
+            cron(
+                resume_batches,
+                second=set(range(0, 60, every_s)),
+                run_at_startup=True,
+                unique=True,
+                timeout=60,
+            )
+        ],
         redis_settings=arq_redis(settings.batch_queue_url),
         queue_name=settings.keys.arq_queue(),
         on_startup=partial(startup, settings=settings),
@@ -166,6 +199,8 @@ async def close(worker: Worker) -> None:
 
 
 def run(settings: BatchSettings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     logging.getLogger("arq.worker").addFilter(QuietCron())
     asyncio.run(serve(settings))

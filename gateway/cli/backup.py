@@ -27,7 +27,9 @@ async def _saving(redis: aioredis.Redis) -> bool:
 async def snapshot(redis: aioredis.Redis, timeout_s: float) -> Path:
     """Take a snapshot that holds every write made before this call; returns where Redis wrote it."""
     deadline = time.monotonic() + timeout_s
-    while True:  # BGSAVE is refused while a snapshot or an AOF rewrite runs: wait for it, then ask again
+    while (
+        True
+    ):  # BGSAVE is refused while a snapshot or an AOF rewrite runs: wait for it, then ask again
         try:
             await redis.bgsave()
             break
@@ -51,8 +53,10 @@ async def backup(redis: aioredis.Redis, path: Path, timeout_s: float = 600.0) ->
     """Snapshot Redis and copy the snapshot to `path` (atomically); returns its size in bytes."""
     source = await snapshot(redis, timeout_s)
     if not source.is_file():
-        raise BackupFailed(f"Redis wrote its snapshot to {source} on its own host, which is not reachable from here: "
-                           f"run this where Redis runs, or use `redis-cli -u URL --rdb {path}`")
+        raise BackupFailed(
+            f"Redis wrote its snapshot to {source} on its own host, which is not reachable from here: "
+            f"run this where Redis runs, or use `redis-cli -u URL --rdb {path}`"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     shutil.copyfile(source, partial)

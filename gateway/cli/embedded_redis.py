@@ -24,7 +24,11 @@ AOF_ON_TIMEOUT_S = 300.0  # rewriting a restored snapshot into the append-only f
 
 def default_data_dir() -> Path:
     """`$XDG_DATA_HOME/cortex/redis` (`~/.local/share/cortex/redis`)."""
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "cortex" / "redis"
+    return (
+        Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+        / "cortex"
+        / "redis"
+    )
 
 
 class DataDirBusy(Exception):
@@ -60,7 +64,9 @@ class EmbeddedRedis:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             lock.close()
-            raise DataDirBusy(f"{self.data_dir} is in use by `cortex up` pid {holder}; stop it or pass --redis-dir")
+            raise DataDirBusy(
+                f"{self.data_dir} is in use by `cortex up` pid {holder}; stop it or pass --redis-dir"
+            )
         lock.truncate(0)
         lock.write(str(os.getpid()))
         lock.flush()
@@ -68,12 +74,17 @@ class EmbeddedRedis:
 
     def restoring(self) -> bool:
         """A snapshot and no append-only file: load the snapshot, then turn the file on."""
-        return (self.data_dir is not None and (self.data_dir / SNAPSHOT).exists()
-                and not (self.data_dir / AOF_DIR).exists())
+        return (
+            self.data_dir is not None
+            and (self.data_dir / SNAPSHOT).exists()
+            and not (self.data_dir / AOF_DIR).exists()
+        )
 
     def argv(self) -> list[str]:
         durable = self.data_dir is not None and not self.restoring()
-        return processes.redis_server_argv(self.port, workdir=self.data_dir, logfile=self.logfile, durable=durable)
+        return processes.redis_server_argv(
+            self.port, workdir=self.data_dir, logfile=self.logfile, durable=durable
+        )
 
     def turn_aof_on(self) -> None:
         """After loading a restored snapshot: the same settings as a durable start, applied live,
@@ -87,7 +98,11 @@ class EmbeddedRedis:
             deadline = time.monotonic() + AOF_ON_TIMEOUT_S
             while time.monotonic() < deadline:
                 info = client.info("persistence")
-                if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"] and info["aof_enabled"]:
+                if (
+                    not info["aof_rewrite_in_progress"]
+                    and not info["aof_rewrite_scheduled"]
+                    and info["aof_enabled"]
+                ):
                     return
                 time.sleep(0.1)
             raise TimeoutError(f"the append-only file was not written within {AOF_ON_TIMEOUT_S:g}s")

@@ -13,8 +13,10 @@ def describe(state: NodePull) -> str:
     progress = state.progress
     if progress is None or not progress.bytes_total:
         return progress.source if progress is not None and progress.source else "starting"
-    return (f"{100 * progress.bytes_done // progress.bytes_total}% of {progress.bytes_total / 1e6:.1f} MB"
-            f" at {progress.rate_bps / 1e6:.1f} MB/s from {progress.source}")
+    return (
+        f"{100 * progress.bytes_done // progress.bytes_total}% of {progress.bytes_total / 1e6:.1f} MB"
+        f" at {progress.rate_bps / 1e6:.1f} MB/s from {progress.source}"
+    )
 
 
 async def follow(fleet: Fleet, folder: str, nodes: list[str], say=print) -> bool:

@@ -67,7 +67,11 @@ def settings_for_cli() -> GatewaySettings:
     which Redis it reads and why."""
     settings = GatewaySettings()
     if "redis_url" in settings.model_fields_set:
-        where = "from CORTEX_REDIS_URL" if os.environ.get("CORTEX_REDIS_URL") else "from the settings file"
+        where = (
+            "from CORTEX_REDIS_URL"
+            if os.environ.get("CORTEX_REDIS_URL")
+            else "from the settings file"
+        )
     elif (stack := read()) is not None:
         settings = settings.model_copy(update={"redis_url": stack.redis_url})
         where = f"the local stack of `cortex up` (pid {stack.pid}, {run_file_path()})"

@@ -29,7 +29,10 @@ from shared.settings import GatewaySettings, NodeSettings
 
 UP_REDIS_PORT = 31379
 REDIS_STOP_TIMEOUT_S = 60.0
-REDIS_RESTARTS, REDIS_RESTART_WINDOW_S = 3, 60.0  # more restarts of Redis than this within the window: a crash loop
+REDIS_RESTARTS, REDIS_RESTART_WINDOW_S = (
+    3,
+    60.0,
+)  # more restarts of Redis than this within the window: a crash loop
 
 
 async def read_models(redis_url: str, keys: Keys) -> list[tuple[str, str, str, bool, str]]:
@@ -39,7 +42,11 @@ async def read_models(redis_url: str, keys: Keys) -> list[tuple[str, str, str, b
         fleet = await Fleet(client, keys, node_ttl_s=8.0).status()
     finally:
         await client.aclose()
-    return [(n.node, name, m.state, n.alive, m.error) for n in fleet.nodes for name, m in n.models.items()]
+    return [
+        (n.node, name, m.state, n.alive, m.error)
+        for n in fleet.nodes
+        for name, m in n.models.items()
+    ]
 
 
 @dataclass
@@ -58,7 +65,9 @@ class ReadinessWatch:
     def poll(self, log) -> None:
         if not self.gateway_up:
             try:
-                self.gateway_up = httpx.get(self.base_url + "/health", timeout=0.5).status_code < 500
+                self.gateway_up = (
+                    httpx.get(self.base_url + "/health", timeout=0.5).status_code < 500
+                )
                 if self.gateway_up:
                     log(f"gateway answers on {self.base_url}")
             except httpx.HTTPError:
@@ -72,13 +81,22 @@ class ReadinessWatch:
             if self.states.get((node, name)) != state:
                 self.states[(node, name)] = state
                 took = time.monotonic() - self.started
-                log(f"model {name} is {state} on node {node} ({took:.1f}s)" + (f": {error}" if error else ""))
+                log(
+                    f"model {name} is {state} on node {node} ({took:.1f}s)"
+                    + (f": {error}" if error else "")
+                )
             if state == ModelState.READY and alive:
                 ready.add(name)
-        if self.gateway_up and not self.announced and (ready >= set(self.models) if self.models else ready):
+        if (
+            self.gateway_up
+            and not self.announced
+            and (ready >= set(self.models) if self.models else ready)
+        ):
             self.announced = True
-            log(f"ready: OpenAI-compatible API at {self.base_url}/v1 serving {', '.join(sorted(ready))}; "
-                "Ctrl-C stops everything")
+            log(
+                f"ready: OpenAI-compatible API at {self.base_url}/v1 serving {', '.join(sorted(ready))}; "
+                "Ctrl-C stops everything"
+            )
 
 
 def _tail(path: str, lines: int = 10) -> str:
@@ -92,44 +110,63 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _start_redis(sup: processes.Supervisor, embedded: EmbeddedRedis, env: dict[str, str], log,
-                 stop_timeout_s: float):
+def _start_redis(
+    sup: processes.Supervisor,
+    embedded: EmbeddedRedis,
+    env: dict[str, str],
+    log,
+    stop_timeout_s: float,
+):
     """Start the embedded redis-server and wait until it answers (a restored snapshot is loaded,
     then written to the append-only file); None, having said why, if it cannot."""
     restoring = embedded.restoring()
     if restoring:
-        log(f"{embedded.data_dir} holds a snapshot and no append-only file: loading the snapshot, then "
-            "writing the append-only file")
+        log(
+            f"{embedded.data_dir} holds a snapshot and no append-only file: loading the snapshot, then "
+            "writing the append-only file"
+        )
     try:
         child = sup.start("redis", embedded.argv(), env, stop_timeout_s=stop_timeout_s)
     except FileNotFoundError:
-        log("redis-server is not on PATH: install it (apt-get install redis-server) or set CORTEX_REDIS_URL")
+        log(
+            "redis-server is not on PATH: install it (apt-get install redis-server) or set CORTEX_REDIS_URL"
+        )
         return None
     if not processes.wait_for_redis(embedded.url, child, timeout_s=300 if restoring else 15):
-        log(f"redis-server did not start; its log ({embedded.logfile}) ends:\n{_tail(embedded.logfile)}")
+        log(
+            f"redis-server did not start; its log ({embedded.logfile}) ends:\n{_tail(embedded.logfile)}"
+        )
         return None
     if restoring:
         try:
             embedded.turn_aof_on()
         except (RedisError, TimeoutError) as exc:
-            log(f"could not turn the append-only file on: {exc}; its log ({embedded.logfile}) ends:\n"
-                f"{_tail(embedded.logfile)}")
+            log(
+                f"could not turn the append-only file on: {exc}; its log ({embedded.logfile}) ends:\n"
+                f"{_tail(embedded.logfile)}"
+            )
             return None
     return child
 
 
-def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_settings: NodeSettings) -> int:
+def run_up(
+    args: argparse.Namespace, gateway_settings: GatewaySettings, node_settings: NodeSettings
+) -> int:
     def log(message: str) -> None:
         print(f"[cortex up] {message}", flush=True)
 
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if not processes.port_free(gateway_settings.host, gateway_settings.port):
-        log(f"port {gateway_settings.port} on {gateway_settings.host} is already in use (another `cortex up`?); "
-            "stop it or set CORTEX_PORT / --port")
+        log(
+            f"port {gateway_settings.port} on {gateway_settings.host} is already in use (another `cortex up`?); "
+            "stop it or set CORTEX_PORT / --port"
+        )
         return 2
 
-    sup = processes.Supervisor(stop_timeout_s=args.stop_timeout_s if args.stop_timeout_s is not None else 10.0)
+    sup = processes.Supervisor(
+        stop_timeout_s=args.stop_timeout_s if args.stop_timeout_s is not None else 10.0
+    )
     sup.install_signal_handlers()
     exit_code = 0
     redis_log: str | None = None  # the embedded redis-server's log, removed unless it failed
@@ -145,11 +182,15 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
         else:
             port = args.redis_port
             if not processes.port_free("127.0.0.1", port):
-                log(f"port {port} for the embedded Redis is in use; set CORTEX_UP_REDIS_PORT, or CORTEX_REDIS_URL to use that Redis")
+                log(
+                    f"port {port} for the embedded Redis is in use; set CORTEX_UP_REDIS_PORT, or CORTEX_REDIS_URL to use that Redis"
+                )
                 return 2
             fd, redis_log = tempfile.mkstemp(prefix="cortex-redis-", suffix=".log")
             os.close(fd)
-            embedded = EmbeddedRedis(port, Path(args.redis_dir) if args.redis_persistence else None, redis_log)
+            embedded = EmbeddedRedis(
+                port, Path(args.redis_dir) if args.redis_persistence else None, redis_log
+            )
             try:
                 embedded.hold_data_dir()
             except (DataDirBusy, OSError) as exc:
@@ -157,24 +198,44 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
                 return 2
             redis_url = embedded.url
             # on SIGTERM Redis fsyncs its file, then writes a last snapshot: ~10 s for 1 GiB
-            child = _start_redis(sup, embedded, env, log,
-                                 args.stop_timeout_s if args.stop_timeout_s is not None else REDIS_STOP_TIMEOUT_S)
+            child = _start_redis(
+                sup,
+                embedded,
+                env,
+                log,
+                args.stop_timeout_s if args.stop_timeout_s is not None else REDIS_STOP_TIMEOUT_S,
+            )
             if child is None:
                 redis_log = None
                 return 1
             log(f"redis-server on {redis_url} (pid {child.proc.pid}, {embedded.describe()})")
         env["CORTEX_REDIS_URL"] = redis_url
 
-        gateway_env = env | {"CORTEX_HOST": gateway_settings.host, "CORTEX_PORT": str(gateway_settings.port)}
+        gateway_env = env | {
+            "CORTEX_HOST": gateway_settings.host,
+            "CORTEX_PORT": str(gateway_settings.port),
+        }
         child = sup.start("gateway", [sys.executable, "-m", "gateway"], gateway_env)
-        log(f"gateway starting (pid {child.proc.pid}) on http://{gateway_settings.host}:{gateway_settings.port}")
+        log(
+            f"gateway starting (pid {child.proc.pid}) on http://{gateway_settings.host}:{gateway_settings.port}"
+        )
         child = sup.start("batch-worker", [sys.executable, "-m", "gateway.batch"], env)
-        log(f"batch worker starting (pid {child.proc.pid}) for /v1/batches and /v1/messages/batches")
+        log(
+            f"batch worker starting (pid {child.proc.pid}) for /v1/batches and /v1/messages/batches"
+        )
         node_env = env | {"CORTEX_MODELS": json.dumps(node_settings.models)}
         # The node finishes running jobs for up to its shutdown_grace_s before it exits.
-        node_timeout_s = args.stop_timeout_s if args.stop_timeout_s is not None else node_settings.shutdown_grace_s + 10
-        child = sup.start("node", [sys.executable, "-m", "node_agent"], node_env, stop_timeout_s=node_timeout_s)
-        log(f"node agent starting (pid {child.proc.pid}) with {', '.join(node_settings.models)}; loading takes a while")
+        node_timeout_s = (
+            args.stop_timeout_s
+            if args.stop_timeout_s is not None
+            else node_settings.shutdown_grace_s + 10
+        )
+        child = sup.start(
+            "node", [sys.executable, "-m", "node_agent"], node_env, stop_timeout_s=node_timeout_s
+        )
+        log(
+            f"node agent starting (pid {child.proc.pid}) with {', '.join(node_settings.models)}; loading takes a while"
+        )
 
         base_url = f"http://{_connect_host(gateway_settings.host)}:{gateway_settings.port}"
         run_file = RunFile(pid=os.getpid(), redis_url=redis_url, gateway_url=base_url)
@@ -186,8 +247,10 @@ def run_up(args: argparse.Namespace, gateway_settings: GatewaySettings, node_set
             dead = sup.first_dead()
             recent = [t for t in redis_restarts if time.monotonic() - t < REDIS_RESTART_WINDOW_S]
             if dead is not None and dead.name == "redis" and len(recent) < REDIS_RESTARTS:
-                log(f"redis-server exited with code {dead.proc.returncode}; its log ({redis_log}) ends:\n"
-                    f"{_tail(redis_log)}\nstarting it again (the other parts reconnect)")
+                log(
+                    f"redis-server exited with code {dead.proc.returncode}; its log ({redis_log}) ends:\n"
+                    f"{_tail(redis_log)}\nstarting it again (the other parts reconnect)"
+                )
                 child = sup.restart(dead, embedded.argv())
                 redis_restarts = recent + [time.monotonic()]
                 if processes.wait_for_redis(redis_url, child, timeout_s=60):

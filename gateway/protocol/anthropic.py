@@ -16,7 +16,6 @@ from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
-
 # Anthropic documents no limit; every stop string is scanned for at each token, so keep it small.
 STOP_SEQUENCES_MAX = 16
 
@@ -66,7 +65,9 @@ class ToolUseBlockParam(Lenient):
 class ToolResultBlockParam(Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]] | None = None
+    content: (
+        str | list[Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]] | None
+    ) = None
     is_error: bool | None = None
     cache_control: CacheControlEphemeral | None = None
 
@@ -85,7 +86,11 @@ class RedactedThinkingBlockParam(Lenient):
 
 
 ContentBlockParam = Annotated[
-    TextBlockParam | ImageBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+    TextBlockParam
+    | ImageBlockParam
+    | ToolUseBlockParam
+    | ToolResultBlockParam
+    | ThinkingBlockParam
     | RedactedThinkingBlockParam,
     Field(discriminator="type"),
 ]
@@ -140,7 +145,9 @@ class ToolChoiceNone(Lenient):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
 
 
 class Metadata(Lenient):
@@ -186,7 +193,11 @@ def _text_of(blocks: list[TextBlockParam | ImageBlockParam] | str | None) -> str
 
 def _image_part(block: ImageBlockParam) -> dict[str, Any]:
     source = block.source
-    url = source.url if isinstance(source, URLImageSource) else f"data:{source.media_type};base64,{source.data}"
+    url = (
+        source.url
+        if isinstance(source, URLImageSource)
+        else f"data:{source.media_type};base64,{source.data}"
+    )
     return {"type": "image_url", "image_url": {"url": url}}
 
 
@@ -197,8 +208,13 @@ def _user_messages(content: list) -> list[dict[str, Any]]:
     for block in content:
         if isinstance(block, ToolResultBlockParam):
             text = _text_of(block.content)
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": f"Error: {text}" if block.is_error else text})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "content": f"Error: {text}" if block.is_error else text,
+                }
+            )
         elif isinstance(block, TextBlockParam):
             parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlockParam):
@@ -210,23 +226,31 @@ def _user_messages(content: list) -> list[dict[str, Any]]:
 
 def _assistant_message(content: list) -> dict[str, Any]:
     text = "".join(b.text for b in content if isinstance(b, TextBlockParam))
-    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
-             for b in content if isinstance(b, ToolUseBlockParam)]
+    calls = [
+        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+        for b in content
+        if isinstance(b, ToolUseBlockParam)
+    ]
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
-def _system_prompt(system: str | list[TextBlockParam] | None, messages: list[MessageParam | SystemMessageParam]) -> str:
+def _system_prompt(
+    system: str | list[TextBlockParam] | None, messages: list[MessageParam | SystemMessageParam]
+) -> str:
     """The top-level system prompt, then the system messages among the turns that still apply."""
     parts = [_text_of(system)]
     for at, message in enumerate(messages):
         if isinstance(message, SystemMessageParam):
-            cleared = message.clear_at == "next_user_message" and any(m.role == "user" for m in messages[at + 1:])
+            cleared = message.clear_at == "next_user_message" and any(
+                m.role == "user" for m in messages[at + 1 :]
+            )
             parts += [] if cleared else [_text_of(message.content)]
     return "\n\n".join(p for p in parts if p)
 
 
-def messages_for_node(system: str | list[TextBlockParam] | None,
-                      messages: list[MessageParam | SystemMessageParam]) -> list[dict[str, Any]]:
+def messages_for_node(
+    system: str | list[TextBlockParam] | None, messages: list[MessageParam | SystemMessageParam]
+) -> list[dict[str, Any]]:
     prompt = _system_prompt(system, messages)
     out = [{"role": "system", "content": prompt}] if prompt else []
     for message in messages:
@@ -260,9 +284,17 @@ class _MessagesInput(Lenient):
 
     @model_validator(mode="after")
     def _named_tool_exists(self):
-        if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in {t.name for t in self.tools or []}:
-            raise ValueError(f"tool_choice: names tool '{self.tool_choice.name}', which is not in tools")
-        if self.tool_choice is not None and not isinstance(self.tool_choice, ToolChoiceNone) and not self.tools:
+        if isinstance(self.tool_choice, ToolChoiceTool) and self.tool_choice.name not in {
+            t.name for t in self.tools or []
+        }:
+            raise ValueError(
+                f"tool_choice: names tool '{self.tool_choice.name}', which is not in tools"
+            )
+        if (
+            self.tool_choice is not None
+            and not isinstance(self.tool_choice, ToolChoiceNone)
+            and not self.tools
+        ):
             raise ValueError("tool_choice: requires tools")
         return self
 
@@ -273,8 +305,17 @@ class _MessagesInput(Lenient):
     def _node_tools(self) -> list[dict[str, Any]] | None:
         if not self.uses_tools:
             return None
-        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.input_schema}} for t in self.tools]
+        return [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+            for t in self.tools
+        ]
 
     @property
     def constraint(self) -> Constraint:
@@ -282,7 +323,9 @@ class _MessagesInput(Lenient):
         bounded number; or JSON output (`output_config.format`)."""
         choice = self.tool_choice
         if not self.uses_tools or not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
-            output = (self.output_config.format if self.output_config else None) or self.output_format
+            output = (
+                self.output_config.format if self.output_config else None
+            ) or self.output_format
             return JsonOutput(output.schema_, "output_config") if output else None
         tools = [{"name": t.name, "parameters": t.input_schema} for t in self.tools]
         named = choice.name if isinstance(choice, ToolChoiceTool) else None
@@ -308,7 +351,9 @@ class MessageCreateParams(_MessagesInput):
     diagnostics: dict[str, Any] | None = None  # accepted, not used
     inference_geo: str | None = None  # accepted, not used
     speed: Literal["standard", "fast"] | None = None  # accepted, not used
-    cache_salt: CacheSalt | None = None  # vLLM's (an extension here): see gateway/protocol/bounds.py
+    cache_salt: CacheSalt | None = (
+        None  # vLLM's (an extension here): see gateway/protocol/bounds.py
+    )
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         return GenerationRequest(
@@ -331,8 +376,13 @@ class MessageCountTokensParams(_MessagesInput):
     stream: ClassVar[bool] = False  # never streamed (submit reads it)
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
-        return GenerationRequest(job=job, model=model, kind="count", tools=self._node_tools(),
-                                 messages=messages_for_node(self.system, self.messages))
+        return GenerationRequest(
+            job=job,
+            model=model,
+            kind="count",
+            tools=self._node_tools(),
+            messages=messages_for_node(self.system, self.messages),
+        )
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -436,8 +486,15 @@ class PingEvent(BaseModel):
     type: Literal["ping"] = "ping"
 
 
-StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
-               | MessageDeltaEvent | MessageStopEvent | PingEvent)
+StreamEvent = (
+    MessageStartEvent
+    | ContentBlockStartEvent
+    | ContentBlockDeltaEvent
+    | ContentBlockStopEvent
+    | MessageDeltaEvent
+    | MessageStopEvent
+    | PingEvent
+)
 
 
 class ErrorDetail(BaseModel):

@@ -13,7 +13,9 @@ class MessageBatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     custom_id: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
-    params: dict[str, Any]  # a `MessageCreateParams`, validated when its line runs: a bad one fails alone
+    params: dict[
+        str, Any
+    ]  # a `MessageCreateParams`, validated when its line runs: a bad one fails alone
 
 
 class MessageBatchCreateParams(BaseModel):
@@ -68,8 +70,12 @@ class MessageBatchExpiredResult(BaseModel):
     type: Literal["expired"] = "expired"
 
 
-MessageBatchResult = (MessageBatchSucceededResult | MessageBatchErroredResult | MessageBatchCanceledResult
-                      | MessageBatchExpiredResult)
+MessageBatchResult = (
+    MessageBatchSucceededResult
+    | MessageBatchErroredResult
+    | MessageBatchCanceledResult
+    | MessageBatchExpiredResult
+)
 
 
 class MessageBatchIndividualResponse(BaseModel):

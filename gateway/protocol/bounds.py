@@ -30,7 +30,9 @@ CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 # speculative decoding for one request (shared/wire.py SamplingParams): a method, or None for the catalogue's
 Speculative = Literal["off", "ngram", "suffix"] | None
 SpeculativeTokens = Annotated[int, Field(ge=1, le=64)] | None
-KeepAliveSeconds = Annotated[float, Field(ge=-KEEP_ALIVE_MAX_S, le=KEEP_ALIVE_MAX_S, allow_inf_nan=False)]
+KeepAliveSeconds = Annotated[
+    float, Field(ge=-KEEP_ALIVE_MAX_S, le=KEEP_ALIVE_MAX_S, allow_inf_nan=False)
+]
 
 
 def _valid_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -49,7 +51,9 @@ JsonSchema = Annotated[dict[str, Any], AfterValidator(_valid_schema)]
 def _plain_rendering(kwargs: dict[str, Any]) -> dict[str, Any]:
     taken = sorted(RENDERING_KWARGS & kwargs.keys())
     if taken:
-        raise ValueError(f"may not set {', '.join(taken)}: the gateway decides how the prompt is rendered")
+        raise ValueError(
+            f"may not set {', '.join(taken)}: the gateway decides how the prompt is rendered"
+        )
     return kwargs
 
 
@@ -73,5 +77,10 @@ def _bounded_duration(value: str) -> str:
     return value
 
 
-KeepAlive = KeepAliveSeconds | Annotated[str, Field(pattern=r"^-?\d{1,12}(\.\d{1,9})?[smh]?$"),
-                                         AfterValidator(_bounded_duration)] | None
+KeepAlive = (
+    KeepAliveSeconds
+    | Annotated[
+        str, Field(pattern=r"^-?\d{1,12}(\.\d{1,9})?[smh]?$"), AfterValidator(_bounded_duration)
+    ]
+    | None
+)

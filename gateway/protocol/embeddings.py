@@ -13,8 +13,12 @@ from gateway.protocol.lenient import Lenient
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-EmbeddingInput = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds
-                  | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)])
+EmbeddingInput = (
+    str
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+)
 
 
 class EmbeddingCreateParams(Lenient):

@@ -27,7 +27,9 @@ class Lenient(BaseModel):
     @classmethod
     def _unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            known = {alias for f in cls.model_fields.values() if (alias := f.alias)} | set(cls.model_fields)
+            known = {alias for f in cls.model_fields.values() if (alias := f.alias)} | set(
+                cls.model_fields
+            )
             for name in data.keys() - known:
                 note_unknown(cls.__name__, str(name))
         return data

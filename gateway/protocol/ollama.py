@@ -50,11 +50,18 @@ class Options(Lenient):
 
     def sampling(self, **fields: Any) -> SamplingParams:
         given = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
             "seed": self.seed if self.seed is not None and self.seed >= 0 else None,
-            "stop": self.stop, "repetition_penalty": self.repeat_penalty,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-            "max_tokens": self.num_predict if self.num_predict is not None and self.num_predict > 0 else None,
+            "stop": self.stop,
+            "repetition_penalty": self.repeat_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "max_tokens": self.num_predict
+            if self.num_predict is not None and self.num_predict > 0
+            else None,
         }
         return SamplingParams(**{k: v for k, v in given.items() if v is not None}, **fields)
 
@@ -106,9 +113,14 @@ def _message_for_node(message: Message, at: int) -> dict[str, Any]:
     if message.images:  # images first, then the text: where Ollama puts them in the prompt
         data["content"] = [*map(_image_part, message.images), {"type": "text", "text": text}]
     if message.tool_calls:
-        data["tool_calls"] = [{"id": call.id or f"call_{at}_{i}", "type": "function",
-                               "function": {"name": call.function.name, "arguments": call.function.arguments}}
-                              for i, call in enumerate(message.tool_calls)]
+        data["tool_calls"] = [
+            {
+                "id": call.id or f"call_{at}_{i}",
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for i, call in enumerate(message.tool_calls)
+        ]
     if message.tool_name:
         data["name"] = message.tool_name
     return data
@@ -121,7 +133,9 @@ class _GenerateInput(Lenient):
     format: Format | None = None
     options: Options = Options()
     stream: bool = True
-    keep_alive: KeepAlive = None  # seconds, or "5m"/"1h": keep the model loaded at least this long after
+    keep_alive: KeepAlive = (
+        None  # seconds, or "5m"/"1h": keep the model loaded at least this long after
+    )
     think: Think | None = None
     logprobs: bool = False
     top_logprobs: int = Field(0, ge=0, le=TOP_LOGPROBS_MAX)
@@ -145,10 +159,14 @@ class _GenerateInput(Lenient):
         `reasoning_effort`); a template that reads neither is unaffected."""
         if self.think is None:
             return {}
-        return {"enable_thinking": bool(self.think)} | ({"reasoning_effort": self.think} if isinstance(self.think, str) else {})
+        return {"enable_thinking": bool(self.think)} | (
+            {"reasoning_effort": self.think} if isinstance(self.think, str) else {}
+        )
 
     def _sampling(self) -> SamplingParams:
-        return self.options.sampling(logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs)
+        return self.options.sampling(
+            logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs
+        )
 
 
 class ChatRequest(_GenerateInput):
@@ -161,7 +179,9 @@ class ChatRequest(_GenerateInput):
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         return GenerationRequest(
-            job=job, model=model, kind="chat",
+            job=job,
+            model=model,
+            kind="chat",
             messages=[_message_for_node(m, at) for at, m in enumerate(self.messages)],
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             chat_template_kwargs=self._template_kwargs(),
@@ -184,7 +204,9 @@ class GenerateRequest(_GenerateInput):
         if self.suffix:
             raise ValueError("suffix: fill-in-the-middle is not supported")
         if self.template:
-            raise ValueError("template: Go templates are not run; send raw: true with the prompt already templated")
+            raise ValueError(
+                "template: Go templates are not run; send raw: true with the prompt already templated"
+            )
         if self.context:
             raise ValueError("context: is not supported; send the conversation to /api/chat")
         if self.raw and (self.images or self.system):
@@ -193,13 +215,23 @@ class GenerateRequest(_GenerateInput):
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         if self.raw:
-            return GenerationRequest(job=job, model=model, kind="completion", prompt=self.prompt,
-                                     sampling=self._sampling())
+            return GenerationRequest(
+                job=job,
+                model=model,
+                kind="completion",
+                prompt=self.prompt,
+                sampling=self._sampling(),
+            )
         turns = [Message(role="system", content=self.system)] if self.system else []
         turns.append(Message(role="user", content=self.prompt, images=self.images))
-        return GenerationRequest(job=job, model=model, kind="chat",
-                                 messages=[_message_for_node(m, at) for at, m in enumerate(turns)],
-                                 chat_template_kwargs=self._template_kwargs(), sampling=self._sampling())
+        return GenerationRequest(
+            job=job,
+            model=model,
+            kind="chat",
+            messages=[_message_for_node(m, at) for at, m in enumerate(turns)],
+            chat_template_kwargs=self._template_kwargs(),
+            sampling=self._sampling(),
+        )
 
 
 class EmbedRequest(Lenient):

@@ -12,15 +12,30 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
-from gateway.protocol.bounds import (LOGIT_BIAS_MAX, TOKEN_ID_MAX, CacheSalt, ChatTemplateKwargs, Int64, JsonSchema,
-                                     KeepAlive, MaxTokens, Speculative, SpeculativeTokens, StopTokenIds, TokenId, TopK,
-                                     duration_s)
+from gateway.protocol.bounds import (
+    LOGIT_BIAS_MAX,
+    TOKEN_ID_MAX,
+    CacheSalt,
+    ChatTemplateKwargs,
+    Int64,
+    JsonSchema,
+    KeepAlive,
+    MaxTokens,
+    Speculative,
+    SpeculativeTokens,
+    StopTokenIds,
+    TokenId,
+    TopK,
+    duration_s,
+)
 from gateway.protocol.lenient import Lenient
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)]
-LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=LOGIT_BIAS_MAX)]
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=LOGIT_BIAS_MAX)
+]
 
 
 # ---- messages ---------------------------------------------------------------------------
@@ -58,10 +73,14 @@ class ChatCompletionRequestMessageContentPartRefusal(Lenient):
 
 TextPart = ChatCompletionRequestMessageContentPartText
 UserPart = Annotated[
-    TextPart | ChatCompletionRequestMessageContentPartImage | ChatCompletionRequestMessageContentPartAudio,
+    TextPart
+    | ChatCompletionRequestMessageContentPartImage
+    | ChatCompletionRequestMessageContentPartAudio,
     Field(discriminator="type"),
 ]
-AssistantPart = Annotated[TextPart | ChatCompletionRequestMessageContentPartRefusal, Field(discriminator="type")]
+AssistantPart = Annotated[
+    TextPart | ChatCompletionRequestMessageContentPartRefusal, Field(discriminator="type")
+]
 
 
 class FunctionCall(Lenient):
@@ -198,7 +217,9 @@ class _Sampling(Lenient):
     @field_validator("logit_bias", check_fields=False)
     @classmethod
     def _token_ids(cls, bias: LogitBias | None) -> LogitBias | None:
-        if bias and not all(key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_MAX for key in bias):
+        if bias and not all(
+            key.isascii() and key.isdigit() and int(key) <= TOKEN_ID_MAX for key in bias
+        ):
             raise ValueError("keys must be token ids (non-negative integers as strings)")
         return bias
 
@@ -222,7 +243,9 @@ class ChatCompletionRequest(_Sampling):
     n: int = Field(1, ge=1, le=128)
     parallel_tool_calls: bool | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    prompt_cache_key: str | None = None  # routes the conversation to the node that ran it (gateway/routing.py)
+    prompt_cache_key: str | None = (
+        None  # routes the conversation to the node that ran it (gateway/routing.py)
+    )
     response_format: ResponseFormat | None = None
     seed: Int64 | None = None
     service_tier: str | None = None  # accepted, not used
@@ -244,8 +267,12 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: ChatTemplateKwargs = {}
     add_generation_prompt: bool = True
     ignore_eos: bool = False
-    keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
-    priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    keep_alive: KeepAlive = (
+        None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
+    )
+    priority: Int64 = (
+        0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    )
     speculative: Speculative = None
     num_speculative_tokens: SpeculativeTokens = None
 
@@ -255,10 +282,18 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice: requires tools")
-        named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
+        named = (
+            self.tool_choice.function.name
+            if isinstance(self.tool_choice, ChatCompletionNamedToolChoice)
+            else None
+        )
         if named is not None and named not in {t.function.name for t in self.tools}:
             raise ValueError(f"tool_choice: names function '{named}', which is not in tools")
-        if self.response_format and self.response_format.type == "json_schema" and not self.response_format.json_schema:
+        if (
+            self.response_format
+            and self.response_format.type == "json_schema"
+            and not self.response_format.json_schema
+        ):
             raise ValueError("response_format: json_schema requires a json_schema object")
         return self
 
@@ -270,12 +305,20 @@ class ChatCompletionRequest(_Sampling):
     def constraint(self) -> Constraint:
         """A forced call (`required`, named) or JSON output (`response_format`)."""
         if self.uses_tools and self.tool_choice not in (None, "auto"):
-            named = self.tool_choice.function.name if isinstance(self.tool_choice, ChatCompletionNamedToolChoice) else None
-            tools = [{"name": t.function.name, "parameters": t.function.parameters} for t in self.tools]
+            named = (
+                self.tool_choice.function.name
+                if isinstance(self.tool_choice, ChatCompletionNamedToolChoice)
+                else None
+            )
+            tools = [
+                {"name": t.function.name, "parameters": t.function.parameters} for t in self.tools
+            ]
             return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         if self.response_format is None or self.response_format.type == "text":
             return None
-        schema = self.response_format.json_schema.schema_ if self.response_format.json_schema else None
+        schema = (
+            self.response_format.json_schema.schema_ if self.response_format.json_schema else None
+        )
         return JsonOutput(schema or None, "response_format")
 
     @property
@@ -326,8 +369,12 @@ class CompletionRequest(_Sampling):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
-    keep_alive: KeepAlive = None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
-    priority: Int64 = 0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    keep_alive: KeepAlive = (
+        None  # Ollama's: seconds or "5m"/"1h"; keep the model loaded this long after
+    )
+    priority: Int64 = (
+        0  # within its class: lower is served sooner (vLLM's convention); see shared/queues.py
+    )
     speculative: Speculative = None
     num_speculative_tokens: SpeculativeTokens = None
     uses_tools: ClassVar[bool] = False  # completions take no tools
@@ -338,7 +385,9 @@ class CompletionRequest(_Sampling):
     def _one_prompt(cls, prompt: Any) -> str | list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise ValueError("batches of prompts are not supported; send one prompt per request")
+                raise ValueError(
+                    "batches of prompts are not supported; send one prompt per request"
+                )
             prompt = prompt[0]
         if not prompt:
             raise ValueError("must not be empty")
@@ -521,7 +570,9 @@ class ModelReplica(BaseModel):
     slots_used: int
     slots_total: int
     download_fraction: float | None = None  # while `downloading`: the share of its files here, 0..1
-    quant: str | None = None  # how its Linear weights run ("int4", "int8", "fp8", "int4+int8", "none"); None until loaded
+    quant: str | None = (
+        None  # how its Linear weights run ("int4", "int8", "fp8", "int4+int8", "none"); None until loaded
+    )
     weight_mb: int | None = None  # what its weights hold on its device; None until loaded
 
 
@@ -531,12 +582,18 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     owned_by: str = "cortex"
     # extensions: catalogue models are listed even when not loaded (a request loads them)
-    state: str = "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
+    state: str = (
+        "not_loaded"  # the best state among its replicas: ready, loading, poisoned, failed …
+    )
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
     capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
-    kind: Literal["generate", "embedding", "rerank"] = "generate"  # what it serves (the catalogue's `kind`)
-    max_model_len: int | None = None  # vLLM's: the longest sequence its replicas run; None until one is loaded
+    kind: Literal["generate", "embedding", "rerank"] = (
+        "generate"  # what it serves (the catalogue's `kind`)
+    )
+    max_model_len: int | None = (
+        None  # vLLM's: the longest sequence its replicas run; None until one is loaded
+    )
 
 
 class ModelList(BaseModel):

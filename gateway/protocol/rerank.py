@@ -58,9 +58,14 @@ class ScoreRequest(Lenient):
 
     @model_validator(mode="after")
     def _pairable(self) -> "ScoreRequest":
-        if isinstance(self.text_1, list) and len(self.text_1) > 1 and (
-                not isinstance(self.text_2, list) or len(self.text_2) != len(self.text_1)):
-            raise ValueError("text_2: a list of text_1 pairs with a list of text_2 of the same length")
+        if (
+            isinstance(self.text_1, list)
+            and len(self.text_1) > 1
+            and (not isinstance(self.text_2, list) or len(self.text_2) != len(self.text_1))
+        ):
+            raise ValueError(
+                "text_2: a list of text_1 pairs with a list of text_2 of the same length"
+            )
         return self
 
     def pairs(self) -> tuple[list[str], list[str]]:

@@ -15,8 +15,16 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 from gateway.protocol.bounds import CacheSalt, JsonSchema, MaxTokens
 from gateway.protocol.lenient import Lenient
 from gateway.protocol.responses_input import AdditionalTools, ResponseInput, messages_for_node
-from gateway.protocol.responses_tools import (Function, Offer, Tool, ToolChoice, ToolChoiceAllowed, ToolChoiceFunction,
-                                              ToolChoiceUnservable, offered_name)
+from gateway.protocol.responses_tools import (
+    Function,
+    Offer,
+    Tool,
+    ToolChoice,
+    ToolChoiceAllowed,
+    ToolChoiceFunction,
+    ToolChoiceUnservable,
+    offered_name,
+)
 from gateway.tools.grammars import Constraint, ForcedCall, JsonOutput
 from shared.wire import GenerationRequest, SamplingParams
 
@@ -40,8 +48,13 @@ class ResponseFormatTextJSONSchemaConfig(Lenient):
 
 
 class ResponseTextConfig(Lenient):
-    format: Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatTextJSONSchemaConfig,
-                      Field(discriminator="type")] | None = None
+    format: (
+        Annotated[
+            ResponseFormatText | ResponseFormatJSONObject | ResponseFormatTextJSONSchemaConfig,
+            Field(discriminator="type"),
+        ]
+        | None
+    ) = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, not used
 
 
@@ -57,7 +70,9 @@ class Reasoning(Lenient):
 
 class ResponseCreateParams(Lenient):
     background: bool | None = None
-    client_metadata: dict[str, Any] | None = None  # accepted, not used (the Codex CLI sends its session's ids)
+    client_metadata: dict[str, Any] | None = (
+        None  # accepted, not used (the Codex CLI sends its session's ids)
+    )
     include: list[str] | None = None  # accepted, not used
     input: ResponseInput
     instructions: str | None = None
@@ -66,7 +81,9 @@ class ResponseCreateParams(Lenient):
     model: str
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
-    prompt_cache_key: str | None = None  # routes the conversation to the node that ran it (gateway/routing.py)
+    prompt_cache_key: str | None = (
+        None  # routes the conversation to the node that ran it (gateway/routing.py)
+    )
     reasoning: Reasoning | None = None
     safety_identifier: str | None = None  # accepted, not used
     service_tier: str | None = None  # accepted, not used
@@ -77,24 +94,32 @@ class ResponseCreateParams(Lenient):
     tool_choice: ToolChoice | None = None
     tools: list[Tool] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    truncation: Literal["auto", "disabled"] | None = None  # accepted; a prompt too long is a 400 either way
+    truncation: Literal["auto", "disabled"] | None = (
+        None  # accepted; a prompt too long is a 400 either way
+    )
     user: str | None = None  # a session for routing when there is no prompt_cache_key
     cache_salt: CacheSalt | None = None  # vLLM's (an extension): see gateway/protocol/bounds.py
-    _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)  # the previous response's conversation
+    _history: list[dict[str, Any]] = PrivateAttr(
+        default_factory=list
+    )  # the previous response's conversation
     _offer: Offer = PrivateAttr(default_factory=Offer)
 
     @model_validator(mode="after")
     def _supported(self) -> "ResponseCreateParams":
         if self.background and self.store is False:
-            raise ValueError("background: requires store (a background response is kept to be fetched later)")
+            raise ValueError(
+                "background: requires store (a background response is kept to be fetched later)"
+            )
         self._offer.add("tools", self.tools or [])
         for i, item in enumerate(self.input):
             if isinstance(item, AdditionalTools):
                 self._offer.add(f"input[{i}].tools", item.tools)
         choice = self.tool_choice
         if isinstance(choice, ToolChoiceUnservable):
-            raise ValueError(f"tool_choice: forces a {choice.type} tool, which does not run here "
-                             f"(Cortex offers models function tools only)")
+            raise ValueError(
+                f"tool_choice: forces a {choice.type} tool, which does not run here "
+                f"(Cortex offers models function tools only)"
+            )
         if choice not in (None, "none") and not self._offer.functions:
             raise ValueError("tool_choice: requires function tools")
         for name in self._chosen or []:
@@ -109,8 +134,11 @@ class ResponseCreateParams(Lenient):
         if isinstance(choice, ToolChoiceFunction):
             return [choice.name]
         if isinstance(choice, ToolChoiceAllowed):
-            return [offered_name(t.get("namespace"), str(t.get("name"))) for t in choice.tools
-                    if t.get("type") == "function"]
+            return [
+                offered_name(t.get("namespace"), str(t.get("name")))
+                for t in choice.tools
+                if t.get("type") == "function"
+            ]
         return None
 
     def continue_from(self, history: list[dict[str, Any]]) -> None:
@@ -125,7 +153,9 @@ class ResponseCreateParams(Lenient):
     @property
     def input_items(self) -> list[dict[str, Any]]:
         """This request's input items as sent (what `GET /v1/responses/{id}/input_items` lists)."""
-        return [item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in self.input]
+        return [
+            item.model_dump(mode="json", by_alias=True, exclude_none=True) for item in self.input
+        ]
 
     @property
     def offer(self) -> Offer:
@@ -136,7 +166,9 @@ class ResponseCreateParams(Lenient):
     def functions(self) -> list[Function]:
         """The functions the model is offered: those `tool_choice` allows (all, unless `allowed_tools`)."""
         allowed = self._chosen if isinstance(self.tool_choice, ToolChoiceAllowed) else None
-        return [f for name, f in self._offer.functions.items() if allowed is None or name in allowed]
+        return [
+            f for name, f in self._offer.functions.items() if allowed is None or name in allowed
+        ]
 
     @property
     def uses_tools(self) -> bool:
@@ -146,21 +178,32 @@ class ResponseCreateParams(Lenient):
     def constraint(self) -> Constraint:
         """A forced call (`required`, a named function, allowed tools `required`) or JSON output (`text.format`)."""
         choice = self.tool_choice
-        if self.uses_tools and (choice == "required" or isinstance(choice, ToolChoiceFunction)
-                                or isinstance(choice, ToolChoiceAllowed) and choice.mode == "required"):
+        if self.uses_tools and (
+            choice == "required"
+            or isinstance(choice, ToolChoiceFunction)
+            or isinstance(choice, ToolChoiceAllowed)
+            and choice.mode == "required"
+        ):
             named = choice.name if isinstance(choice, ToolChoiceFunction) else None
             tools = [{"name": f.name, "parameters": f.tool.parameters} for f in self.functions]
             return ForcedCall.of(tools, named, parallel=self.parallel_tool_calls is not False)
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return None
-        return JsonOutput(fmt.schema_ if isinstance(fmt, ResponseFormatTextJSONSchemaConfig) else None, "text.format")
+        return JsonOutput(
+            fmt.schema_ if isinstance(fmt, ResponseFormatTextJSONSchemaConfig) else None,
+            "text.format",
+        )
 
     def to_generation_request(self, job: str, model: str) -> GenerationRequest:
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [f.for_node() for f in self.functions] if self.uses_tools else None
         return GenerationRequest(
-            job=job, model=model, kind="chat", messages=system + self.conversation, tools=tools,
+            job=job,
+            model=model,
+            kind="chat",
+            messages=system + self.conversation,
+            tools=tools,
             sampling=SamplingParams(
                 max_tokens=self.max_output_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -260,10 +303,14 @@ class ResponseItemList(BaseModel):
         rest = items
         if after is not None:
             ids = [item["id"] for item in items]
-            rest = items[ids.index(after) + 1:] if after in ids else []
+            rest = items[ids.index(after) + 1 :] if after in ids else []
         data = rest[:limit]
-        return cls(data=data, first_id=data[0]["id"] if data else None, last_id=data[-1]["id"] if data else None,
-                   has_more=len(rest) > limit)
+        return cls(
+            data=data,
+            first_id=data[0]["id"] if data else None,
+            last_id=data[-1]["id"] if data else None,
+            has_more=len(rest) > limit,
+        )
 
 
 class ResponseDeleted(BaseModel):
@@ -330,7 +377,9 @@ class ResponseContentPartDoneEvent(_Event):
 
 
 class ResponseFunctionCallArgumentsDeltaEvent(_Event):
-    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta"
+    )
     item_id: str
     output_index: int
     delta: str
@@ -367,8 +416,18 @@ class ResponseErrorEvent(_Event):
     param: str | None = None
 
 
-ResponseStreamEvent = (ResponseCreatedEvent | ResponseInProgressEvent | ResponseOutputItemAddedEvent
-                       | ResponseContentPartAddedEvent | ResponseTextDeltaEvent | ResponseTextDoneEvent
-                       | ResponseContentPartDoneEvent | ResponseFunctionCallArgumentsDeltaEvent
-                       | ResponseFunctionCallArgumentsDoneEvent | ResponseOutputItemDoneEvent | ResponseCompletedEvent
-                       | ResponseIncompleteEvent | ResponseErrorEvent)
+ResponseStreamEvent = (
+    ResponseCreatedEvent
+    | ResponseInProgressEvent
+    | ResponseOutputItemAddedEvent
+    | ResponseContentPartAddedEvent
+    | ResponseTextDeltaEvent
+    | ResponseTextDoneEvent
+    | ResponseContentPartDoneEvent
+    | ResponseFunctionCallArgumentsDeltaEvent
+    | ResponseFunctionCallArgumentsDoneEvent
+    | ResponseOutputItemDoneEvent
+    | ResponseCompletedEvent
+    | ResponseIncompleteEvent
+    | ResponseErrorEvent
+)

@@ -25,7 +25,9 @@ from gateway.protocol.responses_tools import Tool, offered_name
 log = logging.getLogger(__name__)
 
 Status = Literal["in_progress", "completed", "incomplete"]
-CallStatus = Literal["in_progress", "searching", "completed", "incomplete", "failed"]  # hosted searches
+CallStatus = Literal[
+    "in_progress", "searching", "completed", "incomplete", "failed"
+]  # hosted searches
 
 
 class Caller(Lenient):
@@ -41,7 +43,9 @@ class Caller(Lenient):
 class ResponseInputText(Lenient):
     text: str
     type: Literal["input_text"]
-    prompt_cache_breakpoint: dict[str, Any] | None = None  # accepted, not used (no explicit prompt cache)
+    prompt_cache_breakpoint: dict[str, Any] | None = (
+        None  # accepted, not used (no explicit prompt cache)
+    )
 
 
 class ResponseInputImage(Lenient):
@@ -63,7 +67,9 @@ class ResponseInputFile(Lenient):
 
     @model_validator(mode="after")
     def _unservable(self) -> "ResponseInputFile":
-        raise ValueError("files are not read here; send their text as input_text (or images as input_image)")
+        raise ValueError(
+            "files are not read here; send their text as input_text (or images as input_image)"
+        )
 
 
 class ResponseOutputTextParam(Lenient):
@@ -78,8 +84,14 @@ class ResponseOutputRefusalParam(Lenient):
     type: Literal["refusal"]
 
 
-ContentPart = Annotated[ResponseInputText | ResponseInputImage | ResponseInputFile | ResponseOutputTextParam
-                        | ResponseOutputRefusalParam, Field(discriminator="type")]
+ContentPart = Annotated[
+    ResponseInputText
+    | ResponseInputImage
+    | ResponseInputFile
+    | ResponseOutputTextParam
+    | ResponseOutputRefusalParam,
+    Field(discriminator="type"),
+]
 
 
 def _text_as_part(value: Any) -> Any:
@@ -165,7 +177,9 @@ class ItemReference(Lenient):
 
     @model_validator(mode="after")
     def _unservable(self) -> "ItemReference":
-        raise ValueError("items are not kept by id here; send the item itself, or continue with previous_response_id")
+        raise ValueError(
+            "items are not kept by id here; send the item itself, or continue with previous_response_id"
+        )
 
 
 class CompactionTrigger(Lenient):
@@ -383,14 +397,39 @@ class ProgramOutput(Lenient):
     type: Literal["program_output"]
 
 
-_ITEMS = [EasyInputMessage, ResponseFileSearchToolCallParam, ResponseComputerToolCallParam, ComputerCallOutput,
-          ResponseFunctionWebSearchParam, ResponseFunctionToolCallParam, FunctionCallOutput, ToolSearchCall,
-          ResponseToolSearchOutputItemParam, AdditionalTools, ResponseConfigurationUpdateItemParam,
-          ResponseReasoningItemParam, ResponseCompactionItemParam, ImageGenerationCall,
-          ResponseCodeInterpreterToolCallParam, LocalShellCall, LocalShellCallOutput, ShellCall, ShellCallOutput,
-          ApplyPatchCall, ApplyPatchCallOutput, McpListTools, McpApprovalRequest, McpApprovalResponse, McpCall,
-          ResponseCustomToolCallOutputParam, ResponseCustomToolCallParam, CompactionTrigger, ItemReference, Program,
-          ProgramOutput]
+_ITEMS = [
+    EasyInputMessage,
+    ResponseFileSearchToolCallParam,
+    ResponseComputerToolCallParam,
+    ComputerCallOutput,
+    ResponseFunctionWebSearchParam,
+    ResponseFunctionToolCallParam,
+    FunctionCallOutput,
+    ToolSearchCall,
+    ResponseToolSearchOutputItemParam,
+    AdditionalTools,
+    ResponseConfigurationUpdateItemParam,
+    ResponseReasoningItemParam,
+    ResponseCompactionItemParam,
+    ImageGenerationCall,
+    ResponseCodeInterpreterToolCallParam,
+    LocalShellCall,
+    LocalShellCallOutput,
+    ShellCall,
+    ShellCallOutput,
+    ApplyPatchCall,
+    ApplyPatchCallOutput,
+    McpListTools,
+    McpApprovalRequest,
+    McpApprovalResponse,
+    McpCall,
+    ResponseCustomToolCallOutputParam,
+    ResponseCustomToolCallParam,
+    CompactionTrigger,
+    ItemReference,
+    Program,
+    ProgramOutput,
+]
 
 
 def _tag(item: type[Lenient]) -> str:
@@ -403,11 +442,17 @@ def _item_type(value: Any) -> str:
     given = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if given:
         return given
-    return "item_reference" if isinstance(value, dict) and "id" in value and "role" not in value else "message"
+    return (
+        "item_reference"
+        if isinstance(value, dict) and "id" in value and "role" not in value
+        else "message"
+    )
 
 
-ResponseInputItem = Annotated[Union[tuple(Annotated[item, Tag(_tag(item))] for item in _ITEMS)],  # noqa: UP007
-                              Discriminator(_item_type)]
+ResponseInputItem = Annotated[
+    Union[tuple(Annotated[item, Tag(_tag(item))] for item in _ITEMS)],  # noqa: UP007
+    Discriminator(_item_type),
+]
 
 
 def _text_as_message(value: Any) -> Any:
@@ -430,14 +475,25 @@ def _parts(content: list) -> str | list[dict[str, Any]]:
     """Message content as chat content: text, or parts with images as `image_url`."""
     if not any(isinstance(p, ResponseInputImage) for p in content):
         return _text(content)
-    return [{"type": "image_url", "image_url": {"url": p.image_url or ""}} if isinstance(p, ResponseInputImage)
-            else {"type": "text", "text": _text([p])} for p in content]
+    return [
+        {"type": "image_url", "image_url": {"url": p.image_url or ""}}
+        if isinstance(p, ResponseInputImage)
+        else {"type": "text", "text": _text([p])}
+        for p in content
+    ]
 
 
 def _call(item: ResponseFunctionToolCallParam | ResponseCustomToolCallParam) -> dict[str, Any]:
-    arguments = item.arguments if isinstance(item, ResponseFunctionToolCallParam) else json.dumps({"input": item.input})
-    return {"id": item.call_id, "type": "function",
-            "function": {"name": offered_name(item.namespace, item.name), "arguments": arguments}}
+    arguments = (
+        item.arguments
+        if isinstance(item, ResponseFunctionToolCallParam)
+        else json.dumps({"input": item.input})
+    )
+    return {
+        "id": item.call_id,
+        "type": "function",
+        "function": {"name": offered_name(item.namespace, item.name), "arguments": arguments},
+    }
 
 
 def messages_for_node(items: list) -> list[dict[str, Any]]:
@@ -452,7 +508,11 @@ def messages_for_node(items: list) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(_call(item))
         elif isinstance(item, FunctionCallOutput | ResponseCustomToolCallOutputParam):
-            out.append({"role": "tool", "tool_call_id": item.call_id or "", "content": _text(item.output)})
+            out.append(
+                {"role": "tool", "tool_call_id": item.call_id or "", "content": _text(item.output)}
+            )
         elif not isinstance(item, AdditionalTools):
-            log.debug("input item %s (%s) is not shown to the model", item.type, getattr(item, "id", None))
+            log.debug(
+                "input item %s (%s) is not shown to the model", item.type, getattr(item, "id", None)
+            )
     return out

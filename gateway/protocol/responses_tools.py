@@ -30,7 +30,9 @@ class FunctionTool(Lenient):
     type: Literal["function"]
     allowed_callers: Callers = None  # accepted, not used
     async_: bool | None = Field(None, alias="async")  # accepted, not used
-    defer_loading: bool | None = None  # accepted: the function is offered from the start (there is no tool search)
+    defer_loading: bool | None = (
+        None  # accepted: the function is offered from the start (there is no tool search)
+    )
     description: str | None = None
     output_schema: dict[str, Any] | None = None  # accepted, not used
 
@@ -160,9 +162,22 @@ class ApplyPatchTool(Lenient):
 
 
 Tool = Annotated[
-    FunctionTool | FileSearchTool | ComputerTool | ComputerUsePreviewTool | WebSearchTool | McpTool
-    | CodeInterpreterTool | ProgrammaticToolCallingTool | ImageGenerationTool | LocalShellTool | ShellTool
-    | CustomTool | NamespaceTool | ToolSearchTool | WebSearchPreviewTool | ApplyPatchTool,
+    FunctionTool
+    | FileSearchTool
+    | ComputerTool
+    | ComputerUsePreviewTool
+    | WebSearchTool
+    | McpTool
+    | CodeInterpreterTool
+    | ProgrammaticToolCallingTool
+    | ImageGenerationTool
+    | LocalShellTool
+    | ShellTool
+    | CustomTool
+    | NamespaceTool
+    | ToolSearchTool
+    | WebSearchPreviewTool
+    | ApplyPatchTool,
     Field(discriminator="type"),
 ]
 
@@ -185,16 +200,35 @@ class ToolChoiceAllowed(Lenient):
 class ToolChoiceUnservable(Lenient):
     """Forces a tool the model is never offered: refused with a 400."""
 
-    type: Literal["file_search", "web_search", "web_search_2025_08_26", "web_search_preview",
-                  "web_search_preview_2025_03_11", "computer", "computer_use_preview", "computer_use",
-                  "image_generation", "code_interpreter", "mcp", "custom", "programmatic_tool_calling",
-                  "apply_patch", "shell", "local_shell", "tool_search"]
+    type: Literal[
+        "file_search",
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "computer",
+        "computer_use_preview",
+        "computer_use",
+        "image_generation",
+        "code_interpreter",
+        "mcp",
+        "custom",
+        "programmatic_tool_calling",
+        "apply_patch",
+        "shell",
+        "local_shell",
+        "tool_search",
+    ]
     name: str | None = None  # mcp, custom
     server_label: str | None = None  # mcp
 
 
-ToolChoice = (Literal["none", "auto", "required"]
-              | Annotated[ToolChoiceFunction | ToolChoiceAllowed | ToolChoiceUnservable, Field(discriminator="type")])
+ToolChoice = (
+    Literal["none", "auto", "required"]
+    | Annotated[
+        ToolChoiceFunction | ToolChoiceAllowed | ToolChoiceUnservable, Field(discriminator="type")
+    ]
+)
 
 # ---- what the model is offered -------------------------------------------------------------------------
 
@@ -218,9 +252,14 @@ class Function:
 
     def for_node(self) -> dict[str, Any]:
         """As a chat tool (`{"type": "function", "function": …}`), the way chat templates take it."""
-        described = " ".join(filter(None, [self.namespace_description, self.tool.description])) or None
+        described = (
+            " ".join(filter(None, [self.namespace_description, self.tool.description])) or None
+        )
         function = {"name": self.name, "description": described, "parameters": self.tool.parameters}
-        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+        return {
+            "type": "function",
+            "function": {k: v for k, v in function.items() if v is not None},
+        }
 
 
 @dataclass
@@ -240,7 +279,9 @@ class Offer:
                     if isinstance(inner, FunctionTool):
                         self._add(Function(inner, tool.name, tool.description))
                     else:
-                        self.left_out.append(f"{where}[{i}].tools[{j}] ({inner.type} '{inner.name}')")
+                        self.left_out.append(
+                            f"{where}[{i}].tools[{j}] ({inner.type} '{inner.name}')"
+                        )
             else:
                 self.left_out.append(f"{where}[{i}] ({tool.type})")
 
@@ -259,5 +300,7 @@ class Offer:
         """What the `Warning` header says of the tools left out."""
         if not self.left_out:
             return None
-        return (f"the model was not offered {', '.join(self.left_out)}: Cortex offers models function tools only "
-                f"(hosted and built-in tools do not run here)")
+        return (
+            f"the model was not offered {', '.join(self.left_out)}: Cortex offers models function tools only "
+            f"(hosted and built-in tools do not run here)"
+        )

@@ -7,8 +7,6 @@ the same blocks: text, then `tool_use` blocks whose `input` streams as `input_js
 
 from collections.abc import AsyncIterator, Iterator
 
-from gateway.tools import parsers
-from gateway.tools.parsers import tool_input
 from gateway.gather import GatheredChoice
 from gateway.protocol.anthropic import (
     ContentBlock,
@@ -30,6 +28,8 @@ from gateway.protocol.anthropic import (
     Usage,
 )
 from gateway.render import JobInfo
+from gateway.tools import parsers
+from gateway.tools.parsers import tool_input
 from shared.wire import DeltaEvent, DoneEvent
 from shared.wire import Usage as WireUsage
 
@@ -73,9 +73,13 @@ class Blocks:
                 yield ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=piece.text))
             elif isinstance(piece, parsers.CallStart):
                 self.called = True
-                yield from self._start(ToolUseBlock(id=f"toolu_{piece.id}", name=piece.name, input={}), piece.index)
+                yield from self._start(
+                    ToolUseBlock(id=f"toolu_{piece.id}", name=piece.name, input={}), piece.index
+                )
             elif piece.text:
-                yield ContentBlockDeltaEvent(index=self.index, delta=InputJSONDelta(partial_json=piece.text))
+                yield ContentBlockDeltaEvent(
+                    index=self.index, delta=InputJSONDelta(partial_json=piece.text)
+                )
 
     def _start(self, block: ContentBlock, kind: str | int) -> Iterator[StreamEvent]:
         yield from self._close()
@@ -105,11 +109,15 @@ def content_blocks(events: list[StreamEvent]) -> list[ContentBlock]:
     return blocks
 
 
-def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: parsers.ToolCallParser | None) -> Message:
+def message(
+    job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: parsers.ToolCallParser | None
+) -> Message:
     blocks = Blocks(parser)
     events = [*blocks.feed(choice.text), *blocks.finish(choice.finish_reason == "length")]
     return Message(
-        id=message_id(job), model=job.model, content=content_blocks(events),
+        id=message_id(job),
+        model=job.model,
+        content=content_blocks(events),
         stop_reason=stop_reason(choice.finish_reason, choice.stop_sequence, blocks.called),
         stop_sequence=choice.stop_sequence,
         usage=Usage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens),
@@ -117,7 +125,9 @@ def message(job: JobInfo, choice: GatheredChoice, usage: WireUsage, parser: pars
 
 
 async def message_events(
-    job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], parser: parsers.ToolCallParser | None
+    job: JobInfo,
+    events: AsyncIterator[DeltaEvent | DoneEvent],
+    parser: parsers.ToolCallParser | None,
 ) -> AsyncIterator[StreamEvent]:
     """message_start, the content block events, message_delta (stop reason, usage), message_stop.
     message_start waits for the job's first event: by then the node has said the prompt's length."""
@@ -127,17 +137,28 @@ async def message_events(
     async for event in events:
         if not started:
             started = True
-            yield MessageStartEvent(message=Message(
-                id=message_id(job), model=job.model, content=[], stop_reason=None,
-                usage=Usage(input_tokens=job.prompt_tokens, output_tokens=0)))
+            yield MessageStartEvent(
+                message=Message(
+                    id=message_id(job),
+                    model=job.model,
+                    content=[],
+                    stop_reason=None,
+                    usage=Usage(input_tokens=job.prompt_tokens, output_tokens=0),
+                )
+            )
         if isinstance(event, DoneEvent):
             for block_event in blocks.finish(finish_reason == "length"):
                 yield block_event
             yield MessageDeltaEvent(
-                delta=MessageDelta(stop_reason=stop_reason(finish_reason, stop_sequence, blocks.called),
-                                   stop_sequence=stop_sequence),
-                usage=MessageDeltaUsage(input_tokens=event.usage.prompt_tokens,
-                                        output_tokens=event.usage.completion_tokens))
+                delta=MessageDelta(
+                    stop_reason=stop_reason(finish_reason, stop_sequence, blocks.called),
+                    stop_sequence=stop_sequence,
+                ),
+                usage=MessageDeltaUsage(
+                    input_tokens=event.usage.prompt_tokens,
+                    output_tokens=event.usage.completion_tokens,
+                ),
+            )
             yield MessageStopEvent()
             return
         for delta in event.choices:

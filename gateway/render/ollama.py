@@ -16,7 +16,15 @@ starts or the answer ends. The objects name the model as the client did (`name`)
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
-from gateway.protocol.ollama import ChatResponse, GenerateResponse, Logprob, Message, Metrics, ToolCall, ToolCallFunction
+from gateway.protocol.ollama import (
+    ChatResponse,
+    GenerateResponse,
+    Logprob,
+    Message,
+    Metrics,
+    ToolCall,
+    ToolCallFunction,
+)
 from gateway.render import JobInfo
 from gateway.tools.parsers import CallArgs, CallStart, Piece, Text, ToolCallParser, tool_input
 from gateway.tools.thinking import ThinkingSplitter
@@ -48,9 +56,18 @@ def metrics(done: DoneEvent) -> Metrics:
 def logprobs(tokens: list[TokenLogprob] | None) -> list[Logprob] | None:
     if not tokens:
         return None
-    return [Logprob(token=t.token, logprob=t.logprob, bytes=t.bytes,
-                    top_logprobs=[Logprob(token=top.token, logprob=top.logprob, bytes=top.bytes)
-                                  for top in t.top_logprobs]) for t in tokens]
+    return [
+        Logprob(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=t.bytes,
+            top_logprobs=[
+                Logprob(token=top.token, logprob=top.logprob, bytes=top.bytes)
+                for top in t.top_logprobs
+            ],
+        )
+        for t in tokens
+    ]
 
 
 class Calls:
@@ -74,12 +91,16 @@ class Calls:
         if self.open is None:
             return []
         call = self.open
-        function = ToolCallFunction(index=call.index, name=call.name, arguments=tool_input(self.arguments))
+        function = ToolCallFunction(
+            index=call.index, name=call.name, arguments=tool_input(self.arguments)
+        )
         self.open, self.arguments = None, ""
         return [ToolCall(id=f"call_{call.id}", function=function)]
 
 
-async def _steps(events: AsyncIterator[DeltaEvent | DoneEvent]) -> AsyncIterator[ChoiceDelta | DoneEvent]:
+async def _steps(
+    events: AsyncIterator[DeltaEvent | DoneEvent],
+) -> AsyncIterator[ChoiceDelta | DoneEvent]:
     """Each step's delta of the one choice Ollama asks for, then the done event."""
     async for event in events:
         if isinstance(event, DoneEvent):
@@ -100,15 +121,25 @@ def _thought(splitter: ThinkingSplitter | None, text: str, ended: bool) -> tuple
     return thinking, content
 
 
-async def chat_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], name: str,
-                      parser: ToolCallParser | None,
-                      splitter: ThinkingSplitter | None = None) -> AsyncIterator[ChatResponse]:
+async def chat_chunks(
+    job: JobInfo,
+    events: AsyncIterator[DeltaEvent | DoneEvent],
+    name: str,
+    parser: ToolCallParser | None,
+    splitter: ThinkingSplitter | None = None,
+) -> AsyncIterator[ChatResponse]:
     calls = Calls()
     finish_reason = None
     async for step in _steps(events):
         if isinstance(step, DoneEvent):
-            yield ChatResponse(model=name, created_at=created_at(job), message=Message(role="assistant"), done=True,
-                               done_reason=done_reason(finish_reason), **metrics(step).model_dump())
+            yield ChatResponse(
+                model=name,
+                created_at=created_at(job),
+                message=Message(role="assistant"),
+                done=True,
+                done_reason=done_reason(finish_reason),
+                **metrics(step).model_dump(),
+            )
             return
         finish_reason = step.finish_reason or finish_reason
         ended = step.finish_reason is not None
@@ -116,33 +147,60 @@ async def chat_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent
         if parser is None:
             pieces: list[Piece] = [Text(content)]
         else:
-            pieces = parser.feed(content) + (parser.finish(step.finish_reason == "length") if ended else [])
+            pieces = parser.feed(content) + (
+                parser.finish(step.finish_reason == "length") if ended else []
+            )
         text = "".join(piece.text for piece in pieces if isinstance(piece, Text))
         made = calls.take(pieces, ended)
         if text or thinking or made or step.logprobs:
-            message = Message(role="assistant", content=text, thinking=thinking or None, tool_calls=made or None)
-            yield ChatResponse(model=name, created_at=created_at(job), message=message, done=False,
-                               logprobs=logprobs(step.logprobs))
+            message = Message(
+                role="assistant", content=text, thinking=thinking or None, tool_calls=made or None
+            )
+            yield ChatResponse(
+                model=name,
+                created_at=created_at(job),
+                message=message,
+                done=False,
+                logprobs=logprobs(step.logprobs),
+            )
 
 
-async def generate_chunks(job: JobInfo, events: AsyncIterator[DeltaEvent | DoneEvent], name: str,
-                          splitter: ThinkingSplitter | None = None) -> AsyncIterator[GenerateResponse]:
+async def generate_chunks(
+    job: JobInfo,
+    events: AsyncIterator[DeltaEvent | DoneEvent],
+    name: str,
+    splitter: ThinkingSplitter | None = None,
+) -> AsyncIterator[GenerateResponse]:
     finish_reason = None
     async for step in _steps(events):
         if isinstance(step, DoneEvent):
-            yield GenerateResponse(model=name, created_at=created_at(job), response="", done=True,
-                                   done_reason=done_reason(finish_reason), **metrics(step).model_dump())
+            yield GenerateResponse(
+                model=name,
+                created_at=created_at(job),
+                response="",
+                done=True,
+                done_reason=done_reason(finish_reason),
+                **metrics(step).model_dump(),
+            )
             return
         finish_reason = step.finish_reason or finish_reason
         thinking, text = _thought(splitter, step.text, step.finish_reason is not None)
         if text or thinking or step.logprobs:
-            yield GenerateResponse(model=name, created_at=created_at(job), response=text, thinking=thinking or None,
-                                   done=False, logprobs=logprobs(step.logprobs))
+            yield GenerateResponse(
+                model=name,
+                created_at=created_at(job),
+                response=text,
+                thinking=thinking or None,
+                done=False,
+                logprobs=logprobs(step.logprobs),
+            )
 
 
 def chat_loaded(name: str, at: datetime) -> ChatResponse:
     """The answer to a request that only loads its model (no messages)."""
-    return ChatResponse(model=name, created_at=at, message=Message(role="assistant"), done=True, done_reason="load")
+    return ChatResponse(
+        model=name, created_at=at, message=Message(role="assistant"), done=True, done_reason="load"
+    )
 
 
 def generate_loaded(name: str, at: datetime) -> GenerateResponse:
@@ -159,8 +217,12 @@ async def whole_chat(chunks: AsyncIterator[ChatResponse]) -> ChatResponse:
         calls += chunk.message.tool_calls or []
         probs += chunk.logprobs or []
         if chunk.done:
-            message = Message(role="assistant", content="".join(content), thinking="".join(thinking) or None,
-                              tool_calls=calls or None)
+            message = Message(
+                role="assistant",
+                content="".join(content),
+                thinking="".join(thinking) or None,
+                tool_calls=calls or None,
+            )
             return chunk.model_copy(update={"message": message, "logprobs": probs or None})
     raise RuntimeError("the job's events ended without a done event")
 
@@ -173,6 +235,11 @@ async def whole_generate(chunks: AsyncIterator[GenerateResponse]) -> GenerateRes
         thinking.append(chunk.thinking or "")
         probs += chunk.logprobs or []
         if chunk.done:
-            return chunk.model_copy(update={"response": "".join(response), "thinking": "".join(thinking) or None,
-                                            "logprobs": probs or None})
+            return chunk.model_copy(
+                update={
+                    "response": "".join(response),
+                    "thinking": "".join(thinking) or None,
+                    "logprobs": probs or None,
+                }
+            )
     raise RuntimeError("the job's events ended without a done event")

@@ -11,14 +11,23 @@ model's catalogue profile: it changes when the profile does.
 import hashlib
 from datetime import UTC, datetime
 
-from gateway.protocol.ollama import (Capability, ListModelResponse, ListResponse, ModelDetails, ProcessModelResponse,
-                                     ProcessResponse, ShowResponse)
+from gateway.protocol.ollama import (
+    Capability,
+    ListModelResponse,
+    ListResponse,
+    ModelDetails,
+    ProcessModelResponse,
+    ProcessResponse,
+    ShowResponse,
+)
 from shared.catalog import LATEST_TAG, ModelProfile
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.lifecycle import ModelState
 
 ARCHITECTURE = "cortex"
-NEVER = datetime(9999, 12, 31, tzinfo=UTC)  # `expires_at` of a model that is never unloaded for idleness
+NEVER = datetime(
+    9999, 12, 31, tzinfo=UTC
+)  # `expires_at` of a model that is never unloaded for idleness
 MIB = 1024 * 1024
 
 
@@ -32,8 +41,12 @@ def digest(profile: ModelProfile) -> str:
 
 def details(profile: ModelProfile) -> ModelDetails:
     gguf = profile.gguf_file is not None or profile.source.endswith(".gguf")
-    return ModelDetails(format="gguf" if gguf else "safetensors", family=ARCHITECTURE, families=[ARCHITECTURE],
-                        quantization_level="" if profile.quant in ("auto", "none") else profile.quant.upper())
+    return ModelDetails(
+        format="gguf" if gguf else "safetensors",
+        family=ARCHITECTURE,
+        families=[ARCHITECTURE],
+        quantization_level="" if profile.quant in ("auto", "none") else profile.quant.upper(),
+    )
 
 
 def capabilities(profile: ModelProfile) -> list[Capability]:
@@ -45,10 +58,16 @@ def capabilities(profile: ModelProfile) -> list[Capability]:
     return ["completion", "tools", *(["vision"] if profile.vision else [])]
 
 
-def _replicas(profile: ModelProfile, nodes: list[NodeHeartbeat]) -> list[tuple[NodeHeartbeat, ModelInfo]]:
+def _replicas(
+    profile: ModelProfile, nodes: list[NodeHeartbeat]
+) -> list[tuple[NodeHeartbeat, ModelInfo]]:
     """The live replicas of the model that are ready."""
-    return [(node, node.models[profile.id]) for node in nodes
-            if node.models.get(profile.id) is not None and node.models[profile.id].state == ModelState.READY]
+    return [
+        (node, node.models[profile.id])
+        for node in nodes
+        if node.models.get(profile.id) is not None
+        and node.models[profile.id].state == ModelState.READY
+    ]
 
 
 def _since(ms: int) -> datetime:
@@ -56,7 +75,10 @@ def _since(ms: int) -> datetime:
 
 
 def _context(profile: ModelProfile, replicas: list[tuple[NodeHeartbeat, ModelInfo]]) -> int:
-    return min((info.max_model_len for _, info in replicas if info.max_model_len), default=profile.max_model_len)
+    return min(
+        (info.max_model_len for _, info in replicas if info.max_model_len),
+        default=profile.max_model_len,
+    )
 
 
 def _names(profile: ModelProfile) -> list[str]:
@@ -70,8 +92,17 @@ def model_list(profiles: list[ModelProfile], nodes: list[NodeHeartbeat]) -> List
         replicas = _replicas(profile, nodes)
         size = max((info.memory_mb for _, info in replicas), default=profile.memory_mb or 0) * MIB
         modified = _since(min((node.started_ms for node, _ in replicas), default=0))
-        models += [ListModelResponse(name=name, model=name, modified_at=modified, size=size, digest=digest(profile),
-                                     details=details(profile)) for name in _names(profile)]
+        models += [
+            ListModelResponse(
+                name=name,
+                model=name,
+                modified_at=modified,
+                size=size,
+                digest=digest(profile),
+                details=details(profile),
+            )
+            for name in _names(profile)
+        ]
     return ListResponse(models=models)
 
 
@@ -80,29 +111,41 @@ def show(profile: ModelProfile, nodes: list[NodeHeartbeat]) -> ShowResponse:
     `{architecture}.context_length` and `general.basename`."""
     replicas = _replicas(profile, nodes)
     context = _context(profile, replicas)
-    parameters = f"num_ctx {context}" + (f"\nnum_predict {profile.default_max_tokens}" if profile.default_max_tokens else "")
+    parameters = f"num_ctx {context}" + (
+        f"\nnum_predict {profile.default_max_tokens}" if profile.default_max_tokens else ""
+    )
     return ShowResponse(
-        modelfile=f"FROM {profile.source}\n" + "".join(f"PARAMETER {line}\n" for line in parameters.splitlines()),
+        modelfile=f"FROM {profile.source}\n"
+        + "".join(f"PARAMETER {line}\n" for line in parameters.splitlines()),
         parameters=parameters,
         template=profile.chat_template or "",
         details=details(profile),
-        model_info={"general.architecture": ARCHITECTURE, "general.basename": profile.id,
-                    f"{ARCHITECTURE}.context_length": context},
+        model_info={
+            "general.architecture": ARCHITECTURE,
+            "general.basename": profile.id,
+            f"{ARCHITECTURE}.context_length": context,
+        },
         capabilities=capabilities(profile),
         modified_at=_since(min((node.started_ms for node, _ in replicas), default=0)),
     )
 
 
-def _expires_at(profile: ModelProfile, pinned: bool, replicas: list[tuple[NodeHeartbeat, ModelInfo]]) -> datetime:
+def _expires_at(
+    profile: ModelProfile, pinned: bool, replicas: list[tuple[NodeHeartbeat, ModelInfo]]
+) -> datetime:
     """When the last replica unloads for idleness: its catalogue `keep_alive_s` after its last job,
     or later when a request's `keep_alive` asked for it."""
     if pinned or profile.keep_alive_s < 0:
         return NEVER
     keep_alive_ms = int(profile.keep_alive_s * 1000)
-    return _since(max(max(info.last_used_ms + keep_alive_ms, info.keep_until_ms) for _, info in replicas))
+    return _since(
+        max(max(info.last_used_ms + keep_alive_ms, info.keep_until_ms) for _, info in replicas)
+    )
 
 
-def running(profiles: list[ModelProfile], nodes: list[NodeHeartbeat], pinned: set[str]) -> ProcessResponse:
+def running(
+    profiles: list[ModelProfile], nodes: list[NodeHeartbeat], pinned: set[str]
+) -> ProcessResponse:
     """The models some live node holds ready: memory summed over replicas (`size_vram`: on GPUs),
     when the last replica would unload for idleness, and Cortex's `nodes` that hold it."""
     models = []
@@ -113,8 +156,17 @@ def running(profiles: list[ModelProfile], nodes: list[NodeHeartbeat], pinned: se
         size = sum(info.memory_mb for _, info in replicas) * MIB
         vram = sum(info.memory_mb for _, info in replicas if info.device.startswith("cuda")) * MIB
         name = tagged(profile.id)
-        models.append(ProcessModelResponse(
-            name=name, model=name, size=size, digest=digest(profile), details=details(profile),
-            expires_at=_expires_at(profile, profile.id in pinned, replicas), size_vram=vram,
-            context_length=_context(profile, replicas), nodes=[node.node for node, _ in replicas]))
+        models.append(
+            ProcessModelResponse(
+                name=name,
+                model=name,
+                size=size,
+                digest=digest(profile),
+                details=details(profile),
+                expires_at=_expires_at(profile, profile.id in pinned, replicas),
+                size_vram=vram,
+                context_length=_context(profile, replicas),
+                nodes=[node.node for node, _ in replicas],
+            )
+        )
     return ProcessResponse(models=models)

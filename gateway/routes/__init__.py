@@ -3,12 +3,40 @@
 from fastapi import APIRouter, Depends
 
 from gateway.auth import authenticate
-from gateway.routes import (admin, batches, chat, completions, dashboard, embeddings, files, health, keys, message_batches,
-                            messages, models, ollama, queue, rerank, responses)
+from gateway.routes import (
+    admin,
+    batches,
+    chat,
+    completions,
+    dashboard,
+    embeddings,
+    files,
+    health,
+    keys,
+    message_batches,
+    messages,
+    models,
+    ollama,
+    queue,
+    rerank,
+    responses,
+)
 
 router = APIRouter()
-api_key_routes = (chat, completions, embeddings, rerank, message_batches, messages, responses, models, files, batches,
-                  queue, ollama)
+api_key_routes = (
+    chat,
+    completions,
+    embeddings,
+    rerank,
+    message_batches,
+    messages,
+    responses,
+    models,
+    files,
+    batches,
+    queue,
+    ollama,
+)
 for module in api_key_routes:
     router.include_router(module.router, dependencies=[Depends(authenticate)])
 for module in (health, admin, keys, dashboard):

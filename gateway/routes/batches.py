@@ -20,25 +20,35 @@ router = APIRouter()
 async def create_batch(body: CreateBatchRequest, ctx: Ctx, caller: CallerDep) -> JSONResponse:
     input_file = await FileStore(ctx.redis, ctx.keys).get(body.input_file_id, caller.owner)
     if input_file.purpose != "batch":
-        raise InvalidRequest(f"file {input_file.id} has purpose {input_file.purpose!r}, not 'batch'", param="input_file_id")
+        raise InvalidRequest(
+            f"file {input_file.id} has purpose {input_file.purpose!r}, not 'batch'",
+            param="input_file_id",
+        )
     batch = await BatchStore(ctx.redis, ctx.keys).create(body, owner=caller.name)
     await enqueue(ctx.batch_queue, ctx.keys, batch.id)
     return JSONResponse(batch.model_dump())
 
 
 @router.get("/v1/batches")
-async def list_batches(ctx: Ctx, caller: CallerDep, after: str | None = None,
-                       limit: int = Query(20, ge=1, le=100)) -> JSONResponse:
-    batches = await BatchStore(ctx.redis, ctx.keys).list(after=after, limit=limit, owner=caller.owner)
+async def list_batches(
+    ctx: Ctx, caller: CallerDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+) -> JSONResponse:
+    batches = await BatchStore(ctx.redis, ctx.keys).list(
+        after=after, limit=limit, owner=caller.owner
+    )
     return JSONResponse(batches.model_dump())
 
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse((await BatchStore(ctx.redis, ctx.keys).get(batch_id, caller.owner)).model_dump())
+    return JSONResponse(
+        (await BatchStore(ctx.redis, ctx.keys).get(batch_id, caller.owner)).model_dump()
+    )
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
     """Stops new lines; lines already running finish; the output holds what finished."""
-    return JSONResponse((await BatchStore(ctx.redis, ctx.keys).cancel(batch_id, caller.owner)).model_dump())
+    return JSONResponse(
+        (await BatchStore(ctx.redis, ctx.keys).cancel(batch_id, caller.owner)).model_dump()
+    )

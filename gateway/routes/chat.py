@@ -12,19 +12,25 @@ from gateway.resume import ResumeAt
 router = APIRouter()
 
 CHAT = CompletionDialect(
-    "chat", "chatcmpl-",
+    "chat",
+    "chatcmpl-",
     spec=lambda body: {"n": body.n, "include_usage": body.include_usage},
-    chunks=lambda job, spec: chat_chunks(job, job.events(), n=spec["n"], include_usage=spec["include_usage"],
-                                         parsers=job.parsers),
-    whole=lambda job, gathered, spec: chat_completion(job, gathered, job.parsers))
+    chunks=lambda job, spec: chat_chunks(
+        job, job.events(), n=spec["n"], include_usage=spec["include_usage"], parsers=job.parsers
+    ),
+    whole=lambda job, gathered, spec: chat_completion(job, gathered, job.parsers),
+)
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+async def create_chat_completion(
+    body: ChatCompletionRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> Response:
     return await CHAT.answer(request, ctx, caller, body)
 
 
 @router.get("/v1/chat/completions/{completion_id}", response_model=None)
-async def resume_chat_completion(completion_id: str, ctx: Ctx, request: Request, caller: CallerDep,
-                                 at: ResumeAt) -> Response:
+async def resume_chat_completion(
+    completion_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt
+) -> Response:
     return await CHAT.resumed(request, ctx, caller, completion_id, at)

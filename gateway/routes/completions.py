@@ -12,19 +12,25 @@ from gateway.resume import ResumeAt
 router = APIRouter()
 
 COMPLETIONS = CompletionDialect(
-    "completions", "cmpl-",
+    "completions",
+    "cmpl-",
     spec=lambda body: {"n": body.n, "include_usage": body.include_usage, "echo": body.echo},
-    chunks=lambda job, spec: completion_chunks(job, job.events(), n=spec["n"], include_usage=spec["include_usage"],
-                                               echo=spec["echo"]),
-    whole=lambda job, gathered, spec: completion(job, gathered, spec["echo"]))
+    chunks=lambda job, spec: completion_chunks(
+        job, job.events(), n=spec["n"], include_usage=spec["include_usage"], echo=spec["echo"]
+    ),
+    whole=lambda job, gathered, spec: completion(job, gathered, spec["echo"]),
+)
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(body: CompletionRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+async def create_completion(
+    body: CompletionRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> Response:
     return await COMPLETIONS.answer(request, ctx, caller, body)
 
 
 @router.get("/v1/completions/{completion_id}", response_model=None)
-async def resume_completion(completion_id: str, ctx: Ctx, request: Request, caller: CallerDep,
-                            at: ResumeAt) -> Response:
+async def resume_completion(
+    completion_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt
+) -> Response:
     return await COMPLETIONS.resumed(request, ctx, caller, completion_id, at)

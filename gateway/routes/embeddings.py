@@ -14,6 +14,12 @@ router = APIRouter()
 
 
 @router.post("/v1/embeddings")
-async def create_embeddings(body: EmbeddingCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
-    result = await unless_disconnected(request, embed(ctx, caller, body.model, body.inputs, dimensions=body.dimensions))
-    return JSONResponse(embedding_response(body.model, result, body.encoding_format).model_dump(mode="json"))
+async def create_embeddings(
+    body: EmbeddingCreateParams, ctx: Ctx, request: Request, caller: CallerDep
+) -> JSONResponse:
+    result = await unless_disconnected(
+        request, embed(ctx, caller, body.model, body.inputs, dimensions=body.dimensions)
+    )
+    return JSONResponse(
+        embedding_response(body.model, result, body.encoding_format).model_dump(mode="json")
+    )

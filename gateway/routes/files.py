@@ -22,36 +22,54 @@ async def _read_capped(upload: UploadFile, max_bytes: int) -> bytes:
     while chunk := await upload.read(READ_CHUNK_BYTES):
         size += len(chunk)
         if size > max_bytes:
-            raise PayloadTooLarge(f"the file is over the limit of {max_bytes} bytes (files_max_bytes)", param="file")
+            raise PayloadTooLarge(
+                f"the file is over the limit of {max_bytes} bytes (files_max_bytes)", param="file"
+            )
         parts.append(chunk)
     return b"".join(parts)
 
 
 @router.post("/v1/files")
-async def upload_file(ctx: Ctx, caller: CallerDep, file: UploadFile = File(...), purpose: str = Form(...)) -> JSONResponse:
+async def upload_file(
+    ctx: Ctx, caller: CallerDep, file: UploadFile = File(...), purpose: str = Form(...)
+) -> JSONResponse:
     if purpose not in PURPOSES:
-        raise InvalidRequest(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}", param="purpose")
+        raise InvalidRequest(
+            f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}", param="purpose"
+        )
     limit = ctx.settings.files_max_bytes
     content = await _read_capped(file, limit)
     check_batch_input(content, max_bytes=limit, max_lines=ctx.settings.files_max_lines)
-    meta = await FileStore(ctx.redis, ctx.keys).create(content, filename=file.filename or "upload.jsonl", purpose=purpose,
-                                                       owner=caller.name,
-                                                       quota_bytes=ctx.settings.files_max_total_bytes)
+    meta = await FileStore(ctx.redis, ctx.keys).create(
+        content,
+        filename=file.filename or "upload.jsonl",
+        purpose=purpose,
+        owner=caller.name,
+        quota_bytes=ctx.settings.files_max_total_bytes,
+    )
     return JSONResponse(meta.model_dump())
 
 
 @router.get("/v1/files")
-async def list_files(ctx: Ctx, caller: CallerDep, purpose: str | None = None,
-                     limit: int = Query(10_000, ge=1, le=10_000), after: str | None = None,
-                     order: Literal["asc", "desc"] = "desc") -> JSONResponse:
-    files = await FileStore(ctx.redis, ctx.keys).list(purpose=purpose, limit=limit, after=after, order=order,
-                                                      owner=caller.owner)
+async def list_files(
+    ctx: Ctx,
+    caller: CallerDep,
+    purpose: str | None = None,
+    limit: int = Query(10_000, ge=1, le=10_000),
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> JSONResponse:
+    files = await FileStore(ctx.redis, ctx.keys).list(
+        purpose=purpose, limit=limit, after=after, order=order, owner=caller.owner
+    )
     return JSONResponse(files.model_dump())
 
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse((await FileStore(ctx.redis, ctx.keys).get(file_id, caller.owner)).model_dump())
+    return JSONResponse(
+        (await FileStore(ctx.redis, ctx.keys).get(file_id, caller.owner)).model_dump()
+    )
 
 
 @router.get("/v1/files/{file_id}/content")

@@ -22,7 +22,9 @@ async def health(ctx: Ctx) -> JSONResponse:
         async with asyncio.timeout(PING_TIMEOUT_S):
             await ctx.redis.ping()
     except (RedisError, OSError, TimeoutError) as exc:
-        return JSONResponse({"status": "unavailable", "redis": str(exc) or "no answer to PING"}, status_code=503)
+        return JSONResponse(
+            {"status": "unavailable", "redis": str(exc) or "no answer to PING"}, status_code=503
+        )
     try:
         async with asyncio.timeout(PING_TIMEOUT_S):
             found = await inspect(ctx.redis)

@@ -19,7 +19,9 @@ async def create_key(spec: KeySpec, ctx: Ctx) -> JSONResponse:
 
 @router.get("")
 async def list_keys(ctx: Ctx) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [key.shown() for key in await ctx.api_keys.list()]})
+    return JSONResponse(
+        {"object": "list", "data": [key.shown() for key in await ctx.api_keys.list()]}
+    )
 
 
 @router.get("/{name}")

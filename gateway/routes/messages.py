@@ -21,7 +21,12 @@ from gateway.disconnect import unless_disconnected
 from gateway.errors import anthropic_error_body
 from gateway.gather import gather_choices
 from gateway.jobs import Job, Resumable, submit_request
-from gateway.protocol.anthropic import MessageCountTokensParams, MessageCreateParams, MessageTokensCount, PingEvent
+from gateway.protocol.anthropic import (
+    MessageCountTokensParams,
+    MessageCreateParams,
+    MessageTokensCount,
+    PingEvent,
+)
 from gateway.render.messages import message, message_events
 from gateway.resume import ResumeAt, on_disconnect, resume
 from gateway.streaming import failed_while_streaming, numbered, stream_job
@@ -29,32 +34,63 @@ from shared.errors import CortexError
 
 router = APIRouter()
 
-PING_INTERVAL_S = 10.0  # a `ping` event after this long without one, so proxies keep the stream open
+PING_INTERVAL_S = (
+    10.0  # a `ping` event after this long without one, so proxies keep the stream open
+)
 
 
 @router.post("/v1/messages", response_model=None)
-async def create_message(body: MessageCreateParams, ctx: Ctx, request: Request, caller: CallerDep,
-                         x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
-    job = await submit_request(ctx, body, caller,
-                               resumable=Resumable("messages", {}, on_disconnect(request)) if body.stream else None)
+async def create_message(
+    body: MessageCreateParams,
+    ctx: Ctx,
+    request: Request,
+    caller: CallerDep,
+    x_api_key: str | None = Header(None),
+    anthropic_version: str | None = Header(None),
+) -> Response:
+    job = await submit_request(
+        ctx,
+        body,
+        caller,
+        resumable=Resumable("messages", {}, on_disconnect(request)) if body.stream else None,
+    )
     parser = job.parsers()
     if body.stream:
-        return await stream_job(request, job, message_events(job, job.events(), parser), frames=_frames)
+        return await stream_job(
+            request, job, message_events(job, job.events(), parser), frames=_frames
+        )
     async with job:
         gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
-    return JSONResponse(message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json"))
+    return JSONResponse(
+        message(job, gathered.choices[0], gathered.usage, parser).model_dump(mode="json")
+    )
 
 
 @router.get("/v1/messages/{message_id}", response_model=None)
-async def resume_message(message_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt,
-                         x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
+async def resume_message(
+    message_id: str,
+    ctx: Ctx,
+    request: Request,
+    caller: CallerDep,
+    at: ResumeAt,
+    x_api_key: str | None = Header(None),
+    anthropic_version: str | None = Header(None),
+) -> Response:
     job = await resume(ctx, caller, "messages", message_id, "msg_", at)
-    return await stream_job(request, job, message_events(job, job.events(), job.parsers()), frames=_frames)
+    return await stream_job(
+        request, job, message_events(job, job.events(), job.parsers()), frames=_frames
+    )
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
-async def count_tokens(body: MessageCountTokensParams, ctx: Ctx, request: Request, caller: CallerDep,
-                       x_api_key: str | None = Header(None), anthropic_version: str | None = Header(None)) -> Response:
+async def count_tokens(
+    body: MessageCountTokensParams,
+    ctx: Ctx,
+    request: Request,
+    caller: CallerDep,
+    x_api_key: str | None = Header(None),
+    anthropic_version: str | None = Header(None),
+) -> Response:
     job = await submit_request(ctx, body, caller)
     async with job:
         gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))

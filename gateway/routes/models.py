@@ -13,9 +13,15 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse(model_list(ctx.catalog, await ctx.fleet.serving_nodes(), caller.may_use).model_dump())
+    return JSONResponse(
+        model_list(ctx.catalog, await ctx.fleet.serving_nodes(), caller.may_use).model_dump()
+    )
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse(model_card(ctx.catalog, await ctx.fleet.serving_nodes(), model_id, caller.may_use).model_dump())
+    return JSONResponse(
+        model_card(
+            ctx.catalog, await ctx.fleet.serving_nodes(), model_id, caller.may_use
+        ).model_dump()
+    )

@@ -25,16 +25,33 @@ from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 
 from gateway import ndjson, operations, pooling, pulls
-from gateway.errors import ollama_error_body
 from gateway.auth import Caller, CallerDep, require_admin
 from gateway.context import Ctx, GatewayContext
 from gateway.disconnect import unless_disconnected
+from gateway.errors import ollama_error_body
 from gateway.jobs import Job, submit_request
-from gateway.protocol.ollama import (API_VERSION, ChatRequest, DeleteRequest, EmbeddingRequest, EmbeddingResponse,
-                                     EmbedRequest, EmbedResponse, GenerateRequest, ProgressResponse, PullRequest,
-                                     ShowRequest, VersionResponse)
-from gateway.render.ollama import (chat_chunks, chat_loaded, generate_chunks, generate_loaded, whole_chat,
-                                   whole_generate)
+from gateway.protocol.ollama import (
+    API_VERSION,
+    ChatRequest,
+    DeleteRequest,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbedRequest,
+    EmbedResponse,
+    GenerateRequest,
+    ProgressResponse,
+    PullRequest,
+    ShowRequest,
+    VersionResponse,
+)
+from gateway.render.ollama import (
+    chat_chunks,
+    chat_loaded,
+    generate_chunks,
+    generate_loaded,
+    whole_chat,
+    whole_generate,
+)
 from gateway.render.ollama_models import model_list, running, show
 from gateway.streaming import stream_job
 from shared.catalog import ModelProfile
@@ -52,6 +69,7 @@ class JsonBody(APIRoute):
         async def as_json(request: Request) -> Response:
             MutableHeaders(scope=request.scope)["content-type"] = "application/json"
             return await handler(request)
+
         return as_json
 
 
@@ -65,25 +83,45 @@ async def chat(body: ChatRequest, ctx: Ctx, request: Request, caller: CallerDep)
     if not body.messages:
         return await _load(ctx, caller, chat_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = chat_chunks(job, job.events() if body.stream else job.final_events(), body.model, job.parsers(),
-                         body.splitter())
+    chunks = chat_chunks(
+        job,
+        job.events() if body.stream else job.final_events(),
+        body.model,
+        job.parsers(),
+        body.splitter(),
+    )
     return await _answer(request, job, chunks, body.stream, whole_chat)
 
 
 @router.post("/api/generate", response_model=None)
-async def generate(body: GenerateRequest, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+async def generate(
+    body: GenerateRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> Response:
     if not body.prompt:
         return await _load(ctx, caller, generate_loaded(body.model, datetime.now(UTC)))
     job = await submit_request(ctx, body, caller)
-    chunks = generate_chunks(job, job.events() if body.stream else job.final_events(), body.model, body.splitter())
+    chunks = generate_chunks(
+        job, job.events() if body.stream else job.final_events(), body.model, body.splitter()
+    )
     return await _answer(request, job, chunks, body.stream, whole_generate)
 
 
-async def _answer(request: Request, job: Job, chunks: AsyncIterator[BaseModel], stream: bool,
-                  whole: Callable[[AsyncIterator[BaseModel]], Awaitable[BaseModel]]) -> Response:
+async def _answer(
+    request: Request,
+    job: Job,
+    chunks: AsyncIterator[BaseModel],
+    stream: bool,
+    whole: Callable[[AsyncIterator[BaseModel]], Awaitable[BaseModel]],
+) -> Response:
     if stream:
-        return await stream_job(request, job, chunks, frames=ndjson.frames, media_type=ndjson.MEDIA_TYPE,
-                                queue_notice=None)
+        return await stream_job(
+            request,
+            job,
+            chunks,
+            frames=ndjson.frames,
+            media_type=ndjson.MEDIA_TYPE,
+            queue_notice=None,
+        )
     async with job:
         answer = await unless_disconnected(request, whole(chunks))
     return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
@@ -109,22 +147,38 @@ def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
 @router.post("/api/embed")
 async def embed(body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
     started = time.perf_counter_ns()
-    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, body.inputs,
-                                                            dimensions=body.dimensions, truncate=body.truncate))
-    answer = EmbedResponse(model=body.model, embeddings=[v.tolist() for v in done.vectors],
-                           total_duration=time.perf_counter_ns() - started, prompt_eval_count=done.prompt_tokens)
+    done = await unless_disconnected(
+        request,
+        pooling.embed(
+            ctx, caller, body.model, body.inputs, dimensions=body.dimensions, truncate=body.truncate
+        ),
+    )
+    answer = EmbedResponse(
+        model=body.model,
+        embeddings=[v.tolist() for v in done.vectors],
+        total_duration=time.perf_counter_ns() - started,
+        prompt_eval_count=done.prompt_tokens,
+    )
     return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
 
 
 @router.post("/api/embeddings")
-async def embeddings(body: EmbeddingRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
-    done = await unless_disconnected(request, pooling.embed(ctx, caller, body.model, [body.prompt], truncate=True))
-    return JSONResponse(EmbeddingResponse(embedding=done.vectors[0].tolist()).model_dump(mode="json"))
+async def embeddings(
+    body: EmbeddingRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> JSONResponse:
+    done = await unless_disconnected(
+        request, pooling.embed(ctx, caller, body.model, [body.prompt], truncate=True)
+    )
+    return JSONResponse(
+        EmbeddingResponse(embedding=done.vectors[0].tolist()).model_dump(mode="json")
+    )
 
 
 @router.get("/api/tags")
 async def tags(ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse(model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+    return JSONResponse(
+        model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes()).model_dump(mode="json")
+    )
 
 
 @router.post("/api/show")
@@ -144,10 +198,16 @@ async def pull(body: PullRequest, ctx: Ctx, caller: CallerDep) -> Response:
     try:
         profile = _profile(ctx, caller, body.model)
     except ModelNotFound:
-        raise ModelNotFound(f"pulling models is not available yet: '{body.model}' is not in this fleet's catalogue "
-                            "(an operator adds it to models.toml)", param="model") from None
-    progress = _pull_progress(ctx, profile, await operations.pull(ctx, profile.id)) \
-        if profile.source.startswith(HUB_PREFIX) else _pulled()
+        raise ModelNotFound(
+            f"pulling models is not available yet: '{body.model}' is not in this fleet's catalogue "
+            "(an operator adds it to models.toml)",
+            param="model",
+        ) from None
+    progress = (
+        _pull_progress(ctx, profile, await operations.pull(ctx, profile.id))
+        if profile.source.startswith(HUB_PREFIX)
+        else _pulled()
+    )
     if body.stream:
         return StreamingResponse(_lines(progress), media_type=ndjson.MEDIA_TYPE)
     async for last in progress:
@@ -159,7 +219,9 @@ async def _pulled() -> AsyncIterator[ProgressResponse]:
     yield ProgressResponse(status="success")
 
 
-async def _pull_progress(ctx: GatewayContext, profile: ModelProfile, nodes: list[str]) -> AsyncIterator[ProgressResponse]:
+async def _pull_progress(
+    ctx: GatewayContext, profile: ModelProfile, nodes: list[str]
+) -> AsyncIterator[ProgressResponse]:
     """A line per node whenever its bytes move, then `success` once every node has the files; a node
     that cannot get them raises ModelPullFailed, naming it and why."""
     folder = operations.hub_folder(profile)
@@ -168,10 +230,18 @@ async def _pull_progress(ctx: GatewayContext, profile: ModelProfile, nodes: list
         for node, state in states.items():
             if state.why:
                 raise ModelPullFailed(f"{node} could not pull {profile.id}: {state.why}")
-            if state.progress is not None and state.progress.bytes_total and sent.get(node) != state.progress.bytes_done:
+            if (
+                state.progress is not None
+                and state.progress.bytes_total
+                and sent.get(node) != state.progress.bytes_done
+            ):
                 sent[node] = state.progress.bytes_done
-                yield ProgressResponse(status=f"pulling {folder} on {node}", digest=f"{node}/{folder}",
-                                       total=state.progress.bytes_total, completed=state.progress.bytes_done)
+                yield ProgressResponse(
+                    status=f"pulling {folder} on {node}",
+                    digest=f"{node}/{folder}",
+                    total=state.progress.bytes_total,
+                    completed=state.progress.bytes_done,
+                )
     yield ProgressResponse(status="success")
 
 

@@ -14,5 +14,7 @@ router = APIRouter()
 async def queue_summary(ctx: Ctx, caller: CallerDep) -> JSONResponse:
     nodes = await ctx.fleet.live_nodes()
     models = set(ctx.catalog.profiles) | {m for node in nodes for m in node.models}
-    found = await ctx.fleet.queues({m for m in models if caller.may_use(ctx.catalog.names(m))}, nodes)
+    found = await ctx.fleet.queues(
+        {m for m in models if caller.may_use(ctx.catalog.names(m))}, nodes
+    )
     return JSONResponse({"object": "list", "data": [q.model_dump() for q in found]})

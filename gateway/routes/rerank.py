@@ -16,14 +16,20 @@ router = APIRouter()
 
 @router.post("/v1/rerank")
 @router.post("/rerank")
-async def rerank(body: RerankRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+async def rerank(
+    body: RerankRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> JSONResponse:
     documents = body.texts
-    result = await unless_disconnected(request, score(ctx, caller, body.model, [body.query] * len(documents), documents))
+    result = await unless_disconnected(
+        request, score(ctx, caller, body.model, [body.query] * len(documents), documents)
+    )
     response = rerank_response(body.model, documents, result, body.top_n, body.return_documents)
     return JSONResponse(response.model_dump(mode="json", exclude_none=True))
 
 
 @router.post("/v1/score")
-async def create_score(body: ScoreRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+async def create_score(
+    body: ScoreRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> JSONResponse:
     result = await unless_disconnected(request, score(ctx, caller, body.model, *body.pairs()))
     return JSONResponse(score_response(body.model, result).model_dump(mode="json"))

@@ -15,8 +15,13 @@ from gateway.context import Ctx
 from gateway.disconnect import unless_disconnected
 from gateway.gather import gather_choices
 from gateway.jobs import Job, OnDisconnect, Resumable, submit_request
-from gateway.protocol.responses import (ResponseCreateParams, ResponseDeleted, ResponseErrorEvent, ResponseItemList,
-                                        ResponseStreamEvent)
+from gateway.protocol.responses import (
+    ResponseCreateParams,
+    ResponseDeleted,
+    ResponseErrorEvent,
+    ResponseItemList,
+    ResponseStreamEvent,
+)
 from gateway.render.responses import ResponseSpec, response, response_events, response_object
 from gateway.responses_store import Kept, ResponseStore
 from gateway.resume import ResumeAt, resume
@@ -31,16 +36,32 @@ def _store(ctx: Ctx) -> ResponseStore:
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep) -> Response:
+async def create_response(
+    body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep
+) -> Response:
     store, spec = _store(ctx), ResponseSpec.of(body)
     if body.previous_response_id:
         previous_id = body.previous_response_id
-        body.continue_from(await ctx.outage.through(lambda: background.conversation(ctx, previous_id, caller.owner)))
-    kept = Kept(body.conversation, caller.name, body.input_items) if body.store is not False else None
-    resumable = Resumable("responses", {"response": spec.dump(), "conversation": kept and kept.conversation,
-                                        "input": kept and kept.input},
-                          OnDisconnect.KEEP if body.background else OnDisconnect.GRACE)
-    job = await submit_request(ctx, body, caller, resumable=resumable if body.stream or body.background else None)
+        body.continue_from(
+            await ctx.outage.through(
+                lambda: background.conversation(ctx, previous_id, caller.owner)
+            )
+        )
+    kept = (
+        Kept(body.conversation, caller.name, body.input_items) if body.store is not False else None
+    )
+    resumable = Resumable(
+        "responses",
+        {
+            "response": spec.dump(),
+            "conversation": kept and kept.conversation,
+            "input": kept and kept.input,
+        },
+        OnDisconnect.KEEP if body.background else OnDisconnect.GRACE,
+    )
+    job = await submit_request(
+        ctx, body, caller, resumable=resumable if body.stream or body.background else None
+    )
     parser, headers = job.parsers(), _warning(job, body)
     if body.background:
         queued = response_object(job, spec, [], None, None, status="queued")
@@ -49,7 +70,9 @@ async def create_response(body: ResponseCreateParams, ctx: Ctx, request: Request
             await job.detach()
             return JSONResponse(queued.model_dump(mode="json"), headers=headers)
     if body.stream:
-        return await stream_job(request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers)
+        return await stream_job(
+            request, job, _events(job, spec, parser, store, kept), frames=_frames, headers=headers
+        )
     async with job:
         gathered = await unless_disconnected(request, gather_choices(job.final_events(), 1))
     answer = response(job, spec, gathered.choices[0], gathered.usage, parser)
@@ -69,25 +92,41 @@ def _warning(job: Job, body: ResponseCreateParams) -> dict[str, str]:
     if warning is None:
         return {}
     log.info("job=%s request=%s %s", job.id, job.request_id, warning)
-    return {"Warning": f'299 cortex "{warning}"'}  # tool types and names only: no quotes, nothing beyond ASCII
+    return {
+        "Warning": f'299 cortex "{warning}"'
+    }  # tool types and names only: no quotes, nothing beyond ASCII
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)
-async def retrieve_response(response_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt) -> Response:
+async def retrieve_response(
+    response_id: str, ctx: Ctx, request: Request, caller: CallerDep, at: ResumeAt
+) -> Response:
     if not at.stream:
         return JSONResponse(await background.current(ctx, response_id, caller.owner))
     job = await resume(ctx, caller, "responses", response_id, "resp_", at)
     spec = ResponseSpec.load(job.record.spec["response"])
-    kept = Kept.of(job.record.spec, job.record.owner) if job.record.spec["conversation"] is not None else None
+    kept = (
+        Kept.of(job.record.spec, job.record.owner)
+        if job.record.spec["conversation"] is not None
+        else None
+    )
     events = _events(job, spec, job.parsers(), _store(ctx), kept)
     return await stream_job(request, job, events, frames=_frames)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, ctx: Ctx, caller: CallerDep, order: Literal["asc", "desc"] = "desc",
-                           limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> JSONResponse:
+async def list_input_items(
+    response_id: str,
+    ctx: Ctx,
+    caller: CallerDep,
+    order: Literal["asc", "desc"] = "desc",
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: str | None = None,
+) -> JSONResponse:
     items = await _store(ctx).input_items(response_id, caller.owner)
-    return JSONResponse(ResponseItemList.page(items if order == "asc" else items[::-1], limit, after).model_dump())
+    return JSONResponse(
+        ResponseItemList.page(items if order == "asc" else items[::-1], limit, after).model_dump()
+    )
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -109,5 +148,9 @@ async def _frames(job: Job, events: AsyncIterator[ResponseStreamEvent]) -> Async
             if event.sequence_number > job.after:
                 yield sse.event(event.type, event, event.sequence_number)
     except CortexError as exc:
-        log.info("job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message)
-        yield sse.event("error", ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param))
+        log.info(
+            "job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message
+        )
+        yield sse.event(
+            "error", ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param)
+        )

@@ -26,7 +26,9 @@ class ForcedCall:
     @classmethod
     def of(cls, tools: list[dict[str, Any]], named: str | None, parallel: bool) -> "ForcedCall":
         """A call of the tool `named`, else of any of `tools`; several only if `parallel` and none is named."""
-        return cls([t for t in tools if named in (None, t["name"])], parallel=named is None and parallel)
+        return cls(
+            [t for t in tools if named in (None, t["name"])], parallel=named is None and parallel
+        )
 
 
 @dataclass(frozen=True)
@@ -63,23 +65,34 @@ def _closed(parameters: dict[str, Any]) -> dict[str, Any]:
 
 def _call_schema(tools: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
     """Tools `[{"name", "parameters"}]` → a schema for one call object of any of them."""
-    options = [{
-        "type": "object",
-        "properties": {"name": {"const": t["name"]}, args_key: _closed(t.get("parameters") or {"type": "object"})},
-        "required": ["name", args_key],
-        "additionalProperties": False,
-    } for t in tools]
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["name"]},
+                args_key: _closed(t.get("parameters") or {"type": "object"}),
+            },
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-MAX_PARALLEL_CALLS = 4  # a forced answer holds at most this many calls: a small model would not stop
+MAX_PARALLEL_CALLS = (
+    4  # a forced answer holds at most this many calls: a small model would not stop
+)
 
 
 def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, parallel: bool) -> str:
     """A grammar whose every sentence is exactly one call (or, if `parallel`, 1 to
     MAX_PARALLEL_CALLS calls) of `tools`, in the model's own format."""
+
     def calls(first: str, separator: str) -> str:
-        return f'{first} ("{separator}" {first}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else first
+        return (
+            f'{first} ("{separator}" {first}){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else first
+        )
 
     if parser == "hermes":
         call = '"<tool_call>\\n" obj "\\n</tool_call>"'
@@ -87,7 +100,9 @@ def forced_call_grammar(parser: ParserName, tools: list[dict[str, Any]], *, para
         return f"start: {start}\ncall: {call}\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
     if parser == "llama3_json":
         return f"start: {calls('obj', '; ')}\nobj: {_json_rule(_call_schema(tools, 'parameters'))}"
-    return f"start: \"[\" {calls('obj', ', ')} \"]\"\nobj: {_json_rule(_call_schema(tools, 'arguments'))}"
+    return (
+        f'start: "[" {calls("obj", ", ")} "]"\nobj: {_json_rule(_call_schema(tools, "arguments"))}'
+    )
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
@@ -99,7 +114,9 @@ def checked(grammar: str, param: str) -> str:
     """The grammar, if llguidance can compile it; a 400 naming `param` otherwise."""
     error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar))
     if error:
-        raise InvalidRequest(f"{param}: cannot be used for constrained decoding: {error.strip()}", param=param)
+        raise InvalidRequest(
+            f"{param}: cannot be used for constrained decoding: {error.strip()}", param=param
+        )
     return grammar
 
 
@@ -107,7 +124,10 @@ def grammar(constraint: Constraint, tool_format: ParserName) -> str | None:
     """The grammar a request's constraint decodes under (None: unconstrained); a 400 naming the
     request field when llguidance cannot compile it."""
     if isinstance(constraint, ForcedCall):
-        return checked(forced_call_grammar(tool_format, constraint.tools, parallel=constraint.parallel), "tools")
+        return checked(
+            forced_call_grammar(tool_format, constraint.tools, parallel=constraint.parallel),
+            "tools",
+        )
     if isinstance(constraint, JsonOutput):
         return checked(json_grammar(constraint.schema), constraint.param)
     return None

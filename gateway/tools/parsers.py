@@ -65,10 +65,14 @@ def parser_name(profile: ModelProfile) -> ParserName:
 
 def make_parser(name: ParserName, seed: str | None = None) -> "ToolCallParser":
     """A parser of format `name`; with a `seed`, its calls' ids follow from it (see `ToolCallParser.call_id`)."""
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name](seed)
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[
+        name
+    ](seed)
 
 
-Parsers = Callable[[], "ToolCallParser | None"]  # what renderers call per choice: a fresh parser, or None
+Parsers = Callable[
+    [], "ToolCallParser | None"
+]  # what renderers call per choice: a fresh parser, or None
 
 
 def no_parser() -> None:
@@ -87,7 +91,9 @@ def parsers_for(name: ParserName, uses_tools: bool, job: str) -> Parsers:
 
 # ---- one call's JSON object ---------------------------------------------------------------
 
-_OPENING = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
+_OPENING = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.){1,256})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])'
+)
 _MAX_OPENING = 400  # an opening longer than this is not the streamable shape
 
 
@@ -107,7 +113,10 @@ def _call_from_json(text: str, index: int, call_id: str) -> list[Piece] | None:
             return None
     if not isinstance(args, dict):
         return None
-    return [CallStart(index, call_id, obj["name"]), CallArgs(index, json.dumps(args, ensure_ascii=False))]
+    return [
+        CallStart(index, call_id, obj["name"]),
+        CallArgs(index, json.dumps(args, ensure_ascii=False)),
+    ]
 
 
 class _Call:
@@ -140,10 +149,13 @@ class _Call:
         if match is None or match.end() < before:
             self._scan(text, collect=False)
             return []
-        self._scan(self.buf[before:match.end()], collect=False)
+        self._scan(self.buf[before : match.end()], collect=False)
         self.streaming = True
         name = json.loads(f'"{match.group(1)}"')
-        return [CallStart(self.index, self.call_id, name), *self._scan(self.buf[match.end():], collect=True)]
+        return [
+            CallStart(self.index, self.call_id, name),
+            *self._scan(self.buf[match.end() :], collect=True),
+        ]
 
     def _scan(self, text: str, collect: bool) -> list[Piece]:
         args = []
@@ -175,7 +187,7 @@ class _Call:
                         self.args_done = True  # the arguments object closed
             if self.depth == 0 and ch in "}]" and not self.in_string:
                 self.closed = True
-                self.rest = text[i + 1:]
+                self.rest = text[i + 1 :]
                 break
         return [CallArgs(self.index, "".join(args))] if args else []
 
@@ -183,7 +195,9 @@ class _Call:
         """Pieces still owed at the call's end; None if it was not a call (the caller keeps the text)."""
         if self.streaming:
             return []
-        return _call_from_json(self.buf[: len(self.buf) - len(self.rest)].strip(), self.index, self.call_id)
+        return _call_from_json(
+            self.buf[: len(self.buf) - len(self.rest)].strip(), self.index, self.call_id
+        )
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -215,7 +229,7 @@ class ToolCallParser:
             self._after_call = not text
         text = self._held_ws + text
         body = text.rstrip()
-        self._held_ws = text[len(body):]
+        self._held_ws = text[len(body) :]
         return [Text(body)] if body else []
 
     def call_id(self, index: int) -> str:
@@ -263,10 +277,13 @@ class HermesParser(ToolCallParser):
             at = self._pending.find(tag)
             if at < 0:
                 keep = partial_suffix(self._pending, tag)
-                ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+                ready, self._pending = (
+                    self._pending[: len(self._pending) - keep],
+                    self._pending[len(self._pending) - keep :],
+                )
                 out += self._into_call(ready) if self._call else self._text(ready)
                 return out
-            before, self._pending = self._pending[:at], self._pending[at + len(tag):]
+            before, self._pending = self._pending[:at], self._pending[at + len(tag) :]
             if self._call is None:
                 out += self._text(before)
                 self._call_began()
@@ -291,10 +308,16 @@ class HermesParser(ToolCallParser):
             self._pending = ""
             call, self._call = self._call, None
             pieces = call.finish()
-            out += [] if pieces is None and cut_off else self._call_ended(pieces, f"{self.START}{self._call_text}")
+            out += (
+                []
+                if pieces is None and cut_off
+                else self._call_ended(pieces, f"{self.START}{self._call_text}")
+            )
         elif self._pending and not cut_off:
             out += self._text(self._pending)
-        elif self._pending:  # cut off at the start of a `<tool_call>` tag: neither it nor the blank before is text
+        elif (
+            self._pending
+        ):  # cut off at the start of a `<tool_call>` tag: neither it nor the blank before is text
             self._held_ws = ""
         self._pending = ""
         return out + self._flush_text()
@@ -400,7 +423,11 @@ class MistralParser(ToolCallParser):
             return [] if cut_off else self._text(raw)
         pieces: list[Piece] = []
         for i, item in enumerate(items):
-            call = _call_from_json(json.dumps(item), i, self.call_id(i)) if isinstance(item, dict) else None
+            call = (
+                _call_from_json(json.dumps(item), i, self.call_id(i))
+                if isinstance(item, dict)
+                else None
+            )
             if call is None:
                 return [] if cut_off else self._text(raw)
             pieces += call

@@ -25,7 +25,9 @@ class ThinkingSplitter:
             if OPEN.startswith(opening):  # all blank, or a part of `<think>` so far
                 return "", ""
             thinks = opening.startswith(OPEN)
-            self.state, self.held = ("thinking", opening[len(OPEN):]) if thinks else ("content", self.held)
+            self.state, self.held = (
+                ("thinking", opening[len(OPEN) :]) if thinks else ("content", self.held)
+            )
         if self.state == "thinking":
             if CLOSE not in self.held:
                 keep = len(self.held) - partial_suffix(self.held, CLOSE)

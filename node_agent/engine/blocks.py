@@ -28,8 +28,9 @@ def chain_hashes(tokens: list[int], block_size: int, parent: bytes, start: int =
     block `start - 1` (or the root: what else changes the cache's contents, such as its dtype)."""
     hashes = []
     for begin in range(start * block_size, len(tokens) - block_size + 1, block_size):
-        parent = hashlib.blake2b(parent + array("q", tokens[begin: begin + block_size]).tobytes(),
-                                 digest_size=16).digest()
+        parent = hashlib.blake2b(
+            parent + array("q", tokens[begin : begin + block_size]).tobytes(), digest_size=16
+        ).digest()
         hashes.append(parent)
     return hashes
 
@@ -43,9 +44,15 @@ class BlockPool:
         self.refs = [0] * (blocks + 1)
         self.hash_of: list[bytes | None] = [None] * (blocks + 1)
         self.by_hash: dict[bytes, int] = {}
-        self.empty: list[int] = list(range(blocks, 0, -1))  # never used or forgotten: popped from the end
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # released, still cached: oldest first
-        self.anchors: OrderedDict[str, set[bytes]] = OrderedDict()  # mark -> the block hashes it ends on, oldest first
+        self.empty: list[int] = list(
+            range(blocks, 0, -1)
+        )  # never used or forgotten: popped from the end
+        self.evictable: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # released, still cached: oldest first
+        self.anchors: OrderedDict[str, set[bytes]] = (
+            OrderedDict()
+        )  # mark -> the block hashes it ends on, oldest first
         self.marks: dict[bytes, set[str]] = {}  # block hash -> the marks anchored on it
         self.dropped: list[str] = []  # marks no cached block holds any more, not yet taken
 

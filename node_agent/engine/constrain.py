@@ -29,7 +29,9 @@ class Grammars:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab_size, eos_token=self._eos
+            )
         return self._tokenizer
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -38,15 +40,19 @@ class Grammars:
             raise InvalidRequest(f"the output grammar cannot be used: {matcher.get_error()}")
         return matcher
 
-
-    def bitmask(self, matchers: list[llguidance.LLMatcher | None], drafts: list[list[int]]
-                ) -> tuple[torch.Tensor, list[int]] | None:
+    def bitmask(
+        self, matchers: list[llguidance.LLMatcher | None], drafts: list[list[int]]
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """llguidance's packed mask of the tokens each row's grammar allows at each position it
         samples (its next token's, then after each of its `drafts` tokens, which the grammar
         allows), for the rows that have one, and those positions; None when no row has a grammar
         (node_agent/model/runner.py applies it). The matchers are left as they were."""
         starts = [sum(1 + len(d) for d in drafts[:i]) for i in range(len(drafts))]
-        rows = [(m, draft, starts[i]) for i, (m, draft) in enumerate(zip(matchers, drafts)) if m is not None]
+        rows = [
+            (m, draft, starts[i])
+            for i, (m, draft) in enumerate(zip(matchers, drafts))
+            if m is not None
+        ]
         if not rows:
             return None
         positions = [start + j for _, draft, start in rows for j in range(len(draft) + 1)]

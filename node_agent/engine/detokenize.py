@@ -24,15 +24,23 @@ class TokenizerText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return cls(None, other=tokenizer)
-        bpe_kept = (type(backend.model).__name__ == "BPE" and  # transformers leaves BPE text alone
-                    not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-                                False))
+        bpe_kept = (
+            type(backend.model).__name__ == "BPE"  # transformers leaves BPE text alone
+            and not getattr(
+                tokenizer,
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                False,
+            )
+        )
         return cls(backend, bool(tokenizer.clean_up_tokenization_spaces) and not bpe_kept)
 
     def dumps(self) -> bytes:
         if self.backend is None:
             return b"P" + pickle.dumps(self.other)
-        return b"J" + json.dumps({"backend": self.backend.to_str(), "clean_up": self.clean_up}).encode()
+        return (
+            b"J"
+            + json.dumps({"backend": self.backend.to_str(), "clean_up": self.clean_up}).encode()
+        )
 
     @classmethod
     def loads(cls, data: bytes) -> "TokenizerText":
@@ -41,18 +49,31 @@ class TokenizerText:
         fields = json.loads(data[1:])
         return cls(Tokenizer.from_str(fields["backend"]), fields["clean_up"])
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, clean_up: bool | None = None) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = False, clean_up: bool | None = None
+    ) -> str:
         if self.backend is None:
-            return self.other.decode(ids, skip_special_tokens=skip_special_tokens,
-                                     clean_up_tokenization_spaces=clean_up)
+            return self.other.decode(
+                ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=clean_up
+            )
         text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if (self.clean_up if clean_up is None else clean_up) else text
 
 
 def _clean_up(text: str) -> str:
     """transformers' `clean_up_tokenization` (tokenization_utils_base.py), for WordPiece-style text."""
-    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for spaced, joined in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(spaced, joined)
     return text
 
@@ -103,7 +124,9 @@ class StopStrings:
             at = min(hits)
             self.matched = next(s for s in self.stops if buffer.find(s) == at)
             return buffer[:at], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0)
+        keep = max(
+            (k for s in self.stops for k in range(1, len(s)) if buffer.endswith(s[:k])), default=0
+        )
         self.held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False
 

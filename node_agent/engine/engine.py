@@ -32,10 +32,10 @@ import numpy as np
 from node_agent.engine import constrain
 from node_agent.engine.blocks import BlockPool
 from node_agent.engine.detokenize import TokenizerText
+from node_agent.engine.on_device import OnDevice
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
 from node_agent.engine.scheduler import Scheduler
-from node_agent.engine.on_device import OnDevice
 from node_agent.engine.speculation import SpeculationStats
 from node_agent.model import vision
 from node_agent.model.loader import LoadedModel
@@ -49,38 +49,63 @@ from shared.wire import GenerationRequest, SamplingParams, StepEvents
 log = logging.getLogger(__name__)
 
 
-def check_fits(max_len: int, prompt_len: int, max_tokens: int | None, max_prompt_tokens: int | None = None) -> None:
+def check_fits(
+    max_len: int, prompt_len: int, max_tokens: int | None, max_prompt_tokens: int | None = None
+) -> None:
     """Refuse, as OpenAI does, a prompt (plus requested completion) longer than the context."""
     limit = min(max_len - 1, max_prompt_tokens or max_len)
     if prompt_len > limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_len} tokens (prompts up to {limit}). However, your "
-            f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.", param="messages")
+            f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
+            param="messages",
+        )
     if max_tokens is not None and prompt_len + max_tokens > max_len:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-            "Please reduce the length of the prompt or completion.", param="max_tokens")
+            "Please reduce the length of the prompt or completion.",
+            param="max_tokens",
+        )
 
 
 class Engine(OnDevice):
-    def __init__(self, loaded: LoadedModel, profile: ModelProfile, node: str = "", compile_cache: Path | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        profile: ModelProfile,
+        node: str = "",
+        compile_cache: Path | None = None,
+    ):
         self.lm, self.profile, self.node = loaded, profile, node
-        self.runner = Runner(loaded, profile, compile_cache)  # compile_cache: where a CPU's compiled decode step is kept
+        self.runner = Runner(
+            loaded, profile, compile_cache
+        )  # compile_cache: where a CPU's compiled decode step is kept
         self.vocab = self.runner.vocab
         cache = self.runner.cache
         self.pool = BlockPool(cache.blocks, cache.block_size, caching=profile.prefix_caching)
-        root = hashlib.blake2b(f"{profile.id}|{loaded.dtype}|{profile.block_size}".encode(), digest_size=16).digest()
-        self.scheduler = Scheduler(self.pool, max_seqs=profile.slots, chunk_tokens=profile.prefill_chunk_tokens,
-                                   linear_attention=cache.has_linear_attention, root_hash=root,
-                                   speculate_rows=profile.speculative_max_batch)
+        root = hashlib.blake2b(
+            f"{profile.id}|{loaded.dtype}|{profile.block_size}".encode(), digest_size=16
+        ).digest()
+        self.scheduler = Scheduler(
+            self.pool,
+            max_seqs=profile.slots,
+            chunk_tokens=profile.prefill_chunk_tokens,
+            linear_attention=cache.has_linear_attention,
+            root_hash=root,
+            speculate_rows=profile.speculative_max_batch,
+        )
         self.speculation = SpeculationStats()
         self.eos_ids = self._eos_ids()
         self.grammars = constrain.Grammars(loaded.tokenizer, self.vocab, self.eos_ids)
         self.sequences: dict[int, CoreSequence] = {}  # by the scheduler's sequence key
         self._opened: list[JobOpened] = []  # jobs added since the last step
-        self._marking: dict[str, list[tuple[str, int]]] = {}  # job -> its prefix marks, until its prompt is read
-        self.text = TokenizerText.of(loaded.tokenizer)  # what the output processor decodes with, here or there
+        self._marking: dict[
+            str, list[tuple[str, int]]
+        ] = {}  # job -> its prefix marks, until its prompt is read
+        self.text = TokenizerText.of(
+            loaded.tokenizer
+        )  # what the output processor decodes with, here or there
         self.output = OutputProcessor(self.text, node)  # the text side when `step()` runs it here
 
     def _eos_ids(self) -> set[int]:
@@ -118,20 +143,33 @@ class Engine(OnDevice):
     def kv_stats(self) -> KVCacheStats:
         """The cache's blocks and the prefix cache's counters; plain numbers (read from the event loop)."""
         stats = self.scheduler.stats
-        return KVCacheStats(block_size=self.pool.block_size, blocks_total=self.pool.blocks,
-                            blocks_used=self.pool.used, blocks_cached=self.pool.cached,
-                            prefix_queries=stats.queries, prefix_hits=stats.hits, preemptions=stats.preemptions)
+        return KVCacheStats(
+            block_size=self.pool.block_size,
+            blocks_total=self.pool.blocks,
+            blocks_used=self.pool.used,
+            blocks_cached=self.pool.cached,
+            prefix_queries=stats.queries,
+            prefix_hits=stats.hits,
+            preemptions=stats.preemptions,
+        )
 
     def spec_stats(self) -> SpecDecodeStats:
         """Speculative decoding's counters; plain numbers (read from the event loop)."""
         s = self.speculation
-        return SpecDecodeStats(drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens)
+        return SpecDecodeStats(
+            drafts=s.drafts, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens
+        )
 
     def replica_facts(self) -> dict:
         """What a node's heartbeat says of this replica once loaded (shared/heartbeat.py ModelInfo's
         fields): its context, how its weights are held, its KV cache and its speculation."""
-        return dict(max_model_len=self.max_len, quant=self.lm.quant, weight_mb=self.lm.weight_bytes >> 20,
-                    kv=self.kv_stats(), spec=self.spec_stats())
+        return dict(
+            max_model_len=self.max_len,
+            quant=self.lm.quant,
+            weight_mb=self.lm.weight_bytes >> 20,
+            kv=self.kv_stats(),
+            spec=self.spec_stats(),
+        )
 
     def release(self) -> None:
         """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
@@ -148,12 +186,15 @@ class Engine(OnDevice):
         """A vision model's processor (its images into model inputs); None for a text model."""
         return self.lm.processor
 
-
-
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, request: GenerationRequest, prompt_ids: list[int], submitted_ms: float,
-            images: dict[str, np.ndarray] | None = None) -> None:
+    def add(
+        self,
+        request: GenerationRequest,
+        prompt_ids: list[int],
+        submitted_ms: float,
+        images: dict[str, np.ndarray] | None = None,
+    ) -> None:
         """Queue a job whose prompt is already tokenised and checked with `check_fits`; `images`: a
         vision model's processor inputs for the prompt's images (node_agent/serving/prompts.vision_prompt)."""
         params = request.sampling
@@ -164,19 +205,45 @@ class Engine(OnDevice):
             raise ContextLengthExceeded(
                 f"The prompt has {len(prompt_ids)} tokens; this model's KV cache holds {pool_tokens} tokens in all "
                 f"({self.pool.blocks} blocks of {self.pool.block_size}). Please reduce the length of the prompt.",
-                param="messages")
-        max_tokens = min(params.max_tokens or self.max_len - len(prompt_ids), self.max_len - len(prompt_ids),
-                         pool_tokens - len(prompt_ids))
-        seeds = [random.getrandbits(31) if params.seed is None else params.seed + i for i in range(params.n)]
-        matchers = [self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds]
+                param="messages",
+            )
+        max_tokens = min(
+            params.max_tokens or self.max_len - len(prompt_ids),
+            self.max_len - len(prompt_ids),
+            pool_tokens - len(prompt_ids),
+        )
+        seeds = [
+            random.getrandbits(31) if params.seed is None else params.seed + i
+            for i in range(params.n)
+        ]
+        matchers = [
+            self.grammars.matcher(params.grammar) if params.grammar else None for _ in seeds
+        ]
         method = params.speculative or self.profile.speculative
-        keys = self.scheduler.add(request.job, prompt_ids, params, seeds, max_tokens, spans, images=bool(images),
-                                  cache_salt=request.cache_salt, draft_tokens=self._draft_tokens(params, method),
-                                  suffix=method == "suffix")
+        keys = self.scheduler.add(
+            request.job,
+            prompt_ids,
+            params,
+            seeds,
+            max_tokens,
+            spans,
+            images=bool(images),
+            cache_salt=request.cache_salt,
+            draft_tokens=self._draft_tokens(params, method),
+            suffix=method == "suffix",
+        )
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)
-        self._opened.append(JobOpened(request.job, keys, len(prompt_ids), submitted_ms, list(params.stop),
-                                      prompt_ids[0] if params.prompt_logprobs is not None else None))
+        self._opened.append(
+            JobOpened(
+                request.job,
+                keys,
+                len(prompt_ids),
+                submitted_ms,
+                list(params.stop),
+                prompt_ids[0] if params.prompt_logprobs is not None else None,
+            )
+        )
         if images:
             self.runner.add_images(request.job, prompt_ids, images)
         elif request.prefix_marks and self.pool.caching:
@@ -185,7 +252,12 @@ class Engine(OnDevice):
     def _draft_tokens(self, params: SamplingParams, method: str) -> int:
         """How many tokens a step the request's sequences may draft by `method` (its own choice, else
         the catalogue's); none with penalties (each position would need the counts of the guesses before it)."""
-        if method == "off" or params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        if (
+            method == "off"
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+        ):
             return 0
         return params.num_speculative_tokens or self.profile.num_speculative_tokens
 
@@ -194,8 +266,11 @@ class Engine(OnDevice):
         for what, ids in (("prompt", prompt_ids), ("logit_bias", params.logit_bias)):
             bad = next((i for i in ids if not 0 <= i < self.vocab), None)
             if bad is not None:
-                raise InvalidRequest(f"{what} names token id {bad}, outside this model's vocabulary "
-                                     f"(0..{self.vocab - 1})", param=what)
+                raise InvalidRequest(
+                    f"{what} names token id {bad}, outside this model's vocabulary "
+                    f"(0..{self.vocab - 1})",
+                    param=what,
+                )
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty: give at least one token", param="prompt")
 
@@ -204,8 +279,10 @@ class Engine(OnDevice):
         spans = vision.bidirectional_spans(self.lm.model.config, prompt_ids)
         longest = max((end - start for start, end in spans), default=0)
         if longest > self.profile.prefill_chunk_tokens:
-            raise InvalidRequest(f"an image of {longest} tokens does not fit one prefill chunk "
-                                 f"(prefill_chunk_tokens = {self.profile.prefill_chunk_tokens})")
+            raise InvalidRequest(
+                f"an image of {longest} tokens does not fit one prefill chunk "
+                f"(prefill_chunk_tokens = {self.profile.prefill_chunk_tokens})"
+            )
         return spans
 
     def cancel(self, job_id: str) -> bool:
@@ -232,7 +309,9 @@ class Engine(OnDevice):
     def _end(self, keys: list[int], job: str | None = None) -> None:
         """These sequences are over: free them, and a job's runner state once none of its sequences is left."""
         self.scheduler.finish(set(keys))
-        jobs = {self.sequences.pop(key).job for key in keys if key in self.sequences} | ({job} if job else set())
+        jobs = {self.sequences.pop(key).job for key in keys if key in self.sequences} | (
+            {job} if job else set()
+        )
         for gone in jobs - set(self.scheduler.jobs):
             self.runner.forget(gone)
 
@@ -251,7 +330,9 @@ class Engine(OnDevice):
         plan = self.scheduler.schedule()
         out = StepOutput(0.0, started_ms, opened=self._opened)
         self._opened = []
-        out.admitted = list({s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups}.items())
+        out.admitted = list(
+            {s.job: self.scheduler.jobs[s.job].cached_tokens for s in plan.setups}.items()
+        )
         matchers = [self.sequences[key].matcher for key in plan.samples]
         for row, matcher in zip(plan.decode, matchers):
             if matcher is not None and row.draft:
@@ -259,8 +340,10 @@ class Engine(OnDevice):
         result = self.runner.run(plan, self.grammars.bitmask(matchers, plan.drafts))
         for job, exc in result.failed.items():
             self._fail(out, job, exc)
-        out.scores = [PromptScoresOut(key, s.start, s.tokens, s.logprobs, s.tops)
-                      for key, s in result.prompt_scores.items()]
+        out.scores = [
+            PromptScoresOut(key, s.start, s.tokens, s.logprobs, s.tops)
+            for key, s in result.prompt_scores.items()
+        ]
         ended, kept = [], []
         for key, draft, sampled in zip(plan.samples, plan.drafts, result.sampled):
             self.speculation.count(len(draft), len(sampled) - 1)
@@ -276,7 +359,7 @@ class Engine(OnDevice):
                 out.tokens.append(TokenOut(key, s.token, finish, s.logprob, s.top))
                 if finish:
                     ended.append(key)
-                    del kept[-1][i + 1:]
+                    del kept[-1][i + 1 :]
                     break
         self.scheduler.update(plan.samples, kept, [len(draft) for draft in plan.drafts])
         self._mark_prefixes(out)
@@ -301,8 +384,17 @@ class Engine(OnDevice):
 
     def _fail(self, out: StepOutput, job: str, exc: Exception) -> None:
         """One job's own work raised: end its sequences; the output processor sends the error."""
-        log.error("job %s failed in its own work (%s: %s); the other rows go on", job, type(exc).__name__, exc)
-        error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
+        log.error(
+            "job %s failed in its own work (%s: %s); the other rows go on",
+            job,
+            type(exc).__name__,
+            exc,
+        )
+        error = (
+            exc
+            if isinstance(exc, CortexError)
+            else GenerationFailed(f"{type(exc).__name__}: {exc}")
+        )
         out.failed.append(JobFailed(job, error.code, error.message))
         self._end(self.scheduler.abort(job), job)
 
@@ -312,8 +404,10 @@ def prefix_tokens(marks: list[tuple[str, int]], prompt_tokens: int) -> list[tupl
     with the prompt tokens it spans: the last spans the prompt, the others their share of it by
     characters (the chat template's text around each message is about even)."""
     total = marks[-1][1] or 1
-    return [(mark, prompt_tokens if i == len(marks) - 1 else prompt_tokens * chars // total)
-            for i, (mark, chars) in enumerate(marks)]
+    return [
+        (mark, prompt_tokens if i == len(marks) - 1 else prompt_tokens * chars // total)
+        for i, (mark, chars) in enumerate(marks)
+    ]
 
 
 @dataclass(eq=False)

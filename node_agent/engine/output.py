@@ -12,8 +12,18 @@ from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings, To
 from node_agent.engine.records import JobOpened, PromptScoresOut, StepOutput, TokenOut
 from shared.errors import CortexError, GenerationFailed
 from shared.lifecycle import FinishReason
-from shared.wire import (ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, PromptLogprob, StepEvents, Timings,
-                         TokenLogprob, TopLogprob, Usage)
+from shared.wire import (
+    ChoiceDelta,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    PromptLogprob,
+    StepEvents,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +38,9 @@ class SequenceOutput:
     prompt_logprobs: list[PromptLogprob] | None = None  # when asked; sent on the first delta
     tokens: int = 0
     finish_reason: str | None = None
-    core_ended: bool = False  # the core ended it (a token's finish, or its job failed there): nothing to hand back
+    core_ended: bool = (
+        False  # the core ended it (a token's finish, or its job failed there): nothing to hand back
+    )
 
 
 @dataclass(eq=False)
@@ -37,7 +49,9 @@ class JobOutput:
     submitted_ms: float
     prompt_tokens: int
     sequences: list[SequenceOutput] = field(default_factory=list)
-    deltas: list[ChoiceDelta] = field(default_factory=list)  # this step's choice deltas, not yet emitted
+    deltas: list[ChoiceDelta] = field(
+        default_factory=list
+    )  # this step's choice deltas, not yet emitted
     admitted_ms: float = 0.0
     first_token_ms: float = 0.0
     cached_tokens: int = 0  # of its prompt, read from the prefix cache
@@ -53,7 +67,9 @@ class OutputProcessor:
         self.tokenizer, self.node = tokenizer, node
         self.jobs: dict[str, JobOutput] = {}
         self.sequences: dict[int, SequenceOutput] = {}  # by the scheduler's sequence key
-        self.consumed: dict[str, Usage] = {}  # what each job that ended in the last `process` used, done or failed
+        self.consumed: dict[
+            str, Usage
+        ] = {}  # what each job that ended in the last `process` used, done or failed
 
     def process(self, out: StepOutput) -> tuple[StepEvents, list[int]]:
         """One step's record: every job's events of this step, and the keys of the sequences ended
@@ -63,15 +79,22 @@ class OutputProcessor:
             self._open(opened)
         for job_id, cached in out.admitted:
             if (job := self.jobs.get(job_id)) is not None:
-                job.admitted_ms, job.cached_tokens = job.admitted_ms or out.started_ms, job.cached_tokens or cached
+                job.admitted_ms, job.cached_tokens = (
+                    job.admitted_ms or out.started_ms,
+                    job.cached_tokens or cached,
+                )
         for scores in out.scores:
             self._scores(scores)
         for token in out.tokens:
             self._sampled(token, out.time_ms)
         for failed in out.failed:
-            self.fail_job(failed.job, ErrorEvent(code=failed.code, message=failed.message), core_ended=True)
+            self.fail_job(
+                failed.job, ErrorEvent(code=failed.code, message=failed.message), core_ended=True
+            )
         events = self._collect(out.time_ms)
-        stopped = [key for key, seq in self.sequences.items() if seq.finish_reason and not seq.core_ended]
+        stopped = [
+            key for key, seq in self.sequences.items() if seq.finish_reason and not seq.core_ended
+        ]
         for key in [key for key, seq in self.sequences.items() if seq.finish_reason]:
             del self.sequences[key]
         return events, stopped
@@ -96,10 +119,20 @@ class OutputProcessor:
 
     def _open(self, opened: JobOpened) -> None:
         job = JobOutput(opened.job, opened.submitted_ms, opened.prompt_tokens)
-        first = None if opened.first_prompt_token is None else self._first_prompt_entry(opened.first_prompt_token)
+        first = (
+            None
+            if opened.first_prompt_token is None
+            else self._first_prompt_entry(opened.first_prompt_token)
+        )
         for index, key in enumerate(opened.keys):
-            seq = SequenceOutput(job, key, index, IncrementalDetokenizer(self.tokenizer), StopStrings(opened.stops),
-                                 None if first is None else [first])
+            seq = SequenceOutput(
+                job,
+                key,
+                index,
+                IncrementalDetokenizer(self.tokenizer),
+                StopStrings(opened.stops),
+                None if first is None else [first],
+            )
             job.sequences.append(seq)
             self.sequences[key] = seq
         self.jobs[job.id] = job
@@ -108,9 +141,13 @@ class OutputProcessor:
         seq = self.sequences.get(scores.key)
         if seq is None or seq.prompt_logprobs is None:
             return
-        del seq.prompt_logprobs[scores.start + 1:]  # a sequence preempted while reading reads it again
-        seq.prompt_logprobs += [self._prompt_logprob(token, lp, top)
-                                for token, lp, top in zip(scores.tokens, scores.logprobs, scores.tops)]
+        del seq.prompt_logprobs[
+            scores.start + 1 :
+        ]  # a sequence preempted while reading reads it again
+        seq.prompt_logprobs += [
+            self._prompt_logprob(token, lp, top)
+            for token, lp, top in zip(scores.tokens, scores.logprobs, scores.tops)
+        ]
 
     def _sampled(self, out: TokenOut, now_ms: float) -> None:
         seq = self.sequences.get(out.key)
@@ -119,11 +156,19 @@ class OutputProcessor:
         seq.job.first_token_ms = seq.job.first_token_ms or now_ms
         seq.core_ended = out.finish is not None
         try:
-            logprob = self._token_logprob(out.token, out.logprob, out.top) if out.logprob is not None else None
+            logprob = (
+                self._token_logprob(out.token, out.logprob, out.top)
+                if out.logprob is not None
+                else None
+            )
             self._advance(seq, out, logprob)
         except Exception as exc:  # this row's host work (detokeniser, stops): its job alone fails
             log.exception("job %s: a sequence's output could not be processed", seq.job.id)
-            error = exc if isinstance(exc, CortexError) else GenerationFailed(f"{type(exc).__name__}: {exc}")
+            error = (
+                exc
+                if isinstance(exc, CortexError)
+                else GenerationFailed(f"{type(exc).__name__}: {exc}")
+            )
             self.fail_job(seq.job.id, ErrorEvent(code=error.code, message=error.message))
 
     def _advance(self, seq: SequenceOutput, out: TokenOut, logprob: TokenLogprob | None) -> None:
@@ -138,9 +183,17 @@ class OutputProcessor:
             elif out.finish == FinishReason.LENGTH:
                 text, seq.finish_reason = text + seq.stops.flush(), FinishReason.LENGTH
         prompt_logprobs = seq.prompt_logprobs if seq.tokens == 1 else None
-        seq.job.deltas.append(ChoiceDelta(
-            index=seq.index, text=text, token_ids=[token], logprobs=None if logprob is None else [logprob],
-            prompt_logprobs=prompt_logprobs, finish_reason=seq.finish_reason, stop_sequence=stop_sequence))
+        seq.job.deltas.append(
+            ChoiceDelta(
+                index=seq.index,
+                text=text,
+                token_ids=[token],
+                logprobs=None if logprob is None else [logprob],
+                prompt_logprobs=prompt_logprobs,
+                finish_reason=seq.finish_reason,
+                stop_sequence=stop_sequence,
+            )
+        )
 
     def _collect(self, now_ms: float) -> StepEvents:
         """Every job's events of this step; a job that ended is forgotten after."""
@@ -163,29 +216,46 @@ class OutputProcessor:
 
     @staticmethod
     def _usage(job: JobOutput) -> Usage:
-        return Usage(prompt_tokens=job.prompt_tokens, completion_tokens=sum(s.tokens for s in job.sequences),
-                     cached_tokens=job.cached_tokens)
+        return Usage(
+            prompt_tokens=job.prompt_tokens,
+            completion_tokens=sum(s.tokens for s in job.sequences),
+            cached_tokens=job.cached_tokens,
+        )
 
     def _done(self, job: JobOutput, now: float) -> DoneEvent:
         return DoneEvent(
             usage=self._usage(job),
-            timings=Timings(queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
-                            prefill_ms=job.first_token_ms - job.admitted_ms, decode_ms=now - job.first_token_ms),
+            timings=Timings(
+                queue_ms=max(job.admitted_ms - job.submitted_ms, 0.0),
+                prefill_ms=job.first_token_ms - job.admitted_ms,
+                decode_ms=now - job.first_token_ms,
+            ),
             node=self.node,
         )
 
     def _first_prompt_entry(self, token: int) -> PromptLogprob:
         return PromptLogprob(token=self.tokenizer.decode([token]), logprob=None)
 
-    def _prompt_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> PromptLogprob:
-        return PromptLogprob(token=self.tokenizer.decode([token]), logprob=logprob,
-                             top_logprobs=[self._top(t, v) for t, v in top])
+    def _prompt_logprob(
+        self, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> PromptLogprob:
+        return PromptLogprob(
+            token=self.tokenizer.decode([token]),
+            logprob=logprob,
+            top_logprobs=[self._top(t, v) for t, v in top],
+        )
 
-    def _token_logprob(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+    def _token_logprob(
+        self, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> TokenLogprob:
         """The token, its logprob and its best alternatives."""
         text = self.tokenizer.decode([token])
-        return TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()),
-                            top_logprobs=[self._top(t, v) for t, v in top])
+        return TokenLogprob(
+            token=text,
+            logprob=logprob,
+            bytes=list(text.encode()),
+            top_logprobs=[self._top(t, v) for t, v in top],
+        )
 
     def _top(self, token: int, logprob: float) -> TopLogprob:
         text = self.tokenizer.decode([token])

@@ -91,13 +91,19 @@ class PoolingEngine(OnDevice):
     def memory_bytes(self) -> int:
         """Weights, plus one pass's activations (as placement counts them: shared/memory.py)."""
         config = self.lm.model.config
-        activations = pooling_pass_bytes(self.profile, hidden=config.hidden_size, heads=config.num_attention_heads,
-                                         intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-                                         max_len=self.max_len)
+        activations = pooling_pass_bytes(
+            self.profile,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+            max_len=self.max_len,
+        )
         return pooling.memory_bytes(self.lm.model) + activations
 
     def add(self, job: str, encoded: Encoded, dimensions: int | None, submitted_ms: float) -> None:
-        self._jobs[job] = _Job(job, encoded, dimensions, submitted_ms, [None] * len(encoded.rows), len(encoded.rows))
+        self._jobs[job] = _Job(
+            job, encoded, dimensions, submitted_ms, [None] * len(encoded.rows), len(encoded.rows)
+        )
         self._waiting += [(job, i) for i in range(len(encoded.rows))]
 
     def cancel(self, job: str) -> None:
@@ -121,17 +127,30 @@ class PoolingEngine(OnDevice):
         chosen = self._next_pass()
         rows = [self._jobs[job].encoded.rows[i] for job, i in chosen]
         pairs = [self._jobs[job].encoded.type_ids for job, _ in chosen]
-        type_ids = [segments[i] for segments, (_, i) in zip(pairs, chosen)] if pairs[0] is not None else None
+        type_ids = (
+            [segments[i] for segments, (_, i) in zip(pairs, chosen)]
+            if pairs[0] is not None
+            else None
+        )
         started_ms = time.time() * 1000
-        out = packed_pooling.forward(self.lm, rows) if self.packed else pooling.forward(self.lm, rows, type_ids)
+        out = (
+            packed_pooling.forward(self.lm, rows)
+            if self.packed
+            else pooling.forward(self.lm, rows, type_ids)
+        )
         self.forwards += 1
         for job in {job for job, _ in chosen}:
             state = self._jobs[job]
             state.forwards += 1
             state.admitted_ms = state.admitted_ms or started_ms
         self._store(chosen, out)
-        return PoolingStep(done=[self._done(self._jobs.pop(job)) for job in {job for job, _ in chosen}
-                                 if self._jobs[job].left == 0])
+        return PoolingStep(
+            done=[
+                self._done(self._jobs.pop(job))
+                for job in {job for job, _ in chosen}
+                if self._jobs[job].left == 0
+            ]
+        )
 
     def _next_pass(self) -> list[tuple[str, int]]:
         """The inputs of the next pass, which leave the queue: packed, those waiting longest that fit
@@ -139,7 +158,7 @@ class PoolingEngine(OnDevice):
         chosen = self._window()
         if not self.packed:
             chosen.sort(key=lambda item: -self._length(item))
-            chosen = chosen[:max(1, self.budget // self._length(chosen[0]))]
+            chosen = chosen[: max(1, self.budget // self._length(chosen[0]))]
         taken = set(chosen)
         self._waiting = [item for item in self._waiting if item not in taken]
         return chosen
@@ -183,6 +202,10 @@ class PoolingEngine(OnDevice):
         if self.lm.pooling is None:
             pooled = Pooled(scores=list(job.results), forwards=job.forwards)
         else:
-            pooled = Pooled(vectors=[vector.tobytes() for vector in job.results], forwards=job.forwards)
-        timings = Timings(queue_ms=job.admitted_ms - job.submitted_ms, prefill_ms=now_ms - job.admitted_ms)
+            pooled = Pooled(
+                vectors=[vector.tobytes() for vector in job.results], forwards=job.forwards
+            )
+        timings = Timings(
+            queue_ms=job.admitted_ms - job.submitted_ms, prefill_ms=now_ms - job.admitted_ms
+        )
         return PooledJob(job.job, pooled, job.encoded.tokens, timings)

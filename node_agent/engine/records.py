@@ -55,16 +55,29 @@ class JobFailed(_Record):
 
 class StepOutput(_Record):
     time_ms: float  # when the step ended (first-token times)
-    started_ms: float  # when it began (admission times: a prompt prefilled in one step was admitted then)
+    started_ms: (
+        float  # when it began (admission times: a prompt prefilled in one step was admitted then)
+    )
     opened: list[JobOpened] = []  # jobs added since the last step, before any of their tokens
-    admitted: list[tuple[str, int]] = []  # jobs whose sequences took rows this step, with their cached prompt tokens
+    admitted: list[
+        tuple[str, int]
+    ] = []  # jobs whose sequences took rows this step, with their cached prompt tokens
     scores: list[PromptScoresOut] = []
     tokens: list[TokenOut] = []
     failed: list[JobFailed] = []
-    held: list[tuple[str, int]] = []  # prefix marks newly held by the cache, with the tokens they span
+    held: list[
+        tuple[str, int]
+    ] = []  # prefix marks newly held by the cache, with the tokens they span
     dropped: list[str] = []  # prefix marks the cache no longer holds
 
     @property
     def empty(self) -> bool:
-        return not (self.opened or self.admitted or self.scores or self.tokens or self.failed or self.held
-                    or self.dropped)
+        return not (
+            self.opened
+            or self.admitted
+            or self.scores
+            or self.tokens
+            or self.failed
+            or self.held
+            or self.dropped
+        )

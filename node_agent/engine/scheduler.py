@@ -46,7 +46,9 @@ class Sequence:
     drafter: Drafter | None = None  # its speculation, when it speculates
     computed: int = 0  # tokens whose keys and values are in its blocks
     blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)  # of the full blocks of its tokens, as far as computed
+    hashes: list[bytes] = field(
+        default_factory=list
+    )  # of the full blocks of its tokens, as far as computed
     registered: int = 0  # of its blocks offered to the pool's prefix cache
     decoding: bool = False  # read all it had to read; one token a step from now on
     done: bool = False
@@ -55,7 +57,7 @@ class Sequence:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def scores_prompt(self) -> bool:
@@ -66,9 +68,13 @@ class Sequence:
 class JobEntry:
     id: str
     sequences: list[Sequence] = field(default_factory=list)
-    spans: list[tuple[int, int]] = field(default_factory=list)  # image token runs a chunk never splits
+    spans: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # image token runs a chunk never splits
     cacheable: bool = True  # its blocks may be shared (no images, a model without linear attention)
-    root_hash: bytes = b""  # what its blocks' hash chain starts from: the model's, salted by its cache salt
+    root_hash: bytes = (
+        b""  # what its blocks' hash chain starts from: the model's, salted by its cache salt
+    )
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
 
 
@@ -80,11 +86,21 @@ class PrefixStats:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_seqs: int, chunk_tokens: int, linear_attention: bool,
-                 root_hash: bytes, speculate_rows: int = 0):
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_seqs: int,
+        chunk_tokens: int,
+        linear_attention: bool,
+        root_hash: bytes,
+        speculate_rows: int = 0,
+    ):
         self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
         self.speculate_rows = speculate_rows
-        self.recent = RecentOutputs()  # the outputs "suffix" speculation looks up, of the sequences that use it
+        self.recent = (
+            RecentOutputs()
+        )  # the outputs "suffix" speculation looks up, of the sequences that use it
         self.linear_attention, self.root_hash = linear_attention, root_hash
         self.waiting: deque[Sequence] = deque()
         self.rows: list[Sequence] = []  # rows[:n_decoding] decode; the rest read their prompt
@@ -101,23 +117,55 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, job: str, prompt_ids: list[int], params: SamplingParams, seeds: list[int], max_tokens: int,
-            spans: list[tuple[int, int]] = (), images: bool = False, cache_salt: str = "",
-            draft_tokens: int = 0, suffix: bool = False) -> list[int]:
+    def add(
+        self,
+        job: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seeds: list[int],
+        max_tokens: int,
+        spans: list[tuple[int, int]] = (),
+        images: bool = False,
+        cache_salt: str = "",
+        draft_tokens: int = 0,
+        suffix: bool = False,
+    ) -> list[int]:
         """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
         step (0: not at all; never with linear attention, whose state cannot take a guess back),
         with `suffix` from the recent outputs of unsalted jobs too (a salted job's outputs, like its
         blocks, are never another's to guess from); returns their keys. Its blocks are shared only
         with jobs of the same `cache_salt` (`GenerationRequest.cache_salt`)."""
-        root = hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest() if cache_salt \
+        root = (
+            hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest()
+            if cache_salt
             else self.root_hash
-        entry = JobEntry(job, spans=list(spans), cacheable=not images and not self.linear_attention, root_hash=root)
+        )
+        entry = JobEntry(
+            job,
+            spans=list(spans),
+            cacheable=not images and not self.linear_attention,
+            root_hash=root,
+        )
         recent = self.recent if suffix and not cache_salt else None
         for index, seed in enumerate(seeds):
-            drafter = Drafter.of(prompt_ids, draft_tokens, recent) if draft_tokens and not self.linear_attention \
+            drafter = (
+                Drafter.of(prompt_ids, draft_tokens, recent)
+                if draft_tokens and not self.linear_attention
                 else None
-            entry.sequences.append(Sequence(next(self._keys), entry, index, list(prompt_ids), len(prompt_ids),
-                                            params, seed, max_tokens, drafter))
+            )
+            entry.sequences.append(
+                Sequence(
+                    next(self._keys),
+                    entry,
+                    index,
+                    list(prompt_ids),
+                    len(prompt_ids),
+                    params,
+                    seed,
+                    max_tokens,
+                    drafter,
+                )
+            )
         self.jobs[job] = entry
         self.waiting.extend(entry.sequences)
         return [s.key for s in entry.sequences]
@@ -187,15 +235,19 @@ class Scheduler:
         plan = StepPlan(setups=self._admit())
         drafts = self._drafts()
         plan.prefill = self._chunks(self.chunk_tokens - sum(map(len, drafts)))
-        plan.decode = [DecodeRow(row, s.tokens[-1], s.computed, draft)
-                       for row, (s, draft) in enumerate(zip(self.rows[: self.n_decoding], drafts))]
+        plan.decode = [
+            DecodeRow(row, s.tokens[-1], s.computed, draft)
+            for row, (s, draft) in enumerate(zip(self.rows[: self.n_decoding], drafts))
+        ]
         for seq in self.rows[: self.n_decoding]:
             seq.computed += 1
         self._register(self.rows)
         plan.moves, self._moves = self._moves, []
         plan.tables = self._tables()
         plan.rows = len(self.rows)
-        sampled = self.rows[: self.n_decoding] + [self.rows[c.row] for c in plan.prefill if c.samples]
+        sampled = self.rows[: self.n_decoding] + [
+            self.rows[c.row] for c in plan.prefill if c.samples
+        ]
         plan.samples = [s.key for s in sampled]
         plan.sample_params = [s.params for s in sampled]
         plan.sample_positions = [len(s.tokens) - 1 for s in sampled]
@@ -229,7 +281,9 @@ class Scheduler:
         for seq in decoding:
             room = min(budget, seq.max_tokens - len(seq.output_ids) - 1)
             draft = seq.drafter.propose(room) if seq.drafter is not None else []
-            held = len(seq.blocks) * self.pool.block_size - seq.computed - 1  # positions after its last token
+            held = (
+                len(seq.blocks) * self.pool.block_size - seq.computed - 1
+            )  # positions after its last token
             missing = self.pool.blocks_for(len(draft) - held) if len(draft) > held else 0
             if missing > self.pool.free:
                 draft = draft[: held + self.pool.free * self.pool.block_size]
@@ -275,8 +329,13 @@ class Scheduler:
         while self.waiting and len(self.rows) < self.max_seqs:
             seq = self.waiting[0]
             first = seq.job.sequences[0]
-            if seq is not first and seq.job.cacheable and self.pool.caching and not first.decoding \
-                    and first.computed < first.prompt_len:
+            if (
+                seq is not first
+                and seq.job.cacheable
+                and self.pool.caching
+                and not first.decoding
+                and first.computed < first.prompt_len
+            ):
                 break  # an n > 1 job's other sequences share the first one's prompt blocks once it has read them
             cached = self._cached_prefix(seq)
             holding = sum(self.pool.refs[b] == 0 for b in cached)
@@ -289,8 +348,16 @@ class Scheduler:
             seq.registered, seq.computed = len(cached), len(cached) * self.pool.block_size
             seq.admitted = next(self._admissions)
             seq.synced = (len(self.rows), 0)
-            setups.append(RowSetup(len(self.rows), seq.job.id, seq.params, seq.tokens[: seq.prompt_len],
-                                   seq.output_ids, seq.seed))
+            setups.append(
+                RowSetup(
+                    len(self.rows),
+                    seq.job.id,
+                    seq.params,
+                    seq.tokens[: seq.prompt_len],
+                    seq.output_ids,
+                    seq.seed,
+                )
+            )
             self.rows.append(seq)
         return setups
 
@@ -320,11 +387,20 @@ class Scheduler:
             if chunks and self.linear_attention and n != len(chunks[0].tokens):
                 break
             end = seq.computed + n
-            chunks.append(PrefillChunk(
-                key=seq.key, row=row, job=seq.job.id, tokens=seq.tokens[seq.computed: end], start=seq.computed,
-                samples=end == len(seq.tokens),
-                score_top=seq.params.prompt_logprobs if seq.scores_prompt else None,
-                following=seq.tokens[seq.computed + 1: min(end + 1, seq.prompt_len)] if seq.scores_prompt else []))
+            chunks.append(
+                PrefillChunk(
+                    key=seq.key,
+                    row=row,
+                    job=seq.job.id,
+                    tokens=seq.tokens[seq.computed : end],
+                    start=seq.computed,
+                    samples=end == len(seq.tokens),
+                    score_top=seq.params.prompt_logprobs if seq.scores_prompt else None,
+                    following=seq.tokens[seq.computed + 1 : min(end + 1, seq.prompt_len)]
+                    if seq.scores_prompt
+                    else [],
+                )
+            )
             seq.computed = end
             budget -= n
             if end < len(seq.tokens):
@@ -359,8 +435,12 @@ class Scheduler:
         """Extend the sequence's hash chain over its first `blocks` full blocks."""
         if len(seq.hashes) < blocks:
             size = self.pool.block_size
-            seq.hashes += chain_hashes(seq.tokens[: blocks * size], size, seq.hashes[-1] if seq.hashes
-                                       else seq.job.root_hash, start=len(seq.hashes))
+            seq.hashes += chain_hashes(
+                seq.tokens[: blocks * size],
+                size,
+                seq.hashes[-1] if seq.hashes else seq.job.root_hash,
+                start=len(seq.hashes),
+            )
 
     def _tables(self) -> dict[int, list[int]]:
         """The block tables of the rows whose sequence or blocks changed since the runner last had them."""
@@ -370,4 +450,3 @@ class Scheduler:
                 tables[row] = seq.blocks
                 seq.synced = (row, len(seq.blocks))
         return tables
-

@@ -35,9 +35,11 @@ class NgramIndex:
     def extend(self, tokens: list[int]) -> None:
         for token in tokens:
             end = len(self.tokens)
-            for n in NGRAM_SIZES if token != SEPARATOR else ():  # an output's end is no occurrence to follow
+            for n in (
+                NGRAM_SIZES if token != SEPARATOR else ()
+            ):  # an output's end is no occurrence to follow
                 if end >= n:
-                    self.follows[tuple(self.tokens[end - n: end])] = end
+                    self.follows[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
     def match(self, context: list[int], k: int) -> tuple[int, list[int]]:
@@ -45,8 +47,10 @@ class NgramIndex:
         and up to `k` tokens that followed their latest occurrence; (0, []) when none did."""
         for n in NGRAM_SIZES:
             if len(context) >= n and (start := self.follows.get(tuple(context[-n:]))) is not None:
-                following = self.tokens[start: start + k]
-                return n, following[: following.index(SEPARATOR)] if SEPARATOR in following else following
+                following = self.tokens[start : start + k]
+                return n, following[
+                    : following.index(SEPARATOR)
+                ] if SEPARATOR in following else following
         return 0, []
 
 
@@ -60,7 +64,7 @@ class RecentOutputs:
 
     def add(self, output: list[int]) -> None:
         if len(self.index.tokens) + len(output) + 1 > self.limit:
-            kept = (self.index.tokens + output)[-(self.limit // 2):]
+            kept = (self.index.tokens + output)[-(self.limit // 2) :]
             self.index = NgramIndex()
             self.index.extend(kept)
         else:
@@ -80,7 +84,11 @@ class DraftLength:
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted:
-            self.current = min(self.limit, self.current + 2) if accepted == drafted else max(1, self.current - 1)
+            self.current = (
+                min(self.limit, self.current + 2)
+                if accepted == drafted
+                else max(1, self.current - 1)
+            )
 
 
 @dataclass

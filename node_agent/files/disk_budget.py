@@ -14,8 +14,14 @@ def _mb(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
 
 
-def make_room(store: ModelStore, folder: str, size: int, budget_bytes: int | None, protected: dict[str, str],
-              source: str) -> list[str]:
+def make_room(
+    store: ModelStore,
+    folder: str,
+    size: int,
+    budget_bytes: int | None,
+    protected: dict[str, str],
+    source: str,
+) -> list[str]:
     """Room for `folder` to hold `size` bytes within `budget_bytes` (None: no budget); returns the
     folders deleted for it (interrupted pulls first, then by last use)."""
     if budget_bytes is None:
@@ -25,13 +31,21 @@ def make_room(store: ModelStore, folder: str, size: int, budget_bytes: int | Non
     evicted = []
     while sum(others.values()) + size > budget_bytes and evictable:
         name = evictable.pop(0)
-        log.info("deleting the files of %s (%s, last used the longest ago) to make room for %s", name,
-                 _mb(others[name]), source)
+        log.info(
+            "deleting the files of %s (%s, last used the longest ago) to make room for %s",
+            name,
+            _mb(others[name]),
+            source,
+        )
         store.remove(name)
         others.pop(name)
         evicted.append(name)
     if sum(others.values()) + size > budget_bytes:
-        holders = ", ".join(f"{name} ({_mb(used)}, {protected.get(name, 'idle')})" for name, used in others.items())
-        raise DiskBudgetExceeded(f"{source} needs {_mb(size)} and models_disk_gb allows {_mb(budget_bytes)}: "
-                                 f"the disk is held by {holders or 'nothing else'}, none of which may be deleted")
+        holders = ", ".join(
+            f"{name} ({_mb(used)}, {protected.get(name, 'idle')})" for name, used in others.items()
+        )
+        raise DiskBudgetExceeded(
+            f"{source} needs {_mb(size)} and models_disk_gb allows {_mb(budget_bytes)}: "
+            f"the disk is held by {holders or 'nothing else'}, none of which may be deleted"
+        )
     return evicted

@@ -25,17 +25,25 @@ def app(store: ModelStore, secret: str) -> Starlette:
 
     async def serve_file(request: Request) -> Response:
         if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
-            return JSONResponse({"error": "this node's files need the fleet secret (Authorization: Bearer)"},
-                                status_code=401)
+            return JSONResponse(
+                {"error": "this node's files need the fleet secret (Authorization: Bearer)"},
+                status_code=401,
+            )
         asked = request.path_params["path"]
         folder, _, name = asked.partition("/")
         root = store.root.resolve()
         base = (root / folder).resolve()
         path = (base / name).resolve()
         if base.parent != root or not path.is_relative_to(base):
-            return JSONResponse({"error": f"{asked!r} is outside the models directory"}, status_code=403)
-        if not (name and path.is_file() and WORK_DIR not in path.relative_to(base).parts
-                and store.manifest(folder) is not None):
+            return JSONResponse(
+                {"error": f"{asked!r} is outside the models directory"}, status_code=403
+            )
+        if not (
+            name
+            and path.is_file()
+            and WORK_DIR not in path.relative_to(base).parts
+            and store.manifest(folder) is not None
+        ):
             return JSONResponse({"error": f"no model file {asked!r} here"}, status_code=404)
         return FileResponse(path)
 
@@ -46,8 +54,16 @@ class FileServer:
     def __init__(self, store: ModelStore, secret: str, host: str, port: int):
         self.store = store
         # uvicorn takes SIGTERM/SIGINT while it serves, stops, and raises them again for the agent
-        self._server = uvicorn.Server(uvicorn.Config(app(store, secret), host=host, port=port, log_level="warning",
-                                                     access_log=False, lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app(store, secret),
+                host=host,
+                port=port,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+            )
+        )
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -56,7 +72,11 @@ class FileServer:
             if self._task.done():
                 self._task.result()  # the port is taken: say so
             await asyncio.sleep(0.02)
-        log.info("serving the model files in %s to peers on port %d", self.store.root, self._server.config.port)
+        log.info(
+            "serving the model files in %s to peers on port %d",
+            self.store.root,
+            self._server.config.port,
+        )
 
     async def stop(self) -> None:
         if self._task is not None:

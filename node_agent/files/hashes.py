@@ -24,12 +24,20 @@ def check(path: Path, entry: FileEntry, source: str) -> None:
         problem = f"is {size} bytes, the hub says {entry.size}"
     elif entry.sha256:
         found = _digest(path, hashlib.sha256())
-        problem = f"has sha256 {found}, the hub says {entry.sha256}" if found != entry.sha256 else ""
+        problem = (
+            f"has sha256 {found}, the hub says {entry.sha256}" if found != entry.sha256 else ""
+        )
     elif entry.blob_id:
         found = _digest(path, hashlib.sha1(f"blob {size}\0".encode()))
-        problem = f"has git blob id {found}, the hub says {entry.blob_id}" if found != entry.blob_id else ""
+        problem = (
+            f"has git blob id {found}, the hub says {entry.blob_id}"
+            if found != entry.blob_id
+            else ""
+        )
     else:
         problem = "has no hash in the hub's metadata to check it against"
     if problem:
         path.unlink(missing_ok=True)
-        raise ModelFileCorrupt(f"{source}: {entry.name} {problem}; it was deleted and the model not loaded")
+        raise ModelFileCorrupt(
+            f"{source}: {entry.name} {problem}; it was deleted and the model not loaded"
+        )

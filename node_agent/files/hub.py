@@ -29,8 +29,16 @@ def manifest(source: str, gguf_file: str | None) -> Manifest:
     except (HfHubHTTPError, OSError) as exc:
         raise ModelPullFailed(f"{source}: the hub's model info could not be read: {exc}") from exc
     siblings = {s.rfilename: s for s in info.siblings or []}
-    files = [FileEntry(name=name, size=s.size or 0, sha256=s.lfs.sha256 if s.lfs else "", blob_id=s.blob_id or "")
-             for name in needed_files(list(siblings), gguf_file, source) for s in [siblings[name]]]
+    files = [
+        FileEntry(
+            name=name,
+            size=s.size or 0,
+            sha256=s.lfs.sha256 if s.lfs else "",
+            blob_id=s.blob_id or "",
+        )
+        for name in needed_files(list(siblings), gguf_file, source)
+        for s in [siblings[name]]
+    ]
     return Manifest(source=source, commit=info.sha or ref.revision or "main", files=files)
 
 
@@ -42,10 +50,16 @@ def download(wanted: Manifest, folder: Path, stopping: threading.Event) -> None:
         target = folder / entry.name
         if not target.is_file():
             try:
-                _fetch(hf_hub_url(ref.repo, entry.name, revision=wanted.commit), entry, partial_path(folder, entry.name),
-                       stopping)
+                _fetch(
+                    hf_hub_url(ref.repo, entry.name, revision=wanted.commit),
+                    entry,
+                    partial_path(folder, entry.name),
+                    stopping,
+                )
             except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
-                raise ModelPullFailed(f"{wanted.source}: downloading {entry.name} from the hub failed: {exc}") from exc
+                raise ModelPullFailed(
+                    f"{wanted.source}: downloading {entry.name} from the hub failed: {exc}"
+                ) from exc
             target.parent.mkdir(parents=True, exist_ok=True)  # a module's subfolder (1_Pooling/)
             partial_path(folder, entry.name).rename(target)
         hashes.check(target, entry, wanted.source)
@@ -61,8 +75,9 @@ def _fetch(url: str, entry: FileEntry, partial: Path, stopping: threading.Event)
         have = 0  # not a prefix of this file: start over
     if have:
         headers["Range"] = f"bytes={have}-"
-    with get_session().stream("GET", found.location, headers=headers,
-                              timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+    with get_session().stream(
+        "GET", found.location, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
+    ) as response:
         if response.status_code == 416:  # nothing left to send: the partial file is whole
             return
         hf_raise_for_status(response)
@@ -70,4 +85,6 @@ def _fetch(url: str, entry: FileEntry, partial: Path, stopping: threading.Event)
             for chunk in response.iter_bytes():  # as it arrives (a size would buffer up to it)
                 out.write(chunk)
                 if stopping.is_set():
-                    raise ModelPullFailed(f"the download of {entry.name} stopped: the node is shutting down")
+                    raise ModelPullFailed(
+                        f"the download of {entry.name} stopped: the node is shutting down"
+                    )

@@ -26,7 +26,9 @@ async def download(wanted: Manifest, folder: Path, base_url: str, secret: str, p
             try:
                 await _fetch(client, f"{base_url}/files/{name}/{entry.name}", partial, have)
             except httpx.HTTPError as exc:
-                raise ModelPullFailed(f"{wanted.source}: fetching {entry.name} from {peer} failed: {exc}") from exc
+                raise ModelPullFailed(
+                    f"{wanted.source}: fetching {entry.name} from {peer} failed: {exc}"
+                ) from exc
             target.parent.mkdir(parents=True, exist_ok=True)  # a module's subfolder (1_Pooling/)
             partial.rename(target)
         for entry in wanted.files:

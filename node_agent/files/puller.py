@@ -50,7 +50,9 @@ class Pull:
         first_s, first_bytes = self._samples[0]
         rate = max(on_disk - first_bytes, 0) / (now - first_s) if now > first_s else 0.0
         done = min(on_disk, self.total) if self.total else 0
-        return PullProgress(source=self.source, bytes_done=done, bytes_total=self.total, rate_bps=rate)
+        return PullProgress(
+            source=self.source, bytes_done=done, bytes_total=self.total, rate_bps=rate
+        )
 
     async def wait(self) -> Path:
         await asyncio.shield(self.task)
@@ -58,13 +60,21 @@ class Pull:
 
 
 class Puller:
-    def __init__(self, settings: NodeSettings, redis: aioredis.Redis, keys: Keys, node: str,
-                 protected: Callable[[], Awaitable[dict[str, str]]]):
+    def __init__(
+        self,
+        settings: NodeSettings,
+        redis: aioredis.Redis,
+        keys: Keys,
+        node: str,
+        protected: Callable[[], Awaitable[dict[str, str]]],
+    ):
         self.settings, self.redis, self.keys, self.node = settings, redis, keys, node
         self.store = ModelStore(settings.models_dir)
         self._protected = protected  # folders that must stay -> why (loaded, pinned)
         self.pulls: dict[str, Pull] = {}
-        self.failed: dict[str, tuple[float, PullProgress]] = {}  # folder -> (when, how far it got and why)
+        self.failed: dict[
+            str, tuple[float, PullProgress]
+        ] = {}  # folder -> (when, how far it got and why)
         self.held: dict[str, Manifest] = self.store.held()
         self._stopping = threading.Event()  # ends hub downloads (threads) when the node stops
 
@@ -72,7 +82,10 @@ class Puller:
 
     def needs(self, profile: ModelProfile) -> bool:
         """An `hf:` model whose files are neither in the models directory nor in the Hugging Face cache."""
-        if not profile.source.startswith(HUB_PREFIX) or HubRef.parse(profile.source).folder in self.held:
+        if (
+            not profile.source.startswith(HUB_PREFIX)
+            or HubRef.parse(profile.source).folder in self.held
+        ):
             return False
         try:
             locate(profile, self.settings.hf_cache)
@@ -109,7 +122,10 @@ class Puller:
             error = task.exception()
             log.error("pulling %s failed: %s", pull.folder, error)
             why = getattr(error, "message", None) or f"{type(error).__name__}: {error}"
-            self.failed[pull.folder] = (time.monotonic(), pull.progress().model_copy(update={"error": why}))
+            self.failed[pull.folder] = (
+                time.monotonic(),
+                pull.progress().model_copy(update={"error": why}),
+            )
 
     async def _run(self, pull: Pull, profile: ModelProfile) -> None:
         started, failed_peers = time.monotonic(), set()
@@ -119,12 +135,23 @@ class Puller:
                 name, url, wanted = found
                 pull.source = f"peer {name}"
                 try:
-                    await self._fetch(pull, wanted, lambda: peer.download(
-                        wanted, self.store.folder(pull.folder), url, self.settings.fleet_secret, name))
+                    await self._fetch(
+                        pull,
+                        wanted,
+                        lambda: peer.download(
+                            wanted,
+                            self.store.folder(pull.folder),
+                            url,
+                            self.settings.fleet_secret,
+                            name,
+                        ),
+                    )
                     break
                 except DiskBudgetExceeded:
                     raise  # no source makes room
-                except ModelPullFailed as exc:  # the peer went away, or sent a bad file: another source
+                except (
+                    ModelPullFailed
+                ) as exc:  # the peer went away, or sent a bad file: another source
                     log.warning("%s; trying another peer, else the hub", exc.message)
                     failed_peers.add(name)
                     continue
@@ -132,9 +159,17 @@ class Puller:
             if await lock.acquire(blocking=False):
                 try:
                     pull.source = "hub"
-                    wanted = await asyncio.to_thread(hub.manifest, profile.source, profile.gguf_file)
-                    await self._fetch(pull, wanted, lambda: asyncio.to_thread(
-                        hub.download, wanted, self.store.folder(pull.folder), self._stopping), lock)
+                    wanted = await asyncio.to_thread(
+                        hub.manifest, profile.source, profile.gguf_file
+                    )
+                    await self._fetch(
+                        pull,
+                        wanted,
+                        lambda: asyncio.to_thread(
+                            hub.download, wanted, self.store.folder(pull.folder), self._stopping
+                        ),
+                        lock,
+                    )
                 finally:
                     with contextlib.suppress(LockError):
                         await lock.release()
@@ -143,16 +178,27 @@ class Puller:
             await asyncio.sleep(WAIT_FOR_HOLDER_S)
         self.store.complete(wanted)
         self.held[pull.folder] = wanted
-        log.info("%s is here (%d files, %.1f MB from %s in %.1f s)", profile.source, len(wanted.files),
-                 wanted.total_bytes / 1e6, pull.source, time.monotonic() - started)
+        log.info(
+            "%s is here (%d files, %.1f MB from %s in %.1f s)",
+            profile.source,
+            len(wanted.files),
+            wanted.total_bytes / 1e6,
+            pull.source,
+            time.monotonic() - started,
+        )
 
-    async def _fetch(self, pull: Pull, wanted: Manifest, transfer: Callable[[], Awaitable[None]], lock=None) -> None:
+    async def _fetch(
+        self, pull: Pull, wanted: Manifest, transfer: Callable[[], Awaitable[None]], lock=None
+    ) -> None:
         """Room first, then the transfer (renewing the hub lock, when held, while it runs)."""
         pull.total = wanted.total_bytes
-        protected = await self._protected() | {f: "being pulled" for f in self.pulls if f != pull.folder}
+        protected = await self._protected() | {
+            f: "being pulled" for f in self.pulls if f != pull.folder
+        }
         budget = int(self.settings.models_disk_gb * 1e9) if self.settings.models_disk_gb else None
-        for evicted in disk_budget.make_room(self.store, pull.folder, wanted.total_bytes, budget, protected,
-                                             wanted.source):
+        for evicted in disk_budget.make_room(
+            self.store, pull.folder, wanted.total_bytes, budget, protected, wanted.source
+        ):
             self.held.pop(evicted, None)
         self.store.folder(pull.folder).mkdir(parents=True, exist_ok=True)
         renewing = asyncio.create_task(self._renew(lock)) if lock is not None else None
@@ -186,19 +232,27 @@ class Puller:
         recent = time.monotonic() - self.settings.failed_backoff_s
         self.failed = {folder: (at, p) for folder, (at, p) in self.failed.items() if at > recent}
         return {folder: p for folder, (_, p) in self.failed.items()} | {
-            folder: pull.progress() for folder, pull in self.pulls.items()}
+            folder: pull.progress() for folder, pull in self.pulls.items()
+        }
 
     # ---- files held -------------------------------------------------------------------------
 
     async def remove(self, profile: ModelProfile) -> bool:
         """Delete `profile`'s folder unless it is loaded, pinned or being pulled (then log why not)."""
         folder = HubRef.parse(profile.source).folder
-        why = (await self._protected()).get(folder) or ("being pulled" if folder in self.pulls else "")
+        why = (await self._protected()).get(folder) or (
+            "being pulled" if folder in self.pulls else ""
+        )
         if why:
             log.warning("the files of %s (%s) stay: %s", profile.id, folder, why)
             return False
         self.held.pop(folder, None)
-        log.info("deleted the files of %s (%s, %.1f MB)", profile.id, folder, self.store.remove(folder) / 1e6)
+        log.info(
+            "deleted the files of %s (%s, %.1f MB)",
+            profile.id,
+            folder,
+            self.store.remove(folder) / 1e6,
+        )
         return True
 
     def publish(self, pipe, ttl_ms: int) -> None:

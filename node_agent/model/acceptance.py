@@ -23,8 +23,14 @@ from node_agent.model.sampling import SlotSampling, Stages, gumbel, shape, unifo
 NO_DRAFT = -1  # a position whose next token has no guess (a row's last)
 
 
-def verify(logits: torch.Tensor, slots: SlotSampling, rows: torch.Tensor, positions: torch.Tensor,
-           drafts: torch.Tensor, use: Stages) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    logits: torch.Tensor,
+    slots: SlotSampling,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    drafts: torch.Tensor,
+    use: Stages,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For positions P (`logits` [P, vocab] float32, of slot `rows[i]` at `positions[i]`, with the
     draft token `drafts[i]` to check there, or NO_DRAFT): whether each draft token is accepted, and
     the token each position emits (the draft token where accepted, else the model's own) [P]."""
@@ -40,7 +46,9 @@ def verify(logits: torch.Tensor, slots: SlotSampling, rows: torch.Tensor, positi
     residual = torch.where(drafted[:, None], shaped.scatter(1, guess, float("-inf")), shaped)
     drawn = (residual + gumbel(noise)).argmax(-1)
     sampled = slots.temperature[rows] > 0
-    accepted = drafted & torch.where(sampled, noise.gather(1, guess)[:, 0] < p_guess, greedy == guess[:, 0])
+    accepted = drafted & torch.where(
+        sampled, noise.gather(1, guess)[:, 0] < p_guess, greedy == guess[:, 0]
+    )
     return accepted, torch.where(accepted, guess[:, 0], torch.where(sampled, drawn, greedy))
 
 

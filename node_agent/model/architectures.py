@@ -34,6 +34,8 @@ def attention_implementation(model_type: str) -> str:
     """The attention implementation of a tested architecture (text or vision); refuses any other."""
     tested = ATTENTION | VISION
     if model_type not in tested:
-        raise ModelLoadError(f"model_type '{model_type}' is not among the architectures Cortex has tested; "
-                             f"supported: {', '.join(sorted(tested))}")
+        raise ModelLoadError(
+            f"model_type '{model_type}' is not among the architectures Cortex has tested; "
+            f"supported: {', '.join(sorted(tested))}"
+        )
     return tested[model_type]

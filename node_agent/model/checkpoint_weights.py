@@ -29,13 +29,16 @@ _AWQ_COLUMNS = [0, 4, 1, 5, 2, 6, 3, 7]  # AutoAWQ packs outputs 0,2,4,6,1,3,5,7
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """int32 words [..., n] as their eight 4-bit codes [..., n, 8], lowest nibble first: read as
     (little-endian) bytes, so that no temporary is wider than the codes."""
-    data = packed.to(torch.int32).contiguous().view(torch.uint8)  # [..., 4n]: nibbles 2k and 2k + 1 in byte k
+    data = (
+        packed.to(torch.int32).contiguous().view(torch.uint8)
+    )  # [..., 4n]: nibbles 2k and 2k + 1 in byte k
     return torch.stack([data & 0xF, data >> 4], dim=-1).view(*packed.shape, 8)
 
 
 class FourBit(NamedTuple):
     """A 4-bit Linear weight as AWQ and GPTQ keep it: `W[o, i] = (codes[o, i] - zeros[g, o]) * scales[g, o]`
     with `g = group[i]`."""
+
     codes: torch.Tensor  # [out, in], 0..15
     zeros: torch.Tensor  # [groups, out]
     scales: torch.Tensor  # [groups, out]
@@ -48,8 +51,16 @@ class FourBit(NamedTuple):
     def shard(self, part: Shard) -> "FourBit":
         """A tensor-parallel rank's part: its output rows, or its inputs cut on runs of GROUP (a
         checkpoint's larger group then keeps its scale and zero on both sides of the cut)."""
-        rows, columns = part.outputs(self.codes.shape[0], OUT_MULTIPLE), part.inputs(self.codes.shape[1], GROUP)
-        return FourBit(self.codes[rows, columns], self.zeros[:, rows], self.scales[:, rows], self.group[columns])
+        rows, columns = (
+            part.outputs(self.codes.shape[0], OUT_MULTIPLE),
+            part.inputs(self.codes.shape[1], GROUP),
+        )
+        return FourBit(
+            self.codes[rows, columns],
+            self.zeros[:, rows],
+            self.scales[:, rows],
+            self.group[columns],
+        )
 
     def layer(self, bias: torch.Tensor | None, device: torch.device) -> Int4Linear | None:
         """The Int4Linear that runs it on `device`: code for code where every GROUP inputs share a
@@ -63,7 +74,9 @@ class FourBit(NamedTuple):
         order = torch.argsort(self.group, stable=True)
         if _whole_runs(self.group[order]):
             reordered = FourBit(self.codes[:, order], self.zeros, self.scales, self.group[order])
-            return ReorderedInt4Linear(order.to(torch.int32).to(device), *reordered._on(device), bias)
+            return ReorderedInt4Linear(
+                order.to(torch.int32).to(device), *reordered._on(device), bias
+            )
         return Int4Linear.quantize(self.dequantised().to(device), bias)
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,16 +97,26 @@ def _groups(inputs: int, group_size: int) -> torch.Tensor:
     return torch.arange(inputs) // (inputs if group_size == -1 else group_size)
 
 
-def awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> FourBit:
+def awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> FourBit:
     """AutoAWQ's GEMM layout: qweight [in, out / 8] and qzeros [in / group, out / 8], each word eight
     outputs in AWQ's order; scales [in / group, out]."""
     codes = _nibbles(qweight)[..., _AWQ_COLUMNS].flatten(1)  # [in, out]
     zeros = _nibbles(qzeros)[..., _AWQ_COLUMNS].flatten(1).float()
-    return FourBit(codes.t().contiguous(), zeros, scales.float(), _groups(codes.shape[0], group_size))
+    return FourBit(
+        codes.t().contiguous(), zeros, scales.float(), _groups(codes.shape[0], group_size)
+    )
 
 
-def gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-         group_size: int, zero_offset: int) -> FourBit:
+def gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    zero_offset: int,
+) -> FourBit:
     """GPTQ's layout: qweight [in / 8, out], each word eight consecutive inputs; qzeros
     [groups, out / 8], each word eight consecutive outputs, stored as z - `zero_offset` (1 in the
     original format, "gptq"; 0 in GPTQModel's "gptq_v2"); scales [groups, out]; g_idx [in]."""

@@ -50,37 +50,72 @@ class CompiledStep:
     """`forward.decode_step` under torch.compile, one graph for any batch size and cache length."""
 
     def __init__(self):
-        step = forward.decode_step  # a copy with its own code object: torch.compile keeps its graphs on the code
+        step = (
+            forward.decode_step
+        )  # a copy with its own code object: torch.compile keeps its graphs on the code
         # object, so each replica's are its own (and go with it) rather than piling up on one (8 at most)
-        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__)
+        own = types.FunctionType(
+            step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__
+        )
         self.compiled = torch.compile(own, fullgraph=True, dynamic=True)
         self.eager = False  # set once a call could not be compiled: every step after runs eagerly
 
-    def __call__(self, model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                 rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rope_offsets: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
         if not self.eager:
             try:
                 return self._padded(model, cache, tokens, positions, rope_offsets, kv_len)
-            except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as exc:
+            except (
+                torch._dynamo.exc.TorchDynamoException,
+                torch._dynamo.exc.FailOnRecompileLimitHit,
+            ) as exc:
                 # a call that needed another graph and could not have one (raised while tracing: nothing ran)
-                log.warning("the compiled decode step failed (%s); decoding eagerly from now on", _said(exc))
+                log.warning(
+                    "the compiled decode step failed (%s); decoding eagerly from now on", _said(exc)
+                )
                 self.eager = True
         return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
 
-    def _padded(self, model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
-        if tokens.shape[0] > 1:  # the offsets (a view of the engine's) as a tensor made here like the others,
+    def _padded(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rope_offsets: torch.Tensor,
+        kv_len: int,
+    ) -> torch.Tensor:
+        if (
+            tokens.shape[0] > 1
+        ):  # the offsets (a view of the engine's) as a tensor made here like the others,
             # so that guards on how tensors were made pass for every call
             return self._run(model, cache, tokens, positions, rope_offsets.clone(), kv_len)
-        pad = tokens.new_zeros(1)  # a padding row: token 0 written at the scratch position (the null block)
-        return self._run(model, cache, torch.cat([tokens, pad]), torch.cat([positions, pad + cache.scratch_position]),
-                         torch.cat([rope_offsets, pad]), kv_len)[:1]
+        pad = tokens.new_zeros(
+            1
+        )  # a padding row: token 0 written at the scratch position (the null block)
+        return self._run(
+            model,
+            cache,
+            torch.cat([tokens, pad]),
+            torch.cat([positions, pad + cache.scratch_position]),
+            torch.cat([rope_offsets, pad]),
+            kv_len,
+        )[:1]
 
     def _run(self, *args) -> torch.Tensor:
         # floats (norms' eps) as constants: as symbols they cost a second trace; no duck sizing: a batch of as
         # many rows as some dimension of the model would be taken for that dimension, and compiled again
-        with torch._dynamo.config.patch(specialize_float=True), \
-                torch.fx.experimental._config.patch(use_duck_shape=False):
+        with (
+            torch._dynamo.config.patch(specialize_float=True),
+            torch.fx.experimental._config.patch(use_duck_shape=False),
+        ):
             return self.compiled(*args)
 
 
@@ -92,17 +127,31 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
     if reason is not None:
         log.info("decode steps run eagerly: %s", reason)
         return None
-    if folder is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")  # not the user's choice (torch sets its
+    if folder is not None and os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (
+        None,
+        default_cache_dir(),
+    ):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+            folder / "inductor"
+        )  # not the user's choice (torch sets its
         # default there once it has looked); /tmp may not outlive a restart
-    log.info("compiling the decode step (a minute or two on a small CPU the first time; Inductor's caches in %s)",
-             os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    log.info(
+        "compiling the decode step (a minute or two on a small CPU the first time; Inductor's caches in %s)",
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir(),
+    )
     started = time.perf_counter()
     step = CompiledStep()
     try:
         with torch.inference_mode():  # as the runner's steps run
             padding = torch.zeros(2, dtype=torch.long, device=cache.device)
-            step._padded(model, cache, padding, padding + cache.scratch_position, padding, 2 * cache.block_size)
+            step._padded(
+                model,
+                cache,
+                padding,
+                padding + cache.scratch_position,
+                padding,
+                2 * cache.block_size,
+            )
     except Exception as exc:
         log.warning("decode steps run eagerly: compiling the step failed (%s)", _said(exc))
         return None

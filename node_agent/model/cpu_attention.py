@@ -35,59 +35,125 @@ log = logging.getLogger(__name__)
 
 NAME = "cortex_cpu_paged"
 MAX_HEAD_DIM = 256  # the kernel's kMaxDim
-PREFILL_TILE = 128  # key positions a tile of the prefill kernel (64-512 measured: 64 and 128 fastest)
+PREFILL_TILE = (
+    128  # key positions a tile of the prefill kernel (64-512 measured: 64 and 128 fastest)
+)
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-              paged_cache=None, **kwargs) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_cache=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface. `paged_cache` (node_agent/model/kv_cache.PagedCache, passed
     by node_agent/model/forward.py) reading in place: `key` and `value` are its pools; a decode
     forward's rows go through the kernel, and a packed forward's decode tokens too, its chunks
     through SDPA over their own rows' blocks. Otherwise SDPA over the keys and values given."""
     if paged_cache is None or not paged_cache.reads_in_place:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if paged_cache.packed is None:
-        return _decode(module, query[:, :, 0], key, value, paged_cache, scale, kwargs)[:, None], None
+        return _decode(module, query[:, :, 0], key, value, paged_cache, scale, kwargs)[
+            :, None
+        ], None
     decoding = paged_cache.read_rows()[1].shape[0]
-    parts = [_decode(module, query[0, :, :decoding].transpose(0, 1), key, value, paged_cache, scale, kwargs)] \
-        if decoding else []
-    causal = not paged_cache.layers[module.layer_idx].window and not kwargs.get("softcap") \
+    parts = (
+        [
+            _decode(
+                module,
+                query[0, :, :decoding].transpose(0, 1),
+                key,
+                value,
+                paged_cache,
+                scale,
+                kwargs,
+            )
+        ]
+        if decoding
+        else []
+    )
+    causal = (
+        not paged_cache.layers[module.layer_idx].window
+        and not kwargs.get("softcap")
         and kwargs.get("s_aux") is None
+    )
     for index, chunk in enumerate(paged_cache.packed):
-        rows = query[:, :, chunk.offset: chunk.offset + chunk.length]
+        rows = query[:, :, chunk.offset : chunk.offset + chunk.length]
         if causal:
             parts.append(_prefill(rows, key, value, paged_cache, module.layer_idx, chunk, scale))
             continue
         keys, values, mask = paged_cache.read_chunk(module.layer_idx, index)
-        parts.append(sdpa_attention_forward(module, rows, keys, values, mask, scaling=scale, dropout=dropout,
-                                            **kwargs)[0][0])
+        parts.append(
+            sdpa_attention_forward(
+                module, rows, keys, values, mask, scaling=scale, dropout=dropout, **kwargs
+            )[0][0]
+        )
     return torch.cat(parts)[None], None
 
 
-def _prefill(query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor, paged_cache, layer_idx: int,
-             chunk, scale: float) -> torch.Tensor:
+def _prefill(
+    query: torch.Tensor,
+    pool_keys: torch.Tensor,
+    pool_values: torch.Tensor,
+    paged_cache,
+    layer_idx: int,
+    chunk,
+    scale: float,
+) -> torch.Tensor:
     """A prefill chunk's queries ([1, heads, L, dim]) causally over its row's cache, read in place by
     the kernel (its two products in float32 by oneDNN's batch-reduce GEMM): [L, heads, dim]."""
     table, (keys_t, values) = paged_cache.chunk_in_place(layer_idx, chunk, PREFILL_TILE)
-    return torch.ops.cortex.paged_prefill_attention(query[0], pool_keys, pool_values, table, chunk.start,
-                                                    paged_cache.block_size, scale, PREFILL_TILE, keys_t, values)
+    return torch.ops.cortex.paged_prefill_attention(
+        query[0],
+        pool_keys,
+        pool_values,
+        table,
+        chunk.start,
+        paged_cache.block_size,
+        scale,
+        PREFILL_TILE,
+        keys_t,
+        values,
+    )
 
 
-def _decode(module: torch.nn.Module, query: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor,
-            paged_cache, scale: float, kwargs: dict) -> torch.Tensor:
+def _decode(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    pool_keys: torch.Tensor,
+    pool_values: torch.Tensor,
+    paged_cache,
+    scale: float,
+    kwargs: dict,
+) -> torch.Tensor:
     """One query token a row ([rows, heads, dim]) over its row's cache, by the kernel."""
     tables, lengths = paged_cache.read_rows()
     window = paged_cache.layers[module.layer_idx].window or 0
-    return torch.ops.cortex.paged_decode_attention(query, pool_keys, pool_values, tables, lengths,
-                                                   paged_cache.block_size, scale, window,
-                                                   float(kwargs.get("softcap") or 0.0))
+    return torch.ops.cortex.paged_decode_attention(
+        query,
+        pool_keys,
+        pool_values,
+        tables,
+        lengths,
+        paged_cache.block_size,
+        scale,
+        window,
+        float(kwargs.get("softcap") or 0.0),
+    )
 
 
 AttentionInterface.register(NAME, attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # a forward of transformers' own (no paged cache) gets SDPA's masks
+AttentionMaskInterface.register(
+    NAME, sdpa_mask
+)  # a forward of transformers' own (no paged cache) gets SDPA's masks
 
 
 def enable(model: torch.nn.Module) -> bool:
@@ -98,8 +164,11 @@ def enable(model: torch.nn.Module) -> bool:
         return False
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim > MAX_HEAD_DIM:
-        log.info("CPU decode attention reads the KV cache through a copy: heads of %d dims (the kernel takes up to %d)",
-                 head_dim, MAX_HEAD_DIM)
+        log.info(
+            "CPU decode attention reads the KV cache through a copy: heads of %d dims (the kernel takes up to %d)",
+            head_dim,
+            MAX_HEAD_DIM,
+        )
         return False
     config._attn_implementation = NAME
     _register_fakes()
@@ -111,4 +180,7 @@ def _register_fakes() -> None:
     """The decode kernel's output shape, for a compiled step (node_agent/model/compiled_step.py)
     that calls it as an opaque operator: its query's."""
     torch.library.register_fake("cortex::paged_decode_attention")(
-        lambda query, keys, values, tables, lengths, block_size, scale, window, softcap: torch.empty_like(query))
+        lambda query, keys, values, tables, lengths, block_size, scale, window, softcap: (
+            torch.empty_like(query)
+        )
+    )

@@ -17,7 +17,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_threads.cpp")]
+_SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_threads.cpp")
+]
 
 
 @functools.cache
@@ -26,21 +28,40 @@ def load() -> bool:
     A process loads one build: a second library registering the same operators aborts."""
     if registered():
         return True
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0] \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES) + torch.__version__.encode()
-                            + flags.encode()).hexdigest()[:12]
+    flags = (
+        Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0]
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    digest = hashlib.sha256(
+        b"".join(source.read_bytes() for source in _SOURCES)
+        + torch.__version__.encode()
+        + flags.encode()
+    ).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load as build
 
-        build(name=f"cortex_cpu_kernels_{digest}", sources=[str(source) for source in _SOURCES],
-              is_python_module=False,
-              extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-              extra_ldflags=["-fopenmp"], verbose=False)
+        build(
+            name=f"cortex_cpu_kernels_{digest}",
+            sources=[str(source) for source in _SOURCES],
+            is_python_module=False,
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-ffast-math",
+                "-fno-finite-math-only",
+            ],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as exc:  # no compiler, no headers, a read-only cache
-        log.warning("the CPU kernels could not be built (%s: %s): decode attention reads the KV cache through a "
-                    "copy, prefill runs torch's flash attention, and OpenMP threads cannot be bound to CPUs",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        log.warning(
+            "the CPU kernels could not be built (%s: %s): decode attention reads the KV cache through a "
+            "copy, prefill runs torch's flash attention, and OpenMP threads cannot be bound to CPUs",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
         return False
     return True
 

@@ -20,13 +20,22 @@ from node_agent.model.kv_cache import PagedCache
 
 log = logging.getLogger(__name__)
 
+
 class CaptureFailed(RuntimeError):
     """The step could not be captured (or compiled) for a bucket; the engine falls back to eager."""
 
 
 EAGER_KV_ROUND = 32  # eager steps attend over cache columns rounded up to this
 MIN_KV_BUCKET = 128  # static steps attend over a power of two of at least this many columns
-WIDTH_BUCKETS = (2, 4, 8, 16, 32, 64, 128)  # verify steps score a power of two of tokens a row (a row's token + its drafts)
+WIDTH_BUCKETS = (
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+)  # verify steps score a power of two of tokens a row (a row's token + its drafts)
 
 
 def batch_buckets(slots: int) -> list[int]:
@@ -53,15 +62,31 @@ class EagerDecoder:
     graph_bytes = 0
     verifies = False  # speculation's verify step runs as the runner's padded forward
 
-    def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor,
-                 step: Callable = forward.decode_step, name: str = "eager"):
-        self.model, self.cache, self.rope_offsets, self.step, self.name = model, cache, rope_offsets, step, name
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        rope_offsets: torch.Tensor,
+        step: Callable = forward.decode_step,
+        name: str = "eager",
+    ):
+        self.model, self.cache, self.rope_offsets, self.step, self.name = (
+            model,
+            cache,
+            rope_offsets,
+            step,
+            name,
+        )
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         device = self.cache.device
         inputs = torch.tensor([tokens, positions], device=device)
-        kv_len = min(-(-(max(positions) + 1) // EAGER_KV_ROUND) * EAGER_KV_ROUND, self.cache.max_len)
-        return self.step(self.model, self.cache, inputs[0], inputs[1], self.rope_offsets[: len(tokens)], kv_len)
+        kv_len = min(
+            -(-(max(positions) + 1) // EAGER_KV_ROUND) * EAGER_KV_ROUND, self.cache.max_len
+        )
+        return self.step(
+            self.model, self.cache, inputs[0], inputs[1], self.rope_offsets[: len(tokens)], kv_len
+        )
 
 
 class StaticDecoder:
@@ -70,18 +95,37 @@ class StaticDecoder:
     their logits are dropped. With `capture` (CUDA), each (batch, kv) bucket is captured in a CUDA
     graph at first use and replayed after."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int, *,
-                 capture: bool, step: Callable = forward.decode_step, verifies: bool = True):
-        self.model, self.cache, self.rope_offsets, self.step, self.capture = model, cache, rope_offsets, step, capture
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedCache,
+        rope_offsets: torch.Tensor,
+        slots: int,
+        *,
+        capture: bool,
+        step: Callable = forward.decode_step,
+        verifies: bool = True,
+    ):
+        self.model, self.cache, self.rope_offsets, self.step, self.capture = (
+            model,
+            cache,
+            rope_offsets,
+            step,
+            capture,
+        )
         self.verifies = verifies  # runs the verify step too (not a tensor-parallel model's: its ranks run each forward)
         self.name = "cuda-graphs" if capture else "static"
         self.batch_sizes, self.kv_sizes = batch_buckets(slots), kv_buckets(cache.max_len)
         device = cache.device
         self.inputs = torch.zeros(2, slots, dtype=torch.long, device=device)  # tokens, positions
         self.staging = torch.zeros(2, slots, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.wide: torch.Tensor | None = None  # the verify step's tokens, positions, write positions [3, slots, W]
+        self.wide: torch.Tensor | None = (
+            None  # the verify step's tokens, positions, write positions [3, slots, W]
+        )
         self.wide_staging: torch.Tensor | None = None
-        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, [width,] kv)
+        self.graphs: dict[
+            tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]
+        ] = {}  # (batch, [width,] kv)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_s = 0.0
         self.graph_bytes = 0  # device memory the captured graphs' pool took
@@ -100,16 +144,26 @@ class StaticDecoder:
         logits [rows, width, V] (a shorter row's padding at the end of its own)."""
         n, width = len(rows), bucket(list(WIDTH_BUCKETS), max(len(tokens) for tokens in rows))
         batch = bucket(self.batch_sizes, n)
-        kv_len = bucket(self.kv_sizes, min(max(s + len(t) for t, s in zip(rows, starts)), self.cache.max_len))
+        kv_len = bucket(
+            self.kv_sizes, min(max(s + len(t) for t, s in zip(rows, starts)), self.cache.max_len)
+        )
         if self.wide is None or self.wide.shape[2] < width:
             slots = self.inputs.shape[1]
             self.wide = torch.zeros(3, slots, width, dtype=torch.long, device=self.cache.device)
-            self.wide_staging = torch.zeros(3, slots, width, dtype=torch.long, pin_memory=self.capture)
-            self.graphs = {key: graph for key, graph in self.graphs.items() if len(key) == 2}  # read the old buffer
+            self.wide_staging = torch.zeros(
+                3, slots, width, dtype=torch.long, pin_memory=self.capture
+            )
+            self.graphs = {
+                key: graph for key, graph in self.graphs.items() if len(key) == 2
+            }  # read the old buffer
         staging = self.wide_staging[:, :batch, :width]
-        forward.padded_inputs(list(zip(rows, starts)), staging, self.cache.scratch_position, self.cache.max_len)
+        forward.padded_inputs(
+            list(zip(rows, starts)), staging, self.cache.scratch_position, self.cache.max_len
+        )
         self.wide[:, :batch, :width].copy_(staging, non_blocking=True)
-        return self._replay((batch, width, kv_len), lambda: self._run_verify(batch, width, kv_len))[:n]
+        return self._replay((batch, width, kv_len), lambda: self._run_verify(batch, width, kv_len))[
+            :n
+        ]
 
     def _replay(self, key: tuple[int, ...], run: Callable[[], torch.Tensor]) -> torch.Tensor:
         if not self.capture:
@@ -119,16 +173,24 @@ class StaticDecoder:
         return graph[1]
 
     def _run(self, batch: int, kv_len: int) -> torch.Tensor:
-        return self.step(self.model, self.cache, self.inputs[0, :batch], self.inputs[1, :batch],
-                         self.rope_offsets[:batch], kv_len)
+        return self.step(
+            self.model,
+            self.cache,
+            self.inputs[0, :batch],
+            self.inputs[1, :batch],
+            self.rope_offsets[:batch],
+            kv_len,
+        )
 
     def _run_verify(self, batch: int, width: int, kv_len: int) -> torch.Tensor:
         tokens, positions, write_pos = self.wide[:, :batch, :width]
-        return forward.verify_step(self.model, self.cache, tokens, positions, write_pos, self.rope_offsets[:batch],
-                                   kv_len)
+        return forward.verify_step(
+            self.model, self.cache, tokens, positions, write_pos, self.rope_offsets[:batch], kv_len
+        )
 
-    def _capture(self, key: tuple[int, ...], run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph,
-                                                                                       torch.Tensor]:
+    def _capture(
+        self, key: tuple[int, ...], run: Callable[[], torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream, then capture. The warm-up runs write the same cache columns
         with the same values as the replay that follows, so they change nothing there; they do
         move linear-attention states on, which are put back before the replay."""
@@ -154,11 +216,22 @@ class StaticDecoder:
         elapsed = time.perf_counter() - started
         self.capture_s += elapsed
         self.graph_bytes += max(torch.cuda.memory_reserved() - reserved, 0)
-        shape = " x ".join(f"{size} {what}" for size, what in
-                           zip(key, ("rows", "tokens", "cache columns") if len(key) == 3 else ("rows", "cache columns")))
-        log.info("captured the %s step for %s in %.0f ms (%d graphs, %.1f s and %d MiB in all)",
-                 "verify" if len(key) == 3 else "decode", shape, elapsed * 1000, len(self.graphs), self.capture_s,
-                 self.graph_bytes >> 20)
+        shape = " x ".join(
+            f"{size} {what}"
+            for size, what in zip(
+                key,
+                ("rows", "tokens", "cache columns") if len(key) == 3 else ("rows", "cache columns"),
+            )
+        )
+        log.info(
+            "captured the %s step for %s in %.0f ms (%d graphs, %.1f s and %d MiB in all)",
+            "verify" if len(key) == 3 else "decode",
+            shape,
+            elapsed * 1000,
+            len(self.graphs),
+            self.capture_s,
+            self.graph_bytes >> 20,
+        )
         return self.graphs[key]
 
 
@@ -172,8 +245,15 @@ def gpu_compiled_step() -> Callable:
     return torch.compile(forward.decode_step, fullgraph=True, dynamic=True)
 
 
-def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: torch.Tensor, slots: int,
-         fixed_step: Callable | None = None, compile_cache: Path | None = None) -> EagerDecoder | StaticDecoder:
+def make(
+    mode: str,
+    model: torch.nn.Module,
+    cache: PagedCache,
+    rope_offsets: torch.Tensor,
+    slots: int,
+    fixed_step: Callable | None = None,
+    compile_cache: Path | None = None,
+) -> EagerDecoder | StaticDecoder:
     """`mode`: auto (CUDA graphs on a GPU; on a CPU the step compiled where there is a
     `compile_cache` folder for Inductor's caches, node_agent/model/compiled_step.py, else eager),
     eager, static, graphs, compiled (on a GPU compiled, then captured; on a CPU compiled at load). `rope_offsets`: the engine's per-slot rotary offsets, read
@@ -182,14 +262,22 @@ def make(mode: str, model: torch.nn.Module, cache: PagedCache, rope_offsets: tor
     never compiled or captured."""
     cuda = cache.device.type == "cuda"
     if fixed_step is not None:
-        return StaticDecoder(model, cache, rope_offsets, slots, capture=False, step=fixed_step, verifies=False) \
-            if cuda else EagerDecoder(model, cache, rope_offsets, fixed_step)
+        return (
+            StaticDecoder(
+                model, cache, rope_offsets, slots, capture=False, step=fixed_step, verifies=False
+            )
+            if cuda
+            else EagerDecoder(model, cache, rope_offsets, fixed_step)
+        )
     if mode == "auto":
         mode = "graphs" if cuda else "compiled" if compile_cache is not None else "eager"
     if not cuda and mode == "compiled":
         step = compiled_step.load(model, cache, compile_cache)
-        return EagerDecoder(model, cache, rope_offsets, step, "compiled") if step is not None \
+        return (
+            EagerDecoder(model, cache, rope_offsets, step, "compiled")
+            if step is not None
             else EagerDecoder(model, cache, rope_offsets)
+        )
     step = gpu_compiled_step() if mode == "compiled" else forward.decode_step
     if mode == "eager":
         return EagerDecoder(model, cache, rope_offsets, step)

@@ -54,12 +54,16 @@ def cpu_list(spec: str, threads: int) -> list[int]:
         try:
             cpus = [cpu for part in spec.split(",") for cpu in _cpu_range(part.strip())]
         except ValueError:
-            raise ValueError(f"cpu_bind {spec!r}: give 'auto' or CPUs as '0-7' or '0,2,4,6'") from None
+            raise ValueError(
+                f"cpu_bind {spec!r}: give 'auto' or CPUs as '0-7' or '0,2,4,6'"
+            ) from None
     outside = sorted(set(cpus) - set(allowed))
     if outside or len(set(cpus)) != len(cpus) or len(cpus) < threads:
-        raise ValueError(f"cpu_bind {spec!r}: {threads} torch threads need as many distinct CPUs of those this "
-                         f"process may use ({','.join(map(str, allowed))})"
-                         + (f"; {outside} are not among them" if outside else ""))
+        raise ValueError(
+            f"cpu_bind {spec!r}: {threads} torch threads need as many distinct CPUs of those this "
+            f"process may use ({','.join(map(str, allowed))})"
+            + (f"; {outside} are not among them" if outside else "")
+        )
     return cpus[:threads]
 
 
@@ -75,7 +79,9 @@ def bind_threads(spec: str) -> list[int]:
     keeps each thread, and the memory it touches first, on one node, as vLLM-CPU does."""
     cpus = cpu_list(spec, torch.get_num_threads())
     if not cpu_kernels.load():
-        raise RuntimeError("cpu_bind needs the node's CPU kernels, which could not be built here (see the log)")
+        raise RuntimeError(
+            "cpu_bind needs the node's CPU kernels, which could not be built here (see the log)"
+        )
     return list(torch.ops.cortex.bind_threads(cpus))
 
 
@@ -93,7 +99,12 @@ def describe(device: str) -> DeviceInfo:
     if device.startswith("cuda"):
         index = torch.device(device).index or 0
         free, total = torch.cuda.mem_get_info(index)
-        return DeviceInfo(id=device, name=torch.cuda.get_device_name(index), total_mb=total // _MB, free_mb=free // _MB)
+        return DeviceInfo(
+            id=device,
+            name=torch.cuda.get_device_name(index),
+            total_mb=total // _MB,
+            free_mb=free // _MB,
+        )
     total, available = host_memory()
     return DeviceInfo(id=device, name=_cpu_name(), total_mb=total // _MB, free_mb=available // _MB)
 
@@ -106,7 +117,9 @@ def host_memory() -> tuple[int, int]:
     can be allocated without swapping, page cache included (a host that has read model files keeps
     gigabytes of it), not MemFree. Without /proc/meminfo (or a kernel older than 3.14), MemFree."""
     try:
-        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line)
+        fields = dict(
+            line.split(":", 1) for line in MEMINFO.read_text().splitlines() if ":" in line
+        )
         return _kib(fields["MemTotal"]), _kib(fields["MemAvailable"])
     except (OSError, KeyError, ValueError):
         page = os.sysconf("SC_PAGE_SIZE")
@@ -168,4 +181,3 @@ def is_device_fault(exc: BaseException, device: torch.device) -> bool:
     except Exception:
         return True
     return False
-

@@ -18,16 +18,27 @@ from node_agent.model import cpu_attention
 from node_agent.model.kv_cache import PackedChunk, PagedCache
 
 
-def attention_masks(model: torch.nn.Module, cache: PagedCache, positions: torch.Tensor, kv_len: int,
-                    sees_until: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
+def attention_masks(
+    model: torch.nn.Module,
+    cache: PagedCache,
+    positions: torch.Tensor,
+    kv_len: int,
+    sees_until: torch.Tensor | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
     """Each layer type's mask ([B, 1, T, columns]; None for linear attention), as the model takes
     them: one mask when all its layers are of one type, else a mapping by the config's layer type.
     Boolean for SDPA; additive (0 or the dtype's minimum) for eager attention, which adds it."""
     masks = cache.attention_masks(positions, kv_len, sees_until)
     if model.config._attn_implementation == "eager":
         minimum = torch.finfo(model.dtype).min
-        masks = {name: None if mask is None else torch.zeros(mask.shape, dtype=model.dtype, device=mask.device)
-                 .masked_fill(~mask, minimum) for name, mask in masks.items()}
+        masks = {
+            name: None
+            if mask is None
+            else torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
+                ~mask, minimum
+            )
+            for name, mask in masks.items()
+        }
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
@@ -37,25 +48,46 @@ def reads_in_place(model: torch.nn.Module) -> bool:
     return model.config.get_text_config()._attn_implementation == cpu_attention.NAME
 
 
-def forward(model: torch.nn.Module, cache: PagedCache, rows: slice, input_ids: torch.Tensor,
-            positions: torch.Tensor, write_pos: torch.Tensor, kv_len: int, *, inputs_embeds: torch.Tensor | None = None,
-            rope_positions: torch.Tensor | None = None, sees_until: torch.Tensor | None = None,
-            decode: bool = False) -> torch.Tensor:
+def forward(
+    model: torch.nn.Module,
+    cache: PagedCache,
+    rows: slice,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    kv_len: int,
+    *,
+    inputs_embeds: torch.Tensor | None = None,
+    rope_positions: torch.Tensor | None = None,
+    sees_until: torch.Tensor | None = None,
+    decode: bool = False,
+) -> torch.Tensor:
     """Run cache rows `rows` over `input_ids` [B, T] (or `inputs_embeds` [B, T, H]) at `positions`,
     writing the cache at `write_pos`; returns the last hidden states [B, T, H]. `rope_positions`
     ([B, T], or [3, B, T] for multimodal rope): the rotary positions, where they differ;
     `sees_until` ([B, T]): the last position each token sees, where image tokens see their whole
     image (Gemma 3). `decode`: one token a row, each seeing every position up to its own."""
     cache.bind(rows, write_pos, kv_len, in_place=decode and reads_in_place(model))
-    out = model.get_decoder()(input_ids=None if inputs_embeds is not None else input_ids, inputs_embeds=inputs_embeds,
-                              position_ids=positions if rope_positions is None else rope_positions,
-                              attention_mask=attention_masks(model, cache, positions, kv_len, sees_until),
-                              past_key_values=cache, use_cache=True, paged_cache=cache)
+    out = model.get_decoder()(
+        input_ids=None if inputs_embeds is not None else input_ids,
+        inputs_embeds=inputs_embeds,
+        position_ids=positions if rope_positions is None else rope_positions,
+        attention_mask=attention_masks(model, cache, positions, kv_len, sees_until),
+        past_key_values=cache,
+        use_cache=True,
+        paged_cache=cache,
+    )
     return out.last_hidden_state
 
 
-def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                   decode_rows: torch.Tensor, chunks: list[PackedChunk]) -> torch.Tensor:
+def packed_forward(
+    model: torch.nn.Module,
+    cache: PagedCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    decode_rows: torch.Tensor,
+    chunks: list[PackedChunk],
+) -> torch.Tensor:
     """One forward over the tokens of several sequences in one row, as vLLM's flattened batch: first
     one decode token of each of the rows `decode_rows` ([D], possibly none; a speculating row's last
     token and draft tokens each), then each prefill chunk's tokens; every Linear
@@ -65,9 +97,14 @@ def packed_forward(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tens
     cache.bind_packed(positions, decode_rows, chunks)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
     types = set(cache.layer_types)
-    out = model.get_decoder()(input_ids=tokens[None], position_ids=positions[None],
-                              attention_mask=placeholder if len(types) == 1 else dict.fromkeys(types, placeholder),
-                              past_key_values=cache, use_cache=True, paged_cache=cache)
+    out = model.get_decoder()(
+        input_ids=tokens[None],
+        position_ids=positions[None],
+        attention_mask=placeholder if len(types) == 1 else dict.fromkeys(types, placeholder),
+        past_key_values=cache,
+        use_cache=True,
+        paged_cache=cache,
+    )
     return out.last_hidden_state[0]
 
 
@@ -82,18 +119,35 @@ def logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+def decode_step(
+    model: torch.nn.Module,
+    cache: PagedCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    rope_offsets: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
     """One token for each of rows 0..B-1: `tokens`, `positions` and `rope_offsets` are [B]; each row
     writes at `positions[b]` (the scratch position for padding rows) and is rotated to
     `positions[b] + rope_offsets[b]`. Returns logits [B, V]."""
     positions = positions[:, None]
-    hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens[:, None], positions, positions, kv_len,
-                     rope_positions=positions + rope_offsets[:, None], decode=True)
+    hidden = forward(
+        model,
+        cache,
+        slice(0, tokens.shape[0]),
+        tokens[:, None],
+        positions,
+        positions,
+        kv_len,
+        rope_positions=positions + rope_offsets[:, None],
+        decode=True,
+    )
     return logits(model, hidden[:, -1])
 
 
-def padded_inputs(rows: list[tuple[list[int], int]], out: torch.Tensor, scratch: int, max_len: int) -> None:
+def padded_inputs(
+    rows: list[tuple[list[int], int]], out: torch.Tensor, scratch: int, max_len: int
+) -> None:
     """Fill `out` [3, B, W] (token ids, positions, write positions) with rows of (tokens, first
     position), each right-padded to W: a row's positions run on from its start (clamped to the
     cache), its padding writes the scratch position; rows past `rows` are padding rows (token 0,
@@ -108,12 +162,27 @@ def padded_inputs(rows: list[tuple[list[int], int]], out: torch.Tensor, scratch:
         out[2, i, :n] = out[1, i, :n]
 
 
-def verify_step(model: torch.nn.Module, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                write_pos: torch.Tensor, rope_offsets: torch.Tensor, kv_len: int) -> torch.Tensor:
+def verify_step(
+    model: torch.nn.Module,
+    cache: PagedCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    write_pos: torch.Tensor,
+    rope_offsets: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
     """W tokens for each of rows 0..B-1 (a row's last token, then its draft tokens): `tokens`,
     `positions` and `write_pos` are [B, W] (a row with fewer drafts, and a padding row, write their
     padding at the scratch position), `rope_offsets` [B]; each token sees the positions up to its
     own. Returns logits [B, W, V]."""
-    hidden = forward(model, cache, slice(0, tokens.shape[0]), tokens, positions, write_pos, kv_len,
-                     rope_positions=positions + rope_offsets[:, None])
+    hidden = forward(
+        model,
+        cache,
+        slice(0, tokens.shape[0]),
+        tokens,
+        positions,
+        write_pos,
+        kv_len,
+        rope_positions=positions + rope_offsets[:, None],
+    )
     return logits(model, hidden)

@@ -34,8 +34,12 @@ class FusedRMSNorm(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return torch.nn.functional.rms_norm(hidden_states, self.shape, self.weight, self.variance_epsilon)
-        normed = torch.nn.functional.rms_norm(hidden_states.float(), self.shape, None, self.variance_epsilon)
+            return torch.nn.functional.rms_norm(
+                hidden_states, self.shape, self.weight, self.variance_epsilon
+            )
+        normed = torch.nn.functional.rms_norm(
+            hidden_states.float(), self.shape, None, self.variance_epsilon
+        )
         return self.weight * normed.to(hidden_states.dtype)
 
 
@@ -43,8 +47,13 @@ def _stacked(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
     """One Linear over the same input as `layers` (biased alike), their weights stacked in order:
     its output is theirs side by side."""
     first = layers[0]
-    stacked = torch.nn.Linear(first.in_features, sum(layer.out_features for layer in layers),
-                              bias=first.bias is not None, dtype=first.weight.dtype, device=first.weight.device)
+    stacked = torch.nn.Linear(
+        first.in_features,
+        sum(layer.out_features for layer in layers),
+        bias=first.bias is not None,
+        dtype=first.weight.dtype,
+        device=first.weight.device,
+    )
     with torch.no_grad():
         stacked.weight.copy_(torch.cat([layer.weight for layer in layers]))
         if first.bias is not None:
@@ -96,7 +105,11 @@ class ProjectionPart(torch.nn.Module):
 
     def __init__(self, stack: StackedProjections, index: int):
         super().__init__()
-        self.index, self.out_features, self.in_features = index, stack.widths[index], stack.stacked.in_features
+        self.index, self.out_features, self.in_features = (
+            index,
+            stack.widths[index],
+            stack.stacked.in_features,
+        )
         self._stack = (stack,)  # not a submodule here: the attention module owns it (`qkv_proj`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +120,9 @@ def _stack_qkv(attention: torch.nn.Module) -> bool:
     """Replace `attention`'s q_proj, k_proj and v_proj by parts of one StackedProjections (its
     `qkv_proj`) where all three are plain Linear layers over the same width, biased alike."""
     layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(layer) is torch.nn.Linear for layer in layers):  # quantized layers keep their own kernels
+    if not all(
+        type(layer) is torch.nn.Linear for layer in layers
+    ):  # quantized layers keep their own kernels
         return False
     if len({(layer.in_features, layer.bias is None, layer.weight.dtype) for layer in layers}) != 1:
         return False
@@ -122,7 +137,9 @@ def _stack_qkv(attention: torch.nn.Module) -> bool:
 def _forward_is(cls: type, reference: type) -> bool:
     forward = getattr(cls, "forward", None) if issubclass(cls, torch.nn.Module) else None
     try:
-        return forward is not None and inspect.getsource(forward) == inspect.getsource(reference.forward)
+        return forward is not None and inspect.getsource(forward) == inspect.getsource(
+            reference.forward
+        )
     except (OSError, TypeError):  # no source to compare: leave it
         return False
 
@@ -130,8 +147,13 @@ def _forward_is(cls: type, reference: type) -> bool:
 def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
     if _forward_is(type(module), LlamaRMSNorm):
         return FusedRMSNorm(module)
-    if _forward_is(type(module), LlamaMLP) and type(module.gate_proj) is type(module.up_proj) is torch.nn.Linear:
-        return FusedMLP(module)  # full-precision projections only: quantized layers keep their own kernels
+    if (
+        _forward_is(type(module), LlamaMLP)
+        and type(module.gate_proj) is type(module.up_proj) is torch.nn.Linear
+    ):
+        return FusedMLP(
+            module
+        )  # full-precision projections only: quantized layers keep their own kernels
     return None
 
 

@@ -18,8 +18,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from transformers import PretrainedConfig
-from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
-                                                      get_gguf_hf_weights_map)
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    LlamaTensorProcessor,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+)
 
 from node_agent.model import gguf_weights, meta_model
 from node_agent.model.linear_shards import Plan
@@ -70,8 +74,15 @@ def _module_and_attr(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module
     return model.get_submodule(owner), attr
 
 
-def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInfo, dtype: torch.dtype,
-           device: torch.device, plan: Plan) -> None:
+def _place(
+    model: torch.nn.Module,
+    name: str,
+    raw: np.ndarray,
+    tensor: TensorInfo,
+    dtype: torch.dtype,
+    device: torch.device,
+    plan: Plan,
+) -> None:
     """Put this rank's part (`plan`) of one tensor where the model holds it: a quantized Linear
     weight replaces its layer (where the kernels take its shape); anything else becomes a dense
     parameter (a quantized layer's bias, a buffer of it)."""
@@ -79,7 +90,11 @@ def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInf
     shard = plan.shard(name.rpartition(".")[0])
     qtype = GGMLQuantizationType[tensor.gguf_type]
     layer = None
-    if attr == "weight" and type(owner) is torch.nn.Linear and gguf_layout(tensor.gguf_type) != "dense":
+    if (
+        attr == "weight"
+        and type(owner) is torch.nn.Linear
+        and gguf_layout(tensor.gguf_type) != "dense"
+    ):
         layer = gguf_weights.linear(raw, qtype, device, shard)
     if layer is not None:
         parent_name, _, child = name.removesuffix(".weight").rpartition(".")
@@ -90,8 +105,14 @@ def _place(model: torch.nn.Module, name: str, raw: np.ndarray, tensor: TensorInf
     meta_model.set_dense(owner, attr, shard.dense(attr, gguf_weights.dense(raw, qtype, dtype)))
 
 
-def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str,
-         device: torch.device, ranks: int = 1) -> torch.nn.Module:
+def load(
+    path: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attention: str,
+    device: torch.device,
+    ranks: int = 1,
+) -> torch.nn.Module:
     """The model of `config` (read from the same file) in eval mode: its quantized layers on
     `device`, the rest on the CPU (the caller moves it); with `ranks` > 1, this rank's part of it
     (node_agent/model/linear_shards.py)."""
@@ -104,7 +125,9 @@ def load(path: Path, config: PretrainedConfig, dtype: torch.dtype, attention: st
     with open(path, "rb") as file:
         block = None
         for tensor in header.tensors:
-            if (this_block := _block(tensor.name)) != block:  # what the last block's temporaries freed (none
+            if (
+                this_block := _block(tensor.name)
+            ) != block:  # what the last block's temporaries freed (none
                 meta_model.return_freed_pages()  # outlives its placing), once a block (a tensor: 2 s of an 8 s load)
                 block = this_block
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)

@@ -14,8 +14,8 @@
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, dequantize
+from gguf import GGMLQuantizationType as T
 from gguf.quants import Q4_K
 
 from node_agent.model.linear_shards import WHOLE, Shard
@@ -39,9 +39,16 @@ def int4_groups(raw: np.ndarray, qtype: T) -> tuple[torch.Tensor, torch.Tensor, 
     rows = raw.shape[0]
     data = torch.from_numpy(np.ascontiguousarray(raw))
     if qtype == T.Q4_K:
-        blocks = data.view(-1, 144)  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
-        sc, mins = (torch.from_numpy(a.astype(np.float32)) for a in Q4_K.get_scale_min(blocks[:, 4:16].numpy()))
-        packed = blocks[:, 16:].view(-1, 4, 1, 32)  # sub-block 2j: low nibbles of bytes 32j.., 2j+1: high
+        blocks = data.view(
+            -1, 144
+        )  # d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
+        sc, mins = (
+            torch.from_numpy(a.astype(np.float32))
+            for a in Q4_K.get_scale_min(blocks[:, 4:16].numpy())
+        )
+        packed = blocks[:, 16:].view(
+            -1, 4, 1, 32
+        )  # sub-block 2j: low nibbles of bytes 32j.., 2j+1: high
         codes = torch.cat([packed & 0xF, packed >> 4], dim=2).view(rows, -1)
         scale = _half(blocks[:, 0:2])[:, None] * sc
         low = -_half(blocks[:, 2:4])[:, None] * mins
@@ -68,8 +75,9 @@ def dense(raw: np.ndarray, qtype: T, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
-def linear(raw: np.ndarray, qtype: T, device: torch.device,
-           shard: Shard = WHOLE) -> Int4Linear | Int8GroupLinear | Int8Linear | None:
+def linear(
+    raw: np.ndarray, qtype: T, device: torch.device, shard: Shard = WHOLE
+) -> Int4Linear | Int8GroupLinear | Int8Linear | None:
     """A quantized Linear weight [out, in] (bias set later) as the layer that runs `shard` of it on
     `device` (each device's kernel has its own packing; the whole layer is rounded before it is cut,
     so each rank's part is what one device holds of it); None for a 4-bit layout the int4 kernels
@@ -84,4 +92,6 @@ def linear(raw: np.ndarray, qtype: T, device: torch.device,
     if qtype.name in EXACT_INT8_TYPES and fits_int4(out_features, in_features):
         return Int8GroupLinear(*(t.to(device) for t in shard.int8_groups(*int8_groups(raw))), None)
     weight = dense(raw, qtype, torch.float32).to(device)
-    return (Int4Linear if gguf_layout(qtype.name) == "int4" else Int8Linear).quantize(weight, shard=shard)
+    return (Int4Linear if gguf_layout(qtype.name) == "int4" else Int8Linear).quantize(
+        weight, shard=shard
+    )

@@ -15,18 +15,23 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard as DTensorShard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as DTensorShard
 from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
 from shared.model_files import ModelLoadError
 from shared.weight_formats import GROUP, OUT_MULTIPLE
 
 COLWISE, ROWWISE = "colwise", "rowwise"
-_REPLICATED = ("replicated_with_grad_allreduce", "replicate")  # styles that keep a module whole (qwen3's q/k norms)
+_REPLICATED = (
+    "replicated_with_grad_allreduce",
+    "replicate",
+)  # styles that keep a module whole (qwen3's q/k norms)
 
 
 class Shard(NamedTuple):
     """Rank `rank` of `ranks`' part of the Linear layer `name`, split `style` ("" : whole)."""
+
     name: str = ""
     style: str = ""
     rank: int = 0
@@ -43,21 +48,36 @@ class Shard(NamedTuple):
     def _cut(self, n: int, per: int, what: str, unit: str) -> slice:
         share = n // self.ranks
         if n % self.ranks or share % per:
-            why = ("do not come out even" if n % self.ranks else f"splits a 4-bit group of {per} inputs"
-                   if unit == "inputs" else f"splits the int4 kernels' tiles of {per} rows")
-            raise ModelLoadError(f"{self.name} cannot be split over {self.ranks} ranks: its {n} {unit} cut into "
-                                 f"{what} of {n / self.ranks:g}, which {why}; run it with fewer ranks"
-                                 + (" or quant = 'none'" if per > 1 else ""))
+            why = (
+                "do not come out even"
+                if n % self.ranks
+                else f"splits a 4-bit group of {per} inputs"
+                if unit == "inputs"
+                else f"splits the int4 kernels' tiles of {per} rows"
+            )
+            raise ModelLoadError(
+                f"{self.name} cannot be split over {self.ranks} ranks: its {n} {unit} cut into "
+                f"{what} of {n / self.ranks:g}, which {why}; run it with fewer ranks"
+                + (" or quant = 'none'" if per > 1 else "")
+            )
         return slice(self.rank * share, (self.rank + 1) * share)
 
-    def int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def int4(
+        self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """A 4-bit layer's codes [out, in] and per-group scale and zero [out, in / GROUP], this rank's part."""
         rows = self.outputs(codes.shape[0], OUT_MULTIPLE)
         columns = self.inputs(codes.shape[1], GROUP)
-        groups = slice(None) if columns.start is None else slice(columns.start // GROUP, columns.stop // GROUP)
+        groups = (
+            slice(None)
+            if columns.start is None
+            else slice(columns.start // GROUP, columns.stop // GROUP)
+        )
         return codes[rows, columns].contiguous(), scale[rows, groups], zero[rows, groups]
 
-    def int8_groups(self, codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def int8_groups(
+        self, codes: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """An 8-bit grouped layer's codes [out, in] and per-group scale [out, in / GROUP], this rank's
         part (cut as a 4-bit layer's: it runs as two)."""
         codes, scale, _ = self.int4(codes, scale, scale)
@@ -81,7 +101,10 @@ WHOLE = Shard()
 
 class Plan(NamedTuple):
     """Which Linear layers of a model split, and how, for this rank."""
-    styles: dict[str, str]  # plan key (layer numbers as "*", without the base model's prefix) -> style
+
+    styles: dict[
+        str, str
+    ]  # plan key (layer numbers as "*", without the base model's prefix) -> style
     prefix: str  # the base model's attribute ("model.")
     rank: int
     ranks: int
@@ -91,17 +114,31 @@ class Plan(NamedTuple):
         """The plan of `model` (built, not yet filled) for this process's rank of `ranks`; a plan
         that splits nothing with one rank."""
         styles = dict(model.config.get_text_config().base_model_tp_plan or {}) if ranks > 1 else {}
-        odd = {key: style for key, style in styles.items() if style not in (COLWISE, ROWWISE, *_REPLICATED)}
+        odd = {
+            key: style
+            for key, style in styles.items()
+            if style not in (COLWISE, ROWWISE, *_REPLICATED)
+        }
         if odd:
             key, style = next(iter(odd.items()))
-            raise ModelLoadError(f"quantized weights split 'colwise' and 'rowwise' layers only; {key} is '{style}' in "
-                                 f"{model.config.model_type}'s tensor-parallel plan")
-        return cls(styles, f"{model.base_model_prefix}.", dist.get_rank() if ranks > 1 else 0, ranks)
+            raise ModelLoadError(
+                f"quantized weights split 'colwise' and 'rowwise' layers only; {key} is '{style}' in "
+                f"{model.config.model_type}'s tensor-parallel plan"
+            )
+        return cls(
+            styles, f"{model.base_model_prefix}.", dist.get_rank() if ranks > 1 else 0, ranks
+        )
 
     def shard(self, module_name: str) -> Shard:
         """The part of module `module_name` this rank holds (WHOLE where the plan does not split it)."""
-        style = self.styles.get(replace_layer_number_by_wildcard(module_name.removeprefix(self.prefix)), "")
-        return Shard(module_name, style, self.rank, self.ranks) if style in (COLWISE, ROWWISE) else WHOLE
+        style = self.styles.get(
+            replace_layer_number_by_wildcard(module_name.removeprefix(self.prefix)), ""
+        )
+        return (
+            Shard(module_name, style, self.rank, self.ranks)
+            if style in (COLWISE, ROWWISE)
+            else WHOLE
+        )
 
     def sum_rows(self, model: torch.nn.Module) -> None:
         """Wrap each row-parallel layer of a filled model so that it sums its partial product over the ranks."""
@@ -136,4 +173,8 @@ def local(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, b
     if not isinstance(weight, DTensor):
         return weight, bias, False
     rowwise = weight.placements[0] in (DTensorShard(1), DTensorShard(-1))
-    return weight.to_local(), None if bias is None else bias.to_local(), rowwise  # (a row-parallel bias: whole)
+    return (
+        weight.to_local(),
+        None if bias is None else bias.to_local(),
+        rowwise,
+    )  # (a row-parallel bias: whole)

@@ -7,11 +7,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
-                          DistributedConfig, PretrainedConfig, PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    DistributedConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
-from node_agent.model import (architectures, cpu_attention, devices, fused_layers, gguf_loader, packed_linear,
-                              quantized_checkpoint, quantized_linear, vision)
+from node_agent.model import (
+    architectures,
+    cpu_attention,
+    devices,
+    fused_layers,
+    gguf_loader,
+    packed_linear,
+    quantized_checkpoint,
+    quantized_linear,
+    vision,
+)
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -28,21 +44,32 @@ class LoadedModel:
     dtype: torch.dtype
     context_len: int
     tp_size: int = 1  # ranks the weights are sharded over (tensor parallelism)
-    group: object | None = None  # rank 0 of a tensor-parallel model: its node_agent.tp.tensor_parallel.RankGroup
+    group: object | None = (
+        None  # rank 0 of a tensor-parallel model: its node_agent.tp.tensor_parallel.RankGroup
+    )
     processor: object | None = None  # a vision model's processor (its tokenizer is `tokenizer`)
-    quant: str = "none"  # how its Linear weights are held (quantized_linear.held_as): "int4", "int8", …
+    quant: str = (
+        "none"  # how its Linear weights are held (quantized_linear.held_as): "int4", "int8", …
+    )
     weight_bytes: int = 0  # what its weights hold on the device (one rank's, when tensor-parallel)
 
 
-def _architecture(files: ModelFiles, profile: ModelProfile, header: Path | None) -> tuple[PretrainedConfig, str]:
+def _architecture(
+    files: ModelFiles, profile: ModelProfile, header: Path | None
+) -> tuple[PretrainedConfig, str]:
     """The model's config (from `header`, a GGUF file's config kept apart, when there is one) and
     the attention implementation its (tested) architecture runs with."""
-    config = (AutoConfig.from_pretrained(header) if header is not None and header.exists()
-              else AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file))
+    config = (
+        AutoConfig.from_pretrained(header)
+        if header is not None and header.exists()
+        else AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
+    )
     if profile.vision and not vision.is_vision(config):
-        raise ModelLoadError(f"the catalogue says {profile.id} reads images (vision = true), but its model_type "
-                             f"'{config.model_type}' is not a supported vision model; supported: "
-                             f"{', '.join(sorted(architectures.VISION))}")
+        raise ModelLoadError(
+            f"the catalogue says {profile.id} reads images (vision = true), but its model_type "
+            f"'{config.model_type}' is not a supported vision model; supported: "
+            f"{', '.join(sorted(architectures.VISION))}"
+        )
     return config, architectures.attention_implementation(config.model_type)
 
 
@@ -56,7 +83,9 @@ def _converted_copy(files: ModelFiles, cache_dir: Path | None, what: str) -> Pat
     return cache_dir / f"{Path(files.gguf_file).stem}-{stat.st_size}-{int(stat.st_mtime)}-{what}"
 
 
-def _save_header(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+def _save_header(
+    config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, target: Path
+) -> None:
     """A GGUF file's config and tokenizer as a folder: reading them back takes a fraction of a
     second, where transformers parses the whole GGUF header (its vocabulary) for each."""
     partial = target.with_name(target.name + ".partial")
@@ -65,7 +94,9 @@ def _save_header(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, t
     partial.rename(target)
 
 
-def _save_converted(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+def _save_converted(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, target: Path
+) -> None:
     """transformers refuses to save a GGUF-loaded model until its quantizer marks are cleared."""
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -101,7 +132,11 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     quantized layers stay), its RMSNorms, gated MLPs and q/k/v projections fused (node_agent/model/fused_layers.py) and its
     decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
     log line for each, or for why not."""
-    log.info("%s: %d RMSNorm, MLP and attention projection layers fused", profile.id, fused_layers.fuse(model))
+    log.info(
+        "%s: %d RMSNorm, MLP and attention projection layers fused",
+        profile.id,
+        fused_layers.fuse(model),
+    )
     why_not = packed_linear.packable(model)
     if why_not:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
@@ -111,14 +146,27 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 
 
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
-_SCALED_ROPE = ("yarn", "linear", "dynamic")  # types whose `factor` stretches the trained context (vLLM's rule)
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+)
+_SCALED_ROPE = (
+    "yarn",
+    "linear",
+    "dynamic",
+)  # types whose `factor` stretches the trained context (vLLM's rule)
 
 
 def own_context(config: PretrainedConfig) -> int | None:
     """The longest sequence the model is made for: its config's positions, stretched by a RoPE
     scaling (yarn, linear, dynamic) its config sets; None when the config does not say."""
-    trained = next((value for key in _CONTEXT_KEYS if isinstance(value := getattr(config, key, None), int)), None)
+    trained = next(
+        (value for key in _CONTEXT_KEYS if isinstance(value := getattr(config, key, None), int)),
+        None,
+    )
     rope = getattr(config, "rope_parameters", None) or {}
     if trained is None or rope.get("rope_type") not in _SCALED_ROPE or not rope.get("factor"):
         return trained
@@ -130,31 +178,67 @@ def _log_context(profile: ModelProfile, own: int | None) -> None:
     """The context a replica will run with, and why when it is not the catalogue's."""
     max_len, capped = profile.effective_context(own)
     if capped:
-        log.warning("%s runs with a context of %d tokens: %s; lower max_model_len to %d, or serve the model with a "
-                    "RoPE scaling (yarn) in its config.json if it supports one", profile.id, max_len, capped, own)
+        log.warning(
+            "%s runs with a context of %d tokens: %s; lower max_model_len to %d, or serve the model with a "
+            "RoPE scaling (yarn) in its config.json if it supports one",
+            profile.id,
+            max_len,
+            capped,
+            own,
+        )
     elif own is None:
-        log.info("%s runs with a context of %d tokens (max_model_len; its config does not give its own)",
-                 profile.id, max_len)
+        log.info(
+            "%s runs with a context of %d tokens (max_model_len; its config does not give its own)",
+            profile.id,
+            max_len,
+        )
     else:
-        log.info("%s runs with a context of %d tokens (max_model_len; its own is %d)", profile.id, max_len, own)
+        log.info(
+            "%s runs with a context of %d tokens (max_model_len; its own is %d)",
+            profile.id,
+            max_len,
+            own,
+        )
 
 
-def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
-         convert_cache: Path | None = None, tp_size: int = 1) -> LoadedModel:
+def load(
+    profile: ModelProfile,
+    device: str,
+    hf_cache: str | None = None,
+    convert_cache: Path | None = None,
+    tp_size: int = 1,
+) -> LoadedModel:
     """Load on the calling thread (the device thread that will own the model). With `tp_size` > 1
     every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
     # a CPU's 8 bits, "fp8" too (it has no FP8 matmuls): torch's dynamic int8 (its layers do not shard)
     dynamic_int8 = profile.quant in ("int8", "fp8") and devices.is_cpu(device) and tp_size == 1
-    dtype = _DTYPES.get(profile.dtype) or (torch.float32 if dynamic_int8 else devices.default_dtype(device))
+    dtype = _DTYPES.get(profile.dtype) or (
+        torch.float32 if dynamic_int8 else devices.default_dtype(device)
+    )
     as_stored = weights_as_stored(files, profile)
-    converted = None if as_stored else _converted_copy(files, convert_cache, str(dtype).removeprefix("torch."))
+    converted = (
+        None
+        if as_stored
+        else _converted_copy(files, convert_cache, str(dtype).removeprefix("torch."))
+    )
     if converted is not None and converted.exists() and not files.tokenizer_folder:
         files = ModelFiles(folder=converted)
-    header = _converted_copy(files, convert_cache, "header") if as_stored and not files.tokenizer_folder else None
+    header = (
+        _converted_copy(files, convert_cache, "header")
+        if as_stored and not files.tokenizer_folder
+        else None
+    )
     config, attention = _architecture(files, profile, header)
-    log.info("loading %s from %s (gguf=%s) as %s on %s", profile.id, files.folder, files.gguf_file, dtype, device)
+    log.info(
+        "loading %s from %s (gguf=%s) as %s on %s",
+        profile.id,
+        files.folder,
+        files.gguf_file,
+        dtype,
+        device,
+    )
     tokenizer_from = files.tokenizer_folder or files.folder
     processor = vision.load_processor(files.folder) if vision.is_vision(config) else None
     if header is not None and header.exists():
@@ -162,52 +246,99 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None,
     elif processor is not None:
         tokenizer = processor.tokenizer
     else:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from, gguf_file=None if files.tokenizer_folder
-                                                  else files.gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_from, gguf_file=None if files.tokenizer_folder else files.gguf_file
+        )
     if header is not None and not header.exists():
         try:
             _save_header(config, tokenizer, header)
         except Exception as exc:  # a cache that cannot be written only costs time
-            log.warning("could not keep %s's config and tokenizer at %s: %s", files.gguf_file, header, exc)
+            log.warning(
+                "could not keep %s's config and tokenizer at %s: %s", files.gguf_file, header, exc
+            )
     sharding = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
     model_class = AutoModelForImageTextToText if processor is not None else AutoModelForCausalLM
     quantized = quantized_checkpoint.method(config) if not files.gguf_file else ""
     if quantized and processor is not None:
-        raise ModelLoadError(f"{profile.id}'s {quantized} checkpoint loads as a text model only: run it with "
-                             "vision = false")
+        raise ModelLoadError(
+            f"{profile.id}'s {quantized} checkpoint loads as a text model only: run it with "
+            "vision = false"
+        )
     if as_stored:
-        model = gguf_loader.load(files.folder / files.gguf_file, config, dtype, attention,
-                                 devices.torch_device(device), ranks=tp_size)
+        model = gguf_loader.load(
+            files.folder / files.gguf_file,
+            config,
+            dtype,
+            attention,
+            devices.torch_device(device),
+            ranks=tp_size,
+        )
     elif quantized:
-        model = quantized_checkpoint.load(files.folder, config, dtype, attention, devices.torch_device(device),
-                                          keep_quantized=profile.quant == "auto", ranks=tp_size)
-        log.info("%s: %s checkpoint read %s", profile.id, quantized,
-                 "with its Linear weights quantized" if profile.quant == "auto" else "dequantised")
+        model = quantized_checkpoint.load(
+            files.folder,
+            config,
+            dtype,
+            attention,
+            devices.torch_device(device),
+            keep_quantized=profile.quant == "auto",
+            ranks=tp_size,
+        )
+        log.info(
+            "%s: %s checkpoint read %s",
+            profile.id,
+            quantized,
+            "with its Linear weights quantized" if profile.quant == "auto" else "dequantised",
+        )
     else:
-        model = model_class.from_pretrained(files.folder, gguf_file=files.gguf_file, dtype=dtype,
-                                            attn_implementation=attention, **sharding)
+        model = model_class.from_pretrained(
+            files.folder,
+            gguf_file=files.gguf_file,
+            dtype=dtype,
+            attn_implementation=attention,
+            **sharding,
+        )
     if converted is not None and files.gguf_file:
         try:
             _save_converted(model, tokenizer, converted)
         except Exception as exc:  # a cache that cannot be written only costs time
-            log.warning("could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc)
-    sharded_by_transformers = bool(sharding) and not (as_stored or quantized)  # it placed its shards itself
+            log.warning(
+                "could not keep a converted copy of %s at %s: %s", files.gguf_file, converted, exc
+            )
+    sharded_by_transformers = bool(sharding) and not (
+        as_stored or quantized
+    )  # it placed its shards itself
     model = (model if sharded_by_transformers else model.to(devices.torch_device(device))).eval()
     if dynamic_int8:
         model = quantize_int8_dynamic(model)
     elif profile.quant in quantized_linear.QUANTIZERS:
-        log.info("%s: %d Linear layers quantized to %s", profile.id, quantized_linear.quantize(model, profile.quant),
-                 profile.quant)
-    if not devices.is_cpu(device) and any(isinstance(m, quantized_linear.Int8Linear) for m in model.modules()):
+        log.info(
+            "%s: %d Linear layers quantized to %s",
+            profile.id,
+            quantized_linear.quantize(model, profile.quant),
+            profile.quant,
+        )
+    if not devices.is_cpu(device) and any(
+        isinstance(m, quantized_linear.Int8Linear) for m in model.modules()
+    ):
         # quant int8, Q6_K; FP8 without FP8 matmuls (Q8_0's 8-bit groups run on the int4 kernels)
-        log.warning("%s: 8-bit integer weights on a GPU save memory but decode several times slower than 'none' "
-                    "(ATen's int8 kernel; docs/operations.md): prefer quant = 'fp8' on a GPU with FP8 matmuls "
-                    "(Hopper, Ada, Blackwell), else 'int4' or 'none'", profile.id)
+        log.warning(
+            "%s: 8-bit integer weights on a GPU save memory but decode several times slower than 'none' "
+            "(ATen's int8 kernel; docs/operations.md): prefer quant = 'fp8' on a GPU with FP8 matmuls "
+            "(Hopper, Ada, Blackwell), else 'int4' or 'none'",
+            profile.id,
+        )
     if devices.is_cpu(device) and tp_size == 1:
         _tune_for_cpu(model, profile)
     context = own_context(model.config.get_text_config())
     _log_context(profile, context)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=devices.torch_device(device), dtype=dtype,
-                       context_len=context or profile.max_model_len, tp_size=tp_size, processor=processor,
-                       quant="int8" if dynamic_int8 else quantized_linear.held_as(model),
-                       weight_bytes=quantized_linear.weight_bytes(model))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        device=devices.torch_device(device),
+        dtype=dtype,
+        context_len=context or profile.max_model_len,
+        tp_size=tp_size,
+        processor=processor,
+        quant="int8" if dynamic_int8 else quantized_linear.held_as(model),
+        weight_bytes=quantized_linear.weight_bytes(model),
+    )

@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from shared.model_files import ModelLoadError
 
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None under another C library
+_MALLOC_TRIM = getattr(
+    ctypes.CDLL(None), "malloc_trim", None
+)  # glibc's; None under another C library
 
 
 def empty(config: PretrainedConfig, dtype: torch.dtype, attention: str) -> torch.nn.Module:
@@ -33,11 +35,16 @@ def filled(model: torch.nn.Module, config: PretrainedConfig, source: str) -> tor
     what `source` left empty."""
     if config.tie_word_embeddings:
         model.tie_weights()
-    empty_tensors = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
-                     if t.device.type == "meta"]
+    empty_tensors = [
+        name
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type == "meta"
+    ]
     if empty_tensors:
-        raise ModelLoadError(f"{source} has no tensors for {', '.join(empty_tensors[:5])}"
-                             f"{' …' if len(empty_tensors) > 5 else ''}")
+        raise ModelLoadError(
+            f"{source} has no tensors for {', '.join(empty_tensors[:5])}"
+            f"{' …' if len(empty_tensors) > 5 else ''}"
+        )
     return model.eval()
 
 

@@ -37,22 +37,34 @@ def kv_blocks(loaded: LoadedModel, profile: ModelProfile) -> int:
     if profile.kv_cache_mb is not None:
         blocks = profile.kv_cache_mb * _MB // block_bytes
     elif profile.kv_memory_fraction is not None:
-        free_mb = devices.describe(str(loaded.device) if loaded.device.type == "cuda" else "cpu").free_mb
-        blocks = int(free_mb * _MB * profile.kv_memory_fraction) // (block_bytes // loaded.tp_size or 1)
+        free_mb = devices.describe(
+            str(loaded.device) if loaded.device.type == "cuda" else "cpu"
+        ).free_mb
+        blocks = int(free_mb * _MB * profile.kv_memory_fraction) // (
+            block_bytes // loaded.tp_size or 1
+        )
     else:
         blocks = default_kv_blocks(profile, block_bytes=block_bytes, max_len=max_len)
     if blocks < 1:
-        raise ModelLoadError(f"{profile.id}: a KV budget of {profile.kv_cache_mb} MB holds no block of "
-                             f"{profile.block_size} tokens ({block_bytes} bytes each)")
+        raise ModelLoadError(
+            f"{profile.id}: a KV budget of {profile.kv_cache_mb} MB holds no block of "
+            f"{profile.block_size} tokens ({block_bytes} bytes each)"
+        )
     return blocks
 
 
 def paged_cache(loaded: LoadedModel, profile: ModelProfile) -> PagedCache:
     """The model's paged cache; under tensor parallelism each rank holds its share of the KV heads."""
-    return PagedCache.for_model(loaded.model.config.get_text_config(), slots=profile.slots,
-                                max_len=context_length(loaded, profile), blocks=kv_blocks(loaded, profile),
-                                block_size=profile.block_size, dtype=loaded.dtype, device=loaded.device,
-                                ranks=loaded.tp_size)
+    return PagedCache.for_model(
+        loaded.model.config.get_text_config(),
+        slots=profile.slots,
+        max_len=context_length(loaded, profile),
+        blocks=kv_blocks(loaded, profile),
+        block_size=profile.block_size,
+        dtype=loaded.dtype,
+        device=loaded.device,
+        ranks=loaded.tp_size,
+    )
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -64,16 +76,27 @@ def weight_bytes(model: torch.nn.Module) -> int:
 class ModelCalls:
     """The model calls of one device."""
 
-    step: Callable | None = None  # a decode step the decoder must run as it is (None: its own choice)
+    step: Callable | None = (
+        None  # a decode step the decoder must run as it is (None: its own choice)
+    )
 
     def __init__(self, model: torch.nn.Module, cache: PagedCache):
         self.model, self.cache = model, cache
 
-    def forward(self, rows: slice, input_ids: torch.Tensor, positions: torch.Tensor, write_pos: torch.Tensor,
-                kv_len: int, **vision: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        rows: slice,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        **vision: torch.Tensor | None,
+    ) -> torch.Tensor:
         """A prefill forward; `vision`: a chunk group's `inputs_embeds`, `rope_positions` and
         `sees_until` where it reads images (node_agent/model/forward.py)."""
-        return forward.forward(self.model, self.cache, rows, input_ids, positions, write_pos, kv_len, **vision)
+        return forward.forward(
+            self.model, self.cache, rows, input_ids, positions, write_pos, kv_len, **vision
+        )
 
     @property
     def packs(self) -> bool:
@@ -81,9 +104,16 @@ class ModelCalls:
         whose attention reads the cache in place, with no linear-attention state (kept per row)."""
         return forward.reads_in_place(self.model) and not self.cache.has_linear_attention
 
-    def packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, decode_rows: torch.Tensor,
-                       chunks: list[PackedChunk]) -> torch.Tensor:
-        return forward.packed_forward(self.model, self.cache, tokens, positions, decode_rows, chunks)
+    def packed_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        decode_rows: torch.Tensor,
+        chunks: list[PackedChunk],
+    ) -> torch.Tensor:
+        return forward.packed_forward(
+            self.model, self.cache, tokens, positions, decode_rows, chunks
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return forward.logits(self.model, hidden)

@@ -7,7 +7,9 @@ default model's step 28-34% faster than the plain `F.linear` at 8 and 32 rows on
 import torch
 
 ROWS_HINT = 32  # the rows oneDNN tunes its packing for: a decode batch
-_LINEAR = torch.ops.mkldnn._linear_pointwise.default  # the overload itself: no lookup by arguments at each call
+_LINEAR = (
+    torch.ops.mkldnn._linear_pointwise.default
+)  # the overload itself: no lookup by arguments at each call
 
 
 class PackedLinear(torch.nn.Module):
@@ -30,14 +32,18 @@ class PackedLinear(torch.nn.Module):
 
 
 @torch.library.custom_op("cortex::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """oneDNN's matmul over a packed weight as one operator that a compiled graph calls as it is:
     Inductor lowers `mkldnn._linear_pointwise` only over weights it packed itself."""
     return _LINEAR(x, weight, bias, "none", [None], "")
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 

@@ -26,16 +26,36 @@ NAME = "cortex_packed_pooling"
 _PROBE = ["The capital of France is Paris, a city of light.", "Hello!"]
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-              spans: list[tuple[int, int]] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    spans: list[tuple[int, int]] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: with `spans` (a packed row's inputs, [start, end) each),
     SDPA over each span on its own; without, SDPA over the whole (a padded pass)."""
     if spans is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    parts = [sdpa_attention_forward(module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                    None, scaling=scaling, dropout=dropout, **kwargs)[0] for start, end in spans]
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    parts = [
+        sdpa_attention_forward(
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )[0]
+        for start, end in spans
+    ]
     return torch.cat(parts, dim=1), None
 
 
@@ -47,22 +67,36 @@ def enable(loaded: LoadedPooler) -> bool:
     """Run the model's attention through `attention` and check two inputs pool packed as they do
     padded; False (the model as it was, the reason logged) where they do not, or it cannot."""
     config = loaded.model.config
-    if loaded.pooling is None or loaded.device.type != "cpu" or config._attn_implementation != "sdpa":
+    if (
+        loaded.pooling is None
+        or loaded.device.type != "cpu"
+        or config._attn_implementation != "sdpa"
+    ):
         return False
-    rows = [ids[:loaded.max_len] for ids in loaded.tokenizer(_PROBE)["input_ids"]]
+    rows = [ids[: loaded.max_len] for ids in loaded.tokenizer(_PROBE)["input_ids"]]
     config._attn_implementation = NAME
     try:
-        same = torch.allclose(forward(loaded, rows), pooling.forward(loaded, rows, None),
-                              atol=1e-4 if loaded.model.dtype == torch.float32 else 5e-2)
+        same = torch.allclose(
+            forward(loaded, rows),
+            pooling.forward(loaded, rows, None),
+            atol=1e-4 if loaded.model.dtype == torch.float32 else 5e-2,
+        )
     except Exception as exc:  # a model that does not take positions or keyword arguments this way
-        log.info("%s: passes stay padded (packing failed: %s: %s)", config.model_type, type(exc).__name__, exc)
+        log.info(
+            "%s: passes stay padded (packing failed: %s: %s)",
+            config.model_type,
+            type(exc).__name__,
+            exc,
+        )
         same = False
     if not same:
         config._attn_implementation = "sdpa"
     return same
 
 
-def _pool(hidden: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+def _pool(
+    hidden: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode
+) -> torch.Tensor:
     if mode == "cls":
         return hidden[starts]
     if mode == "lasttoken":

@@ -27,7 +27,11 @@ from shared.model_files import ModelLoadError, locate
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "lasttoken"}
+_MODES = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 PoolingMode = Literal["mean", "cls", "lasttoken"]
 
@@ -46,7 +50,9 @@ class LoadedPooler:
     max_len: int  # the longest input, in tokens
     pooling: Pooling | None  # None: a rerank model (its head scores each pair)
     pad_id: int
-    sigmoid: bool = False  # a rerank model's scores are its logit through a sigmoid (else the logit itself)
+    sigmoid: bool = (
+        False  # a rerank model's scores are its logit through a sigmoid (else the logit itself)
+    )
 
 
 def read_pooling(folder: Path, is_decoder: bool) -> Pooling:
@@ -61,9 +67,15 @@ def read_pooling(folder: Path, is_decoder: bool) -> Pooling:
     if "Pooling" in kinds:
         config = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
         chosen = [name for key, name in _MODES.items() if config.get(key)]
-        others = [key for key, on in config.items() if key.startswith("pooling_mode_") and on and key not in _MODES]
+        others = [
+            key
+            for key, on in config.items()
+            if key.startswith("pooling_mode_") and on and key not in _MODES
+        ]
         if others or len(chosen) != 1:
-            raise ModelLoadError(f"{folder}: pooling {chosen + others} is not served (one of mean, CLS, last token)")
+            raise ModelLoadError(
+                f"{folder}: pooling {chosen + others} is not served (one of mean, CLS, last token)"
+            )
         mode = chosen[0]
     return Pooling(mode, normalize="Normalize" in kinds)
 
@@ -73,7 +85,8 @@ def _activation(config) -> str:
     (`sentence_transformers.activation_fn`, else `sbert_ce_default_activation_function`): the last
     part of its class name; a one-label head defaults to Sigmoid."""
     named = (getattr(config, "sentence_transformers", None) or {}).get("activation_fn") or getattr(
-        config, "sbert_ce_default_activation_function", None)
+        config, "sbert_ce_default_activation_function", None
+    )
     return named.rsplit(".", 1)[-1] if named else "Sigmoid"
 
 
@@ -86,30 +99,51 @@ def load(profile: ModelProfile, device: str, hf_cache: str | None = None) -> Loa
     """On the device thread: the model, its tokenizer and how it pools (`profile.kind`: embedding or rerank)."""
     files = locate(profile, hf_cache)
     if files.gguf_file:
-        raise ModelLoadError(f"{profile.id}: embedding and rerank models load from safetensors, not GGUF")
+        raise ModelLoadError(
+            f"{profile.id}: embedding and rerank models load from safetensors, not GGUF"
+        )
     config = AutoConfig.from_pretrained(files.folder)
     is_decoder = any(name.endswith("ForCausalLM") for name in config.architectures or [])
-    dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(device)  # "auto": as generation models run
-    log.info("loading %s (%s) from %s as %s on %s", profile.id, profile.kind, files.folder, dtype, device)
+    dtype = _DTYPES.get(profile.dtype) or devices.default_dtype(
+        device
+    )  # "auto": as generation models run
+    log.info(
+        "loading %s (%s) from %s as %s on %s", profile.id, profile.kind, files.folder, dtype, device
+    )
     if profile.kind == "rerank":
         model = AutoModelForSequenceClassification.from_pretrained(files.folder, dtype=dtype)
         if model.config.num_labels != 1:
-            raise ModelLoadError(f"{profile.id}: a rerank model needs a one-label head; it has "
-                                 f"{model.config.num_labels}")
+            raise ModelLoadError(
+                f"{profile.id}: a rerank model needs a one-label head; it has "
+                f"{model.config.num_labels}"
+            )
         pooling = None
         sigmoid = _activation(model.config) == "Sigmoid"
     else:
         model = AutoModel.from_pretrained(files.folder, dtype=dtype)
         pooling, sigmoid = read_pooling(files.folder, is_decoder), False
     tokenizer = AutoTokenizer.from_pretrained(files.tokenizer_folder or files.folder)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (config.pad_token_id or 0)
-    own = min(n for n in (own_context(config), _trained_length(files.folder), profile.max_model_len) if n)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (config.pad_token_id or 0)
+    )
+    own = min(
+        n for n in (own_context(config), _trained_length(files.folder), profile.max_model_len) if n
+    )
     model = model.to(devices.torch_device(device)).eval()
-    return LoadedPooler(model=model, tokenizer=tokenizer, device=devices.torch_device(device), max_len=own,
-                        pooling=pooling, pad_id=pad_id, sigmoid=sigmoid)
+    return LoadedPooler(
+        model=model,
+        tokenizer=tokenizer,
+        device=devices.torch_device(device),
+        max_len=own,
+        pooling=pooling,
+        pad_id=pad_id,
+        sigmoid=sigmoid,
+    )
 
 
-def _pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+def _pool(
+    hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: PoolingMode
+) -> torch.Tensor:
     if mode == "cls":
         return hidden[:, 0]
     if mode == "lasttoken":  # rows are padded on the right: a row's last token is at its length - 1
@@ -119,27 +153,31 @@ def _pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode:
 
 
 @torch.inference_mode()
-def forward(loaded: LoadedPooler, rows: list[list[int]], type_ids: list[list[int]] | None) -> torch.Tensor:
+def forward(
+    loaded: LoadedPooler, rows: list[list[int]], type_ids: list[list[int]] | None
+) -> torch.Tensor:
     """One forward over `rows` (token ids; `type_ids`: a pair's segments), padded on the right to the
     longest: each row's pooled vector (float32), or its score for a rerank model."""
     width = max(len(row) for row in rows)
     ids = torch.full((len(rows), width), loaded.pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
     inputs = {"input_ids": ids.to(loaded.device), "attention_mask": mask.to(loaded.device)}
     if type_ids is not None:
         segments = torch.zeros_like(ids)
         for i, row in enumerate(type_ids):
-            segments[i, :len(row)] = torch.tensor(row)
+            segments[i, : len(row)] = torch.tensor(row)
         inputs["token_type_ids"] = segments.to(loaded.device)
     out = loaded.model(**inputs)
     if loaded.pooling is None:
         scores = out.logits[:, 0].float()
         return torch.sigmoid(scores) if loaded.sigmoid else scores
     lengths = inputs["attention_mask"].sum(1)
-    return _pool(out.last_hidden_state, inputs["attention_mask"], lengths, loaded.pooling.mode).float()
+    return _pool(
+        out.last_hidden_state, inputs["attention_mask"], lengths, loaded.pooling.mode
+    ).float()
 
 
 def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:

@@ -29,7 +29,13 @@ from node_agent.model.checkpoint_weights import FourBit
 from node_agent.model.linear_shards import Plan, Shard
 from node_agent.model.quantized_linear import eight_bit
 from shared.model_files import ModelLoadError
-from shared.weight_formats import CHECKPOINT_METHODS, FP8_DTYPE, PACKED_4BIT, SIDE_TENSORS, checkpoint_method
+from shared.weight_formats import (
+    CHECKPOINT_METHODS,
+    FP8_DTYPE,
+    PACKED_4BIT,
+    SIDE_TENSORS,
+    checkpoint_method,
+)
 
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # fine-grained fp8's, compressed-tensors'
 
@@ -49,14 +55,22 @@ def _refuse_unread(settings: dict) -> None:
     if kind in ("awq", "gptq") and settings.get("bits", 4) != 4:
         raise ModelLoadError(f"{kind} checkpoints are read at 4 bits only, not {settings['bits']}")
     if kind == "awq" and settings.get("zero_point") is False:
-        raise ModelLoadError("AWQ checkpoints without zero points (zero_point = false) are not read")
+        raise ModelLoadError(
+            "AWQ checkpoints without zero points (zero_point = false) are not read"
+        )
     if kind == "awq" and str(settings.get("version", "gemm")).lower() != "gemm":
-        raise ModelLoadError(f"AWQ's '{settings['version']}' layout is not read; only 'gemm' (AutoAWQ's default)")
+        raise ModelLoadError(
+            f"AWQ's '{settings['version']}' layout is not read; only 'gemm' (AutoAWQ's default)"
+        )
     if kind == "compressed-tensors":
-        weights = [group.get("weights") or {} for group in (settings.get("config_groups") or {}).values()]
+        weights = [
+            group.get("weights") or {} for group in (settings.get("config_groups") or {}).values()
+        ]
         if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
-            raise ModelLoadError("of compressed-tensors checkpoints only float8 weights are read (config_groups' "
-                                 "weights: type 'float', num_bits 8)")
+            raise ModelLoadError(
+                "of compressed-tensors checkpoints only float8 weights are read (config_groups' "
+                "weights: type 'float', num_bits 8)"
+            )
 
 
 def _fp8_block(settings: dict) -> tuple[int, int] | None:
@@ -65,19 +79,37 @@ def _fp8_block(settings: dict) -> tuple[int, int] | None:
     if settings["quant_method"] == "fp8":
         block = settings.get("weight_block_size")
     else:
-        block = next((group["weights"].get("block_structure") for group in settings["config_groups"].values()
-                      if group["weights"].get("strategy") == "block"), None)
+        block = next(
+            (
+                group["weights"].get("block_structure")
+                for group in settings["config_groups"].values()
+                if group["weights"].get("strategy") == "block"
+            ),
+            None,
+        )
     return tuple(block) if block else None
 
 
 # safetensors' dtype names, as torch's
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, FP8_DTYPE: torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    FP8_DTYPE: torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class _Stored(NamedTuple):
     """Where a tensor lies in a safetensors file, and what it is."""
+
     fd: int
     offset: int
     size: int
@@ -106,8 +138,16 @@ class _Files:
         length = int.from_bytes(os.pread(fd, 8, 0), "little")
         entries = json.loads(os.pread(fd, length, 8))
         entries.pop("__metadata__", None)
-        return {name: _Stored(fd, 8 + length + e["data_offsets"][0], e["data_offsets"][1] - e["data_offsets"][0],
-                              e["dtype"], e["shape"]) for name, e in entries.items()}
+        return {
+            name: _Stored(
+                fd,
+                8 + length + e["data_offsets"][0],
+                e["data_offsets"][1] - e["data_offsets"][0],
+                e["dtype"],
+                e["shape"],
+            )
+            for name, e in entries.items()
+        }
 
     def read(self, name: str) -> torch.Tensor:
         stored = self.where[name]
@@ -134,30 +174,48 @@ class _Files:
         return owners
 
 
-def _weight(files: _Files, owner: str, attrs: set[str], settings: dict) -> FourBit | torch.Tensor | None:
+def _weight(
+    files: _Files, owner: str, attrs: set[str], settings: dict
+) -> FourBit | torch.Tensor | None:
     """A Linear's quantized weight, as 4-bit groups (AWQ, GPTQ) or dequantised (FP8); None where the
     checkpoint keeps it dense."""
     kind = settings["quant_method"]
     group_size = settings.get("group_size", 128)
     if PACKED_4BIT in attrs and kind == "awq":
-        return checkpoint_weights.awq(*(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
-                                      group_size)
+        return checkpoint_weights.awq(
+            *(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")), group_size
+        )
     if PACKED_4BIT in attrs and kind == "gptq":
-        gptq_format = str(settings.get("checkpoint_format") or settings.get("format") or "gptq").lower()
+        gptq_format = str(
+            settings.get("checkpoint_format") or settings.get("format") or "gptq"
+        ).lower()
         g_idx = files.read(f"{owner}.g_idx") if "g_idx" in attrs else None
-        return checkpoint_weights.gptq(*(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
-                                       g_idx, group_size, zero_offset=0 if gptq_format == "gptq_v2" else 1)
+        return checkpoint_weights.gptq(
+            *(files.read(f"{owner}.{a}") for a in ("qweight", "qzeros", "scales")),
+            g_idx,
+            group_size,
+            zero_offset=0 if gptq_format == "gptq_v2" else 1,
+        )
     scale = next((a for a in _FP8_SCALES if a in attrs), None)
     if "weight" in attrs and scale and files.dtype(f"{owner}.weight") == FP8_DTYPE:
-        return checkpoint_weights.fp8(files.read(f"{owner}.weight"), files.read(f"{owner}.{scale}"),
-                                      _fp8_block(settings))
+        return checkpoint_weights.fp8(
+            files.read(f"{owner}.weight"), files.read(f"{owner}.{scale}"), _fp8_block(settings)
+        )
     if attrs & {PACKED_4BIT, "weight_packed"}:
-        raise ModelLoadError(f"{owner}: its {kind} tensors ({', '.join(sorted(attrs))}) are not read")
+        raise ModelLoadError(
+            f"{owner}: its {kind} tensors ({', '.join(sorted(attrs))}) are not read"
+        )
     return None
 
 
-def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, dtype: torch.dtype,
-                 shard: Shard) -> None:
+def _place_dense(
+    model: torch.nn.Module,
+    owner: str,
+    attrs: set[str],
+    files: _Files,
+    dtype: torch.dtype,
+    shard: Shard,
+) -> None:
     """A module's tensors the checkpoint keeps dense (this rank's `shard` of them), floating point
     ones in `dtype`; a tensor the model has no place for is left (as transformers leaves unexpected keys)."""
     try:
@@ -169,8 +227,16 @@ def _place_dense(model: torch.nn.Module, owner: str, attrs: set[str], files: _Fi
         meta_model.set_dense(module, attr, value.to(dtype) if value.is_floating_point() else value)
 
 
-def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Tensor, bias: torch.Tensor | None,
-                  keep_quantized: bool, dtype: torch.dtype, device: torch.device, shard: Shard) -> None:
+def _place_linear(
+    model: torch.nn.Module,
+    owner: str,
+    weight: FourBit | torch.Tensor,
+    bias: torch.Tensor | None,
+    keep_quantized: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard,
+) -> None:
     """This rank's `shard` of a quantized Linear weight (and its bias) into the model: the layer
     that runs it quantized on `device`, or (not `keep_quantized`, or a 4-bit layer whose inputs are
     not whole groups) its dequantised weight in `dtype`. A bias the model's layer has no place for
@@ -180,13 +246,18 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
     except AttributeError:
         linear = None
     if type(linear) is not torch.nn.Linear:
-        raise ModelLoadError(f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
-                             f"{type(model).__name__} (fused experts?): only Linear layers are read quantized")
+        raise ModelLoadError(
+            f"{owner} is quantized in the checkpoint but is no Linear layer of transformers' "
+            f"{type(model).__name__} (fused experts?): only Linear layers are read quantized"
+        )
     bias = None if linear.bias is None or bias is None else shard.dense("bias", bias)
     if keep_quantized:
         on_device = None if bias is None else bias.to(device)
-        layer = (weight.shard(shard).layer(on_device, device) if isinstance(weight, FourBit)
-                 else eight_bit(weight.to(device), on_device, shard))
+        layer = (
+            weight.shard(shard).layer(on_device, device)
+            if isinstance(weight, FourBit)
+            else eight_bit(weight.to(device), on_device, shard)
+        )
         if layer is not None:
             parent, _, child = owner.rpartition(".")
             setattr(model.get_submodule(parent), child, layer)
@@ -197,8 +268,17 @@ def _place_linear(model: torch.nn.Module, owner: str, weight: FourBit | torch.Te
         meta_model.set_dense(linear, "bias", bias)
 
 
-def _place(model: torch.nn.Module, owner: str, attrs: set[str], files: _Files, settings: dict, keep_quantized: bool,
-           dtype: torch.dtype, device: torch.device, shard: Shard) -> None:
+def _place(
+    model: torch.nn.Module,
+    owner: str,
+    attrs: set[str],
+    files: _Files,
+    settings: dict,
+    keep_quantized: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard,
+) -> None:
     """Module `owner`'s tensors into the model: a Linear the checkpoint quantizes as `_place_linear`
     makes it, any other module's tensors dense."""
     weight = _weight(files, owner, attrs, settings)
@@ -214,8 +294,15 @@ def _settings(config: PretrainedConfig) -> dict:
     return quantization if isinstance(quantization, dict) else quantization.to_dict()
 
 
-def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: str, device: torch.device,
-         keep_quantized: bool, ranks: int = 1) -> torch.nn.Module:
+def load(
+    folder: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attention: str,
+    device: torch.device,
+    keep_quantized: bool,
+    ranks: int = 1,
+) -> torch.nn.Module:
     """The model of `config` (its `quantization_config` one `method` reads) in eval mode, its
     quantized Linear layers kept quantized on `device` or dequantised to `dtype`, the rest on the
     CPU (the caller moves it); with `ranks` > 1, this rank's part of it
@@ -229,7 +316,17 @@ def load(folder: Path, config: PretrainedConfig, dtype: torch.dtype, attention: 
     with ExitStack() as stack:
         files = _Files(folder, stack)
         for owner, attrs in files.by_owner().items():
-            _place(model, owner, attrs, files, settings, keep_quantized, dtype, device, plan.shard(owner))
+            _place(
+                model,
+                owner,
+                attrs,
+                files,
+                settings,
+                keep_quantized,
+                dtype,
+                device,
+                plan.shard(owner),
+            )
             meta_model.return_freed_pages()  # (what the module's temporaries freed: none outlives its placing)
     model = meta_model.filled(model, plain, folder.name)
     plan.sum_rows(model)

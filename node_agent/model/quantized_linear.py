@@ -16,7 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from node_agent.model import linear_shards
-from shared.weight_formats import GROUP, OUT_MULTIPLE  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
+from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
+    GROUP,
+    OUT_MULTIPLE,
+)
 
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -28,7 +31,9 @@ def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
         tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
         return torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # (tiles unused on a CPU)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32), 1
+    )  # (tiles unused on a CPU)
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
@@ -51,7 +56,9 @@ def _channel_scale(weight: torch.Tensor, largest_code: float) -> torch.Tensor:
     return (weight.float().abs().amax(-1) / largest_code).clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def _as_output(y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _as_output(
+    y: torch.Tensor, x: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     """A kernel's [rows, out] product of `x`'s rows as the layer's output: in `x`'s dtype and leading
     dimensions, plus the bias."""
     y = y.to(x.dtype).view(*x.shape[:-1], out_features)
@@ -68,29 +75,48 @@ def round_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int4Linear(torch.nn.Module):
     """`y = x @ W.T + b` with `W[o, i] = (q[o, i] - 8) * scale[o, i // GROUP] + zero[o, i // GROUP]`."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None,
+    ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         if not fits_int4(self.out_features, self.in_features):
-            raise ValueError(f"4-bit layers need in_features divisible by {GROUP} and out_features by {OUT_MULTIPLE}, "
-                             f"not {self.in_features} and {self.out_features}")
+            raise ValueError(
+                f"4-bit layers need in_features divisible by {GROUP} and out_features by {OUT_MULTIPLE}, "
+                f"not {self.in_features} and {self.out_features}"
+            )
         self.register_buffer("weight_packed", _pack_int4(codes))
         # [in / GROUP, out, 2]: what both kernels read
-        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous())
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous(),
+        )
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Int4Linear":
+    def quantize(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        shard: linear_shards.Shard = linear_shards.WHOLE,
+    ) -> "Int4Linear":
         """`weight` rounded whole (`round_int4`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
         return cls(*shard.int4(*round_int4(weight)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if flat.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.weight_packed, GROUP, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm(
+                flat, self.weight_packed, GROUP, self.scales_and_zeros
+            )
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_packed, GROUP, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.weight_packed, GROUP, self.scales_and_zeros
+            )
         return _as_output(y, x, self.out_features, self.bias)
 
 
@@ -100,8 +126,14 @@ class ReorderedInt4Linear(Int4Linear):
     columns (and the input) follow that permutation. The order is int32: 4 bytes an input, left out
     of placement's estimate (shared/weight_formats.py) as Int8Linear's scales are."""
 
-    def __init__(self, order: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 bias: torch.Tensor | None):
+    def __init__(
+        self,
+        order: torch.Tensor,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        bias: torch.Tensor | None,
+    ):
         super().__init__(codes, scale, zero, bias)
         self.register_buffer("input_order", order)
 
@@ -140,8 +172,12 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Int8Linear":
+    def quantize(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        shard: linear_shards.Shard = linear_shards.WHOLE,
+    ) -> "Int8Linear":
         """`weight` rounded whole (`round_int8`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
         return cls(*shard.int8(*round_int8(weight)), bias)
 
@@ -171,8 +207,13 @@ def _fp8_matmul_runs(device: torch.device) -> bool:
         return False
     a = torch.ones(FP8_MULTIPLE, FP8_MULTIPLE, device=device).to(FP8)
     try:
-        product = torch._scaled_mm(a, a.t(), scale_a=torch.ones(FP8_MULTIPLE, 1, device=device),
-                                   scale_b=torch.ones(1, FP8_MULTIPLE, device=device), out_dtype=COMPUTE_DTYPE)
+        product = torch._scaled_mm(
+            a,
+            a.t(),
+            scale_a=torch.ones(FP8_MULTIPLE, 1, device=device),
+            scale_b=torch.ones(1, FP8_MULTIPLE, device=device),
+            out_dtype=COMPUTE_DTYPE,
+        )
     except RuntimeError:
         return False
     return bool((product == FP8_MULTIPLE).all())
@@ -181,8 +222,11 @@ def _fp8_matmul_runs(device: torch.device) -> bool:
 def fits_fp8(weight: torch.Tensor) -> bool:
     """Whether a weight [out, in] on its device runs as Float8Linear: a GPU with FP8 matmuls and
     both sides in multiples of FP8_MULTIPLE."""
-    return (weight.shape[0] % FP8_MULTIPLE == 0 and weight.shape[1] % FP8_MULTIPLE == 0
-            and _fp8_matmul_runs(weight.device))
+    return (
+        weight.shape[0] % FP8_MULTIPLE == 0
+        and weight.shape[1] % FP8_MULTIPLE == 0
+        and _fp8_matmul_runs(weight.device)
+    )
 
 
 class Float8Linear(torch.nn.Module):
@@ -201,24 +245,38 @@ class Float8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 shard: linear_shards.Shard = linear_shards.WHOLE) -> "Float8Linear":
+    def quantize(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        shard: linear_shards.Shard = linear_shards.WHOLE,
+    ) -> "Float8Linear":
         """`weight` scaled whole (`round_fp8`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
         return cls(*shard.int8(*round_fp8(weight)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        largest = torch.linalg.vector_norm(flat, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+        largest = torch.linalg.vector_norm(
+            flat, float("inf"), dim=-1, keepdim=True, dtype=torch.float32
+        )
         largest = largest.clamp_(min=torch.finfo(torch.float32).tiny)
         # at most FP8_MAX (times 1 + float32's rounding, which float8's rounding takes back to FP8_MAX)
         codes = (flat * (FP8_MAX / largest)).to(FP8)
-        y = torch._scaled_mm(codes, self.weight_fp8.t(), scale_a=largest, scale_b=self.weight_scale,
-                             out_dtype=COMPUTE_DTYPE)
+        y = torch._scaled_mm(
+            codes,
+            self.weight_fp8.t(),
+            scale_a=largest,
+            scale_b=self.weight_scale,
+            out_dtype=COMPUTE_DTYPE,
+        )
         return _as_output(y, x, self.out_features, self.bias)
 
 
-def eight_bit(weight: torch.Tensor, bias: torch.Tensor | None = None,
-              shard: linear_shards.Shard = linear_shards.WHOLE) -> "Float8Linear | Int8Linear":
+def eight_bit(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    shard: linear_shards.Shard = linear_shards.WHOLE,
+) -> "Float8Linear | Int8Linear":
     """An 8-bit layer for `weight` on its device, a tensor-parallel rank's `shard` of it: FP8 matmuls
     where the GPU has them and the shard's sides fit (`fits_fp8`), else 8-bit integer weights (what
     `quant = "fp8"` and FP8 checkpoints run as on a CPU or an older GPU)."""
@@ -252,7 +310,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
 def held_as(model: torch.nn.Module) -> str:
     """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"
     (8-bit groups are "int8": their two 4-bit halves are one layer)."""
-    halves = {id(half) for m in model.modules() if isinstance(m, Int8GroupLinear) for half in (m.high, m.low)}
+    halves = {
+        id(half)
+        for m in model.modules()
+        if isinstance(m, Int8GroupLinear)
+        for half in (m.high, m.low)
+    }
     kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in halves}
     kinds |= {"int8" for m in model.modules() if isinstance(m, (Int8Linear, Int8GroupLinear))}
     kinds |= {"fp8" for m in model.modules() if isinstance(m, Float8Linear)}

@@ -29,34 +29,69 @@ from node_agent.model.kv_cache import PackedChunk
 from node_agent.model.loader import LoadedModel
 from node_agent.model.model_calls import ModelCalls, paged_cache, weight_bytes
 from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
-from node_agent.model.step import DecodeRow, PrefillChunk, PromptScores, Sampled, StepPlan, StepResult
+from node_agent.model.step import (
+    DecodeRow,
+    PrefillChunk,
+    PromptScores,
+    Sampled,
+    StepPlan,
+    StepResult,
+)
 from node_agent.model.vision import VisionPrompt, embed_prompt
 from shared.catalog import ModelProfile
 
 log = logging.getLogger(__name__)
 
-Bitmask = tuple[torch.Tensor, list[int]]  # llguidance's packed token bitmask, and the sampled rows it is for
+Bitmask = tuple[
+    torch.Tensor, list[int]
+]  # llguidance's packed token bitmask, and the sampled rows it is for
 
 
 class Runner:
-    def __init__(self, loaded: LoadedModel, profile: ModelProfile, compile_cache: Path | None = None):
+    def __init__(
+        self, loaded: LoadedModel, profile: ModelProfile, compile_cache: Path | None = None
+    ):
         self.lm, self.profile = loaded, profile
         self.vocab = loaded.model.config.get_text_config().vocab_size
         self.cache = paged_cache(loaded, profile)
-        self.calls = (loaded.group.calls(loaded.model, self.cache) if loaded.group
-                      else ModelCalls(loaded.model, self.cache))  # every model call (to all ranks when sharded)
+        self.calls = (
+            loaded.group.calls(loaded.model, self.cache)
+            if loaded.group
+            else ModelCalls(loaded.model, self.cache)
+        )  # every model call (to all ranks when sharded)
         self.sampling = SlotSampling(profile.slots, self.vocab, loaded.device)
-        self.rope_offsets = torch.zeros(profile.slots, dtype=torch.long, device=loaded.device)  # moved with rows
-        self.decoder = decoders.make(profile.decode, loaded.model, self.cache, self.rope_offsets, profile.slots,
-                                     self.calls.step, compile_cache)
-        self.tables = torch.zeros(profile.slots, self.cache.max_blocks, dtype=torch.long,
-                                  pin_memory=loaded.device.type == "cuda")
-        self.images: dict[str, tuple[list[int], dict[str, np.ndarray]]] = {}  # a job's prompt and processor inputs,
+        self.rope_offsets = torch.zeros(
+            profile.slots, dtype=torch.long, device=loaded.device
+        )  # moved with rows
+        self.decoder = decoders.make(
+            profile.decode,
+            loaded.model,
+            self.cache,
+            self.rope_offsets,
+            profile.slots,
+            self.calls.step,
+            compile_cache,
+        )
+        self.tables = torch.zeros(
+            profile.slots,
+            self.cache.max_blocks,
+            dtype=torch.long,
+            pin_memory=loaded.device.type == "cuda",
+        )
+        self.images: dict[
+            str, tuple[list[int], dict[str, np.ndarray]]
+        ] = {}  # a job's prompt and processor inputs,
         # until its images are embedded
         self.vision: dict[str, VisionPrompt] = {}  # a job's prompt embeddings, while it runs
         self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
-        log.info("%s: %d KV blocks of %d tokens (%d MiB); decodes with %s steps", profile.id, self.cache.blocks,
-                 self.cache.block_size, self.cache.bytes >> 20, self.decoder.name)
+        log.info(
+            "%s: %d KV blocks of %d tokens (%d MiB); decodes with %s steps",
+            profile.id,
+            self.cache.blocks,
+            self.cache.block_size,
+            self.cache.bytes >> 20,
+            self.decoder.name,
+        )
 
     @property
     def max_len(self) -> int:
@@ -105,13 +140,15 @@ class Runner:
             self.sampling.move(src, dst)
             self.rope_offsets[dst] = self.rope_offsets[src]
         for setup in plan.setups:
-            self.sampling.assign(setup.row, setup.params, setup.prompt_ids, setup.seed, setup.output_ids)
+            self.sampling.assign(
+                setup.row, setup.params, setup.prompt_ids, setup.seed, setup.output_ids
+            )
             prompt = self.vision.get(setup.job)
             self.rope_offsets[setup.row] = prompt.rope_delta if prompt else 0
         if plan.tables:
             for row, blocks in plan.tables.items():
                 self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-                self.tables[row, len(blocks):] = 0
+                self.tables[row, len(blocks) :] = 0
             self.calls.set_tables(self.tables[: plan.rows])
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
@@ -119,8 +156,11 @@ class Runner:
         try:
             return self.decoder(tokens, positions)
         except decoders.CaptureFailed as exc:
-            log.warning("%s: the decode step cannot be captured (%s); decoding eagerly from now on", self.profile.id,
-                        exc)
+            log.warning(
+                "%s: the decode step cannot be captured (%s); decoding eagerly from now on",
+                self.profile.id,
+                exc,
+            )
             self.decoder = decoders.EagerDecoder(self.lm.model, self.cache, self.rope_offsets)
             return self.decoder(tokens, positions)
 
@@ -140,21 +180,36 @@ class Runner:
         rows = [d.row for d in plan.decode for _ in range(d.width)]
         offset, packed = len(rows), []
         for i, chunk in enumerate(plan.prefill):
-            packed.append(PackedChunk(row=len(plan.decode) + i, start=chunk.start, length=len(chunk.tokens),
-                                      offset=offset))
+            packed.append(
+                PackedChunk(
+                    row=len(plan.decode) + i,
+                    start=chunk.start,
+                    length=len(chunk.tokens),
+                    offset=offset,
+                )
+            )
             offset += len(chunk.tokens)
-        tokens = [t for d in plan.decode for t in [d.token, *d.draft]] + [t for c in plan.prefill for t in c.tokens]
-        positions = [d.position + j for d in plan.decode for j in range(d.width)] \
-            + [p for c in packed for p in range(c.start, c.start + c.length)]
+        tokens = [t for d in plan.decode for t in [d.token, *d.draft]] + [
+            t for c in plan.prefill for t in c.tokens
+        ]
+        positions = [d.position + j for d in plan.decode for j in range(d.width)] + [
+            p for c in packed for p in range(c.start, c.start + c.length)
+        ]
         device = self.lm.device
-        hidden = self.calls.packed_forward(torch.tensor(tokens, device=device), torch.tensor(positions, device=device),
-                                           torch.tensor(rows, dtype=torch.long, device=device), packed)
+        hidden = self.calls.packed_forward(
+            torch.tensor(tokens, device=device),
+            torch.tensor(positions, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device),
+            packed,
+        )
         for chunk, place in zip(plan.prefill, packed):
             if chunk.score_top is not None and chunk.following:
-                result.prompt_scores[chunk.key] = self._score(chunk, hidden[place.offset: place.offset
-                                                                            + len(chunk.following)])
-        sampled = list(range(len(rows))) + [p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed)
-                                            if chunk.samples]
+                result.prompt_scores[chunk.key] = self._score(
+                    chunk, hidden[place.offset : place.offset + len(chunk.following)]
+                )
+        sampled = list(range(len(rows))) + [
+            p.offset + p.length - 1 for chunk, p in zip(plan.prefill, packed) if chunk.samples
+        ]
         return self.calls.logits(hidden[torch.tensor(sampled, dtype=torch.long, device=device)])
 
     def _verify(self, rows: list[DecodeRow]) -> torch.Tensor:
@@ -164,46 +219,83 @@ class Runner:
         picked = [i for i, _ in index], [j for _, j in index]
         if self.decoder.verifies:
             try:
-                return self.decoder.verify([[d.token, *d.draft] for d in rows], [d.position for d in rows])[picked]
+                return self.decoder.verify(
+                    [[d.token, *d.draft] for d in rows], [d.position for d in rows]
+                )[picked]
             except decoders.CaptureFailed as exc:
-                log.warning("%s: the verify step cannot be captured (%s); verifying eagerly from now on",
-                            self.profile.id, exc)
+                log.warning(
+                    "%s: the verify step cannot be captured (%s); verifying eagerly from now on",
+                    self.profile.id,
+                    exc,
+                )
                 self.decoder.verifies = False
-        input_ids, positions, write_pos, kv_len = self._padded([([d.token, *d.draft], d.position) for d in rows])
+        input_ids, positions, write_pos, kv_len = self._padded(
+            [([d.token, *d.draft], d.position) for d in rows]
+        )
         rope = positions + self.rope_offsets[: len(rows), None]
-        hidden = self.calls.forward(slice(0, len(rows)), input_ids, positions, write_pos, kv_len, rope_positions=rope)
+        hidden = self.calls.forward(
+            slice(0, len(rows)), input_ids, positions, write_pos, kv_len, rope_positions=rope
+        )
         return self.calls.logits(hidden[picked])
 
-    def _padded(self, rows: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _padded(
+        self, rows: list[tuple[list[int], int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """A forward's inputs for rows of (tokens, first position), right-padded to the widest: token
         ids, positions and write positions ([rows, width], on the device; padding writes the scratch
         position), and the positions read."""
         inputs = torch.empty(3, len(rows), max(len(tokens) for tokens, _ in rows), dtype=torch.long)
         forward.padded_inputs(rows, inputs, self.cache.scratch_position, self.max_len)
         input_ids, positions, write_pos = inputs.to(self.lm.device)
-        return input_ids, positions, write_pos, min(max(start + len(tokens) for tokens, start in rows), self.max_len)
+        return (
+            input_ids,
+            positions,
+            write_pos,
+            min(max(start + len(tokens) for tokens, start in rows), self.max_len),
+        )
 
-    def _prefill(self, chunks: list[PrefillChunk], start: int, result: StepResult) -> torch.Tensor | None:
+    def _prefill(
+        self, chunks: list[PrefillChunk], start: int, result: StepResult
+    ) -> torch.Tensor | None:
         """One forward over the chunk group (rows start.., right-padded to the widest chunk);
         returns the logits of the chunks that sample."""
         device = self.lm.device
-        input_ids, positions, write_pos, kv_len = self._padded([(c.tokens, c.start) for c in chunks])
+        input_ids, positions, write_pos, kv_len = self._padded(
+            [(c.tokens, c.start) for c in chunks]
+        )
         embeds, rope, sees_until = self._vision_inputs(chunks, input_ids, positions, start, result)
-        hidden = self.calls.forward(slice(start, start + len(chunks)), input_ids, positions, write_pos,
-                                    kv_len, inputs_embeds=embeds, rope_positions=rope, sees_until=sees_until)
+        hidden = self.calls.forward(
+            slice(start, start + len(chunks)),
+            input_ids,
+            positions,
+            write_pos,
+            kv_len,
+            inputs_embeds=embeds,
+            rope_positions=rope,
+            sees_until=sees_until,
+        )
         for i, chunk in enumerate(chunks):
             if chunk.score_top is not None and chunk.following:
-                result.prompt_scores[chunk.key] = self._score(chunk, hidden[i, : len(chunk.following)])
+                result.prompt_scores[chunk.key] = self._score(
+                    chunk, hidden[i, : len(chunk.following)]
+                )
         done = [i for i, chunk in enumerate(chunks) if chunk.samples]  # a prefix of the group
         if not done:
             return None
-        last = hidden[torch.tensor(done, device=device), torch.tensor([len(chunks[i].tokens) - 1 for i in done],
-                                                                       device=device)]
+        last = hidden[
+            torch.tensor(done, device=device),
+            torch.tensor([len(chunks[i].tokens) - 1 for i in done], device=device),
+        ]
         return self.calls.logits(last)
 
-    def _vision_inputs(self, chunks: list[PrefillChunk], input_ids: torch.Tensor, positions: torch.Tensor,
-                       start: int, result: StepResult
-                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def _vision_inputs(
+        self,
+        chunks: list[PrefillChunk],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        result: StepResult,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """A chunk group's embeddings, rope positions and last positions seen, where some row reads
         a prompt with images (its chunk's slice of each; the other rows embed their tokens and see
         causally); Nones otherwise. A job's images are embedded at its first chunk."""
@@ -219,19 +311,19 @@ class Runner:
             return None, None, None
         embeds = self.lm.model.get_input_embeddings()(input_ids)
         for i, prompt, begin, n in rows:
-            embeds[i, :n] = prompt.embeds[begin: begin + n]
+            embeds[i, :n] = prompt.embeds[begin : begin + n]
         rope = sees_until = None
         if any(prompt.rope is not None for _, prompt, _, _ in rows):
             rope = positions[None].repeat(3, 1, 1)
             for i, prompt, begin, n in rows:
                 if prompt.rope is not None:
-                    rope[:, i, :n] = prompt.rope[:, begin: begin + n]
+                    rope[:, i, :n] = prompt.rope[:, begin : begin + n]
                     rope[:, i, n:] += prompt.rope_delta
         if any(prompt.sees_until is not None for _, prompt, _, _ in rows):
             sees_until = positions.clone()
             for i, prompt, begin, n in rows:
                 if prompt.sees_until is not None:
-                    sees_until[i, :n] = prompt.sees_until[begin: begin + n]
+                    sees_until[i, :n] = prompt.sees_until[begin : begin + n]
         return embeds, rope, sees_until
 
     def _embedded(self, chunk: PrefillChunk, result: StepResult) -> VisionPrompt | None:
@@ -240,7 +332,9 @@ class Runner:
         if chunk.job in self.vision or chunk.job not in self.images:
             return self.vision.get(chunk.job)
         try:
-            self.vision[chunk.job] = embed_prompt(self.lm.model, *self.images.pop(chunk.job), self.lm.device)
+            self.vision[chunk.job] = embed_prompt(
+                self.lm.model, *self.images.pop(chunk.job), self.lm.device
+            )
         except Exception as exc:
             log.exception("job %s: its images could not be embedded", chunk.job)
             result.failed[chunk.job] = exc
@@ -250,10 +344,14 @@ class Runner:
     def _score(self, chunk: PrefillChunk, hidden: torch.Tensor) -> PromptScores:
         """Prompt logprobs for this chunk: each position scores the prompt token that follows it."""
         logits = self.calls.logits(hidden)
-        chosen, tops = token_logprobs(logits, torch.tensor(chunk.following, device=logits.device), chunk.score_top)
+        chosen, tops = token_logprobs(
+            logits, torch.tensor(chunk.following, device=logits.device), chunk.score_top
+        )
         return PromptScores(chunk.start, chunk.following, chosen, tops)
 
-    def _sample(self, logits: torch.Tensor, plan: StepPlan, bitmask: Bitmask | None) -> list[list[Sampled]]:
+    def _sample(
+        self, logits: torch.Tensor, plan: StepPlan, bitmask: Bitmask | None
+    ) -> list[list[Sampled]]:
         """Each sampled row's new tokens from `logits` (a row per position that samples: a
         speculating row's every position), with one device->host copy."""
         params, drafts, device = plan.sample_params, plan.drafts, logits.device
@@ -263,7 +361,9 @@ class Runner:
             logits = logits.clone()
             apply_bitmask(logits, *bitmask)
         widths = [1 + len(draft) for draft in drafts]
-        rows = torch.arange(len(params), device=device).repeat_interleave(torch.tensor(widths, device=device))
+        rows = torch.arange(len(params), device=device).repeat_interleave(
+            torch.tensor(widths, device=device)
+        )
         positions = [p + j for p, width in zip(plan.sample_positions, widths) for j in range(width)]
         if len(positions) == len(params):  # no draft: a plain draw
             noise_at = torch.tensor(positions, device=device) if use.sampling else None
@@ -271,19 +371,36 @@ class Runner:
             ids, runs = tokens.tolist(), [0] * len(params)  # the step's one device->host copy
         else:
             guesses = [t for draft in drafts for t in [*draft, NO_DRAFT]]
-            accepted, tokens = verify(logits, self.sampling, rows, torch.tensor(positions, device=device),
-                                      torch.tensor(guesses, device=device), use)
-            ids, flags = torch.stack([tokens, accepted.long()]).tolist()  # the step's one device->host copy
+            accepted, tokens = verify(
+                logits,
+                self.sampling,
+                rows,
+                torch.tensor(positions, device=device),
+                torch.tensor(guesses, device=device),
+                use,
+            )
+            ids, flags = torch.stack(
+                [tokens, accepted.long()]
+            ).tolist()  # the step's one device->host copy
             runs = kept([bool(f) for f in flags], widths)
         starts = [sum(widths[:i]) for i in range(len(widths))]
-        out = [[Sampled(ids[start + j]) for j in range(run + 1)] for start, run in zip(starts, runs)]
+        out = [
+            [Sampled(ids[start + j]) for j in range(run + 1)] for start, run in zip(starts, runs)
+        ]
         if use.penalties:
-            place = torch.tensor([start + j for start, run in zip(starts, runs) for j in range(run + 1)], device=device)
+            place = torch.tensor(
+                [start + j for start, run in zip(starts, runs) for j in range(run + 1)],
+                device=device,
+            )
             self.sampling.record(rows[place], tokens[place])
         asked = [i for i, p in enumerate(params) if p.logprobs]
         if asked:
-            place = torch.tensor([starts[i] + j for i in asked for j in range(runs[i] + 1)], device=device)
-            chosen, tops = token_logprobs(raw[place], tokens[place], max(params[i].top_logprobs for i in asked))
+            place = torch.tensor(
+                [starts[i] + j for i in asked for j in range(runs[i] + 1)], device=device
+            )
+            chosen, tops = token_logprobs(
+                raw[place], tokens[place], max(params[i].top_logprobs for i in asked)
+            )
             entries = iter(zip(chosen, tops))
             for i in asked:
                 for sampled in out[i]:

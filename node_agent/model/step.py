@@ -44,7 +44,9 @@ class DecodeRow:
     row: int
     token: int  # the last token, fed at `position`
     position: int
-    draft: list[int] = field(default_factory=list)  # guesses of the next tokens, fed after it (speculation)
+    draft: list[int] = field(
+        default_factory=list
+    )  # guesses of the next tokens, fed after it (speculation)
 
     @property
     def width(self) -> int:
@@ -54,20 +56,30 @@ class DecodeRow:
 
 @dataclass
 class StepPlan:
-    moves: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) row moves, in order, first
+    moves: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst) row moves, in order, first
     setups: list[RowSetup] = field(default_factory=list)
-    tables: dict[int, list[int]] = field(default_factory=dict)  # row -> its blocks, for rows that changed
+    tables: dict[int, list[int]] = field(
+        default_factory=dict
+    )  # row -> its blocks, for rows that changed
     rows: int = 0  # rows in use after the moves and setups
     decode: list[DecodeRow] = field(default_factory=list)  # rows 0..len-1
-    prefill: list[PrefillChunk] = field(default_factory=list)  # contiguous rows after the decoding ones
-    samples: list[int] = field(default_factory=list)  # sequence keys sampled, rows 0..len-1 in order
+    prefill: list[PrefillChunk] = field(
+        default_factory=list
+    )  # contiguous rows after the decoding ones
+    samples: list[int] = field(
+        default_factory=list
+    )  # sequence keys sampled, rows 0..len-1 in order
     sample_params: list[SamplingParams] = field(default_factory=list)  # theirs, in the same order
-    sample_positions: list[int] = field(default_factory=list)  # each one's last position (its draw's noise)
+    sample_positions: list[int] = field(
+        default_factory=list
+    )  # each one's last position (its draw's noise)
 
     @property
     def drafts(self) -> list[list[int]]:
         """Each sampled row's draft tokens, in `samples` order (none for the rows ending a prompt)."""
-        return [d.draft for d in self.decode] + [[] for _ in self.samples[len(self.decode):]]
+        return [d.draft for d in self.decode] + [[] for _ in self.samples[len(self.decode) :]]
 
 
 @dataclass
@@ -94,4 +106,6 @@ class StepResult:
     # its own next token (just that one for a row without a draft)
     sampled: list[list[Sampled]] = field(default_factory=list)
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # by sequence key
-    failed: dict[str, Exception] = field(default_factory=dict)  # jobs whose own work raised (an image, say)
+    failed: dict[str, Exception] = field(
+        default_factory=dict
+    )  # jobs whose own work raised (an image, say)

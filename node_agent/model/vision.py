@@ -29,7 +29,9 @@ from node_agent.model import architectures
 
 log = logging.getLogger(__name__)
 
-BIDIRECTIONAL_IMAGES = {"gemma3"}  # an image's tokens attend to each other both ways (HF's token_type_ids masks)
+BIDIRECTIONAL_IMAGES = {
+    "gemma3"
+}  # an image's tokens attend to each other both ways (HF's token_type_ids masks)
 _TEXT_INPUTS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
 
 
@@ -50,15 +52,29 @@ def load_processor(folder: Path) -> Any:
     processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
 
     def check(self, name: str, argument: Any) -> Any:
-        return None if argument is None else processor_class.check_argument_for_proper_class(self, name, argument)
+        return (
+            None
+            if argument is None
+            else processor_class.check_argument_for_proper_class(self, name, argument)
+        )
 
-    image_only = type(processor_class.__name__, (processor_class,), {"check_argument_for_proper_class": check})
+    image_only = type(
+        processor_class.__name__, (processor_class,), {"check_argument_for_proper_class": check}
+    )
     parts = {name: None for name in processor_class.get_attributes()}
     template = folder / "chat_template.jinja"
-    log.info("torchvision is not installed: %s's processor is built without its video processor", model_type)
-    return image_only(**parts | {"tokenizer": AutoTokenizer.from_pretrained(folder),
-                                 "image_processor": AutoImageProcessor.from_pretrained(folder)},
-                      chat_template=template.read_text() if template.exists() else None)
+    log.info(
+        "torchvision is not installed: %s's processor is built without its video processor",
+        model_type,
+    )
+    return image_only(
+        **parts
+        | {
+            "tokenizer": AutoTokenizer.from_pretrained(folder),
+            "image_processor": AutoImageProcessor.from_pretrained(folder),
+        },
+        chat_template=template.read_text() if template.exists() else None,
+    )
 
 
 @dataclass
@@ -66,7 +82,9 @@ class VisionPrompt:
     """One job's prompt as the language model reads it: embeddings with the images merged in."""
 
     embeds: torch.Tensor  # [L, H]
-    rope: torch.Tensor | None = None  # [3, L] M-RoPE positions; None: the cache columns are the positions
+    rope: torch.Tensor | None = (
+        None  # [3, L] M-RoPE positions; None: the cache columns are the positions
+    )
     rope_delta: int = 0  # rope position minus cache column for every token after the prompt
     # Images whose tokens attend both ways: their [start, end) spans, which a prefill chunk never
     # splits, and for each prompt token the last position it sees (its image's end, else itself).
@@ -125,8 +143,12 @@ def image_token_id(config: PretrainedConfig) -> int:
     return token if token is not None else config.image_token_index
 
 
-def embed_prompt(model: torch.nn.Module, prompt_ids: list[int], images: dict[str, np.ndarray],
-                 device: torch.device) -> VisionPrompt:
+def embed_prompt(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    images: dict[str, np.ndarray],
+    device: torch.device,
+) -> VisionPrompt:
     """Run the vision tower over a prompt's images and merge the features into its embeddings."""
     ids = torch.tensor(prompt_ids, device=device)
     arrays = {k: torch.from_numpy(np.asarray(v)).to(device) for k, v in images.items()}
@@ -134,7 +156,9 @@ def embed_prompt(model: torch.nn.Module, prompt_ids: list[int], images: dict[str
     features = _image_features(model, arrays).to(embeds.dtype)
     placeholders = ids == image_token_id(model.config)
     if int(placeholders.sum()) != features.shape[0]:
-        raise ValueError(f"the prompt has {int(placeholders.sum())} image tokens for {features.shape[0]} image features")
+        raise ValueError(
+            f"the prompt has {int(placeholders.sum())} image tokens for {features.shape[0]} image features"
+        )
     embeds = embeds.clone()
     embeds[placeholders] = features
     if model.config.model_type in BIDIRECTIONAL_IMAGES:

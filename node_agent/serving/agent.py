@@ -23,10 +23,10 @@ from node_agent.serving.served_pooler import served_class
 from shared import __version__, recovery, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
+from shared.errors import BrokerUnavailable, CortexError
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
 from shared.model_store import HUB_PREFIX, HubRef
-from shared.errors import BrokerUnavailable, CortexError
 from shared.redis_conn import BACKOFF_MAX_S, Outage, atomic, broadcast_client, connect
 from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
@@ -50,7 +50,9 @@ class NodeAgent:
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
         self._redis_run_id: str | None = None
-        self._cancelling: set[str] = set()  # jobs being cancelled (their unheard steps say so only once)
+        self._cancelling: set[str] = (
+            set()
+        )  # jobs being cancelled (their unheard steps say so only once)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -58,8 +60,14 @@ class NodeAgent:
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
-        self.publisher = Publisher(self.redis, self.keys, self.name, on_unheard=self._on_unheard,
-                                   on_lost=self._on_lost, retention_s=self.settings.stream_retention_s)
+        self.publisher = Publisher(
+            self.redis,
+            self.keys,
+            self.name,
+            on_unheard=self._on_unheard,
+            on_lost=self._on_lost,
+            retention_s=self.settings.stream_retention_s,
+        )
         self.publisher.start()
         self.puller = Puller(self.settings, self.redis, self.keys, self.name, self._protected_files)
         self.file_server = self._file_server()
@@ -72,12 +80,18 @@ class NodeAgent:
         if self.settings.cpu_bind:
             await self._bind_cpu_threads()
         await self._recover_predecessor()
-        tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._cancel_listener()),
-                 asyncio.create_task(self._command_listener()), asyncio.create_task(self._keep_alive_loop())]
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._cancel_listener()),
+            asyncio.create_task(self._command_listener()),
+            asyncio.create_task(self._keep_alive_loop()),
+        ]
         starting = asyncio.gather(*(self.load_model(m) for m in self.settings.models))
         stopping = asyncio.create_task(self._stop.wait())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():  # stopped while starting: a download may take hours, a load finishes
+        if (
+            not starting.done()
+        ):  # stopped while starting: a download may take hours, a load finishes
             await self.puller.stop()
         await starting
         await stopping
@@ -89,8 +103,11 @@ class NodeAgent:
         several would share the CPUs), or a log line saying why not."""
         cpu_threads = [thread for device, thread in self.threads.items() if devices.is_cpu(device)]
         if len(cpu_threads) != 1:
-            log.warning("cpu_bind %r ignored: it binds the threads of one CPU device (this node has %d)",
-                        self.settings.cpu_bind, len(cpu_threads))
+            log.warning(
+                "cpu_bind %r ignored: it binds the threads of one CPU device (this node has %d)",
+                self.settings.cpu_bind,
+                len(cpu_threads),
+            )
             return
         try:
             placed = await cpu_threads[0].call(devices.bind_threads, self.settings.cpu_bind)
@@ -105,8 +122,12 @@ class NodeAgent:
         """The server of this node's model files to peers, when a file port and the fleet secret are set."""
         if not (self.settings.file_port and self.settings.fleet_secret):
             return None
-        return FileServer(self.puller.store, self.settings.fleet_secret, self.settings.file_host,
-                          self.settings.file_port)
+        return FileServer(
+            self.puller.store,
+            self.settings.fleet_secret,
+            self.settings.file_host,
+            self.settings.file_port,
+        )
 
     @property
     def file_url(self) -> str:
@@ -120,32 +141,59 @@ class NodeAgent:
         would), so that their clients do not wait for the request timeout."""
         try:
             streams = [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]
-            found = [s for s in streams
-                     if await recovery.recover_consumer(self.redis, self.keys, s, self.name,
-                                                        self.settings.stream_retention_s)]
+            found = [
+                s
+                for s in streams
+                if await recovery.recover_consumer(
+                    self.redis, self.keys, s, self.name, self.settings.stream_retention_s
+                )
+            ]
             await self.redis.delete(self.keys.started(self.name))
-        except RedisError as exc:  # Redis away: the janitor recovers them once this node's old heartbeat is gone
+        except (
+            RedisError
+        ) as exc:  # Redis away: the janitor recovers them once this node's old heartbeat is gone
             log.warning("could not recover what a node called %s left: %s", self.name, exc)
             return
         if found:
-            log.warning("recovered the jobs a node called %s left unfinished on %d streams", self.name, len(found))
+            log.warning(
+                "recovered the jobs a node called %s left unfinished on %d streams",
+                self.name,
+                len(found),
+            )
 
     async def load_model(self, model_id: str) -> None:
         profile = self.catalog.resolve(model_id)
-        while (current := self.models.get(profile.id)) is not None and current.state == ModelState.UNLOADING:
+        while (
+            current := self.models.get(profile.id)
+        ) is not None and current.state == ModelState.UNLOADING:
             await asyncio.sleep(0.05)  # a load that races an unload waits for it, then loads again
         if current is not None and current.state != ModelState.FAILED:
             return
-        while profile.tensor_parallel > 1 and any(m.state == ModelState.UNLOADING and len(m.devices) > 1
-                                                  for m in self.models.values()):
-            await asyncio.sleep(0.05)  # placement evicts the node's tensor-parallel model first: let it go
+        while profile.tensor_parallel > 1 and any(
+            m.state == ModelState.UNLOADING and len(m.devices) > 1 for m in self.models.values()
+        ):
+            await asyncio.sleep(
+                0.05
+            )  # placement evicts the node's tensor-parallel model first: let it go
         # the least used devices (stable: discovery order breaks ties); a tensor-parallel model takes several
-        ranked = sorted(self.threads.values(), key=lambda t: sum(t.device in m.devices for m in self.models.values()))
+        ranked = sorted(
+            self.threads.values(),
+            key=lambda t: sum(t.device in m.devices for m in self.models.values()),
+        )
         chosen = ranked[: profile.tensor_parallel]
         pull = self.puller.start(profile) if self.puller.needs(profile) else None
-        served = served_class(profile)(profile, chosen[0], self.redis, self.keys, self.publisher, self.name,
-                                       self.settings, devices=[t.device for t in chosen],
-                                       load_from=self.puller.local_profile(profile), pull=pull)
+        served = served_class(profile)(
+            profile,
+            chosen[0],
+            self.redis,
+            self.keys,
+            self.publisher,
+            self.name,
+            self.settings,
+            devices=[t.device for t in chosen],
+            load_from=self.puller.local_profile(profile),
+            pull=pull,
+        )
         self.models[profile.id] = served
         await self._beat()  # show `downloading` or `loading` at once: placement waits for it
         if pull is not None and not await served.fetch():
@@ -199,7 +247,9 @@ class NodeAgent:
             elif command.cmd == "pull":
                 profile = self.catalog.resolve(command.model)
                 if self.puller.needs(profile):
-                    self.puller.start(profile)  # its end is logged; its progress is in the heartbeat
+                    self.puller.start(
+                        profile
+                    )  # its end is logged; its progress is in the heartbeat
             elif command.cmd == "rm":
                 await self.puller.remove(self.catalog.resolve(command.model))
                 await self._beat()
@@ -229,12 +279,22 @@ class NodeAgent:
         for model_id, served in list(self.models.items()):
             if served.faults.give_up_if_overdue():
                 await self._beat()
-            elif served.state == ModelState.FAILED and served.replica.age_s() > self.settings.failed_backoff_s:
-                log.info("%s failed here %.0f s ago; it may be placed here again", model_id, served.replica.age_s())
+            elif (
+                served.state == ModelState.FAILED
+                and served.replica.age_s() > self.settings.failed_backoff_s
+            ):
+                log.info(
+                    "%s failed here %.0f s ago; it may be placed here again",
+                    model_id,
+                    served.replica.age_s(),
+                )
                 self.models.pop(model_id, None)
                 await self._beat()
-            elif (served.state == ModelState.READY and served.ledger.idle_past(served.profile.keep_alive_s, now)
-                  and not await self._pinned(served)):
+            elif (
+                served.state == ModelState.READY
+                and served.ledger.idle_past(served.profile.keep_alive_s, now)
+                and not await self._pinned(served)
+            ):
                 log.info("%s idle past keep_alive; unloading", model_id)
                 await self.unload_model(model_id)
 
@@ -244,14 +304,18 @@ class NodeAgent:
 
     async def _protected_files(self) -> dict[str, str]:
         """Model folders the disk budget must not delete -> why: those of replicas here, and of pinned models."""
-        overrides = {k.decode(): v == b"1" for k, v in (await self.redis.hgetall(self.keys.pins())).items()}
+        overrides = {
+            k.decode(): v == b"1" for k, v in (await self.redis.hgetall(self.keys.pins())).items()
+        }
         found = {}
         for profile in self.catalog.profiles.values():
             if profile.source.startswith(HUB_PREFIX) and overrides.get(profile.id, profile.pin):
                 found[HubRef.parse(profile.source).folder] = f"{profile.id} is pinned"
         for model_id, served in self.models.items():
             if served.profile.source.startswith(HUB_PREFIX):
-                found[HubRef.parse(served.profile.source).folder] = f"{model_id} is {served.state} here"
+                found[HubRef.parse(served.profile.source).folder] = (
+                    f"{model_id} is {served.state} here"
+                )
         return found
 
     def stop(self) -> None:
@@ -263,8 +327,12 @@ class NodeAgent:
         answers: else it expires by itself, and the janitor settles what Redis still holds for us)."""
         self.state = NodeState.DRAINING
         await self._quietly(self._beat())
-        await asyncio.gather(*(m.drain(self.settings.shutdown_grace_s) for m in self.models.values()))
-        await asyncio.gather(*(m.free() for m in self.models.values()))  # tensor-parallel workers stop too
+        await asyncio.gather(
+            *(m.drain(self.settings.shutdown_grace_s) for m in self.models.values())
+        )
+        await asyncio.gather(
+            *(m.free() for m in self.models.values())
+        )  # tensor-parallel workers stop too
         await self.puller.stop()
         if self.file_server is not None:
             await self.file_server.stop()
@@ -272,8 +340,13 @@ class NodeAgent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._quietly(self.redis.delete(self.keys.node(self.name), self.keys.model_files(self.name),
-                                              *(self.keys.prefixes(model, self.name) for model in self.models)))
+        await self._quietly(
+            self.redis.delete(
+                self.keys.node(self.name),
+                self.keys.model_files(self.name),
+                *(self.keys.prefixes(model, self.name) for model in self.models),
+            )
+        )
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
         for thread in self.threads.values():
             thread.stop()
@@ -313,10 +386,16 @@ class NodeAgent:
     async def _beat(self) -> None:
         now = _now_ms()
         beat = NodeHeartbeat(
-            node=self.name, version=__version__, state=self.state, started_ms=self.started_ms, heartbeat_ms=now,
-            labels=self.settings.labels, devices=[self._budgeted(await t.info()) for t in self.threads.values()],
+            node=self.name,
+            version=__version__,
+            state=self.state,
+            started_ms=self.started_ms,
+            heartbeat_ms=now,
+            labels=self.settings.labels,
+            devices=[self._budgeted(await t.info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
-            file_url=self.file_url, pulls=self.puller.progress(),
+            file_url=self.file_url,
+            pulls=self.puller.progress(),
         )
         key = self.keys.node(self.name)
         async with atomic(self.redis) as pipe:
@@ -324,7 +403,9 @@ class NodeAgent:
             pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
             pipe.zadd(self.keys.nodes(), {self.name: now})
             for model in self.models:  # what their caches hold lives as long as the heartbeat
-                pipe.pexpire(self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
+                pipe.pexpire(
+                    self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000)
+                )
             self.puller.publish(pipe, int(self.settings.heartbeat_ttl_s * 1000))
             await pipe.execute()
 
@@ -334,7 +415,9 @@ class NodeAgent:
         budget = self.settings.memory_budget_mb
         if not devices.is_cpu(info.id) or not budget:
             return info
-        held = sum(m.memory_mb // len(m.devices) for m in self.models.values() if info.id in m.devices)
+        held = sum(
+            m.memory_mb // len(m.devices) for m in self.models.values() if info.id in m.devices
+        )
         return info.model_copy(update={"total_mb": budget, "free_mb": max(budget - held, 0)})
 
     # ---- cancellations from the fleet ------------------------------------------------------------
@@ -347,8 +430,13 @@ class NodeAgent:
             log.info("job %s has no listener any more; cancelling it", job)
 
     def _on_lost(self, job: str) -> None:
-        self._cancel_soon(job, BrokerUnavailable(f"node {self.name} lost its connection to Redis while it ran job "
-                                                 f"{job}; its output was lost"))
+        self._cancel_soon(
+            job,
+            BrokerUnavailable(
+                f"node {self.name} lost its connection to Redis while it ran job "
+                f"{job}; its output was lost"
+            ),
+        )
 
     def _cancel_soon(self, job: str, error: CortexError | None = None) -> bool:
         """Cancel a running job (once, however many of its steps report it) and pause reading new jobs
@@ -358,7 +446,9 @@ class NodeAgent:
             return False
         self._cancelling.add(job)
         for model in holding:
-            model.consumer.pause(BACKOFF_MAX_S + 0.5)  # a gateway's router tries Redis at least this often
+            model.consumer.pause(
+                BACKOFF_MAX_S + 0.5
+            )  # a gateway's router tries Redis at least this often
         task = asyncio.get_running_loop().create_task(self._cancel(job, error))
         task.add_done_callback(lambda _: self._cancelling.discard(job))
         return True
@@ -391,8 +481,12 @@ class NodeAgent:
 
 def run(settings: NodeSettings | None = None) -> None:
     settings = settings or NodeSettings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    threads = devices.node_torch_threads(settings.torch_threads, devices.discover(settings.device, settings.cpu_devices))
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    threads = devices.node_torch_threads(
+        settings.torch_threads, devices.discover(settings.device, settings.cpu_devices)
+    )
     if threads:
         torch.set_num_threads(threads)
     sys.setswitchinterval(settings.gil_switch_interval_s)

@@ -4,7 +4,9 @@ prompt leaves in the context."""
 from shared.catalog import ModelProfile
 
 
-def completion_budget(profile: ModelProfile, max_len: int, prompt_len: int, asked: int | None) -> int | None:
+def completion_budget(
+    profile: ModelProfile, max_len: int, prompt_len: int, asked: int | None
+) -> int | None:
     """`asked`, else the model's `default_max_tokens` (None: up to the context). Under the
     `clamp` policy, and always for the default, it is cut to the room the prompt leaves, so the
     job runs with what fits and ends with `length`; under `reject` an `asked` that does not fit

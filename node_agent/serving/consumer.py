@@ -63,11 +63,18 @@ class Consumer:
         """Acknowledge the entries Redis holds as delivered to this consumer that no job here runs."""
         self._settle = False
         running = {r.entry_id for r in self.ledger.running.values()}
-        orphans = [(stream, entry_id) for stream, entry_id in await self.reader.pending() if entry_id not in running]
+        orphans = [
+            (stream, entry_id)
+            for stream, entry_id in await self.reader.pending()
+            if entry_id not in running
+        ]
         if orphans:
             await self.reader.settle(orphans)
-            log.info("%s: acknowledged %d entries Redis held for jobs no longer running here", self.ledger.stream,
-                     len(orphans))
+            log.info(
+                "%s: acknowledged %d entries Redis held for jobs no longer running here",
+                self.ledger.stream,
+                len(orphans),
+            )
 
     async def fail_own_backlog(self, error: CortexError) -> None:
         """End the unread jobs routed to this node alone with `error` (its replica failed to load);
@@ -76,17 +83,29 @@ class Consumer:
             await self.reader.ensure_groups()
             while entries := await self.reader.own_backlog():
                 for e in entries:
-                    self.ledger.refuse(e.entry_id, e.fields.get(b"reply", b"").decode(errors="replace"), error,
-                                       e.stream, e.fields.get(b"job", b"").decode(errors="replace"))
-        except (OSError, RedisError) as exc:  # Redis away: the janitor moves this node's entries on when it is gone
-            log.warning("%s: could not fail the jobs routed here alone: %s", self.ledger.stream, exc)
+                    self.ledger.refuse(
+                        e.entry_id,
+                        e.fields.get(b"reply", b"").decode(errors="replace"),
+                        error,
+                        e.stream,
+                        e.fields.get(b"job", b"").decode(errors="replace"),
+                    )
+        except (
+            OSError,
+            RedisError,
+        ) as exc:  # Redis away: the janitor moves this node's entries on when it is gone
+            log.warning(
+                "%s: could not fail the jobs routed here alone: %s", self.ledger.stream, exc
+            )
 
     async def _loop(self) -> None:
         outage = Outage(log, f"reading {self.ledger.stream}")
         while self._running:
             free = self.ledger.free_slots
             try:
-                if self._settle:  # here, between reads: every entry read so far is in the ledger or has ended
+                if (
+                    self._settle
+                ):  # here, between reads: every entry read so far is in the ledger or has ended
                     await self.settle_orphans()
                 if free <= 0:
                     self.ledger.slot_freed.clear()
@@ -95,10 +114,14 @@ class Consumer:
                 if (paused_s := self._read_after - time.monotonic()) > 0:
                     await asyncio.sleep(paused_s)
                     continue
-                entries = await self.reader.read(free, self.ledger.batch_free(free))  # most urgent first
+                entries = await self.reader.read(
+                    free, self.ledger.batch_free(free)
+                )  # most urgent first
                 outage.ok()
             except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream or group was deleted under us (a Redis that kept nothing)
+                if "NOGROUP" in str(
+                    exc
+                ):  # the stream or group was deleted under us (a Redis that kept nothing)
                     log.warning("reading %s: %s; recreating the group", self.ledger.stream, exc)
                     await self._recreate_groups(outage)
                 else:  # Redis refuses: out of memory, read-only, cannot persist
@@ -109,7 +132,9 @@ class Consumer:
                 outage.failed(exc)
                 await asyncio.sleep(1)
                 continue
-            prepared = await self._prepare(entries)  # in the ledger now: the next read counts their slots
+            prepared = await self._prepare(
+                entries
+            )  # in the ledger now: the next read counts their slots
             # Read on while the device thread takes these: it admits every add queued between two
             # steps, so arrivals a read just missed still join the same prefill.
             adding = asyncio.create_task(self._add(prepared))
@@ -119,17 +144,31 @@ class Consumer:
     async def _prepare(self, entries: list[Entry]) -> list[Prepared]:
         """The read's entries prepared at once; one whose preparation broke (a bug) ends alone."""
         prepared = []
-        for e, result in zip(entries, await asyncio.gather(*(self.intake.prepare(e) for e in entries),
-                                                           return_exceptions=True)):
+        for e, result in zip(
+            entries,
+            await asyncio.gather(
+                *(self.intake.prepare(e) for e in entries), return_exceptions=True
+            ),
+        ):
             if isinstance(result, BaseException):
-                log.error("preparing entry %s failed: %s: %s", e.entry_id, type(result).__name__, result)
-                error = GenerationFailed(f"the job could not start ({type(result).__name__}: {result})")
-                job = next((j for j, r in self.ledger.running.items() if r.entry_id == e.entry_id), None)
+                log.error(
+                    "preparing entry %s failed: %s: %s", e.entry_id, type(result).__name__, result
+                )
+                error = GenerationFailed(
+                    f"the job could not start ({type(result).__name__}: {result})"
+                )
+                job = next(
+                    (j for j, r in self.ledger.running.items() if r.entry_id == e.entry_id), None
+                )
                 if job is not None:
                     self.ledger.fail(job, error)
                 else:
-                    self.ledger.refuse(e.entry_id, e.fields.get(b"reply", b"").decode(errors="replace"), error,
-                                       e.stream)
+                    self.ledger.refuse(
+                        e.entry_id,
+                        e.fields.get(b"reply", b"").decode(errors="replace"),
+                        error,
+                        e.stream,
+                    )
             elif result is not None:
                 prepared.append(result)
         return prepared
@@ -137,10 +176,15 @@ class Consumer:
     async def _add(self, jobs: list[Prepared]) -> None:
         try:
             await self.intake.add(jobs)
-        except Exception as exc:  # the hand-off itself failed (the engine went away meanwhile): these jobs fail
+        except (
+            Exception
+        ) as exc:  # the hand-off itself failed (the engine went away meanwhile): these jobs fail
             log.exception("handing %d jobs to the engine failed", len(jobs))
             for request, *_ in jobs:
-                self.ledger.fail(request.job, GenerationFailed(f"the job could not start ({type(exc).__name__}: {exc})"))
+                self.ledger.fail(
+                    request.job,
+                    GenerationFailed(f"the job could not start ({type(exc).__name__}: {exc})"),
+                )
 
     async def _recreate_groups(self, outage: Outage) -> None:
         try:

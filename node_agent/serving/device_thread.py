@@ -24,8 +24,12 @@ from shared.heartbeat import DeviceInfo
 log = logging.getLogger(__name__)
 
 Stepped = Engine | PoolingEngine
-StepSink = Callable[[StepOutput | PoolingStep], None]  # called on the device thread with one step's record
-FailureSink = Callable[[BaseException, list[str], bool], None]  # on the loop: the error, the jobs it failed,
+StepSink = Callable[
+    [StepOutput | PoolingStep], None
+]  # called on the device thread with one step's record
+FailureSink = Callable[
+    [BaseException, list[str], bool], None
+]  # on the loop: the error, the jobs it failed,
 # and whether the device itself is at fault
 
 
@@ -98,7 +102,9 @@ class DeviceThread:
             while work is not None:
                 work()
                 work = self._drain_one()
-            for engine in [e for e in busy or self._engines if e.has_work]:  # the work just run may have taken it
+            for engine in [
+                e for e in busy or self._engines if e.has_work
+            ]:  # the work just run may have taken it
                 self._step(engine, self._engines.get(engine))
 
     def _drain_one(self) -> Callable[[], None] | None:
@@ -112,13 +118,19 @@ class DeviceThread:
             return
         try:
             out = engine.core_step()
-        except Exception as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
+        except (
+            Exception
+        ) as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
             log.exception("engine step failed on %s", self.device)
             jobs = engine.fail_all()
             try:
                 device_fault = engine.is_device_fault(exc)
-            except Exception:  # cannot tell: treat it as the device's (the model is reloaded), keep the thread
-                log.exception("telling whether the failure is the device's failed on %s", self.device)
+            except (
+                Exception
+            ):  # cannot tell: treat it as the device's (the model is reloaded), keep the thread
+                log.exception(
+                    "telling whether the failure is the device's failed on %s", self.device
+                )
                 device_fault = True
             self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, device_fault)
             return

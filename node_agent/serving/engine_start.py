@@ -11,7 +11,9 @@ from shared.model_files import ModelLoadError
 from shared.settings import NodeSettings
 
 
-def start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str) -> Engine:
+def start_engine(
+    profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str
+) -> Engine:
     """On the device thread: load the model (sharded over `device_ids` when tensor-parallel) and
     build its engine; a tensor-parallel model's other ranks stop if that fails."""
     if profile.tensor_parallel > 1:
@@ -29,5 +31,7 @@ def start_engine(profile: ModelProfile, device_ids: list[str], settings: NodeSet
 def start_pooler(profile: ModelProfile, device: str, settings: NodeSettings) -> PoolingEngine:
     """On the device thread: load an embedding or rerank model and build its engine."""
     if profile.tensor_parallel > 1:
-        raise ModelLoadError(f"{profile.id}: embedding and rerank models run on one device (tensor_parallel = 1)")
+        raise ModelLoadError(
+            f"{profile.id}: embedding and rerank models run on one device (tensor_parallel = 1)"
+        )
     return PoolingEngine(pooling.load(profile, device, settings.hf_cache), profile)

@@ -12,11 +12,11 @@ import numpy as np
 
 from node_agent.engine.engine import Engine, check_fits
 from node_agent.serving import prompts
+from node_agent.serving.completion_budget import completion_budget
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.job_reader import Entry
 from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Ledger, Running, Send
-from node_agent.serving.completion_budget import completion_budget
 from node_agent.serving.output_process import Delivery
 from node_agent.serving.publisher import Outgoing
 from shared.catalog import ModelProfile
@@ -26,7 +26,9 @@ from shared.wire import DoneEvent, GenerationRequest, StartEvent, StreamEntry, U
 
 log = logging.getLogger(__name__)
 
-Prepared = tuple[GenerationRequest, list[int], float, dict[str, np.ndarray]]  # request, prompt ids, submitted, images
+Prepared = tuple[
+    GenerationRequest, list[int], float, dict[str, np.ndarray]
+]  # request, prompt ids, submitted, images
 
 
 def add_each(engine: Engine, jobs: list[Prepared]) -> list[tuple[str, CortexError]]:
@@ -44,12 +46,21 @@ def add_each(engine: Engine, jobs: list[Prepared]) -> list[tuple[str, CortexErro
 
 
 class Intake:
-    def __init__(self, profile: ModelProfile, settings: NodeSettings, node: str, device: DeviceThread,
-                 ledger: Ledger, send: Send):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        settings: NodeSettings,
+        node: str,
+        device: DeviceThread,
+        ledger: Ledger,
+        send: Send,
+    ):
         self.profile, self.settings, self.node, self.device = profile, settings, node, device
         self.ledger, self._send = ledger, send
         self.engine: Engine | None = None
-        self.max_prompt_chars: int | None = None  # longer prompts cannot fit: refused before tokenising
+        self.max_prompt_chars: int | None = (
+            None  # longer prompts cannot fit: refused before tokenising
+        )
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
@@ -71,16 +82,38 @@ class Intake:
         try:
             entry = StreamEntry.from_fields(e.fields)
             request = entry.request()
-        except Exception as exc:  # WireError, or bytes that are not even text: the entry alone is refused
-            log.error("refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc)
-            self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
+        except (
+            Exception
+        ) as exc:  # WireError, or bytes that are not even text: the entry alone is refused
+            log.error(
+                "refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc
+            )
+            self.ledger.refuse(
+                e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream
+            )
             return None
         trace = JobSpans.of(entry, e.entry_id, self.node)
-        self.ledger.admit(request.job, Running(e.entry_id, entry.reply, request.sampling.n, entry.keep_alive_s,
-                                               stream=stream, job_class=e.job_class, streaming=bool(entry.stream),
-                                               trace=trace, key=entry.key or ""))
-        log.info("job=%s request=%s admitted from %s%s", request.job, entry.request_id, e.entry_id,
-                 f" trace={entry.traceparent.split('-')[1]}" if entry.traceparent else "")
+        self.ledger.admit(
+            request.job,
+            Running(
+                e.entry_id,
+                entry.reply,
+                request.sampling.n,
+                entry.keep_alive_s,
+                stream=stream,
+                job_class=e.job_class,
+                streaming=bool(entry.stream),
+                trace=trace,
+                key=entry.key or "",
+            ),
+        )
+        log.info(
+            "job=%s request=%s admitted from %s%s",
+            request.job,
+            entry.request_id,
+            e.entry_id,
+            f" trace={entry.traceparent.split('-')[1]}" if entry.traceparent else "",
+        )
         try:
             self._check_memory()
             tokenizing_ns = time.time_ns()
@@ -88,15 +121,38 @@ class Intake:
             if trace is not None:
                 trace.tokenized_ns = (tokenizing_ns, time.time_ns())
             if request.kind == "count":  # count_tokens: the rendered prompt's length; nothing runs
-                self._send([Outgoing(entry.reply, [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.node)],
-                                     (stream, e.entry_id))], [])
+                self._send(
+                    [
+                        Outgoing(
+                            entry.reply,
+                            [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.node)],
+                            (stream, e.entry_id),
+                        )
+                    ],
+                    [],
+                )
                 self.ledger.release(request.job)
                 return None
             sampling = request.sampling
-            sampling.max_tokens = completion_budget(self.profile, self.engine.max_len, len(ids), sampling.max_tokens)
-            check_fits(self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens)
-            self._send([Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
-                       [Delivery(request.job, entry.reply, stream, e.entry_id, bool(entry.stream), key=entry.key or "")])
+            sampling.max_tokens = completion_budget(
+                self.profile, self.engine.max_len, len(ids), sampling.max_tokens
+            )
+            check_fits(
+                self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens
+            )
+            self._send(
+                [Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
+                [
+                    Delivery(
+                        request.job,
+                        entry.reply,
+                        stream,
+                        e.entry_id,
+                        bool(entry.stream),
+                        key=entry.key or "",
+                    )
+                ],
+            )
             return request, ids, float(entry.submitted_ms), images
         except Exception as exc:
             self.failed(request.job, exc)
@@ -113,15 +169,25 @@ class Intake:
         """In the thread pool: the prompt's token ids, and a vision model's image inputs for it."""
         engine = self.engine
         if engine.processor is not None:
-            return prompts.vision_prompt(engine.processor, self.profile, request, self.max_prompt_chars)
-        return prompts.prompt_ids(engine.tokenizer, self.profile, request, self.max_prompt_chars), {}
+            return prompts.vision_prompt(
+                engine.processor, self.profile, request, self.max_prompt_chars
+            )
+        return prompts.prompt_ids(
+            engine.tokenizer, self.profile, request, self.max_prompt_chars
+        ), {}
 
     def _start_event(self, request: GenerationRequest, ids: list[int]) -> StartEvent:
-        echo = request.echo and isinstance(request.prompt, list)  # a text prompt the gateway echoes itself
-        return StartEvent(prompt_tokens=len(ids), prompt_text=self.engine.tokenizer.decode(ids) if echo else None)
+        echo = request.echo and isinstance(
+            request.prompt, list
+        )  # a text prompt the gateway echoes itself
+        return StartEvent(
+            prompt_tokens=len(ids), prompt_text=self.engine.tokenizer.decode(ids) if echo else None
+        )
 
     def _check_memory(self) -> None:
         free = self.device.last_info.free_mb if self.device.last_info else None
         if free is not None and free < self.settings.min_free_mb:
-            raise InsufficientMemory(f"{self.device.device} on {self.node} has {free} MB free, "
-                                     f"below min_free_mb={self.settings.min_free_mb}")
+            raise InsufficientMemory(
+                f"{self.device.device} on {self.node} has {free} MB free, "
+                f"below min_free_mb={self.settings.min_free_mb}"
+            )

@@ -31,7 +31,9 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
 # interactive, 2: batch) and its max wait ms (0: never promoted).
 # Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
-_READ = queues.LUA_PENDING + """
+_READ = (
+    queues.LUA_PENDING
+    + """
 local group, consumer, want = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
@@ -86,6 +88,7 @@ end
 for g = 1, #KEYS / 3 do take(g, want) end
 return out
 """
+)
 
 
 @dataclass
@@ -97,7 +100,9 @@ class Entry:
 
 
 class JobReader:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, consumer: str, batch_max_wait_s: float):
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, model: str, consumer: str, batch_max_wait_s: float
+    ):
         self.redis, self.consumer = redis, consumer
         self.streams = queues.streams(keys, model, nodes=(consumer,))  # (class, stream), as read
         self.class_of = {stream: job_class for job_class, stream in self.streams}
@@ -133,8 +138,14 @@ class JobReader:
         found = []
         for _job_class, stream in self.streams:
             try:
-                entries = await self.redis.xpending_range(stream, CONSUMER_GROUP, min="-", max="+", count=10_000,
-                                                          consumername=self.consumer)
+                entries = await self.redis.xpending_range(
+                    stream,
+                    CONSUMER_GROUP,
+                    min="-",
+                    max="+",
+                    count=10_000,
+                    consumername=self.consumer,
+                )
             except ResponseError:  # no such stream or group
                 continue
             found += [(stream, entry["message_id"].decode()) for entry in entries]
@@ -170,13 +181,21 @@ class JobReader:
             return [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply]
         readable = [s for c, s in self.streams if c != "batch" or batch_free > 0]
         count = min(free, batch_free) if batch_free > 0 else free
-        blocked = await self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, dict.fromkeys(readable, ">"),
-                                              count=count, block=BLOCK_MS if batch_free > 0 else CAPPED_BLOCK_MS)
+        blocked = await self.redis.xreadgroup(
+            CONSUMER_GROUP,
+            self.consumer,
+            dict.fromkeys(readable, ">"),
+            count=count,
+            block=BLOCK_MS if batch_free > 0 else CAPPED_BLOCK_MS,
+        )
         return self._entries(blocked)
 
     def _entries(self, reply) -> list[Entry]:
-        return [Entry(stream.decode(), entry_id.decode(), self.class_of[stream.decode()], fields)
-                for stream, entries in reply or [] for entry_id, fields in entries]
+        return [
+            Entry(stream.decode(), entry_id.decode(), self.class_of[stream.decode()], fields)
+            for stream, entries in reply or []
+            for entry_id, fields in entries
+        ]
 
     def _entry(self, stream: bytes, entry_id: bytes, flat: list[bytes]) -> Entry:
         fields = dict(zip(flat[::2], flat[1::2]))

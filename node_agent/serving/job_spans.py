@@ -24,7 +24,9 @@ class JobSpans:
     parent: Context
     attributes: dict[str, str]
     read_ns: int
-    tokenized_ns: tuple[int, int] | None = None  # (start, end) of rendering and tokenising its prompt
+    tokenized_ns: tuple[int, int] | None = (
+        None  # (start, end) of rendering and tokenising its prompt
+    )
     error: str = ""  # the error code it failed with
 
     @classmethod
@@ -32,9 +34,15 @@ class JobSpans:
         """The trace of a job just read, if its request is traced and tracing is on here."""
         if entry.traceparent is None or tracing.tracer(SCOPE) is None:
             return None
-        attributes = {"cortex.job": entry.job, "cortex.model": entry.model, "cortex.node": node,
-                      "cortex.entry_id": entry_id}
-        return cls(tracing.parent_context({"traceparent": entry.traceparent}), attributes, time.time_ns())
+        attributes = {
+            "cortex.job": entry.job,
+            "cortex.model": entry.model,
+            "cortex.node": node,
+            "cortex.entry_id": entry_id,
+        }
+        return cls(
+            tracing.parent_context({"traceparent": entry.traceparent}), attributes, time.time_ns()
+        )
 
     def end(self, timings: Timings | None) -> None:
         """Make the job's spans, ending now: with the done event's `timings`, or None when it failed."""
@@ -42,10 +50,14 @@ class JobSpans:
         if tracer is None:
             return
         end_ns = time.time_ns()
-        job = tracer.start_span("node job", self.parent, SpanKind.CONSUMER, self.attributes, start_time=self.read_ns)
+        job = tracer.start_span(
+            "node job", self.parent, SpanKind.CONSUMER, self.attributes, start_time=self.read_ns
+        )
         inside = trace.set_span_in_context(job)
         if self.tokenized_ns is not None:
-            tracer.start_span("tokenize", inside, start_time=self.tokenized_ns[0]).end(self.tokenized_ns[1])
+            tracer.start_span("tokenize", inside, start_time=self.tokenized_ns[0]).end(
+                self.tokenized_ns[1]
+            )
         if timings is not None:
             first_token_ns = end_ns - int(timings.decode_ms * 1e6)
             admitted_ns = first_token_ns - int(timings.prefill_ms * 1e6)

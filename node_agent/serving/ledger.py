@@ -40,7 +40,11 @@ def now_ms() -> int:
 
 def keep_alive_ms(keep_alive_s: float) -> int:
     """A request's keep_alive in ms, within bounds whatever came over the wire (inf, nan included)."""
-    return int(min(max(keep_alive_s * 1000, 0), KEEP_ALIVE_MAX_MS)) if keep_alive_s == keep_alive_s else 0
+    return (
+        int(min(max(keep_alive_s * 1000, 0), KEEP_ALIVE_MAX_MS))
+        if keep_alive_s == keep_alive_s
+        else 0
+    )
 
 
 class Ledger:
@@ -77,7 +81,9 @@ class Ledger:
         if running is not None:
             if running.trace is not None:
                 running.trace.error = error.code
-            self.refuse(running.entry_id, running.reply, error, running.stream, job, running.streaming)
+            self.refuse(
+                running.entry_id, running.reply, error, running.stream, job, running.streaming
+            )
             self.release(job)
 
     def fail_all(self, error: CortexError, jobs: list[str] = ()) -> None:
@@ -85,17 +91,38 @@ class Ledger:
         for job in set(jobs) | set(self.running):
             self.fail(job, error)
 
-    def refuse(self, entry_id: str, reply: str, error: CortexError, stream: str = "", job: str = "",
-               tracked: bool = False) -> None:
+    def refuse(
+        self,
+        entry_id: str,
+        reply: str,
+        error: CortexError,
+        stream: str = "",
+        job: str = "",
+        tracked: bool = False,
+    ) -> None:
         """Answer an entry with `error` and acknowledge it (an entry never admitted, or one that `fail` ends)."""
         event = ErrorEvent(code=error.code, message=error.message)
-        self._send([Outgoing(reply, [event] if reply else [], (stream or self.stream, entry_id), job=job,
-                             tracked=tracked)], [])
+        self._send(
+            [
+                Outgoing(
+                    reply,
+                    [event] if reply else [],
+                    (stream or self.stream, entry_id),
+                    job=job,
+                    tracked=tracked,
+                )
+            ],
+            [],
+        )
 
     def idle_past(self, keep_alive_s: float, now: int) -> bool:
         """No job held, and `keep_alive_s` (and every ended request's keep_alive) past (`keep_alive_s` < 0: never)."""
         keep_alive = keep_alive_s * 1000
-        return not self.running and keep_alive >= 0 and now >= max(self.last_used_ms + keep_alive, self.keep_until_ms)
+        return (
+            not self.running
+            and keep_alive >= 0
+            and now >= max(self.last_used_ms + keep_alive, self.keep_until_ms)
+        )
 
     def release(self, job: str, timings: Timings | None = None) -> None:
         """The job ended (`timings`: its done event's, when it finished): its slots are free."""
@@ -104,5 +131,7 @@ class Ledger:
             running.trace.end(timings)
         self.last_used_ms = now_ms()
         if running is not None and running.keep_alive_s is not None:
-            self.keep_until_ms = max(self.keep_until_ms, self.last_used_ms + keep_alive_ms(running.keep_alive_s))
+            self.keep_until_ms = max(
+                self.keep_until_ms, self.last_used_ms + keep_alive_ms(running.keep_alive_s)
+            )
         self.slot_freed.set()

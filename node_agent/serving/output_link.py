@@ -19,7 +19,7 @@ import msgspec
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
-from node_agent.serving.output_process import FRAME, Feedback, Open, Publish, Delivery, Step, frame
+from node_agent.serving.output_process import FRAME, Delivery, Feedback, Open, Publish, Step, frame
 from node_agent.serving.publisher import Outgoing
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,9 @@ STOP_TIMEOUT_S = 10.0  # for the process to publish what it holds and exit, befo
 
 
 class OutputLink:
-    def __init__(self, config: dict, on_feedback: Callable[[Feedback], None], on_exit: Callable[[str], None]):
+    def __init__(
+        self, config: dict, on_feedback: Callable[[Feedback], None], on_exit: Callable[[str], None]
+    ):
         self.config = config  # redis_url, key_prefix, node, model, log_level, stream_retention_s
         self.on_feedback, self.on_exit = on_feedback, on_exit
         self.process: subprocess.Popen | None = None
@@ -46,14 +48,25 @@ class OutputLink:
         feedback, feedback_child = socket.socketpair()
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "node_agent.serving.output_process", str(inbox_child.fileno()),
-                 str(feedback_child.fileno())], pass_fds=(inbox_child.fileno(), feedback_child.fileno()))
+                [
+                    sys.executable,
+                    "-m",
+                    "node_agent.serving.output_process",
+                    str(inbox_child.fileno()),
+                    str(feedback_child.fileno()),
+                ],
+                pass_fds=(inbox_child.fileno(), feedback_child.fileno()),
+            )
         finally:
             inbox_child.close()
             feedback_child.close()
         self._inbox, self.alive = inbox, True
-        reader, self._feedback = await asyncio.open_unix_connection(sock=feedback)  # dropped, it would close
-        self._reading = asyncio.create_task(self._read(reader), name=f"output-feedback-{self.config['model']}")
+        reader, self._feedback = await asyncio.open_unix_connection(
+            sock=feedback
+        )  # dropped, it would close
+        self._reading = asyncio.create_task(
+            self._read(reader), name=f"output-feedback-{self.config['model']}"
+        )
 
     def open(self, text: TokenizerText) -> None:
         """Its settings and the model's tokenizer: the first message (the URL may hold Redis's password)."""
@@ -82,7 +95,7 @@ class OutputLink:
         failure = ""
         try:
             while True:
-                size, = FRAME.unpack(await reader.readexactly(FRAME.size))
+                (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
                 self.on_feedback(decoder.decode(await reader.readexactly(size)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -94,8 +107,10 @@ class OutputLink:
             self.alive = False
         if not self._closing:
             code = await asyncio.to_thread(self.process.wait)
-            self.on_exit(f"the output process of {self.config['model']} exited (code {code})"
-                         + (f": {failure}" if failure else ""))
+            self.on_exit(
+                f"the output process of {self.config['model']} exited (code {code})"
+                + (f": {failure}" if failure else "")
+            )
 
     async def close(self) -> None:
         """Let the process publish what it holds and exit (killed after STOP_TIMEOUT_S)."""
@@ -108,8 +123,11 @@ class OutputLink:
         try:
             await asyncio.wait_for(asyncio.to_thread(self.process.wait), STOP_TIMEOUT_S)
         except TimeoutError:
-            log.warning("%s: the output process did not stop in %.0f s; killing it", self.config["model"],
-                        STOP_TIMEOUT_S)
+            log.warning(
+                "%s: the output process did not stop in %.0f s; killing it",
+                self.config["model"],
+                STOP_TIMEOUT_S,
+            )
             self.process.kill()
             await asyncio.to_thread(self.process.wait)
         if self._reading is not None:

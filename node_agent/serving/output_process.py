@@ -63,7 +63,9 @@ class Open(msgspec.Struct, tag=True, array_like=True):
     log_level: str
     tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
     stream_retention_s: int = 600  # how long a job's event log lives after it ends
-    heartbeat_ttl_s: float = 8.0  # what the cache's prefix marks (`Keys.prefixes`) live without a renewal
+    heartbeat_ttl_s: float = (
+        8.0  # what the cache's prefix marks (`Keys.prefixes`) live without a renewal
+    )
 
 
 class Publish(msgspec.Struct, tag=True, array_like=True):
@@ -83,7 +85,9 @@ class Feedback(msgspec.Struct, array_like=True, omit_defaults=True):
     ended: list[str] = []  # jobs whose last events (and acknowledgement) went to the publisher
     unheard: list[str] = []  # jobs nobody listens to any more
     lost: list[str] = []  # running jobs whose events Redis did not take
-    timings: dict[str, Timings] = {}  # of the `ended` jobs that finished: their done event's (the node's spans)
+    timings: dict[
+        str, Timings
+    ] = {}  # of the `ended` jobs that finished: their done event's (the node's spans)
 
 
 def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
@@ -128,7 +132,9 @@ class OutputSide:
         for route in message.routes:
             self.routes[route.job] = route
         for item in message.items:
-            if item.ack and item.job:  # the node ended it (failed, cancelled): no more events from the engine's side
+            if (
+                item.ack and item.job
+            ):  # the node ended it (failed, cancelled): no more events from the engine's side
                 route = self.routes.pop(item.job, None)
                 used = self.output.drop(item.job)
                 if route is not None and route.key and used is not None:
@@ -147,19 +153,28 @@ class OutputSide:
             del self.routes[job]
             used = self.output.consumed.get(job)
             charge = Charge(route.key, used) if route.key and used is not None else None
-        return Outgoing(route.channel, events, (route.stream, route.entry_id) if ended else None, job,
-                        started=first, tracked=route.streaming, charge=charge)
+        return Outgoing(
+            route.channel,
+            events,
+            (route.stream, route.entry_id) if ended else None,
+            job,
+            started=first,
+            tracked=route.streaming,
+            charge=charge,
+        )
 
 
 async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
-    reader, inbox_writer = await asyncio.open_unix_connection(sock=inbox)  # a writer dropped closes its socket
+    reader, inbox_writer = await asyncio.open_unix_connection(
+        sock=inbox
+    )  # a writer dropped closes its socket
     _, writer = await asyncio.open_unix_connection(sock=feedback)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(Message)
 
     async def receive() -> Message | None:
         try:
-            size, = FRAME.unpack(await reader.readexactly(FRAME.size))
+            (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
             return decoder.decode(await reader.readexactly(size))
         except asyncio.IncompleteReadError:  # the node closed its end (or is gone)
             return None
@@ -170,21 +185,34 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     opened = await receive()
     if not isinstance(opened, Open):
         return
-    logging.basicConfig(level=opened.log_level,
-                        format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=opened.log_level,
+        format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s",
+    )
     redis = connect(opened.redis_url)
     keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
     index = CacheIndex(keys.prefixes(opened.model, opened.node), int(opened.heartbeat_ttl_s * 1000))
-    publisher = Publisher(redis, keys, opened.node,
-                          on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
-                          on_lost=lambda job: send_feedback(Feedback(lost=[job])),
-                          retention_s=opened.stream_retention_s, cache_index=index)
+    publisher = Publisher(
+        redis,
+        keys,
+        opened.node,
+        on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
+        on_lost=lambda job: send_feedback(Feedback(lost=[job])),
+        retention_s=opened.stream_retention_s,
+        cache_index=index,
+    )
     publisher.start()
-    side = OutputSide(OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node), publisher, send_feedback)
+    side = OutputSide(
+        OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node),
+        publisher,
+        send_feedback,
+    )
     while (message := await receive()) is not None:
         try:
             side.handle(message)
-        except Exception:  # a bug here must not pass silently; the node reloads the model when this exits
+        except (
+            Exception
+        ):  # a bug here must not pass silently; the node reloads the model when this exits
             log.exception("%s: the output process failed", opened.model)
             raise
     await publisher.stop()
@@ -194,7 +222,9 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the node's to handle: it closes our inbox
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # a terminal's Ctrl-C is the node's to handle: it closes our inbox
     asyncio.run(serve(socket.socket(fileno=int(argv[0])), socket.socket(fileno=int(argv[1]))))
 
 

@@ -16,25 +16,33 @@ def encode(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
     texts = [(i, text) for i, text in enumerate(request.inputs) if isinstance(text, str)]
     rows: list[list[int]] = [[] for _ in request.inputs]
     if texts:
-        tokenized = loaded.tokenizer([text for _, text in texts], truncation=request.truncate,
-                                     max_length=loaded.max_len if request.truncate else None)["input_ids"]
+        tokenized = loaded.tokenizer(
+            [text for _, text in texts],
+            truncation=request.truncate,
+            max_length=loaded.max_len if request.truncate else None,
+        )["input_ids"]
         for (i, _), ids in zip(texts, tokenized):
             rows[i] = ids
     vocab = len(loaded.tokenizer)
     for i, given in enumerate(request.inputs):
         if isinstance(given, list):
             ids = _checked_ids(given, vocab, i)
-            rows[i] = ids[:loaded.max_len] if request.truncate else ids
+            rows[i] = ids[: loaded.max_len] if request.truncate else ids
         _check_length(len(rows[i]), loaded.max_len, i)
     return Encoded(rows)
 
 
 def _pairs(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
     if len(request.queries) != len(request.inputs):
-        raise InvalidRequest(f"{len(request.queries)} queries for {len(request.inputs)} documents", param="query")
-    encoded = loaded.tokenizer(request.queries, list(request.inputs),
-                               truncation="only_second" if request.truncate else False,
-                               max_length=loaded.max_len if request.truncate else None)
+        raise InvalidRequest(
+            f"{len(request.queries)} queries for {len(request.inputs)} documents", param="query"
+        )
+    encoded = loaded.tokenizer(
+        request.queries,
+        list(request.inputs),
+        truncation="only_second" if request.truncate else False,
+        max_length=loaded.max_len if request.truncate else None,
+    )
     for i, ids in enumerate(encoded["input_ids"]):
         _check_length(len(ids), loaded.max_len, i, "documents")
     return Encoded(encoded["input_ids"], encoded.get("token_type_ids"))
@@ -44,9 +52,11 @@ def _checked_ids(ids: list[int], vocab: int, index: int) -> list[int]:
     if not ids:
         raise InvalidRequest(f"input {index} is an empty list of token ids", param="input")
     if not all(0 <= token < vocab for token in ids):
-        raise InvalidRequest(f"input {index} holds token ids outside this model's vocabulary of {vocab} (token ids "
-                             "must be the model's own; a client tokenising with tiktoken should send text instead)",
-                             param="input")
+        raise InvalidRequest(
+            f"input {index} holds token ids outside this model's vocabulary of {vocab} (token ids "
+            "must be the model's own; a client tokenising with tiktoken should send text instead)",
+            param="input",
+        )
     return ids
 
 
@@ -54,12 +64,17 @@ def _check_length(tokens: int, max_len: int, index: int, param: str = "input") -
     if tokens == 0:
         raise InvalidRequest(f"input {index} has no tokens for this model", param=param)
     if tokens > max_len:
-        raise ContextLengthExceeded(f"input {index} has {tokens} tokens; this model takes at most {max_len}. Shorten "
-                                    "it, or ask for truncation", param=param)
+        raise ContextLengthExceeded(
+            f"input {index} has {tokens} tokens; this model takes at most {max_len}. Shorten "
+            "it, or ask for truncation",
+            param=param,
+        )
 
 
 def _check_dimensions(loaded: LoadedPooler, dimensions: int | None) -> None:
     full = loaded.model.config.hidden_size
     if dimensions is not None and not 0 < dimensions <= full:
-        raise InvalidRequest(f"dimensions must be between 1 and the model's {full}; got {dimensions}",
-                             param="dimensions")
+        raise InvalidRequest(
+            f"dimensions must be between 1 and the model's {full}; got {dimensions}",
+            param="dimensions",
+        )

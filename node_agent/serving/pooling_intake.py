@@ -18,7 +18,9 @@ from shared.wire import POOLING_KINDS, PoolingRequest, StreamEntry, WireError
 
 log = logging.getLogger(__name__)
 
-Queued = tuple[PoolingRequest, Encoded, float]  # the request, its inputs' token ids, when it was submitted (ms)
+Queued = tuple[
+    PoolingRequest, Encoded, float
+]  # the request, its inputs' token ids, when it was submitted (ms)
 
 
 def _add_all(engine: PoolingEngine, jobs: list[Queued]) -> None:
@@ -42,21 +44,49 @@ class PoolingIntake(Intake):
         try:
             entry = StreamEntry.from_fields(e.fields)
             if entry.kind not in POOLING_KINDS:
-                raise WireError(f"a {entry.kind} job for {self.profile.kind} model {self.profile.id}")
+                raise WireError(
+                    f"a {entry.kind} job for {self.profile.kind} model {self.profile.id}"
+                )
             request = entry.pooling_request()
-        except Exception as exc:  # WireError, or bytes that are not even text: the entry alone is refused
-            log.error("refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc)
+        except (
+            Exception
+        ) as exc:  # WireError, or bytes that are not even text: the entry alone is refused
+            log.error(
+                "refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc
+            )
             reply = e.fields.get(b"reply", b"").decode(errors="replace")
-            self.ledger.refuse(e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream)
+            self.ledger.refuse(
+                e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream
+            )
             return None
-        self.ledger.admit(request.job, Running(e.entry_id, entry.reply, 1, entry.keep_alive_s, stream=stream,
-                                               job_class=e.job_class, trace=JobSpans.of(entry, e.entry_id, self.node),
-                                               key=entry.key or ""))
-        log.info("job=%s request=%s: %d inputs to %s, from %s", request.job, entry.request_id, len(request.inputs),
-                 request.kind, e.entry_id)
+        self.ledger.admit(
+            request.job,
+            Running(
+                e.entry_id,
+                entry.reply,
+                1,
+                entry.keep_alive_s,
+                stream=stream,
+                job_class=e.job_class,
+                trace=JobSpans.of(entry, e.entry_id, self.node),
+                key=entry.key or "",
+            ),
+        )
+        log.info(
+            "job=%s request=%s: %d inputs to %s, from %s",
+            request.job,
+            entry.request_id,
+            len(request.inputs),
+            request.kind,
+            e.entry_id,
+        )
         try:
             self._check_memory()
-            return request, await asyncio.to_thread(encode, self.engine.lm, request), float(entry.submitted_ms)
+            return (
+                request,
+                await asyncio.to_thread(encode, self.engine.lm, request),
+                float(entry.submitted_ms),
+            )
         except Exception as exc:
             self.failed(request.job, exc)
         return None

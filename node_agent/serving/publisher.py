@@ -52,7 +52,9 @@ class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
     events: list[Event]  # in order
     ack: tuple[str, str] | None = None  # (stream, entry id) to XACK + XDEL after publishing
     job: str = ""
-    started: bool = False  # a streaming job's first output: noted in `Keys.started` (before it is published)
+    started: bool = (
+        False  # a streaming job's first output: noted in `Keys.started` (before it is published)
+    )
     tracked: bool = False  # a streaming job whose note is dropped when it ends (with `ack`)
     charge: Charge | None = None  # with `ack`: the job's tokens, counted in the same round trip
 
@@ -63,13 +65,17 @@ class Publisher:
     keys: Keys
     node: str
     on_unheard: Callable[[str], None]  # a job nobody listens to any more (its gateway is gone)
-    on_lost: Callable[[str], None] = lambda job: None  # a running job whose events Redis did not take
+    on_lost: Callable[[str], None] = lambda job: (
+        None
+    )  # a running job whose events Redis did not take
     retention_s: int = 600  # a job's event log lives this long after it ends (`stream_retention_s`)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
     _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
     _outage: Outage = field(default_factory=lambda: Outage(log, "publisher"))
-    _logs: dict[str, float] = field(default_factory=dict)  # job -> when its log's expiry is due again, or NO_LOG
+    _logs: dict[str, float] = field(
+        default_factory=dict
+    )  # job -> when its log's expiry is due again, or NO_LOG
     cache_index: CacheIndex | None = None  # the model's prefix marks, written with each round trip
 
     def start(self) -> None:
@@ -89,7 +95,9 @@ class Publisher:
     async def _run(self) -> None:
         while True:
             try:
-                batches = [await asyncio.wait_for(self._queue.get(), RETRY_S if self._kept else None)]
+                batches = [
+                    await asyncio.wait_for(self._queue.get(), RETRY_S if self._kept else None)
+                ]
             except TimeoutError:
                 batches = []
             while not self._queue.empty():
@@ -101,12 +109,21 @@ class Publisher:
                 self._outage.ok()
             except (RedisError, OSError) as exc:
                 self._outage.failed(exc)
-                self._keep(outgoing, BrokerUnavailable(f"node {self.node} lost its connection to Redis; the job's "
-                                                       "output was lost"))
+                self._keep(
+                    outgoing,
+                    BrokerUnavailable(
+                        f"node {self.node} lost its connection to Redis; the job's output was lost"
+                    ),
+                )
             except Exception as exc:  # a bug (an event that cannot be packed): the jobs end, their entries are settled
                 log.exception("publishing %d batches failed", len(batches))
-                self._keep(outgoing, GenerationFailed(f"node {self.node} could not publish the job's output "
-                                                      f"({type(exc).__name__}: {exc})"))
+                self._keep(
+                    outgoing,
+                    GenerationFailed(
+                        f"node {self.node} could not publish the job's output "
+                        f"({type(exc).__name__}: {exc})"
+                    ),
+                )
             finally:
                 for _ in batches:
                     self._queue.task_done()
@@ -117,8 +134,16 @@ class Publisher:
         for item in failed:
             if item.ack:
                 events = [ErrorEvent(code=error.code, message=error.message)] if item.events else []
-                self._kept.append(Outgoing(item.channel, events, item.ack, item.job, tracked=item.tracked,
-                                           charge=item.charge))
+                self._kept.append(
+                    Outgoing(
+                        item.channel,
+                        events,
+                        item.ack,
+                        item.job,
+                        tracked=item.tracked,
+                        charge=item.charge,
+                    )
+                )
             elif item.events and item.job:
                 self.on_lost(item.job)
 
@@ -141,9 +166,17 @@ class Publisher:
                 if item.tracked:
                     pipe.srem(started, item.job)
                 if item.charge is not None:
-                    usage_meter.charge(pipe, self.keys, item.charge.key, item.job, item.charge.usage,
-                                       self.retention_s)
-        marks = self.cache_index.write(pipe) if self.cache_index is not None else None  # replies after the items'
+                    usage_meter.charge(
+                        pipe,
+                        self.keys,
+                        item.charge.key,
+                        item.job,
+                        item.charge.usage,
+                        self.retention_s,
+                    )
+        marks = (
+            self.cache_index.write(pipe) if self.cache_index is not None else None
+        )  # replies after the items'
         try:
             replies = iter(await pipe.execute())
         except BaseException:
@@ -178,5 +211,7 @@ class Publisher:
         if not item.job or not packed or (due := self._logs.get(item.job)) == NO_LOG:
             return None
         expire = item.ack is not None or due is None or now >= due
-        event_log.append(pipe, self.keys.event_log(item.job), packed, self.retention_s if expire else None)
+        event_log.append(
+            pipe, self.keys.event_log(item.job), packed, self.retention_s if expire else None
+        )
         return expire

@@ -29,8 +29,14 @@ import time
 
 from shared.lifecycle import ModelState
 
-D, L, R, P, U, F = (ModelState.DOWNLOADING, ModelState.LOADING, ModelState.READY, ModelState.POISONED,
-                    ModelState.UNLOADING, ModelState.FAILED)
+D, L, R, P, U, F = (
+    ModelState.DOWNLOADING,
+    ModelState.LOADING,
+    ModelState.READY,
+    ModelState.POISONED,
+    ModelState.UNLOADING,
+    ModelState.FAILED,
+)
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     D: frozenset({L, U, F}),
     L: frozenset({R, U, F}),

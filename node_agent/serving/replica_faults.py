@@ -27,8 +27,10 @@ class ReplicaFaults:
         if device_fault:
             self.poison(exc, jobs)
             return
-        error = GenerationFailed(f"the engine step failed ({type(exc).__name__}: {exc}); the model is still served, "
-                                 "try again")
+        error = GenerationFailed(
+            f"the engine step failed ({type(exc).__name__}: {exc}); the model is still served, "
+            "try again"
+        )
         for job in jobs:
             self.served.ledger.fail(job, error)
 
@@ -40,21 +42,34 @@ class ReplicaFaults:
             served.replica.to(ModelState.POISONED, error)
             log.error("%s is poisoned (%s); reloading it", served.profile.id, error)
             served.consumer.halt()  # the slots freed below must not wake the reader
-            asyncio.get_running_loop().create_task(self._reload(), name=f"reload-{served.profile.id}")
-        served.ledger.fail_all(ModelPoisoned(f"{served.profile.id} failed on {served.consumer_name} "
-                                             f"({', '.join(served.devices)}): {error}; it is being reloaded"), jobs)
+            asyncio.get_running_loop().create_task(
+                self._reload(), name=f"reload-{served.profile.id}"
+            )
+        served.ledger.fail_all(
+            ModelPoisoned(
+                f"{served.profile.id} failed on {served.consumer_name} "
+                f"({', '.join(served.devices)}): {error}; it is being reloaded"
+            ),
+            jobs,
+        )
 
     async def _reload(self) -> None:
         """`poisoned` → `ready` once the old engine is freed and a new one built; → `failed` when either fails."""
         served, error = self.served, self.served.replica.error
         await served.consumer.stop()
-        served.ledger.fail_all(ModelPoisoned(f"{served.profile.id} failed on {served.consumer_name}: {error}; "
-                                             "it is being reloaded"))  # handed over by the last read
+        served.ledger.fail_all(
+            ModelPoisoned(
+                f"{served.profile.id} failed on {served.consumer_name}: {error}; "
+                "it is being reloaded"
+            )
+        )  # handed over by the last read
         try:
             await served.free()
         except Exception as exc:
             if served.replica.can(ModelState.FAILED):
-                served.replica.to(ModelState.FAILED, f"{error}; freeing it failed: {type(exc).__name__}: {exc}")
+                served.replica.to(
+                    ModelState.FAILED, f"{error}; freeing it failed: {type(exc).__name__}: {exc}"
+                )
             log.error("%s could not be freed after it was poisoned: %s", served.profile.id, exc)
             return
         if served.state == ModelState.POISONED:  # not unloaded or given up meanwhile
@@ -74,15 +89,24 @@ class ReplicaFaults:
             log.error("%s: freeing a failed load failed too: %s", served.profile.id, free_exc)
         if failed:
             await served.consumer.fail_own_backlog(
-                ModelLoadFailed(f"loading {served.profile.id} on {served.consumer_name} failed: {error}"))
+                ModelLoadFailed(
+                    f"loading {served.profile.id} on {served.consumer_name} failed: {error}"
+                )
+            )
 
     def give_up_if_overdue(self) -> bool:
         """`loading` or `poisoned` past `replica_stuck_s`: `failed`, so the fleet places the model elsewhere."""
         served, stuck_s = self.served, self.served.settings.replica_stuck_s
         if not served.replica.overdue(stuck_s):
             return False
-        log.error("%s has been %s for over %.0f s; giving it up", served.profile.id, served.state, stuck_s)
+        log.error(
+            "%s has been %s for over %.0f s; giving it up", served.profile.id, served.state, stuck_s
+        )
         served.replica.to(ModelState.FAILED, f"{served.state} for over {stuck_s:.0f} s")
-        served.ledger.fail_all(ModelLoadFailed(f"{served.profile.id} on {served.consumer_name} was given up: "
-                                               f"{served.replica.error}"))
+        served.ledger.fail_all(
+            ModelLoadFailed(
+                f"{served.profile.id} on {served.consumer_name} was given up: "
+                f"{served.replica.error}"
+            )
+        )
         return True

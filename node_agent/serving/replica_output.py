@@ -15,11 +15,24 @@ from shared.settings import NodeSettings
 
 
 class ReplicaOutput:
-    def __init__(self, settings: NodeSettings, node: str, model: str, publisher: Publisher,
-                 on_feedback: Callable[[Feedback], None], on_exit: Callable[[str], None]):
-        self.config = dict(redis_url=settings.redis_url, key_prefix=settings.key_prefix, node=node, model=model,
-                           log_level=settings.log_level, stream_retention_s=settings.stream_retention_s,
-                           heartbeat_ttl_s=settings.heartbeat_ttl_s)
+    def __init__(
+        self,
+        settings: NodeSettings,
+        node: str,
+        model: str,
+        publisher: Publisher,
+        on_feedback: Callable[[Feedback], None],
+        on_exit: Callable[[str], None],
+    ):
+        self.config = dict(
+            redis_url=settings.redis_url,
+            key_prefix=settings.key_prefix,
+            node=node,
+            model=model,
+            log_level=settings.log_level,
+            stream_retention_s=settings.stream_retention_s,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        )
         self.publisher, self.on_feedback, self.on_exit = publisher, on_feedback, on_exit
         self.link: OutputLink | None = None  # while the replica is loaded
 

@@ -14,10 +14,10 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
-from node_agent.serving.engine_start import start_engine
 from node_agent.files.puller import Pull
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
+from node_agent.serving.engine_start import start_engine
 from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
@@ -43,24 +43,47 @@ class OutputProcessExited(RuntimeError):
 class ServedModel:
     intake_type: type[Intake] = Intake  # what turns its stream entries into engine requests
 
-    def __init__(self, profile: ModelProfile, device: DeviceThread, redis: aioredis.Redis, keys: Keys,
-                 publisher: Publisher, consumer_name: str, settings: NodeSettings, devices: list[str] | None = None,
-                 *, load_from: ModelProfile | None = None, pull: Pull | None = None):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        device: DeviceThread,
+        redis: aioredis.Redis,
+        keys: Keys,
+        publisher: Publisher,
+        consumer_name: str,
+        settings: NodeSettings,
+        devices: list[str] | None = None,
+        *,
+        load_from: ModelProfile | None = None,
+        pull: Pull | None = None,
+    ):
         """`load_from`: the profile the engine loads (its source the files' folder on this node, when
         pulled); `pull`: its files are on their way (the replica starts `downloading`, see `fetch`)."""
         self.profile, self.device = profile, device
         self.load_from = load_from or profile
         self.devices = devices or [device.device]  # rank 0's first when tensor-parallel
         self.publisher, self.consumer_name, self.settings = publisher, consumer_name, settings
-        self.replica = Replica(profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING)
+        self.replica = Replica(
+            profile.id, state=ModelState.LOADING if pull is None else ModelState.DOWNLOADING
+        )
         self.pull = pull  # while downloading
         self.engine: Engine | None = None
-        self.output = ReplicaOutput(settings, consumer_name, profile.id, publisher, self.on_feedback, lambda reason:
-                                    self.faults.poison(OutputProcessExited(reason), list(self.ledger.running)))
+        self.output = ReplicaOutput(
+            settings,
+            consumer_name,
+            profile.id,
+            publisher,
+            self.on_feedback,
+            lambda reason: self.faults.poison(
+                OutputProcessExited(reason), list(self.ledger.running)
+            ),
+        )
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
         self.ledger = Ledger(profile, settings, keys.jobs(profile.id), self.output.send)
-        self.intake = self.intake_type(profile, settings, consumer_name, device, self.ledger, self.output.send)
+        self.intake = self.intake_type(
+            profile, settings, consumer_name, device, self.ledger, self.output.send
+        )
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
         self.faults = ReplicaFaults(self)  # every move to `poisoned` or `failed`
 
@@ -69,18 +92,30 @@ class ServedModel:
         return self.replica.state
 
     def info(self) -> ModelInfo:
-        return ModelInfo(state=self.state, device=self.device.device, devices=self.devices,
-                         slots_total=self.profile.slots, slots_used=self.ledger.used_slots, memory_mb=self.memory_mb,
-                         last_used_ms=self.ledger.last_used_ms, keep_until_ms=self.ledger.keep_until_ms,
-                         error=self.replica.error, download=self.pull.progress() if self.pull is not None else None,
-                         **(self.engine.replica_facts() if self.engine is not None else {}))
+        return ModelInfo(
+            state=self.state,
+            device=self.device.device,
+            devices=self.devices,
+            slots_total=self.profile.slots,
+            slots_used=self.ledger.used_slots,
+            memory_mb=self.memory_mb,
+            last_used_ms=self.ledger.last_used_ms,
+            keep_until_ms=self.ledger.keep_until_ms,
+            error=self.replica.error,
+            download=self.pull.progress() if self.pull is not None else None,
+            **(self.engine.replica_facts() if self.engine is not None else {}),
+        )
 
     @property
     def memory_mb(self) -> int:
         """The catalogue's reservation, or what the engine holds once that is more (graphs captured
         as traffic reaches new shapes make it grow); every rank holds as much as rank 0."""
         engine = self.engine
-        held = engine.memory_bytes() * self.profile.tensor_parallel if engine is not None and engine.decoder else 0
+        held = (
+            engine.memory_bytes() * self.profile.tensor_parallel
+            if engine is not None and engine.decoder
+            else 0
+        )
         return max(self.reserved_mb, held >> 20)
 
     async def fetch(self) -> bool:
@@ -91,8 +126,11 @@ class ServedModel:
         except asyncio.CancelledError:
             if not self.pull.task.cancelled():
                 raise  # this replica's load was cancelled, not the pull
-            await self.faults.load_failed(ModelPullFailed(f"the pull of {self.profile.id}'s files stopped: the "
-                                                          "node is shutting down"))
+            await self.faults.load_failed(
+                ModelPullFailed(
+                    f"the pull of {self.profile.id}'s files stopped: the node is shutting down"
+                )
+            )
             return False
         except Exception as exc:
             await self.faults.load_failed(exc)
@@ -110,7 +148,9 @@ class ServedModel:
         this replica alone failed."""
         try:
             await self._open()
-            self.reserved_mb = self.memory_mb  # what it held once loaded stays reserved across a reload
+            self.reserved_mb = (
+                self.memory_mb
+            )  # what it held once loaded stays reserved across a reload
             await self.reader.ensure_groups()
             self.replica.to(ModelState.READY)
         except Exception as exc:
@@ -118,13 +158,19 @@ class ServedModel:
             return
         self.ledger.last_used_ms = now_ms()
         self.consumer.start()
-        log.info("%s ready on %s (%d slots)", self.profile.id, ", ".join(self.devices), self.profile.slots)
+        log.info(
+            "%s ready on %s (%d slots)",
+            self.profile.id,
+            ", ".join(self.devices),
+            self.profile.slots,
+        )
 
     async def _open(self) -> None:
         """Start the output process, build the engine on the device thread and step it there."""
         await self.output.start()  # it starts up while the model loads
-        self.engine = await self.device.call(start_engine, self.load_from, self.devices, self.settings,
-                                             self.consumer_name)
+        self.engine = await self.device.call(
+            start_engine, self.load_from, self.devices, self.settings, self.consumer_name
+        )
         self.check_still_loading()
         self.intake.attach(self.engine)
         self.output.open(self.engine)
@@ -179,4 +225,6 @@ class ServedModel:
         for job in list(self.ledger.running):
             if self.engine is not None:
                 await self.device.call(self.engine.cancel, job)
-            self.ledger.fail(job, NodeLost(f"node {self.consumer_name} shut down before the job finished"))
+            self.ledger.fail(
+                job, NodeLost(f"node {self.consumer_name} shut down before the job finished")
+            )

@@ -10,8 +10,8 @@ import logging
 
 from node_agent.engine.pooler import PooledJob, PoolingEngine, PoolingStep
 from node_agent.serving.engine_start import start_pooler
-from node_agent.serving.pooling_intake import PoolingIntake
 from node_agent.serving.ledger import Running
+from node_agent.serving.pooling_intake import PoolingIntake
 from node_agent.serving.publisher import Charge, Outgoing
 from node_agent.serving.served_model import ServedModel
 from shared.catalog import ModelProfile
@@ -30,12 +30,18 @@ class ServedPooler(ServedModel):
     engine: PoolingEngine | None
 
     async def _open(self) -> None:
-        self.engine = await self.device.call(start_pooler, self.load_from, self.devices[0], self.settings)
+        self.engine = await self.device.call(
+            start_pooler, self.load_from, self.devices[0], self.settings
+        )
         self.check_still_loading()
         self.intake.attach(self.engine)
         await self.device.attach(self.engine, self._on_step, self.faults.on_failure)
-        log.info("%s: forward passes of up to %d tokens, %s", self.profile.id, self.engine.budget,
-                 "packed (no padding)" if self.engine.packed else "padded to each pass's longest input")
+        log.info(
+            "%s: forward passes of up to %d tokens, %s",
+            self.profile.id,
+            self.engine.budget,
+            "packed (no padding)" if self.engine.packed else "padded to each pass's longest input",
+        )
 
     @property
     def memory_mb(self) -> int:
@@ -49,14 +55,23 @@ class ServedPooler(ServedModel):
     def _deliver(self, out: PoolingStep) -> None:
         """Publish each finished job's result with its acknowledgement (a job cancelled meanwhile has
         ended already), then free its slot."""
-        finished = [(done, self.ledger.running[done.job]) for done in out.done if done.job in self.ledger]
+        finished = [
+            (done, self.ledger.running[done.job]) for done in out.done if done.job in self.ledger
+        ]
         self.output.send([self._outgoing(done, running) for done, running in finished], [])
         for done, _ in finished:
             self.ledger.release(done.job, done.timings)
 
     def _outgoing(self, done: PooledJob, running: Running) -> Outgoing:
         usage = Usage(prompt_tokens=done.prompt_tokens)
-        return Outgoing(running.reply, [DoneEvent(usage=usage, timings=done.timings, node=self.consumer_name,
-                                                  pooled=done.pooled)],
-                        (running.stream, running.entry_id), job=done.job,
-                        charge=Charge(running.key, usage) if running.key else None)
+        return Outgoing(
+            running.reply,
+            [
+                DoneEvent(
+                    usage=usage, timings=done.timings, node=self.consumer_name, pooled=done.pooled
+                )
+            ],
+            (running.stream, running.entry_id),
+            job=done.job,
+            charge=Charge(running.key, usage) if running.key else None,
+        )

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from node_agent.model import devices, forward, kv_cache, loader, vision
-from node_agent.tp import tp_worker
 from node_agent.model.kv_cache import PagedCache
 from node_agent.model.model_calls import ModelCalls
+from node_agent.tp import tp_worker
 from node_agent.tp.tp_channel import RENDEZVOUS_TIMEOUT, Channel, Op, backend, joined_key
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError, locate
@@ -56,29 +56,43 @@ def check(profile: ModelProfile, config, device_ids: list[str], node: str = "") 
     """Refuse, before any process starts, what tensor parallelism cannot run (ModelLoadError)."""
     n = profile.tensor_parallel
     if profile.vision or vision.is_vision(config):
-        raise ModelLoadError(f"vision models are not tested with tensor parallelism; run {profile.id} with "
-                             "tensor_parallel = 1")
+        raise ModelLoadError(
+            f"vision models are not tested with tensor parallelism; run {profile.id} with "
+            "tensor_parallel = 1"
+        )
     if len(device_ids) < n:
-        raise ModelLoadError(f"tensor_parallel = {n} needs {n} devices on one node; {node or 'this node'} has "
-                             f"{len(device_ids)} ({', '.join(device_ids)})")
+        raise ModelLoadError(
+            f"tensor_parallel = {n} needs {n} devices on one node; {node or 'this node'} has "
+            f"{len(device_ids)} ({', '.join(device_ids)})"
+        )
     if not getattr(config, "base_model_tp_plan", None):
-        raise ModelLoadError(f"model_type '{config.model_type}' has no tensor-parallel plan in transformers; "
-                             f"run it with tensor_parallel = 1")
+        raise ModelLoadError(
+            f"model_type '{config.model_type}' has no tensor-parallel plan in transformers; "
+            f"run it with tensor_parallel = 1"
+        )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % n or kv_heads % n:
-        raise ModelLoadError(f"tensor_parallel = {n} must divide the attention heads ({heads}) and the key/value "
-                             f"heads ({kv_heads}) of {profile.id}")
+        raise ModelLoadError(
+            f"tensor_parallel = {n} must divide the attention heads ({heads}) and the key/value "
+            f"heads ({kv_heads}) of {profile.id}"
+        )
     others = sorted(set(kv_cache.layer_types(config)) - {kv_cache.FULL})
     if others:
-        raise ModelLoadError(f"tensor parallelism is tested with full-attention layers only; {profile.id} has "
-                             f"{', '.join(others)} layers")
+        raise ModelLoadError(
+            f"tensor parallelism is tested with full-attention layers only; {profile.id} has "
+            f"{', '.join(others)} layers"
+        )
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        raise ModelLoadError(f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
-                             "with tensor_parallel = 1")
+        raise ModelLoadError(
+            f"tensor parallelism of mixture-of-experts models is not tested; run {profile.id} "
+            "with tensor_parallel = 1"
+        )
     if profile.kv_memory_fraction is not None:
-        raise ModelLoadError("every rank must hold as many KV blocks, and kv_memory_fraction sizes each device's cache "
-                             f"from its own free memory: give {profile.id} a kv_cache_mb instead")
+        raise ModelLoadError(
+            "every rank must hold as many KV blocks, and kv_memory_fraction sizes each device's cache "
+            f"from its own free memory: give {profile.id} a kv_cache_mb instead"
+        )
     RankGroup.refuse_second()
 
 
@@ -93,41 +107,78 @@ class RankGroup:
     def refuse_second(cls) -> None:
         active = cls._active
         if active is not None or dist.is_initialized():
-            raise ModelLoadError(f"this node agent already runs tensor-parallel model "
-                                 f"{active.profile.id if active else '(unknown)'}; one per node agent process (it "
-                                 "owns the process group): unload it first or use another node")
+            raise ModelLoadError(
+                f"this node agent already runs tensor-parallel model "
+                f"{active.profile.id if active else '(unknown)'}; one per node agent process (it "
+                "owns the process group): unload it first or use another node"
+            )
 
     def __init__(self, profile: ModelProfile, device_ids: list[str], settings: NodeSettings):
         self.profile, self.device_ids = profile, device_ids
         self.timeout = timedelta(seconds=settings.tp_timeout_s)  # for collectives once loaded
-        self.port = free_port()  # the rendezvous (a TCP store rank 0 serves); a new one for every load
+        self.port = (
+            free_port()
+        )  # the rendezvous (a TCP store rank 0 serves); a new one for every load
         self.channel: Channel | None = None  # once every rank holds its cache (`calls`)
         self.broken: BaseException | None = None
         spawn = multiprocessing.get_context("spawn")
         self.workers = [
-            spawn.Process(target=tp_worker.main, name=f"cortex-tp-{profile.id}-rank{rank}", daemon=True,
-                          args=(rank, len(device_ids), self.port, profile.model_dump_json(), device,
-                                settings.hf_cache, settings.tp_timeout_s, settings.torch_threads))
-            for rank, device in enumerate(device_ids) if rank > 0]
+            spawn.Process(
+                target=tp_worker.main,
+                name=f"cortex-tp-{profile.id}-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    len(device_ids),
+                    self.port,
+                    profile.model_dump_json(),
+                    device,
+                    settings.hf_cache,
+                    settings.tp_timeout_s,
+                    settings.torch_threads,
+                ),
+            )
+            for rank, device in enumerate(device_ids)
+            if rank > 0
+        ]
 
     def start(self) -> None:
         with RankGroup._claim:  # two loads on two device threads must not both pass the check
             RankGroup.refuse_second()
             RankGroup._active = self
         first = devices.torch_device(self.device_ids[0])
-        if first.type == "cuda":  # transformers binds each rank's shard to the device LOCAL_RANK names
+        if (
+            first.type == "cuda"
+        ):  # transformers binds each rank's shard to the device LOCAL_RANK names
             os.environ["LOCAL_RANK"] = str(first.index or 0)
             torch.cuda.set_device(first)
         for worker in self.workers:
             worker.start()
-        log.info("%s: rank 0 on %s (this process), workers %s", self.profile.id, self.device_ids[0],
-                 ", ".join(f"rank {r} on {d} pid {w.pid}" for r, (d, w) in enumerate(zip(self.device_ids[1:],
-                                                                                        self.workers), 1)))
-        store = dist.TCPStore("127.0.0.1", self.port, len(self.device_ids), is_master=True, timeout=RENDEZVOUS_TIMEOUT,
-                              wait_for_workers=False)
+        log.info(
+            "%s: rank 0 on %s (this process), workers %s",
+            self.profile.id,
+            self.device_ids[0],
+            ", ".join(
+                f"rank {r} on {d} pid {w.pid}"
+                for r, (d, w) in enumerate(zip(self.device_ids[1:], self.workers), 1)
+            ),
+        )
+        store = dist.TCPStore(
+            "127.0.0.1",
+            self.port,
+            len(self.device_ids),
+            is_master=True,
+            timeout=RENDEZVOUS_TIMEOUT,
+            wait_for_workers=False,
+        )
         self._await_workers(store)
-        dist.init_process_group(backend(self.device_ids[0]), store=store, rank=0, world_size=len(self.device_ids),
-                                timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(
+            backend(self.device_ids[0]),
+            store=store,
+            rank=0,
+            world_size=len(self.device_ids),
+            timeout=RENDEZVOUS_TIMEOUT,
+        )
         self.channel_group = dist.new_group(backend="gloo", timeout=RENDEZVOUS_TIMEOUT)
 
     def _await_workers(self, store: dist.TCPStore) -> None:
@@ -136,9 +187,13 @@ class RankGroup:
         deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
         while not store.check([joined_key(rank) for rank in range(1, len(self.device_ids))]):
             if dead := [w for w in self.workers if not w.is_alive()]:
-                raise RuntimeError(f"{dead[0].name} exited (code {dead[0].exitcode}) before joining; its log says why")
+                raise RuntimeError(
+                    f"{dead[0].name} exited (code {dead[0].exitcode}) before joining; its log says why"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s")
+                raise TimeoutError(
+                    f"workers did not join within {RENDEZVOUS_TIMEOUT.total_seconds():.0f} s"
+                )
             time.sleep(0.05)
 
     def loaded(self, hidden_size: int, dtype: torch.dtype) -> None:
@@ -164,9 +219,15 @@ class RankGroup:
             yield
         except Exception as exc:
             self.broken = exc
-            log.error("%s: a rank failed (%s: %s); the group is torn down", self.profile.id, type(exc).__name__, exc)
-            raise RankFailed(f"tensor-parallel rank group of {self.profile.id} failed: {type(exc).__name__}: {exc}") \
-                from exc
+            log.error(
+                "%s: a rank failed (%s: %s); the group is torn down",
+                self.profile.id,
+                type(exc).__name__,
+                exc,
+            )
+            raise RankFailed(
+                f"tensor-parallel rank group of {self.profile.id} failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Stop every worker (killed if broken, not yet serving ops, or slow), reap it, destroy the
@@ -190,8 +251,11 @@ class RankGroup:
             if dist.is_initialized():
                 dist.destroy_process_group()
             RankGroup._active = None
-        log.info("%s: tensor-parallel group torn down (exit codes %s)", self.profile.id,
-                 [w.exitcode for w in self.workers])
+        log.info(
+            "%s: tensor-parallel group torn down (exit codes %s)",
+            self.profile.id,
+            [w.exitcode for w in self.workers],
+        )
 
 
 class Rank0Calls(ModelCalls):
@@ -205,8 +269,13 @@ class Rank0Calls(ModelCalls):
     def forward(self, rows, input_ids, positions, write_pos, kv_len, **vision):
         """A prefill forward of token ids (vision models run with tensor_parallel = 1: `check`)."""
         with self.group.op():
-            self.group.channel.send(Op.FORWARD, rows.start, *input_ids.shape, kv_len,
-                                    payload=torch.stack([input_ids, positions, write_pos]))
+            self.group.channel.send(
+                Op.FORWARD,
+                rows.start,
+                *input_ids.shape,
+                kv_len,
+                payload=torch.stack([input_ids, positions, write_pos]),
+            )
             return super().forward(rows, input_ids, positions, write_pos, kv_len)
 
     def logits(self, hidden):
@@ -219,7 +288,9 @@ class Rank0Calls(ModelCalls):
         """The decoder's step (node_agent/model/forward.py decode_step), run on every rank. Its rope
         offsets are all 0 (they move only after an image), so the workers take zeros."""
         with self.group.op():
-            self.group.channel.send(Op.DECODE, tokens.shape[0], kv_len, payload=torch.stack([tokens, positions]))
+            self.group.channel.send(
+                Op.DECODE, tokens.shape[0], kv_len, payload=torch.stack([tokens, positions])
+            )
             return forward.decode_step(model, cache, tokens, positions, rope_offsets, kv_len)
 
     def set_tables(self, tables):
@@ -236,24 +307,31 @@ class Rank0Calls(ModelCalls):
         self.group.close()
 
 
-def load(profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str = "") -> loader.LoadedModel:
+def load(
+    profile: ModelProfile, device_ids: list[str], settings: NodeSettings, node: str = ""
+) -> loader.LoadedModel:
     """On rank 0's device thread: check, start the workers, load the shards on every rank."""
     files = locate(profile, settings.hf_cache)
     if files.gguf_file and not loader.weights_as_stored(files, profile):
-        raise ModelLoadError("a .gguf file shards with its Linear weights quantized as it stores them (quant = "
-                             "'auto'); dequantised, tensor_parallel needs a safetensors model (a directory or hf: source)")
+        raise ModelLoadError(
+            "a .gguf file shards with its Linear weights quantized as it stores them (quant = "
+            "'auto'); dequantised, tensor_parallel needs a safetensors model (a directory or hf: source)"
+        )
     config = AutoConfig.from_pretrained(files.folder, gguf_file=files.gguf_file)
     check(profile, config, device_ids, node)
     device_ids = device_ids[: profile.tensor_parallel]
     group = RankGroup(profile, device_ids, settings)
     try:
         group.start()
-        loaded = loader.load(profile, device_ids[0], settings.hf_cache, None, tp_size=len(device_ids))
+        loaded = loader.load(
+            profile, device_ids[0], settings.hf_cache, None, tp_size=len(device_ids)
+        )
         group.loaded(config.hidden_size, loaded.dtype)
     except Exception as exc:
         group.broken = exc
         group.close()
-        raise ModelLoadError(f"loading {profile.id} over {', '.join(device_ids)} failed: {type(exc).__name__}: "
-                             f"{exc}") from exc
+        raise ModelLoadError(
+            f"loading {profile.id} over {', '.join(device_ids)} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     loaded.group = group
     return loaded

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from node_agent.model.devices import is_cpu
 
 HEADER_LEN = 5  # the op, then up to four numbers
-RENDEZVOUS_TIMEOUT = timedelta(seconds=300)  # joining and loading (workers import torch first: slow on a busy host)
+RENDEZVOUS_TIMEOUT = timedelta(
+    seconds=300
+)  # joining and loading (workers import torch first: slow on a busy host)
 
 
 def joined_key(rank: int) -> str:
@@ -31,7 +33,9 @@ def backend(device: str) -> str:
 
 class Op(IntEnum):
     FORWARD = 1  # rows start, batch, width, kv_len; payload int64 [3, batch, width]: ids, positions, write columns
-    LOGITS = 2  # rows; payload [rows, hidden] in the model's dtype: hidden states to run the lm_head on
+    LOGITS = (
+        2  # rows; payload [rows, hidden] in the model's dtype: hidden states to run the lm_head on
+    )
     DECODE = 3  # batch, kv_len; payload int64 [2, batch]: tokens, positions
     MOVE_ROW = 4  # src, dst; no payload
     STOP = 5  # no payload: leave the loop, tear down
@@ -58,9 +62,13 @@ class Channel:
     def send(self, op: Op, *numbers: int, payload: torch.Tensor | None = None) -> None:
         """Rank 0: broadcast one op."""
         shape = payload_shape(op, list(numbers), self.hidden_size)
-        if (payload is None) != (shape is None) or (payload is not None and tuple(payload.shape) != shape):
-            raise ValueError(f"{op.name} with {numbers} takes a payload of shape {shape}, not "
-                             f"{None if payload is None else tuple(payload.shape)}")
+        if (payload is None) != (shape is None) or (
+            payload is not None and tuple(payload.shape) != shape
+        ):
+            raise ValueError(
+                f"{op.name} with {numbers} takes a payload of shape {shape}, not "
+                f"{None if payload is None else tuple(payload.shape)}"
+            )
         self._header.zero_()
         self._header[: len(numbers) + 1] = torch.tensor([op, *numbers])
         dist.broadcast(self._header, src=0, group=self.group)

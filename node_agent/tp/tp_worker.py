@@ -22,9 +22,19 @@ IDLE_TIMEOUT = timedelta(days=365)  # waiting for rank 0's next op: idle models 
 log = logging.getLogger("node_agent.tp.tp_worker")
 
 
-def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_cache: str | None,
-         timeout_s: float, torch_threads: int) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s")
+def main(
+    rank: int,
+    world: int,
+    port: int,
+    profile_json: str,
+    device: str,
+    hf_cache: str | None,
+    timeout_s: float,
+    torch_threads: int,
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s"
+    )
     hf_logging.disable_progress_bar()  # the node's log has rank 0's bar already
     if torch_threads:
         torch.set_num_threads(torch_threads)
@@ -36,15 +46,26 @@ def main(rank: int, world: int, port: int, profile_json: str, device: str, hf_ca
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
         store.set(joined_key(rank), "1")
-        dist.init_process_group(backend(device), store=store, rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(
+            backend(device), store=store, rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT
+        )
         channel_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         loaded = loader.load(profile, device, hf_cache, None, tp_size=world)
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))  # the model's collectives
+        dist.distributed_c10d._set_pg_timeout(
+            timedelta(seconds=timeout_s)
+        )  # the model's collectives
         calls = ModelCalls(loaded.model, paged_cache(loaded, profile))
         channel = Channel(channel_group, loaded.model.config.hidden_size, loaded.dtype)
         dist.barrier(group=channel_group)  # rank 0 waits here for every rank's cache
-        log.info("%s: rank %d of %d on %s ready (pid %d, %d bytes of weights)", profile.id, rank, world, device,
-                 os.getpid(), loaded.weight_bytes)
+        log.info(
+            "%s: rank %d of %d on %s ready (pid %d, %d bytes of weights)",
+            profile.id,
+            rank,
+            world,
+            device,
+            os.getpid(),
+            loaded.weight_bytes,
+        )
         serve(channel, calls, loaded.device)
         log.info("%s: rank %d stopped", profile.id, rank)
     except Exception:
@@ -70,7 +91,14 @@ def serve(channel, calls, device: torch.device) -> None:
         elif op == Op.LOGITS:
             calls.logits(payload)
         elif op == Op.DECODE:
-            forward.decode_step(calls.model, calls.cache, payload[0], payload[1], torch.zeros_like(payload[1]), numbers[1])
+            forward.decode_step(
+                calls.model,
+                calls.cache,
+                payload[0],
+                payload[1],
+                torch.zeros_like(payload[1]),
+                numbers[1],
+            )
         elif op == Op.MOVE_ROW:
             calls.move_row(*numbers[:2])
         elif op == Op.TABLES:

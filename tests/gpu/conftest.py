@@ -7,7 +7,14 @@ import torch
 from node_agent.model import loader
 from tests.model_fixtures import tiny_profile
 
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "gemma3_text"]  # full; linear + full; sliding + full
+ARCHS = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "gemma3_text",
+]  # full; linear + full; sliding + full
 
 
 def pytest_collection_modifyitems(items):

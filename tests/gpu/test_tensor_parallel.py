@@ -9,15 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from node_agent.tp import tensor_parallel
 from node_agent.engine.engine import Engine
+from node_agent.tp import tensor_parallel
 from shared.settings import NodeSettings
 from tests.gpu.conftest import load
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent import engine_driver as driver
 from tests.unit.node_agent.test_tensor_parallel import children, requests
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs"
+)
 GPUS = ["cuda:0", "cuda:1"]
 
 
@@ -39,7 +41,10 @@ def test_a_killed_gpu_worker_poisons_the_group(gpu_tiny_dirs):
     profile = tiny_profile(gpu_tiny_dirs["llama"], slots=4, tensor_parallel=2)
     loaded = tensor_parallel.load(profile, GPUS, NodeSettings(tp_timeout_s=10))
     engine = Engine(loaded, profile)
-    driver.add(engine, driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True))
+    driver.add(
+        engine,
+        driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True),
+    )
     engine.step()
     os.kill(loaded.group.workers[0].pid, signal.SIGKILL)
     with pytest.raises(tensor_parallel.RankFailed):

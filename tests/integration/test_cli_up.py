@@ -47,8 +47,18 @@ def fake_python(tmp_path: Path, monkeypatch) -> Path:
 
 def up_args(redis_port: int, redis_dir: Path, *more: str):
     return main.build_parser().parse_args(
-        ["up", "--port", str(free_port()), "--redis-port", str(redis_port), "--stop-timeout-s", "3",
-         "--redis-dir", str(redis_dir), *more]
+        [
+            "up",
+            "--port",
+            str(free_port()),
+            "--redis-port",
+            str(redis_port),
+            "--stop-timeout-s",
+            "3",
+            "--redis-dir",
+            str(redis_dir),
+            *more,
+        ]
     )
 
 
@@ -116,7 +126,9 @@ def run_up_while(args, action) -> tuple[int, object]:
 
     def act() -> None:
         try:
-            wait_until(lambda: run_file.read() is not None, 30, "cortex up")  # written once every part started
+            wait_until(
+                lambda: run_file.read() is not None, 30, "cortex up"
+            )  # written once every part started
             result.append(action(client))
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -135,12 +147,16 @@ def run_up_while(args, action) -> tuple[int, object]:
 def test_what_redis_holds_survives_a_restart_of_the_stack(fake_python, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_DIES", "")
     data = fake_python / "data"
-    code, _ = run_up_while(up_args(free_port(), data), lambda client: client.set("cortex:apikeys", "kept"))
+    code, _ = run_up_while(
+        up_args(free_port(), data), lambda client: client.set("cortex:apikeys", "kept")
+    )
     assert code == 0
     assert "append-only file fsynced every second + snapshots in" in capsys.readouterr().out
     assert (data / "appendonlydir").is_dir() and (data / "dump.rdb").is_file()
 
-    code, kept = run_up_while(up_args(free_port(), data), lambda client: client.get("cortex:apikeys"))
+    code, kept = run_up_while(
+        up_args(free_port(), data), lambda client: client.get("cortex:apikeys")
+    )
     assert (code, kept) == (0, b"kept")
 
 
@@ -170,20 +186,36 @@ def test_a_killed_redis_is_started_again_with_its_data(fake_python, monkeypatch,
 def test_one_data_directory_serves_one_stack(fake_python, monkeypatch):
     monkeypatch.setenv("FAKE_DIES", "")
     data = fake_python / "data"
-    second = [real_python, "-m", "gateway.cli", "up", "--port", str(free_port()), "--redis-port", str(free_port()),
-              "--redis-dir", str(data)]
-    code, refused = run_up_while(up_args(free_port(), data),
-                                 lambda client: subprocess.run(second, capture_output=True, text=True, timeout=60))
+    second = [
+        real_python,
+        "-m",
+        "gateway.cli",
+        "up",
+        "--port",
+        str(free_port()),
+        "--redis-port",
+        str(free_port()),
+        "--redis-dir",
+        str(data),
+    ]
+    code, refused = run_up_while(
+        up_args(free_port(), data),
+        lambda client: subprocess.run(second, capture_output=True, text=True, timeout=60),
+    )
     assert code == 0 and refused.returncode == 2
     assert f"{data} is in use by `cortex up` pid {os.getpid()}" in refused.stdout
 
 
-def test_a_snapshot_without_an_append_only_file_is_loaded_then_made_durable(fake_python, monkeypatch, tmp_path):
+def test_a_snapshot_without_an_append_only_file_is_loaded_then_made_durable(
+    fake_python, monkeypatch, tmp_path
+):
     monkeypatch.setenv("FAKE_DIES", "")
     data = tmp_path / "data"
     data.mkdir()
     port = free_port()
-    server = start("redis-server", redis_server_argv(port, workdir=data))  # persistence off: no append-only file
+    server = start(
+        "redis-server", redis_server_argv(port, workdir=data)
+    )  # persistence off: no append-only file
     client = redis.Redis(port=port)
     wait_until(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"), 10, "redis-server")
     client.set("k", "v")
@@ -191,7 +223,9 @@ def test_a_snapshot_without_an_append_only_file_is_loaded_then_made_durable(fake
     server.stop()
     assert (data / "dump.rdb").is_file() and not (data / "appendonlydir").exists()
 
-    code, found = run_up_while(up_args(free_port(), data), lambda client: (client.get("k"), client.info("persistence")))
+    code, found = run_up_while(
+        up_args(free_port(), data), lambda client: (client.get("k"), client.info("persistence"))
+    )
     assert code == 0 and found[0] == b"v" and found[1]["aof_enabled"] == 1
     assert (data / "appendonlydir").is_dir()
 
@@ -199,7 +233,9 @@ def test_a_snapshot_without_an_append_only_file_is_loaded_then_made_durable(fake
 def test_persistence_off_keeps_nothing(fake_python, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_DIES", "")
     args = up_args(free_port(), tmp_path / "data", "--redis-persistence", "off")
-    code, config = run_up_while(args, lambda client: (client.config_get("appendonly"), client.config_get("save")))
+    code, config = run_up_while(
+        args, lambda client: (client.config_get("appendonly"), client.config_get("save"))
+    )
     assert code == 0 and config == ({"appendonly": "no"}, {"save": ""})
     assert not (tmp_path / "data").exists()
 
@@ -216,10 +252,16 @@ def test_backup_then_the_documented_restore(fake_python, monkeypatch, tmp_path, 
     assert (code, backed_up) == (0, 0) and saved.stat().st_size > 0
     assert f"wrote {saved}" in capsys.readouterr().out
 
-    restored = tmp_path / "restored"  # as docs/operations.md says: the file as dump.rdb, no appendonlydir
+    restored = (
+        tmp_path / "restored"
+    )  # as docs/operations.md says: the file as dump.rdb, no appendonlydir
     restored.mkdir()
     shutil.copyfile(saved, restored / "dump.rdb")
-    code, found = run_up_while(up_args(free_port(), restored), lambda client: client.hget("cortex:apikeys", "hash"))
+    code, found = run_up_while(
+        up_args(free_port(), restored), lambda client: client.hget("cortex:apikeys", "hash")
+    )
     assert (code, found) == (0, b"alice")
-    code, found = run_up_while(up_args(free_port(), restored), lambda client: client.hget("cortex:apikeys", "hash"))
+    code, found = run_up_while(
+        up_args(free_port(), restored), lambda client: client.hget("cortex:apikeys", "hash")
+    )
     assert (code, found) == (0, b"alice")  # and from its append-only file from then on

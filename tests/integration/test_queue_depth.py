@@ -25,6 +25,8 @@ async def test_a_withdrawn_entry_is_no_waiting_job(redis_url):
     assert client.xlen(stream) == 0 and client.xinfo_groups(stream)[0]["lag"] == 1  # the phantom
     async with aioredis.Redis.from_url(redis_url) as async_client:
         depth = await queues.depth(async_client, KEYS, "m")
-        status = await Fleet(async_client, KEYS, node_ttl_s=8).queues({"m"}, [])  # what `cortex status` shows
+        status = await Fleet(async_client, KEYS, node_ttl_s=8).queues(
+            {"m"}, []
+        )  # what `cortex status` shows
     assert depth["queued"] == {"interactive": 0, "batch": 0} and depth["running"] == 0
     assert sum(status[0].queued.values()) == 0 and status[0].running == 0

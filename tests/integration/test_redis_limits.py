@@ -26,7 +26,12 @@ def gateway_env() -> dict[str, str]:
 
 
 def upload(base: str, content: bytes) -> httpx.Response:
-    return httpx.post(f"{base}/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"}, timeout=10)
+    return httpx.post(
+        f"{base}/v1/files",
+        files={"file": ("in.jsonl", content)},
+        data={"purpose": "batch"},
+        timeout=10,
+    )
 
 
 def test_files_share_one_quota(gateway_url, redis_url):
@@ -37,7 +42,10 @@ def test_files_share_one_quota(gateway_url, redis_url):
     refused = upload(gateway_url, LINE * 7)
     assert refused.status_code == 413
     error = refused.json()["error"]
-    assert error["code"] == "files_quota_exceeded" and f"files_max_total_bytes={QUOTA}" in error["message"]
+    assert (
+        error["code"] == "files_quota_exceeded"
+        and f"files_max_total_bytes={QUOTA}" in error["message"]
+    )
     assert client.zcard(KEYS.files()) == 1
 
     assert httpx.delete(f"{gateway_url}/v1/files/{first.json()['id']}").status_code == 200
@@ -55,8 +63,6 @@ def test_files_kept_before_the_count_existed_are_counted(gateway_url, redis_url)
     assert upload(gateway_url, LINE * 5).json()["error"]["code"] == "files_quota_exceeded"
 
 
-
-
 CHAT = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -72,8 +78,11 @@ def full_redis(redis_url) -> Iterator[redis.Redis]:
 
 
 def test_redis_out_of_memory_is_a_503_naming_it(gateway_url, full_redis):
-    for answer in (upload(gateway_url, LINE * 3), httpx.post(f"{gateway_url}/v1/chat/completions", json=CHAT),
-                   httpx.post(f"{gateway_url}/v1/messages", json=CHAT)):
+    for answer in (
+        upload(gateway_url, LINE * 3),
+        httpx.post(f"{gateway_url}/v1/chat/completions", json=CHAT),
+        httpx.post(f"{gateway_url}/v1/messages", json=CHAT),
+    ):
         assert answer.status_code == 503, answer.text
         body = answer.json()
         message = body["error"]["message"]
@@ -86,13 +95,18 @@ def test_redis_out_of_memory_is_a_503_naming_it(gateway_url, full_redis):
 
 def test_a_read_only_replica_is_a_503_naming_it(gateway_url, redis_url, tmp_path):
     port = free_port()
-    primary = Service("primary", redis_server_argv(port, workdir=tmp_path), tmp_path / "primary.log")
+    primary = Service(
+        "primary", redis_server_argv(port, workdir=tmp_path), tmp_path / "primary.log"
+    )
     primary.wait_ready(lambda: redis_answers(f"redis://127.0.0.1:{port}/0"))
     replica = redis.Redis.from_url(redis_url)
     try:
         replica.replicaof("127.0.0.1", port)
         deadline = time.monotonic() + 10
-        while replica.info("replication")["master_link_status"] != "up" and time.monotonic() < deadline:
+        while (
+            replica.info("replication")["master_link_status"] != "up"
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         answer = upload(gateway_url, LINE)
         assert answer.status_code == 503

@@ -18,13 +18,17 @@ from tests.stack import Stack, start_stack
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-outage"
-OUTAGE_S = 5.0  # longer than a request's first try (the Redis client's own retries take ~3 s), plus 1 s
+OUTAGE_S = (
+    5.0  # longer than a request's first try (the Redis client's own retries take ~3 s), plus 1 s
+)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
-    stack = start_stack(tmp_path_factory.mktemp("outage"), catalogue(tiny_dirs["llama"], **{MODEL: {}}))
+    stack = start_stack(
+        tmp_path_factory.mktemp("outage"), catalogue(tiny_dirs["llama"], **{MODEL: {}})
+    )
     try:
         stack.start_gateway()
         stack.patient = stack.gateway_url
@@ -55,11 +59,19 @@ def test_new_requests_wait_out_a_short_outage_within_their_bounds(stack):
     def ask(name: str, url: str) -> None:
         answers[name] = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60)
 
-    assert httpx.post(f"{stack.patient}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+    assert (
+        httpx.post(f"{stack.patient}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+    )
     argv = stop_redis(stack)
     started = time.monotonic()
-    asking = [threading.Thread(target=ask, args=(name, url)) for name, url in
-              (("patient", stack.patient), ("brief-1", stack.gateway_url), ("brief-2", stack.gateway_url))]
+    asking = [
+        threading.Thread(target=ask, args=(name, url))
+        for name, url in (
+            ("patient", stack.patient),
+            ("brief-1", stack.gateway_url),
+            ("brief-2", stack.gateway_url),
+        )
+    ]
     for thread in asking:
         thread.start()
     time.sleep(OUTAGE_S)
@@ -71,5 +83,11 @@ def test_new_requests_wait_out_a_short_outage_within_their_bounds(stack):
     assert time.monotonic() - started >= OUTAGE_S  # it waited for Redis
     refused = sorted(answers[name].json()["error"]["message"] for name in ("brief-1", "brief-2"))
     assert [answers[name].status_code for name in ("brief-1", "brief-2")] == [503, 503]
-    assert "redis_outage_max_waiting" in refused[0] + refused[1] and "redis_outage_wait_s" in refused[0] + refused[1]
-    assert httpx.post(f"{stack.gateway_url}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+    assert (
+        "redis_outage_max_waiting" in refused[0] + refused[1]
+        and "redis_outage_wait_s" in refused[0] + refused[1]
+    )
+    assert (
+        httpx.post(f"{stack.gateway_url}/v1/chat/completions", json=CHAT, timeout=60).status_code
+        == 200
+    )

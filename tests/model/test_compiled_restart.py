@@ -25,8 +25,13 @@ print(json.dumps({"seconds": time.perf_counter() - started, "decode": engine.dec
 
 def load(compile_cache: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    done = subprocess.run([sys.executable, "-c", LOAD, compile_cache], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, compile_cache],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -40,4 +45,6 @@ def test_a_restart_with_a_warm_compile_cache_loads_in_under_twice_the_eager_time
     cold, warm = load(folder), load(folder)
     assert eager["decode"] == "eager" and cold["decode"] == warm["decode"] == "compiled"
     assert warm["seconds"] < 2 * eager["seconds"], (eager, cold, warm)
-    print(f"eager {eager['seconds']:.1f} s, compiling {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s")
+    print(
+        f"eager {eager['seconds']:.1f} s, compiling {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s"
+    )

@@ -27,19 +27,32 @@ def user_env(tmp_path_factory) -> dict[str, str]:
     Redis's data directory."""
     root = tmp_path_factory.mktemp("up")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORTEX_")}
-    return env | {"CORTEX_RUN_FILE": str(root / "up.json"), "CORTEX_PORT": str(free_port()),
-                  "CORTEX_UP_REDIS_DIR": str(root / "redis"),  # not the user's own data directory
-                  "CORTEX_UP_REDIS_PORT": str(free_port()), "CORTEX_NODE_NAME": "up-node", "CORTEX_TORCH_THREADS": "1",
-                  "LOG_DIR": str(root)}
+    return env | {
+        "CORTEX_RUN_FILE": str(root / "up.json"),
+        "CORTEX_PORT": str(free_port()),
+        "CORTEX_UP_REDIS_DIR": str(root / "redis"),  # not the user's own data directory
+        "CORTEX_UP_REDIS_PORT": str(free_port()),
+        "CORTEX_NODE_NAME": "up-node",
+        "CORTEX_TORCH_THREADS": "1",
+        "LOG_DIR": str(root),
+    }
 
 
 @pytest.fixture(scope="module")
 def cortex_up(user_env) -> Iterator[Child]:
-    up = start("cortex up", [sys.executable, "-m", "gateway.cli", "up"], user_env,
-               log_path=Path(user_env["LOG_DIR"]) / "up.log")
+    up = start(
+        "cortex up",
+        [sys.executable, "-m", "gateway.cli", "up"],
+        user_env,
+        log_path=Path(user_env["LOG_DIR"]) / "up.log",
+    )
     try:
-        wait_until(lambda: "ready: OpenAI-compatible API" in up.log_tail(100_000), UP_TIMEOUT_S, "cortex up",
-                   alive=up.alive)
+        wait_until(
+            lambda: "ready: OpenAI-compatible API" in up.log_tail(100_000),
+            UP_TIMEOUT_S,
+            "cortex up",
+            alive=up.alive,
+        )
     except (RuntimeError, TimeoutError) as exc:
         up.stop(30)
         raise RuntimeError(f"{exc}; its log ends:\n{up.log_tail()}") from None
@@ -48,8 +61,13 @@ def cortex_up(user_env) -> Iterator[Child]:
 
 
 def cortex(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_status_json_finds_the_stack_cortex_up_started(cortex_up, user_env):
@@ -69,8 +87,13 @@ def test_models_and_drain_find_it_too(cortex_up, user_env):
 
     drained = cortex(user_env, "drain", "up-node")
     assert drained.returncode == 0 and "draining up-node" in drained.stdout, drained.stderr
-    wait_until(lambda: json.loads(cortex(user_env, "status", "--json").stdout)["nodes"][0]["state"] != "active",
-               30, "the node to leave `active`")
+    wait_until(
+        lambda: (
+            json.loads(cortex(user_env, "status", "--json").stdout)["nodes"][0]["state"] != "active"
+        ),
+        30,
+        "the node to leave `active`",
+    )
 
 
 def test_stopping_cortex_up_removes_its_run_file(cortex_up, user_env):

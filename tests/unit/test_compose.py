@@ -21,15 +21,27 @@ def compose() -> dict:
 def test_names_its_services(compose):
     default = {name for name, service in compose["services"].items() if not service.get("profiles")}
     assert default == {"redis", "gateway", "batch-worker", "node-agent"}
-    assert set(compose["services"]) - default == {"prometheus", "grafana", "jaeger"}  # `--profile monitoring`
+    assert set(compose["services"]) - default == {
+        "prometheus",
+        "grafana",
+        "jaeger",
+    }  # `--profile monitoring`
     assert compose["services"]["redis"]["image"].startswith("redis:7")
 
 
 def test_traces_are_off_unless_asked_and_jaeger_can_receive_them(compose):
-    assert compose["x-cortex-env"]["CORTEX_OTLP_ENDPOINT"] == "${CORTEX_OTLP_ENDPOINT:-}"  # empty unless set
+    assert (
+        compose["x-cortex-env"]["CORTEX_OTLP_ENDPOINT"] == "${CORTEX_OTLP_ENDPOINT:-}"
+    )  # empty unless set
     for name in SETTINGS:
-        assert compose["services"][name]["environment"]["CORTEX_OTLP_ENDPOINT"] == "${CORTEX_OTLP_ENDPOINT:-}"
-    assert "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318" in compose["services"]["jaeger"]["command"]
+        assert (
+            compose["services"][name]["environment"]["CORTEX_OTLP_ENDPOINT"]
+            == "${CORTEX_OTLP_ENDPOINT:-}"
+        )
+    assert (
+        "receivers.otlp.protocols.http.endpoint=0.0.0.0:4318"
+        in compose["services"]["jaeger"]["command"]
+    )
 
 
 def test_gateway_and_node_are_built_from_the_dockerfile(compose):
@@ -52,7 +64,9 @@ def test_environment_names_real_settings(compose, service):
     fields = SETTINGS[service].model_fields
     for name in env:
         if name.startswith("CORTEX_") and name != "CORTEX_CONFIG":
-            assert name.removeprefix("CORTEX_").lower() in fields, f"{service}: {name} is not a setting"
+            assert name.removeprefix("CORTEX_").lower() in fields, (
+                f"{service}: {name} is not a setting"
+            )
 
 
 def test_environment_values_are_valid_settings(compose, monkeypatch):
@@ -77,5 +91,7 @@ def test_redis_is_durable_on_a_named_volume(compose):
     options = dict(zip(command[1::2], command[2::2]))
     assert options["--appendonly"] == "yes" and options["--appendfsync"] == "everysec"
     assert options["--save"] == SNAPSHOTS and options["--maxmemory-policy"] == "noeviction"
-    assert options["--stop-writes-on-bgsave-error"] == "no"  # the append-only file holds every write
+    assert (
+        options["--stop-writes-on-bgsave-error"] == "no"
+    )  # the append-only file holds every write
     assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]

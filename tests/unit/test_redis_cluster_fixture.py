@@ -10,15 +10,21 @@ import redis
 
 from tests.redis_cluster import running_cluster
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
-                                 reason="redis-server and redis-cli must be on PATH (scripts/test installs them)")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
+        reason="redis-server and redis-cli must be on PATH (scripts/test installs them)",
+    ),
+]
 
 
 def test_a_local_cluster_spreads_keys_shards_pubsub_and_fails_over(tmp_path: Path):
     with running_cluster(tmp_path, masters=3, replicas=1) as cluster:
         assert len(cluster.ports) == 6 and len(cluster.masters()) == 3
-        assert cluster.url == "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in cluster.ports)
+        assert cluster.url == "redis+cluster://" + ",".join(
+            f"127.0.0.1:{port}" for port in cluster.ports
+        )
         assert cluster.ports[0] in cluster.masters()
 
         client = cluster.client()
@@ -26,7 +32,9 @@ def test_a_local_cluster_spreads_keys_shards_pubsub_and_fails_over(tmp_path: Pat
         for key in keys:
             client.set(key, key.upper())
         assert [client.get(key) for key in keys] == [key.upper() for key in keys]
-        assert {cluster.master_port_of(key) for key in keys} == set(cluster.masters())  # every master has some
+        assert {cluster.master_port_of(key) for key in keys} == set(
+            cluster.masters()
+        )  # every master has some
 
         tagged = [f"{{m}}:{name}" for name in ("a", "b", "c")]
         owner = cluster.master_port_of("{m}")
@@ -60,5 +68,7 @@ def test_a_local_cluster_spreads_keys_shards_pubsub_and_fails_over(tmp_path: Pat
         assert after.get(keys[0]) == keys[0].upper()
         after.close()
         counts = cluster.commands_per_node()
-        assert owner not in counts and len(counts) == 5 and all(calls > 0 for calls in counts.values())
+        assert (
+            owner not in counts and len(counts) == 5 and all(calls > 0 for calls in counts.values())
+        )
         assert took < 30

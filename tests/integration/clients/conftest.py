@@ -31,13 +31,17 @@ SCRIPTED_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% if ns.answered %}Result:{% endif %}{%- endif -%}"
 )
-TOOL_CALL = '<tool_call>{"name":"Bash","arguments": {"command" : "ls"} }'  # spelt so that no token repeats
+TOOL_CALL = (
+    '<tool_call>{"name":"Bash","arguments": {"command" : "ls"} }'  # spelt so that no token repeats
+)
 # Codex's tool names take an underscore, as `<tool_call>` does: the bare JSON call (llama3_json) has only one.
 CODEX_TOOL_CALL = '{"name":"exec_command","arguments": {"cmd" : "ls"} }'
 CODEX_CONTEXT = 16384  # its config's max_position_embeddings; the catalogue asks 32768
 ANSWER = "Done."
 
-CLIENTS_DIR = Path(os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cache" / "cortex" / "clients"))
+CLIENTS_DIR = Path(
+    os.environ.get("CORTEX_TEST_CLIENTS_DIR", Path.home() / ".cache" / "cortex" / "clients")
+)
 
 
 def npm_client(folder: str, package: str, binary: str) -> Path:
@@ -58,12 +62,20 @@ def npm_install(folder: str, package: str, wanted: Path) -> Path:
     if not path.exists():
         npm = shutil.which("npm")
         if npm is None:
-            pytest.skip(f"npm is not installed, so {package} cannot be (apt-get install nodejs npm)")
+            pytest.skip(
+                f"npm is not installed, so {package} cannot be (apt-get install nodejs npm)"
+            )
         prefix.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), package],
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--prefix", str(prefix), package],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 0 or not path.exists():
-            pytest.skip(f"npm could not install {package} (registry unreachable?): {done.stderr.strip()[-500:]}")
+            pytest.skip(
+                f"npm could not install {package} (registry unreachable?): {done.stderr.strip()[-500:]}"
+            )
     return path
 
 
@@ -72,7 +84,10 @@ def scripted_dir(tmp_path_factory, smol_tokenizer):
     def last_token(text: str) -> int:
         return smol_tokenizer.encode(text, add_special_tokens=False)[-1]
 
-    replies = {last_token("<|im_start|>assistant\n"): TOOL_CALL, last_token("<|im_start|>assistant\nResult:"): ANSWER}
+    replies = {
+        last_token("<|im_start|>assistant\n"): TOOL_CALL,
+        last_token("<|im_start|>assistant\nResult:"): ANSWER,
+    }
     return tiny_models.build_scripted(tmp_path_factory.mktemp("scripted"), smol_tokenizer, replies)
 
 
@@ -81,9 +96,13 @@ def codex_dir(tmp_path_factory, smol_tokenizer):
     def last_token(text: str) -> int:
         return smol_tokenizer.encode(text, add_special_tokens=False)[-1]
 
-    replies = {last_token("<|im_start|>assistant\n"): CODEX_TOOL_CALL,
-               last_token("<|im_start|>assistant\nResult:"): ANSWER}
-    return tiny_models.build_scripted(tmp_path_factory.mktemp("codex"), smol_tokenizer, replies, context=CODEX_CONTEXT)
+    replies = {
+        last_token("<|im_start|>assistant\n"): CODEX_TOOL_CALL,
+        last_token("<|im_start|>assistant\nResult:"): ANSWER,
+    }
+    return tiny_models.build_scripted(
+        tmp_path_factory.mktemp("codex"), smol_tokenizer, replies, context=CODEX_CONTEXT
+    )
 
 
 def tiny_model(source: Path) -> str:
@@ -117,7 +136,9 @@ chat_template = "{template}"
 @pytest.fixture(scope="session")
 def clients_stack(tmp_path_factory, tiny_dirs, scripted_dir, codex_dir) -> Iterator[Stack]:
     tiny = tiny_dirs["llama"]
-    toml = tiny_model(tiny) + f"""
+    toml = (
+        tiny_model(tiny)
+        + f"""
 [[models]]
 id = "tiny-strict"
 source = "{tiny}"
@@ -125,7 +146,10 @@ dtype = "float32"
 slots = 4
 max_model_len = 256
 max_tokens_policy = "reject"
-""" + scripted_model("scripted", scripted_dir) + scripted_model("codex", codex_dir, extra='tool_parser = "llama3_json"\n')
+"""
+        + scripted_model("scripted", scripted_dir)
+        + scripted_model("codex", codex_dir, extra='tool_parser = "llama3_json"\n')
+    )
     models = ["tiny", "tiny-strict", "scripted", "codex"]
     with serving(tmp_path_factory.mktemp("clients"), toml, "node-c", models) as stack:
         yield stack
@@ -165,16 +189,30 @@ def ollama_embedder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ollama_stack(tmp_path_factory, tiny_dirs, scripted_dir, ollama_embedder) -> Iterator[KeyedStack]:
+def ollama_stack(
+    tmp_path_factory, tiny_dirs, scripted_dir, ollama_embedder
+) -> Iterator[KeyedStack]:
     """`tiny` (alias `default`), `scripted` and the embedder `embed`, behind an API key (made through
     the admin API), for Ollama's clients: its own stack, as a key turns auth on for good."""
-    toml = (tiny_model(tiny_dirs["llama"]) + scripted_model("scripted", scripted_dir, context=4096)
-            + f'\n[[models]]\nid = "embed"\nkind = "embedding"\nsource = "{ollama_embedder}"\ndtype = "float32"\n'
-            'max_model_len = 128\n')
-    with serving(tmp_path_factory.mktemp("ollama"), toml, "node-o", ["tiny", "scripted", "embed"],
-                 CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY) as stack:
-        created = httpx.post(f"{stack.gateway_url}/admin/keys", json={"name": "ollama-client"},
-                             headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"}, timeout=30)
+    toml = (
+        tiny_model(tiny_dirs["llama"])
+        + scripted_model("scripted", scripted_dir, context=4096)
+        + f'\n[[models]]\nid = "embed"\nkind = "embedding"\nsource = "{ollama_embedder}"\ndtype = "float32"\n'
+        "max_model_len = 128\n"
+    )
+    with serving(
+        tmp_path_factory.mktemp("ollama"),
+        toml,
+        "node-o",
+        ["tiny", "scripted", "embed"],
+        CORTEX_ADMIN_KEY=OLLAMA_ADMIN_KEY,
+    ) as stack:
+        created = httpx.post(
+            f"{stack.gateway_url}/admin/keys",
+            json={"name": "ollama-client"},
+            headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"},
+            timeout=30,
+        )
         assert created.status_code == 200, created.text
         yield KeyedStack(stack, created.json()["secret"])
 
@@ -189,5 +227,9 @@ def keyed_stack(ollama_stack: KeyedStack) -> Iterator[KeyedStack]:
 def unknown_fields(log: Path, since_line: int, types: set[str]) -> list[str]:
     """The fields of `types` the gateway logged as unknown after line `since_line` of its `log`."""
     lines = log.read_text().splitlines()[since_line:]
-    fields = [line.split("ignoring unknown field ")[1].split(" ")[0] for line in lines if "ignoring unknown field" in line]
+    fields = [
+        line.split("ignoring unknown field ")[1].split(" ")[0]
+        for line in lines
+        if "ignoring unknown field" in line
+    ]
     return [field for field in fields if field.split(".")[0] in types]

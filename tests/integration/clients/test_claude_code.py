@@ -25,13 +25,28 @@ def claude() -> Path:
 
 
 def run_claude(claude: Path, stack, project: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": os.environ["PATH"], "HOME": str(project.parent / "home"), "ANTHROPIC_BASE_URL": stack.gateway_url,
-           "ANTHROPIC_API_KEY": "unused", "ANTHROPIC_MODEL": "scripted", "ANTHROPIC_SMALL_FAST_MODEL": "scripted",
-           "ANTHROPIC_DEFAULT_HAIKU_MODEL": "scripted", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1"}
-    done = subprocess.run([str(claude), "-p", *args, "--allowedTools", "Bash"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"claude exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(project.parent / "home"),
+        "ANTHROPIC_BASE_URL": stack.gateway_url,
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": "scripted",
+        "ANTHROPIC_SMALL_FAST_MODEL": "scripted",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "scripted",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    done = subprocess.run(
+        [str(claude), "-p", *args, "--allowedTools", "Bash"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, (
+        f"claude exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+    )
     return done
 
 
@@ -41,14 +56,39 @@ def test_claude_code_headless_with_a_tool_round_trip_and_continue(claude, stack,
     (project / "cortex-notes.txt").write_text("hello\n")
 
     first = run_claude(claude, stack, project, "What files are here?", "--output-format", "text")
-    assert first.stdout.strip() == ANSWER  # the tool ran and its result came back: the model's answer to it
+    assert (
+        first.stdout.strip() == ANSWER
+    )  # the tool ran and its result came back: the model's answer to it
 
-    again = run_claude(claude, stack, project, "--continue", "And now?", "--output-format", "stream-json", "--verbose")
+    again = run_claude(
+        claude,
+        stack,
+        project,
+        "--continue",
+        "And now?",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+    )
     messages = [json.loads(line) for line in again.stdout.splitlines() if line.strip()]
-    calls = [b for m in messages if m["type"] == "assistant" for b in m["message"]["content"] if b["type"] == "tool_use"]
-    results = [b for m in messages if m["type"] == "user" for b in m["message"]["content"] if b["type"] == "tool_result"]
+    calls = [
+        b
+        for m in messages
+        if m["type"] == "assistant"
+        for b in m["message"]["content"]
+        if b["type"] == "tool_use"
+    ]
+    results = [
+        b
+        for m in messages
+        if m["type"] == "user"
+        for b in m["message"]["content"]
+        if b["type"] == "tool_result"
+    ]
     assert [(c["name"], c["input"]) for c in calls] == [("Bash", {"command": "ls"})]
     assert "cortex-notes.txt" in json.dumps(results[0]["content"])
     [result] = [m for m in messages if m["type"] == "result"]
     assert result["subtype"] == "success" and result["result"] == ANSWER
-    assert result["usage"]["input_tokens"] > 15_000  # Claude Code's whole default prompt, and the first run's turns
+    assert (
+        result["usage"]["input_tokens"] > 15_000
+    )  # Claude Code's whole default prompt, and the first run's turns

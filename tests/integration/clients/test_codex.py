@@ -51,18 +51,39 @@ def test_codex_exec_on_its_defaults_with_a_tool_round_trip(codex, stack, tmp_pat
     (project / "cortex-notes.txt").write_text("hello\n")
     log = stack.root / "gateway.log"
     logged_before = log.read_text().count("\n")
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CORTEX_API_KEY": "unused",
-           "CODEX_HOME": str(codex_home(tmp_path, stack.gateway_url))}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "CORTEX_API_KEY": "unused",
+        "CODEX_HOME": str(codex_home(tmp_path, stack.gateway_url)),
+    }
 
-    done = subprocess.run([str(codex), "exec", "--skip-git-repo-check", "What files are here?"], cwd=project, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    done = subprocess.run(
+        [str(codex), "exec", "--skip-git-repo-check", "What files are here?"],
+        cwd=project,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
 
-    assert done.returncode == 0, f"codex exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-3000:]}"
-    assert done.stdout.strip() == ANSWER  # the model's answer to the tool's output: the round trip happened
+    assert done.returncode == 0, (
+        f"codex exited {done.returncode}: {done.stdout[-2000:]} {done.stderr[-3000:]}"
+    )
+    assert (
+        done.stdout.strip() == ANSWER
+    )  # the model's answer to the tool's output: the round trip happened
     assert "/bin/bash -lc ls" in done.stderr  # Codex ran the call the model made
     new_lines = log.read_text().splitlines()[logged_before:]
     ours = set(vars(responses)) | set(vars(responses_input)) | set(vars(responses_tools))
-    unknown = [line for line in new_lines if "ignoring unknown field" in line
-               and line.split("ignoring unknown field ")[1].split(".")[0] in ours]
+    unknown = [
+        line
+        for line in new_lines
+        if "ignoring unknown field" in line
+        and line.split("ignoring unknown field ")[1].split(".")[0] in ours
+    ]
     assert unknown == []
-    assert any("the model was not offered tools[" in line and "(web_search)" in line for line in new_lines)
+    assert any(
+        "the model was not offered tools[" in line and "(web_search)" in line for line in new_lines
+    )

@@ -15,11 +15,19 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def cluster_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
-    stack = start_cluster_stack(tmp_path_factory.mktemp("cluster"), models_toml(tiny_dirs["llama"]),
-                                CORTEX_ADMIN_KEY=ADMIN_KEY, CORTEX_ARQ_POLL_DELAY_S="0.1", CORTEX_TORCH_THREADS="1",
-                                CORTEX_BATCH_LEASE_S="2", CORTEX_BATCH_RESUME_EVERY_S="1", CORTEX_DISCONNECT_GRACE_S="0",
-                                # a node frozen through a failover (SIGSTOP) stays alive to the gateways
-                                CORTEX_NODE_TTL_S="15", CORTEX_HEARTBEAT_TTL_S="15")
+    stack = start_cluster_stack(
+        tmp_path_factory.mktemp("cluster"),
+        models_toml(tiny_dirs["llama"]),
+        CORTEX_ADMIN_KEY=ADMIN_KEY,
+        CORTEX_ARQ_POLL_DELAY_S="0.1",
+        CORTEX_TORCH_THREADS="1",
+        CORTEX_BATCH_LEASE_S="2",
+        CORTEX_BATCH_RESUME_EVERY_S="1",
+        CORTEX_DISCONNECT_GRACE_S="0",
+        # a node frozen through a failover (SIGSTOP) stays alive to the gateways
+        CORTEX_NODE_TTL_S="15",
+        CORTEX_HEARTBEAT_TTL_S="15",
+    )
     try:
         stack.start_gateway()
         stack.nodes = {"node-a": stack.start_node("node-a", [MODEL])}

@@ -27,19 +27,28 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def secret(cluster_stack) -> str:
     """Every client's key (once one key exists, every request needs one); its limits are generous."""
-    made = httpx.post(f"{cluster_stack.gateway_url}/admin/keys", json={"name": "cluster-user"},
-                      headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    made = httpx.post(
+        f"{cluster_stack.gateway_url}/admin/keys",
+        json={"name": "cluster-user"},
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    )
     assert made.status_code == 200, made.text
     return made.json()["secret"]
 
 
 def openai_client(stack, secret: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key=secret, max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key=secret, max_retries=0, timeout=120
+    )
 
 
 def chat(stack, secret: str, prompt: str = "Hello", **kw):
     return openai_client(stack, secret).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, **({"max_tokens": 8} | kw))
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        **({"max_tokens": 8} | kw),
+    )
 
 
 def test_the_keys_one_operation_touches_share_a_slot(cluster_stack):
@@ -52,34 +61,57 @@ def test_the_keys_one_operation_touches_share_a_slot(cluster_stack):
 
 
 def test_both_dialects_stream_through_sharded_pub_sub(cluster_stack, secret):
-    pieces = [c.choices[0].delta.content or "" for c in openai_client(cluster_stack, secret).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in openai_client(cluster_stack, secret).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    ]
     whole = chat(cluster_stack, secret, max_tokens=12, extra_body={"ignore_eos": True})
-    assert "".join(pieces) == whole.choices[0].message.content and whole.usage.completion_tokens == 12
+    assert (
+        "".join(pieces) == whole.choices[0].message.content and whole.usage.completion_tokens == 12
+    )
     claude = anthropic.Anthropic(base_url=cluster_stack.gateway_url, api_key=secret, max_retries=0)
-    with claude.messages.stream(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Hello"}]) as stream:
+    with claude.messages.stream(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Hello"}]
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == final.content[0].text and final.usage.output_tokens > 0
     # the events crossed one shard each: some master counts SPUBLISH calls
-    commands = {port: cluster_stack.cluster.node(port).info("commandstats") for port in cluster_stack.cluster.masters()}
+    commands = {
+        port: cluster_stack.cluster.node(port).info("commandstats")
+        for port in cluster_stack.cluster.masters()
+    }
     assert sum(stats.get("cmdstat_spublish", {}).get("calls", 0) for stats in commands.values()) > 0
     cluster_stack.assert_clean()
 
 
 def test_a_batch_runs_with_its_queue_on_one_redis(cluster_stack, secret):
     client = openai_client(cluster_stack, secret)
-    batch_id = submit_batch(client, [chat_line(f"l-{i}", f"Item {i}", max_tokens=4) for i in range(12)])
+    batch_id = submit_batch(
+        client, [chat_line(f"l-{i}", f"Item {i}", max_tokens=4) for i in range(12)]
+    )
     done = wait_status(client, batch_id, {"completed", "failed"}, timeout_s=120)
     assert done.status == "completed" and done.request_counts.completed == 12
-    assert sorted(o["custom_id"] for o in output_lines(client, done.output_file_id)) == sorted(f"l-{i}" for i in range(12))
+    assert sorted(o["custom_id"] for o in output_lines(client, done.output_file_id)) == sorted(
+        f"l-{i}" for i in range(12)
+    )
     cluster_stack.assert_clean()
 
 
 def test_a_keys_rpm_limit_holds(cluster_stack):
-    made = httpx.post(f"{cluster_stack.gateway_url}/admin/keys", json={"name": "rpm3", "rpm": 3},
-                      headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    made = httpx.post(
+        f"{cluster_stack.gateway_url}/admin/keys",
+        json={"name": "rpm3", "rpm": 3},
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    )
     assert made.status_code == 200, made.text
     outcomes = []
     for _ in range(5):
@@ -93,8 +125,13 @@ def test_a_keys_rpm_limit_holds(cluster_stack):
 
 
 def cortex(stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=stack.env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_the_cli_reads_the_fleet_and_its_keys_from_the_cluster(cluster_stack, secret, tmp_path):
@@ -111,12 +148,18 @@ def test_the_cli_reads_the_fleet_and_its_keys_from_the_cluster(cluster_stack, se
 
 def test_a_client_that_hangs_up_cancels_its_job(cluster_stack, secret):
     stream = openai_client(cluster_stack, secret).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=200, stream=True,
-        extra_body={"ignore_eos": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(iter(stream))
     stream.close()  # the grace is 0: the gateway cancels at once, through the broadcast channel
     r = cluster_stack.client()
-    wait_for(lambda: not r.smembers(cluster_stack.keys.started("node-a")), 20, "the job to be cancelled")
+    wait_for(
+        lambda: not r.smembers(cluster_stack.keys.started("node-a")), 20, "the job to be cancelled"
+    )
     cluster_stack.assert_clean()
 
 
@@ -127,10 +170,16 @@ def test_a_killed_node_fails_its_stream_and_another_serves(cluster_stack, secret
     def stream(i: int) -> None:
         try:
             for _ in openai_client(cluster_stack, secret).completions.create(
-                    model=MODEL, prompt=f"Story {i}", max_tokens=200, stream=True, extra_body={"ignore_eos": True}):
+                model=MODEL,
+                prompt=f"Story {i}",
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 pass
         except openai.APIError as exc:
             errors.append(exc)
+
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
     for t in threads:
         t.start()
@@ -144,7 +193,9 @@ def test_a_killed_node_fails_its_stream_and_another_serves(cluster_stack, secret
     assert chat(cluster_stack, secret).choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request_succeeds(cluster_stack, secret):
+def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request_succeeds(
+    cluster_stack, secret
+):
     """The master holding a running stream's events channel is killed: the stream ends with an error
     naming Redis (no hang, no silent truncation); after the replica takes over, requests succeed."""
     cluster = cluster_stack.cluster
@@ -155,12 +206,17 @@ def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request
     def stream() -> None:
         try:
             for chunk in openai_client(cluster_stack, secret).chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "Go on"}], max_tokens=240, stream=True,
-                    extra_body={"ignore_eos": True}):
+                model=MODEL,
+                messages=[{"role": "user", "content": "Go on"}],
+                max_tokens=240,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 got.append(chunk)
             got.append("complete")
         except openai.APIError as exc:
             got.append(exc)
+
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     wait_for(lambda: len(got) > 2, 30, "the stream to start")
@@ -178,7 +234,11 @@ def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request
 
 def jobs_of(r) -> list[str]:
     """The jobs queued on the model's streams."""
-    return [fields[b"job"].decode() for stream in r.keys("cortex:jobs:*") for _, fields in r.xrange(stream)]
+    return [
+        fields[b"job"].decode()
+        for stream in r.keys("cortex:jobs:*")
+        for _, fields in r.xrange(stream)
+    ]
 
 
 def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret):
@@ -196,8 +256,11 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
             results.append(chat(cluster_stack, secret, f"Q{i}", max_tokens=4))
         except openai.APIError as exc:
             results.append(exc)
+
     waiting = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
-    node.proc.send_signal(signal.SIGSTOP)  # reads nothing, for less than its heartbeat's TTL (15 s here)
+    node.proc.send_signal(
+        signal.SIGSTOP
+    )  # reads nothing, for less than its heartbeat's TTL (15 s here)
     try:
         for t in waiting:
             t.start()
@@ -215,7 +278,11 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
         log = cluster_stack.root / "gateway.log"
         back = r"is back; (\d) of (\d) queued jobs wait on"
         if cut_off:
-            wait_for(lambda: re.search(back, log.read_text()), 30, "the gateway to listen to the shard again")
+            wait_for(
+                lambda: re.search(back, log.read_text()),
+                30,
+                "the gateway to listen to the shard again",
+            )
         lost = sum(int(total) - int(kept) for kept, total in re.findall(back, log.read_text()))
     finally:
         node.proc.send_signal(signal.SIGCONT)
@@ -224,6 +291,10 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
     assert not any(t.is_alive() for t in waiting)
     served = [x for x in results if isinstance(x, ChatCompletion)]
     assert len(served) == 6 - lost >= 5, (took_s, results)
-    assert all(isinstance(x, openai.InternalServerError) and "Redis" in x.message for x in results if x not in served)
+    assert all(
+        isinstance(x, openai.InternalServerError) and "Redis" in x.message
+        for x in results
+        if x not in served
+    )
     assert chat(cluster_stack, secret).choices[0].finish_reason in ("stop", "length")
     cluster_stack.assert_clean(timeout_s=10)

@@ -20,10 +20,12 @@ from tests.stack import Stack, checked, start_stack
 @pytest.fixture(scope="session")
 def pooler_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("poolers")
-    return {"embed": tiny_poolers.build_embedder(root / "embed"),
-            "embed-last": tiny_poolers.build_embedder(root / "last", pooling="lasttoken", decoder=True),
-            "embed-slow": tiny_poolers.build_embedder(root / "slow", layers=12),
-            "rerank": tiny_poolers.build_cross_encoder(root / "rerank")}
+    return {
+        "embed": tiny_poolers.build_embedder(root / "embed"),
+        "embed-last": tiny_poolers.build_embedder(root / "last", pooling="lasttoken", decoder=True),
+        "embed-slow": tiny_poolers.build_embedder(root / "slow", layers=12),
+        "rerank": tiny_poolers.build_cross_encoder(root / "rerank"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +34,7 @@ def embeddings_stack(tmp_path_factory, pooler_dirs, small_vocab_dirs) -> Iterato
 [[models]]
 id = "embed"
 kind = "embedding"
-source = "{pooler_dirs['embed']}"
+source = "{pooler_dirs["embed"]}"
 aliases = ["embedder"]
 dtype = "float32"
 max_model_len = 128
@@ -40,7 +42,7 @@ max_model_len = 128
 [[models]]
 id = "embed-last"
 kind = "embedding"
-source = "{pooler_dirs['embed-last']}"
+source = "{pooler_dirs["embed-last"]}"
 dtype = "float32"
 max_model_len = 128
 matryoshka_dimensions = []
@@ -48,7 +50,7 @@ matryoshka_dimensions = []
 [[models]]
 id = "embed-slow"
 kind = "embedding"
-source = "{pooler_dirs['embed-slow']}"
+source = "{pooler_dirs["embed-slow"]}"
 dtype = "float32"
 max_model_len = 128
 pooling_batch_tokens = 16  # one input a pass: a request of many takes long enough to be left
@@ -56,13 +58,13 @@ pooling_batch_tokens = 16  # one input a pass: a request of many takes long enou
 [[models]]
 id = "rerank"
 kind = "rerank"
-source = "{pooler_dirs['rerank']}"
+source = "{pooler_dirs["rerank"]}"
 dtype = "float32"
 max_model_len = 128
 
 [[models]]
 id = "chat"
-source = "{small_vocab_dirs['llama']}"
+source = "{small_vocab_dirs["llama"]}"
 dtype = "float32"
 slots = 4
 max_model_len = 256

@@ -35,10 +35,25 @@ class LoopbackHub:
         return hub_server.publish(self.root / "repos", repo, folder)
 
     def start(self, throttle_bps: int = 0, token: str = "") -> None:
-        args = [sys.executable, "-m", "tests.hub_server", "--root", str(self.root / "repos"), "--port", str(self.port),
-                "--log", str(self.log), "--throttle-bps", str(throttle_bps), "--token", token]
+        args = [
+            sys.executable,
+            "-m",
+            "tests.hub_server",
+            "--root",
+            str(self.root / "repos"),
+            "--port",
+            str(self.port),
+            "--log",
+            str(self.log),
+            "--throttle-bps",
+            str(throttle_bps),
+            "--token",
+            token,
+        ]
         self.service = Service("hub", args, self.root / "hub.log")
-        self.service.wait_ready(lambda: socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close() is None)
+        self.service.wait_ready(
+            lambda: socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close() is None
+        )
 
     def stop(self) -> None:
         if self.service is not None:
@@ -67,8 +82,16 @@ def tiny_repo(small_vocab_dirs, tmp_path_factory) -> Path:
     return folder
 
 
-NEEDED = sorted(["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json"])
+NEEDED = sorted(
+    [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+)
 
 
 def catalogue(**models: str) -> str:
@@ -77,23 +100,32 @@ def catalogue(**models: str) -> str:
     for model_id, spec in models.items():
         source, _, nodes = spec.partition("|")
         allowed = f"nodes = {json.dumps(nodes.split(','))}\n" if nodes else ""
-        blocks.append(f'[[models]]\nid = "{model_id}"\nsource = "{source}"\ndtype = "float32"\nslots = 2\n'
-                      f'max_model_len = 128\nmemory_mb = 100\n{allowed}')
+        blocks.append(
+            f'[[models]]\nid = "{model_id}"\nsource = "{source}"\ndtype = "float32"\nslots = 2\n'
+            f"max_model_len = 128\nmemory_mb = 100\n{allowed}"
+        )
     return "\n".join(blocks)
 
 
 def node_env(tmp_path: Path, name: str, hub: LoopbackHub, **extra: str) -> dict[str, str]:
     """A node pulling from `hub` into its own models directory, with an empty Hugging Face cache."""
-    return {"CORTEX_MODELS_DIR": str(tmp_path / f"models-{name}"), "HF_ENDPOINT": hub.url,
-            "HF_HUB_CACHE": str(tmp_path / f"hf-cache-{name}"), "HF_HUB_OFFLINE": "0",
-            "CORTEX_HEARTBEAT_S": "0.5"} | extra
+    return {
+        "CORTEX_MODELS_DIR": str(tmp_path / f"models-{name}"),
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_CACHE": str(tmp_path / f"hf-cache-{name}"),
+        "HF_HUB_OFFLINE": "0",
+        "CORTEX_HEARTBEAT_S": "0.5",
+    } | extra
 
 
 def folder_files(models_dir: Path, folder: str = FOLDER) -> list[str]:
     """The model files a folder holds (not the manifest, the last-use mark or the work files)."""
     root = models_dir / folder
-    return sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("cortex-")) \
-        if root.is_dir() else []
+    return (
+        sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("cortex-"))
+        if root.is_dir()
+        else []
+    )
 
 
 def complete(models_dir: Path, folder: str = FOLDER) -> bool:
@@ -105,7 +137,9 @@ def partial_bytes(models_dir: Path, folder: str = FOLDER) -> int:
 
 
 def send(stack: Stack, node: str, cmd: str, model: str) -> None:
-    stack.client().xadd(stack.keys.cmd(node), {"cmd": cmd, "model": model, "by": "test", "sent_ms": 0})
+    stack.client().xadd(
+        stack.keys.cmd(node), {"cmd": cmd, "model": model, "by": "test", "sent_ms": 0}
+    )
 
 
 def pulls(stack: Stack, node: str) -> dict[str, dict]:
@@ -114,6 +148,11 @@ def pulls(stack: Stack, node: str) -> dict[str, dict]:
 
 def cortex(stack: Stack, *args: str) -> subprocess.CompletedProcess:
     """The `cortex` CLI against the stack's Redis, as an operator runs it."""
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], env=stack.env | {"COLUMNS": "400"},
-                          capture_output=True, text=True,
-                          timeout=60, check=True)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=stack.env | {"COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )

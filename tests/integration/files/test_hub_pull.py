@@ -7,18 +7,32 @@ import time
 
 import pytest
 
-from tests.integration.files.conftest import (FOLDER, NEEDED, REPO, catalogue, complete, folder_files, node_env,
-                                              partial_bytes, pulls, send)
 from tests.conftest import Service
+from tests.integration.files.conftest import (
+    FOLDER,
+    NEEDED,
+    REPO,
+    catalogue,
+    complete,
+    folder_files,
+    node_env,
+    partial_bytes,
+    pulls,
+    send,
+)
 from tests.stack import start_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_pull_takes_only_what_the_model_needs_and_resumes_after_the_hub_died(tmp_path, hub, tiny_repo):
+def test_a_pull_takes_only_what_the_model_needs_and_resumes_after_the_hub_died(
+    tmp_path, hub, tiny_repo
+):
     hub.publish(REPO, tiny_repo)
     weights = (tiny_repo / "model.safetensors").stat().st_size
-    hub.start(throttle_bps=weights // 6, token="hf_secret")  # ~6 s for the weights; 401 without the token
+    hub.start(
+        throttle_bps=weights // 6, token="hf_secret"
+    )  # ~6 s for the weights; 401 without the token
     models = tmp_path / "models-n1"
     stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}"))
     try:
@@ -35,11 +49,23 @@ def test_a_pull_takes_only_what_the_model_needs_and_resumes_after_the_hub_died(t
         hub.start(token="hf_secret")
         send(stack, "n1", "pull", "tiny")
         wait_for(lambda: complete(models), 60, "the pull to finish")
-        resumed = [line for line in hub.requests()[before:] if line.startswith("GET") and "model.safetensors" in line]
-        assert len(resumed) == 1 and f"bytes={kept}-" in resumed[0], resumed  # from where it stopped
+        resumed = [
+            line
+            for line in hub.requests()[before:]
+            if line.startswith("GET") and "model.safetensors" in line
+        ]
+        assert len(resumed) == 1 and f"bytes={kept}-" in resumed[0], (
+            resumed
+        )  # from where it stopped
         assert folder_files(models) == NEEDED  # no README, no second copy of the weights
-        assert (models / FOLDER / "model.safetensors").read_bytes() == (tiny_repo / "model.safetensors").read_bytes()
-        wait_for(lambda: stack.client().hexists(stack.keys.model_files("n1"), FOLDER), 5, "the folder published")
+        assert (models / FOLDER / "model.safetensors").read_bytes() == (
+            tiny_repo / "model.safetensors"
+        ).read_bytes()
+        wait_for(
+            lambda: stack.client().hexists(stack.keys.model_files("n1"), FOLDER),
+            5,
+            "the folder published",
+        )
         assert not any("pytorch_model.bin" in line or "README" in line for line in hub.requests())
     finally:
         stack.stop()
@@ -57,9 +83,15 @@ def test_a_file_corrupted_on_the_hub_is_refused_and_never_loaded(tmp_path, hub, 
     try:
         node = stack.start_node("n1", models=[], **node_env(tmp_path, "n1", hub))
         send(stack, "n1", "load", "tiny")
-        wait_for(lambda: stack.models_on("n1").get("tiny", {}).get("state") == "failed", 60, "the load to fail")
+        wait_for(
+            lambda: stack.models_on("n1").get("tiny", {}).get("state") == "failed",
+            60,
+            "the load to fail",
+        )
         error = stack.models_on("n1")["tiny"]["error"]
-        assert error.startswith("ModelFileCorrupt") and "model.safetensors has sha256" in error, error
+        assert error.startswith("ModelFileCorrupt") and "model.safetensors has sha256" in error, (
+            error
+        )
         assert not complete(models) and "model.safetensors" not in folder_files(models)
         assert "loading tiny from" not in node.log_path.read_text()  # the engine never read it
     finally:
@@ -70,12 +102,22 @@ def test_a_node_stopped_while_it_downloads_a_model_at_start_stops_at_once(tmp_pa
     hub.publish(REPO, tiny_repo)
     hub.start(throttle_bps=4096)  # ~100 s for the weights
     stack = start_stack(tmp_path, catalogue(tiny=f"hf:{REPO}"))
-    env = stack.env | node_env(tmp_path, "n1", hub) | {"CORTEX_NODE_NAME": "n1", "CORTEX_MODELS": '["tiny"]'}
-    node = Service("node n1", [sys.executable, "-m", "node_agent"], tmp_path / "node-n1.log", env=env)
+    env = (
+        stack.env
+        | node_env(tmp_path, "n1", hub)
+        | {"CORTEX_NODE_NAME": "n1", "CORTEX_MODELS": '["tiny"]'}
+    )
+    node = Service(
+        "node n1", [sys.executable, "-m", "node_agent"], tmp_path / "node-n1.log", env=env
+    )
     try:
-        node.wait_ready(lambda: stack.models_on("n1").get("tiny", {}).get("state") == "downloading", 60)
+        node.wait_ready(
+            lambda: stack.models_on("n1").get("tiny", {}).get("state") == "downloading", 60
+        )
         started = time.monotonic()
-        assert node.stop(timeout_s=20) == 0 and time.monotonic() - started < 10  # not after the download
+        assert (
+            node.stop(timeout_s=20) == 0 and time.monotonic() - started < 10
+        )  # not after the download
         log = node.log_path.read_text()
         assert "the node is shutting down" in log and "node n1 stopped" in log
         assert stack.client().exists(stack.keys.node("n1"), stack.keys.model_files("n1")) == 0

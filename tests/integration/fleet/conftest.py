@@ -13,8 +13,13 @@ def catalogue(tiny_dir, **models: dict) -> str:
     """models.toml with one tiny model per keyword (id = keyword), each 100 MB unless said."""
     blocks = []
     for model_id, extra in models.items():
-        fields = {"source": str(tiny_dir), "dtype": "float32", "slots": 4, "max_model_len": 256,
-                  "memory_mb": 100} | extra
+        fields = {
+            "source": str(tiny_dir),
+            "dtype": "float32",
+            "slots": 4,
+            "max_model_len": 256,
+            "memory_mb": 100,
+        } | extra
         body = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())
         blocks.append(f'[[models]]\nid = "{model_id}"\n{body}\n')
     return "\n".join(blocks)
@@ -35,8 +40,15 @@ def fleet_stack(tmp_path, tiny_dirs, request) -> Iterator[Stack]:
     """A stack whose catalogue comes from the test's `models` marker (see `catalogue`)."""
     marker = request.node.get_closest_marker("models")
     toml = catalogue(tiny_dirs["llama"], **(marker.kwargs if marker else {"tiny-a": {}}))
-    stack = start_stack(tmp_path, toml, CORTEX_ADMIN_KEY=ADMIN_KEY, CORTEX_JANITOR_INTERVAL_S="0.5",
-                        CORTEX_HEARTBEAT_S="0.5", CORTEX_HEARTBEAT_TTL_S="3", CORTEX_NODE_TTL_S="3")
+    stack = start_stack(
+        tmp_path,
+        toml,
+        CORTEX_ADMIN_KEY=ADMIN_KEY,
+        CORTEX_JANITOR_INTERVAL_S="0.5",
+        CORTEX_HEARTBEAT_S="0.5",
+        CORTEX_HEARTBEAT_TTL_S="3",
+        CORTEX_NODE_TTL_S="3",
+    )
     try:
         yield stack
     finally:

@@ -20,15 +20,30 @@ MODEL = "tiny-a"
 def fleet(tmp_path, tiny_dirs, request):
     """A gateway and nodes n1, n2 serving MODEL (4 slots, a KV cache of 64 blocks of 16 tokens, unless
     the test's `models` marker says otherwise); settings from the test's `env` marker."""
-    env_marker, models_marker = request.node.get_closest_marker("env"), request.node.get_closest_marker("models")
-    toml = catalogue(tiny_dirs["llama"], **{MODEL: {"slots": 4, "max_model_len": 256}
-                                            | (models_marker.kwargs if models_marker else {})})
-    env = dict(CORTEX_JANITOR_INTERVAL_S="0.2", CORTEX_HEARTBEAT_S="0.3", CORTEX_HEARTBEAT_TTL_S="3",
-               CORTEX_NODE_TTL_S="3") | (env_marker.kwargs if env_marker else {})
+    env_marker, models_marker = (
+        request.node.get_closest_marker("env"),
+        request.node.get_closest_marker("models"),
+    )
+    toml = catalogue(
+        tiny_dirs["llama"],
+        **{
+            MODEL: {"slots": 4, "max_model_len": 256}
+            | (models_marker.kwargs if models_marker else {})
+        },
+    )
+    env = dict(
+        CORTEX_JANITOR_INTERVAL_S="0.2",
+        CORTEX_HEARTBEAT_S="0.3",
+        CORTEX_HEARTBEAT_TTL_S="3",
+        CORTEX_NODE_TTL_S="3",
+    ) | (env_marker.kwargs if env_marker else {})
     stack = start_stack(tmp_path, toml, **env)
     try:
         stack.start_gateway()
-        nodes = {name: stack.start_node(name, models=[MODEL], CORTEX_MEMORY_BUDGET_MB="500") for name in ("n1", "n2")}
+        nodes = {
+            name: stack.start_node(name, models=[MODEL], CORTEX_MEMORY_BUDGET_MB="500")
+            for name in ("n1", "n2")
+        }
         yield stack, nodes
     finally:
         stack.stop()
@@ -40,11 +55,15 @@ def client(stack) -> openai.OpenAI:
 
 def system_prompt(i: int) -> str:
     """About 100 tokens, different for each conversation from its first words on."""
-    return f"Conversation {i}. " + " ".join(["Tell me about transformers and attention in detail please."] * 8)
+    return f"Conversation {i}. " + " ".join(
+        ["Tell me about transformers and attention in detail please."] * 8
+    )
 
 
 def turn(stack, messages: list[dict]):
-    return client(stack).chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    return client(stack).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0
+    )
 
 
 def held(stack) -> dict[str, int]:
@@ -54,17 +73,24 @@ def held(stack) -> dict[str, int]:
 
 
 def routed(stack) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in stack.client().hgetall(stack.keys.routing(MODEL)).items()}
+    return {
+        k.decode(): int(v) for k, v in stack.client().hgetall(stack.keys.routing(MODEL)).items()
+    }
 
 
 def first_turn(stack, i: int) -> tuple[list[dict], str, int]:
     """Turn 1 of conversation `i`: its messages so far, the node whose cache now holds it, and the
     tokens of its prompt (turn 2 finds at least their full blocks cached there)."""
     before = held(stack)
-    messages = [{"role": "system", "content": system_prompt(i)}, {"role": "user", "content": "Hello there!"}]
+    messages = [
+        {"role": "system", "content": system_prompt(i)},
+        {"role": "user", "content": "Hello there!"},
+    ]
     answer = turn(stack, messages)
-    messages += [{"role": "assistant", "content": answer.choices[0].message.content},
-                 {"role": "user", "content": "Why? What is it?"}]
+    messages += [
+        {"role": "assistant", "content": answer.choices[0].message.content},
+        {"role": "user", "content": "Why? What is it?"},
+    ]
     after = held(stack)
     [node] = [n for n in after if after[n] > before[n]]
     return messages, node, answer.usage.prompt_tokens
@@ -79,7 +105,9 @@ def test_each_next_turn_goes_to_the_node_that_holds_its_conversation(fleet):
     conversations = [first_turn(stack, i) for i in range(6)]
     for messages, _node, prompt_tokens in conversations:
         response = turn(stack, messages)
-        assert cached(response) >= prompt_tokens // 16 * 16, f"turn 2 found only {cached(response)} tokens cached"
+        assert cached(response) >= prompt_tokens // 16 * 16, (
+            f"turn 2 found only {cached(response)} tokens cached"
+        )
     counts = routed(stack)
     assert counts.get("cache") == 6, counts
     stack.assert_clean()
@@ -91,7 +119,9 @@ def test_an_evicted_prefix_is_no_longer_routed_to(fleet):
     r = stack.client()
     marks = set(r.hkeys(stack.keys.prefixes(MODEL, node)))
     shortest = min(int(tokens) for tokens in r.hvals(stack.keys.prefixes(MODEL, node)))
-    for i in range(1, 40):  # other long prompts fill both caches (64 blocks each) until the conversation is evicted
+    for i in range(
+        1, 40
+    ):  # other long prompts fill both caches (64 blocks each) until the conversation is evicted
         turn(stack, [{"role": "user", "content": system_prompt(100 + i) * 2}])
         if not marks & set(r.hkeys(stack.keys.prefixes(MODEL, node))):
             break
@@ -102,7 +132,9 @@ def test_an_evicted_prefix_is_no_longer_routed_to(fleet):
     # a cache frees a sequence's blocks tail first, so its first few blocks may outlive the blocks its
     # marks were anchored on; none of its marked prefixes is left
     assert cached(response) < shortest
-    assert routed(stack).get("cache", 0) == routed_before.get("cache", 0)  # not routed by cache any more
+    assert routed(stack).get("cache", 0) == routed_before.get(
+        "cache", 0
+    )  # not routed by cache any more
     stack.assert_clean()
 
 
@@ -111,8 +143,12 @@ def heartbeat_ms(stack, node: str) -> int:
 
 
 @pytest.mark.models(slots=1, max_model_len=1024)
-@pytest.mark.env(CORTEX_HEARTBEAT_S="8", CORTEX_HEARTBEAT_TTL_S="30", CORTEX_NODE_TTL_S="30",
-                 CORTEX_AFFINITY_WAIT_MS="200")
+@pytest.mark.env(
+    CORTEX_HEARTBEAT_S="8",
+    CORTEX_HEARTBEAT_TTL_S="30",
+    CORTEX_NODE_TTL_S="30",
+    CORTEX_AFFINITY_WAIT_MS="200",
+)
 def test_a_routed_job_its_busy_node_does_not_take_moves_to_the_other_nodes(fleet):
     """Both nodes busy (one slot each) while the heartbeat the gateway routes by still shows the
     conversation's node free: the turn is routed there, waits `affinity_wait_ms`, and moves. An
@@ -122,14 +158,26 @@ def test_a_routed_job_its_busy_node_does_not_take_moves_to_the_other_nodes(fleet
     messages, node, _ = first_turn(stack, 0)
     for _attempt in range(3):
         beat = heartbeat_ms(stack, node)
-        wait_for(lambda: heartbeat_ms(stack, node) != beat, 20, "a fresh heartbeat")  # the next is 8 s away
+        wait_for(
+            lambda: heartbeat_ms(stack, node) != beat, 20, "a fresh heartbeat"
+        )  # the next is 8 s away
         beat = heartbeat_ms(stack, node)
-        busy = [client(stack).completions.create(model=MODEL, prompt=f"Hello {i}", max_tokens=300, stream=True,
-                                                 extra_body={"ignore_eos": True}) for i in range(2)]
+        busy = [
+            client(stack).completions.create(
+                model=MODEL,
+                prompt=f"Hello {i}",
+                max_tokens=300,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(2)
+        ]
         for stream in busy:
             next(iter(stream))  # it runs: each node's one slot is taken
         response = turn(stack, messages)
-        if heartbeat_ms(stack, node) == beat:  # the gateway saw the node free all along: it was routed there
+        if (
+            heartbeat_ms(stack, node) == beat
+        ):  # the gateway saw the node free all along: it was routed there
             break
         for stream in busy:
             stream.close()
@@ -151,7 +199,10 @@ def test_a_killed_node_loses_none_of_the_jobs_routed_to_it(fleet):
     mine = [messages for messages, holder, _ in conversations if holder == node]
     os.kill(nodes[node].proc.pid, signal.SIGSTOP)  # it reads nothing more; its heartbeat stops
     results: list = []
-    threads = [threading.Thread(target=lambda m=m: results.append(turn(stack, m)), daemon=True) for m in mine]
+    threads = [
+        threading.Thread(target=lambda m=m: results.append(turn(stack, m)), daemon=True)
+        for m in mine
+    ]
     for t in threads:
         t.start()
     r = stack.client()
@@ -159,8 +210,11 @@ def test_a_killed_node_loses_none_of_the_jobs_routed_to_it(fleet):
     # the first turn is routed to the stopped node (its last heartbeat shows it idle); the others may
     # be too, or, as the load this gateway sent there since that heartbeat outweighs their cached
     # prefix, go to the other node and end there
-    wait_for(lambda: r.exists(own) and r.xlen(own) >= 1 and r.xlen(own) + len(results) == len(mine), 10,
-             "the turns to wait on the stopped node's stream or end on the other")
+    wait_for(
+        lambda: r.exists(own) and r.xlen(own) >= 1 and r.xlen(own) + len(results) == len(mine),
+        10,
+        "the turns to wait on the stopped node's stream or end on the other",
+    )
     waiting = r.xlen(own)
     nodes[node].proc.kill()
     for t in threads:

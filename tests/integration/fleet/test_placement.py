@@ -14,7 +14,9 @@ pytestmark = pytest.mark.integration
 
 
 def ask(stack, model: str, **kw):
-    client = openai.OpenAI(base_url=f"{stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=60
+    )
     return client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, **kw)
 
 
@@ -22,11 +24,19 @@ def use(stack, model: str) -> None:
     """Ask `model`, then wait for n1's heartbeat to say so: placement sees use through heartbeats."""
     since_ms = int(time.time() * 1000)
     ask(stack, model)
-    wait_for(lambda: stack.models_on("n1")[model]["last_used_ms"] >= since_ms, 10, f"n1's heartbeat to say {model} was used")
+    wait_for(
+        lambda: stack.models_on("n1")[model]["last_used_ms"] >= since_ms,
+        10,
+        f"n1's heartbeat to say {model} was used",
+    )
 
 
 def admin(stack, path: str) -> httpx.Response:
-    return httpx.post(f"{stack.gateway_url}/admin/{path}", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    return httpx.post(
+        f"{stack.gateway_url}/admin/{path}",
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=30,
+    )
 
 
 @pytest.mark.models(**{"tiny-a": {}, "tiny-b": {}, "tiny-c": {}, "tiny-huge": {"memory_mb": 1000}})
@@ -45,7 +55,11 @@ def test_cold_load_lru_eviction_pins_and_capacity(fleet_stack):
     assert admin(fleet_stack, "models/tiny-a/pin").status_code == 200
     use(fleet_stack, "tiny-c")  # tiny-a is now LRU, but pinned
     assert ask(fleet_stack, "tiny-b").choices
-    wait_for(lambda: set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-b"}, 10, "tiny-c evicted, not tiny-a")
+    wait_for(
+        lambda: set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-b"},
+        10,
+        "tiny-c evicted, not tiny-a",
+    )
 
     with pytest.raises(openai.APIStatusError) as caught:
         ask(fleet_stack, "tiny-huge")
@@ -56,13 +70,19 @@ def test_cold_load_lru_eviction_pins_and_capacity(fleet_stack):
     fleet_stack.assert_clean()
 
 
-@pytest.mark.models(**{"tiny-a": {"keep_alive_s": 1.0}, "tiny-b": {"pin": True, "keep_alive_s": 1.0}})
+@pytest.mark.models(
+    **{"tiny-a": {"keep_alive_s": 1.0}, "tiny-b": {"pin": True, "keep_alive_s": 1.0}}
+)
 def test_keep_alive_unloads_idle_models_but_not_pinned_ones(fleet_stack):
     fleet_stack.start_gateway()
     fleet_stack.start_node("n1", models=[], CORTEX_MEMORY_BUDGET_MB="1000")
     ask(fleet_stack, "tiny-a")
     ask(fleet_stack, "tiny-b")
-    wait_for(lambda: set(fleet_stack.models_on("n1")) == {"tiny-b"}, 15, "tiny-a unloaded after keep_alive")
+    wait_for(
+        lambda: set(fleet_stack.models_on("n1")) == {"tiny-b"},
+        15,
+        "tiny-a unloaded after keep_alive",
+    )
     ask(fleet_stack, "tiny-a", extra_body={"keep_alive": "30s"})  # a request may keep it longer
     time.sleep(3)
     assert set(fleet_stack.models_on("n1")) == {"tiny-a", "tiny-b"}
@@ -81,10 +101,13 @@ def test_two_gateways_placing_at_once_load_the_model_once(fleet_stack):
 
     def one(url):
         try:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)  # a cold load on a busy box took over 60 s
+            client = openai.OpenAI(
+                base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180
+            )  # a cold load on a busy box took over 60 s
             answers.append(client.completions.create(model="tiny-a", prompt="Hi", max_tokens=3))
         except Exception as exc:  # collected and asserted on below
             errors.append(exc)
+
     threads = [threading.Thread(target=one, args=(url,)) for url in [first, second] * 5]
     for t in threads:
         t.start()
@@ -105,9 +128,16 @@ def test_admin_api_needs_the_key_and_cli_status_shows_the_fleet(fleet_stack):
     fleet_stack.start_gateway()
     fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
     response = httpx.post(f"{fleet_stack.gateway_url}/admin/models/tiny-a/pin", timeout=10)
-    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json"], env=fleet_stack.env,
-                         capture_output=True, text=True, timeout=60)
+    assert (
+        response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "status", "--json"],
+        env=fleet_stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     status = json.loads(out.stdout)
     [node] = status["nodes"]
     assert node["node"] == "n1" and node["alive"]

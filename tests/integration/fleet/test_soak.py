@@ -36,9 +36,16 @@ CLIENTS = 4
 MALFORMED = [
     (b"{not json", "application/json"),
     (json.dumps({"model": MODEL, "messages": "hi"}).encode(), "application/json"),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}).encode(),
-     "application/json"),
-    (b'{"model": "tiny-soak", "messages": [{"role": "user", "content": "\\ud800"}]}', "application/json"),
+    (
+        json.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}
+        ).encode(),
+        "application/json",
+    ),
+    (
+        b'{"model": "tiny-soak", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        "application/json",
+    ),
 ]
 
 
@@ -68,8 +75,14 @@ class Window:
 
 
 def body(prompt: int, stream: bool) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[prompt]}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[prompt]}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def ask(url: str, kind: str, prompt: int) -> Outcome:
@@ -78,18 +91,26 @@ def ask(url: str, kind: str, prompt: int) -> Outcome:
     try:
         if kind == "malformed":
             raw, content_type = MALFORMED[prompt % len(MALFORMED)]
-            response = httpx.post(f"{url}/v1/chat/completions", content=raw, timeout=timeout,
-                                  headers={"content-type": content_type})
+            response = httpx.post(
+                f"{url}/v1/chat/completions",
+                content=raw,
+                timeout=timeout,
+                headers={"content-type": content_type},
+            )
             outcome.status = response.status_code
             refused = 400 <= response.status_code < 500 and clear_error(response.content)
             outcome.error = "" if refused else f"{response.status_code}: {response.text}"
         elif kind == "whole":
-            response = httpx.post(f"{url}/v1/chat/completions", json=body(prompt, False), timeout=timeout)
+            response = httpx.post(
+                f"{url}/v1/chat/completions", json=body(prompt, False), timeout=timeout
+            )
             outcome.status = response.status_code
             if response.status_code == 200:
                 outcome.text = response.json()["choices"][0]["message"]["content"]
             else:
-                outcome.error = f"{response.status_code}: {clear_error(response.content) or response.text}"
+                outcome.error = (
+                    f"{response.status_code}: {clear_error(response.content) or response.text}"
+                )
         else:
             read_stream(url, outcome, timeout)
     except httpx.TimeoutException as exc:
@@ -109,7 +130,9 @@ def clear_error(raw: bytes) -> str:
 
 
 def read_stream(url: str, outcome: Outcome, timeout: httpx.Timeout) -> None:
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body(outcome.prompt, True), timeout=timeout) as got:
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body(outcome.prompt, True), timeout=timeout
+    ) as got:
         outcome.status = got.status_code
         if got.status_code != 200:
             raw = got.read()
@@ -155,13 +178,19 @@ class Fleet:
         def ready() -> bool:
             beat = client.hgetall(self.stack.keys.node(name))
             models = json.loads(beat.get(b"models", b"{}"))
-            return int(beat.get(b"started_ms", 0)) >= since_ms and models.get(MODEL, {}).get("state") == "ready"
+            return (
+                int(beat.get(b"started_ms", 0)) >= since_ms
+                and models.get(MODEL, {}).get("state") == "ready"
+            )
+
         wait_until(ready, NODE_START_TIMEOUT_S, f"node {name}", alive=self.nodes[name].alive)
 
     # ---- the faults: each returns once the part it hurt is back ----------------------------------
     def kill_node(self) -> None:
         self.nodes["node-b"].proc.kill()
-        time.sleep(4.0)  # past the node TTL: the janitor settles its jobs (and puts non-streamed ones back)
+        time.sleep(
+            4.0
+        )  # past the node TTL: the janitor settles its jobs (and puts non-streamed ones back)
         self.start_node("node-b")
 
     def terminate_node(self) -> None:
@@ -176,15 +205,30 @@ class Fleet:
 
     def kill_output_process(self) -> None:
         node = psutil.Process(self.nodes["node-a"].proc.pid)
-        [output] = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
+        [output] = [
+            p
+            for p in node.children()
+            if "node_agent.serving.output_process" in " ".join(p.cmdline())
+        ]
         output.kill()
         client = self.stack.client()
 
         def reloaded() -> bool:  # a new output process, and the model ready again
             models = json.loads(client.hget(self.stack.keys.node("node-a"), "models") or b"{}")
-            fresh = [p for p in node.children() if "node_agent.serving.output_process" in " ".join(p.cmdline())]
-            return fresh and fresh[0].pid != output.pid and models.get(MODEL, {}).get("state") == "ready"
-        wait_until(reloaded, NODE_START_TIMEOUT_S, "the model's reload", alive=self.nodes["node-a"].alive)
+            fresh = [
+                p
+                for p in node.children()
+                if "node_agent.serving.output_process" in " ".join(p.cmdline())
+            ]
+            return (
+                fresh
+                and fresh[0].pid != output.pid
+                and models.get(MODEL, {}).get("state") == "ready"
+            )
+
+        wait_until(
+            reloaded, NODE_START_TIMEOUT_S, "the model's reload", alive=self.nodes["node-a"].alive
+        )
 
     def kill_gateway(self) -> None:
         self.gateways[0].proc.kill()
@@ -195,23 +239,48 @@ class Fleet:
     def kill_redis(self) -> None:
         self.stack.services[0].proc.kill()
         time.sleep(1.0)
-        self.stack.services[0] = Service("redis-server", self.redis_argv, self.stack.root / "redis-again.log")
+        self.stack.services[0] = Service(
+            "redis-server", self.redis_argv, self.stack.root / "redis-again.log"
+        )
         self.stack.services[0].wait_ready(lambda: redis_answers(self.stack.redis_url))
-        wait_until(lambda: all(_http_ok(f"{url}/health") for url in self.stack.replicas), 30, "the gateways")
+        wait_until(
+            lambda: all(_http_ok(f"{url}/health") for url in self.stack.replicas),
+            30,
+            "the gateways",
+        )
         now_ms = int(time.time() * 1000)
         for name in NODES:  # beating again, their models ready
-            wait_until(lambda: int(self.stack.client().hget(self.stack.keys.node(name), "heartbeat_ms") or 0) > now_ms,
-                       30, f"node {name}'s heartbeat")
+            wait_until(
+                lambda: (
+                    int(self.stack.client().hget(self.stack.keys.node(name), "heartbeat_ms") or 0)
+                    > now_ms
+                ),
+                30,
+                f"node {name}'s heartbeat",
+            )
 
-    FAULTS = ("kill_node", "terminate_node", "restart_node_same_name", "kill_output_process", "kill_gateway",
-              "kill_redis")
+    FAULTS = (
+        "kill_node",
+        "terminate_node",
+        "restart_node_same_name",
+        "kill_output_process",
+        "kill_gateway",
+        "kill_redis",
+    )
 
 
 @pytest.fixture
 def fleet(tmp_path, tiny_dirs) -> Fleet:
-    stack = start_stack(tmp_path, catalogue(tiny_dirs["llama"], **{MODEL: {}}), durable=True,
-                        CORTEX_JANITOR_INTERVAL_S="0.5", CORTEX_HEARTBEAT_S="0.5", CORTEX_HEARTBEAT_TTL_S="3",
-                        CORTEX_NODE_TTL_S="3", CORTEX_REQUEST_TIMEOUT_S="20")
+    stack = start_stack(
+        tmp_path,
+        catalogue(tiny_dirs["llama"], **{MODEL: {}}),
+        durable=True,
+        CORTEX_JANITOR_INTERVAL_S="0.5",
+        CORTEX_HEARTBEAT_S="0.5",
+        CORTEX_HEARTBEAT_TTL_S="3",
+        CORTEX_NODE_TTL_S="3",
+        CORTEX_REQUEST_TIMEOUT_S="20",
+    )
     try:
         stack.start_gateways(2)
         found = Fleet(stack, list(stack.services[0].proc.args))
@@ -235,7 +304,9 @@ def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, reques
         kinds = ["stream", "whole", "cancel", "whole", "stream", "malformed"]
         while not stop.is_set():
             n = next(numbers)
-            outcomes.append(ask(stack.replicas[(n + index) % 2], kinds[n % len(kinds)], n % len(PROMPTS)))
+            outcomes.append(
+                ask(stack.replicas[(n + index) % 2], kinds[n % len(kinds)], n % len(PROMPTS))
+            )
 
     clients = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
     for thread in clients:
@@ -259,23 +330,43 @@ def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, reques
 
     completed = [o for o in outcomes if not o.error]
     failed = [o for o in outcomes if o.error]
-    assert len(outcomes) > 50 and len(completed) > len(outcomes) / 2, (len(outcomes), len(completed))
+    assert len(outcomes) > 50 and len(completed) > len(outcomes) / 2, (
+        len(outcomes),
+        len(completed),
+    )
     assert [o for o in outcomes if o.hung or o.error.startswith("hung")] == []
     for outcome in completed:  # the uninterrupted answer: nothing doubled, nothing lost
         if outcome.kind in ("stream", "whole"):
-            assert outcome.text == references[outcome.prompt].text, (outcome, references[outcome.prompt].text)
+            assert outcome.text == references[outcome.prompt].text, (
+                outcome,
+                references[outcome.prompt].text,
+            )
     outside = [o for o in failed if not any(w.overlaps(o) for w in windows)]
     assert outside == [], "\n".join(f"{o.kind} {o.error}" for o in outside)
 
     client = stack.client()
     stack.assert_clean(timeout_s=30)
-    wait_until(lambda: client.pubsub_channels(f"{stack.keys.prefix}events:*") == [], 30, "job channels to close")
+    wait_until(
+        lambda: client.pubsub_channels(f"{stack.keys.prefix}events:*") == [],
+        30,
+        "job channels to close",
+    )
     for pattern in ("eventlog:*", "metered:*", "detached:*", "session:*"):
-        assert [k for k in client.scan_iter(f"{stack.keys.prefix}{pattern}") if client.ttl(k) == -1] == [], pattern
+        assert [
+            k for k in client.scan_iter(f"{stack.keys.prefix}{pattern}") if client.ttl(k) == -1
+        ] == [], pattern
 
     def slots_free() -> bool:
-        return all(json.loads(client.hget(stack.keys.node(name), "models"))[MODEL]["slots_used"] == 0
-                   for name in NODES)
+        return all(
+            json.loads(client.hget(stack.keys.node(name), "models"))[MODEL]["slots_used"] == 0
+            for name in NODES
+        )
+
     wait_until(slots_free, 30, "every slot free")
-    kinds = {kind: sum(o.kind == kind for o in completed) for kind in ("stream", "whole", "cancel", "malformed")}
-    print(f"soak: {len(outcomes)} requests, {len(failed)} failed inside fault windows; completed {kinds}")
+    kinds = {
+        kind: sum(o.kind == kind for o in completed)
+        for kind in ("stream", "whole", "cancel", "malformed")
+    }
+    print(
+        f"soak: {len(outcomes)} requests, {len(failed)} failed inside fault windows; completed {kinds}"
+    )

@@ -18,20 +18,32 @@ pytestmark = pytest.mark.integration
 def test_streams_waiting_for_their_first_token_survive_a_killed_node(fleet_stack):
     fleet_stack.start_gateway()
     victim = fleet_stack.start_node("n1", models=["tiny-a"], CORTEX_MEMORY_BUDGET_MB="500")
-    fleet_stack.start_node("n2", models=[], CORTEX_MEMORY_BUDGET_MB="500")  # takes the model once n1 is gone
+    fleet_stack.start_node(
+        "n2", models=[], CORTEX_MEMORY_BUDGET_MB="500"
+    )  # takes the model once n1 is gone
     redis, stream = fleet_stack.client(), fleet_stack.keys.jobs("tiny-a")
-    wait_for(lambda: any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in redis.client_list()), 10,
-             "n1 to block reading its stream")
+    wait_for(
+        lambda: any(c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in redis.client_list()),
+        10,
+        "n1 to block reading its stream",
+    )
     os.kill(victim.proc.pid, signal.SIGSTOP)  # blocked in XREADGROUP: Redis still hands it entries
     outcomes: list = []
 
     def one(i: int) -> None:
         try:
-            chunks = client(fleet_stack).completions.create(model="tiny-a", prompt=f"Hello {i}", max_tokens=8,
-                                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+            chunks = client(fleet_stack).completions.create(
+                model="tiny-a",
+                prompt=f"Hello {i}",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             outcomes.append(sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].text))
         except openai.APIError as exc:
             outcomes.append(exc)
+
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(8)]
     for thread in threads:
         thread.start()

@@ -15,5 +15,7 @@ MAX_REQUEST_BYTES = 1024 * 1024
 def stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("isolation")
     toml = catalogue(tiny_dirs["llama"], **{MODEL: {"slots": 8}})
-    with serving(root, toml, "n1", [MODEL], CORTEX_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES)) as stack:
+    with serving(
+        root, toml, "n1", [MODEL], CORTEX_MAX_REQUEST_BYTES=str(MAX_REQUEST_BYTES)
+    ) as stack:
         yield stack

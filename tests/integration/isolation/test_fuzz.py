@@ -9,8 +9,11 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from gateway.errors import OLLAMA_PATHS
 from gateway.openapi import SUCCESS
@@ -22,9 +25,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
 EXAMPLES_PER_ROUTE = 12
 REQUEST_TIMEOUT_S = 60  # a hang fails the test instead of stalling CI
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
-schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi()).include(path=list(SUCCESS))
+schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi()).include(
+    path=list(SUCCESS)
+)
 
 
 def _small(body: dict, path: str) -> None:
@@ -43,8 +53,12 @@ def _small(body: dict, path: str) -> None:
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=EXAMPLES_PER_ROUTE,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 def test_fuzzed_requests_get_declared_answers_and_no_5xx(case, stack):
     if isinstance(case.body, dict):
         _small(case.body, case.path)

@@ -24,7 +24,9 @@ from tests.stack import Stack, serving
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
 MODEL = "tiny-fuzz"
-ADMIN_KEY = "fuzz-admin-key"  # every request carries it: keys the fuzzer creates must not lock it out
+ADMIN_KEY = (
+    "fuzz-admin-key"  # every request carries it: keys the fuzzer creates must not lock it out
+)
 EXAMPLES = int(os.environ.get("CORTEX_FUZZ_EXAMPLES", "20"))
 REQUEST_TIMEOUT_S = 60
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -33,25 +35,40 @@ FLEET_ACTIONS = ("/admin/models/", "/admin/nodes/")
 
 DOCUMENT = create_app(GatewaySettings()).openapi()
 BODIES = Bodies(DOCUMENT["components"]["schemas"])
-JSON_ROUTES = {path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
-               for path, ops in DOCUMENT["paths"].items()
-               if "application/json" in ops.get("post", {}).get("requestBody", {}).get("content", {})}
-ID_ROUTES = [path for path, ops in DOCUMENT["paths"].items() if "post" in ops and "{" in path
-             and "requestBody" not in ops["post"] and not path.startswith(FLEET_ACTIONS)]
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+JSON_ROUTES = {
+    path: ops["post"]["requestBody"]["content"]["application/json"]["schema"]
+    for path, ops in DOCUMENT["paths"].items()
+    if "application/json" in ops.get("post", {}).get("requestBody", {}).get("content", {})
+}
+ID_ROUTES = [
+    path
+    for path, ops in DOCUMENT["paths"].items()
+    if "post" in ops
+    and "{" in path
+    and "requestBody" not in ops["post"]
+    and not path.startswith(FLEET_ACTIONS)
+]
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
     toml = catalogue(tiny_dirs["llama"], **{MODEL: {"slots": 8}})
-    with serving(tmp_path_factory.mktemp("fuzz"), toml, "n1", [MODEL], CORTEX_ADMIN_KEY=ADMIN_KEY) as stack:
+    with serving(
+        tmp_path_factory.mktemp("fuzz"), toml, "n1", [MODEL], CORTEX_ADMIN_KEY=ADMIN_KEY
+    ) as stack:
         yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=stack.gateway_url, timeout=REQUEST_TIMEOUT_S,
-                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as client:
+    with httpx.Client(
+        base_url=stack.gateway_url,
+        timeout=REQUEST_TIMEOUT_S,
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    ) as client:
         yield client
 
 
@@ -76,7 +93,9 @@ def check(response: httpx.Response, path: str) -> None:
         return
     error = response.json()
     if path.startswith("/v1/messages"):
-        assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"], error
+        assert error["type"] == "error" and error["error"]["type"] and error["error"]["message"], (
+            error
+        )
     elif path.startswith("/api/"):  # Ollama's shape: {"error": "..."}
         assert isinstance(error["error"], str) and error["error"], error
     else:
@@ -108,25 +127,43 @@ def test_raw_bytes_get_a_4xx(client, path, raw):
 @FUZZ
 @given(given_id=TEXT.filter(bool))
 def test_any_id_gets_a_4xx_or_an_answer(client, path, given_id):
-    name = path[path.index("{") + 1: path.index("}")]
-    concrete = path.replace("{" + name + "}", quote(given_id.encode("utf-8", "surrogatepass"), safe=""))
+    name = path[path.index("{") + 1 : path.index("}")]
+    concrete = path.replace(
+        "{" + name + "}", quote(given_id.encode("utf-8", "surrogatepass"), safe="")
+    )
     check(client.post(concrete), path)
 
 
 @FUZZ
 @given(purpose=TEXT, content=st.binary(max_size=64), filename=TEXT)
 def test_uploads_get_a_4xx_or_an_answer(client, purpose, content, filename):
-    files = {"file": (filename.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), content)}
-    check(client.post("/v1/files", data={"purpose": purpose.encode("utf-8", "surrogatepass").decode("utf-8", "replace")},
-                      files=files), "/v1/files")
+    files = {
+        "file": (filename.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), content)
+    }
+    check(
+        client.post(
+            "/v1/files",
+            data={"purpose": purpose.encode("utf-8", "surrogatepass").decode("utf-8", "replace")},
+            files=files,
+        ),
+        "/v1/files",
+    )
 
 
 LONE = "\ud800"
 SURROGATE_BODIES = {
-    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": LONE}], "max_tokens": 4},
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": LONE}],
+        "max_tokens": 4,
+    },
     "/v1/completions": {"model": MODEL, "prompt": LONE, "max_tokens": 4},
     "/v1/responses": {"model": MODEL, "input": LONE, "max_output_tokens": 4},
-    "/v1/messages": {"model": MODEL, "messages": [{"role": "user", "content": LONE}], "max_tokens": 4},
+    "/v1/messages": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": LONE}],
+        "max_tokens": 4,
+    },
     "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": LONE}]},
 }
 
@@ -137,23 +174,71 @@ def test_an_unpaired_surrogate_is_a_400_and_a_pair_is_served(client, path):
     assert refused.status_code == 400, refused.text
     check(refused, path)
     assert "unpaired" in refused.text
-    paired = post_json(client, path, json.loads(json.dumps(SURROGATE_BODIES[path]).replace("\\ud800", "\\ud83d\\ude00")))
+    paired = post_json(
+        client,
+        path,
+        json.loads(json.dumps(SURROGATE_BODIES[path]).replace("\\ud800", "\\ud83d\\ude00")),
+    )
     assert paired.status_code == 200, paired.text
 
 
 DEEP = 400  # levels of free-form JSON: past what pydantic's serializer (~250) and a chat template's renderer take
 DEEP_BODIES = {
-    "chat_template_kwargs": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 2, "chat_template_kwargs": {"deep": nested(DEEP)}}),
-    "tool parameters": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                 "max_tokens": 2, "tools": [{"type": "function", "function": {
-                                                     "name": "f", "parameters": {"type": "object", "x": nested(DEEP)}}}]}),
-    "container": ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
-                                  "container": nested(DEEP)}),
-    "input_schema": ("/v1/messages/count_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                                   "tools": [{"name": "f", "input_schema": nested(DEEP)}]}),
-    "response text format": ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "text": {
-        "format": {"type": "json_schema", "name": "s", "schema": {"type": "object", "x": nested(DEEP)}}}}),
+    "chat_template_kwargs": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "chat_template_kwargs": {"deep": nested(DEEP)},
+        },
+    ),
+    "tool parameters": (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "x": nested(DEEP)}},
+                }
+            ],
+        },
+    ),
+    "container": (
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "container": nested(DEEP),
+        },
+    ),
+    "input_schema": (
+        "/v1/messages/count_tokens",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"name": "f", "input_schema": nested(DEEP)}],
+        },
+    ),
+    "response text format": (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "Hi",
+            "max_output_tokens": 2,
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "s",
+                    "schema": {"type": "object", "x": nested(DEEP)},
+                }
+            },
+        },
+    ),
 }
 
 

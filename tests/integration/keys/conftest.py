@@ -16,8 +16,13 @@ ADMIN_KEY = "test-admin-key"
 
 @pytest.fixture(scope="module")
 def keys_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
-    stack = start_stack(tmp_path_factory.mktemp("keys"), models_toml(tiny_dirs["llama"]), CORTEX_ADMIN_KEY=ADMIN_KEY,
-                        CORTEX_ARQ_POLL_DELAY_S="0.1", CORTEX_TORCH_THREADS="1")
+    stack = start_stack(
+        tmp_path_factory.mktemp("keys"),
+        models_toml(tiny_dirs["llama"]),
+        CORTEX_ADMIN_KEY=ADMIN_KEY,
+        CORTEX_ARQ_POLL_DELAY_S="0.1",
+        CORTEX_TORCH_THREADS="1",
+    )
     try:
         stack.start_gateways(2)
         stack.start_node("node-a", ["tiny"])
@@ -29,8 +34,13 @@ def keys_stack(tmp_path_factory, tiny_dirs) -> Iterator[Stack]:
 
 def cortex_keys(stack: Stack, *args: str) -> subprocess.CompletedProcess:
     """`cortex keys ARGS` as an operator runs it, against the stack's Redis."""
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "keys", *args], env=stack.env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "keys", *args],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def create_key(stack: Stack, name: str, *flags: str) -> str:

@@ -17,7 +17,11 @@ from tests.integration.keys.conftest import ADMIN_KEY, cortex_keys, create_key, 
 pytestmark = pytest.mark.integration
 
 HI = [{"role": "user", "content": "Tell me a story."}]
-FIXED = {"max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}  # always 5 completion tokens
+FIXED = {
+    "max_tokens": 5,
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True},
+}  # always 5 completion tokens
 
 
 def openai_client(url: str, key: str) -> openai.OpenAI:
@@ -41,12 +45,21 @@ def test_sdks_raise_their_authentication_errors(keys_stack):
     time.sleep(1.2)
     for key in (None, "sk-cortex-wrong", revoked, expired):  # None: no key header at all
         with pytest.raises(openai.AuthenticationError) as caught:
-            chat(openai_client(url, key or "x"), extra_headers={"Authorization": openai.Omit()} if key is None else {})
+            chat(
+                openai_client(url, key or "x"),
+                extra_headers={"Authorization": openai.Omit()} if key is None else {},
+            )
         assert caught.value.code == "invalid_api_key"
         with pytest.raises(anthropic.AuthenticationError):
             anthropic_client(url, key or "x").messages.create(
-                model=MODEL, max_tokens=4, messages=HI, extra_headers={"X-Api-Key": anthropic.Omit()} if key is None else {})
-    assert "is revoked" in str(pytest.raises(openai.AuthenticationError, chat, openai_client(url, revoked)).value)
+                model=MODEL,
+                max_tokens=4,
+                messages=HI,
+                extra_headers={"X-Api-Key": anthropic.Omit()} if key is None else {},
+            )
+    assert "is revoked" in str(
+        pytest.raises(openai.AuthenticationError, chat, openai_client(url, revoked)).value
+    )
 
     client = openai_client(url, valid)
     assert chat(client).usage.completion_tokens == 5
@@ -60,8 +73,11 @@ def test_sdks_raise_their_authentication_errors(keys_stack):
 
 
 def test_rpm_is_shared_by_two_replicas(keys_stack):
-    created = httpx.post(f"{keys_stack.replicas[0]}/admin/keys", json={"name": "rpm10", "rpm": 10},
-                         headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    created = httpx.post(
+        f"{keys_stack.replicas[0]}/admin/keys",
+        json={"name": "rpm10", "rpm": 10},
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    )
     assert created.status_code == 200, created.text
     clients = [openai_client(url, created.json()["secret"]) for url in keys_stack.replicas]
 
@@ -80,15 +96,21 @@ def test_rpm_is_shared_by_two_replicas(keys_stack):
         assert exc.code == "rate_limit_exceeded" and "rpm" in exc.message
     usage = show_key(keys_stack, "rpm10")
     assert (usage["requests"], usage["rejections"]) == (10, 20)
-    admitted = sum(_metric(url, "cortex:key_requests_total", key="rpm10") for url in keys_stack.replicas)
+    admitted = sum(
+        _metric(url, "cortex:key_requests_total", key="rpm10") for url in keys_stack.replicas
+    )
     assert admitted == 10
     keys_stack.assert_clean()
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 def test_tpm_and_daily_budgets_count_real_tokens(keys_stack):
@@ -97,7 +119,10 @@ def test_tpm_and_daily_budgets_count_real_tokens(keys_stack):
     tokens = first.prompt_tokens + first.completion_tokens
     usage = show_key(keys_stack, "meter")
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["tokens_today"]) == (
-        first.prompt_tokens, first.completion_tokens, tokens)
+        first.prompt_tokens,
+        first.completion_tokens,
+        tokens,
+    )
 
     per_minute = openai_client(url, create_key(keys_stack, "tpm", "--tpm", str(tokens + 1)))
     chat(per_minute)  # 0 tokens in the last minute
@@ -111,7 +136,9 @@ def test_tpm_and_daily_budgets_count_real_tokens(keys_stack):
     with pytest.raises(openai.RateLimitError) as caught:
         chat(openai_client(url, daily))
     assert caught.value.code == "daily_budget_exceeded"
-    assert abs(int(caught.value.response.headers["retry-after"]) - (86400 - time.time() % 86400)) <= 5
+    assert (
+        abs(int(caught.value.response.headers["retry-after"]) - (86400 - time.time() % 86400)) <= 5
+    )
     with pytest.raises(anthropic.RateLimitError):
         anthropic_client(url, daily).messages.create(model=MODEL, max_tokens=4, messages=HI)
     assert show_key(keys_stack, "daily")["rejections"] == 2
@@ -120,8 +147,16 @@ def test_tpm_and_daily_budgets_count_real_tokens(keys_stack):
 
 def test_a_client_that_leaves_is_charged_what_its_job_used(keys_stack):
     name = "leaver"
-    stream = openai_client(keys_stack.replicas[0], create_key(keys_stack, name)).chat.completions.create(
-        model=MODEL, messages=HI, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = openai_client(
+        keys_stack.replicas[0], create_key(keys_stack, name)
+    ).chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     seen = 0
     for chunk in stream:
         seen += bool(chunk.choices and chunk.choices[0].delta.content)
@@ -129,7 +164,9 @@ def test_a_client_that_leaves_is_charged_what_its_job_used(keys_stack):
             break
     stream.close()  # the gateway cancels the job; the node ends it and counts what it used
     deadline = time.monotonic() + 30
-    while (usage := show_key(keys_stack, name))["completion_tokens"] == 0 and time.monotonic() < deadline:
+    while (usage := show_key(keys_stack, name))[
+        "completion_tokens"
+    ] == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert usage["prompt_tokens"] > 0 and 3 <= usage["completion_tokens"] <= 400, usage
     assert usage["tokens_today"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -138,31 +175,47 @@ def test_a_client_that_leaves_is_charged_what_its_job_used(keys_stack):
 
 def test_files_and_batches_belong_to_their_key(keys_stack):
     url = keys_stack.replicas[0]
-    a, b = openai_client(url, create_key(keys_stack, "owner-a")), openai_client(url, create_key(keys_stack, "owner-b"))
+    a, b = (
+        openai_client(url, create_key(keys_stack, "owner-a")),
+        openai_client(url, create_key(keys_stack, "owner-b")),
+    )
     admin = openai_client(url, ADMIN_KEY)
     secret_line = chat_line("secret", "SECRET-CUSTOMER-DATA", max_tokens=3)
-    uploaded = a.files.create(file=("in.jsonl", jsonl([secret_line, chat_line("two", "hello", max_tokens=3)])),
-                              purpose="batch")
+    uploaded = a.files.create(
+        file=("in.jsonl", jsonl([secret_line, chat_line("two", "hello", max_tokens=3)])),
+        purpose="batch",
+    )
     assert uploaded.id not in [f.id for f in b.files.list()]
-    for attempt in (lambda: b.files.retrieve(uploaded.id), lambda: b.files.content(uploaded.id),
-                    lambda: b.files.delete(uploaded.id),
-                    lambda: b.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h")):
+    for attempt in (
+        lambda: b.files.retrieve(uploaded.id),
+        lambda: b.files.content(uploaded.id),
+        lambda: b.files.delete(uploaded.id),
+        lambda: b.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
         with pytest.raises(openai.NotFoundError):
             attempt()
-    batch = a.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = wait_status(a, batch.id, {"completed", "failed"})
     assert done.status == "completed" and done.request_counts.completed == 2
     assert {line["custom_id"] for line in output_lines(a, done.output_file_id)} == {"secret", "two"}
-    for attempt in (lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id),
-                    lambda: b.files.content(done.output_file_id)):
+    for attempt in (
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+        lambda: b.files.content(done.output_file_id),
+    ):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert b.batches.list().data == [] and b.files.list().data == []
     assert {uploaded.id, done.output_file_id} <= {f.id for f in admin.files.list()}
     assert b"SECRET-CUSTOMER-DATA" in admin.files.content(uploaded.id).content
     assert batch.id in [x.id for x in admin.batches.list()]
-    assert show_key(keys_stack, "owner-a")["completion_tokens"] >= 2  # the batch's lines count as the key's
+    assert (
+        show_key(keys_stack, "owner-a")["completion_tokens"] >= 2
+    )  # the batch's lines count as the key's
     keys_stack.assert_clean()
 
 
@@ -176,7 +229,9 @@ def test_cli_lists_keys_without_secrets_and_logs_name_keys_only(keys_stack):
     assert listed.returncode == 0 and "listed" in listed.stdout and secret not in listed.stdout
     assert secret[:14] in listed.stdout  # the hint that tells keys apart
     chat(openai_client(keys_stack.replicas[0], secret))
-    logs = "".join(s.log_path.read_text(errors="replace") for s in keys_stack.services if s.name == "gateway")
+    logs = "".join(
+        s.log_path.read_text(errors="replace") for s in keys_stack.services if s.name == "gateway"
+    )
     assert "key=listed" in logs and secret not in logs
     client = keys_stack.client()
     assert not any(secret.encode() in key for key in client.keys("*"))

@@ -23,7 +23,9 @@ def test_stored_responses_are_their_keys(keys_stack):
     bob = openai_client(second, create_key(keys_stack, "resp-bob"))
     admin = openai_client(second, ADMIN_KEY)
     stored = alice.responses.create(**SHORT)
-    streamed = [e for e in alice.responses.create(**SHORT, stream=True) if e.type in ENDS][0].response
+    streamed = [e for e in alice.responses.create(**SHORT, stream=True) if e.type in ENDS][
+        0
+    ].response
     for response_id in (stored.id, streamed.id):
         with pytest.raises(openai.NotFoundError):
             bob.responses.retrieve(response_id)
@@ -36,10 +38,18 @@ def test_stored_responses_are_their_keys(keys_stack):
             bob.responses.delete(response_id)
         with pytest.raises(openai.NotFoundError):
             bob.responses.input_items.list(response_id)
-        assert alice.responses.retrieve(response_id).output_text == admin.responses.retrieve(response_id).output_text
+        assert (
+            alice.responses.retrieve(response_id).output_text
+            == admin.responses.retrieve(response_id).output_text
+        )
         items = alice.responses.input_items.list(response_id).data
-        assert [(i.role, i.content[0].text) for i in items] == [("user", "Tell me a story.")] and items[0].id
-    assert alice.responses.create(**SHORT, previous_response_id=stored.id).status in ("completed", "incomplete")
+        assert [(i.role, i.content[0].text) for i in items] == [
+            ("user", "Tell me a story.")
+        ] and items[0].id
+    assert alice.responses.create(**SHORT, previous_response_id=stored.id).status in (
+        "completed",
+        "incomplete",
+    )
     assert len(list(alice.responses.retrieve(streamed.id, stream=True))) > 2
     alice.responses.delete(stored.id)
     with pytest.raises(openai.NotFoundError):
@@ -61,8 +71,13 @@ def _another_gateway(stack, **env: str) -> str:
 def _cached(client: openai.OpenAI, topic: str, **extra) -> int:
     """The cached prompt tokens of a chat whose long system prompt is about `topic`."""
     system = f"You answer questions about {topic}. " + "Be brief, be kind, cite nothing. " * 12
-    answer = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "Why?"}], **extra)
+    answer = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=2,
+        temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Why?"}],
+        **extra,
+    )
     return answer.usage.prompt_tokens_details.cached_tokens
 
 
@@ -73,7 +88,9 @@ def test_one_keys_prompts_are_cached_for_another_only_when_the_fleet_shares_its_
     assert _cached(alice, "owls") == 0
     assert _cached(bob, "owls") == 0  # prefix_cache_scope = "key", the default
     assert _cached(alice, "owls") >= 16
-    assert _cached(alice, "owls", extra_body={"cache_salt": "s1"}) == 0  # its own salt: apart from its unsalted prompts
+    assert (
+        _cached(alice, "owls", extra_body={"cache_salt": "s1"}) == 0
+    )  # its own salt: apart from its unsalted prompts
     assert _cached(alice, "owls", extra_body={"cache_salt": "s1"}) >= 16
 
     fleet_url = _another_gateway(keys_stack, CORTEX_PREFIX_CACHE_SCOPE="fleet")
@@ -81,7 +98,9 @@ def test_one_keys_prompts_are_cached_for_another_only_when_the_fleet_shares_its_
     assert _cached(alice, "bats") == 0
     assert _cached(bob, "bats") >= 16
     assert _cached(bob, "bats", extra_body={"cache_salt": "s2"}) == 0
-    assert _cached(alice, "bats", extra_body={"cache_salt": "s2"}) >= 16  # the same salt in the fleet's scope
+    assert (
+        _cached(alice, "bats", extra_body={"cache_salt": "s2"}) >= 16
+    )  # the same salt in the fleet's scope
 
 
 def _series(url: str, **headers: str) -> httpx.Response:
@@ -91,16 +110,32 @@ def _series(url: str, **headers: str) -> httpx.Response:
 def test_an_anonymous_scrape_sees_the_fleet_per_model_but_no_key_node_or_device(keys_stack):
     url = keys_stack.replicas[0]
     key = create_key(keys_stack, "metrics-carol")
-    openai_client(url, key).chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    openai_client(url, key).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+    )
     everything = _series(url, Authorization=f"Bearer {ADMIN_KEY}").text
-    assert 'key="metrics-carol"' in everything and 'node="node-a"' in everything and "device=" in everything
+    assert (
+        'key="metrics-carol"' in everything
+        and 'node="node-a"' in everything
+        and "device=" in everything
+    )
     for headers in ({}, {"Authorization": f"Bearer {key}"}):
         scraped = _series(url, **headers)
         assert scraped.status_code == 200
-        assert "metrics-carol" not in scraped.text and "node-a" not in scraped.text and "device=" not in scraped.text
+        assert (
+            "metrics-carol" not in scraped.text
+            and "node-a" not in scraped.text
+            and "device=" not in scraped.text
+        )
         assert "cortex:key_" not in scraped.text and "vllm:kv_cache_usage_perc" not in scraped.text
-        served = [line for line in scraped.text.splitlines() if line.startswith("cortex:e2e_request_latency_seconds_count")]
-        assert served and all(float(line.split()[-1]) >= 1 for line in served)  # the fleet's, summed over nodes
+        served = [
+            line
+            for line in scraped.text.splitlines()
+            if line.startswith("cortex:e2e_request_latency_seconds_count")
+        ]
+        assert served and all(
+            float(line.split()[-1]) >= 1 for line in served
+        )  # the fleet's, summed over nodes
 
     closed = _another_gateway(keys_stack, CORTEX_METRICS_REQUIRE_ADMIN_KEY="true")
     assert _series(closed).status_code == 401
@@ -114,7 +149,10 @@ def test_the_queue_shows_a_key_only_the_models_it_may_use(keys_stack):
     other = create_key(keys_stack, "queue-erin", "--models", "some-other-model")
 
     def models(key: str) -> set[str]:
-        listed = httpx.get(f"{url}/v1/queue", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        listed = httpx.get(
+            f"{url}/v1/queue", headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
         return {q["model"] for q in listed.json()["data"]}
+
     assert models(allowed) == {MODEL} == models(ADMIN_KEY)
     assert models(other) == set()

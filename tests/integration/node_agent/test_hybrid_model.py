@@ -24,7 +24,9 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, small_vocab_dirs) -> Iterator[Stack]:
-    toml = catalogue(small_vocab_dirs["qwen3_5_text"], **{MODEL: {"slots": 4, "prefill_chunk_tokens": 16}})
+    toml = catalogue(
+        small_vocab_dirs["qwen3_5_text"], **{MODEL: {"slots": 4, "prefill_chunk_tokens": 16}}
+    )
     with serving(tmp_path_factory.mktemp("hybrid"), toml, "n1", [MODEL]) as stack:
         yield stack
 
@@ -32,10 +34,21 @@ def stack(tmp_path_factory, small_vocab_dirs) -> Iterator[Stack]:
 def stream_tokens(client: openai.OpenAI, content: str) -> list[str]:
     """The streamed tokens of one greedy chat completion (from their logprob entries)."""
     chunks = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], stream=True, temperature=0,
-        max_tokens=MAX_TOKENS, logprobs=True, extra_body={"ignore_eos": True})
-    return [entry.token for chunk in chunks for choice in chunk.choices if choice.logprobs
-            for entry in choice.logprobs.content or []]
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        stream=True,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    return [
+        entry.token
+        for chunk in chunks
+        for choice in chunk.choices
+        if choice.logprobs
+        for entry in choice.logprobs.content or []
+    ]
 
 
 def test_concurrent_streams_equal_full_forward_greedy(stack, small_vocab_dirs):
@@ -47,5 +60,7 @@ def test_concurrent_streams_equal_full_forward_greedy(stack, small_vocab_dirs):
     lm = loader.load(profile, "cpu")
     for content, tokens in zip(contents, streamed):
         ids = prompts.prompt_ids(lm.tokenizer, profile, request("ref", content))
-        assert tokens == [lm.tokenizer.decode([t]) for t in full_forward_greedy(lm, ids, MAX_TOKENS)], content
+        assert tokens == [
+            lm.tokenizer.decode([t]) for t in full_forward_greedy(lm, ids, MAX_TOKENS)
+        ], content
     stack.assert_clean()

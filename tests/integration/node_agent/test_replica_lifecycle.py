@@ -39,9 +39,13 @@ def test_only_the_table_s_transitions_are_allowed():
 
 
 def catalogue(tmp_path, name: str, source) -> dict:
-    (tmp_path / f"{name}.toml").write_text(f'[[models]]\nid = "tiny"\nsource = "{source}"\ndtype = "float32"\n'
-                                           'slots = 2\nmax_model_len = 128\n')
-    return dict(models=["tiny"], node_name=name, models_file=tmp_path / f"{name}.toml", convert_cache=None)
+    (tmp_path / f"{name}.toml").write_text(
+        f'[[models]]\nid = "tiny"\nsource = "{source}"\ndtype = "float32"\n'
+        "slots = 2\nmax_model_len = 128\n"
+    )
+    return dict(
+        models=["tiny"], node_name=name, models_file=tmp_path / f"{name}.toml", convert_cache=None
+    )
 
 
 @contextlib.asynccontextmanager
@@ -56,10 +60,21 @@ async def running_agent(redis_url, **settings):
 
 
 async def enqueue(r: aioredis.Redis, stream: str, reply: str, job: str) -> None:
-    request = GenerationRequest(job=job, model="tiny", kind="completion", prompt="Hello",
-                                sampling=SamplingParams(temperature=0, max_tokens=3))
-    entry = StreamEntry(job=job, kind="completion", model="tiny", submitted_ms=int(time.time() * 1000),
-                        reply=reply, body=pack(request))
+    request = GenerationRequest(
+        job=job,
+        model="tiny",
+        kind="completion",
+        prompt="Hello",
+        sampling=SamplingParams(temperature=0, max_tokens=3),
+    )
+    entry = StreamEntry(
+        job=job,
+        kind="completion",
+        model="tiny",
+        submitted_ms=int(time.time() * 1000),
+        reply=reply,
+        body=pack(request),
+    )
     await r.xadd(stream, entry.to_fields())
 
 
@@ -87,18 +102,30 @@ async def last_events(pubsub, count: int, timeout_s: float = 60) -> dict[str, ob
 async def test_a_failed_load_fails_only_the_jobs_routed_to_its_node(redis_url, tiny_dirs, tmp_path):
     r = aioredis.Redis.from_url(redis_url)
     keys = Keys()
-    jobs = {"own": keys.node_jobs("tiny", "bad"), "shared-1": keys.jobs("tiny"), "shared-2": keys.jobs("tiny")}
+    jobs = {
+        "own": keys.node_jobs("tiny", "bad"),
+        "shared-1": keys.jobs("tiny"),
+        "shared-2": keys.jobs("tiny"),
+    }
     pubsub = await subscribed(r, keys, list(jobs))
     for job, stream in jobs.items():
         await enqueue(r, stream, keys.events(job), job)
-    async with running_agent(redis_url, **catalogue(tmp_path, "bad", tmp_path / "no-such-model")) as bad:
-        await eventually(lambda: (m := bad.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60)
+    async with running_agent(
+        redis_url, **catalogue(tmp_path, "bad", tmp_path / "no-such-model")
+    ) as bad:
+        await eventually(
+            lambda: (m := bad.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60
+        )
         assert bad.models["tiny"].replica.error
         async with asyncio.timeout(10):
-            while (message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)) is None:
+            while (
+                message := await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            ) is None:
                 pass
         event = unpack_event(message["data"])
-        assert message["channel"] == keys.events("own").encode() and event.code == "model_load_failed"
+        assert (
+            message["channel"] == keys.events("own").encode() and event.code == "model_load_failed"
+        )
         assert await r.xlen(keys.jobs("tiny")) == 2  # the fleet's queue is left for other replicas
         async with running_agent(redis_url, **catalogue(tmp_path, "good", tiny_dirs["llama"])):
             ended = await last_events(pubsub, 2)
@@ -106,13 +133,17 @@ async def test_a_failed_load_fails_only_the_jobs_routed_to_its_node(redis_url, t
     await r.aclose()
 
 
-async def test_groups_that_cannot_be_made_fail_the_load_and_free_the_engine(redis_url, tiny_dirs, tmp_path,
-                                                                           monkeypatch):
+async def test_groups_that_cannot_be_made_fail_the_load_and_free_the_engine(
+    redis_url, tiny_dirs, tmp_path, monkeypatch
+):
     async def redis_away(self):
         raise RedisConnectionError("Redis is restarting")
+
     monkeypatch.setattr(JobReader, "ensure_groups", redis_away)
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60)
+        await eventually(
+            lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.FAILED, 60
+        )
         served = agent.models["tiny"]
         assert "Redis is restarting" in served.replica.error
         await eventually(lambda: served.engine is None and served.output.link is None, 60)
@@ -127,11 +158,14 @@ def blocking_start(monkeypatch) -> tuple[threading.Event, list[int]]:
         started.append(1)
         release.wait(60)
         return real(*args)
+
     monkeypatch.setattr(served_model, "start_engine", slow_start)
     return release, started
 
 
-async def test_a_fault_while_loading_starts_no_second_load(redis_url, tiny_dirs, tmp_path, monkeypatch):
+async def test_a_fault_while_loading_starts_no_second_load(
+    redis_url, tiny_dirs, tmp_path, monkeypatch
+):
     release, started = blocking_start(monkeypatch)
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
         await eventually(lambda: started, 60)
@@ -143,11 +177,16 @@ async def test_a_fault_while_loading_starts_no_second_load(redis_url, tiny_dirs,
         assert len(started) == 1
 
 
-async def test_a_load_past_its_bound_is_given_up_and_what_it_built_is_freed(redis_url, tiny_dirs, tmp_path,
-                                                                          monkeypatch):
+async def test_a_load_past_its_bound_is_given_up_and_what_it_built_is_freed(
+    redis_url, tiny_dirs, tmp_path, monkeypatch
+):
     release, started = blocking_start(monkeypatch)
-    async with running_agent(redis_url, replica_stuck_s=0.5, failed_backoff_s=3600,
-                             **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
+    async with running_agent(
+        redis_url,
+        replica_stuck_s=0.5,
+        failed_backoff_s=3600,
+        **catalogue(tmp_path, "n1", tiny_dirs["llama"]),
+    ) as agent:
         await eventually(lambda: started, 60)
         served = agent.models["tiny"]
         await eventually(lambda: served.state == ModelState.FAILED, 60)
@@ -159,31 +198,46 @@ async def test_a_load_past_its_bound_is_given_up_and_what_it_built_is_freed(redi
 
 
 async def test_a_poisoned_replica_that_cannot_be_freed_fails_and_is_forgotten_after_its_back_off(
-        redis_url, tiny_dirs, tmp_path, monkeypatch):
-    async with running_agent(redis_url, failed_backoff_s=1.0, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60)
+    redis_url, tiny_dirs, tmp_path, monkeypatch
+):
+    async with running_agent(
+        redis_url, failed_backoff_s=1.0, **catalogue(tmp_path, "n1", tiny_dirs["llama"])
+    ) as agent:
+        await eventually(
+            lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60
+        )
         served = agent.models["tiny"]
 
         def sticky_fault():
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
         monkeypatch.setattr(served.engine, "free", sticky_fault)
-        served.faults.poison(RuntimeError("CUDA error: an illegal memory access was encountered"), [])
+        served.faults.poison(
+            RuntimeError("CUDA error: an illegal memory access was encountered"), []
+        )
         await eventually(lambda: served.state == ModelState.FAILED, 60)
         assert "freeing it failed" in served.replica.error
-        await eventually(lambda: "tiny" not in agent.models, 10)  # then placement may try it here again
+        await eventually(
+            lambda: "tiny" not in agent.models, 10
+        )  # then placement may try it here again
 
 
-async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_comes_back(redis_url, tiny_dirs, tmp_path):
+async def test_feedback_that_cannot_be_handled_fails_its_jobs_and_the_model_comes_back(
+    redis_url, tiny_dirs, tmp_path
+):
     """A bug handling the output process's feedback (which frees slots) must not leave slots taken
     for ever: the link ends as if the process died, the model is reloaded, and serves again."""
     r = aioredis.Redis.from_url(redis_url)
     keys = Keys()
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])) as agent:
-        await eventually(lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60)
+        await eventually(
+            lambda: (m := agent.models.get("tiny")) is not None and m.state == ModelState.READY, 60
+        )
         served = agent.models["tiny"]
 
         def broken(feedback):
             raise KeyError("a bug")
+
         served.output.link.on_feedback = broken
         pubsub = await subscribed(r, keys, ["first"])
         await enqueue(r, keys.jobs("tiny"), keys.events("first"), "first")

@@ -7,8 +7,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.keys import CONSUMER_GROUP, Keys
-from tests.integration.node_agent.test_replica_lifecycle import (catalogue, enqueue, last_events, running_agent,
-                                                                   subscribed)
+from tests.integration.node_agent.test_replica_lifecycle import (
+    catalogue,
+    enqueue,
+    last_events,
+    running_agent,
+    subscribed,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +25,9 @@ async def test_a_restarted_node_settles_what_its_predecessor_left(redis_url, tin
     await r.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
     for job in ("unstarted", "started"):
         await enqueue(r, stream, keys.events(job), job)
-    await r.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=2)  # read by a node n1 that then died
+    await r.xreadgroup(
+        CONSUMER_GROUP, "n1", {stream: ">"}, count=2
+    )  # read by a node n1 that then died
     await r.sadd(keys.started("n1"), "started")  # it had streamed output of this one
     pubsub = await subscribed(r, keys, ["unstarted", "started"])
     async with running_agent(redis_url, **catalogue(tmp_path, "n1", tiny_dirs["llama"])):

@@ -16,8 +16,9 @@ GRACE_S = 3
 
 @pytest.fixture(scope="module")
 def long_tiny(tmp_path_factory, smol_tokenizer) -> Path:
-    return tiny_models.build("llama", tmp_path_factory.mktemp("long-tiny"), smol_tokenizer,
-                             max_position_embeddings=4096)
+    return tiny_models.build(
+        "llama", tmp_path_factory.mktemp("long-tiny"), smol_tokenizer, max_position_embeddings=4096
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,15 @@ dtype = "float32"
 slots = 4
 max_model_len = 4096
 """
-    stack = start_stack(tmp_path_factory.mktemp("resume"), toml, CORTEX_STREAM_RETENTION_S=str(RETENTION_S),
-                        CORTEX_DISCONNECT_GRACE_S=str(GRACE_S), CORTEX_JANITOR_INTERVAL_S="0.5", CORTEX_HEARTBEAT_S="0.5",
-                        CORTEX_TORCH_THREADS="1")
+    stack = start_stack(
+        tmp_path_factory.mktemp("resume"),
+        toml,
+        CORTEX_STREAM_RETENTION_S=str(RETENTION_S),
+        CORTEX_DISCONNECT_GRACE_S=str(GRACE_S),
+        CORTEX_JANITOR_INTERVAL_S="0.5",
+        CORTEX_HEARTBEAT_S="0.5",
+        CORTEX_TORCH_THREADS="1",
+    )
     try:
         stack.start_gateways(2)
         stack.start_node("node-r", ["tiny"])

@@ -18,8 +18,15 @@ from tests.stack import wait_for
 pytestmark = pytest.mark.integration
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
-CHAT = {"model": "tiny", "messages": PROMPT, "temperature": 0, "max_tokens": 400, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
+CHAT = {
+    "model": "tiny",
+    "messages": PROMPT,
+    "temperature": 0,
+    "max_tokens": 400,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def frames(lines: Iterator[str]) -> Iterator[tuple[int | None, str]]:
@@ -56,8 +63,13 @@ def read_part(lines: Iterator[str], count: int) -> tuple[str, list[int], list[st
 
 
 def resume_chat(url: str, completion_id: str, last_id: int) -> tuple[list[int], list[str]]:
-    with httpx.stream("GET", f"{url}/v1/chat/completions/{completion_id}", params={"stream": "true"},
-                      headers={"Last-Event-ID": str(last_id)}, timeout=120) as response:
+    with httpx.stream(
+        "GET",
+        f"{url}/v1/chat/completions/{completion_id}",
+        params={"stream": "true"},
+        headers={"Last-Event-ID": str(last_id)},
+        timeout=120,
+    ) as response:
         assert response.status_code == 200, response.read()
         got = list(frames(response.iter_lines()))
     return [i for i, _ in got if i is not None], [d for _, d in got]
@@ -80,7 +92,9 @@ def test_a_replica_killed_mid_stream_loses_nothing(stack):
     _, whole = whole_chat(second)
     stack.start_gateway()  # a third replica, to kill
     victim = stack.services[-1]
-    with httpx.stream("POST", f"{stack.gateway_url}/v1/chat/completions", json=CHAT, timeout=120) as response:
+    with httpx.stream(
+        "POST", f"{stack.gateway_url}/v1/chat/completions", json=CHAT, timeout=120
+    ) as response:
         lines = response.iter_lines()
         completion_id, ids, part = read_part(lines, 100)
         victim.proc.kill()  # SIGKILL: its timers and subscriptions die with it
@@ -98,24 +112,39 @@ def sdk(url: str) -> openai.OpenAI:
 
 def test_a_background_response_completes_with_no_client_and_is_fetched_and_streamed_again(stack):
     first, second = stack.replicas
-    created = sdk(first).responses.create(model="tiny", input="Tell me a story.", background=True,
-                                          max_output_tokens=300, temperature=0)
+    created = sdk(first).responses.create(
+        model="tiny",
+        input="Tell me a story.",
+        background=True,
+        max_output_tokens=300,
+        temperature=0,
+    )
     assert created.status == "queued" and created.background
-    wait_for(lambda: sdk(second).responses.retrieve(created.id).status not in ("queued", "in_progress"), 60,
-             "the background response")
+    wait_for(
+        lambda: sdk(second).responses.retrieve(created.id).status not in ("queued", "in_progress"),
+        60,
+        "the background response",
+    )
     done = sdk(second).responses.retrieve(created.id)
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
-    reference = sdk(second).responses.create(model="tiny", input="Tell me a story.", max_output_tokens=300,
-                                             temperature=0)
-    assert done.output_text == reference.output_text and done.usage.output_tokens == reference.usage.output_tokens
+    reference = sdk(second).responses.create(
+        model="tiny", input="Tell me a story.", max_output_tokens=300, temperature=0
+    )
+    assert (
+        done.output_text == reference.output_text
+        and done.usage.output_tokens == reference.usage.output_tokens
+    )
 
     events = list(sdk(first).responses.retrieve(created.id, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type in ("response.completed", "response.incomplete")
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
+    assert (
+        "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        == done.output_text
+    )
     middle = len(events) // 2
     rest = list(sdk(second).responses.retrieve(created.id, stream=True, starting_after=middle))
-    assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[middle + 1:]]
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[middle + 1 :]]
 
 
 def slots_used(stack) -> int:
@@ -124,9 +153,18 @@ def slots_used(stack) -> int:
 
 def test_cancel_stops_a_background_response_and_frees_its_slot(stack):
     client = sdk(stack.replicas[0])
-    created = client.responses.create(model="tiny", input="Tell me a story.", background=True,
-                                      max_output_tokens=4000, temperature=0)
-    wait_for(lambda: client.responses.retrieve(created.id).status == "in_progress", 60, "the job to start")
+    created = client.responses.create(
+        model="tiny",
+        input="Tell me a story.",
+        background=True,
+        max_output_tokens=4000,
+        temperature=0,
+    )
+    wait_for(
+        lambda: client.responses.retrieve(created.id).status == "in_progress",
+        60,
+        "the job to start",
+    )
     wait_for(lambda: slots_used(stack) == 1, 10, "the heartbeat to count the job")
     cancelled = sdk(stack.replicas[1]).responses.cancel(created.id)
     assert cancelled.status == "cancelled"
@@ -141,8 +179,12 @@ def test_cancel_stops_a_background_response_and_frees_its_slot(stack):
 
 def test_an_event_log_lives_while_its_job_runs_and_is_gone_after_the_retention(stack):
     r = stack.client()
-    with httpx.stream("POST", f"{stack.replicas[0]}/v1/chat/completions", timeout=120,
-                      json=CHAT | {"max_tokens": 4000}) as response:
+    with httpx.stream(
+        "POST",
+        f"{stack.replicas[0]}/v1/chat/completions",
+        timeout=120,
+        json=CHAT | {"max_tokens": 4000},
+    ) as response:
         lines = response.iter_lines()
         completion_id, _, _ = read_part(lines, 1)
         log_key = stack.keys.event_log(completion_id.removeprefix("chatcmpl-"))
@@ -151,8 +193,12 @@ def test_an_event_log_lives_while_its_job_runs_and_is_gone_after_the_retention(s
             if time.monotonic() - started > len(ttls) * 0.2:
                 ttls.append(r.ttl(log_key))
     ran_s = time.monotonic() - started
-    assert ran_s > RETENTION_S, f"the job ran {ran_s:.1f}s: too short to see the node renew its log's expiry"
-    assert all(0 < ttl <= 1200 for ttl in ttls), ttls  # never without an expiry, never gone while it ran
+    assert ran_s > RETENTION_S, (
+        f"the job ran {ran_s:.1f}s: too short to see the node renew its log's expiry"
+    )
+    assert all(0 < ttl <= 1200 for ttl in ttls), (
+        ttls
+    )  # never without an expiry, never gone while it ran
     assert 0 < r.ttl(log_key) <= RETENTION_S
     assert r.xlen(log_key) == 1 + 1 + 4000  # the record, the start event, one entry per step
     wait_for(lambda: not r.exists(log_key), RETENTION_S + 2, "the event log to expire")

@@ -16,11 +16,20 @@ IMAGE_MAX_BYTES = 64 * 1024
 @pytest.fixture(scope="module")
 def vision_stack(tmp_path_factory, tiny_dirs, tiny_vision_dirs) -> Iterator[Stack]:
     vision = {"vision": True, "prefill_chunk_tokens": 16}
-    toml = "\n".join([catalogue(tiny_vision_dirs["qwen2_5_vl"], **{VISION: vision}),
-                      catalogue(tiny_vision_dirs["qwen3_5"], **{VISION_35: vision}),
-                      catalogue(tiny_dirs["llama"], **{TEXT: {}})])
-    with serving(tmp_path_factory.mktemp("vision"), toml, "n1", [VISION, VISION_35, TEXT],
-                 CORTEX_IMAGE_MAX_BYTES=str(IMAGE_MAX_BYTES)) as stack:
+    toml = "\n".join(
+        [
+            catalogue(tiny_vision_dirs["qwen2_5_vl"], **{VISION: vision}),
+            catalogue(tiny_vision_dirs["qwen3_5"], **{VISION_35: vision}),
+            catalogue(tiny_dirs["llama"], **{TEXT: {}}),
+        ]
+    )
+    with serving(
+        tmp_path_factory.mktemp("vision"),
+        toml,
+        "n1",
+        [VISION, VISION_35, TEXT],
+        CORTEX_IMAGE_MAX_BYTES=str(IMAGE_MAX_BYTES),
+    ) as stack:
         yield stack
 
 

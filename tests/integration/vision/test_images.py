@@ -17,7 +17,10 @@ from tests.integration.vision.conftest import IMAGE_MAX_BYTES, TEXT, VISION, VIS
 
 pytestmark = pytest.mark.integration
 GREEDY = {"temperature": 0, "max_tokens": 6}
-ANTHROPIC_GREEDY = {"max_tokens": 6, "extra_body": {"temperature": 0}}  # this SDK no longer takes temperature
+ANTHROPIC_GREEDY = {
+    "max_tokens": 6,
+    "extra_body": {"temperature": 0},
+}  # this SDK no longer takes temperature
 PNG, JPEG = image_bytes("PNG", (100, 80)), image_bytes("JPEG", (64, 64), seed=3)
 
 
@@ -32,13 +35,27 @@ def anthropic_client(stack) -> anthropic.Anthropic:
 
 
 def openai_messages(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+    ]
 
 
 def anthropic_messages(source: dict) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
-                                         {"type": "image", "source": source}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image", "source": source},
+            ],
+        }
+    ]
 
 
 def base64_source(data: bytes, media_type: str = "image/png") -> dict:
@@ -46,15 +63,27 @@ def base64_source(data: bytes, media_type: str = "image/png") -> dict:
 
 
 @pytest.mark.parametrize("model", [VISION, VISION_35])
-def test_both_sdks_send_an_image_and_get_the_same_greedy_answer(openai_client, anthropic_client, model):
-    chat = openai_client.chat.completions.create(model=model, messages=openai_messages(data_uri(PNG)), **GREEDY)
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in openai_client.chat.completions.create(
-        model=model, messages=openai_messages(data_uri(PNG)), stream=True, **GREEDY) if chunk.choices)
-    message = anthropic_client.messages.create(model=model, messages=anthropic_messages(base64_source(PNG)),
-                                               **ANTHROPIC_GREEDY)
+def test_both_sdks_send_an_image_and_get_the_same_greedy_answer(
+    openai_client, anthropic_client, model
+):
+    chat = openai_client.chat.completions.create(
+        model=model, messages=openai_messages(data_uri(PNG)), **GREEDY
+    )
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in openai_client.chat.completions.create(
+            model=model, messages=openai_messages(data_uri(PNG)), stream=True, **GREEDY
+        )
+        if chunk.choices
+    )
+    message = anthropic_client.messages.create(
+        model=model, messages=anthropic_messages(base64_source(PNG)), **ANTHROPIC_GREEDY
+    )
     assert chat.choices[0].message.content == streamed == message.content[0].text != ""
     assert chat.usage.prompt_tokens == message.usage.input_tokens > 20  # the image's tokens count
-    counted = anthropic_client.messages.count_tokens(model=model, messages=anthropic_messages(base64_source(PNG)))
+    counted = anthropic_client.messages.count_tokens(
+        model=model, messages=anthropic_messages(base64_source(PNG))
+    )
     assert counted.input_tokens == message.usage.input_tokens
 
 
@@ -62,27 +91,48 @@ def test_the_ollama_client_sends_images_as_the_openai_sdk_does(stack, openai_cli
     """Ollama's base64 `images` go before the message's text, as Ollama puts them: the same prompt as
     an image part then a text part, so the same greedy answer; a text-only model refuses them."""
     client = ollama.Client(host=stack.gateway_url)
-    assert "vision" in client.show(VISION).capabilities and "vision" not in client.show(TEXT).capabilities
+    assert (
+        "vision" in client.show(VISION).capabilities
+        and "vision" not in client.show(TEXT).capabilities
+    )
     ask = "What is in this picture?"
     options = {"temperature": 0, "num_predict": GREEDY["max_tokens"]}
-    reply = client.chat(model=VISION, messages=[{"role": "user", "content": ask, "images": [PNG]}], options=options)
-    image_first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(PNG)}},
-                                                {"type": "text", "text": ask}]}]
+    reply = client.chat(
+        model=VISION, messages=[{"role": "user", "content": ask, "images": [PNG]}], options=options
+    )
+    image_first = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(PNG)}},
+                {"type": "text", "text": ask},
+            ],
+        }
+    ]
     chat = openai_client.chat.completions.create(model=VISION, messages=image_first, **GREEDY)
     assert reply.message.content == chat.choices[0].message.content != ""
     assert reply.prompt_eval_count == chat.usage.prompt_tokens > 20  # the image's tokens count
-    assert client.generate(model=VISION, prompt=ask, images=[PNG], options=options).response == reply.message.content
+    assert (
+        client.generate(model=VISION, prompt=ask, images=[PNG], options=options).response
+        == reply.message.content
+    )
     with pytest.raises(ollama.ResponseError) as text_only:
         client.chat(model=TEXT, messages=[{"role": "user", "content": ask, "images": [PNG]}])
     assert text_only.value.status_code == 400 and "text-only" in text_only.value.error
 
 
 def test_a_different_image_gives_a_different_prompt(anthropic_client):
-    png = anthropic_client.messages.create(model=VISION, messages=anthropic_messages(base64_source(PNG)),
-                                           **ANTHROPIC_GREEDY)
-    jpeg = anthropic_client.messages.create(model=VISION, messages=anthropic_messages(base64_source(JPEG, "image/jpeg")),
-                                            **ANTHROPIC_GREEDY)
-    assert jpeg.usage.input_tokens != png.usage.input_tokens  # another size: another number of image tokens
+    png = anthropic_client.messages.create(
+        model=VISION, messages=anthropic_messages(base64_source(PNG)), **ANTHROPIC_GREEDY
+    )
+    jpeg = anthropic_client.messages.create(
+        model=VISION,
+        messages=anthropic_messages(base64_source(JPEG, "image/jpeg")),
+        **ANTHROPIC_GREEDY,
+    )
+    assert (
+        jpeg.usage.input_tokens != png.usage.input_tokens
+    )  # another size: another number of image tokens
 
 
 def test_models_advertise_vision(openai_client):
@@ -93,22 +143,33 @@ def test_models_advertise_vision(openai_client):
 
 def test_a_text_only_model_answers_400_in_both_dialects(openai_client, anthropic_client):
     with pytest.raises(openai.BadRequestError, match="text-only"):
-        openai_client.chat.completions.create(model=TEXT, messages=openai_messages(data_uri(PNG)), **GREEDY)
+        openai_client.chat.completions.create(
+            model=TEXT, messages=openai_messages(data_uri(PNG)), **GREEDY
+        )
     with pytest.raises(anthropic.BadRequestError, match="text-only") as caught:
-        anthropic_client.messages.create(model=TEXT, messages=anthropic_messages(base64_source(PNG)),
-                                         **ANTHROPIC_GREEDY)
+        anthropic_client.messages.create(
+            model=TEXT, messages=anthropic_messages(base64_source(PNG)), **ANTHROPIC_GREEDY
+        )
     assert caught.value.body["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("data, says", [(PNG[: len(PNG) // 2], "not a readable image"),
-                                        (image_bytes("PNG", (400, 300)) + b"\0" * IMAGE_MAX_BYTES, "at most 65536")])
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        (PNG[: len(PNG) // 2], "not a readable image"),
+        (image_bytes("PNG", (400, 300)) + b"\0" * IMAGE_MAX_BYTES, "at most 65536"),
+    ],
+)
 def test_corrupt_and_oversized_images_answer_400(openai_client, anthropic_client, data, says):
     with pytest.raises(openai.BadRequestError, match=says) as caught:
-        openai_client.chat.completions.create(model=VISION, messages=openai_messages(data_uri(data)), **GREEDY)
+        openai_client.chat.completions.create(
+            model=VISION, messages=openai_messages(data_uri(data)), **GREEDY
+        )
     assert caught.value.param == "messages[0].content[1]"
     with pytest.raises(anthropic.BadRequestError, match=says):
-        anthropic_client.messages.create(model=VISION, messages=anthropic_messages(base64_source(data)),
-                                         **ANTHROPIC_GREEDY)
+        anthropic_client.messages.create(
+            model=VISION, messages=anthropic_messages(base64_source(data)), **ANTHROPIC_GREEDY
+        )
 
 
 @pytest.fixture
@@ -127,6 +188,7 @@ def listener() -> Iterator[dict]:
                 continue
             seen["connections"] += 1
             connection.close()
+
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     yield seen
@@ -140,8 +202,11 @@ def test_http_images_are_refused_without_any_connection(openai_client, anthropic
     with pytest.raises(openai.BadRequestError, match="not fetched"):
         openai_client.chat.completions.create(model=VISION, messages=openai_messages(url), **GREEDY)
     with pytest.raises(anthropic.BadRequestError, match="not fetched"):
-        anthropic_client.messages.create(model=VISION, messages=anthropic_messages({"type": "url", "url": url}),
-                                         **ANTHROPIC_GREEDY)
+        anthropic_client.messages.create(
+            model=VISION,
+            messages=anthropic_messages({"type": "url", "url": url}),
+            **ANTHROPIC_GREEDY,
+        )
     with pytest.raises(openai.BadRequestError, match="text-only"):  # nor for a text-only model
         openai_client.chat.completions.create(model=TEXT, messages=openai_messages(url), **GREEDY)
     assert listener["connections"] == 0

@@ -67,7 +67,9 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
     assert await position(mine) == 3
     await JobReader(r, KEYS, M, "n1", 60).read(free=2, batch_free=0)  # takes h and a
     assert await position(mine) == 1 and await position(first) == 0
-    assert await position(mine, "1") == 1 and await r.xlen(stream) == 1  # withdrawn: only `a` is left
+    assert (
+        await position(mine, "1") == 1 and await r.xlen(stream) == 1
+    )  # withdrawn: only `a` is left
 
 
 async def test_a_routed_job_keeps_its_position_and_can_be_withdrawn_once_moved(r):
@@ -75,8 +77,9 @@ async def test_a_routed_job_keeps_its_position_and_can_be_withdrawn_once_moved(r
 
     own = KEYS.node_jobs(M, "n1")
     mine = (await r.xadd(own, {"job": "mine"})).decode()
-    moved = await r.register_script(queues.MOVE_LUA)(keys=[own, KEYS.moved_jobs(M)],
-                                                     args=[CONSUMER_GROUP, "+", 100, "1"])
+    moved = await r.register_script(queues.MOVE_LUA)(
+        keys=[own, KEYS.moved_jobs(M)], args=[CONSUMER_GROUP, "+", 100, "1"]
+    )
     assert moved == 1 and not await r.exists(own)
     assert await _position(r, KEYS, own, mine, take_back=False) == 1  # first on the moved stream
     assert await _position(r, KEYS, own, mine, take_back=True) == 1
@@ -88,7 +91,9 @@ async def test_own_stream_first_then_moved_and_shared_oldest_first(r):
     """Within a band a node takes its own stream's jobs first, then the moved and shared streams'
     by age (a moved job keeps the place its first entry id gives it); the band order still holds."""
     await add(r, "interactive", "normal", "s-old")
-    moved_id = (await r.xadd(KEYS.jobs(M), {"job": "tmp"})).decode()  # an id between the two shared jobs
+    moved_id = (
+        await r.xadd(KEYS.jobs(M), {"job": "tmp"})
+    ).decode()  # an id between the two shared jobs
     await r.xdel(KEYS.jobs(M), moved_id)
     await add(r, "interactive", "normal", "s-new")
     await r.xadd(KEYS.moved_jobs(M), {"job": "moved"}, id=moved_id)
@@ -98,16 +103,32 @@ async def test_own_stream_first_then_moved_and_shared_oldest_first(r):
     await add(r, "interactive", "high", "high")
     reader = JobReader(r, KEYS, M, "n1", batch_max_wait_s=60)
     got = await reader.read(free=10, batch_free=0)
-    assert [e.fields[b"job"] for e in got] == [b"high", b"mine", b"s-old", b"moved", b"s-new", b"mine-low"]
+    assert [e.fields[b"job"] for e in got] == [
+        b"high",
+        b"mine",
+        b"s-old",
+        b"moved",
+        b"s-new",
+        b"mine-low",
+    ]
     assert await r.xlen(KEYS.node_jobs(M, "n2")) == 1  # another node's own stream is not read here
 
 
 def test_bands_and_stream_names():
-    assert queues.parse(KEYS, "cortex:jobs:a:b:batch:high:@n-1") == queues.StreamName("a:b", "batch", "high", "n-1")
-    assert queues.parse(KEYS, "cortex:jobs:a:moved") == queues.StreamName("a", "interactive", "normal", moved=True)
+    assert queues.parse(KEYS, "cortex:jobs:a:b:batch:high:@n-1") == queues.StreamName(
+        "a:b", "batch", "high", "n-1"
+    )
+    assert queues.parse(KEYS, "cortex:jobs:a:moved") == queues.StreamName(
+        "a", "interactive", "normal", moved=True
+    )
     assert queues.streams_before(KEYS, KEYS.node_jobs(M, "n1", "interactive", "low")) == [
-        KEYS.node_jobs(M, "n1", "interactive", "high"), KEYS.moved_jobs(M, "interactive", "high"),
-        KEYS.jobs(M, "interactive", "high"), KEYS.node_jobs(M, "n1"), KEYS.moved_jobs(M), KEYS.jobs(M)]
+        KEYS.node_jobs(M, "n1", "interactive", "high"),
+        KEYS.moved_jobs(M, "interactive", "high"),
+        KEYS.jobs(M, "interactive", "high"),
+        KEYS.node_jobs(M, "n1"),
+        KEYS.moved_jobs(M),
+        KEYS.jobs(M),
+    ]
     assert [queues.band(p) for p in (-5, 0, None, 3)] == ["high", "normal", "normal", "low"]
     assert KEYS.jobs(M) == "cortex:jobs:m" and KEYS.jobs(M, "batch") == "cortex:jobs:m:batch"
     assert queues.model_of(KEYS, "cortex:jobs:a:b:batch:high") == "a:b"
@@ -115,14 +136,21 @@ def test_bands_and_stream_names():
 
 
 def test_line_parsing_fails_only_that_line():
-    good = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}}
+    good = {
+        "custom_id": "c",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    }
     parsed = parse_line(json.dumps(good).encode(), "/v1/chat/completions")
     assert parsed.custom_id == "c" and parsed.body.stream is False
-    for raw, code in [(b"{nope", "invalid_json"), (b"[]", "invalid_request"),
-                      (json.dumps(good | {"custom_id": ""}).encode(), "missing_custom_id"),
-                      (json.dumps(good | {"url": "/v1/completions"}).encode(), "invalid_url"),
-                      (json.dumps(good | {"body": {"model": "m"}}).encode(), "invalid_request")]:
+    for raw, code in [
+        (b"{nope", "invalid_json"),
+        (b"[]", "invalid_request"),
+        (json.dumps(good | {"custom_id": ""}).encode(), "missing_custom_id"),
+        (json.dumps(good | {"url": "/v1/completions"}).encode(), "invalid_url"),
+        (json.dumps(good | {"body": {"model": "m"}}).encode(), "invalid_request"),
+    ]:
         with pytest.raises(LineError) as caught:
             parse_line(raw, "/v1/chat/completions")
         assert caught.value.code == code

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import fakeredis
 import httpx
 import pytest
-from redis.exceptions import ResponseError
 from fastapi import FastAPI
+from redis.exceptions import ResponseError
 
 from gateway.server import create_app
 from shared import event_log, usage_meter
@@ -20,7 +20,15 @@ from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat,
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
-from shared.wire import ChoiceDelta, DeltaEvent, DoneEvent, ErrorEvent, StreamEntry, Usage, pack_event
+from shared.wire import (
+    ChoiceDelta,
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    StreamEntry,
+    Usage,
+    pack_event,
+)
 
 KEYS = Keys()
 MODEL = DEFAULT_MODEL_ID
@@ -31,11 +39,19 @@ def delta(text: str, index: int = 0, **fields) -> DeltaEvent:
 
 
 def done(prompt_tokens: int = 5, completion_tokens: int = 3, cached_tokens: int = 0) -> DoneEvent:
-    return DoneEvent(usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                 cached_tokens=cached_tokens), node="n1")
+    return DoneEvent(
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        ),
+        node="n1",
+    )
 
 
-WAIT_FOR_CANCEL = "wait-for-cancel"  # a script step: stop here until the job is cancelled (then say so)
+WAIT_FOR_CANCEL = (
+    "wait-for-cancel"  # a script step: stop here until the job is cancelled (then say so)
+)
 
 Script = Callable[[StreamEntry], list[DeltaEvent | DoneEvent | ErrorEvent | str | asyncio.Event]]
 
@@ -62,9 +78,13 @@ class ScriptedNode:
         with contextlib.suppress(ResponseError):  # BUSYGROUP: made already
             await self.redis.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
         while True:
-            while (message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
+            while (
+                message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)
+            ) is not None:
                 self.cancelled.append(message["data"].decode())
-            for _, entries in await self.redis.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=16) or []:
+            for _, entries in (
+                await self.redis.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=16) or []
+            ):
                 for _entry_id, fields in entries:
                     task = asyncio.create_task(self._answer(StreamEntry.from_fields(fields)))
                     self.tasks.add(task)
@@ -82,7 +102,9 @@ class ScriptedNode:
             if step == WAIT_FOR_CANCEL:
                 while entry.job not in self.cancelled:
                     await asyncio.sleep(0.005)
-                await self.publish(entry, ErrorEvent(code="cancelled", message=f"job {entry.job} was cancelled"))
+                await self.publish(
+                    entry, ErrorEvent(code="cancelled", message=f"job {entry.job} was cancelled")
+                )
                 return
             await self.publish(entry, step)
 
@@ -129,14 +151,25 @@ async def app(settings: GatewaySettings, redis_factory) -> AsyncIterator[FastAPI
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway"
+    ) as client:
         yield client
 
 
 async def beat(
-    redis, node: str = "n1", models: dict[str, ModelState] | None = None, *, age_s: float = 0.0, state: str = "active",
-    kv: dict[str, KVCacheStats] | None = None, max_model_len: int = 0, free_mb: int = 0,
-    spec: dict[str, SpecDecodeStats] | None = None, quant: str = "", weight_mb: int = 0,
+    redis,
+    node: str = "n1",
+    models: dict[str, ModelState] | None = None,
+    *,
+    age_s: float = 0.0,
+    state: str = "active",
+    kv: dict[str, KVCacheStats] | None = None,
+    max_model_len: int = 0,
+    free_mb: int = 0,
+    spec: dict[str, SpecDecodeStats] | None = None,
+    quant: str = "",
+    weight_mb: int = 0,
 ) -> NodeHeartbeat:
     """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures, `spec`
     their speculative decoding's, and all run with `max_model_len` (0: not said) and hold their
@@ -146,11 +179,27 @@ async def beat(
     models = {MODEL: ModelState.READY} if models is None else models
     kv, spec = kv or {}, spec or {}
     heartbeat = NodeHeartbeat(
-        node=node, version="test", state=state, started_ms=now_ms - 60_000, heartbeat_ms=now_ms,
-        devices=[DeviceInfo(id="cpu", name="cpu", total_mb=free_mb, free_mb=free_mb)] if free_mb else [],
-        models={name: ModelInfo(state=s, device="cpu", slots_total=4, kv=kv.get(name), spec=spec.get(name),
-                                max_model_len=max_model_len, quant=quant, weight_mb=weight_mb)
-                for name, s in models.items()},
+        node=node,
+        version="test",
+        state=state,
+        started_ms=now_ms - 60_000,
+        heartbeat_ms=now_ms,
+        devices=[DeviceInfo(id="cpu", name="cpu", total_mb=free_mb, free_mb=free_mb)]
+        if free_mb
+        else [],
+        models={
+            name: ModelInfo(
+                state=s,
+                device="cpu",
+                slots_total=4,
+                kv=kv.get(name),
+                spec=spec.get(name),
+                max_model_len=max_model_len,
+                quant=quant,
+                weight_mb=weight_mb,
+            )
+            for name, s in models.items()
+        },
     )
     await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())
     await redis.zadd(KEYS.nodes(), {node: now_ms})

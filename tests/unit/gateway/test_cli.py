@@ -19,8 +19,14 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def publish(client: redis.Redis, **models: ModelInfo) -> None:
     now = int(time.time() * 1000)
-    hb = NodeHeartbeat(node="n1", version="0.1.0", started_ms=now, heartbeat_ms=now, models=models,
-                       devices=[DeviceInfo(id="cpu", name="Xeon", total_mb=24_000, free_mb=18_000)])
+    hb = NodeHeartbeat(
+        node="n1",
+        version="0.1.0",
+        started_ms=now,
+        heartbeat_ms=now,
+        models=models,
+        devices=[DeviceInfo(id="cpu", name="Xeon", total_mb=24_000, free_mb=18_000)],
+    )
     client.hset(Keys().node("n1"), mapping=hb.to_hash())
     client.zadd(Keys().nodes(), {"n1": now})
 
@@ -41,9 +47,21 @@ def no_redis_named(monkeypatch, tmp_path):
 
 def test_status_json_carries_nodes_idle_queue_depth_and_not_loaded(redis_url, monkeypatch, capsys):
     client = redis.Redis.from_url(redis_url)
-    publish(client, **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", max_model_len=8192,
-                                        last_used_ms=int(time.time() * 1000) - 10_000)})
-    client.hset(Keys().catalog(), mapping={MODEL: json.dumps({"id": MODEL}), "cold": json.dumps({"id": "cold"})})
+    publish(
+        client,
+        **{
+            MODEL: ModelInfo(
+                state=ModelState.READY,
+                device="cpu",
+                max_model_len=8192,
+                last_used_ms=int(time.time() * 1000) - 10_000,
+            )
+        },
+    )
+    client.hset(
+        Keys().catalog(),
+        mapping={MODEL: json.dumps({"id": MODEL}), "cold": json.dumps({"id": "cold"})},
+    )
     client.xadd(Keys().jobs(MODEL), {"job": "j"})
     monkeypatch.setenv("CORTEX_REDIS_URL", redis_url)
 
@@ -69,7 +87,9 @@ def test_without_a_named_redis_status_reads_the_local_stack(redis_url, no_redis_
 
 
 def test_a_run_file_left_by_a_dead_cortex_up_is_ignored(no_redis_named, capsys):
-    run_file.RunFile(pid=2**22 + 1, redis_url="redis://127.0.0.1:1/0", gateway_url="").write()  # no such pid
+    run_file.RunFile(
+        pid=2**22 + 1, redis_url="redis://127.0.0.1:1/0", gateway_url=""
+    ).write()  # no such pid
 
     assert run_file.read() is None
     code, _, err = status(capsys, "--redis-url", "redis://127.0.0.1:1/0")

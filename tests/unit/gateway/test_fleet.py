@@ -6,6 +6,7 @@ from shared.fleet import Fleet, describe
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import KEYS, MODEL, beat
 
+
 @pytest.fixture
 def fleet(redis):
     return Fleet(redis, KEYS, node_ttl_s=8.0)

@@ -20,30 +20,50 @@ SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), 
 
 def queries() -> list[str]:
     exprs = [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]]
-    return exprs + [v["query"]["query"] for v in DASHBOARD["templating"]["list"] if v["type"] == "query"]
+    return exprs + [
+        v["query"]["query"] for v in DASHBOARD["templating"]["list"] if v["type"] == "query"
+    ]
 
 
 async def test_every_query_names_series_the_gateway_exports(app, client, redis):
-    await beat(redis, "n1", {MODEL: ModelState.READY}, kv={MODEL: KVCacheStats(block_size=16, blocks_total=10)})
+    await beat(
+        redis,
+        "n1",
+        {MODEL: ModelState.READY},
+        kv={MODEL: KVCacheStats(block_size=16, blocks_total=10)},
+    )
     await app.state.ctx.metrics.refresh(app.state.ctx)
     families = text_string_to_metric_families((await client.get("/metrics")).text)
     exported = {f.name + suffix for f in families for suffix in SUFFIXES.get(f.type, ("",))}
-    named = {name for expr in queries() for name in re.findall(r"\b(?:cortex|vllm):[a-zA-Z0-9_:]+", expr)}
+    named = {
+        name for expr in queries() for name in re.findall(r"\b(?:cortex|vllm):[a-zA-Z0-9_:]+", expr)
+    }
     assert named and named <= exported, named - exported
-    assert {"cortex:generation_tokens_total", "cortex:time_to_first_token_seconds_bucket",
-            "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:spec_decode_num_accepted_tokens_total",
-            "vllm:spec_decode_num_draft_tokens_total"} <= named
+    assert {
+        "cortex:generation_tokens_total",
+        "cortex:time_to_first_token_seconds_bucket",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_hits_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+    } <= named
 
 
 def test_the_dashboard_is_a_grafana_dashboard_on_the_provisioned_prometheus():
     assert DASHBOARD["uid"] and DASHBOARD["title"] and DASHBOARD["schemaVersion"] >= 36
     panels = DASHBOARD["panels"]
     assert len({p["id"] for p in panels}) == len(panels) > 10
-    datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "cortex.yaml").read_text())["datasources"][0]
+    datasource = yaml.safe_load(
+        (GRAFANA / "provisioning" / "datasources" / "cortex.yaml").read_text()
+    )["datasources"][0]
     for p in panels:
-        assert p["type"] == "timeseries" and p["title"] and set(p["gridPos"]) == {"h", "w", "x", "y"}
+        assert (
+            p["type"] == "timeseries" and p["title"] and set(p["gridPos"]) == {"h", "w", "x", "y"}
+        )
         assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"])
-        assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} == {datasource["uid"]}
+        assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} == {
+            datasource["uid"]
+        }
     spots = {(p["gridPos"]["x"], p["gridPos"]["y"]) for p in panels}
     assert len(spots) == len(panels)  # no panel drawn over another
 
@@ -58,7 +78,14 @@ def test_the_monitoring_profile_mounts_what_it_names():
             if source.startswith("./"):
                 assert (ROOT / source).exists(), source
     scrape = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())["scrape_configs"][0]
-    assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == ["gateway:31313"]
+    assert scrape["metrics_path"] == "/metrics" and scrape["static_configs"][0]["targets"] == [
+        "gateway:31313"
+    ]
     assert "31313:31313" in compose["gateway"]["ports"]
-    provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "cortex.yaml").read_text())["providers"][0]
-    assert any(m.endswith(provider["options"]["path"] + "/cortex-dashboard.json:ro") for m in monitoring["grafana"]["volumes"])
+    provider = yaml.safe_load(
+        (GRAFANA / "provisioning" / "dashboards" / "cortex.yaml").read_text()
+    )["providers"][0]
+    assert any(
+        m.endswith(provider["options"]["path"] + "/cortex-dashboard.json:ro")
+        for m in monitoring["grafana"]["volumes"]
+    )

@@ -19,8 +19,13 @@ def ctx(app):
 
 
 def request(**sampling) -> GenerationRequest:
-    return GenerationRequest(job=new_job_id(), model=MODEL, kind="completion", prompt="x",
-                             sampling=SamplingParams(**sampling))
+    return GenerationRequest(
+        job=new_job_id(),
+        model=MODEL,
+        kind="completion",
+        prompt="x",
+        sampling=SamplingParams(**sampling),
+    )
 
 
 async def cancels(redis):
@@ -32,10 +37,30 @@ async def cancels(redis):
 
 async def test_entry_fields_and_events(ctx, redis):
     job = await submit(ctx, request(max_tokens=9), ANONYMOUS_CALLER, priority="batch")
-    [(entry_id, fields)] = await redis.xrange(KEYS.jobs(MODEL, "batch"))  # the batch class has its own stream
-    assert {k.decode() for k in fields} == {"v", "job", "kind", "model", "priority", "max_tokens", "submitted_ms", "reply", "request_id", "stream", "retries", "body"}
+    [(entry_id, fields)] = await redis.xrange(
+        KEYS.jobs(MODEL, "batch")
+    )  # the batch class has its own stream
+    assert {k.decode() for k in fields} == {
+        "v",
+        "job",
+        "kind",
+        "model",
+        "priority",
+        "max_tokens",
+        "submitted_ms",
+        "reply",
+        "request_id",
+        "stream",
+        "retries",
+        "body",
+    }
     entry = StreamEntry.from_fields(fields)
-    assert (entry.job, entry.kind, entry.priority, entry.max_tokens) == (job.id, "completion", "batch", 9)
+    assert (entry.job, entry.kind, entry.priority, entry.max_tokens) == (
+        job.id,
+        "completion",
+        "batch",
+        9,
+    )
     assert entry.reply == KEYS.events(job.id) and entry.request().prompt == "x"
     await redis.publish(entry.reply, pack_event(delta("a")))
     await redis.publish(entry.reply, pack_event(done()))
@@ -73,7 +98,10 @@ async def test_close_before_any_node_read_the_job_withdraws_it(ctx, redis):
 async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
-    await redis.publish(KEYS.events(job.id), pack_event(ErrorEvent(code="context_length_exceeded", message="too long")))
+    await redis.publish(
+        KEYS.events(job.id),
+        pack_event(ErrorEvent(code="context_length_exceeded", message="too long")),
+    )
     with pytest.raises(ContextLengthExceeded, match="too long"):
         async with job:
             async for _ in job.events():

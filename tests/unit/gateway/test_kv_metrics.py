@@ -8,8 +8,11 @@ from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import MODEL, beat
 
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions")
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 
 
 async def scrape(app, client) -> dict:
@@ -23,28 +26,55 @@ def values(family) -> dict[tuple[str, str, str], float]:
     return {(s.name, s.labels["model"], s.labels["node"]): s.value for s in family.samples}
 
 
-async def test_usage_is_a_gauge_and_the_prefix_cache_and_preemptions_are_counters(app, client, redis):
-    kv = KVCacheStats(block_size=16, blocks_total=400, blocks_used=148, blocks_cached=52, prefix_queries=1000,
-                      prefix_hits=810, preemptions=3)
-    await beat(redis, "n1", {MODEL: ModelState.READY, "Loading-Model": ModelState.LOADING}, kv={MODEL: kv})
-    await beat(redis, "n2", {MODEL: ModelState.READY}, kv={MODEL: KVCacheStats(block_size=16, blocks_total=100)})
+async def test_usage_is_a_gauge_and_the_prefix_cache_and_preemptions_are_counters(
+    app, client, redis
+):
+    kv = KVCacheStats(
+        block_size=16,
+        blocks_total=400,
+        blocks_used=148,
+        blocks_cached=52,
+        prefix_queries=1000,
+        prefix_hits=810,
+        preemptions=3,
+    )
+    await beat(
+        redis, "n1", {MODEL: ModelState.READY, "Loading-Model": ModelState.LOADING}, kv={MODEL: kv}
+    )
+    await beat(
+        redis,
+        "n2",
+        {MODEL: ModelState.READY},
+        kv={MODEL: KVCacheStats(block_size=16, blocks_total=100)},
+    )
     await beat(redis, "dead", {MODEL: ModelState.READY}, kv={MODEL: kv}, age_s=60)
 
     families = await scrape(app, client)
 
     usage = families["vllm:kv_cache_usage_perc"]
     assert usage.type == "gauge"
-    assert values(usage) == {("vllm:kv_cache_usage_perc", MODEL, "n1"): 0.37,
-                             ("vllm:kv_cache_usage_perc", MODEL, "n2"): 0.0}
+    assert values(usage) == {
+        ("vllm:kv_cache_usage_perc", MODEL, "n1"): 0.37,
+        ("vllm:kv_cache_usage_perc", MODEL, "n2"): 0.0,
+    }
     for name, expected in zip(COUNTERS, (1000, 810, 3)):
         assert families[name].type == "counter"
-        assert values(families[name]) == {(f"{name}_total", MODEL, "n1"): expected, (f"{name}_total", MODEL, "n2"): 0}
+        assert values(families[name]) == {
+            (f"{name}_total", MODEL, "n1"): expected,
+            (f"{name}_total", MODEL, "n2"): 0,
+        }
 
 
 async def test_speculative_decoding_counters_per_replica(app, client, redis):
-    await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10)},
-               spec={MODEL: SpecDecodeStats(drafts=40, draft_tokens=200, accepted_tokens=150)})
-    await beat(redis, "n2", kv={MODEL: KVCacheStats(blocks_total=10)})  # a node from before speculation: none
+    await beat(
+        redis,
+        "n1",
+        kv={MODEL: KVCacheStats(blocks_total=10)},
+        spec={MODEL: SpecDecodeStats(drafts=40, draft_tokens=200, accepted_tokens=150)},
+    )
+    await beat(
+        redis, "n2", kv={MODEL: KVCacheStats(blocks_total=10)}
+    )  # a node from before speculation: none
 
     families = await scrape(app, client)
 
@@ -54,22 +84,36 @@ async def test_speculative_decoding_counters_per_replica(app, client, redis):
 
 
 async def test_counters_follow_the_node_so_a_restart_reads_as_a_reset(app, client, redis):
-    await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10, prefix_queries=500, prefix_hits=400,
-                                                       preemptions=2)})
+    await beat(
+        redis,
+        "n1",
+        kv={
+            MODEL: KVCacheStats(blocks_total=10, prefix_queries=500, prefix_hits=400, preemptions=2)
+        },
+    )
     before = await scrape(app, client)
-    await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10, prefix_queries=20, prefix_hits=5)})
+    await beat(
+        redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10, prefix_queries=20, prefix_hits=5)}
+    )
     after = await scrape(app, client)
 
-    assert values(before["vllm:prefix_cache_hits"]) == {("vllm:prefix_cache_hits_total", MODEL, "n1"): 400}
-    assert values(after["vllm:prefix_cache_hits"]) == {("vllm:prefix_cache_hits_total", MODEL, "n1"): 5}
-    assert values(after["vllm:prefix_cache_queries"]) == {("vllm:prefix_cache_queries_total", MODEL, "n1"): 20}
+    assert values(before["vllm:prefix_cache_hits"]) == {
+        ("vllm:prefix_cache_hits_total", MODEL, "n1"): 400
+    }
+    assert values(after["vllm:prefix_cache_hits"]) == {
+        ("vllm:prefix_cache_hits_total", MODEL, "n1"): 5
+    }
+    assert values(after["vllm:prefix_cache_queries"]) == {
+        ("vllm:prefix_cache_queries_total", MODEL, "n1"): 20
+    }
     assert values(after["vllm:num_preemptions"]) == {("vllm:num_preemptions_total", MODEL, "n1"): 0}
 
 
 async def test_a_replica_gone_from_the_heartbeats_leaves_the_metrics(app, client, redis):
     await beat(redis, "n1", kv={MODEL: KVCacheStats(blocks_total=10, blocks_used=5)})
     assert values((await scrape(app, client))["vllm:kv_cache_usage_perc"]) == {
-        ("vllm:kv_cache_usage_perc", MODEL, "n1"): 0.5}
+        ("vllm:kv_cache_usage_perc", MODEL, "n1"): 0.5
+    }
     await beat(redis, "n1", {})  # unloaded
 
     families = await scrape(app, client)

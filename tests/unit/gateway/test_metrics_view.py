@@ -8,8 +8,11 @@ from gateway.metrics_view import AnonymousView
 
 
 def _samples(text: bytes) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
 
 
 def test_series_per_node_and_device_are_summed_and_those_per_key_or_per_replica_ratio_left_out():
@@ -21,9 +24,19 @@ def test_series_per_node_and_device_are_summed_and_those_per_key_or_per_replica_
     metrics.key_requests.labels("alice").inc()
     seen = _samples(generate_latest(AnonymousView(metrics)))
     text = repr(seen)
-    assert "host-" not in text and "cuda" not in text and "alice" not in text and "cortex:key_" not in text
+    assert (
+        "host-" not in text
+        and "cuda" not in text
+        and "alice" not in text
+        and "cortex:key_" not in text
+    )
     assert seen["cortex:e2e_request_latency_seconds_count", frozenset({("model", "m")})] == 2
-    assert seen["cortex:e2e_request_latency_seconds_bucket", frozenset({("model", "m"), ("le", "0.25")})] == 1
+    assert (
+        seen[
+            "cortex:e2e_request_latency_seconds_bucket", frozenset({("model", "m"), ("le", "0.25")})
+        ]
+        == 1
+    )
     assert seen["cortex:e2e_request_latency_seconds_sum", frozenset({("model", "m")})] == 3.2
     assert seen["cortex:node_memory_total_bytes", frozenset()] == 120
     everything = _samples(generate_latest(metrics.registry))

@@ -20,9 +20,17 @@ from shared.wire import GenerationRequest
 
 KEYS = Keys()
 MODEL = "m"
-TURN = GenerationRequest(job="j", model=MODEL, kind="chat", messages=[
-    {"role": "system", "content": "a long system prompt"}, {"role": "user", "content": "hello"},
-    {"role": "assistant", "content": "hi"}, {"role": "user", "content": "why?"}])
+TURN = GenerationRequest(
+    job="j",
+    model=MODEL,
+    kind="chat",
+    messages=[
+        {"role": "system", "content": "a long system prompt"},
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "why?"},
+    ],
+)
 
 
 @pytest.fixture
@@ -38,11 +46,18 @@ def routing(r, mode: str = "cache", load_weight: float = 0.25) -> Routing:
     return Routing(ctx)
 
 
-async def beat(r, node: str, used: int = 0, state: ModelState = ModelState.READY, blocks_used: int = 0) -> None:
+async def beat(
+    r, node: str, used: int = 0, state: ModelState = ModelState.READY, blocks_used: int = 0
+) -> None:
     """A heartbeat from `node`: `used` of 4 slots taken, `blocks_used` KV blocks of 16 tokens held."""
     kv = KVCacheStats(block_size=16, blocks_total=1024, blocks_used=blocks_used)
-    hb = NodeHeartbeat(node=node, version="0", started_ms=0, heartbeat_ms=int(time.time() * 1000),
-                       models={MODEL: ModelInfo(state=state, device="cpu", slots_total=4, slots_used=used, kv=kv)})
+    hb = NodeHeartbeat(
+        node=node,
+        version="0",
+        started_ms=0,
+        heartbeat_ms=int(time.time() * 1000),
+        models={MODEL: ModelInfo(state=state, device="cpu", slots_total=4, slots_used=used, kv=kv)},
+    )
     await r.hset(KEYS.node(node), mapping=hb.to_hash())
     await r.zadd(KEYS.nodes(), {node: hb.heartbeat_ms})
 
@@ -65,7 +80,9 @@ async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n3", "cache")
     await beat(r, "n3", used=4)  # no free slot: the node holding the next longest prefix
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    await beat(r, "n1", used=4)  # none with room holds any of it: the one with room, counted as `full`
+    await beat(
+        r, "n1", used=4
+    )  # none with room holds any of it: the one with room, counted as `full`
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n2", "full")
     await beat(r, "n2", used=4)  # no room anywhere: the shared stream
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
@@ -73,7 +90,9 @@ async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
     for _ in range(4):  # its own stream holds as many jobs as it has slots
         await r.xadd(KEYS.node_jobs(MODEL, "n3"), {"job": "x"})
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "full")
-    assert await routing(r).route(request, "", "batch", "normal") == Route("n3", "cache")  # another stream
+    assert await routing(r).route(request, "", "batch", "normal") == Route(
+        "n3", "cache"
+    )  # another stream
 
 
 async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
@@ -91,7 +110,9 @@ async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
     # weighed as Dynamo does (1), a prompt's worth of running tokens is enough
     await beat(r, "n1", blocks_used=prompt // 16 + 2)
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    assert await routing(r, load_weight=1).route(request, "", "interactive", "normal") == Route("n2", "full")
+    assert await routing(r, load_weight=1).route(request, "", "interactive", "normal") == Route(
+        "n2", "full"
+    )
 
 
 async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
@@ -100,7 +121,9 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
         await beat(r, node)
         await hold(r, node, request, 4)
     policy = routing(r)
-    await asyncio.sleep(0.01)  # times are in ms: a job routed in its heartbeat's millisecond counts as before it
+    await asyncio.sleep(
+        0.01
+    )  # times are in ms: a job routed in its heartbeat's millisecond counts as before it
     # both hold the conversation, both idle: each job routed adds its prompt to its node's load until
     # that node's next heartbeat, so a burst of them alternates
     jobs = [request.model_copy(update={"job": f"j{i}"}) for i in range(5)]
@@ -115,7 +138,9 @@ async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
         policy.ended(job.job)
     nodes = {n.node: n for n in await policy._live()}
     assert policy._since_heartbeat(nodes["n2"]) == (0, 0)  # routed after its heartbeat, and ended
-    prompt = request.prefix_marks[-1][1]  # n1's heartbeat came while two of them ran: they ended since
+    prompt = request.prefix_marks[-1][
+        1
+    ]  # n1's heartbeat came while two of them ran: they ended since
     assert policy._since_heartbeat(nodes["n1"]) == (-2, -2 * prompt)
 
 
@@ -124,8 +149,12 @@ async def test_a_session_goes_where_its_last_turn_ran_when_no_cache_holds_it(r):
         await beat(r, node)
     session = prefix_marks.session("key", "conversation-7")
     await routing(r).ran(MODEL, session, "n2")
-    assert await routing(r).route(marked(), session, "interactive", "normal") == Route("n2", "session")
-    assert await routing(r, "session").route(TURN, session, "interactive", "normal") == Route("n2", "session")
+    assert await routing(r).route(marked(), session, "interactive", "normal") == Route(
+        "n2", "session"
+    )
+    assert await routing(r, "session").route(TURN, session, "interactive", "normal") == Route(
+        "n2", "session"
+    )
     await beat(r, "n2", used=4)  # no room there: another node's
     assert await routing(r).route(marked(), session, "interactive", "normal") == Route("n1", "full")
     await beat(r, "n1", used=4)  # no room anywhere: the shared stream
@@ -143,9 +172,15 @@ async def test_a_new_conversation_goes_to_the_least_busy_node(r):
     assert await policy.route(request, "", "interactive", "normal") == Route("n2", "load")
     # that job's prompt (150 tokens, as its marks count) now counts on n2 until its next heartbeat, or
     # until it ends: n3 (80 tokens) is the least busy
-    assert await policy.route(request.model_copy(update={"job": "k"}), "", "interactive", "normal") == Route("n3", "load")
-    assert await routing(r, "session").route(TURN, "s", "interactive", "normal") == Route("n2", "load")
-    assert await routing(r).route(TURN, "", "interactive", "normal") == Route(None, "shared")  # neither marks nor session
+    assert await policy.route(
+        request.model_copy(update={"job": "k"}), "", "interactive", "normal"
+    ) == Route("n3", "load")
+    assert await routing(r, "session").route(TURN, "s", "interactive", "normal") == Route(
+        "n2", "load"
+    )
+    assert await routing(r).route(TURN, "", "interactive", "normal") == Route(
+        None, "shared"
+    )  # neither marks nor session
     for node in ("n1", "n2", "n3"):
         await beat(r, node, used=4)
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "shared")
@@ -155,18 +190,26 @@ async def test_nothing_is_routed_with_routing_off_one_node_or_a_model_not_ready(
     await beat(r, "n1")
     request = marked()
     await hold(r, "n1", request, 4)
-    assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "shared")  # one node
+    assert await routing(r).route(request, "", "interactive", "normal") == Route(
+        None, "shared"
+    )  # one node
     await beat(r, "n2", state=ModelState.LOADING)
     assert await routing(r).route(request, "", "interactive", "normal") == Route(None, "shared")
     await beat(r, "n2")
     assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
-    assert await routing(r, "none").route(request, "s", "interactive", "normal") == Route(None, "shared")
+    assert await routing(r, "none").route(request, "s", "interactive", "normal") == Route(
+        None, "shared"
+    )
 
 
 def test_session_hints_in_each_dialect():
     assert session_hint(SimpleNamespace(prompt_cache_key="p", user="u")) == "p"
-    assert session_hint(SimpleNamespace(user="u", metadata={"user_id": "x"})) == "u"  # OpenAI's metadata is free-form
-    assert session_hint(SimpleNamespace(metadata=SimpleNamespace(user_id="a"))) == "a"  # Anthropic's
+    assert (
+        session_hint(SimpleNamespace(user="u", metadata={"user_id": "x"})) == "u"
+    )  # OpenAI's metadata is free-form
+    assert (
+        session_hint(SimpleNamespace(metadata=SimpleNamespace(user_id="a"))) == "a"
+    )  # Anthropic's
     assert session_hint(SimpleNamespace()) == ""  # nor an x-cortex-session header
 
 
@@ -179,9 +222,12 @@ async def test_a_prefix_another_key_left_cached_does_not_draw_the_job(r):
     def of(key: str, scope: str = "key") -> GenerationRequest:
         salted = TURN.model_copy(update={"cache_salt": prefix_marks.salt(scope, key, None)})
         return salted.model_copy(update={"prefix_marks": prefix_marks.marks(salted)})
+
     await beat(r, "n1", blocks_used=8)  # busier: only a cached prefix draws a job there
     await hold(r, "n1", of("alice"), 3)
     assert await routing(r).route(of("alice"), "", "interactive", "normal") == Route("n1", "cache")
     assert await routing(r).route(of("bob"), "", "interactive", "normal") == Route("n2", "load")
     await hold(r, "n1", of("alice", "fleet"), 3)
-    assert await routing(r).route(of("bob", "fleet"), "", "interactive", "normal") == Route("n1", "cache")
+    assert await routing(r).route(of("bob", "fleet"), "", "interactive", "normal") == Route(
+        "n1", "cache"
+    )

@@ -11,11 +11,21 @@ def split(*steps: str) -> tuple[str, str]:
     return "".join(t for t, _ in parts), "".join(c for _, c in parts)
 
 
-@pytest.mark.parametrize("steps", [
-    ["<think>\nLet me see.\n</think>\n\nParis."],
-    ["<th", "ink>\nLet me", " see.\n</th", "ink>", "\n", "\nParis."],  # tags and blank lines across steps
-    ["\n<think>\nLet me see.\n</think>\n\nPar", "is."],
-])
+@pytest.mark.parametrize(
+    "steps",
+    [
+        ["<think>\nLet me see.\n</think>\n\nParis."],
+        [
+            "<th",
+            "ink>\nLet me",
+            " see.\n</th",
+            "ink>",
+            "\n",
+            "\nParis.",
+        ],  # tags and blank lines across steps
+        ["\n<think>\nLet me see.\n</think>\n\nPar", "is."],
+    ],
+)
 def test_thinking_then_content(steps):
     assert split(*steps) == ("\nLet me see.\n", "Paris.")
 

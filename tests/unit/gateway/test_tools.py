@@ -12,19 +12,52 @@ from gateway.tools.parsers import CallStart, Parsed, collect, make_parser, parse
 from shared.catalog import ModelProfile
 
 CASES = [
-    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": [1, {"a": "}"}]}}\n</tool_call>',
-     "Sure.", [("get_weather", {"city": "Paris", "x": [1, {"a": "}"}]})]),
-    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"arguments": {"q": 1}, "name": "b"}</tool_call>',
-     "", [("a", {}), ("b", {"q": 1})]),
-    ("hermes", 'Hello <tool_call>{"name": oops}</tool_call> bye', 'Hello <tool_call>{"name": oops}</tool_call> bye', []),
+    (
+        "hermes",
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": [1, {"a": "}"}]}}\n</tool_call>',
+        "Sure.",
+        [("get_weather", {"city": "Paris", "x": [1, {"a": "}"}]})],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"arguments": {"q": 1}, "name": "b"}</tool_call>',
+        "",
+        [("a", {}), ("b", {"q": 1})],
+    ),
+    (
+        "hermes",
+        'Hello <tool_call>{"name": oops}</tool_call> bye',
+        'Hello <tool_call>{"name": oops}</tool_call> bye',
+        [],
+    ),
     ("hermes", "just text with < and </ and <tool", "just text with < and </ and <tool", []),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"s": "a\\"}b"}}', "", [("f", {"s": 'a"}b'})]),
-    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"k\\": 2}"}</tool_call>', "", [("f", {"k": 2})]),
-    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "", [("f", {"a": 1}), ("g", {})]),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"s": "a\\"}b"}}',
+        "",
+        [("f", {"s": 'a"}b'})],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": "{\\"k\\": 2}"}</tool_call>',
+        "",
+        [("f", {"k": 2})],
+    ),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}',
+        "",
+        [("f", {"a": 1}), ("g", {})],
+    ),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),
     ("llama3_json", 'Hi there {"x":1}', 'Hi there {"x":1}', []),
     ("llama3_json", "{not json", "{not json", []),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "", [("f", {"a": 1}), ("g", {})]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]',
+        "",
+        [("f", {"a": 1}), ("g", {})],
+    ),
     ("mistral", "[1, 2]", "[1, 2]", []),
     ("mistral", "Plain answer", "Plain answer", []),
 ]
@@ -61,20 +94,26 @@ def test_arguments_stream_before_the_call_ends():
     assert "".join(p.text for p in first[1:]) == '{"city": "Pa'
 
 
-@pytest.mark.parametrize("profile, expected", [
-    (ModelProfile(id="Qwen2.5-7B-Instruct", source="x"), "hermes"),
-    (ModelProfile(id="m", source="hf:meta-llama/Llama-3.1-8B-Instruct"), "llama3_json"),
-    (ModelProfile(id="Mistral-7B-Instruct-v0.3", source="x"), "mistral"),
-    (ModelProfile(id="SmolLM2-135M-Instruct", source="x"), "hermes"),
-    (ModelProfile(id="Llama-3-thing", source="x", tool_parser="hermes"), "hermes"),
-])
+@pytest.mark.parametrize(
+    "profile, expected",
+    [
+        (ModelProfile(id="Qwen2.5-7B-Instruct", source="x"), "hermes"),
+        (ModelProfile(id="m", source="hf:meta-llama/Llama-3.1-8B-Instruct"), "llama3_json"),
+        (ModelProfile(id="Mistral-7B-Instruct-v0.3", source="x"), "mistral"),
+        (ModelProfile(id="SmolLM2-135M-Instruct", source="x"), "hermes"),
+        (ModelProfile(id="Llama-3-thing", source="x", tool_parser="hermes"), "hermes"),
+    ],
+)
 def test_parser_by_family_and_catalogue_override(profile, expected):
     assert parser_name(profile) == expected
 
 
 @pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 def test_forced_call_grammars_compile(parser):
-    tools = [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"name": "g"}]
+    tools = [
+        {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"name": "g"},
+    ]
     for parallel in (True, False):
         tool_grammars.grammar(tool_grammars.ForcedCall(tools, parallel=parallel), parser)
 
@@ -83,7 +122,12 @@ CUT_OFF = [  # answers that max_tokens ended inside a call: (parser, text, conte
     ("hermes", "Sure <tool", "Sure", []),
     ("hermes", 'Sure <tool_call>\n{"arguments": {"city": "Pa', "Sure", []),
     ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"na', "", ["a"]),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"city": "Pa', "", ["f"]),  # streamed already: a call
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"city": "Pa',
+        "",
+        ["f"],
+    ),  # streamed already: a call
     ("llama3_json", '{"name": "f", "param', "", []),
     ("mistral", '[TOOL_CALLS][{"name": "f", "argu', "", []),
 ]
@@ -108,15 +152,20 @@ def grammars(smol_tokenizer):
     return Grammars(smol_tokenizer, len(smol_tokenizer), {smol_tokenizer.eos_token_id})
 
 
-@pytest.mark.parametrize("parser, one, separator", [
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "\n"),
-    ("llama3_json", '{"name": "f", "parameters": {}}', "; "),
-])
+@pytest.mark.parametrize(
+    "parser, one, separator",
+    [
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "\n"),
+        ("llama3_json", '{"name": "f", "parameters": {}}', "; "),
+    ],
+)
 def test_forced_calls_are_one_or_a_bounded_number(grammars, smol_tokenizer, parser, one, separator):
     tools = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
 
     def accepts(text: str, parallel: bool) -> bool:
-        matcher = grammars.matcher(tool_grammars.forced_call_grammar(parser, tools, parallel=parallel))
+        matcher = grammars.matcher(
+            tool_grammars.forced_call_grammar(parser, tools, parallel=parallel)
+        )
         ids = smol_tokenizer.encode(text, add_special_tokens=False) + [smol_tokenizer.eos_token_id]
         return matcher.validate_tokens(ids) == len(ids)
 

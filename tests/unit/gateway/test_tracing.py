@@ -35,22 +35,40 @@ async def test_a_request_is_one_trace_its_job_carries(client, node, spans):
     for name in ("admission", "placement", "queue wait"):
         assert named[name].parent.span_id == root.context.span_id
         assert named[name].context.trace_id == root.context.trace_id
-    assert named["admission"].end_time <= named["placement"].start_time <= named["queue wait"].start_time
+    assert (
+        named["admission"].end_time
+        <= named["placement"].start_time
+        <= named["queue wait"].start_time
+    )
     [entry] = node.entries
-    version, carried_trace, parent, flags = entry.traceparent.split("-")  # the node's spans hang under the request's
-    assert (version, carried_trace, parent) == ("00", trace_id, f"{root.context.span_id:016x}") and int(flags, 16) & 1
+    version, carried_trace, parent, flags = entry.traceparent.split(
+        "-"
+    )  # the node's spans hang under the request's
+    assert (version, carried_trace, parent) == (
+        "00",
+        trace_id,
+        f"{root.context.span_id:016x}",
+    ) and int(flags, 16) & 1
     assert root.attributes["cortex.job"] == entry.job and root.attributes["cortex.model"] == MODEL
-    assert root.attributes["cortex.node"] == "n1" and root.attributes["gen_ai.usage.output_tokens"] == 3
+    assert (
+        root.attributes["cortex.node"] == "n1"
+        and root.attributes["gen_ai.usage.output_tokens"] == 3
+    )
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["cortex.request_id"] == response.headers["x-request-id"]
 
 
 async def test_a_client_trace_is_continued(client, node, spans):
     traceparent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
-    response = await client.post("/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent})
+    response = await client.post(
+        "/v1/chat/completions", json=CHAT, headers={"traceparent": traceparent}
+    )
     assert response.headers["x-trace-id"] == CLIENT_TRACE
     root = by_name(spans)["POST /v1/chat/completions"]
-    assert f"{root.parent.span_id:016x}" == CLIENT_SPAN and f"{root.context.trace_id:032x}" == CLIENT_TRACE
+    assert (
+        f"{root.parent.span_id:016x}" == CLIENT_SPAN
+        and f"{root.context.trace_id:032x}" == CLIENT_TRACE
+    )
     assert node.entries[0].traceparent.startswith(f"00-{CLIENT_TRACE}-")
 
 
@@ -70,7 +88,9 @@ async def test_only_the_api_is_traced(client, spans):
         assert response.status_code == 200 and "x-trace-id" not in response.headers
     assert spans.get_finished_spans() == ()
     await client.get(f"/v1/models/{MODEL}")
-    assert [span.name for span in spans.get_finished_spans()] == ["GET /v1/models/{model_id:path}"]  # its route
+    assert [span.name for span in spans.get_finished_spans()] == [
+        "GET /v1/models/{model_id:path}"
+    ]  # its route
 
 
 async def test_the_request_log_lines_name_the_trace(client, node, spans, caplog):
@@ -86,9 +106,13 @@ async def test_the_request_log_lines_name_the_trace(client, node, spans, caplog)
     finally:
         logger.removeHandler(handler)
     lines = out.getvalue().splitlines()
-    request_lines = [line for line in lines if f"request={response.headers['x-request-id']}" in line]
+    request_lines = [
+        line for line in lines if f"request={response.headers['x-request-id']}" in line
+    ]
     assert len(request_lines) >= 2  # queued, done
-    assert all(line.endswith(f" trace={response.headers['x-trace-id']}") for line in request_lines), request_lines
+    assert all(
+        line.endswith(f" trace={response.headers['x-trace-id']}") for line in request_lines
+    ), request_lines
     assert lines[-1].endswith("not about a request")
 
 

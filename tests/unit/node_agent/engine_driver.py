@@ -5,13 +5,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from node_agent.serving import prompts
 from node_agent.engine.engine import Engine, check_fits
-from shared.wire import DoneEvent, Event, GenerationRequest, SamplingParams, pack_event, unpack_event
+from node_agent.serving import prompts
+from shared.wire import (
+    DoneEvent,
+    Event,
+    GenerationRequest,
+    SamplingParams,
+    pack_event,
+    unpack_event,
+)
 
-
-PROMPTS = ["Hello there", "What is the capital of France?", "Write a poem about the sea and the sky",
-           "1 2 3 4 5 6 7 8 9 10", "Why?", "Tell me about transformers and attention in detail please"]
+PROMPTS = [
+    "Hello there",
+    "What is the capital of France?",
+    "Write a poem about the sea and the sky",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Why?",
+    "Tell me about transformers and attention in detail please",
+]
 
 
 def full_forward_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
@@ -21,7 +33,7 @@ def full_forward_greedy(lm, prompt_ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             ids = torch.cat([ids, lm.model(ids, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
-    return ids[0, len(prompt_ids):].tolist()
+    return ids[0, len(prompt_ids) :].tolist()
 
 
 @dataclass
@@ -30,14 +42,24 @@ class Result:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finish: dict[int, str] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # when the request asked for them
+    prompt_logprobs: dict[int, list] = field(
+        default_factory=dict
+    )  # when the request asked for them
     done: object = None
     deltas: int = 0
 
 
-def request(job: str, content: str = "Hello there", kind: str = "chat", **sampling) -> GenerationRequest:
-    body = {"messages": [{"role": "user", "content": content}]} if kind == "chat" else {"prompt": content}
-    return GenerationRequest(job=job, model="m", kind=kind, sampling=SamplingParams(**sampling), **body)
+def request(
+    job: str, content: str = "Hello there", kind: str = "chat", **sampling
+) -> GenerationRequest:
+    body = (
+        {"messages": [{"role": "user", "content": content}]}
+        if kind == "chat"
+        else {"prompt": content}
+    )
+    return GenerationRequest(
+        job=job, model="m", kind=kind, sampling=SamplingParams(**sampling), **body
+    )
 
 
 def add(engine: Engine, req: GenerationRequest) -> None:
@@ -46,7 +68,9 @@ def add(engine: Engine, req: GenerationRequest) -> None:
     engine.add(req, ids, 0.0)
 
 
-def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000, join_every: int = 0) -> dict[str, Result]:
+def run(
+    engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000, join_every: int = 0
+) -> dict[str, Result]:
     """Run `requests` to completion: all at once, or with `join_every` = k the i-th joins the
     running batch at step i * k."""
     results = {r.job: Result() for r in requests}
@@ -63,7 +87,9 @@ def run(engine: Engine, *requests: GenerationRequest, max_steps: int = 10_000, j
 
 def collect(result: Result, events: list[Event]) -> None:
     for event in events:
-        assert unpack_event(pack_event(event)) == event  # as a gateway reads it: its fields' types hold too
+        assert (
+            unpack_event(pack_event(event)) == event
+        )  # as a gateway reads it: its fields' types hold too
         if isinstance(event, DoneEvent):
             result.done = event
             continue

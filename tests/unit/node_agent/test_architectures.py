@@ -11,17 +11,19 @@ import json
 import pytest
 import torch
 
+from node_agent.engine.engine import Engine
 from node_agent.model import architectures, compiled_step, loader
 from node_agent.serving import prompts
-from node_agent.engine.engine import Engine
 from shared.model_files import ModelLoadError
 from tests import tiny_models
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, request, run
 
 MATRIX = sorted(tiny_models.ARCHITECTURES)
-REQUESTS = [request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=True)
-            for i, p in enumerate(PROMPTS)]  # prompts of 36-52 tokens
+REQUESTS = [
+    request(f"j{i}", f"{p} {p}", temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=True)
+    for i, p in enumerate(PROMPTS)
+]  # prompts of 36-52 tokens
 
 
 def model_logprobs(lm, prompt_ids: list[int], tokens: list[int]) -> list[float]:
@@ -29,7 +31,12 @@ def model_logprobs(lm, prompt_ids: list[int], tokens: list[int]) -> list[float]:
     head gives it (scaled, soft-capped)."""
     ids = torch.tensor([prompt_ids + tokens])
     with torch.inference_mode():
-        logprobs = lm.model(ids, use_cache=False).logits[0, len(prompt_ids) - 1: -1].float().log_softmax(-1)
+        logprobs = (
+            lm.model(ids, use_cache=False)
+            .logits[0, len(prompt_ids) - 1 : -1]
+            .float()
+            .log_softmax(-1)
+        )
     return logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
@@ -50,6 +57,7 @@ def references(small_vocab_dirs):
                 expected[r.job] = tokens, model_logprobs(lm, ids, tokens)
             loaded[arch] = profile, lm, expected
         return loaded[arch]
+
     return get
 
 
@@ -59,8 +67,13 @@ def test_the_matrix_is_what_the_loader_admits():
 
 def speculating(profile, method: str = "ngram"):
     """The profile with speculation on for every batch size."""
-    return profile.model_copy(update={"speculative": method, "num_speculative_tokens": 4,
-                                      "speculative_max_batch": profile.slots})
+    return profile.model_copy(
+        update={
+            "speculative": method,
+            "num_speculative_tokens": 4,
+            "speculative_max_batch": profile.slots,
+        }
+    )
 
 
 def check_speculated(engine: Engine) -> None:
@@ -72,22 +85,34 @@ def check_speculated(engine: Engine) -> None:
 
 # static: rows padded to buckets, as on a GPU; ngram: speculation, whose steps score several tokens a row;
 # compiled: a CPU's decode step compiled ahead of time (node_agent/model/compiled_step.py), or eager where it cannot be
-@pytest.mark.parametrize("decode, speculative", [("eager", "off"), ("static", "off"), ("static", "ngram"),
-                                                 ("compiled", "off")])
+@pytest.mark.parametrize(
+    "decode, speculative",
+    [("eager", "off"), ("static", "off"), ("static", "ngram"), ("compiled", "off")],
+)
 @pytest.mark.parametrize("arch", MATRIX)
 def test_batched_chunked_greedy_equals_full_forward_greedy(references, arch, decode, speculative):
     profile, lm, expected = references(arch)
-    assert len({token for tokens, _ in expected.values() for token in tokens}) > 8  # one token repeated tests little
+    assert (
+        len({token for tokens, _ in expected.values() for token in tokens}) > 8
+    )  # one token repeated tests little
     profile = profile.model_copy(update={"decode": decode})
     engine = Engine(lm, speculating(profile) if speculative == "ngram" else profile)
     results = run(engine, *REQUESTS, join_every=2)
-    assert {job: r.token_ids[0] for job, r in results.items()} == {job: tokens for job, (tokens, _) in expected.items()}
+    assert {job: r.token_ids[0] for job, r in results.items()} == {
+        job: tokens for job, (tokens, _) in expected.items()
+    }
     for job, (_, logprobs) in expected.items():
-        assert [entry.logprob for entry in results[job].logprobs[0]] == pytest.approx(logprobs, abs=1e-3)
+        assert [entry.logprob for entry in results[job].logprobs[0]] == pytest.approx(
+            logprobs, abs=1e-3
+        )
     if speculative == "ngram":
         check_speculated(engine)
-    if decode == "compiled":  # compiled wherever the model allows it (else eager, for the reason logged)
-        assert (engine.decoder.name == "compiled") == (compiled_step.why_not(lm.model, engine.cache) is None)
+    if (
+        decode == "compiled"
+    ):  # compiled wherever the model allows it (else eager, for the reason logged)
+        assert (engine.decoder.name == "compiled") == (
+            compiled_step.why_not(lm.model, engine.cache) is None
+        )
 
 
 @pytest.mark.parametrize("arch", MATRIX)
@@ -97,23 +122,41 @@ def test_speculation_keeps_greedy_output_through_prefix_hits_and_preemption(refe
     reply among the recent outputs (long drafts accepted), draft blocks come and go; every job's
     tokens stay those of the engine without speculation or pressure."""
     profile, lm, _ = references(arch)
-    first, again = ([r.model_copy(update={"job": r.job + suffix,
-                                          "sampling": r.sampling.model_copy(update={"max_tokens": 40})})
-                     for r in REQUESTS] for suffix in ("", "-again"))
+    first, again = (
+        [
+            r.model_copy(
+                update={
+                    "job": r.job + suffix,
+                    "sampling": r.sampling.model_copy(update={"max_tokens": 40}),
+                }
+            )
+            for r in REQUESTS
+        ]
+        for suffix in ("", "-again")
+    )
     unpressured = run(Engine(lm, profile), *first, *again, join_every=1)
     engine = Engine(lm, speculating(profile, "suffix"))
     engine.pool.__init__(2 * -(-(52 + 40) // profile.block_size) + 1, profile.block_size)
-    results = run(engine, *first, join_every=1) | run(engine, *reversed(again), join_every=1)  # the last cached first
-    assert {job: r.token_ids[0] for job, r in results.items()} == \
-        {job: r.token_ids[0] for job, r in unpressured.items()}
+    results = run(engine, *first, join_every=1) | run(
+        engine, *reversed(again), join_every=1
+    )  # the last cached first
+    assert {job: r.token_ids[0] for job, r in results.items()} == {
+        job: r.token_ids[0] for job, r in unpressured.items()
+    }
     assert engine.kv_stats().preemptions > 0 and engine.pool.used == 0
     assert (engine.kv_stats().prefix_hits > 0) != engine.cache.has_linear_attention
     check_speculated(engine)
     if not engine.cache.has_linear_attention:  # each reply sent again is guessed from the first
-        assert engine.spec_stats().accepted_tokens >= len(REQUESTS) * 20  # of 39 a reply, at most 4 a step
+        assert (
+            engine.spec_stats().accepted_tokens >= len(REQUESTS) * 20
+        )  # of 39 a reply, at most 4 a step
 
 
 def test_an_architecture_outside_the_matrix_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not among.*tested.*gemma2.*qwen3_5_text"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(
+        ModelLoadError, match="model_type 'gpt2' is not among.*tested.*gemma2.*qwen3_5_text"
+    ):
         loader.load(tiny_profile(tmp_path), "cpu")

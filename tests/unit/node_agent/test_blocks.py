@@ -14,7 +14,10 @@ def test_hash_chains_name_a_block_by_everything_before_it():
     c = chain_hashes([99] + list(range(1, 40)), 16, ROOT)
     assert len(a) == 2 and a == b  # only full blocks; the partial third differs and is not hashed
     assert a[0] != c[0] and a[1] != c[1]  # a different first token changes every later block
-    assert chain_hashes(list(range(48)), 16, a[1], start=2) == chain_hashes(list(range(48)), 16, ROOT)[2:]
+    assert (
+        chain_hashes(list(range(48)), 16, a[1], start=2)
+        == chain_hashes(list(range(48)), 16, ROOT)[2:]
+    )
     assert chain_hashes(list(range(40)), 16, b"other root") != a
 
 
@@ -28,7 +31,9 @@ def test_released_blocks_stay_cached_until_evicted_oldest_first():
     pool.release(second)
     assert (pool.free, pool.used, pool.cached) == (4, 0, 4)
     assert pool.match(hashes[:2]) == first
-    pool.allocate(1)  # evicts the oldest released: first's last block (a tail goes before its prefix)
+    pool.allocate(
+        1
+    )  # evicts the oldest released: first's last block (a tail goes before its prefix)
     assert pool.match(hashes[:2]) == first[:1] and pool.cached == 3
 
 

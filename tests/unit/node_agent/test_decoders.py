@@ -5,8 +5,8 @@ host sync, no data-dependent Python: what a CUDA graph needs too)."""
 import pytest
 import torch
 
-from node_agent.model import compiled_step, decoders, forward, loader
 from node_agent.engine.engine import Engine
+from node_agent.model import compiled_step, decoders, forward, loader
 from node_agent.model.kv_cache import LinearAttentionState
 from shared.errors import InvalidRequest
 from tests.model_fixtures import tiny_profile
@@ -22,7 +22,10 @@ def test_buckets():
 
 def test_padded_static_steps_equal_eager_steps(tiny_llama):
     profile, lm = tiny_llama
-    reqs = [request(f"j{i}", p, temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i, p in enumerate(PROMPTS[:5])]
+    reqs = [
+        request(f"j{i}", p, temperature=0, max_tokens=4 + 3 * i, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:5])
+    ]
     eager = run(Engine(lm, profile.model_copy(update={"decode": "eager"})), *reqs)
     static_engine = Engine(lm, profile.model_copy(update={"decode": "static"}))
     assert isinstance(static_engine.decoder, decoders.StaticDecoder)
@@ -46,8 +49,14 @@ def test_padding_rows_write_only_the_null_block(tiny_llama):
     with torch.inference_mode():
         engine.decoder([5, 6, 7], [0, 1, 2])  # pads to 4 rows; row 3 writes the null block
     for old, layer in zip(before, cache.layers):
-        changed = (old != layer.keys).any(-1).any(0).nonzero().flatten().tolist()  # [heads, slots, dim]
-        assert set(changed) - {0} == {size, 2 * size + 1, 3 * size + 2}  # slot 0: the null block's first
+        changed = (
+            (old != layer.keys).any(-1).any(0).nonzero().flatten().tolist()
+        )  # [heads, slots, dim]
+        assert set(changed) - {0} == {
+            size,
+            2 * size + 1,
+            3 * size + 2,
+        }  # slot 0: the null block's first
 
 
 def test_padding_rows_keep_their_linear_attention_state(small_vocab_dirs):
@@ -70,21 +79,33 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow  # torch.compile of a whole step (15-30 s each)
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])  # full attention; linear attention and full
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3_5_text"]
+)  # full attention; linear attention and full
 def test_decode_step_compiles_with_fullgraph(small_vocab_dirs, arch):
-    profile = tiny_profile(small_vocab_dirs[arch], slots=4, decode="eager")  # the step compiled here, as a GPU's
+    profile = tiny_profile(
+        small_vocab_dirs[arch], slots=4, decode="eager"
+    )  # the step compiled here, as a GPU's
     lm = loader.load(profile, "cpu")
     engine = Engine(lm, profile)
     engine.cache.set_tables(_tables(engine.cache, 4))
-    tokens, positions = torch.tensor([5, 6, 7, 8]), torch.tensor([3, 10, 0, engine.cache.scratch_position])
-    rope_offsets = torch.tensor([0, -4, 0, 0])  # a row after an image in an M-RoPE model rotates behind its column
+    tokens, positions = (
+        torch.tensor([5, 6, 7, 8]),
+        torch.tensor([3, 10, 0, engine.cache.scratch_position]),
+    )
+    rope_offsets = torch.tensor(
+        [0, -4, 0, 0]
+    )  # a row after an image in an M-RoPE model rotates behind its column
     start = [t.clone() for t in _cache_tensors(engine.cache)]
     with torch.inference_mode():
         eager = forward.decode_step(lm.model, engine.cache, tokens, positions, rope_offsets, 32)
-        for tensor, saved in zip(_cache_tensors(engine.cache), start):  # a linear state moves on at each step
+        for tensor, saved in zip(
+            _cache_tensors(engine.cache), start
+        ):  # a linear state moves on at each step
             tensor.copy_(saved)
-        compiled = torch.compile(forward.decode_step, fullgraph=True)(lm.model, engine.cache, tokens, positions,
-                                                                       rope_offsets, 32)
+        compiled = torch.compile(forward.decode_step, fullgraph=True)(
+            lm.model, engine.cache, tokens, positions, rope_offsets, 32
+        )
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
@@ -98,17 +119,26 @@ def test_a_compiled_step_that_cannot_compile_a_call_decodes_eagerly_from_then_on
     def cannot(*args):
         tried.append(args)
         raise torch._dynamo.exc.Unsupported("another graph needed")
+
     step.compiled = cannot
-    tokens, positions, offsets = torch.tensor([5, 6]), torch.tensor([3, 4]), torch.zeros(2, dtype=torch.long)
+    tokens, positions, offsets = (
+        torch.tensor([5, 6]),
+        torch.tensor([3, 4]),
+        torch.zeros(2, dtype=torch.long),
+    )
     with torch.inference_mode():
-        first, second = (step(lm.model, engine.cache, tokens, positions, offsets, 32) for _ in range(2))
+        first, second = (
+            step(lm.model, engine.cache, tokens, positions, offsets, 32) for _ in range(2)
+        )
         eager = forward.decode_step(lm.model, engine.cache, tokens, positions, offsets, 32)
     assert step.eager and len(tried) == 1
     torch.testing.assert_close(first, eager)
     torch.testing.assert_close(second, eager)
 
 
-@pytest.mark.parametrize("sampling, param", [(dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(), "prompt")])
+@pytest.mark.parametrize(
+    "sampling, param", [(dict(logit_bias={10**6: 1.0}), "logit_bias"), (dict(), "prompt")]
+)
 def test_token_ids_outside_the_vocabulary_are_refused(tiny_llama, sampling, param):
     profile, lm = tiny_llama
     engine = Engine(lm, profile)

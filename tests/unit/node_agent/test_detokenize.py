@@ -1,8 +1,13 @@
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from node_agent.engine.detokenize import IncrementalDetokenizer, StopStrings, TokenizerText
 
-TEXTS = ["héllo wörld 日本語 🎉", "naïve café — “quotes” and emoji 👩‍👩‍👧", "plain ascii text, nothing special"]
+TEXTS = [
+    "héllo wörld 日本語 🎉",
+    "naïve café — “quotes” and emoji 👩‍👩‍👧",
+    "plain ascii text, nothing special",
+]
 
 
 def test_multibyte_characters_are_never_split_across_deltas(smol_tokenizer):
@@ -24,34 +29,56 @@ def test_the_output_process_decodes_as_transformers_does_without_it(smol_tokeniz
     """Carried over (`dumps`/`loads`) and decoded by the Rust backend alone, a token's text, special
     or not, cleaned up where transformers cleans up, is transformers' own."""
     carried = TokenizerText.loads(TokenizerText.of(smol_tokenizer).dumps())
-    ids = smol_tokenizer.encode("Hello , world . It 's <|im_end|> done !", add_special_tokens=False) + [0, 1, 2]
+    ids = smol_tokenizer.encode(
+        "Hello , world . It 's <|im_end|> done !", add_special_tokens=False
+    ) + [0, 1, 2]
     for token in ids:
         assert carried.decode([token]) == smol_tokenizer.decode([token])
-    assert carried.decode(ids, skip_special_tokens=True) == smol_tokenizer.decode(ids, skip_special_tokens=True)
+    assert carried.decode(ids, skip_special_tokens=True) == smol_tokenizer.decode(
+        ids, skip_special_tokens=True
+    )
 
 
 def test_a_wordpiece_tokenizer_is_cleaned_up_as_transformers_cleans_it():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(["[UNK]", "[SEP]", "hello", ",", "world", ".", "it", "'", "s", "!", "##s"])}
+    vocab = {
+        t: i
+        for i, t in enumerate(
+            ["[UNK]", "[SEP]", "hello", ",", "world", ".", "it", "'", "s", "!", "##s"]
+        )
+    }
     backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]",
-                                        clean_up_tokenization_spaces=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        clean_up_tokenization_spaces=True,
+    )
     carried = TokenizerText.loads(TokenizerText.of(tokenizer).dumps())
     ids = tokenizer.encode("hello , world . it ' s worlds !", add_special_tokens=False) + [1]
-    assert carried.clean_up and carried.decode(ids) == tokenizer.decode(ids) == "hello, world. it's worlds! [SEP]"
-    assert carried.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert (
+        carried.clean_up
+        and carried.decode(ids) == tokenizer.decode(ids) == "hello, world. it's worlds! [SEP]"
+    )
+    assert carried.decode(ids, skip_special_tokens=True) == tokenizer.decode(
+        ids, skip_special_tokens=True
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 49151), min_size=1, max_size=40), st.sampled_from(["rust", "python"]))
+@given(
+    st.lists(st.integers(0, 49151), min_size=1, max_size=40), st.sampled_from(["rust", "python"])
+)
 def test_deltas_add_up_to_the_whole_decode(smol_tokenizer, ids, path):
     """Any ids (special tokens, bytes of split characters included), on either path: the deltas
     are the plain decode of all of them, less a tail that ends in half a character (held back
     until it is whole)."""
-    detok = IncrementalDetokenizer(TokenizerText.of(smol_tokenizer if path == "rust" else DecodeOnly(smol_tokenizer)))
+    detok = IncrementalDetokenizer(
+        TokenizerText.of(smol_tokenizer if path == "rust" else DecodeOnly(smol_tokenizer))
+    )
     assert (detok.stream is not None) == (path == "rust")
     text = "".join(detok.add(i) for i in ids)
     full = smol_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -43,8 +43,9 @@ def test_without_mem_available_it_falls_back_to_mem_free(meminfo):
     page = os.sysconf("SC_PAGE_SIZE")
     total, available = devices.host_memory()
     assert total == os.sysconf("SC_PHYS_PAGES") * page
-    assert abs(available - os.sysconf("SC_AVPHYS_PAGES") * page) < 1 << 30  # MemFree moves while we read it
-
+    assert (
+        abs(available - os.sysconf("SC_AVPHYS_PAGES") * page) < 1 << 30
+    )  # MemFree moves while we read it
 
 
 def test_a_cpu_node_runs_torch_on_every_core_it_may_use_unless_told():
@@ -58,10 +59,13 @@ def test_cpu_bind_names_the_cpus_each_torch_thread_takes(monkeypatch):
     assert devices.cpu_list("auto", 3) == [0, 1, 2]
     assert devices.cpu_list("8-9,0-1", 4) == [8, 9, 0, 1]  # vLLM's VLLM_CPU_OMP_THREADS_BIND form
     assert devices.cpu_list("3,2,1", 2) == [3, 2]
-    for spec, threads, why in [("0-15", 2, "[4, 5, 6, 7, 10, 11, 12, 13, 14, 15] are not among them"),
-                               ("0,0", 2, "2 torch threads need as many distinct CPUs"),
-                               ("0-1", 3, "3 torch threads"), ("auto", 7, "7 torch threads"),
-                               ("cores", 2, "give 'auto' or CPUs as '0-7'")]:
+    for spec, threads, why in [
+        ("0-15", 2, "[4, 5, 6, 7, 10, 11, 12, 13, 14, 15] are not among them"),
+        ("0,0", 2, "2 torch threads need as many distinct CPUs"),
+        ("0-1", 3, "3 torch threads"),
+        ("auto", 7, "7 torch threads"),
+        ("cores", 2, "give 'auto' or CPUs as '0-7'"),
+    ]:
         with pytest.raises(ValueError, match=why.replace("[", r"\[").replace("]", r"\]")):
             devices.cpu_list(spec, threads)
 
@@ -75,7 +79,9 @@ def test_binding_places_each_torch_thread_of_the_calling_threads_team_on_its_cpu
         pytest.skip("the CPU kernels could not be built here (see the log)")
     wanted = list(reversed(sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]))
     placed: list = []
-    thread = threading.Thread(target=lambda: placed.append(devices.bind_threads(",".join(map(str, wanted)))))
+    thread = threading.Thread(
+        target=lambda: placed.append(devices.bind_threads(",".join(map(str, wanted))))
+    )
     thread.start()
     thread.join()
     assert placed == [wanted]

@@ -17,7 +17,15 @@ PARENT = "00f067aa0ba902b7"
 
 
 def entry(traceparent: str | None = f"00-{TRACE}-{PARENT}-01") -> StreamEntry:
-    return StreamEntry(job="j1", kind="chat", model="m", submitted_ms=0, reply="r", body=b"", traceparent=traceparent)
+    return StreamEntry(
+        job="j1",
+        kind="chat",
+        model="m",
+        submitted_ms=0,
+        reply="r",
+        body=b"",
+        traceparent=traceparent,
+    )
 
 
 def test_a_finished_job_spans_tokenize_prefill_and_decode(spans):
@@ -30,13 +38,22 @@ def test_a_finished_job_spans_tokenize_prefill_and_decode(spans):
     assert set(named) == {"node job", "tokenize", "prefill", "decode"}
     job = named["node job"]
     assert (f"{job.context.trace_id:032x}", f"{job.parent.span_id:016x}") == (TRACE, PARENT)
-    assert all(named[name].parent.span_id == job.context.span_id for name in ("tokenize", "prefill", "decode"))
-    assert dict(job.attributes) == {"cortex.job": "j1", "cortex.model": "m", "cortex.node": "n1",
-                                    "cortex.entry_id": "1-0"}
+    assert all(
+        named[name].parent.span_id == job.context.span_id
+        for name in ("tokenize", "prefill", "decode")
+    )
+    assert dict(job.attributes) == {
+        "cortex.job": "j1",
+        "cortex.model": "m",
+        "cortex.node": "n1",
+        "cortex.entry_id": "1-0",
+    }
     assert (named["tokenize"].start_time, named["tokenize"].end_time) == job_spans.tokenized_ns
     prefill, decode = named["prefill"], named["decode"]
     assert decode.end_time == job.end_time and decode.end_time - decode.start_time == 7_000_000
-    assert prefill.end_time == decode.start_time and prefill.end_time - prefill.start_time == 5_000_000
+    assert (
+        prefill.end_time == decode.start_time and prefill.end_time - prefill.start_time == 5_000_000
+    )
     assert job.start_time == job_spans.read_ns and job.status.status_code == StatusCode.UNSET
 
 
@@ -56,6 +73,9 @@ def test_no_trace_without_a_traceparent_or_tracing(spans):
 
 
 def test_a_malformed_traceparent_is_refused_with_the_entry():
-    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in entry().to_fields().items()}
+    fields = {
+        k.encode(): v if isinstance(v, bytes) else str(v).encode()
+        for k, v in entry().to_fields().items()
+    }
     with pytest.raises(WireError, match="traceparent"):
         StreamEntry.from_fields(fields | {b"traceparent": b"00-nothex-01"})

@@ -17,10 +17,24 @@ SIDE = ["config.json", "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_selection_takes_one_weight_format_and_the_side_files_at_the_top_only():
-    repo = [*SIDE, "README.md", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json", "pytorch_model.bin", "onnx/model.onnx", "original/consolidated.pth"]
-    assert needed_files(repo) == sorted([*SIDE, "model-00001-of-00002.safetensors",
-                                         "model-00002-of-00002.safetensors", "model.safetensors.index.json"])
+    repo = [
+        *SIDE,
+        "README.md",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "onnx/model.onnx",
+        "original/consolidated.pth",
+    ]
+    assert needed_files(repo) == sorted(
+        [
+            *SIDE,
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ]
+    )
     assert needed_files([*SIDE, "pytorch_model.bin"]) == sorted([*SIDE, "pytorch_model.bin"])
 
 
@@ -48,9 +62,15 @@ def test_a_file_is_checked_by_size_then_by_its_hub_hash(tmp_path):
     data = b"weights" * 100
     path = tmp_path / "model.safetensors"
     path.write_bytes(data)
-    hashes.check(path, FileEntry(name=path.name, size=len(data), sha256=hashlib.sha256(data).hexdigest()), "s")
+    hashes.check(
+        path,
+        FileEntry(name=path.name, size=len(data), sha256=hashlib.sha256(data).hexdigest()),
+        "s",
+    )
     blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
-    hashes.check(path, FileEntry(name=path.name, size=len(data), blob_id=blob), "s")  # what `git hash-object` gives
+    hashes.check(
+        path, FileEntry(name=path.name, size=len(data), blob_id=blob), "s"
+    )  # what `git hash-object` gives
     with pytest.raises(ModelFileCorrupt, match="sha256"):
         hashes.check(path, FileEntry(name=path.name, size=len(data), sha256="0" * 64), "s")
     assert not path.exists()  # deleted: never loaded, fetched whole next time
@@ -64,8 +84,13 @@ def folder(store: ModelStore, name: str, size: int, last_used: float, whole: boo
     root.mkdir(parents=True)
     (root / "model.safetensors").write_bytes(b"x" * size)
     if whole:
-        store.complete(Manifest(source=f"hf:org/{name.removeprefix('org--')}", commit="c",
-                                files=[FileEntry(name="model.safetensors", size=size, sha256="s")]))
+        store.complete(
+            Manifest(
+                source=f"hf:org/{name.removeprefix('org--')}",
+                commit="c",
+                files=[FileEntry(name="model.safetensors", size=size, sha256="s")],
+            )
+        )
         os.utime(root / "cortex-last-used", (last_used, last_used))
 
 
@@ -74,7 +99,10 @@ def test_room_is_made_from_interrupted_pulls_first_then_the_least_recently_used(
     folder(store, "org--old", 300, last_used=1000)
     folder(store, "org--new", 300, last_used=2000)
     folder(store, "org--half", 100, last_used=0, whole=False)
-    assert disk_budget.make_room(store, "org--next", 400, 1000, {}, "hf:org/next") == ["org--half", "org--old"]
+    assert disk_budget.make_room(store, "org--next", 400, 1000, {}, "hf:org/next") == [
+        "org--half",
+        "org--old",
+    ]
     assert sorted(store.held()) == ["org--new"]
 
 
@@ -82,21 +110,43 @@ def test_a_pull_that_cannot_fit_names_what_holds_the_disk(tmp_path):
     store = ModelStore(tmp_path)
     folder(store, "org--loaded", 600, last_used=1000)
     with pytest.raises(DiskBudgetExceeded, match=r"org--loaded \(0.0 MB, m is ready here\)"):
-        disk_budget.make_room(store, "org--next", 500, 1000, {"org--loaded": "m is ready here"}, "hf:org/next")
-    assert disk_budget.make_room(store, "org--next", 500, None, {}, "hf:org/next") == []  # no budget
+        disk_budget.make_room(
+            store, "org--next", 500, 1000, {"org--loaded": "m is ready here"}, "hf:org/next"
+        )
+    assert (
+        disk_budget.make_room(store, "org--next", 500, None, {}, "hf:org/next") == []
+    )  # no budget
     assert sorted(store.held()) == ["org--loaded"]
 
 
 def test_a_replica_downloading_counts_as_one_coming():
     info = ModelInfo(state=ModelState.DOWNLOADING, device="cpu")
-    assert NodeHeartbeat(node="n", version="", started_ms=0, heartbeat_ms=0, models={"m": info}).serves("m")
+    assert NodeHeartbeat(
+        node="n", version="", started_ms=0, heartbeat_ms=0, models={"m": info}
+    ).serves("m")
 
 
 def test_an_embedding_model_takes_its_sentence_transformers_modules():
-    repo = ["config.json", "model.safetensors", "modules.json", "sentence_bert_config.json", "tokenizer.json",
-            "1_Pooling/config.json", "onnx/model.onnx", "openvino/openvino_model.xml"]
-    assert needed_files(repo) == sorted(["1_Pooling/config.json", "config.json", "model.safetensors", "modules.json",
-                                         "sentence_bert_config.json", "tokenizer.json"])
+    repo = [
+        "config.json",
+        "model.safetensors",
+        "modules.json",
+        "sentence_bert_config.json",
+        "tokenizer.json",
+        "1_Pooling/config.json",
+        "onnx/model.onnx",
+        "openvino/openvino_model.xml",
+    ]
+    assert needed_files(repo) == sorted(
+        [
+            "1_Pooling/config.json",
+            "config.json",
+            "model.safetensors",
+            "modules.json",
+            "sentence_bert_config.json",
+            "tokenizer.json",
+        ]
+    )
 
 
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../b", "..", "a//b", "c\\d"])

@@ -21,4 +21,6 @@ def test_a_4_bit_cpu_model_packs_its_plain_layers_and_keeps_its_quantized_ones(s
     lm = loader.load(tiny_profile(small_vocab_dirs["llama"], quant="int4"), "cpu")
     kinds = {type(m) for m in lm.model.modules()}
     assert Int4Linear in kinds and torch.nn.Linear not in kinds
-    assert isinstance(lm.model.get_output_embeddings(), PackedLinear)  # the head stays full precision
+    assert isinstance(
+        lm.model.get_output_embeddings(), PackedLinear
+    )  # the head stays full precision

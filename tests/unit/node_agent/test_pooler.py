@@ -15,8 +15,14 @@ from shared.model_files import ModelLoadError
 from shared.wire import PoolingRequest
 from tests import tiny_poolers
 
-TEXTS = ["The capital of France is Paris.", "Hello there!", "Write a poem about the sea and the sky, please",
-         "1 2 3", "Tell me about transformers and attention in detail please. " * 3, "sea"]
+TEXTS = [
+    "The capital of France is Paris.",
+    "Hello there!",
+    "Write a poem about the sea and the sky, please",
+    "1 2 3",
+    "Tell me about transformers and attention in detail please. " * 3,
+    "sea",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +37,10 @@ def folders(tmp_path_factory):
 
 
 def engine(folder, kind: str = "embedding", pack: bool = True, **profile) -> PoolingEngine:
-    prof = ModelProfile(**dict(id=folder.name, source=str(folder), kind=kind, dtype="float32", max_model_len=64) | profile)
+    prof = ModelProfile(
+        **dict(id=folder.name, source=str(folder), kind=kind, dtype="float32", max_model_len=64)
+        | profile
+    )
     return PoolingEngine(pooling.load(prof, "cpu"), prof, pack=pack)
 
 
@@ -55,11 +64,15 @@ def test_vectors_equal_one_input_at_a_time(folders, mode, normalize, pack):
     assert eng.packed == pack  # BERT and Qwen3 both pack on a CPU
     done = run(eng, PoolingRequest(job="j", model="m", kind="embed", inputs=TEXTS))
     got = vectors(done.pooled)
-    np.testing.assert_allclose(got, tiny_poolers.reference_vectors(folders[mode], TEXTS, mode, normalize), atol=1e-5)
+    np.testing.assert_allclose(
+        got, tiny_poolers.reference_vectors(folders[mode], TEXTS, mode, normalize), atol=1e-5
+    )
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     assert 1 < done.pooled.forwards == eng.forwards <= len(TEXTS)
-    assert done.prompt_tokens == sum(len(AutoTokenizer.from_pretrained(folders[mode])(t)["input_ids"]) for t in TEXTS)
+    assert done.prompt_tokens == sum(
+        len(AutoTokenizer.from_pretrained(folders[mode])(t)["input_ids"]) for t in TEXTS
+    )
 
 
 def test_many_inputs_take_few_passes(folders):
@@ -68,11 +81,19 @@ def test_many_inputs_take_few_passes(folders):
     packed = run(engine(folders["mean"]), request)  # the default budget of 8,192 tokens
     assert packed.pooled.forwards == 1 and len(packed.pooled.vectors) == 256
     some = [0, 4, 100, 254, 255]  # in a packed row far longer than the model's 128 positions
-    np.testing.assert_allclose(vectors(packed.pooled)[some],
-                               tiny_poolers.reference_vectors(folders["mean"], [inputs[i] for i in some]), atol=1e-5)
+    np.testing.assert_allclose(
+        vectors(packed.pooled)[some],
+        tiny_poolers.reference_vectors(folders["mean"], [inputs[i] for i in some]),
+        atol=1e-5,
+    )
     # padded: the longest rows first, each pass padded to its longest
     assert run(engine(folders["mean"], pack=False), request).pooled.forwards == 2
-    assert run(engine(folders["mean"], pack=False, pooling_batch_tokens=256 * 41), request).pooled.forwards == 1
+    assert (
+        run(
+            engine(folders["mean"], pack=False, pooling_batch_tokens=256 * 41), request
+        ).pooled.forwards
+        == 1
+    )
 
 
 def test_token_ids_are_the_models_own(folders):
@@ -87,62 +108,109 @@ def test_token_ids_are_the_models_own(folders):
 
 def test_dimensions_keep_the_leading_ones_renormalised(folders):
     eng = engine(folders["mean"])
-    full = vectors(run(eng, PoolingRequest(job="a", model="m", kind="embed", inputs=TEXTS[:2])).pooled)
-    cut = vectors(run(eng, PoolingRequest(job="b", model="m", kind="embed", inputs=TEXTS[:2], dimensions=16)).pooled)
+    full = vectors(
+        run(eng, PoolingRequest(job="a", model="m", kind="embed", inputs=TEXTS[:2])).pooled
+    )
+    cut = vectors(
+        run(
+            eng, PoolingRequest(job="b", model="m", kind="embed", inputs=TEXTS[:2], dimensions=16)
+        ).pooled
+    )
     expected = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
     np.testing.assert_allclose(cut, expected, atol=1e-6)
     with pytest.raises(InvalidRequest, match="dimensions must be between 1 and the model's 64"):
-        encode(eng.lm, PoolingRequest(job="c", model="m", kind="embed", inputs=["x"], dimensions=65))
+        encode(
+            eng.lm, PoolingRequest(job="c", model="m", kind="embed", inputs=["x"], dimensions=65)
+        )
 
 
 def test_long_inputs_are_refused_unless_truncated(folders):
     eng = engine(folders["mean"], max_model_len=16)
     long = PoolingRequest(job="a", model="m", kind="embed", inputs=["short", TEXTS[4]])
-    with pytest.raises(ContextLengthExceeded, match="input 1 has .* tokens; this model takes at most 16"):
+    with pytest.raises(
+        ContextLengthExceeded, match="input 1 has .* tokens; this model takes at most 16"
+    ):
         encode(eng.lm, long)
-    assert [len(row) for row in encode(eng.lm, long.model_copy(update={"truncate": True})).rows][1] == 16
+    assert [len(row) for row in encode(eng.lm, long.model_copy(update={"truncate": True})).rows][
+        1
+    ] == 16
 
 
 def test_rerank_scores_are_the_heads_logits_through_its_activation(folders, tmp_path):
     query, documents = "What is the capital of France?", TEXTS
-    rerank = PoolingRequest(job="j", model="m", kind="rerank", inputs=documents, queries=[query] * len(documents))
+    rerank = PoolingRequest(
+        job="j", model="m", kind="rerank", inputs=documents, queries=[query] * len(documents)
+    )
     done = run(engine(folders["rerank"], kind="rerank", pooling_batch_tokens=48), rerank)
     raw = tiny_poolers.reference_logits(folders["rerank"], query, documents)
-    np.testing.assert_allclose(done.pooled.scores, torch.sigmoid(raw).numpy(), atol=1e-6)  # a one-label head's default
+    np.testing.assert_allclose(
+        done.pooled.scores, torch.sigmoid(raw).numpy(), atol=1e-6
+    )  # a one-label head's default
     assert done.pooled.forwards > 1
-    identity = tiny_poolers.build_cross_encoder(tmp_path / "identity", activation="torch.nn.modules.linear.Identity")
-    np.testing.assert_allclose(run(engine(identity, kind="rerank"), rerank).pooled.scores, raw.numpy(), atol=1e-5)
+    identity = tiny_poolers.build_cross_encoder(
+        tmp_path / "identity", activation="torch.nn.modules.linear.Identity"
+    )
+    np.testing.assert_allclose(
+        run(engine(identity, kind="rerank"), rerank).pooled.scores, raw.numpy(), atol=1e-5
+    )
 
 
 def test_cancel_drops_a_jobs_waiting_inputs(folders):
     eng = engine(folders["mean"], pooling_batch_tokens=16)
-    eng.add("a", encode(eng.lm, PoolingRequest(job="a", model="m", kind="embed", inputs=TEXTS)), None, 0.0)
-    eng.add("b", encode(eng.lm, PoolingRequest(job="b", model="m", kind="embed", inputs=["sea"])), None, 0.0)
+    eng.add(
+        "a",
+        encode(eng.lm, PoolingRequest(job="a", model="m", kind="embed", inputs=TEXTS)),
+        None,
+        0.0,
+    )
+    eng.add(
+        "b",
+        encode(eng.lm, PoolingRequest(job="b", model="m", kind="embed", inputs=["sea"])),
+        None,
+        0.0,
+    )
     eng.cancel("a")
     assert [d.job for d in eng.core_step().done] == ["b"] and not eng.has_work
 
 
 def test_a_rerank_model_needs_a_one_label_head(tmp_path):
-    folder = tiny_poolers.build_embedder(tmp_path / "two")  # reloaded as a classifier: a fresh two-label head
+    folder = tiny_poolers.build_embedder(
+        tmp_path / "two"
+    )  # reloaded as a classifier: a fresh two-label head
     profile = ModelProfile(id="two", source=str(folder), kind="rerank", dtype="float32")
     with pytest.raises(ModelLoadError, match="a rerank model needs a one-label head; it has 2"):
         pooling.load(profile, "cpu")
 
 
 def test_an_input_without_tokens_is_refused_before_the_device(folders):
-    eng = engine(folders["last"])  # the byte-level tokenizer adds no special tokens: "" is no token at all
+    eng = engine(
+        folders["last"]
+    )  # the byte-level tokenizer adds no special tokens: "" is no token at all
     with pytest.raises(InvalidRequest, match="input 1 has no tokens for this model"):
         encode(eng.lm, PoolingRequest(job="j", model="m", kind="embed", inputs=["sea", ""]))
 
 
 def test_jobs_asking_different_dimensions_share_a_pass(folders):
     eng = engine(folders["mean"])
-    eng.add("full", encode(eng.lm, PoolingRequest(job="full", model="m", kind="embed", inputs=TEXTS[:2])), None, 0.0)
-    eng.add("cut", encode(eng.lm, PoolingRequest(job="cut", model="m", kind="embed", inputs=TEXTS[:2])), 8, 0.0)
+    eng.add(
+        "full",
+        encode(eng.lm, PoolingRequest(job="full", model="m", kind="embed", inputs=TEXTS[:2])),
+        None,
+        0.0,
+    )
+    eng.add(
+        "cut",
+        encode(eng.lm, PoolingRequest(job="cut", model="m", kind="embed", inputs=TEXTS[:2])),
+        8,
+        0.0,
+    )
     done = {d.job: vectors(d.pooled) for d in eng.core_step().done}
     assert eng.forwards == 1 and done["full"].shape == (2, 64) and done["cut"].shape == (2, 8)
-    np.testing.assert_allclose(done["cut"], done["full"][:, :8] / np.linalg.norm(done["full"][:, :8], axis=1,
-                                                                                  keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(
+        done["cut"],
+        done["full"][:, :8] / np.linalg.norm(done["full"][:, :8], axis=1, keepdims=True),
+        atol=1e-6,
+    )
 
 
 def test_a_step_after_its_only_job_was_cancelled_does_nothing(folders):
@@ -157,6 +225,8 @@ def test_a_step_after_its_only_job_was_cancelled_does_nothing(folders):
 
 def test_the_engine_answers_what_serving_asks_of_its_device(folders):
     eng = engine(folders["mean"])
-    assert eng.is_device_fault(torch.OutOfMemoryError("out of memory")) and not eng.is_device_fault(ValueError("x"))
+    assert eng.is_device_fault(torch.OutOfMemoryError("out of memory")) and not eng.is_device_fault(
+        ValueError("x")
+    )
     eng.free()
     assert eng.lm.model is None

@@ -21,8 +21,10 @@ from shared.wire import StartEvent, pack_event, unpack_event
 from tests.conftest import Service
 from tests.unit.gateway.conftest import delta, done
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
 KEYS = Keys()
 
 
@@ -51,8 +53,12 @@ def server(tmp_path):
     found.stop()
 
 
-async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_nothing_twice(server, monkeypatch):
-    monkeypatch.setattr(publisher_module, "RETRY_S", 5.0)  # time to listen once Redis is back, before the retry
+async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_nothing_twice(
+    server, monkeypatch
+):
+    monkeypatch.setattr(
+        publisher_module, "RETRY_S", 5.0
+    )  # time to listen once Redis is back, before the retry
     admin = aioredis.Redis.from_url(server.url)
     stream = KEYS.jobs("m")
     await admin.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
@@ -65,13 +71,21 @@ async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_not
     publisher.start()
     server.stop()
 
-    publisher.send([Outgoing("cortex:events:running", [delta("lost")], job="running"),
-                    Outgoing("cortex:events:ended", [delta("lost too"), done()], (stream, entry), "ended")])
-    await asyncio.wait_for(publisher.flush(), 30)  # redis-py's retries gave up: the round trip failed
+    publisher.send(
+        [
+            Outgoing("cortex:events:running", [delta("lost")], job="running"),
+            Outgoing("cortex:events:ended", [delta("lost too"), done()], (stream, entry), "ended"),
+        ]
+    )
+    await asyncio.wait_for(
+        publisher.flush(), 30
+    )  # redis-py's retries gave up: the round trip failed
     assert lost == ["running"]
     server.start()
     listener = aioredis.Redis.from_url(server.url)
-    assert (await listener.xpending(stream, CONSUMER_GROUP))["pending"] == 1  # the ack waits for the retry
+    assert (await listener.xpending(stream, CONSUMER_GROUP))[
+        "pending"
+    ] == 1  # the ack waits for the retry
     pubsub = listener.pubsub(ignore_subscribe_messages=True)
     await pubsub.subscribe("cortex:events:ended", "cortex:events:running")
 
@@ -83,18 +97,24 @@ async def test_a_failed_round_trip_keeps_acks_reports_running_jobs_and_sends_not
     await asyncio.sleep(0.3)
     while (message := await pubsub.get_message(timeout=0.1)) is not None:
         messages.append(message)
-    (only,) = messages  # nothing of the failed round trip again, only the ended job's error in its place
+    (only,) = (
+        messages  # nothing of the failed round trip again, only the ended job's error in its place
+    )
     assert only["channel"] == b"cortex:events:ended"
     event = unpack_event(only["data"])
     assert (event.type, event.code) == ("error", "broker_unavailable")
     assert "node-a lost its connection to Redis" in event.message
-    assert (await listener.xpending(stream, CONSUMER_GROUP))["pending"] == 0 and await listener.xlen(stream) == 0
+    assert (await listener.xpending(stream, CONSUMER_GROUP))[
+        "pending"
+    ] == 0 and await listener.xlen(stream) == 0
     await publisher.stop()
     await client.aclose()
     await listener.aclose()
 
 
-async def test_output_that_cannot_be_published_ends_its_job_with_an_error_and_settles_its_entry(server):
+async def test_output_that_cannot_be_published_ends_its_job_with_an_error_and_settles_its_entry(
+    server,
+):
     """A bug on the publishing path (here an event that cannot be packed) fails the round trip's
     jobs with a clear error and still acknowledges their entries: nothing stays pending."""
     admin = aioredis.Redis.from_url(server.url)
@@ -106,13 +126,24 @@ async def test_output_that_cannot_be_published_ends_its_job_with_an_error_and_se
     await pubsub.subscribe("cortex:events:broken")
     publisher = Publisher(connect(server.url), KEYS, "node-a", on_unheard=lambda job: None)
     publisher.start()
-    publisher.send([Outgoing("cortex:events:broken", [delta("fine"), object(), done()], (stream, entry), "broken")])
+    publisher.send(
+        [
+            Outgoing(
+                "cortex:events:broken", [delta("fine"), object(), done()], (stream, entry), "broken"
+            )
+        ]
+    )
     async with asyncio.timeout(20):
         while (message := await pubsub.get_message(timeout=0.1)) is None:
             pass
     event = unpack_event(message["data"])
-    assert (event.type, event.code) == ("error", "generation_failed") and "could not publish" in event.message
-    assert (await admin.xpending(stream, CONSUMER_GROUP))["pending"] == 0 and await admin.xlen(stream) == 0
+    assert (event.type, event.code) == (
+        "error",
+        "generation_failed",
+    ) and "could not publish" in event.message
+    assert (await admin.xpending(stream, CONSUMER_GROUP))["pending"] == 0 and await admin.xlen(
+        stream
+    ) == 0
     await publisher.stop()
     await admin.aclose()
 
@@ -128,15 +159,21 @@ async def test_the_reader_lists_and_settles_what_redis_holds_for_this_node(serve
     third = (await client.xadd(KEYS.jobs("m"), {"job": "3"})).decode()
     await other.read(free=4, batch_free=4)
 
-    assert sorted(await reader.pending()) == sorted([(KEYS.jobs("m"), first), (KEYS.jobs("m", "batch"), second)])
+    assert sorted(await reader.pending()) == sorted(
+        [(KEYS.jobs("m"), first), (KEYS.jobs("m", "batch"), second)]
+    )
     await reader.settle([(KEYS.jobs("m"), first)])
     assert await reader.pending() == [(KEYS.jobs("m", "batch"), second)]
-    assert [e[0].decode() for e in await client.xrange(KEYS.jobs("m"))] == [third]  # acked and deleted
+    assert [e[0].decode() for e in await client.xrange(KEYS.jobs("m"))] == [
+        third
+    ]  # acked and deleted
     assert (await client.xpending(KEYS.jobs("m"), CONSUMER_GROUP))["pending"] == 1  # node-b's
     await client.aclose()
 
 
-async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_and_runs_on_unheard(redis_url):
+async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_and_runs_on_unheard(
+    redis_url,
+):
     admin = aioredis.Redis.from_url(redis_url)
     log_key = KEYS.event_log("kept")
     await admin.xadd(log_key, {event_log.RECORD: b"{}"})  # as the gateway makes it
@@ -146,8 +183,12 @@ async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_a
     publisher = Publisher(client, KEYS, "node-a", on_unheard=unheard.append, retention_s=100)
     publisher.start()
 
-    publisher.send([Outgoing("cortex:events:kept", [StartEvent(prompt_tokens=3)], job="kept"),
-                    Outgoing("cortex:events:gone", [StartEvent(prompt_tokens=3)], job="gone")])
+    publisher.send(
+        [
+            Outgoing("cortex:events:kept", [StartEvent(prompt_tokens=3)], job="kept"),
+            Outgoing("cortex:events:gone", [StartEvent(prompt_tokens=3)], job="gone"),
+        ]
+    )
     await publisher.flush()
     assert 95 <= await admin.ttl(log_key) <= 100  # its first write sets the expiry to the retention
     assert unheard == ["gone"]  # nobody listens to either; only the job without a log is cancelled
@@ -186,7 +227,9 @@ async def test_an_event_log_is_capped_however_long_its_job_runs(redis_url, monke
     for i in range(1000):
         publisher.send([Outgoing("cortex:events:long", [delta(str(i))], job="long")])
     await publisher.flush()
-    assert 50 <= await admin.xlen(log_key) <= 50 + 100  # MAXLEN ~: whole nodes of 100 entries are trimmed
+    assert (
+        50 <= await admin.xlen(log_key) <= 50 + 100
+    )  # MAXLEN ~: whole nodes of 100 entries are trimmed
     assert (await admin.xrevrange(log_key, count=1))[0][1] == {b"0": pack_event(delta("999"))}
     await publisher.stop()
     await client.aclose()
@@ -204,7 +247,9 @@ async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_faile
     index.note([("a", 16), ("b", 48)], [])
     publisher.send([])
     await publisher.flush()
-    assert await admin.hgetall(key) == {b"a": b"16", b"b": b"48"} and 0 < await admin.pttl(key) <= 8000
+    assert (
+        await admin.hgetall(key) == {b"a": b"16", b"b": b"48"} and 0 < await admin.pttl(key) <= 8000
+    )
     await admin.aclose()
     server.stop()
     index.note([("c", 64)], ["a"])

@@ -25,7 +25,13 @@ def agreeing(tokens: list[int], reference: list[int]) -> int:
 
 @pytest.mark.parametrize("bits", ["int4", "int8"])
 @pytest.mark.parametrize("arch", MATRIX)
-def test_a_quantized_model_runs_the_matrix_in_the_engine(references, small_vocab_dirs, arch, bits, record_property):
+def test_a_quantized_model_runs_the_matrix_in_the_engine(
+    references,  # noqa: F811  (the fixture imported above)
+    small_vocab_dirs,
+    arch,
+    bits,
+    record_property,
+):
     _, _, full_precision = references(arch)
     quantized = tiny_profile(small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4, quant=bits)
     lm = loader.load(quantized, "cpu")
@@ -41,4 +47,6 @@ def test_a_quantized_model_runs_the_matrix_in_the_engine(references, small_vocab
         agreed += agreeing(tokens, full_precision[r.job][0])
         total += r.sampling.max_tokens
     record_property("greedy_agreement_with_full_precision", f"{agreed}/{total}")
-    print(f"{arch} {bits}: {agreed} of {total} tokens agree with full precision before the first difference")
+    print(
+        f"{arch} {bits}: {agreed} of {total} tokens agree with full precision before the first difference"
+    )

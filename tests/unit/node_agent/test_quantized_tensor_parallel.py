@@ -44,6 +44,7 @@ def quantized(tmp_path_factory, checkpoints):  # noqa: F811
             path = gguf_files.write(folder, root / f"llama-{name}.gguf", T[name])
             profile = tiny_profile(path, id=path.stem, tokenizer_source=str(folder))
         return profile.model_copy(update={"slots": 4, "prefill_chunk_tokens": 16})
+
     return make
 
 
@@ -55,19 +56,34 @@ def quantized_bytes(model: torch.nn.Module) -> int:
 def estimated_weight_bytes(profile) -> int:
     """What placement's estimate (shared/memory.py) counts of the weights on each of the model's devices."""
     files = locate(profile)
-    return memory.device_weight_bytes(profile, memory.stored_facts(files)[0], 4, bool(files.gguf_file))
+    return memory.device_weight_bytes(
+        profile, memory.stored_facts(files)[0], 4, bool(files.gguf_file)
+    )
 
 
 def greedy_requests() -> list:
     """Greedy jobs, more than slots, long prompts read in 16-token chunks, each with its top two
     logprobs (to tell a near tie)."""
-    return [driver.request(f"j{i}", p, kind="completion", max_tokens=8 + i, temperature=0, ignore_eos=True,
-                           logprobs=True, top_logprobs=2) for i, p in enumerate(driver.PROMPTS)]
+    return [
+        driver.request(
+            f"j{i}",
+            p,
+            kind="completion",
+            max_tokens=8 + i,
+            temperature=0,
+            ignore_eos=True,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        for i, p in enumerate(driver.PROMPTS)
+    ]
 
 
 def parted_at(got: driver.Result, want: driver.Result) -> int | None:
     """Where the two ranks' greedy tokens first differ from one device's; None where they do not."""
-    return next((i for i, (a, b) in enumerate(zip(got.token_ids[0], want.token_ids[0])) if a != b), None)
+    return next(
+        (i for i, (a, b) in enumerate(zip(got.token_ids[0], want.token_ids[0])) if a != b), None
+    )
 
 
 # The ranks sum bfloat16 partial products (the kernels' output dtype) where one device rounds the whole
@@ -76,7 +92,9 @@ NEAR_TIE = 0.02  # nats between one device's top two logprobs
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "int4", "awq", "gptq"])
-def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_device_does(quantized, name, capfd):
+def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_device_does(
+    quantized, name, capfd
+):
     profile = quantized(name)
     single = loader.load(profile, "cpu")
     expected = driver.run(Engine(single, profile), *greedy_requests())
@@ -89,8 +107,15 @@ def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_devi
     finally:
         engine.release()
     assert lm.quant == single.quant == ("int8" if name == "Q8_0" else "int4")
-    assert rank0 == pytest.approx(whole / 2, rel=0.01)  # (an 8-bit row-parallel layer keeps its rows' scales whole)
-    rank1 = int(re.search(r"rank 1 of 2 on cpu:1 ready \(pid \d+, (\d+) bytes of weights\)", capfd.readouterr().err)[1])
+    assert rank0 == pytest.approx(
+        whole / 2, rel=0.01
+    )  # (an 8-bit row-parallel layer keeps its rows' scales whole)
+    rank1 = int(
+        re.search(
+            r"rank 1 of 2 on cpu:1 ready \(pid \d+, (\d+) bytes of weights\)",
+            capfd.readouterr().err,
+        )[1]
+    )
     assert rank1 == lm.weight_bytes < single.weight_bytes
     # the embedding and norms whole, the projections halved (over by GPTQ's zero biases the node drops, under
     # by Q8_0's per-row scales: 2% at most; counting the embedding at half would be 25-50% under)
@@ -100,8 +125,10 @@ def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_devi
         if (at := parted_at(got[job], want)) is not None:
             top_two = want.logprobs[0][at].top_logprobs
             parted[job] = (at, top_two[0].logprob - top_two[1].logprob)
-    print(f"{name}: quantized layers {whole} bytes on one device, {rank0} on each of two ranks (all weights: "
-          f"{single.weight_bytes}, {lm.weight_bytes}, {rank1}); parted (job: token, one device's top-two gap): {parted}")
+    print(
+        f"{name}: quantized layers {whole} bytes on one device, {rank0} on each of two ranks (all weights: "
+        f"{single.weight_bytes}, {lm.weight_bytes}, {rank1}); parted (job: token, one device's top-two gap): {parted}"
+    )
     assert all(gap < NEAR_TIE for _, gap in parted.values()) and len(parted) <= 1, parted
 
 
@@ -120,14 +147,27 @@ def test_int8_at_load_shards_as_weight_only_8_bit_layers(quantized):
     assert [len(got[j].token_ids[0]) for j in ("j0", "j1")] == [8, 9]
 
 
-@pytest.mark.parametrize("shard, shape, reason", [
-    (Shard("o_proj", "rowwise", 0, 2), (64, 96), r"its 96 inputs cut into columns of 48, which splits a 4-bit group"),
-    (Shard("q_proj", "colwise", 1, 2), (48, 64), r"its 48 output rows cut into rows of 24, which splits the int4 "
-                                                 r"kernels' tiles of 16"),
-])
+@pytest.mark.parametrize(
+    "shard, shape, reason",
+    [
+        (
+            Shard("o_proj", "rowwise", 0, 2),
+            (64, 96),
+            r"its 96 inputs cut into columns of 48, which splits a 4-bit group",
+        ),
+        (
+            Shard("q_proj", "colwise", 1, 2),
+            (48, 64),
+            r"its 48 output rows cut into rows of 24, which splits the int4 "
+            r"kernels' tiles of 16",
+        ),
+    ],
+)
 def test_a_split_that_cuts_a_4_bit_group_or_tile_is_refused_with_the_reason(shard, shape, reason):
     codes, groups = torch.zeros(shape, dtype=torch.uint8), torch.ones(shape[0], shape[1] // 32)
-    with pytest.raises(ModelLoadError, match=f"{shard.name} cannot be split over 2 ranks: {reason}"):
+    with pytest.raises(
+        ModelLoadError, match=f"{shard.name} cannot be split over 2 ranks: {reason}"
+    ):
         shard.int4(codes, groups, groups)
 
 
@@ -135,11 +175,18 @@ def test_a_shard_is_the_whole_layers_rows_or_group_aligned_columns():
     codes, scale = torch.arange(64 * 128).reshape(64, 128), torch.arange(64 * 4).reshape(64, 4)
     top, _, _ = Shard("q", "colwise", 0, 2).int4(codes, scale, scale)
     right, right_scale, _ = Shard("o", "rowwise", 1, 2).int4(codes, scale, scale)
-    assert torch.equal(top, codes[:32]) and torch.equal(right, codes[:, 64:]) and torch.equal(right_scale, scale[:, 2:])
+    assert (
+        torch.equal(top, codes[:32])
+        and torch.equal(right, codes[:, 64:])
+        and torch.equal(right_scale, scale[:, 2:])
+    )
 
 
 def test_a_gguf_file_shards_only_as_stored(quantized):
     profile = quantized("Q4_0").model_copy(update={"tensor_parallel": 2, "quant": "none"})
-    with pytest.raises(ModelLoadError, match=r"a .gguf file shards with its Linear weights quantized as it stores "
-                                             r"them \(quant = 'auto'\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"a .gguf file shards with its Linear weights quantized as it stores "
+        r"them \(quant = 'auto'\)",
+    ):
         tensor_parallel.load(profile, CPUS, SETTINGS)

@@ -16,9 +16,9 @@ from gguf import GGMLQuantizationType as T
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from node_agent.engine.engine import Engine
-from node_agent.serving import prompts
 from node_agent.model import loader, quantized_linear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
+from node_agent.serving import prompts
 from shared import memory
 from shared.catalog import Catalog
 from tests import gguf_files, tiny_models
@@ -28,10 +28,21 @@ from tests.unit.node_agent.engine_driver import PROMPTS, full_forward_greedy, re
 # Largest |logit difference| / largest |logit| against the dequantised model, per stored type
 # (measured on these models: Q4_0 0.009, Q4_1 0.013, Q4_K 0.002, Q8_0 0.010, Q6_K 0.027, Q5_K 0.005;
 # Q8_0 rounded per channel to int8, as before 8-bit groups: 0.031).
-EXACT = {T.Q4_0: 0.02, T.Q4_1: 0.02, T.Q4_K: 0.02, T.Q8_0: 0.02}  # bfloat16 activations and scales only
+EXACT = {
+    T.Q4_0: 0.02,
+    T.Q4_1: 0.02,
+    T.Q4_K: 0.02,
+    T.Q8_0: 0.02,
+}  # bfloat16 activations and scales only
 REQUANTIZED = {T.Q6_K: 0.05, T.Q5_K: 0.02}  # + rounded per channel to int8, or to int4 groups
-LAYOUT = {T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear, T.Q5_K: Int4Linear, T.Q8_0: Int8GroupLinear,
-          T.Q6_K: Int8Linear}
+LAYOUT = {
+    T.Q4_0: Int4Linear,
+    T.Q4_1: Int4Linear,
+    T.Q4_K: Int4Linear,
+    T.Q5_K: Int4Linear,
+    T.Q8_0: Int8GroupLinear,
+    T.Q6_K: Int8Linear,
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +52,20 @@ def gguf_models(tmp_path_factory):
     transformers reads no head size from a qwen3 file."""
     root, tokenizer = tmp_path_factory.mktemp("gguf"), tiny_models.make_tokenizer()
     size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
-    folders = {"llama": tiny_models.build("llama", root / "llama", tokenizer, **size),
-               "qwen3": tiny_models.build("qwen3", root / "qwen3", tokenizer, head_dim=128, **size)}
+    folders = {
+        "llama": tiny_models.build("llama", root / "llama", tokenizer, **size),
+        "qwen3": tiny_models.build("qwen3", root / "qwen3", tokenizer, head_dim=128, **size),
+    }
     made = {}
 
     def make(arch: str, qtype: T):
         if (arch, qtype) not in made:
             path = gguf_files.write(folders[arch], root / f"{arch}-{qtype.name}.gguf", qtype)
-            made[arch, qtype] = tiny_profile(path, id=path.stem, tokenizer_source=str(folders[arch]))
+            made[arch, qtype] = tiny_profile(
+                path, id=path.stem, tokenizer_source=str(folders[arch])
+            )
         return made[arch, qtype]
+
     return make
 
 
@@ -76,81 +92,144 @@ def test_an_int4_layer_computes_what_its_dequantised_weight_does():
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 5, 128)
     layer = Int4Linear.quantize(weight, bias)
     groups = weight.reshape(96, -1, 32)
-    low, scale = groups.amin(-1, keepdim=True), (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15
+    low, scale = (
+        groups.amin(-1, keepdim=True),
+        (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15,
+    )
     dequantised = (((groups - low) / scale).round() * scale + low).reshape(96, 128)
     expected = F.linear(x.bfloat16().float(), dequantised, bias)
     assert (layer(x) - expected).abs().max() <= 0.01 * expected.abs().max()
-    assert (layer(x) - F.linear(x, weight, bias)).abs().max() > 0.05  # 4 bits do cost something: the test can fail
+    assert (
+        layer(x) - F.linear(x, weight, bias)
+    ).abs().max() > 0.05  # 4 bits do cost something: the test can fail
 
 
 def test_a_float8_layer_computes_what_its_weight_does_within_float8s_rounding():
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 128), torch.randn(96), torch.randn(3, 5, 128)
     weight[7] *= 50  # a channel of its own scale: rows are scaled one by one
-    layer = Float8Linear.quantize(weight, bias)  # (torch's CPU `_scaled_mm` runs it here; a node uses it on GPUs)
+    layer = Float8Linear.quantize(
+        weight, bias
+    )  # (torch's CPU `_scaled_mm` runs it here; a node uses it on GPUs)
     assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (1, 96)
     expected = F.linear(x, weight, bias)
     error = (layer(x) - expected).abs()
     # float8_e4m3 keeps 3 bits of mantissa: about 6% of each weight and input, mostly averaging out
     assert error.max() <= 0.05 * expected.abs().max()
-    assert error[..., 7].max() > error[..., :7].max()  # the wide channel's own scale: its error is its own
-    assert (layer(x[:, :1]) - layer(x)[:, :1]).abs().max() == 0  # a row's rounding does not depend on the others
+    assert (
+        error[..., 7].max() > error[..., :7].max()
+    )  # the wide channel's own scale: its error is its own
+    assert (
+        layer(x[:, :1]) - layer(x)[:, :1]
+    ).abs().max() == 0  # a row's rounding does not depend on the others
 
 
 def test_without_fp8_matmuls_fp8_runs_as_8_bit_integers(tmp_path):
     weight = torch.randn(64, 128)
     assert not quantized_linear.fits_fp8(weight)  # a CPU: no FP8 tensor cores
     assert type(quantized_linear.eight_bit(weight)) is Int8Linear
-    folder = tiny_models.build("llama", tmp_path / "llama", tiny_models.make_tokenizer(), hidden_size=256,
-                               intermediate_size=512, initializer_range=0.05)
+    folder = tiny_models.build(
+        "llama",
+        tmp_path / "llama",
+        tiny_models.make_tokenizer(),
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=0.05,
+    )
     lm = loader.load(tiny_profile(folder, quant="fp8"), "cpu")
     assert lm.quant == "int8" and any(isinstance(m, DynamicInt8Linear) for m in lm.model.modules())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("qtype", [*EXACT, *REQUANTIZED], ids=lambda t: t.name)
-def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(gguf_models, arch, qtype):
+def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(
+    gguf_models, arch, qtype
+):
     profile = gguf_models(arch, qtype)
-    stored, dequantised = loader.load(profile, "cpu"), loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
-    halves = {id(half) for m in stored.model.modules() if isinstance(m, Int8GroupLinear) for half in (m.high, m.low)}
-    layers = [m for m in stored.model.modules()
-              if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear)) and id(m) not in halves]
+    stored, dequantised = (
+        loader.load(profile, "cpu"),
+        loader.load(profile.model_copy(update={"quant": "none"}), "cpu"),
+    )
+    halves = {
+        id(half)
+        for m in stored.model.modules()
+        if isinstance(m, Int8GroupLinear)
+        for half in (m.high, m.low)
+    }
+    layers = [
+        m
+        for m in stored.model.modules()
+        if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear)) and id(m) not in halves
+    ]
     assert layers and all(type(m) is LAYOUT[qtype] for m in layers)
-    assert (stored.quant, dequantised.quant) == ("int4" if LAYOUT[qtype] is Int4Linear else "int8", "none")
+    assert (stored.quant, dequantised.quant) == (
+        "int4" if LAYOUT[qtype] is Int4Linear else "int8",
+        "none",
+    )
     assert stored.weight_bytes < dequantised.weight_bytes
-    assert not any(type(m) is torch.nn.Linear and m is not stored.model.lm_head for m in stored.model.modules())
+    assert not any(
+        type(m) is torch.nn.Linear and m is not stored.model.lm_head for m in stored.model.modules()
+    )
     ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
     got, want = last_logits(stored, ids), last_logits(dequantised, ids)
     bound = (EXACT | REQUANTIZED)[qtype]
-    assert (got - want).abs().max() <= bound * want.abs().max(), (got - want).abs().max() / want.abs().max()
+    assert (got - want).abs().max() <= bound * want.abs().max(), (
+        got - want
+    ).abs().max() / want.abs().max()
 
 
-@pytest.mark.parametrize("arch, decode, qtype", [("llama", "eager", T.Q4_1), ("qwen3", "eager", T.Q4_1),
-                                                 ("llama", "static", T.Q4_1), ("llama", "eager", T.Q4_0),
-                                                 ("qwen3", "eager", T.Q8_0)], ids=str)
-def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_and_preempted(gguf_models, arch,
-                                                                                             decode, qtype):
-    profile = gguf_models(arch, qtype).model_copy(update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1,
-                                                            "block_size": 4, "decode": decode})
+@pytest.mark.parametrize(
+    "arch, decode, qtype",
+    [
+        ("llama", "eager", T.Q4_1),
+        ("qwen3", "eager", T.Q4_1),
+        ("llama", "static", T.Q4_1),
+        ("llama", "eager", T.Q4_0),
+        ("qwen3", "eager", T.Q8_0),
+    ],
+    ids=str,
+)
+def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_and_preempted(
+    gguf_models, arch, decode, qtype
+):
+    profile = gguf_models(arch, qtype).model_copy(
+        update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1, "block_size": 4, "decode": decode}
+    )
     lm = loader.load(profile, "cpu")
-    requests = [request(f"j{i}", PROMPTS[i % 3], temperature=0, max_tokens=12, ignore_eos=True) for i in range(6)]
-    got = run(Engine(lm, profile), *requests, join_every=2)  # arrivals join a running batch; repeats hit the cache
+    requests = [
+        request(f"j{i}", PROMPTS[i % 3], temperature=0, max_tokens=12, ignore_eos=True)
+        for i in range(6)
+    ]
+    got = run(
+        Engine(lm, profile), *requests, join_every=2
+    )  # arrivals join a running batch; repeats hit the cache
     for req in requests:
         ids = prompts.prompt_ids(lm.tokenizer, profile, req)
         assert got[req.job].token_ids[0] == full_forward_greedy(lm, ids, 12), req.job
 
 
 def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
-    folder = tiny_models.build("llama", tmp_path / "llama", tiny_models.make_tokenizer(), hidden_size=256,
-                               intermediate_size=512, initializer_range=0.05)
+    folder = tiny_models.build(
+        "llama",
+        tmp_path / "llama",
+        tiny_models.make_tokenizer(),
+        hidden_size=256,
+        intermediate_size=512,
+        initializer_range=0.05,
+    )
     profile = tiny_profile(folder)
     full = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     ids = full.tokenizer("Hello there, what is it?")["input_ids"]
     want = last_logits(full, ids)
     # measured 0.081, 0.22; a CPU's int8 is torch's dynamic int8 (faster there than Int8Linear), head included
-    for quant, layer, count, bound in [("int8", DynamicInt8Linear, 15, 0.12), ("int4", Int4Linear, 14, 0.35)]:
+    for quant, layer, count, bound in [
+        ("int8", DynamicInt8Linear, 15, 0.12),
+        ("int4", Int4Linear, 14, 0.35),
+    ]:
         lm = loader.load(profile.model_copy(update={"quant": quant}), "cpu")
-        assert sum(isinstance(m, layer) for m in lm.model.modules()) == count  # q k v o gate up down, 2 layers
+        assert (
+            sum(isinstance(m, layer) for m in lm.model.modules()) == count
+        )  # q k v o gate up down, 2 layers
         error = (last_logits(lm, ids) - want).abs().max() / want.abs().max()
         assert error <= bound, (quant, error)
         assert lm.quant == quant and lm.weight_bytes < full.weight_bytes
@@ -163,7 +242,9 @@ def test_placement_counts_the_weights_as_the_node_holds_them(gguf_models, monkey
     lm = loader.load(profile, "cpu")
     none = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
     tensors = memory._gguf_facts(Path(profile.source))[0]
-    assert memory.weight_bytes(tensors, "auto", 4) == pytest.approx(quantized_linear.weight_bytes(lm.model), rel=0.01)
+    assert memory.weight_bytes(tensors, "auto", 4) == pytest.approx(
+        quantized_linear.weight_bytes(lm.model), rel=0.01
+    )
     assert memory.weight_bytes(tensors, "none", 4) == quantized_linear.weight_bytes(none.model)
 
 
@@ -197,8 +278,13 @@ def load_peak(warm_up: str, profile: str) -> dict:
     """In a fresh process, once `warm_up` (a profile's JSON) has loaded: the process's resident
     bytes before `profile` loads ("base"), its peak while it does ("peak"), and what the model's
     weights take ("weights")."""
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, warm_up, profile],
-                         capture_output=True, text=True, cwd=Path(__file__).parents[3], check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, warm_up, profile],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[3],
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -210,33 +296,59 @@ def test_a_quantized_load_never_holds_the_full_precision_model(tmp_path):
     allocator kept per-tensor temporaries as slack between the long-lived packed weights (46-68 MB)."""
     tokenizer = tiny_models.make_tokenizer()
     files = {}
-    for name, size in [("small", {}), ("wide", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                                                     num_attention_heads=8, num_key_value_heads=4))]:
+    for name, size in [
+        ("small", {}),
+        (
+            "wide",
+            dict(
+                hidden_size=512,
+                intermediate_size=1536,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+            ),
+        ),
+    ]:
         folder = tiny_models.build("llama", tmp_path / name, tokenizer, **size)
         files[name] = gguf_files.write(folder, tmp_path / f"{name}.gguf", T.Q4_0)
-        files[name + "-profile"] = tiny_profile(files[name], tokenizer_source=str(folder)).model_dump_json()
+        files[name + "-profile"] = tiny_profile(
+            files[name], tokenizer_source=str(folder)
+        ).model_dump_json()
     figures = load_peak(files["small-profile"], files["wide-profile"])
     full_precision = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) * 4
     one_layer = full_precision // 8
     added = figures["peak"] - figures["base"]
-    assert added <= files["wide"].stat().st_size + one_layer + (16 << 20) < full_precision, figures | {"added": added}
+    assert added <= files["wide"].stat().st_size + one_layer + (16 << 20) < full_precision, (
+        figures | {"added": added}
+    )
 
 
 @pytest.mark.slow  # loads the default model twice (~20 s)
-def test_a_gguf_files_config_and_tokenizer_are_kept_and_read_back_on_the_next_load(tmp_path, monkeypatch):
+def test_a_gguf_files_config_and_tokenizer_are_kept_and_read_back_on_the_next_load(
+    tmp_path, monkeypatch
+):
     """transformers parses the whole GGUF header (its vocabulary) for the config and again for the
     tokenizer: the first load keeps both as a folder in the convert cache, later loads read that."""
-    profile = Catalog.load(None).resolve("default").model_copy(update={"kv_cache_mb": 1, "slots": 1})
+    profile = (
+        Catalog.load(None).resolve("default").model_copy(update={"kv_cache_mb": 1, "slots": 1})
+    )
     first = loader.load(profile, "cpu", None, tmp_path)
     kept = next(tmp_path.glob("*-header"))
     assert (kept / "config.json").exists() and (kept / "tokenizer.json").exists()
     sources = []
     for reader in (loader.AutoConfig, loader.AutoTokenizer):
         plain = reader.from_pretrained
-        monkeypatch.setattr(reader, "from_pretrained",
-                            lambda *a, plain=plain, **kw: sources.append((a[0], kw.get("gguf_file"))) or plain(*a, **kw))
+        monkeypatch.setattr(
+            reader,
+            "from_pretrained",
+            lambda *a, plain=plain, **kw: (
+                sources.append((a[0], kw.get("gguf_file"))) or plain(*a, **kw)
+            ),
+        )
     again = loader.load(profile, "cpu", None, tmp_path)
-    assert len(sources) >= 2 and set(sources) == {(kept, None)}  # (the tokenizer reads the config too)
+    assert len(sources) >= 2 and set(sources) == {
+        (kept, None)
+    }  # (the tokenizer reads the config too)
     assert again.quant == first.quant == "int4"
     assert again.tokenizer.get_vocab() == first.tokenizer.get_vocab()
     assert again.tokenizer.chat_template == first.tokenizer.chat_template

@@ -2,8 +2,17 @@ import math
 
 import torch
 
-from node_agent.model.sampling import (SlotSampling, apply_min_p, apply_penalties, apply_top_k, apply_top_p, sample, stages,
-                                 token_logprobs, uniform_noise)
+from node_agent.model.sampling import (
+    SlotSampling,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    sample,
+    stages,
+    token_logprobs,
+    uniform_noise,
+)
 from shared.wire import SamplingParams
 
 VOCAB = 1000
@@ -12,11 +21,15 @@ VOCAB = 1000
 def slots_with(*params: dict, prompt_ids=(1, 2), seeds=None) -> SlotSampling:
     slots = SlotSampling(len(params), VOCAB, torch.device("cpu"))
     for row, p in enumerate(params):
-        slots.assign(row, SamplingParams(**p), list(prompt_ids), (seeds or [None] * len(params))[row])
+        slots.assign(
+            row, SamplingParams(**p), list(prompt_ids), (seeds or [None] * len(params))[row]
+        )
     return slots
 
 
-def draw(slots: SlotSampling, logits: torch.Tensor, params: list[dict], positions=None) -> list[int]:
+def draw(
+    slots: SlotSampling, logits: torch.Tensor, params: list[dict], positions=None
+) -> list[int]:
     rows = slice(0, logits.shape[0])
     at = torch.tensor(positions or [5] * logits.shape[0])
     return sample(logits, slots, rows, at, stages([SamplingParams(**p) for p in params])).tolist()
@@ -30,11 +43,20 @@ def test_top_k_keeps_k_best():
 
 
 def test_top_p_keeps_the_smallest_nucleus_and_always_the_best():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02], [0.1, 0.6, 0.2, 0.1]]))
-    out = apply_top_p(logits, torch.tensor([0.7, 0.01, 0.0]), logits.sort(-1, descending=True).values)
+    logits = torch.log(
+        torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.9, 0.05, 0.03, 0.02], [0.1, 0.6, 0.2, 0.1]])
+    )
+    out = apply_top_p(
+        logits, torch.tensor([0.7, 0.01, 0.0]), logits.sort(-1, descending=True).values
+    )
     assert torch.isinf(out[0]).tolist() == [False, False, True, True]
     assert torch.isinf(out[1]).tolist() == [False, True, True, True]
-    assert torch.isinf(out[2]).tolist() == [True, False, True, True]  # top_p 0 (or underflowed): the best only
+    assert torch.isinf(out[2]).tolist() == [
+        True,
+        False,
+        True,
+        True,
+    ]  # top_p 0 (or underflowed): the best only
 
 
 def test_min_p_scales_with_the_best_token():
@@ -43,14 +65,23 @@ def test_min_p_scales_with_the_best_token():
 
 
 def test_penalties():
-    slots = slots_with(dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), prompt_ids=[1, 2])
+    slots = slots_with(
+        dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+        prompt_ids=[1, 2],
+    )
     slots.record(torch.tensor([0]), torch.tensor([3]))
     slots.record(torch.tensor([0]), torch.tensor([3]))
     slots.record(torch.tensor([0]), torch.tensor([4]))
     logits = torch.zeros(1, VOCAB)
     logits[0, 1] = 2.0
-    out = apply_penalties(logits, slots.counts[:1], slots.in_prompt[:1], slots.repetition[:1], slots.presence[:1],
-                          slots.frequency[:1])
+    out = apply_penalties(
+        logits,
+        slots.counts[:1],
+        slots.in_prompt[:1],
+        slots.repetition[:1],
+        slots.presence[:1],
+        slots.frequency[:1],
+    )
     assert out[0, 1] == 1.0  # seen in the prompt: positive logit divided
     assert out[0, 3] == -(0.5 + 2 * 0.25)  # twice in the output
     assert out[0, 4] == -(0.5 + 0.25)
@@ -66,7 +97,11 @@ def test_greedy_rows_take_argmax_and_bias_applies():
 
 
 def test_underflowing_parameters_never_raise():
-    params = [dict(temperature=1e-320), dict(temperature=1.0, top_p=1e-50), dict(temperature=1.0, repetition_penalty=1e-30)]
+    params = [
+        dict(temperature=1e-320),
+        dict(temperature=1.0, top_p=1e-50),
+        dict(temperature=1.0, repetition_penalty=1e-30),
+    ]
     logits = torch.randn(3, VOCAB)
     out = draw(slots_with(*params), logits, params)
     assert out[0] == int(logits[0].argmax()) and out[1] == int(logits[1].argmax())
@@ -102,7 +137,11 @@ def test_noise_is_uniform_in_the_open_interval():
 def test_rows_move_with_their_state():
     slots = slots_with(dict(temperature=0), dict(temperature=0.5, top_k=5, logit_bias={9: 1.0}))
     slots.move(1, 0)
-    assert float(slots.temperature[0]) == 0.5 and int(slots.top_k[0]) == 5 and float(slots.bias[0, 9]) == 1.0
+    assert (
+        float(slots.temperature[0]) == 0.5
+        and int(slots.top_k[0]) == 5
+        and float(slots.bias[0, 9]) == 1.0
+    )
 
 
 def test_logprobs_are_log_softmax_and_sorted():

@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from node_agent.engine.engine import Engine
 from node_agent.model import devices, loader
 from node_agent.tp import tensor_parallel
-from node_agent.engine.engine import Engine
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError
 from shared.processes import free_port
@@ -35,10 +35,25 @@ def sharded(folder, tensor_parallel: int = 2) -> ModelProfile:
 def requests() -> list:
     """More jobs than slots (rows are packed as they finish), long prompts read in 16-token chunks,
     n=2, and logprobs of the prompt (lm_head on hidden states every rank must score) and output."""
-    jobs = [driver.request(f"j{i}", p, kind="completion", max_tokens=8 + i, temperature=0, ignore_eos=True)
-            for i, p in enumerate(driver.PROMPTS)]
-    jobs.append(driver.request("echo", driver.PROMPTS[-1], kind="completion", max_tokens=4, temperature=0,
-                               prompt_logprobs=2, logprobs=True, top_logprobs=2, n=2))
+    jobs = [
+        driver.request(
+            f"j{i}", p, kind="completion", max_tokens=8 + i, temperature=0, ignore_eos=True
+        )
+        for i, p in enumerate(driver.PROMPTS)
+    ]
+    jobs.append(
+        driver.request(
+            "echo",
+            driver.PROMPTS[-1],
+            kind="completion",
+            max_tokens=4,
+            temperature=0,
+            prompt_logprobs=2,
+            logprobs=True,
+            top_logprobs=2,
+            n=2,
+        )
+    )
     return jobs
 
 
@@ -55,7 +70,9 @@ def children() -> set[int]:
     for task in os.listdir(f"/proc/{os.getpid()}/task"):
         with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
             pids |= {int(p) for p in f.read().split()}
-    return {p for p in pids if os.path.exists(f"/proc/{p}") and "resource_tracker" not in _cmdline(p)}
+    return {
+        p for p in pids if os.path.exists(f"/proc/{p}") and "resource_tracker" not in _cmdline(p)
+    }
 
 
 def _cmdline(pid: int) -> str:
@@ -69,8 +86,12 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs, new_children):
     expected = driver.run(single, *requests())
     engine = Engine(tensor_parallel.load(sharded(folder), CPUS, SETTINGS), sharded(folder))
     try:
-        assert engine.cache.layers[0].keys.shape[0] == 1  # rank 0 holds one of the two KV heads ([heads, slots, dim])
-        with pytest.raises(ModelLoadError, match="already runs tensor-parallel model llama; one per node agent"):
+        assert (
+            engine.cache.layers[0].keys.shape[0] == 1
+        )  # rank 0 holds one of the two KV heads ([heads, slots, dim])
+        with pytest.raises(
+            ModelLoadError, match="already runs tensor-parallel model llama; one per node agent"
+        ):
             tensor_parallel.load(sharded(tiny_dirs["qwen3"]), CPUS, SETTINGS)
         got = driver.run(engine, *requests())
     finally:
@@ -83,15 +104,22 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs, new_children):
     assert not dist.is_initialized() and not new_children()
 
 
-@pytest.mark.parametrize("how, within_s", [(signal.SIGKILL, (0, 5)), (signal.SIGSTOP, (5, 15))], ids=["killed", "hung"])
-def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(tiny_dirs, how, within_s, new_children):
+@pytest.mark.parametrize(
+    "how, within_s", [(signal.SIGKILL, (0, 5)), (signal.SIGSTOP, (5, 15))], ids=["killed", "hung"]
+)
+def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(
+    tiny_dirs, how, within_s, new_children
+):
     """Killed: its connections close and the next step fails at once. Hung: the step fails once
     the collective timeout (5 s here) passes."""
     profile = sharded(tiny_dirs["llama"])
     loaded = tensor_parallel.load(profile, CPUS, NodeSettings(tp_timeout_s=5, torch_threads=1))
     engine = Engine(loaded, profile)
     (worker,) = loaded.group.workers
-    driver.add(engine, driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True))
+    driver.add(
+        engine,
+        driver.request("a", "Hello there", kind="completion", max_tokens=50, ignore_eos=True),
+    )
     engine.step()
     os.kill(worker.pid, how)
     started = time.monotonic()
@@ -100,7 +128,9 @@ def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(tiny_dirs, how, w
             engine.step()
     assert within_s[0] <= time.monotonic() - started < within_s[1]
     assert devices.is_device_fault(failed.value, loaded.device)
-    with pytest.raises(tensor_parallel.RankFailed, match="broken"):  # nothing more runs on a broken group
+    with pytest.raises(
+        tensor_parallel.RankFailed, match="broken"
+    ):  # nothing more runs on a broken group
         engine.step()
     engine.fail_all()
     engine.release()
@@ -108,28 +138,46 @@ def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(tiny_dirs, how, w
 
 
 def config(model_type: str, **fields):
-    return AutoConfig.for_model(model_type, **{"num_attention_heads": 4, "num_key_value_heads": 2} | fields)
+    return AutoConfig.for_model(
+        model_type, **{"num_attention_heads": 4, "num_key_value_heads": 2} | fields
+    )
 
 
-@pytest.mark.parametrize("model_config, device_ids, reason", [
-    (config("llama"), ["cpu:0"], "tensor_parallel = 2 needs 2 devices on one node; n1 has 1"),
-    (config("gpt2"), CPUS, "model_type 'gpt2' has no tensor-parallel plan"),
-    (config("llama", num_key_value_heads=1), CPUS, r"must divide the attention heads \(4\) and the key/value heads "
-                                                   r"\(1\)"),
-    (config("mistral", sliding_window=64), CPUS, "full-attention layers only"),
-    (config("qwen3_moe", num_experts=4), CPUS, "mixture-of-experts"),
-])
+@pytest.mark.parametrize(
+    "model_config, device_ids, reason",
+    [
+        (config("llama"), ["cpu:0"], "tensor_parallel = 2 needs 2 devices on one node; n1 has 1"),
+        (config("gpt2"), CPUS, "model_type 'gpt2' has no tensor-parallel plan"),
+        (
+            config("llama", num_key_value_heads=1),
+            CPUS,
+            r"must divide the attention heads \(4\) and the key/value heads "
+            r"\(1\)",
+        ),
+        (config("mistral", sliding_window=64), CPUS, "full-attention layers only"),
+        (config("qwen3_moe", num_experts=4), CPUS, "mixture-of-experts"),
+    ],
+)
 def test_what_cannot_be_sharded_is_refused_up_front(model_config, device_ids, reason):
     with pytest.raises(ModelLoadError, match=reason):
-        tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), model_config, device_ids, "n1")
+        tensor_parallel.check(
+            ModelProfile(id="m", source="x", tensor_parallel=2), model_config, device_ids, "n1"
+        )
 
 
 def test_a_second_tensor_parallel_model_in_one_process_is_refused():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=10))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=10),
+    )
     try:
         with pytest.raises(ModelLoadError, match="already runs tensor-parallel model"):
-            tensor_parallel.check(ModelProfile(id="m", source="x", tensor_parallel=2), config("llama"), CPUS)
+            tensor_parallel.check(
+                ModelProfile(id="m", source="x", tensor_parallel=2), config("llama"), CPUS
+            )
     finally:
         dist.destroy_process_group()
 
@@ -150,17 +198,25 @@ time.sleep(600)
 def test_workers_of_a_killed_node_agent_leave_too(tiny_dirs):
     """Rank 0's process killed with -9 (no clean-up at all): its workers see their connection
     close and exit; none is left behind."""
-    agent = subprocess.Popen([sys.executable, "-c", HOLD_A_GROUP, sharded(tiny_dirs["llama"]).model_dump_json()],
-                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3])
+    agent = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_GROUP, sharded(tiny_dirs["llama"]).model_dump_json()],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[3],
+    )
     try:
         worker = int(agent.stdout.readline())
     finally:
         agent.kill()
         agent.wait()
     deadline = time.monotonic() + 20
-    while Path(f"/proc/{worker}").exists() and _state(worker) != "Z" and time.monotonic() < deadline:
+    while (
+        Path(f"/proc/{worker}").exists() and _state(worker) != "Z" and time.monotonic() < deadline
+    ):
         time.sleep(0.1)
-    assert not Path(f"/proc/{worker}").exists() or _state(worker) == "Z"  # gone (or exited, awaiting its reaper)
+    assert (
+        not Path(f"/proc/{worker}").exists() or _state(worker) == "Z"
+    )  # gone (or exited, awaiting its reaper)
 
 
 def _state(pid: int) -> str:
@@ -173,5 +229,7 @@ def _state(pid: int) -> str:
 def test_a_worker_that_dies_before_joining_fails_the_load_at_once(tiny_dirs, new_children):
     started = time.monotonic()
     with pytest.raises(ModelLoadError, match=r"rank1 exited \(code 1\) before joining"):
-        tensor_parallel.load(sharded(tiny_dirs["llama"]), ["cpu:0", "cuda:7"], SETTINGS)  # no such device here
+        tensor_parallel.load(
+            sharded(tiny_dirs["llama"]), ["cpu:0", "cuda:7"], SETTINGS
+        )  # no such device here
     assert time.monotonic() - started < 60 and not dist.is_initialized() and not new_children()

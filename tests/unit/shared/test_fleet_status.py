@@ -8,10 +8,10 @@ from rich.console import Console
 
 from gateway.cli.status import render_fleet
 from shared.fleet import Fleet
+from shared.fleet_status import FleetStatus
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
-from shared.fleet_status import FleetStatus
 from shared.redis_health import RedisHealth
 
 NOW_MS = 1_800_000_000_000
@@ -99,7 +99,9 @@ async def test_replicas_count_the_live_nodes_whatever_their_heartbeat_order(r):
     keys = Keys()
     ready = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4)
     await publish(r, keys, heartbeat("a-live", age_s=1, **{MODEL: ready}))
-    await publish(r, keys, heartbeat("b-dead", age_s=30, other=ready))  # Redis lists it first: older
+    await publish(
+        r, keys, heartbeat("b-dead", age_s=30, other=ready)
+    )  # Redis lists it first: older
 
     fleet = await Fleet(r, keys, 8).status(NOW_MS)
 
@@ -125,7 +127,13 @@ async def test_prefix_keeps_fleets_apart(r):
 
 async def test_table_names_node_model_state_and_slots(r):
     keys = Keys()
-    await publish(r, keys, heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=16)}))
+    await publish(
+        r,
+        keys,
+        heartbeat(
+            "n1", **{MODEL: ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=16)}
+        ),
+    )
     console = Console(record=True, width=200, color_system=None)
 
     render_fleet(await Fleet(r, keys, 8).status(NOW_MS), console)
@@ -137,8 +145,16 @@ async def test_table_names_node_model_state_and_slots(r):
 
 async def test_models_show_idle_time_and_queue_depth_over_all_streams(r):
     keys = Keys()
-    idle = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, memory_mb=300, last_used_ms=NOW_MS - 90_000)
-    busy = ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, last_used_ms=NOW_MS)
+    idle = ModelInfo(
+        state=ModelState.READY,
+        device="cpu",
+        slots_total=4,
+        memory_mb=300,
+        last_used_ms=NOW_MS - 90_000,
+    )
+    busy = ModelInfo(
+        state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, last_used_ms=NOW_MS
+    )
     await publish(r, keys, heartbeat("n1", **{MODEL: idle, "busy": busy}))
     default, batch = keys.jobs(MODEL), keys.jobs(MODEL, "batch")
     for stream in (default, batch):
@@ -159,15 +175,30 @@ async def test_models_show_idle_time_and_queue_depth_over_all_streams(r):
 
 async def test_catalogue_models_no_live_node_holds_are_not_loaded(r):
     keys = Keys()
-    await publish(r, keys, heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu")}))
-    await publish(r, keys, heartbeat("dead", age_s=60, **{"on-dead": ModelInfo(state=ModelState.READY, device="cpu")}))
-    await publish(r, keys, heartbeat("n2", **{"broken": ModelInfo(state=ModelState.FAILED, device="cpu", error="oom")}))
-    await r.hset(keys.catalog(), mapping={
-        MODEL: json.dumps({"id": MODEL, "memory_mb": 200}),
-        "cold": json.dumps({"id": "cold", "memory_mb": 900, "pin": True}),
-        "on-dead": json.dumps({"id": "on-dead"}),
-        "broken": json.dumps({"id": "broken"}),
-    })
+    await publish(
+        r, keys, heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu")})
+    )
+    await publish(
+        r,
+        keys,
+        heartbeat("dead", age_s=60, **{"on-dead": ModelInfo(state=ModelState.READY, device="cpu")}),
+    )
+    await publish(
+        r,
+        keys,
+        heartbeat(
+            "n2", **{"broken": ModelInfo(state=ModelState.FAILED, device="cpu", error="oom")}
+        ),
+    )
+    await r.hset(
+        keys.catalog(),
+        mapping={
+            MODEL: json.dumps({"id": MODEL, "memory_mb": 200}),
+            "cold": json.dumps({"id": "cold", "memory_mb": 900, "pin": True}),
+            "on-dead": json.dumps({"id": "on-dead"}),
+            "broken": json.dumps({"id": "broken"}),
+        },
+    )
     await r.xadd(keys.jobs("cold"), {"job": "waits for placement"})
 
     fleet = await Fleet(r, keys, 8).status(NOW_MS)
@@ -175,7 +206,11 @@ async def test_catalogue_models_no_live_node_holds_are_not_loaded(r):
     not_loaded = {c.model: c for c in fleet.not_loaded}
     assert set(not_loaded) == {"cold", "on-dead", "broken"}
     assert not_loaded["cold"].state == "not loaded"
-    assert (not_loaded["cold"].memory_mb, not_loaded["cold"].pin, not_loaded["cold"].queue_depth) == (900, True, 1)
+    assert (
+        not_loaded["cold"].memory_mb,
+        not_loaded["cold"].pin,
+        not_loaded["cold"].queue_depth,
+    ) == (900, True, 1)
     assert not_loaded["on-dead"].memory_mb is None and not not_loaded["on-dead"].pin
 
     console = Console(record=True, width=200, color_system=None)
@@ -186,8 +221,20 @@ async def test_catalogue_models_no_live_node_holds_are_not_loaded(r):
 
 async def test_table_shows_idle_time_queue_depth_weights_and_labels(r):
     keys = Keys()
-    hb = heartbeat("n1", **{MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, max_model_len=8192,
-                                             last_used_ms=NOW_MS - 125_000, quant="int4", weight_mb=171)})
+    hb = heartbeat(
+        "n1",
+        **{
+            MODEL: ModelInfo(
+                state=ModelState.READY,
+                device="cpu",
+                slots_total=4,
+                max_model_len=8192,
+                last_used_ms=NOW_MS - 125_000,
+                quant="int4",
+                weight_mb=171,
+            )
+        },
+    )
     hb.labels = ["gpu", "fast"]
     hb.state = "draining"
     await publish(r, keys, hb)
@@ -201,13 +248,15 @@ async def test_table_shows_idle_time_queue_depth_weights_and_labels(r):
         assert expected in text
 
 
-
-
 async def test_a_tensor_parallel_model_is_one_replica_spanning_its_devices(r):
     keys = Keys()
-    sharded = ModelInfo(state=ModelState.READY, device="cpu:0", devices=["cpu:0", "cpu:1"], slots_total=4)
+    sharded = ModelInfo(
+        state=ModelState.READY, device="cpu:0", devices=["cpu:0", "cpu:1"], slots_total=4
+    )
     hb = heartbeat("n1", **{MODEL: sharded})
-    hb.devices = [DeviceInfo(id=f"cpu:{i}", name="Intel Xeon", total_mb=500, free_mb=400) for i in range(2)]
+    hb.devices = [
+        DeviceInfo(id=f"cpu:{i}", name="Intel Xeon", total_mb=500, free_mb=400) for i in range(2)
+    ]
     await publish(r, keys, hb)
     await r.xgroup_create(keys.jobs(MODEL), CONSUMER_GROUP, id="0", mkstream=True)
 
@@ -222,40 +271,82 @@ async def test_a_tensor_parallel_model_is_one_replica_spanning_its_devices(r):
 
 async def test_models_show_their_kv_cache_prefix_hit_rate_and_speculation(r):
     keys = Keys()
-    warm = KVCacheStats(block_size=16, blocks_total=400, blocks_used=148, blocks_cached=52, prefix_queries=1000,
-                        prefix_hits=819, preemptions=2)
+    warm = KVCacheStats(
+        block_size=16,
+        blocks_total=400,
+        blocks_used=148,
+        blocks_cached=52,
+        prefix_queries=1000,
+        prefix_hits=819,
+        preemptions=2,
+    )
     cold = KVCacheStats(block_size=16, blocks_total=100, blocks_used=29)
-    await publish(r, keys, heartbeat("n1", **{
-        MODEL: ModelInfo(state=ModelState.READY, device="cpu", slots_total=16, slots_used=3, kv=warm,
-                         spec=SpecDecodeStats(drafts=50, draft_tokens=300, accepted_tokens=227)),
-        "cold": ModelInfo(state=ModelState.READY, device="cpu", slots_total=4, slots_used=1, kv=cold,
-                          spec=SpecDecodeStats()),  # speculation off, or nothing drafted yet
-        "loading": ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=4),
-    }))
+    await publish(
+        r,
+        keys,
+        heartbeat(
+            "n1",
+            **{
+                MODEL: ModelInfo(
+                    state=ModelState.READY,
+                    device="cpu",
+                    slots_total=16,
+                    slots_used=3,
+                    kv=warm,
+                    spec=SpecDecodeStats(drafts=50, draft_tokens=300, accepted_tokens=227),
+                ),
+                "cold": ModelInfo(
+                    state=ModelState.READY,
+                    device="cpu",
+                    slots_total=4,
+                    slots_used=1,
+                    kv=cold,
+                    spec=SpecDecodeStats(),
+                ),  # speculation off, or nothing drafted yet
+                "loading": ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=4),
+            },
+        ),
+    )
 
     fleet = await Fleet(r, keys, 8).status(NOW_MS)
 
     models = fleet.nodes[0].models
     assert models[MODEL].kv == warm and models["loading"].kv is None
-    assert json.loads(fleet.model_dump_json())["nodes"][0]["models"][MODEL]["kv"]["prefix_hits"] == 819
+    assert (
+        json.loads(fleet.model_dump_json())["nodes"][0]["models"][MODEL]["kv"]["prefix_hits"] == 819
+    )
     console = Console(record=True, width=200, color_system=None)
     render_fleet(fleet, console)
     nodes_table = console.export_text().split("Queues")[0]
     rows = [line.split("│")[7:9] for line in nodes_table.splitlines() if line.count("│") == 9]
-    kv_by_model = {model.split()[0]: kv.strip() for model, kv in rows}  # a row per model, its KV cache beside it
-    assert kv_by_model == {MODEL: "KV 37% (148/400 blk) prefix 81% spec 75%",  # floored, not rounded
-                           "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
-                           "loading": ""}  # no engine yet
+    kv_by_model = {
+        model.split()[0]: kv.strip() for model, kv in rows
+    }  # a row per model, its KV cache beside it
+    assert kv_by_model == {
+        MODEL: "KV 37% (148/400 blk) prefix 81% spec 75%",  # floored, not rounded
+        "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
+        "loading": "",
+    }  # no engine yet
 
 
 def test_status_shows_how_redis_keeps_its_data_and_its_warnings():
-    redis = RedisHealth(version="7.0.15", aof=False, appendfsync="everysec", snapshots="",
-                        eviction_policy="allkeys-lru", used_memory_mb=900.0, maxmemory_mb=1024.0,
-                        warnings=["Redis may evict keys when full"])
+    redis = RedisHealth(
+        version="7.0.15",
+        aof=False,
+        appendfsync="everysec",
+        snapshots="",
+        eviction_policy="allkeys-lru",
+        used_memory_mb=900.0,
+        maxmemory_mb=1024.0,
+        warnings=["Redis may evict keys when full"],
+    )
     console = Console(record=True, width=200, color_system=None)
 
     render_fleet(FleetStatus(now_ms=NOW_MS, nodes=[], queues=[], redis=redis), console)
 
     text = console.export_text()
-    assert "Redis 7.0.15: 900.0 MB used of 1024 MB maxmemory; persistence: none; eviction: allkeys-lru" in text
+    assert (
+        "Redis 7.0.15: 900.0 MB used of 1024 MB maxmemory; persistence: none; eviction: allkeys-lru"
+        in text
+    )
     assert "warning: Redis may evict keys when full" in text

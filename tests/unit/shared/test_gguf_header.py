@@ -16,8 +16,13 @@ from tests import gguf_files, tiny_models
 def gguf_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CORTEX_CONVERT_CACHE", str(tmp_path / "cache"))
     gguf_header._parse.cache_clear()
-    folder = tiny_models.build("llama", tmp_path / "llama", tiny_models.make_tokenizer(), hidden_size=64,
-                               intermediate_size=128)
+    folder = tiny_models.build(
+        "llama",
+        tmp_path / "llama",
+        tiny_models.make_tokenizer(),
+        hidden_size=64,
+        intermediate_size=128,
+    )
     yield gguf_files.write(folder, tmp_path / "llama.gguf", T.Q4_0)
     gguf_header._parse.cache_clear()
 
@@ -25,20 +30,29 @@ def gguf_file(tmp_path, monkeypatch):
 def reader_refused(monkeypatch):
     def refuse(path):
         raise AssertionError(f"{path} parsed again")
+
     monkeypatch.setattr(gguf_header, "_read_file", refuse)
 
 
 def test_the_header_says_what_the_file_holds_and_is_parsed_once(gguf_file, monkeypatch):
     header = gguf_header.read(gguf_file)
-    assert header.architecture == "llama" and header.number("block_count") == 2 and header.vocab_size > 0
+    assert (
+        header.architecture == "llama"
+        and header.number("block_count") == 2
+        and header.vocab_size > 0
+    )
     q = next(t for t in header.tensors if t.name == "blk.0.attn_q.weight")
     assert q.gguf_type == "Q4_0" and q.shape == (64, 64) and q.n_bytes == 64 * 64 // 32 * 18
     reader_refused(monkeypatch)
     assert gguf_header.read(gguf_file) is header  # this process: from memory
-    assert not (gguf_file.parent / "cache" / "gguf-headers").exists()  # a small vocabulary is not kept
+    assert not (
+        gguf_file.parent / "cache" / "gguf-headers"
+    ).exists()  # a small vocabulary is not kept
 
 
-def test_a_kept_header_serves_the_next_process_and_a_changed_file_is_read_again(gguf_file, monkeypatch):
+def test_a_kept_header_serves_the_next_process_and_a_changed_file_is_read_again(
+    gguf_file, monkeypatch
+):
     monkeypatch.setattr(gguf_header, "KEEP_VOCAB", 0)
     first = gguf_header.read(gguf_file)
     assert len(list((gguf_file.parent / "cache" / "gguf-headers").glob("*.json"))) == 1

@@ -18,13 +18,29 @@ def slot(key: str) -> int:
 
 def test_one_redis_keeps_the_names_it_always_had():
     assert ONE.jobs("m", "batch", "high") == "cortex:jobs:m:batch:high"
-    assert ONE.node_jobs("m", "n") == "cortex:jobs:m:@n" and ONE.moved_jobs("m") == "cortex:jobs:m:moved"
+    assert (
+        ONE.node_jobs("m", "n") == "cortex:jobs:m:@n"
+        and ONE.moved_jobs("m") == "cortex:jobs:m:moved"
+    )
     assert (ONE.events("j"), ONE.nodes(), ONE.file("f"), ONE.api_key("k")) == (
-        "cortex:events:j", "cortex:nodes", "cortex:file:f", "cortex:apikey:k")
+        "cortex:events:j",
+        "cortex:nodes",
+        "cortex:file:f",
+        "cortex:apikey:k",
+    )
 
 
 def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
-    lone = {"prefixes", "session", "routing", "cancel", "arq_queue", "all_jobs", "stream_suffix", "moved_of"}
+    lone = {
+        "prefixes",
+        "session",
+        "routing",
+        "cancel",
+        "arq_queue",
+        "all_jobs",
+        "stream_suffix",
+        "moved_of",
+    }
     for name, method in inspect.getmembers(Keys, inspect.isfunction):
         if name.startswith("_") or name in lone:
             continue
@@ -33,18 +49,41 @@ def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
         assert "{" in key and key.index("}") > key.index("{") + 1, (name, key)
 
 
-@pytest.mark.parametrize("group", [
-    [CLUSTER.jobs("m", c, b) for c in queues.CLASSES for b in queues.BANDS]
-    + [CLUSTER.node_jobs("m", "n", "batch", "low"), CLUSTER.moved_jobs("m", "interactive", "high")],
-    [CLUSTER.events("j"), CLUSTER.event_log("j"), CLUSTER.detached("j")],
-    [CLUSTER.node("n"), CLUSTER.nodes(), CLUSTER.started("n"), CLUSTER.cmd("n"), CLUSTER.catalog()],
-    [CLUSTER.response("r"), CLUSTER.background_responses()],
-    [CLUSTER.file("f"), CLUSTER.files(), CLUSTER.files_bytes()],
-    [CLUSTER.batch("b"), CLUSTER.batches(), CLUSTER.batches_active(), CLUSTER.batch_lines("b", "out"),
-     CLUSTER.batch_lease("b")],
-    [CLUSTER.api_key("k"), CLUSTER.api_keys(), CLUSTER.rate_window("k", "requests"), CLUSTER.daily_tokens("k", "d"),
-     CLUSTER.metered("j")],
-], ids=["model streams", "job", "fleet", "responses", "files", "batches", "api keys"])
+@pytest.mark.parametrize(
+    "group",
+    [
+        [CLUSTER.jobs("m", c, b) for c in queues.CLASSES for b in queues.BANDS]
+        + [
+            CLUSTER.node_jobs("m", "n", "batch", "low"),
+            CLUSTER.moved_jobs("m", "interactive", "high"),
+        ],
+        [CLUSTER.events("j"), CLUSTER.event_log("j"), CLUSTER.detached("j")],
+        [
+            CLUSTER.node("n"),
+            CLUSTER.nodes(),
+            CLUSTER.started("n"),
+            CLUSTER.cmd("n"),
+            CLUSTER.catalog(),
+        ],
+        [CLUSTER.response("r"), CLUSTER.background_responses()],
+        [CLUSTER.file("f"), CLUSTER.files(), CLUSTER.files_bytes()],
+        [
+            CLUSTER.batch("b"),
+            CLUSTER.batches(),
+            CLUSTER.batches_active(),
+            CLUSTER.batch_lines("b", "out"),
+            CLUSTER.batch_lease("b"),
+        ],
+        [
+            CLUSTER.api_key("k"),
+            CLUSTER.api_keys(),
+            CLUSTER.rate_window("k", "requests"),
+            CLUSTER.daily_tokens("k", "d"),
+            CLUSTER.metered("j"),
+        ],
+    ],
+    ids=["model streams", "job", "fleet", "responses", "files", "batches", "api keys"],
+)
 def test_what_one_operation_touches_shares_a_slot(group):
     assert len({slot(key) for key in group}) == 1, group
 
@@ -57,11 +96,17 @@ def test_models_and_jobs_spread_over_slots():
 @pytest.mark.parametrize("keys", [ONE, CLUSTER], ids=["one Redis", "cluster"])
 def test_stream_names_parse_back(keys):
     assert queues.parse(keys, keys.jobs("org/model:v1", "batch", "high")) == queues.StreamName(
-        "org/model:v1", "batch", "high")
-    assert queues.parse(keys, keys.node_jobs("m", "node-a", "interactive", "low")) == queues.StreamName(
-        "m", "interactive", "low", node="node-a")
-    assert queues.parse(keys, keys.moved_jobs("m")) == queues.StreamName("m", "interactive", "normal", moved=True)
+        "org/model:v1", "batch", "high"
+    )
+    assert queues.parse(
+        keys, keys.node_jobs("m", "node-a", "interactive", "low")
+    ) == queues.StreamName("m", "interactive", "low", node="node-a")
+    assert queues.parse(keys, keys.moved_jobs("m")) == queues.StreamName(
+        "m", "interactive", "normal", moved=True
+    )
     assert queues.parse(keys, keys.events("j")) is None
     assert queues.homes(keys.node_jobs("m", "node-a", "batch", "low")) == [
-        keys.node_jobs("m", "node-a", "batch", "low"), keys.moved_jobs("m", "batch", "low")]
+        keys.node_jobs("m", "node-a", "batch", "low"),
+        keys.moved_jobs("m", "batch", "low"),
+    ]
     assert queues.homes(keys.jobs("m")) == [keys.jobs("m")]

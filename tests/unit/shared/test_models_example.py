@@ -17,7 +17,9 @@ def test_example_catalogue_loads():
     sources = [p.source for p in catalog.profiles.values()]
     assert any(s.startswith("pkg:") for s in sources) and any(s.startswith("hf:") for s in sources)
     assert any(s.endswith(".gguf") for s in sources)
-    assert any(not s.startswith(("pkg:", "hf:")) and not s.endswith(".gguf") for s in sources)  # a local dir
+    assert any(
+        not s.startswith(("pkg:", "hf:")) and not s.endswith(".gguf") for s in sources
+    )  # a local dir
     assert any(p.pin for p in catalog.profiles.values())
     assert any(p.labels for p in catalog.profiles.values())
 

@@ -14,4 +14,6 @@ def test_one_warning_when_it_fails_one_line_when_it_works_again(caplog):
         assert outage.ok() is True
         assert outage.ok() is False
     assert [(r.levelname, r.getMessage().split(";")[0]) for r in caplog.records] == [
-        ("WARNING", "heartbeat failed: Connection refused"), ("INFO", "heartbeat works again after 0.0s")]
+        ("WARNING", "heartbeat failed: Connection refused"),
+        ("INFO", "heartbeat works again after 0.0s"),
+    ]

@@ -17,7 +17,10 @@ pytestmark = pytest.mark.integration
 def configurable(redis_url: str) -> Iterator[redis.Redis]:
     """The session's redis-server; whatever a test changes in its configuration is put back."""
     client = redis.Redis.from_url(redis_url)
-    saved = {name: client.config_get(name)[name] for name in ("appendonly", "save", "maxmemory-policy", "maxmemory")}
+    saved = {
+        name: client.config_get(name)[name]
+        for name in ("appendonly", "save", "maxmemory-policy", "maxmemory")
+    }
     yield client
     for name, value in saved.items():
         client.config_set(name, value)
@@ -41,7 +44,9 @@ async def test_a_redis_that_keeps_nothing_is_named(configurable, redis_url, capl
     with caplog.at_level(logging.WARNING):
         await warn_if_not_durable(client, logging.getLogger("test"))
     await client.aclose()
-    assert len(caplog.records) == 1 and "Redis keeps nothing on disk" in caplog.records[0].getMessage()
+    assert (
+        len(caplog.records) == 1 and "Redis keeps nothing on disk" in caplog.records[0].getMessage()
+    )
 
 
 async def test_snapshots_alone_and_eviction_are_warned_of(configurable, redis_url):
@@ -49,8 +54,10 @@ async def test_snapshots_alone_and_eviction_are_warned_of(configurable, redis_ur
     configurable.config_set("maxmemory-policy", "allkeys-lru")
     health = await read(redis_url)
     assert health.persistence == "snapshots (save 300 10)"
-    assert [w.split(" (")[0] for w in health.warnings] == ["Redis has no append-only file",
-                                                           "Redis may evict keys when full"]
+    assert [w.split(" (")[0] for w in health.warnings] == [
+        "Redis has no append-only file",
+        "Redis may evict keys when full",
+    ]
 
 
 async def test_a_durable_redis_gets_no_warning(configurable, redis_url, caplog):

@@ -40,11 +40,14 @@ def test_no_endpoint_leaves_tracing_off():
     assert tracing.tracer("cortex.gateway") is None
 
 
-@pytest.mark.parametrize("given, url", [
-    ("http://collector:4318", "http://collector:4318/v1/traces"),
-    ("http://collector:4318/", "http://collector:4318/v1/traces"),
-    ("https://otel.example/v1/traces", "https://otel.example/v1/traces"),
-])
+@pytest.mark.parametrize(
+    "given, url",
+    [
+        ("http://collector:4318", "http://collector:4318/v1/traces"),
+        ("http://collector:4318/", "http://collector:4318/v1/traces"),
+        ("https://otel.example/v1/traces", "https://otel.example/v1/traces"),
+    ],
+)
 def test_the_traces_path_goes_below_a_base_url(given, url):
     assert tracing.traces_url(given) == url
 
@@ -65,10 +68,17 @@ def test_spans_reach_an_otlp_receiver_as_the_service(receiver):
     resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
     assert resource["service.name"] == "cortex-node" and resource["service.instance.id"] == "node-7"
     [scope_spans] = resource_spans.scope_spans
-    assert scope_spans.scope.name == "cortex.node" and [s.name for s in scope_spans.spans] == ["node job"]
+    assert scope_spans.scope.name == "cortex.node" and [s.name for s in scope_spans.spans] == [
+        "node job"
+    ]
     assert scope_spans.spans[0].trace_id.hex() == tracing.trace_id(span)
 
 
 def test_a_span_that_is_not_real_carries_nothing():
-    assert tracing.traceparent(trace.INVALID_SPAN) is None and tracing.trace_id(trace.INVALID_SPAN) == ""
-    assert not tracing.parent_context({"traceparent": "garbage"})  # a malformed one starts a new trace
+    assert (
+        tracing.traceparent(trace.INVALID_SPAN) is None
+        and tracing.trace_id(trace.INVALID_SPAN) == ""
+    )
+    assert not tracing.parent_context(
+        {"traceparent": "garbage"}
+    )  # a malformed one starts a new trace

@@ -12,12 +12,15 @@ from shared.catalog import ModelProfile
 from shared.errors import InvalidRequest
 
 
-@pytest.mark.parametrize("given,inputs", [
-    ("a text", ["a text"]),
-    (["one", "two"], ["one", "two"]),
-    ([101, 7, 102], [[101, 7, 102]]),  # one input's token ids
-    ([[101, 7], [5]], [[101, 7], [5]]),
-])
+@pytest.mark.parametrize(
+    "given,inputs",
+    [
+        ("a text", ["a text"]),
+        (["one", "two"], ["one", "two"]),
+        ([101, 7, 102], [[101, 7, 102]]),  # one input's token ids
+        ([[101, 7], [5]], [[101, 7], [5]]),
+    ],
+)
 def test_every_input_shape_becomes_a_list_of_inputs(given, inputs):
     assert EmbeddingCreateParams(model="m", input=given).inputs == inputs
 
@@ -42,12 +45,15 @@ def test_rerank_documents_are_texts_or_objects_with_text():
         RerankRequest(model="m", query="q", documents=[])
 
 
-@pytest.mark.parametrize("text_1,text_2,pairs", [
-    ("q", "d", (["q"], ["d"])),
-    ("q", ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
-    (["q"], ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
-    (["q1", "q2"], ["d1", "d2"], (["q1", "q2"], ["d1", "d2"])),
-])
+@pytest.mark.parametrize(
+    "text_1,text_2,pairs",
+    [
+        ("q", "d", (["q"], ["d"])),
+        ("q", ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
+        (["q"], ["d1", "d2"], (["q", "q"], ["d1", "d2"])),
+        (["q1", "q2"], ["d1", "d2"], (["q1", "q2"], ["d1", "d2"])),
+    ],
+)
 def test_score_pairs_text_1_with_text_2(text_1, text_2, pairs):
     assert ScoreRequest(model="m", text_1=text_1, text_2=text_2).pairs() == pairs
 
@@ -57,13 +63,16 @@ def test_score_lists_of_different_lengths_are_refused():
         ScoreRequest(model="m", text_1=["a", "b"], text_2=["c"])
 
 
-@pytest.mark.parametrize("trained,dimensions,refusal", [
-    (None, None, None),
-    (None, 64, "was not trained for truncated embeddings"),
-    ([], 17, None),  # any size (the node checks it is within the vector)
-    ([64, 128], 128, None),
-    ([64, 128], 100, "takes dimensions of 64, 128; got 100"),
-])
+@pytest.mark.parametrize(
+    "trained,dimensions,refusal",
+    [
+        (None, None, None),
+        (None, 64, "was not trained for truncated embeddings"),
+        ([], 17, None),  # any size (the node checks it is within the vector)
+        ([64, 128], 128, None),
+        ([64, 128], 100, "takes dimensions of 64, 128; got 100"),
+    ],
+)
 def test_dimensions_only_for_models_trained_for_them(trained, dimensions, refusal):
     profile = ModelProfile(id="e", source="x", kind="embedding", matryoshka_dimensions=trained)
     if refusal is None:

@@ -16,16 +16,34 @@ async def events(*items):
 
 
 async def test_choice_without_finish_reason_is_finished_at_done():
-    chunks = [c async for c in chat_chunks(JobInfo(), events(delta("a"), done()), n=1, include_usage=False)]
+    chunks = [
+        c
+        async for c in chat_chunks(JobInfo(), events(delta("a"), done()), n=1, include_usage=False)
+    ]
     assert chunks[-1].choices[0].finish_reason == "stop"
-    chunks = [c async for c in completion_chunks(JobInfo(), events(delta("a"), done()), n=1, include_usage=False)]
+    chunks = [
+        c
+        async for c in completion_chunks(
+            JobInfo(), events(delta("a"), done()), n=1, include_usage=False
+        )
+    ]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 async def test_empty_deltas_are_not_sent():
-    chunks = [c async for c in chat_chunks(JobInfo(), events(delta(""), delta("", finish_reason="stop"), done()),
-                                           n=1, include_usage=False)]
-    assert [c.choices[0].model_dump()["delta"] for c in chunks] == [{"role": "assistant", "content": ""}, {}]
+    chunks = [
+        c
+        async for c in chat_chunks(
+            JobInfo(),
+            events(delta(""), delta("", finish_reason="stop"), done()),
+            n=1,
+            include_usage=False,
+        )
+    ]
+    assert [c.choices[0].model_dump()["delta"] for c in chunks] == [
+        {"role": "assistant", "content": ""},
+        {},
+    ]
 
 
 def test_legacy_logprobs_offsets():

@@ -37,10 +37,19 @@ async def test_non_stream_answer(client, node):
     assert body["model"] == MODEL  # the alias resolved to the catalogue id
     assert isinstance(body["created"], int)
     assert body["choices"] == [
-        {"index": 0, "message": {"role": "assistant", "content": "Hello!", "refusal": None},
-         "logprobs": None, "finish_reason": "stop"}
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello!", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
     ]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_stream_chunk_order(client, node):
@@ -56,11 +65,26 @@ async def test_stream_chunk_order(client, node):
     assert {c["id"] for c in chunks} == {f"chatcmpl-{job}"}
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
-        {"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {"content": "!"}, {},
+        {"role": "assistant", "content": ""},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {"content": "!"},
+        {},
     ]
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, None, None, "stop"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [
+        None,
+        None,
+        None,
+        None,
+        "stop",
+    ]
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_stream_without_usage_has_no_usage_chunk(client, node):
@@ -84,15 +108,24 @@ async def test_job_entry_and_subscription_before_enqueue(client, node):
     assert (generation.sampling.seed, generation.sampling.top_k) == (3, 5)
 
 
-async def test_no_keys_left_but_the_job_stream_the_routing_counts_and_the_streamed_jobs_event_log(client, node, redis):
+async def test_no_keys_left_but_the_job_stream_the_routing_counts_and_the_streamed_jobs_event_log(
+    client, node, redis
+):
     before = set(await redis.keys("*"))
     await client.post("/v1/chat/completions", json=HELLO)
     await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
     streamed = KEYS.event_log(node.entries[1].job)
-    assert set(await redis.keys("*")) - before == {KEYS.jobs(MODEL).encode(), streamed.encode(),
-                                                   KEYS.routing(MODEL).encode()}
-    assert await redis.hgetall(KEYS.routing(MODEL)) == {b"shared": b"2"}  # one fake node: nothing to route by
-    assert 0 < await redis.ttl(streamed) <= 600 + 5  # stream_retention_s + request_timeout_s: a node renews it
+    assert set(await redis.keys("*")) - before == {
+        KEYS.jobs(MODEL).encode(),
+        streamed.encode(),
+        KEYS.routing(MODEL).encode(),
+    }
+    assert await redis.hgetall(KEYS.routing(MODEL)) == {
+        b"shared": b"2"
+    }  # one fake node: nothing to route by
+    assert (
+        0 < await redis.ttl(streamed) <= 600 + 5
+    )  # stream_retention_s + request_timeout_s: a node renews it
     assert await redis.pubsub_channels() == [KEYS.cancel().encode()]  # only the node's own
     assert node.cancelled == []
 
@@ -101,45 +134,71 @@ async def test_n_choices_and_logprobs(client, node):
     top = TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])
     logprob = TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105], top_logprobs=[top])
     node.script = lambda entry: [
-        delta("Hi", 0, logprobs=[logprob]), delta("Yo", 1, logprobs=[logprob], finish_reason="length"),
-        delta("", 0, finish_reason="stop"), done(),
+        delta("Hi", 0, logprobs=[logprob]),
+        delta("Yo", 1, logprobs=[logprob], finish_reason="length"),
+        delta("", 0, finish_reason="stop"),
+        done(),
     ]
     request = HELLO | {"n": 2, "logprobs": True, "top_logprobs": 1}
     body = (await client.post("/v1/chat/completions", json=request)).json()
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
-        (0, "Hi", "stop"), (1, "Yo", "length"),
+        (0, "Hi", "stop"),
+        (1, "Yo", "length"),
     ]
-    expected = {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
-                "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]}
+    expected = {
+        "token": "Hi",
+        "logprob": -0.1,
+        "bytes": [72, 105],
+        "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}],
+    }
     assert body["choices"][0]["logprobs"]["content"] == [expected]
 
-    chunks = sse_payloads((await client.post("/v1/chat/completions", json=request | {"stream": True})).text)[:-1]
+    chunks = sse_payloads(
+        (await client.post("/v1/chat/completions", json=request | {"stream": True})).text
+    )[:-1]
     roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
     assert roles == [0, 1]
-    finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]}
+    finishes = {
+        c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+        for c in chunks
+        if c["choices"][0]["finish_reason"]
+    }
     assert finishes == {0: "stop", 1: "length"}
     assert chunks[2]["choices"][0]["logprobs"]["content"] == [expected]
 
 
 async def test_error_event_before_output_is_an_http_error(client, node):
-    node.script = lambda entry: [ErrorEvent(code="context_length_exceeded", message="prompt is 9000 tokens")]
+    node.script = lambda entry: [
+        ErrorEvent(code="context_length_exceeded", message="prompt is 9000 tokens")
+    ]
     for stream in (False, True):
         response = await client.post("/v1/chat/completions", json=HELLO | {"stream": stream})
         assert response.status_code == 400
         assert response.json()["error"] == {
-            "message": "prompt is 9000 tokens", "type": "invalid_request_error", "param": None,
+            "message": "prompt is 9000 tokens",
+            "type": "invalid_request_error",
+            "param": None,
             "code": "context_length_exceeded",
         }
     assert node.cancelled == []  # the node ended those jobs itself
 
 
 async def test_error_event_mid_stream_ends_the_stream_cleanly(client, node):
-    node.script = lambda entry: [delta("Hel"), ErrorEvent(code="node_lost", message="node n1 went away")]
+    node.script = lambda entry: [
+        delta("Hel"),
+        ErrorEvent(code="node_lost", message="node n1 went away"),
+    ]
     response = await client.post("/v1/chat/completions", json=HELLO | {"stream": True})
     assert response.status_code == 200
     payloads = sse_payloads(response.text)
-    assert payloads[-2] == {"error": {"message": "node n1 went away", "type": "service_unavailable",
-                                      "param": None, "code": "node_lost"}}
+    assert payloads[-2] == {
+        "error": {
+            "message": "node n1 went away",
+            "type": "service_unavailable",
+            "param": None,
+            "code": "node_lost",
+        }
+    }
     assert payloads[-1] == "[DONE]"
     response = await client.post("/v1/chat/completions", json=HELLO)
     assert response.status_code == 503 and response.json()["error"]["code"] == "node_lost"
@@ -149,11 +208,19 @@ async def test_a_job_run_again_after_its_node_was_lost_answers_once(client, node
     """Not streamed, it is requeued by the janitor when its node dies mid-answer and runs again from
     its start on another node: the answer is the second run's, not the first's partial text + it."""
     start = StartEvent(prompt_tokens=5)
-    node.script = lambda entry: [start, delta("Once upon"), start, delta("Once upon"),
-                                 delta(" a time", finish_reason="stop"), done()]
+    node.script = lambda entry: [
+        start,
+        delta("Once upon"),
+        start,
+        delta("Once upon"),
+        delta(" a time", finish_reason="stop"),
+        done(),
+    ]
     response = await client.post("/v1/chat/completions", json=HELLO)
     assert response.json()["choices"][0]["message"]["content"] == "Once upon a time"
-    completion = await client.post("/v1/completions", json={"model": HELLO["model"], "prompt": "Hi"})
+    completion = await client.post(
+        "/v1/completions", json={"model": HELLO["model"], "prompt": "Hi"}
+    )
     assert completion.json()["choices"][0]["text"] == "Once upon a time"
 
 
@@ -167,15 +234,24 @@ async def test_timeout_is_504_and_cancels(client, node, app):
 
 def _http_scope(path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
     return {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "headers": headers or [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 5555), "server": ("gateway", 80),
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers or [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5555),
+        "server": ("gateway", 80),
     }
 
 
-async def _call_then_disconnect(app, body: dict, *, after: bytes | None,
-                                headers: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
+async def _call_then_disconnect(
+    app, body: dict, *, after: bytes | None, headers: list[tuple[bytes, bytes]] | None = None
+) -> list[dict]:
     """Drive the ASGI app directly; the client disconnects once a body part contains `after`
     (or, with `after=None`, right after sending the request)."""
     gone = asyncio.Event()
@@ -208,7 +284,9 @@ async def test_a_streamed_job_whose_client_went_away_is_cancelled_after_the_grac
     await asyncio.sleep(0.1)
     assert node.cancelled == []  # the client may come back
     assert await redis.pubsub_numsub(node.entries[0].reply) == [(node.entries[0].reply.encode(), 0)]
-    await eventually(lambda: node.cancelled == [node.entries[0].job], 2, "the job cancelled after the grace")
+    await eventually(
+        lambda: node.cancelled == [node.entries[0].job], 2, "the job cancelled after the grace"
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -229,8 +307,13 @@ async def test_concurrent_streams_share_one_router(client, node, app):
 
 
 async def test_prompt_tokens_read_from_the_prefix_cache_are_reported(client, node):
-    node.script = lambda entry: [delta("Hi", 0, finish_reason="stop"), done(prompt_tokens=40, cached_tokens=32)]
+    node.script = lambda entry: [
+        delta("Hi", 0, finish_reason="stop"),
+        done(prompt_tokens=40, cached_tokens=32),
+    ]
     body = (await client.post("/v1/chat/completions", json=HELLO)).json()
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
-    responses = (await client.post("/v1/responses", json={"model": "default", "input": "hi"})).json()
+    responses = (
+        await client.post("/v1/responses", json={"model": "default", "input": "hi"})
+    ).json()
     assert responses["usage"]["input_tokens_details"] == {"cached_tokens": 32}
