@@ -21,7 +21,7 @@ from gateway.json_body import JsonBodyMiddleware
 from gateway.request_id import RequestIdMiddleware
 from gateway.routing import SessionHeaderMiddleware
 from gateway.tracing import TraceLogFormatter, TracingMiddleware
-from shared import __version__, tracing
+from shared import __version__, systemd_notify, tracing
 from shared.catalog import Catalog
 from shared.fleet import Fleet
 from shared.keys import Keys
@@ -90,6 +90,7 @@ def create_app(
         )
         await warn_if_exposed(ctx)
         await warn_if_not_durable(redis, log)
+        systemd_notify.ready(f"serving on {settings.host}:{settings.port}")  # Type=notify units
         try:
             yield
         finally:
