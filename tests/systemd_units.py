@@ -58,13 +58,17 @@ class Unit:
 
 
 def environment_file(text: str) -> dict[str, str]:
-    """KEY=VALUE lines (comments and blank lines skipped, one level of quotes taken off)."""
+    """KEY=VALUE lines as systemd reads them (src/basic/env-file.c; escapes left out): comments and
+    blank lines skipped; quotes count only where a value starts (`CORTEX_MODELS=["a"]` keeps its
+    quotes, `KEY="a b"` loses them); trailing blanks dropped."""
     env = {}
     for line in text.splitlines():
         line = line.strip()
         if line and not line.startswith(("#", ";")):
-            key, value = line.split("=", 1)
-            env[key.strip()] = shlex.split(value)[0] if value.strip() else ""
+            key, value = (part.strip() for part in line.split("=", 1))
+            if value[:1] in ("'", '"'):
+                value = value[1 : value.index(value[0], 1)]
+            env[key] = value
     return env
 
 
