@@ -36,9 +36,16 @@ class Built:
         return found
 
 
+needs_rpm = pytest.mark.skipif(
+    shutil.which("rpmbuild") is None or shutil.which("rpm") is None,
+    reason="rpmbuild is not installed (scripts/setup --tests installs Debian's rpm)",
+)
+needs_deb = pytest.mark.skipif(
+    shutil.which("dpkg-deb") is None, reason="dpkg-deb is not installed (not a Debian host)"
+)
+
+
 def build(out: Path, variant: str) -> Built:
-    if shutil.which("dpkg-deb") is None or shutil.which("rpmbuild") is None:
-        pytest.skip("rpmbuild or dpkg-deb is missing (scripts/setup --tests installs rpm)")
     subprocess.run(
         [str(ROOT / "scripts" / "package"), "--variant", variant, "--out", str(out)],
         check=True,
@@ -79,12 +86,15 @@ def _data_tar(deb: Path) -> bytes:
     ).stdout
 
 
+@needs_rpm
+@needs_deb
 def test_package_builds_the_wheel_the_rpm_and_the_deb(cpu):
     assert cpu.one(f"cortex_serve-{VERSION}-py3-none-any.whl").stat().st_size > 100_000
     assert cpu.one(f"cortex-cpu-{VERSION}-1.noarch.rpm").exists()
     assert cpu.one(f"cortex-cpu_{VERSION}-1_all.deb").exists()
 
 
+@needs_rpm
 def test_rpm_lists_units_cli_and_config_files_flagged_noreplace(cpu):
     rpm = cpu.one("*.rpm")
     listed = run("rpm", "-qlp", str(rpm)).split()
@@ -96,6 +106,7 @@ def test_rpm_lists_units_cli_and_config_files_flagged_noreplace(cpu):
     assert set(run("rpm", "-qcp", str(rpm)).split()) == CONFIGS
 
 
+@needs_rpm
 def test_rpm_state_folders_belong_to_cortex(cpu):
     owners = run(
         "rpm", "-qp", "--queryformat", "[%{FILENAMES} %{FILEUSERNAME}:%{FILEGROUPNAME}\n]",
@@ -106,6 +117,7 @@ def test_rpm_state_folders_belong_to_cortex(cpu):
     assert owner[WRAPPER] == owner["/etc/cortex/cortex.toml"] == "root:root"
 
 
+@needs_rpm
 def test_rpm_scripts_create_the_user_and_stop_units_only_on_removal(cpu):
     scripts = run("rpm", "-qp", "--scripts", str(cpu.one("*.rpm")))
     pre = scripts.split("preinstall scriptlet")[1].split("scriptlet")[0]
@@ -119,6 +131,7 @@ def test_rpm_scripts_create_the_user_and_stop_units_only_on_removal(cpu):
     assert "cortex-cuda" in run("rpm", "-qp", "--conflicts", str(cpu.one("*.rpm")))
 
 
+@needs_deb
 def test_deb_lists_units_cli_and_conffiles(cpu):
     deb = cpu.one("*.deb")
     listed = {
@@ -142,6 +155,7 @@ def test_deb_lists_units_cli_and_conffiles(cpu):
     ]  # fmt: skip
 
 
+@needs_deb
 def test_deb_units_and_config_are_the_packaging_folder_s(cpu):
     deb = cpu.one("*.deb")
     for unit in SERVICES:
@@ -153,6 +167,7 @@ def test_deb_units_and_config_are_the_packaging_folder_s(cpu):
     )
 
 
+@needs_deb
 def test_the_cli_on_the_path_is_the_wheel_s_cortex_entry_point(cpu):
     wrapper = deb_member(cpu.one("*.deb"), WRAPPER).decode()
     assert wrapper.startswith("#!/bin/sh") and 'exec /opt/cortex/venv/bin/cortex "$@"' in wrapper
@@ -163,6 +178,7 @@ def test_the_cli_on_the_path_is_the_wheel_s_cortex_entry_point(cpu):
     assert {"shared/systemd_notify.py", "gateway/static/dashboard.html"} <= set(names)
 
 
+@needs_deb
 def test_cpu_and_cuda_packages_differ_only_in_torch(cpu, cuda):
     cpu_tar, cuda_tar = _data_tar(cpu.one("*.deb")), _data_tar(cuda.one("*.deb"))
     with (
