@@ -38,10 +38,10 @@ CLEAN_EXITS = (0, -signal.SIGTERM)
 
 
 class Host:
-    """A folder standing for a host the packages were installed on."""
+    """A folder standing for a host the packages were installed on, its gateway's port and Redis."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, port: int, redis_url: str):
+        self.root, self.port, self.redis_url = root, port, redis_url
         for folder in HOST_FOLDERS:
             self.path(folder).mkdir(parents=True)
 
@@ -110,8 +110,7 @@ def host(tmp_path, small_vocab_dirs, redis_url) -> Host:
     """/etc/cortex as shipped, but for the Redis, the port and the catalogue of this test, and a
     node instance `t1` with its own settings file (the tiny model; eager decoding and one torch
     thread, as every test node)."""
-    host = Host(tmp_path / "host")
-    host.port, host.redis_url = free_port(), redis_url
+    host = Host(tmp_path / "host", free_port(), redis_url)
     config = host.redirect((PACKAGING / "cortex.toml").read_text())
     config = re.sub(r"^redis_url = .*$", f'redis_url = "{redis_url}"', config, flags=re.M)
     config = re.sub(r"^port = 31313$", f"port = {host.port}", config, flags=re.M)
