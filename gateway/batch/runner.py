@@ -16,20 +16,20 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from gateway.auth import ANONYMOUS_CALLER, Caller
 from gateway.batch import lines
-from gateway.batch.store import BatchStore
-from gateway.context import GatewayContext
-from gateway.files import FileStore
-from gateway.job_queue import withdraw
-from gateway.protocol.openai_batch import (
+from gateway.dialects.protocol.openai_batch import (
     Batch,
     BatchError,
     BatchErrors,
     BatchOutputLine,
     BatchRequestCounts,
 )
-from shared.api_keys import ADMIN, ANONYMOUS
+from gateway.jobs.caller import ANONYMOUS_CALLER, Caller
+from gateway.jobs.context import JobContext
+from gateway.jobs.queue import withdraw
+from gateway.stores.batches import BatchStore
+from gateway.stores.files import FileStore
+from shared.api_keys import ADMIN, ANONYMOUS, KeyStore
 from shared.errors import (
     BrokerUnavailable,
     CortexError,
@@ -68,11 +68,12 @@ class LeaseLost(Exception):
 
 
 class BatchRunner:
-    def __init__(self, ctx: GatewayContext, settings: BatchSettings, batch_id: str):
+    def __init__(self, ctx: JobContext, settings: BatchSettings, batch_id: str):
         self.ctx, self.settings, self.id = ctx, settings, batch_id
         self.redis, self.keys = ctx.redis, ctx.keys
         self.store = BatchStore(ctx.redis, ctx.keys)
         self.files = FileStore(ctx.redis, ctx.keys)
+        self.api_keys = KeyStore(ctx.redis, ctx.keys)
         self.token = uuid.uuid4().hex
         self.stop_reason: str | None = None  # cancelled | expired
         self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
@@ -152,7 +153,7 @@ class BatchRunner:
         """The batch's key, read again while the batch runs: a line of a key revoked since fails."""
         name = await self.store.owner(self.id)
         self.owner = Caller(
-            name, await self.ctx.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None
+            name, await self.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None
         )
 
     async def _input(self, batch: Batch) -> list[bytes] | None:
@@ -258,7 +259,7 @@ class BatchRunner:
     async def _withdraw_queued(self) -> None:
         for line_no, where in (await self.redis.hgetall(self.key("inflight"))).items():
             _job, stream, entry_id = where.decode().split(" ")
-            if await withdraw(self.ctx, stream, entry_id):
+            if await withdraw(self.redis, self.keys, stream, entry_id):
                 task = self.running.get(int(line_no))
                 if task is not None:
                     task.cancel()
@@ -270,7 +271,7 @@ class BatchRunner:
         leftovers = await self.redis.hgetall(self.key("inflight"))
         for line_no, where in leftovers.items():
             job, stream, entry_id = where.decode().split(" ")
-            await withdraw(self.ctx, stream, entry_id)
+            await withdraw(self.redis, self.keys, stream, entry_id)
             await publish(self.redis, self.keys.cancel(), job)
         if leftovers:
             log.info(
