@@ -5,7 +5,7 @@ when it sends a `traceparent`, names the trace in the response's `x-trace-id` he
 log line the request causes (`TraceLogFormatter`). Inside it, `span()` times one part of the request
 (admission, placement) and a job's `JobTrace` times its wait in the queue (enqueued until a node's
 first event) and carries the request span's context to the node, whose tokenisation, prefill and
-decode spans are its children (node_agent/serving/job_trace.py)."""
+decode spans are its children (node_agent/serving/job_spans.py)."""
 
 import logging
 from contextlib import AbstractContextManager, nullcontext

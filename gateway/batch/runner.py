@@ -27,9 +27,7 @@ from gateway.dialects.protocol.openai_batch import (
 from gateway.jobs.caller import ANONYMOUS_CALLER, Caller
 from gateway.jobs.context import JobContext
 from gateway.jobs.queue import withdraw
-from gateway.stores.batches import BatchStore
-from gateway.stores.files import FileStore
-from shared.api_keys import ADMIN, ANONYMOUS, KeyStore
+from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import (
     BrokerUnavailable,
     CortexError,
@@ -71,9 +69,8 @@ class BatchRunner:
     def __init__(self, ctx: JobContext, settings: BatchSettings, batch_id: str):
         self.ctx, self.settings, self.id = ctx, settings, batch_id
         self.redis, self.keys = ctx.redis, ctx.keys
-        self.store = BatchStore(ctx.redis, ctx.keys)
-        self.files = FileStore(ctx.redis, ctx.keys)
-        self.api_keys = KeyStore(ctx.redis, ctx.keys)
+        self.store = ctx.batches
+        self.files = ctx.files
         self.token = uuid.uuid4().hex
         self.stop_reason: str | None = None  # cancelled | expired
         self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
@@ -107,7 +104,7 @@ class BatchRunner:
             if not renewed:
                 raise LeaseLost(f"batch {self.id}: another worker took its lease")
 
-    async def release(self) -> None:
+    async def release_lease(self) -> None:
         await self.redis.eval(_RELEASE, 1, self.keys.batch_lease(self.id), self.token)
 
     # ---- the run --------------------------------------------------------------------------
@@ -129,7 +126,7 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(work, keeper, return_exceptions=True)
             with contextlib.suppress(RedisError, OSError):  # else the lease expires by itself
-                await self.release()
+                await self.release_lease()
 
     async def _run(self) -> None:
         try:
@@ -153,7 +150,7 @@ class BatchRunner:
         """The batch's key, read again while the batch runs: a line of a key revoked since fails."""
         name = await self.store.owner(self.id)
         self.owner = Caller(
-            name, await self.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None
+            name, await self.ctx.api_keys.get(name) if name not in (ADMIN, ANONYMOUS) else None
         )
 
     async def _input(self, batch: Batch) -> list[bytes] | None:

@@ -24,7 +24,7 @@ from gateway.batch.runner import BatchRunner, LeaseLost
 from gateway.bus.links import pubsub_client
 from gateway.bus.router import EventRouter
 from gateway.jobs.context import JobContext
-from gateway.stores.batches import BatchStore, enqueue
+from gateway.stores.batches import enqueue
 from shared import __version__
 from shared.catalog import Catalog
 from shared.fleet import Fleet
@@ -65,7 +65,7 @@ class QuietCron(logging.Filter):
 async def resume_batches(ctx: dict) -> None:
     """Enqueue every active batch that nobody holds the lease of."""
     cortex: JobContext = ctx["cortex"]
-    for batch_id in await BatchStore(cortex.redis, cortex.keys).active():
+    for batch_id in await cortex.batches.active():
         if not await cortex.redis.exists(cortex.keys.batch_lease(batch_id)):
             log.info("batch %s has no worker; resuming it", batch_id)
             # on arq's queue, through arq's own connection

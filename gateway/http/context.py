@@ -9,7 +9,6 @@ from fastapi import Depends, Request
 
 from gateway.http.dashboard import Dashboard
 from gateway.jobs.context import JobContext
-from shared.api_keys import KeyStore
 
 
 @dataclass(kw_only=True)
@@ -18,12 +17,10 @@ class GatewayContext(JobContext):
     batch_queue: aioredis.Redis | None = (
         None  # arq's Redis (`batch_redis_url`); None: `redis` itself
     )
-    api_keys: KeyStore = field(init=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.batch_queue = self.batch_queue or self.redis
-        self.api_keys = KeyStore(self.redis, self.keys)
 
 
 def get_context(request: Request) -> GatewayContext:

@@ -22,7 +22,7 @@ from gateway.dialects.tools.parsers import parsers_for
 from gateway.jobs import queue
 from gateway.jobs.job import Resumable
 from gateway.stores.files import visible
-from gateway.stores.responses import Kept, ResponseStore
+from gateway.stores.responses import Kept
 from shared import event_log
 from shared.api_keys import ANONYMOUS
 from shared.errors import InvalidRequest, NotFound
@@ -59,10 +59,6 @@ class Folded:
         return Kept.of(self.record.spec, self.record.owner)
 
 
-def _store(ctx) -> ResponseStore:
-    return ResponseStore(ctx.redis, ctx.keys, ctx.settings.responses_ttl_s)
-
-
 def job_of(response_id: str) -> str:
     return response_id.removeprefix("resp_")
 
@@ -97,7 +93,7 @@ async def fold(ctx, response_id: str) -> Folded | None:
 
 async def _finish(ctx, found: Folded) -> None:
     """Store an ended background response (the node that ended its job counted its tokens)."""
-    await _store(ctx).put(found.response, found.kept)
+    await ctx.responses.put(found.response, found.kept)
     log.info("background response %s %s", found.response.id, found.response.status)
 
 
@@ -106,7 +102,7 @@ async def current(ctx, response_id: str, owner: str | None) -> dict[str, Any]:
     pending (or a streamed one still running, never stored yet) as its job's log makes it now, stored
     once it has ended."""
     try:
-        stored = await _store(ctx).read(response_id, owner)
+        stored = await ctx.responses.read(response_id, owner)
         if stored is not None and "pending" not in stored:
             return stored["response"]
         found = await fold(ctx, response_id)
@@ -128,12 +124,12 @@ async def conversation(ctx, response_id: str, owner: str | None) -> list[dict[st
     settled first)."""
     if await ctx.redis.zscore(ctx.keys.background_responses(), response_id) is not None:
         await current(ctx, response_id, owner)
-    return await _store(ctx).conversation(response_id, owner)
+    return await ctx.responses.conversation(response_id, owner)
 
 
 async def cancel(ctx, caller, response_id: str) -> dict[str, Any]:
     """`POST /v1/responses/{id}/cancel`: stop a background response that has not ended."""
-    store = _store(ctx)
+    store = ctx.responses
     stored = await store.read(response_id, caller.owner)
     if stored is None:
         raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
@@ -173,7 +169,7 @@ async def settle_ended(ctx) -> None:
 
 
 async def _settle(ctx, response_id: str) -> None:
-    store = _store(ctx)
+    store = ctx.responses
     stored = await store.read(response_id, None)
     if stored is None or "pending" not in stored:  # deleted, or stored by whoever saw it end
         await ctx.redis.zrem(ctx.keys.background_responses(), response_id)

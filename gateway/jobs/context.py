@@ -15,6 +15,10 @@ from gateway.fleet.routing import Routing
 from gateway.jobs.departures import Departures
 from gateway.jobs.limits import Limiter
 from gateway.metrics import Metrics
+from gateway.stores.batches import BatchStore
+from gateway.stores.files import FileStore
+from gateway.stores.responses import ResponseStore
+from shared.api_keys import KeyStore
 from shared.catalog import Catalog
 from shared.fleet import Fleet
 from shared.keys import Keys
@@ -35,6 +39,10 @@ class JobContext:
     limiter: Limiter = field(init=False)
     departures: Departures = field(init=False)
     outage: OutageWait = field(init=False)
+    files: FileStore = field(init=False)  # what users stored (gateway/stores/)
+    batches: BatchStore = field(init=False)
+    responses: ResponseStore = field(init=False)
+    api_keys: KeyStore = field(init=False)
 
     def __post_init__(self) -> None:
         parts = self.redis, self.keys, self.settings
@@ -45,3 +53,7 @@ class JobContext:
         self.outage = OutageWait(
             self.redis, self.settings.redis_outage_wait_s, self.settings.redis_outage_max_waiting
         )
+        self.files = FileStore(self.redis, self.keys)
+        self.batches = BatchStore(self.redis, self.keys)
+        self.responses = ResponseStore(self.redis, self.keys, self.settings.responses_ttl_s)
+        self.api_keys = KeyStore(self.redis, self.keys)

@@ -130,7 +130,7 @@ class Intake:
                     ],
                     [],
                 )
-                self.ledger.release(request.job)
+                self.ledger.end(request.job)
                 return None
             sampling = request.sampling
             sampling.max_tokens = completion_budget(

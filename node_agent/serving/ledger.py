@@ -85,7 +85,7 @@ class Ledger:
             self.refuse(
                 running.entry_id, running.channel, error, running.stream, job, running.streaming
             )
-            self.release(job)
+            self.end(job)
 
     def fail_all(self, error: CortexError, jobs: list[str] = ()) -> None:
         """End every job held here, and `jobs` (out of the engine already) if still held, with `error`."""
@@ -125,7 +125,7 @@ class Ledger:
             and now >= max(self.last_used_ms + keep_alive, self.keep_until_ms)
         )
 
-    def release(self, job: str, timings: Timings | None = None) -> None:
+    def end(self, job: str, timings: Timings | None = None) -> None:
         """The job ended (`timings`: its done event's, when it finished): its slots are free."""
         running = self.running.pop(job, None)
         if running is not None and running.trace is not None:

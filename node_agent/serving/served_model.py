@@ -186,7 +186,7 @@ class ServedModel:
         if feedback.stopped and self.engine is not None:
             self.device.call(self.engine.stop, feedback.stopped)
         for job in feedback.ended:
-            self.ledger.release(job, feedback.timings.get(job))
+            self.ledger.end(job, feedback.timings.get(job))
         for job in feedback.unheard:
             self.publisher.on_unheard(job)
         for job in feedback.lost:

@@ -60,7 +60,7 @@ class ServedPooler(ServedModel):
         ]
         self.output.send([self._outgoing(done, running) for done, running in finished], [])
         for done, _ in finished:
-            self.ledger.release(done.job, done.timings)
+            self.ledger.end(done.job, done.timings)
 
     def _outgoing(self, done: PooledJob, running: Running) -> Outgoing:
         usage = Usage(prompt_tokens=done.prompt_tokens)

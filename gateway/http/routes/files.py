@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.dialects.protocol.openai_batch import FileDeleted
 from gateway.http.auth import CallerDep
 from gateway.http.context import Ctx
-from gateway.stores.files import PURPOSES, FileStore, check_batch_input
+from gateway.stores.files import PURPOSES, check_batch_input
 from shared.errors import InvalidRequest, PayloadTooLarge
 
 router = APIRouter()
@@ -40,7 +40,7 @@ async def upload_file(
     limit = ctx.settings.files_max_bytes
     content = await _read_capped(file, limit)
     check_batch_input(content, max_bytes=limit, max_lines=ctx.settings.files_max_lines)
-    meta = await FileStore(ctx.redis, ctx.keys).create(
+    meta = await ctx.files.create(
         content,
         filename=file.filename or "upload.jsonl",
         purpose=purpose,
@@ -59,7 +59,7 @@ async def list_files(
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
 ) -> JSONResponse:
-    files = await FileStore(ctx.redis, ctx.keys).list(
+    files = await ctx.files.list(
         purpose=purpose, limit=limit, after=after, order=order, owner=caller.owner
     )
     return JSONResponse(files.model_dump())
@@ -67,18 +67,16 @@ async def list_files(
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    return JSONResponse(
-        (await FileStore(ctx.redis, ctx.keys).get(file_id, caller.owner)).model_dump()
-    )
+    return JSONResponse((await ctx.files.get(file_id, caller.owner)).model_dump())
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, ctx: Ctx, caller: CallerDep) -> Response:
-    content = await FileStore(ctx.redis, ctx.keys).content(file_id, caller.owner)
+    content = await ctx.files.content(file_id, caller.owner)
     return Response(content, media_type="application/jsonl")
 
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    await FileStore(ctx.redis, ctx.keys).delete(file_id, caller.owner)
+    await ctx.files.delete(file_id, caller.owner)
     return JSONResponse(FileDeleted(id=file_id).model_dump())

@@ -17,15 +17,14 @@ from gateway.dialects.render.message_batches import (
 )
 from gateway.http.auth import CallerDep
 from gateway.http.context import Ctx
-from gateway.stores.batches import BatchStore, enqueue
-from gateway.stores.files import FileStore
+from gateway.stores.batches import enqueue
 from shared.errors import NotFound
 
 router = APIRouter()
 
 
 async def _batch(ctx: Ctx, batch_id: str, owner: str | None) -> Batch:
-    batch = await BatchStore(ctx.redis, ctx.keys).get(batch_id, owner)
+    batch = await ctx.batches.get(batch_id, owner)
     if batch.endpoint != ENDPOINT:
         raise NotFound(f"no message batch with id {batch_id!r}", param="message_batch_id")
     return batch
@@ -41,14 +40,14 @@ async def create_message_batch(
     body: MessageBatchCreateParams, ctx: Ctx, request: Request, caller: CallerDep
 ) -> JSONResponse:
     content = input_lines([(r.custom_id, r.params) for r in body.requests])
-    file = await FileStore(ctx.redis, ctx.keys).create(
+    file = await ctx.files.create(
         content,
         filename="message_batch.jsonl",
         purpose="batch",
         owner=caller.name,
         quota_bytes=ctx.settings.files_max_total_bytes,
     )
-    batch = await BatchStore(ctx.redis, ctx.keys).create(
+    batch = await ctx.batches.create(
         CreateBatchRequest(input_file_id=file.id, endpoint=ENDPOINT, completion_window="24h"),
         owner=caller.name,
         lines=len(body.requests),
@@ -65,7 +64,7 @@ async def list_message_batches(
     after_id: str | None = None,
     limit: int = Query(20, ge=1, le=1000),
 ) -> JSONResponse:
-    page = await BatchStore(ctx.redis, ctx.keys).list(
+    page = await ctx.batches.list(
         after=after_id, limit=limit, owner=caller.owner, endpoint=ENDPOINT
     )
     views = [
@@ -91,9 +90,7 @@ async def cancel_message_batch(
     message_batch_id: str, ctx: Ctx, request: Request, caller: CallerDep
 ) -> JSONResponse:
     await _batch(ctx, message_batch_id, caller.owner)
-    return _view(
-        request, await BatchStore(ctx.redis, ctx.keys).cancel(message_batch_id, caller.owner)
-    )
+    return _view(request, await ctx.batches.cancel(message_batch_id, caller.owner))
 
 
 @router.get("/v1/messages/batches/{message_batch_id}/results", name="message_batch_results")
@@ -103,7 +100,7 @@ async def message_batch_results(message_batch_id: str, ctx: Ctx, caller: CallerD
         raise NotFound(
             f"message batch {message_batch_id} has not ended; its results come when it has"
         )
-    files = FileStore(ctx.redis, ctx.keys)
+    files = ctx.files
     output = await files.content(batch.output_file_id) if batch.output_file_id else b""
     errors = await files.content(batch.error_file_id) if batch.error_file_id else b""
     lines = results(batch, custom_ids(await files.content(batch.input_file_id)), output, errors)

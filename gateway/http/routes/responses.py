@@ -37,15 +37,11 @@ from shared.errors import CortexError
 router = APIRouter()
 
 
-def _store(ctx: Ctx) -> ResponseStore:
-    return ResponseStore(ctx.redis, ctx.keys, ctx.settings.responses_ttl_s)
-
-
 @router.post("/v1/responses", response_model=None)
 async def create_response(
     body: ResponseCreateParams, ctx: Ctx, request: Request, caller: CallerDep
 ) -> Response:
-    store, spec = _store(ctx), ResponseSpec.of(body)
+    store, spec = ctx.responses, ResponseSpec.of(body)
     if body.previous_response_id:
         previous_id = body.previous_response_id
         body.continue_from(
@@ -116,7 +112,7 @@ async def retrieve_response(
         if job.record.spec["conversation"] is not None
         else None
     )
-    events = _events(job, spec, job.parsers(), _store(ctx), kept)
+    events = _events(job, spec, job.parsers(), ctx.responses, kept)
     return await stream_job(request, job, events, frames=_frames)
 
 
@@ -129,7 +125,7 @@ async def list_input_items(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: str | None = None,
 ) -> JSONResponse:
-    items = await _store(ctx).input_items(response_id, caller.owner)
+    items = await ctx.responses.input_items(response_id, caller.owner)
     return JSONResponse(
         ResponseItemList.page(items if order == "asc" else items[::-1], limit, after).model_dump()
     )
@@ -142,7 +138,7 @@ async def cancel_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSON
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    await _store(ctx).delete(response_id, caller.owner)
+    await ctx.responses.delete(response_id, caller.owner)
     return JSONResponse(ResponseDeleted(id=response_id).model_dump())
 
 
