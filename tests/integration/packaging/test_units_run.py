@@ -133,11 +133,12 @@ def host(tmp_path, small_vocab_dirs, redis_url) -> Host:
 def test_units_start_serve_and_stop_as_systemd_would_run_them(tmp_path, host):
     node_notify = NotifySocket(tmp_path / "notify-node")
     gateway_notify = NotifySocket(tmp_path / "notify-gateway")
+    batch_notify = NotifySocket(tmp_path / "notify-batch")
     services: list[tuple[Service, Unit]] = []
     try:
         services.append(start_unit(host, "cortex-node@.service", node_notify))
         services.append(start_unit(host, "cortex-gateway.service", gateway_notify))
-        services.append(start_unit(host, "cortex-batch.service"))
+        services.append(start_unit(host, "cortex-batch.service", batch_notify))
         (node, _), (gateway, _), (batch, _) = services
 
         gateway_notify.wait_for("READY=1", gateway, 60)
@@ -146,7 +147,7 @@ def test_units_start_serve_and_stop_as_systemd_would_run_them(tmp_path, host):
         heartbeat = redis.Redis.from_url(host.redis_url).hget(Keys().node(name), "models")
         assert json.loads(heartbeat)[MODEL]["state"] == "ready"  # loaded before READY=1
 
-        wait_until(lambda: "batch worker" in batch.log_tail(), 30, "the batch worker")
+        batch_notify.wait_for("READY=1", batch, 30)
         assert host.redis_url in batch.log_tail()  # from cortex.toml, as the others
         base = f"http://127.0.0.1:{host.port}"
         wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, 10, "the gateway")
@@ -169,3 +170,4 @@ def test_units_start_serve_and_stop_as_systemd_would_run_them(tmp_path, host):
             service.stop()
         node_notify.close()
         gateway_notify.close()
+        batch_notify.close()

@@ -137,11 +137,10 @@ def test_each_unit_runs_sandboxed_as_the_cortex_user_from_the_config_file(servic
     assert unit.value("WantedBy", "Install") == "multi-user.target"
 
 
-def test_the_gateway_and_the_node_say_when_they_are_ready():
-    for service in ("cortex-gateway.service", "cortex-node@.service"):
+def test_every_process_says_when_it_is_ready():
+    for service in ("cortex-gateway.service", "cortex-node@.service", "cortex-batch.service"):
         unit = load(UNITS_DIR / service)
         assert (unit.value("Type"), unit.value("NotifyAccess")) == ("notify", "main")
-    assert load(UNITS_DIR / "cortex-batch.service").value("Type") == "exec"
 
 
 def test_the_node_instance_picks_its_name_and_its_settings_file():
