@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import torch
 from redis.exceptions import RedisError
@@ -45,6 +46,7 @@ class NodeAgent:
         self.name = settings.node_name or f"{socket.gethostname()}-{os.getpid()}"
         self.catalog = Catalog.load(settings.models_file)
         self.started_ms = _now_ms()
+        self.instance = uuid.uuid4().hex  # this process's, in its heartbeat (node_identity.py)
         self.state = NodeState.ACTIVE
         self.models: dict[str, ServedModel] = {}
         self.threads: dict[str, DeviceThread] = {}
@@ -395,6 +397,9 @@ class NodeAgent:
             devices=[self._budgeted(await t.info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
             file_url=self.file_url,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            instance=self.instance,
             pulls=self.puller.progress(),
         )
         key = self.keys.node(self.name)
