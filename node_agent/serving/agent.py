@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from node_agent.files.file_server import FileServer
 from node_agent.files.puller import Puller
 from node_agent.model import devices
+from node_agent.serving import node_identity
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
@@ -62,6 +63,7 @@ class NodeAgent:
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
+        await self._claim_name()
         self.publisher = Publisher(
             self.redis,
             self.keys,
@@ -99,6 +101,19 @@ class NodeAgent:
         await stopping
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
+
+    async def _claim_name(self) -> None:
+        """Refuse to run under a name another live process beats under (node_identity.py)."""
+        try:
+            await node_identity.claim(
+                self.redis,
+                self.keys,
+                self.name,
+                self.settings.heartbeat_ttl_s,
+                self.settings.heartbeat_s / 4,
+            )
+        except RedisError as exc:  # Redis away: its heartbeats are away too
+            log.warning("could not check that no other node runs as %s: %s", self.name, exc)
 
     async def _bind_cpu_threads(self) -> None:
         """`cpu_bind`: the CPU device thread's torch threads one to a CPU each (one CPU device only:
@@ -497,4 +512,8 @@ def run(settings: NodeSettings | None = None) -> None:
     sys.setswitchinterval(settings.gil_switch_interval_s)
     agent = NodeAgent(settings)
     tracing.configure("cortex-node", settings.otlp_endpoint, instance=agent.name)
-    asyncio.run(agent.run())
+    try:
+        asyncio.run(agent.run())
+    except node_identity.NodeNameTaken as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None
