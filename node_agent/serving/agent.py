@@ -14,6 +14,7 @@ import uuid
 import torch
 from redis.exceptions import RedisError
 
+from node_agent import host_share
 from node_agent.files.file_server import FileServer
 from node_agent.files.puller import Puller
 from node_agent.model import devices
@@ -44,7 +45,8 @@ class NodeAgent:
     def __init__(self, settings: NodeSettings):
         self.settings = settings
         self.keys = settings.keys
-        self.name = settings.node_name or f"{socket.gethostname()}-{os.getpid()}"
+        self.name = host_share.node_name(settings)
+        self.agents_here = host_share.AT_START  # node agents on this host, this one too
         self.catalog = Catalog.load(settings.models_file)
         self.started_ms = _now_ms()
         self.instance = uuid.uuid4().hex  # this process's, in its heartbeat (node_identity.py)
@@ -365,6 +367,7 @@ class NodeAgent:
             )
         )
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
+        await self._quietly(host_share.leave(self.redis, self.keys, self.name))
         for thread in self.threads.values():
             thread.stop()
         await self.redis.aclose()
@@ -384,11 +387,36 @@ class NodeAgent:
         while True:
             try:
                 await self._beat()
+                await self._share_cores()
                 await self._notice_redis_restart()
                 outage.ok()
             except Exception as exc:  # Redis away: keep serving, keep trying
                 outage.failed(exc)
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _share_cores(self) -> None:
+        """Renew this agent in its host's set; when agents came or went, re-split the cores
+        (node_agent/host_share.py) on each CPU device thread, unless `torch_threads` or `cpu_bind`
+        fixes them."""
+        agents = await host_share.register(
+            self.redis, self.keys, self.name, self.settings.heartbeat_ttl_s
+        )
+        if agents == self.agents_here:
+            return
+        self.agents_here = agents
+        threads = devices.node_torch_threads(
+            self.settings.torch_threads, list(self.threads), agents
+        )
+        if self.settings.torch_threads or self.settings.cpu_bind or not threads:
+            return
+        for thread in self.threads.values():
+            await thread.call(torch.set_num_threads, threads)
+        log.info(
+            "%d node agents on this host: %d torch threads each (OMP_WAIT_POLICY %s)",
+            agents,
+            threads,
+            os.environ.get("OMP_WAIT_POLICY", "unset"),
+        )
 
     async def _notice_redis_restart(self) -> None:
         """A new Redis process (its run_id changed) may have come back from its append-only file
@@ -505,7 +533,9 @@ def run(settings: NodeSettings | None = None) -> None:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     threads = devices.node_torch_threads(
-        settings.torch_threads, devices.discover(settings.device, settings.cpu_devices)
+        settings.torch_threads,
+        devices.discover(settings.device, settings.cpu_devices),
+        host_share.AT_START,
     )
     if threads:
         torch.set_num_threads(threads)
