@@ -24,6 +24,9 @@ from shared.settings import NodeSettings
 # How many agents were on this host (this one included) when `before_torch` ran; 1 when it did not
 # (an agent started in-process, as tests do) or could not reach Redis.
 AT_START = 1
+# How long `before_torch`'s mark counts before the agent's heartbeats renew it (importing torch
+# and starting take seconds, more on a busy host): others count it from the start.
+STARTING_S = 120.0
 
 
 def node_name(settings: NodeSettings) -> str:
@@ -31,17 +34,17 @@ def node_name(settings: NodeSettings) -> str:
     return settings.node_name or f"{socket.gethostname()}-{os.getpid()}"
 
 
-async def register(redis: aioredis.Redis, keys: Keys, name: str, ttl_s: float) -> int:
-    """Mark `name` as a live agent on this host; returns how many live ones it has, this one too."""
-    key, now, ttl_ms = (
-        keys.host_nodes(socket.gethostname()),
-        int(time.time() * 1000),
-        int(ttl_s * 1000),
-    )
+async def register(
+    redis: aioredis.Redis, keys: Keys, name: str, ttl_s: float, ahead_s: float = 0.0
+) -> int:
+    """Mark `name` as a live agent on this host for `ttl_s` (and `ahead_s` more); returns how many
+    live ones it has, this one too."""
+    key, now = keys.host_nodes(socket.gethostname()), int(time.time() * 1000)
+    ttl_ms = int(ttl_s * 1000)
     async with atomic(redis) as pipe:
-        pipe.zadd(key, {name: now})
+        pipe.zadd(key, {name: now + int(ahead_s * 1000)})
         pipe.zremrangebyscore(key, 0, now - ttl_ms)
-        pipe.pexpire(key, ttl_ms)
+        pipe.pexpire(key, ttl_ms + int(STARTING_S * 1000))  # outlives any mark's count
         pipe.zcard(key)
         *_, count = await pipe.execute()
     return int(count)
@@ -62,7 +65,7 @@ def before_torch(settings: NodeSettings | None = None) -> None:
         redis = connect(settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
         try:
             return await register(
-                redis, settings.keys, node_name(settings), settings.heartbeat_ttl_s
+                redis, settings.keys, node_name(settings), settings.heartbeat_ttl_s, STARTING_S
             )
         finally:
             await redis.aclose()

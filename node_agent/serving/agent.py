@@ -539,6 +539,12 @@ def run(settings: NodeSettings | None = None) -> None:
     )
     if threads:
         torch.set_num_threads(threads)
+    log.info(
+        "torch threads %d (node agents on this host: %d; OMP_WAIT_POLICY %s)",
+        torch.get_num_threads(),
+        host_share.AT_START,
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
     sys.setswitchinterval(settings.gil_switch_interval_s)
     agent = NodeAgent(settings)
     tracing.configure("cortex-node", settings.otlp_endpoint, instance=agent.name)

@@ -41,7 +41,8 @@ def _started(redis_url: str, **env: str) -> str:
 async def test_an_agent_started_beside_another_sets_a_passive_wait_policy(redis_url):
     r = aioredis.Redis.from_url(redis_url)
     assert _started(redis_url) == "None 1"  # alone: OpenMP's default
-    await host_share.register(r, Keys(), "a", 60)
+    await asyncio.sleep(TTL_S + 0.5)
+    assert await host_share.register(r, Keys(), "a", TTL_S) == 2  # b counts while it starts
     assert _started(redis_url) == "PASSIVE 2"
     assert _started(redis_url, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE 2"  # the operator's choice
     await r.aclose()
