@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 from transformers import AutoConfig
 
+from tests import tiny_models
+
 WRITABLE = {T.Q4_0, T.Q4_1, T.Q8_0}
 # Where a k-quant block keeps its float16 super-block scales (d, dmin): the other bytes are codes
 # and 6- or 8-bit sub-scales, valid whatever they hold.
@@ -35,6 +37,18 @@ def _random_k_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -
     for at, scale in zip(_SUPER_SCALES[qtype], (0.002, 0.006)):
         blocks[:, at : at + 2 or None] = np.array([scale], np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def tiny_llama(folder: Path, linear_type: T) -> Path:
+    """A tiny Llama (hidden 64) as `folder/llama.gguf`, its Linear weights as `linear_type`."""
+    hf_folder = tiny_models.build(
+        "llama",
+        folder / "llama",
+        tiny_models.make_tokenizer(),
+        hidden_size=64,
+        intermediate_size=128,
+    )
+    return write(hf_folder, folder / "llama.gguf", linear_type)
 
 
 def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:

@@ -51,14 +51,8 @@ async def test_a_node_restarted_after_a_crash_starts_once_the_old_heartbeat_expi
 ):
     r = aioredis.Redis.from_url(redis_url)
     keys, now = Keys(), int(time.time() * 1000)
-    crashed = NodeHeartbeat(
-        node="phoenix",
-        version="x",
-        started_ms=now,
-        heartbeat_ms=now,
-        host="h",
-        pid=1,
-        instance="old",
+    crashed = NodeHeartbeat.empty("phoenix").model_copy(
+        update=dict(heartbeat_ms=now, host="h", pid=1, instance="old")
     )
     await r.hset(keys.node("phoenix"), mapping=crashed.to_hash())
     await r.pexpire(keys.node("phoenix"), 1000)

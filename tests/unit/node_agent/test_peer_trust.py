@@ -161,13 +161,12 @@ async def test_a_peer_advertising_a_file_url_off_its_host_never_gets_the_secret(
     source = f"hf:org/name@{COMMIT}"
     folder = HubRef.parse(source).folder
     now = int(time.time() * 1000)
-    evil = NodeHeartbeat(
-        node="evil",
-        version="x",
-        started_ms=now,
-        heartbeat_ms=now,
-        host="elsewhere.invalid",
-        file_url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+    evil = NodeHeartbeat.empty("evil").model_copy(
+        update=dict(
+            heartbeat_ms=now,
+            host="elsewhere.invalid",
+            file_url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+        )
     )
     await redis.hset(keys.node("evil"), mapping=evil.to_hash())
     await redis.zadd(keys.nodes(), {"evil": now})

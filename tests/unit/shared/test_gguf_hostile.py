@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from shared import gguf_header, memory
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError
-from tests import gguf_files, tiny_models
+from tests import gguf_files
 from tests.gguf_files import ARRAY, ENDLESS, STRING
 from tests.gguf_files import gguf_bytes as _file
 from tests.gguf_files import gguf_kv_string as _kv_str
@@ -89,14 +89,7 @@ def test_a_hostile_header_is_a_clear_error_at_once(tmp_path, why):
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
 def test_a_valid_file_reads_as_the_gguf_package_reads_it(tmp_path, qtype):
-    folder = tiny_models.build(
-        "llama",
-        tmp_path / "llama",
-        tiny_models.make_tokenizer(),
-        hidden_size=64,
-        intermediate_size=128,
-    )
-    path = gguf_files.write(folder, tmp_path / "llama.gguf", qtype)
+    path = gguf_files.tiny_llama(tmp_path, qtype)
     header = gguf_header.read(path)
     reader = GGUFReader(path)
     assert [t.name for t in header.tensors] == [t.name for t in reader.tensors]
