@@ -409,14 +409,14 @@ class NodeAgent:
         )
         if self.settings.torch_threads or self.settings.cpu_bind or not threads:
             return
-        for thread in self.threads.values():
-            await thread.call(torch.set_num_threads, threads)
         log.info(
             "%d node agents on this host: %d torch threads each (OMP_WAIT_POLICY %s)",
             agents,
             threads,
             os.environ.get("OMP_WAIT_POLICY", "unset"),
         )
+        for thread in self.threads.values():  # queued between its steps, not awaited: a load may
+            thread.call(torch.set_num_threads, threads)  # hold the thread for minutes
 
     async def _notice_redis_restart(self) -> None:
         """A new Redis process (its run_id changed) may have come back from its append-only file
