@@ -74,7 +74,7 @@ async def test_a_running_agent_resplits_the_cores_when_agents_come_and_go(
             await asyncio.sleep(0.1)
         assert await _threads(agent) == CORES
     async with running_agent(redis_url, **settings | dict(torch_threads=CORES)) as agent:
-        for _ in range(20):
+        for _ in range(50):
             await host_share.register(r, Keys(), "sibling", TTL_S)
             await asyncio.sleep(0.1)
         assert agent.agents_here == 2 and await _threads(agent) == CORES  # the setting decides
