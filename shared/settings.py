@@ -162,9 +162,9 @@ class NodeSettings(CortexSettings):
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
-    torch_threads: int = (
-        0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
-    )
+    # 0: on a CPU node its share of the host's cores, all of them when it is the only node agent
+    # there (node_agent/host_share.py); on a GPU torch's default
+    torch_threads: int = 0
     # A CPU node's torch threads bound one to a CPU each ("" off; "auto": the first CPUs it may run
     # on; or a list such as "0-15" or "0,2,4,6", as vLLM's VLLM_CPU_OMP_THREADS_BIND)
     cpu_bind: str = ""
@@ -190,7 +190,8 @@ class NodeSettings(CortexSettings):
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     # Where a CPU node keeps Inductor's caches for the decode step it compiles at load
-    # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode eagerly.
+    # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode
+    # eagerly, as when another user owns the folder or its group or others may write to it.
     compile_cache: Path | None = Path.home() / ".cache" / "cortex" / "compiled"
 
     @field_validator("convert_cache", "compile_cache", mode="before")
