@@ -44,11 +44,9 @@ async def entry_waiting(
                 home, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1
             )
         except ResponseError as exc:
-            if str(exc).startswith(
-                "NOGROUP"
-            ):  # the stream itself is gone (a Redis that kept nothing)
-                continue
-            raise
+            if not str(exc).startswith("NOGROUP"):  # a waiting room (no group), or a stream gone
+                raise
+            pending = []
         if pending:  # read by a node: fine only if that was after we listened again
             return pending[0]["time_since_delivered"] < listening_for_ms
         if await client.xrange(home, min=entry_id, max=entry_id):

@@ -125,9 +125,19 @@ def test_bands_and_stream_names():
         KEYS.node_jobs(M, "n1", "interactive", "high"),
         KEYS.moved_jobs(M, "interactive", "high"),
         KEYS.jobs(M, "interactive", "high"),
+        KEYS.waiting_keys(M, "interactive", "high"),
         KEYS.node_jobs(M, "n1"),
         KEYS.moved_jobs(M),
         KEYS.jobs(M),
+        KEYS.waiting_keys(M),
+    ]
+    room = KEYS.waiting_room("a:b", "key-1", "batch", "high")
+    assert room == "cortex:waiting:a:b:batch:high:~key-1"
+    assert queues.parse(KEYS, room) == queues.StreamName("a:b", "batch", "high", tenant="key-1")
+    assert queues.streams_before(KEYS, KEYS.waiting_room(M, "k", "interactive", "high")) == [
+        KEYS.moved_jobs(M, "interactive", "high"),
+        KEYS.jobs(M, "interactive", "high"),
+        KEYS.waiting_keys(M, "interactive", "high"),  # its own list of rooms, last
     ]
     assert [queues.band(p) for p in (-5, 0, None, 3)] == ["high", "normal", "normal", "low"]
     assert KEYS.jobs(M) == "cortex:jobs:m" and KEYS.jobs(M, "batch") == "cortex:jobs:m:batch"
