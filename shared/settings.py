@@ -1,5 +1,7 @@
 """Settings, one class per service. Values come from the environment (`CORTEX_` prefix) and,
-optionally, a TOML file named by `CORTEX_CONFIG` (a `[gateway]` / `[node]` table each)."""
+optionally, a TOML file named by `CORTEX_CONFIG` (`cortex … --config PATH`; the packages' units pass
+/etc/cortex/cortex.toml): its top-level keys apply to every part, its `[gateway]`, `[node]` and
+`[batch]` tables to one each (the batch worker reads `[gateway]` too, `[batch]` over it)."""
 
 import os
 from pathlib import Path
@@ -14,15 +16,16 @@ from pydantic_settings import (
 )
 
 
-class _TomlTable(TomlConfigSettingsSource):
-    """Reads one table of the file named by CORTEX_CONFIG."""
+class _TomlTables(TomlConfigSettingsSource):
+    """Reads the file named by CORTEX_CONFIG: its top-level keys, then `tables` (each over the last)."""
 
-    def __init__(self, settings_cls: type[BaseSettings], table: str):
+    def __init__(self, settings_cls: type[BaseSettings], tables: tuple[str, ...]):
         path = os.environ.get("CORTEX_CONFIG")
         super().__init__(settings_cls, toml_file=Path(path) if path else None)
-        self.toml_data = self.toml_data.get(table, {}) | {
-            k: v for k, v in self.toml_data.items() if not isinstance(v, dict)
-        }
+        found = {k: v for k, v in self.toml_data.items() if not isinstance(v, dict)}
+        for table in tables:
+            found |= self.toml_data.get(table, {})
+        self.toml_data = found
 
     def __call__(self) -> dict[str, Any]:
         return self.toml_data
@@ -30,7 +33,7 @@ class _TomlTable(TomlConfigSettingsSource):
 
 class CortexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORTEX_", extra="ignore")
-    toml_table: ClassVar[str] = ""
+    toml_tables: ClassVar[tuple[str, ...]] = ()
 
     redis_url: str = (
         "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
@@ -49,7 +52,7 @@ class CortexSettings(BaseSettings):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _TomlTable(settings_cls, cls.toml_table)
+        return init_settings, env_settings, _TomlTables(settings_cls, cls.toml_tables)
 
     @property
     def keys(self):
@@ -60,7 +63,7 @@ class CortexSettings(BaseSettings):
 
 
 class GatewaySettings(CortexSettings):
-    toml_table: ClassVar[str] = "gateway"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway",)
 
     host: str = "127.0.0.1"
     port: int = 31313
@@ -149,7 +152,7 @@ class GatewaySettings(CortexSettings):
 
 
 class NodeSettings(CortexSettings):
-    toml_table: ClassVar[str] = "node"
+    toml_tables: ClassVar[tuple[str, ...]] = ("node",)
 
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
@@ -219,9 +222,9 @@ class NodeSettings(CortexSettings):
 
 
 class BatchSettings(GatewaySettings):
-    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (table `[batch]`)."""
+    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (tables `[gateway]`, then `[batch]`)."""
 
-    toml_table: ClassVar[str] = "batch"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway", "batch")
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
     batch_max_tries: int = (

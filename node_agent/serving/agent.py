@@ -20,7 +20,7 @@ from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
-from shared import __version__, recovery, tracing
+from shared import __version__, recovery, systemd_notify, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.errors import BrokerUnavailable, CortexError
@@ -94,8 +94,11 @@ class NodeAgent:
         ):  # stopped while starting: a download may take hours, a load finishes
             await self.puller.stop()
         await starting
+        if not self._stop.is_set():  # a Type=notify unit (packaging/systemd) starts now
+            systemd_notify.ready(f"serving {', '.join(self.models) or 'no model'} as {self.name}")
         await stopping
         log.info("node %s stopping", self.name)
+        systemd_notify.stopping()
         await self.shutdown(tasks)
 
     async def _bind_cpu_threads(self) -> None:
