@@ -89,6 +89,12 @@ class Keys:
         moves each onto the shared stream as it reads it. Deleted once empty."""
         return f"{self.waiting_keys(model, job_class, band)}:~{tenant}"
 
+    @staticmethod
+    def shared_of(room: str) -> str:
+        """The shared stream a waiting room's jobs are for (`waiting_room` → `jobs` of its model,
+        class and band), whatever the prefix or hash tags (a prefix holding ``waiting:`` aside)."""
+        return room.rsplit(":~", 1)[0].replace("waiting:", "jobs:", 1)
+
     def prefixes(self, model: str, node: str) -> str:
         """Hash with TTL (the node's heartbeat TTL, renewed by its heartbeats): conversation prefixes
         whose KV `node`'s cache holds for `model`, as the gateway names them (`shared.prefix_marks`)

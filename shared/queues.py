@@ -115,6 +115,11 @@ def homes(stream: str) -> list[str]:
     return [stream, Keys.moved_of(stream)] if ":@" in stream else [stream]
 
 
+def is_waiting_room(stream: str) -> bool:
+    """Whether a job's key is a waiting room (`Keys.waiting_room`) rather than a stream nodes read."""
+    return ":~" in stream and ":@" not in stream
+
+
 def model_of(keys: Keys, stream: str) -> str | None:
     """The model a job stream key belongs to (None for a key that is not a job stream)."""
     name = parse(keys, stream)

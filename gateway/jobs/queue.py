@@ -70,7 +70,7 @@ async def _position(
     redis: aioredis.Redis, keys: Keys, stream: str, entry_id: str, *, take_back: bool
 ) -> int:
     script = redis.register_script(queues.QUEUE_POSITION_LUA)
-    waiting_room = "1" if (name := queues.parse(keys, stream)) and name.tenant is not None else "0"
+    waiting_room = "1" if queues.is_waiting_room(stream) else "0"
     for where in queues.homes(stream):
         ahead = queues.streams_before(keys, where)
         args = [entry_id, CONSUMER_GROUP, POSITION_CAP, "1" if take_back else "0", waiting_room]

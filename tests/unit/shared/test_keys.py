@@ -41,6 +41,7 @@ def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
         "all_waiting",
         "stream_suffix",
         "moved_of",
+        "shared_of",
     }
     for name, method in inspect.getmembers(Keys, inspect.isfunction):
         if name.startswith("_") or name in lone:

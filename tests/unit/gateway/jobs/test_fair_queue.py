@@ -5,6 +5,7 @@ shedding by queue depth (shared/queues.py, gateway/jobs/queue.py, node_agent/ser
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.bus.queued_jobs import entry_waiting
 from gateway.jobs import queue
 from node_agent.serving.job_reader import JobReader
 from shared import queues
@@ -31,7 +32,7 @@ async def reader(r) -> JobReader:
 
 
 async def enqueue(r, tenant: str, job: str, stream: str = SHARED, max_waiting: int = 0):
-    fields = {"job": job}
+    fields = {"job": job, "channel": f"events:{job}"}
     return await queue.enqueue(
         r, KEYS, stream, fields, tenant=tenant, max_waiting=max_waiting, maxlen=1000
     )
@@ -134,3 +135,20 @@ async def test_more_than_the_limit_waiting_is_refused_and_writes_nothing(r, read
     assert not await r.exists(KEYS.waiting_room(M, "b"))
     batch = KEYS.jobs(M, "batch")  # another class's jobs do not count against interactive ones
     assert (await enqueue(r, "b", "x", stream=batch, max_waiting=3))[0] == batch
+
+
+async def test_after_redis_restarts_a_job_taken_from_its_room_is_found_on_the_shared_stream(
+    r, reader
+):
+    """The gateway's check of a queued job's entry once its events are listened to again
+    (gateway/bus/queued_jobs.py): in its room it waits on; taken onto the shared stream by a node
+    since, it waits on only if that was after the gateway listened again."""
+    await enqueue(r, "a", "a0")
+    room, entry_id = await enqueue(r, "a", "a1")
+    channel = b"events:a1"
+    assert await entry_waiting(r, room, entry_id, float("inf"), channel)
+    await reader.read(free=2, batch_free=0)  # a0, then a1 from its room
+    assert not await r.exists(room)
+    assert await entry_waiting(r, room, entry_id, 60_000, channel)  # read within the last minute
+    assert not await entry_waiting(r, room, entry_id, 0, channel)  # read before we listened
+    assert not await entry_waiting(r, room, entry_id, 60_000, b"events:other")
