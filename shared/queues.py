@@ -181,14 +181,14 @@ for i, key in ipairs(KEYS) do
     end
     out[i] = {waiting(key, ARGV[1]), 0, oldest}
   else
-  local len = redis.call('XLEN', key)
-  local n, maxp = pending(key, ARGV[1])
-  local oldest = ''
-  if len > n then
-    local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
-    if r[1] then oldest = r[1][1] end
-  end
-  out[i] = {math.max(len - n, 0), n, oldest}
+    local len = redis.call('XLEN', key)
+    local n, maxp = pending(key, ARGV[1])
+    local oldest = ''
+    if len > n then
+      local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
+      if r[1] then oldest = r[1][1] end
+    end
+    out[i] = {math.max(len - n, 0), n, oldest}
   end
 end
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}

@@ -5,7 +5,8 @@ subscribes to the job's event channel (confirmed by Redis) and only then XADDs t
 stream (or its caller's waiting room: fair shares, gateway/jobs/queue.py), unless too many jobs
 wait already (`queue_max_waiting`: 503 at once); a job a client may resume gets its event log
 (`shared.event_log`) first. An interactive job carries its queue deadline (`queue_timeout_s` or
-the `x-cortex-queue-timeout` header). The job that comes back is followed to its end by gateway/jobs/job.py.
+the `x-cortex-queue-timeout` header). The job that comes back is followed to its end by
+gateway/jobs/job.py.
 
 Words: a job's `job_class` is `interactive` (API requests) or `batch` (batch lines); a request's
 `priority` (lower is sooner) picks its band within that class (shared/queues.py)."""
