@@ -87,8 +87,8 @@ class Fleet:
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
-        """Per model: queued jobs by class (the own streams of `nodes` and the waiting rooms too), running jobs, replicas taking
-        jobs, oldest wait (every model's sent at once)."""
+        """Per model: queued jobs by class (the own streams of `nodes` and the waiting rooms
+        too), running jobs, replicas taking jobs, oldest wait (every model's sent at once)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
         streams = {
             model: queues.streams(
