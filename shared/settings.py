@@ -85,6 +85,13 @@ class GatewaySettings(CortexSettings):
     # streaming clients that wait in the queue get `: queued position=N` comments this often
     queue_position_poll_s: float = 0.25
     queued_after_s: float = 0.1  # no first token within this long: look up the queue position
+    # overload (docs/operations.md, "Fair shares and overload"): an interactive request still queued
+    # after `queue_timeout_s` (the `x-cortex-queue-timeout` header may set its own, up to
+    # `request_timeout_s`; 0: no deadline but that) is taken off the queue and answered 503
+    # `queue_timeout`; one finding more than `queue_max_waiting` interactive jobs waiting for its
+    # model (0: no limit) is refused at once with 503 `queue_full`; both with `Retry-After`
+    queue_timeout_s: float = Field(120.0, ge=0)
+    queue_max_waiting: int = Field(1000, ge=0)
     stream_maxlen: int = 100_000  # MAXLEN ~ for each per-model job stream
     eviction_strategy: Literal["lru", "priority"] = "lru"
     janitor_interval_s: float = 1.0  # how often one gateway checks for dead nodes and unplaced work

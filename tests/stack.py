@@ -119,7 +119,8 @@ class Stack:
             self.cluster.stop()
 
     def assert_clean(self, timeout_s: float = 5.0) -> None:
-        """No pending entries, no queued jobs, and no keys beyond the documented ones."""
+        """No pending entries, no queued jobs (on a stream or in a waiting room), and no keys beyond
+        the documented ones."""
         client = self.client()
 
         def clean() -> bool:
@@ -127,7 +128,7 @@ class Stack:
             busy = any(
                 client.xlen(s) or client.xpending(s, CONSUMER_GROUP)["pending"] for s in streams
             )
-            return not busy
+            return not busy and not client.keys("cortex:waiting:*")  # no job in a waiting room
 
         try:
             wait_until(clean, timeout_s, "jobs to be acknowledged")

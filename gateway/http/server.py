@@ -25,10 +25,11 @@ from gateway.http.middleware import (
     SESSION_HEADER,
     HeaderVarMiddleware,
     TracingMiddleware,
+    latin1,
     request_id,
     session,
 )
-from gateway.jobs import background
+from gateway.jobs import background, queue
 from gateway.jobs.submit import session_header_var
 from gateway.tracing import TraceLogFormatter, request_id_var
 from shared import __version__, systemd_notify, tracing
@@ -127,6 +128,9 @@ def create_app(
     )
     app.add_middleware(
         HeaderVarMiddleware, header=SESSION_HEADER, var=session_header_var, value=session
+    )
+    app.add_middleware(
+        HeaderVarMiddleware, header=queue.TIMEOUT_HEADER, var=queue.timeout_header_var, value=latin1
     )
     app.add_middleware(TracingMiddleware)  # inside the request id's: its span names the request id
     app.add_middleware(
