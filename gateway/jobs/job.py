@@ -29,10 +29,11 @@ from gateway.jobs import queue
 from gateway.jobs.caller import Caller
 from gateway.jobs.context import JobContext
 from gateway.tracing import JobTrace, request_id_var
+from shared import stored_events
 from shared.errors import CortexError, Timeout, error_from_code
 from shared.lifecycle import JobState
 from shared.redis_conn import publish
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent
+from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent, StoredEvent
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class Job:
         self._heard = heard  # what the bus hears on the job's channel (gateway/bus/router.py)
         self._first: DeltaEvent | DoneEvent | None = None  # read by `first_event`, not yet yielded
         self._ending: DoneEvent | ErrorEvent | None = None  # how the node ended it, once it did
+        self._stored = (
+            False  # an event came through `Keys.result` (deleted at the end, if unresumable)
+        )
         self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
 
     def _become(self, state: JobState) -> None:
@@ -206,6 +210,11 @@ class Job:
         item = await self._get()
         if isinstance(item, CortexError):  # the bus lost the job's events, or none came in time
             raise item
+        if isinstance(
+            item, StoredEvent
+        ):  # too large for pub/sub: the node left it in `Keys.result`
+            self._stored = True
+            item = await stored_events.resolve(self._ctx.redis, self._ctx.keys, self.id, item)
         if self.state is JobState.QUEUED:
             self._become(JobState.RUNNING)
         if isinstance(item, StartEvent):  # kept here, renderers read it; a retried job starts again
@@ -254,6 +263,7 @@ class Job:
                 await self._cancel()
             self._ctx.routing.ended(self.id)
             await self._unsubscribe()
+            await self._drop_stored()
 
     async def detach(self) -> None:
         """The client went away (or this gateway is stopping): close the job, unless it may run on
@@ -324,6 +334,15 @@ class Job:
                 await publish(redis, keys.cancel(), self.id)
         except RedisError as exc:
             log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
+
+    async def _drop_stored(self) -> None:
+        """A job nobody can resume read its stored events once: they go now rather than expire."""
+        if not self._stored or self.on_disconnect != OnDisconnect.CANCEL:
+            return
+        try:
+            await self._ctx.redis.delete(self._ctx.keys.result(self.id))
+        except RedisError as exc:
+            log.warning("job=%s: could not delete its stored result: %s", self.id, exc)
 
     async def _unsubscribe(self) -> None:
         await self._ctx.bus.unsubscribe(self._ctx.keys.events(self.id), self._heard)
