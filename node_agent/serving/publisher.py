@@ -59,9 +59,7 @@ class Publisher:
         None
     )  # a running job whose events Redis did not take
     retention_s: int = 600  # a job's event log lives this long after it ends (`stream_retention_s`)
-    max_event_bytes: int = (
-        1 << 20
-    )  # larger events go to `Keys.result` (`NodeSettings.max_event_bytes`)
+    max_event_bytes: int = 64 << 10  # larger events go to `Keys.result` (NodeSettings)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
     _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
