@@ -2,8 +2,9 @@
 caller may use it and is within its limits), `admit_and_submit` (every generation request's one
 way in: a route's, a resumed stream's first submission, a batch line's) and `submit`, which
 subscribes to the job's event channel (confirmed by Redis) and only then XADDs the job to its
-stream; a job a client may resume gets its event log (`shared.event_log`) in the same round trip,
-first. The job that comes back is followed to its end by gateway/jobs/job.py.
+stream; every job gets its event log (`shared.event_log`) in the same round trip, first: a client
+may resume one that is `resumable`, and any job reads on from it when the bus's link drops (one
+nobody can resume deletes it when it ends). The job that comes back is followed to its end by gateway/jobs/job.py.
 
 Words: a job's `job_class` is `interactive` (API requests) or `batch` (batch lines); a request's
 `priority` (lower is sooner) picks its band within that class (shared/queues.py)."""
@@ -111,17 +112,13 @@ async def submit(
     heard = await ctx.bus.subscribe(channel)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
-            if resumable is not None:
-                resumable.owner, resumable.metered, resumable.model = (
-                    caller.name,
-                    metered,
-                    request.model,
-                )
-                resumable.created, resumable.prompt_text = created, prompt_text
-                log_key = ctx.keys.event_log(request.job)
-                pipe.xadd(log_key, {event_log.RECORD: resumable.dumps()})
-                retention_s = ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s)
-                pipe.expire(log_key, retention_s)
+            record = resumable or Resumable("", on_disconnect=OnDisconnect.CANCEL)
+            record.owner, record.metered, record.model = caller.name, metered, request.model
+            record.created, record.prompt_text = created, prompt_text
+            log_key = ctx.keys.event_log(request.job)
+            pipe.xadd(log_key, {event_log.RECORD: record.dumps()})
+            retention_s = ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s)
+            pipe.expire(log_key, retention_s)
             pipe.hincrby(ctx.keys.routing(request.model), route.outcome, 1)
             maxlen = ctx.settings.stream_maxlen
             pipe.xadd(stream, entry.to_fields(), maxlen=maxlen, approximate=True)
@@ -147,9 +144,10 @@ async def submit(
         trace=trace,
         session=session,
     )
-    job.stream, job.entry_id = stream, entry_id
+    job.stream, job.entry_id, job.logged = stream, entry_id, True
     trace.queued(stream, entry_id)
     ctx.bus.track(channel, stream, entry_id)  # while queued, it may wait out a Redis restart
+    ctx.bus.logged(channel)  # once running, a dropped link reads on from its log
     log.info(
         "job=%s request=%s key=%s queued on %s as %s",
         job.id,
