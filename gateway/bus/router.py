@@ -9,10 +9,10 @@ tokens. When a connection breaks (Redis restarts, the network goes, a cluster's 
 router reconnects it with backoff, and nothing waits for events that were published while nobody
 listened; only the jobs whose channels that connection carried are touched:
 
-- a job with an event log (`logged`) is told `EventsMissed`, then again once Redis is back and
-  its channel subscribed again: it reads what it missed from its log and goes on (up to
-  `outage_wait_s`);
-- a job without one that has heard an event (a node runs it) gets `BrokerUnavailable` on its queue at once;
+- a job that has heard an event (a node runs it) and has an event log (`logged`: every job the
+  gateway submits) is told `EventsMissed`, then again once Redis is back and its channel is
+  subscribed again: it reads what it missed from its log and goes on (up to `outage_wait_s`);
+- one without a log gets `BrokerUnavailable` on its queue at once;
 - a job still waiting in its stream (`track`ed, nothing heard) waits on, up to `outage_wait_s`.
   Once Redis is back the router subscribes to it again and then looks at its stream entry: still
   there and unread (or read only after the new subscription), it is served as if nothing had
