@@ -122,6 +122,13 @@ class Keys:
         after the job ends."""
         return self._tagged("eventlog", job)
 
+    def result(self, job: str) -> str:
+        """Hash with TTL (`stream_retention_s`): a job's events too large for pub/sub (over the node's
+        `max_event_bytes`: embeddings, rerank scores, prompt logprobs, long outputs), each packed
+        under the field its `stored` event names (`shared.wire.StoredEvent`). The gateway that reads
+        a job nobody can resume deletes it; else it expires."""
+        return self._tagged("result", job)
+
     def detached(self, job: str) -> str:
         """String with PX: the token of the last client that stopped reading the job; whoever
         wrote it cancels the job after `disconnect_grace_s` if it is still the last and nobody reads."""

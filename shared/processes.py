@@ -164,6 +164,11 @@ def free_port() -> int:
 
 # Redis's own default snapshot schedule (after 1 h and 1 change, 5 min and 100, 1 min and 10,000)
 SNAPSHOTS = "3600 1 300 100 60 10000"
+# What a pub/sub client (a gateway's event router) may leave unread before Redis cuts it: at once past
+# 32 MB, or past 8 MB for 60 s (Redis's own defaults, set here knowingly). A cut drops every job's
+# events on that gateway at once; nodes keep every event under `max_event_bytes` (64 KiB), so it takes
+# hundreds of the largest unread to come near, and the gateway resumes its jobs from their event logs.
+PUBSUB_BUFFER_LIMIT = "pubsub 32mb 8mb 60"
 
 
 def redis_server_argv(
@@ -176,6 +181,7 @@ def redis_server_argv(
     if binary is None:
         raise FileNotFoundError("redis-server is not on PATH")
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1"]
+    argv += ["--client-output-buffer-limit", PUBSUB_BUFFER_LIMIT]
     if durable:
         if workdir is None:
             raise ValueError("a durable redis-server needs a workdir for its files")

@@ -209,6 +209,14 @@ class NodeSettings(CortexSettings):
     min_free_mb: int = (
         256  # below this much free device memory, new jobs get 503 insufficient_memory
     )
+    # The largest event a node publishes: a bigger one (an embedding job's vectors, prompt logprobs, a
+    # long answer not streamed) waits in the job's `Keys.result` hash and its pointer is published
+    # instead, so no pub/sub message comes near Redis's `client-output-buffer-limit pubsub`.
+    # 64 KiB: Redis cuts a subscriber at 32 MB unread (`shared.processes.PUBSUB_BUFFER_LIMIT`), so
+    # 512 of the largest events could wait unread on a gateway's connection before it did.
+    max_event_bytes: int = Field(64 << 10, ge=4096)
+    # An embedding job's inputs × dimensions (floats returned) at most: more is refused with a 400.
+    max_pooled_floats: int = Field(1 << 22, ge=1)
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish
     # A replica `loading` or `poisoned` for longer than this is given up (`failed`), so that the fleet
     # places its model elsewhere (node_agent/serving/replica.py)

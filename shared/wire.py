@@ -282,7 +282,16 @@ class ErrorEvent(_Event, tag="error", kw_only=True):
     message: str
 
 
-Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent
+class StoredEvent(_Event, tag="stored", kw_only=True):
+    """In place of an event larger than the node's `max_event_bytes`: that event, packed, waits in
+    the job's `Keys.result` hash under `field` (`size` bytes); the gateway reads it from there and
+    goes on as if it had come itself (gateway/jobs/job.py). Pub/sub and event logs carry only this."""
+
+    field: str
+    size: int
+
+
+Event = StartEvent | DeltaEvent | DoneEvent | ErrorEvent | StoredEvent
 StepEvents = list[
     tuple[str, list[Event]]
 ]  # one engine step: (job id, its events in order) per job with news

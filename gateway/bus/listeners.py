@@ -7,8 +7,15 @@ import asyncio
 from collections.abc import Callable
 
 from gateway.bus.links import Link
-from shared.errors import CortexError
+from shared.errors import BrokerUnavailable, CortexError
 from shared.wire import Event
+
+
+class EventsMissed(BrokerUnavailable):
+    """Told to a job with an event log when its channel's link drops, and again once it is
+    subscribed again: events published meanwhile reached nobody here, but its log has them
+    (gateway/jobs/job.py reads on from there). A job that cannot read a log fails with it (503)."""
+
 
 Item = Event | CortexError  # what a job's queue holds
 

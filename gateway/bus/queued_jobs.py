@@ -6,6 +6,10 @@ still unread, or read only after the new subscription, it is served as if nothin
 durable Redis, or the replica that took over, kept it); gone (a Redis that kept nothing), or read
 while nobody listened, it fails with `BrokerUnavailable`.
 
+A job with an event log (`logged`) that heard an event (a node runs it) is parked too: it is told
+`EventsMissed` when the link drops and again once its channel is subscribed again, and reads on from
+its log (gateway/jobs/job.py); it fails only if the link stays down past `outage_wait_s`.
+
 On a cluster a job's stream and its channel may live on different shards: when a stream's shard
 comes back after a failover, the queued jobs listened to elsewhere whose entries it held are
 checked by the same rule (`entry_waiting`, the one copy of it)."""
@@ -19,7 +23,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError, RedisError, ResponseError
 
 from gateway.bus.links import Link
-from gateway.bus.listeners import Listeners
+from gateway.bus.listeners import EventsMissed, Listeners
 from shared import queues
 from shared.errors import BrokerUnavailable
 from shared.keys import CONSUMER_GROUP, Keys
@@ -86,6 +90,7 @@ class QueuedJobs:
             outage_wait_s,
         )
         self.entries: dict[bytes, tuple[str, str]] = {}  # channel -> its job's (stream, entry id)
+        self.logged: set[bytes] = set()  # channels of jobs with an event log
         self._parked: dict[
             Link, set[bytes]
         ] = {}  # per link: queued jobs waiting for it to come back
@@ -97,6 +102,7 @@ class QueuedJobs:
 
     def forget(self, key: bytes) -> None:
         self.entries.pop(key, None)
+        self.logged.discard(key)
         for parked in self._parked.values():
             parked.discard(key)
 
@@ -105,11 +111,16 @@ class QueuedJobs:
             check.cancel()
 
     def park(self, link: Link, keys: list[bytes]) -> list[bytes]:
-        """`link` broke: park its queued jobs; returns the others (they fail)."""
+        """`link` broke: park its queued jobs, and its running jobs with an event log (told
+        `EventsMissed` when first parked); returns the others (they fail)."""
         parked = self._parked.setdefault(link, set())
         failing = []
         for key in keys:
             if key in self.entries and self._listeners.waiting(key):
+                parked.add(key)
+            elif key in self.logged:
+                if key not in parked:
+                    self._listeners.tell(key, EventsMissed("lost the connection to Redis"))
                 parked.add(key)
             else:
                 failing.append(key)
@@ -191,6 +202,10 @@ class QueuedJobs:
         listening_ms = loop.time() * 1000
         resumed = 0
         for key in confirmations:
+            if key in self.logged and not self._listeners.waiting(key):  # what it missed is logged
+                resumed += 1
+                self._listeners.tell(key, EventsMissed("the connection to Redis is back"))
+                continue
             if not self._listeners.waiting(key) or key not in self.entries:
                 continue  # the client left, or the job is being served
             stream, entry_id = self.entries[key]

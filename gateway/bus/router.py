@@ -9,7 +9,10 @@ tokens. When a connection breaks (Redis restarts, the network goes, a cluster's 
 router reconnects it with backoff, and nothing waits for events that were published while nobody
 listened; only the jobs whose channels that connection carried are touched:
 
-- a job that has heard an event (a node runs it) gets `BrokerUnavailable` on its queue at once;
+- a job that has heard an event (a node runs it) and has an event log (`logged`: every job the
+  gateway submits) is told `EventsMissed`, then again once Redis is back and its channel is
+  subscribed again: it reads what it missed from its log and goes on (up to `outage_wait_s`);
+- one without a log gets `BrokerUnavailable` on its queue at once;
 - a job still waiting in its stream (`track`ed, nothing heard) waits on, up to `outage_wait_s`.
   Once Redis is back the router subscribes to it again and then looks at its stream entry: still
   there and unread (or read only after the new subscription), it is served as if nothing had
@@ -118,6 +121,12 @@ class EventRouter:
         to come back rather than fail when the connection breaks before any event came."""
         if (key := channel.encode()) in self.listeners:
             self.queued.track(key, stream, entry_id)
+
+    def logged(self, channel: str) -> None:
+        """The job listening on `channel` has an event log: a broken connection parks it (it reads
+        what it missed from the log) rather than failing it."""
+        if (key := channel.encode()) in self.listeners:
+            self.queued.logged.add(key)
 
     async def unsubscribe(self, channel: str, queue: asyncio.Queue[Item]) -> None:
         """Stop routing `channel` to `queue`; the last listener here unsubscribes. Idempotent."""

@@ -23,9 +23,9 @@ from gateway.jobs import queue
 from gateway.jobs.job import Resumable
 from gateway.stores.files import visible
 from gateway.stores.responses import Kept
-from shared import event_log
+from shared import event_log, stored_events
 from shared.api_keys import ANONYMOUS
-from shared.errors import InvalidRequest, NotFound
+from shared.errors import GenerationFailed, InvalidRequest, NotFound
 from shared.redis_conn import broker_error, publish
 from shared.wire import Event, WireError, ends_job
 
@@ -78,8 +78,10 @@ async def fold(ctx, response_id: str) -> Folded | None:
     events: list[Event] = []
     for _, fields in entries[1:]:
         try:
-            events += event_log.events(fields)
-        except WireError as exc:
+            events += await stored_events.resolve_all(
+                ctx.redis, ctx.keys, job, event_log.events(fields)
+            )
+        except (WireError, GenerationFailed) as exc:
             log.error("job=%s: an unreadable event in its log: %s", job, exc)
     parser = parsers_for(record.tools, True, job)() if record.tools else None
     response = folded(
@@ -159,10 +161,14 @@ async def settle_ended(ctx) -> None:
     """For the janitor: store every background response whose job has ended (or whose log is gone)."""
     for raw in await ctx.redis.zrange(ctx.keys.background_responses(), 0, -1):
         response_id = raw.decode()
-        last = await ctx.redis.xrevrange(ctx.keys.event_log(job_of(response_id)), count=1)
+        job = job_of(response_id)
+        last = await ctx.redis.xrevrange(ctx.keys.event_log(job), count=1)
         try:
-            ended = not last or bool((said := event_log.events(last[0][1])) and ends_job(said))
-        except WireError:
+            said = await stored_events.resolve_all(
+                ctx.redis, ctx.keys, job, event_log.events(last[0][1]) if last else []
+            )
+            ended = not last or bool(said and ends_job(said))
+        except (WireError, GenerationFailed):
             ended = True
         if ended:
             await _settle(ctx, response_id)

@@ -6,6 +6,12 @@ in `close` or `detach`), its place in the queue while it waits, and its events a
 node reported. Reading events changes nothing outside the job: what a job's end means (its session
 noted for routing, its tokens counted on the key's metrics, its cancellation when it did not
 finish, the subscription dropped) happens in `close()`, which always runs (the routes see to it).
+Every job has an event log (`shared.event_log`, made by gateway/jobs/submit.py). When the bus's
+link drops (Redis restarts, or cuts the connection), the bus tells the job `EventsMissed`: from then
+on it reads its events from the log, after the ones it had taken, waking at each PUBLISH, so it goes
+on with every event exactly once (a resumed job, gateway/jobs/resume.py, reads the log from the
+start). A job nobody can resume deletes its log and stored results when it ends.
+
 When the client went away, `detach()` runs instead: the job's `on_disconnect` says whether it is
 cancelled at once, after `disconnect_grace_s` unless someone resumes it
 (gateway/jobs/departures.py), or never (`background`).
@@ -15,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -23,18 +30,29 @@ from typing import Any
 import anyio
 from redis.exceptions import RedisError
 
-from gateway.bus.listeners import Item
+from gateway.bus.listeners import EventsMissed, Item
 from gateway.dialects.tools.parsers import Parsers, no_parser
 from gateway.jobs import queue
 from gateway.jobs.caller import Caller
 from gateway.jobs.context import JobContext
 from gateway.tracing import JobTrace, request_id_var
-from shared.errors import CortexError, QueueTimeout, Timeout, error_from_code
+from shared import event_log, stored_events
+from shared.errors import (
+    BrokerUnavailable,
+    CortexError,
+    GenerationFailed,
+    QueueTimeout,
+    Timeout,
+    error_from_code,
+)
 from shared.lifecycle import JobState
-from shared.redis_conn import publish
-from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent
+from shared.redis_conn import broker_error, publish
+from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent, StoredEvent, WireError
 
 log = logging.getLogger(__name__)
+
+READ_COUNT = 512  # event log entries read per round trip
+LOG_RETRY_S = 0.2  # how often a job whose link dropped tries its log again while Redis is away
 
 
 class OnDisconnect(StrEnum):
@@ -116,6 +134,13 @@ class Job:
         self._heard = heard  # what the bus hears on the job's channel (gateway/bus/router.py)
         self._first: DeltaEvent | DoneEvent | None = None  # read by `first_event`, not yet yielded
         self._ending: DoneEvent | ErrorEvent | None = None  # how the node ended it, once it did
+        self.logged = False  # it has an event log: a dropped link reads on from there
+        self._taken = (
+            0  # events taken from the bus (reading the log, the first this many are skipped)
+        )
+        self._last: bytes | None = None  # reading the event log: the last entry read
+        self._read: deque[Item] = deque()  # read from the log, not yet taken
+        self._outage_until: float | None = None  # Redis away since the link dropped: retry until
         self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
 
     def _become(self, state: JobState) -> None:
@@ -207,6 +232,8 @@ class Job:
         item = await self._get()
         if isinstance(item, CortexError):  # the bus lost the job's events, or none came in time
             raise item
+        if isinstance(item, StoredEvent):  # too large for pub/sub: the node left it in Keys.result
+            item = await stored_events.resolve(self._ctx.redis, self._ctx.keys, self.id, item)
         if self.state is JobState.QUEUED:
             self._become(JobState.RUNNING)
         if isinstance(item, StartEvent):  # kept here, renderers read it; a retried job starts again
@@ -223,6 +250,69 @@ class Job:
         return item
 
     async def _get(self) -> Item:
+        """The next item the bus heard; after `EventsMissed` (or for a resumed job), from the log."""
+        if self._last is None:
+            item = await self._next_heard()
+            if not (isinstance(item, EventsMissed) and self.logged):
+                self._taken += not isinstance(item, CortexError)
+                return item
+            log.warning("job=%s: %s; reading on from its event log", self.id, item.message)
+            self._last, self._outage_until = b"0-0", self._outage_deadline()
+        while not self._read:
+            try:
+                if await self._read_log():
+                    continue
+            except RedisError as exc:
+                if self._outage_until is None or time.monotonic() > self._outage_until:
+                    raise broker_error(exc, "could not read the job's events") from exc
+                await asyncio.sleep(LOG_RETRY_S)
+                continue
+            await self._wait_for_news()
+        return self._read.popleft()
+
+    def _outage_deadline(self) -> float:
+        return time.monotonic() + self._ctx.settings.redis_outage_wait_s
+
+    async def _read_log(self) -> bool:
+        """Read the log's entries after the last one read (the first `_taken` events skipped): True
+        when there were any."""
+        log_key = self._ctx.keys.event_log(self.id)
+        entries = await self._ctx.redis.xrange(log_key, min=b"(" + self._last, count=READ_COUNT)
+        if not entries and not await self._ctx.redis.exists(log_key):
+            raise self._log_gone()
+        self._outage_until = None
+        for entry_id, fields in entries:
+            self._last = entry_id
+            try:
+                events = event_log.events(fields)
+            except WireError as exc:
+                self._read.append(
+                    GenerationFailed(f"the node logged an event this gateway cannot read: {exc}")
+                )
+                continue
+            skipped = min(self._taken, len(events))
+            self._taken -= skipped
+            self._read.extend(events[skipped:])
+        return bool(entries)
+
+    def _log_gone(self) -> CortexError:
+        return BrokerUnavailable(f"the event log of job {self.id} was lost while Redis was away")
+
+    async def _wait_for_news(self) -> None:
+        """Until the node publishes again, or the link drops or comes back (then the log may hold
+        news); the bus failing the job (Redis away too long) raises."""
+        news = await self._next_heard()
+        while True:
+            if isinstance(news, EventsMissed):
+                self._outage_until = self._outage_deadline()
+                return
+            if isinstance(news, BrokerUnavailable):
+                raise news
+            if self._heard.empty():
+                return
+            news = self._heard.get_nowait()
+
+    async def _next_heard(self) -> Item:
         """The next item the bus heard for the job, within `request_timeout_s`; while the job is
         queued, also within its queue deadline (then it leaves the queue: `_leave_queue`)."""
         timeout_s = self._ctx.settings.request_timeout_s
@@ -238,7 +328,9 @@ class Job:
                     f"no event from model {self.model} for job {self.id} in {timeout_s:g}s"
                 ) from None
             await self._leave_queue()
-            return await self._get()  # a node has it: its events come within `request_timeout_s`
+            return (
+                await self._next_heard()
+            )  # a node has it: its events come within `request_timeout_s`
         self.trace.taken()
         return item
 
@@ -278,6 +370,7 @@ class Job:
                 await self._cancel()
             self._ctx.routing.ended(self.id)
             await self._unsubscribe()
+            await self._drop_kept()
 
     async def detach(self) -> None:
         """The client went away (or this gateway is stopping): close the job, unless it may run on
@@ -348,6 +441,17 @@ class Job:
                 await publish(redis, keys.cancel(), self.id)
         except RedisError as exc:
             log.warning("job=%s: could not publish its cancellation: %s", self.id, exc)
+
+    async def _drop_kept(self) -> None:
+        """A job nobody can resume has no more use for its event log and stored events: they go
+        now rather than expire."""
+        if self.on_disconnect != OnDisconnect.CANCEL:
+            return
+        keys = self._ctx.keys
+        try:
+            await self._ctx.redis.delete(keys.event_log(self.id), keys.result(self.id))
+        except RedisError as exc:
+            log.warning("job=%s: could not delete its event log: %s", self.id, exc)
 
     async def _unsubscribe(self) -> None:
         await self._ctx.bus.unsubscribe(self._ctx.keys.events(self.id), self._heard)

@@ -11,7 +11,6 @@ sent twice and none is missed, however the reading and the node's writing interl
 """
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -19,19 +18,16 @@ from fastapi import Depends, Header, Query
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
-from gateway.bus.listeners import Item
 from gateway.dialects.tools.parsers import no_parser, parsers_for
 from gateway.jobs.caller import Caller
 from gateway.jobs.context import JobContext
 from gateway.jobs.job import Job, OnDisconnect, Resumable
 from shared import event_log
-from shared.errors import BrokerUnavailable, GenerationFailed, InvalidRequest, NotFound
+from shared.errors import InvalidRequest, NotFound
 from shared.redis_conn import broker_error
-from shared.wire import WireError
 
 log = logging.getLogger(__name__)
 
-READ_COUNT = 512  # log entries read per round trip
 BACKGROUND_HEADER = "x-cortex-background"  # "true": a streamed chat completion or message runs on without its client
 
 
@@ -71,8 +67,9 @@ def on_disconnect(request: Request) -> OnDisconnect:
 
 
 class ResumedJob(Job):
-    """A job rendered again from its event log: `_get` reads the log after the last entry it read,
-    waiting for the node's next PUBLISH (on the job's channel) when it has read it all."""
+    """A job rendered again from its event log: it reads the log (gateway/jobs/job.py) after the last
+    entry it read, waiting for the node's next PUBLISH (on the job's channel) when it has read it
+    all; a dropped link only makes it read the log again."""
 
     def __init__(
         self,
@@ -99,46 +96,11 @@ class ResumedJob(Job):
             timed=False,
         )
         self.record, self.after = record, after
-        self._log = ctx.keys.event_log(job)
-        self._last = record_id
-        self._read: deque[Item] = deque()
+        self.logged = True
+        self._last = record_id  # read from the log from the start
 
-    async def _get(self) -> Item:
-        while not self._read:
-            if not await self._read_log():
-                await self._wait_for_news()
-        return self._read.popleft()
-
-    async def _read_log(self) -> bool:
-        try:
-            entries = await self._ctx.redis.xrange(
-                self._log, min=b"(" + self._last, count=READ_COUNT
-            )
-            if not entries and not await self._ctx.redis.exists(self._log):
-                raise NotFound(f"the event log of job {self.id} expired while it was read")
-        except RedisError as exc:
-            raise broker_error(exc, "could not read the job's events") from exc
-        for entry_id, fields in entries:
-            self._last = entry_id
-            try:
-                self._read.extend(event_log.events(fields))
-            except WireError as exc:
-                self._read.append(
-                    GenerationFailed(f"the node logged an event this gateway cannot read: {exc}")
-                )
-        return bool(entries)
-
-    async def _wait_for_news(self) -> None:
-        """Until the node publishes again (or the bus fails: Redis went away)."""
-        news = await super()._get()  # a Timeout when nothing comes within request_timeout_s
-        while True:
-            if isinstance(
-                news, BrokerUnavailable
-            ):  # the bus lost Redis: what it missed is in the log, not here
-                raise news
-            if self._heard.empty():
-                return
-            news = self._heard.get_nowait()
+    def _log_gone(self) -> NotFound:
+        return NotFound(f"the event log of job {self.id} expired while it was read")
 
 
 async def resume(
@@ -152,6 +114,7 @@ async def resume(
     queue = await ctx.bus.subscribe(
         channel
     )  # before reading the log: nothing the node adds is missed
+    ctx.bus.logged(channel)
     try:
         first = await ctx.redis.xrange(ctx.keys.event_log(job), count=1)
         record = (

@@ -3,10 +3,11 @@ caller may use it and is within its limits), `admit_and_submit` (every generatio
 way in: a route's, a resumed stream's first submission, a batch line's) and `submit`, which
 subscribes to the job's event channel (confirmed by Redis) and only then XADDs the job to its
 stream (or its caller's waiting room: fair shares, gateway/jobs/queue.py), unless too many jobs
-wait already (`queue_max_waiting`: 503 at once); a job a client may resume gets its event log
-(`shared.event_log`) first. An interactive job carries its queue deadline (`queue_timeout_s` or
-the `x-cortex-queue-timeout` header). The job that comes back is followed to its end by
-gateway/jobs/job.py.
+wait already (`queue_max_waiting`: 503 at once); every job gets its event log (`shared.event_log`)
+first: a client may resume one that is `resumable`, and any job reads on from it when the bus's
+link drops (one nobody can resume deletes it when it ends). An interactive job carries its queue
+deadline (`queue_timeout_s` or the `x-cortex-queue-timeout` header). The job that comes back is
+followed to its end by gateway/jobs/job.py.
 
 Words: a job's `job_class` is `interactive` (API requests) or `batch` (batch lines); a request's
 `priority` (lower is sooner) picks its band within that class (shared/queues.py)."""
@@ -117,16 +118,12 @@ async def submit(
     log_key = ctx.keys.event_log(request.job)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
-            if resumable is not None:
-                resumable.owner, resumable.metered, resumable.model = (
-                    caller.name,
-                    metered,
-                    request.model,
-                )
-                resumable.created, resumable.prompt_text = created, prompt_text
-                pipe.xadd(log_key, {event_log.RECORD: resumable.dumps()})
-                retention_s = ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s)
-                pipe.expire(log_key, retention_s)
+            record = resumable or Resumable("", on_disconnect=OnDisconnect.CANCEL)
+            record.owner, record.metered, record.model = caller.name, metered, request.model
+            record.created, record.prompt_text = created, prompt_text
+            pipe.xadd(log_key, {event_log.RECORD: record.dumps()})
+            retention_s = ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s)
+            pipe.expire(log_key, retention_s)
             pipe.hincrby(ctx.keys.routing(request.model), route.outcome, 1)
             await pipe.execute()
         stream, entry_id = await queue.enqueue(
@@ -164,11 +161,12 @@ async def submit(
         trace=trace,
         session=session,
     )
-    job.stream, job.entry_id = stream, entry_id
+    job.stream, job.entry_id, job.logged = stream, entry_id, True
     if job_class == "interactive" and (wait_s := queue.timeout_s(ctx.settings)) > 0:
         job.queue_deadline = asyncio.get_running_loop().time() + wait_s
     trace.queued(stream, entry_id)
     ctx.bus.track(channel, stream, entry_id)  # while queued, it may wait out a Redis restart
+    ctx.bus.logged(channel)  # once running, a dropped link reads on from its log
     log.info(
         "job=%s request=%s key=%s queued on %s as %s",
         job.id,

@@ -11,6 +11,7 @@ differ little in length, so little of it is padding. A job is done when its last
 its result leaves as a `Pooled` record."""
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,7 +74,7 @@ class PoolingEngine(OnDevice):
         self.packed = pack and packed_pooling.enable(loaded)
         self.forwards = 0  # passes run since load
         self._jobs: dict[str, _Job] = {}
-        self._waiting: list[tuple[str, int]] = []  # (job, input index), in arrival order
+        self._waiting: deque[tuple[str, int]] = deque()  # (job, input index), in arrival order
 
     @property
     def max_len(self) -> int:
@@ -104,11 +105,11 @@ class PoolingEngine(OnDevice):
         self._jobs[job] = _Job(
             job, encoded, dimensions, submitted_ms, [None] * len(encoded.rows), len(encoded.rows)
         )
-        self._waiting += [(job, i) for i in range(len(encoded.rows))]
+        self._waiting.extend((job, i) for i in range(len(encoded.rows)))
 
     def cancel(self, job: str) -> None:
         if self._jobs.pop(job, None) is not None:
-            self._waiting = [item for item in self._waiting if item[0] != job]
+            self._waiting = deque(item for item in self._waiting if item[0] != job)
 
     def fail_all(self) -> list[str]:
         """Drop every job (a pass failed); returns their ids."""
@@ -154,24 +155,27 @@ class PoolingEngine(OnDevice):
 
     def _next_pass(self) -> list[tuple[str, int]]:
         """The inputs of the next pass, which leave the queue: packed, those waiting longest that fit
-        the budget; padded, of those waiting longest up to the budget, the longest that fit it padded."""
-        chosen = self._window()
-        if not self.packed:
-            chosen.sort(key=lambda item: -self._length(item))
-            chosen = chosen[: max(1, self.budget // self._length(chosen[0]))]
+        the budget; padded, of those waiting longest up to the budget, the longest that fit it padded
+        (the others go back to the queue's front, in their order). A pass touches its window only,
+        never the whole queue."""
+        window = self._window()
+        if self.packed:
+            return window
+        chosen = sorted(window, key=lambda item: -self._length(item))
+        chosen = chosen[: max(1, self.budget // self._length(chosen[0]))]
         taken = set(chosen)
-        self._waiting = [item for item in self._waiting if item not in taken]
+        self._waiting.extendleft(reversed([item for item in window if item not in taken]))
         return chosen
 
     def _window(self) -> list[tuple[str, int]]:
-        """The inputs waiting longest (one at least): packed, as many as fit the budget; padded, up to
-        the first that reaches it."""
+        """The inputs waiting longest (one at least), taken off the queue: packed, as many as fit the
+        budget; padded, up to the first that reaches it."""
         window, tokens = [], 0
-        for item in self._waiting:
-            length = self._length(item)
+        while self._waiting:
+            length = self._length(self._waiting[0])
             if window and (tokens + length > self.budget if self.packed else tokens >= self.budget):
                 break
-            window.append(item)
+            window.append(self._waiting.popleft())
             tokens += length
         return window
 

@@ -73,6 +73,7 @@ class NodeAgent:
             on_unheard=self._on_unheard,
             on_lost=self._on_lost,
             retention_s=self.settings.stream_retention_s,
+            max_event_bytes=self.settings.max_event_bytes,
         )
         self.publisher.start()
         self.puller = Puller(self.settings, self.redis, self.keys, self.name, self._protected_files)

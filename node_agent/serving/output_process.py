@@ -162,6 +162,7 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
         on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
         on_lost=lambda job: send_feedback(Feedback(lost=[job])),
         retention_s=opened.stream_retention_s,
+        max_event_bytes=opened.max_event_bytes,
         cache_index=index,
     )
     publisher.start()

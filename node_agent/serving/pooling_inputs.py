@@ -1,7 +1,8 @@
 """An embedding or rerank job's inputs as token ids, checked against the model (in the node's
 thread pool, before anything reaches the device thread): texts are tokenised (a rerank input with
 its query, as one pair), token ids must be the model's own, and an input longer than the model
-takes is cut when the request asks (`truncate`) and refused otherwise."""
+takes is cut when the request asks (`truncate`) and refused otherwise. An embedding job's result is
+bounded: its inputs × dimensions at most `max_floats` (`NodeSettings.max_pooled_floats`)."""
 
 from node_agent.engine.pooler import Encoded
 from node_agent.model.pooling import LoadedPooler
@@ -9,10 +10,11 @@ from shared.errors import ContextLengthExceeded, InvalidRequest
 from shared.wire import PoolingRequest
 
 
-def encode(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
+def encode(loaded: LoadedPooler, request: PoolingRequest, max_floats: int = 1 << 22) -> Encoded:
     if request.kind == "rerank":
         return _pairs(loaded, request)
     _check_dimensions(loaded, request.dimensions)
+    _check_result_size(loaded, request, max_floats)
     texts = [(i, text) for i, text in enumerate(request.inputs) if isinstance(text, str)]
     rows: list[list[int]] = [[] for _ in request.inputs]
     if texts:
@@ -68,6 +70,16 @@ def _check_length(tokens: int, max_len: int, index: int, param: str = "input") -
             f"input {index} has {tokens} tokens; this model takes at most {max_len}. Shorten "
             "it, or ask for truncation",
             param=param,
+        )
+
+
+def _check_result_size(loaded: LoadedPooler, request: PoolingRequest, max_floats: int) -> None:
+    dimensions = request.dimensions or loaded.model.config.hidden_size
+    if len(request.inputs) * dimensions > max_floats:
+        raise InvalidRequest(
+            f"{len(request.inputs)} inputs × {dimensions} dimensions is more than this node returns "
+            f"in one request (at most {max_floats} floats): send fewer inputs, or fewer dimensions",
+            param="input",
         )
 
 

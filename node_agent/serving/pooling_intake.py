@@ -84,7 +84,9 @@ class PoolingIntake(Intake):
             self._check_memory()
             return (
                 request,
-                await asyncio.to_thread(encode, self.engine.lm, request),
+                await asyncio.to_thread(
+                    encode, self.engine.lm, request, self.settings.max_pooled_floats
+                ),
                 float(entry.submitted_ms),
             )
         except Exception as exc:

@@ -9,6 +9,11 @@ acknowledgement and token count, with an error event in place of its lost ones (
 the job failed rather than waiting for a `done` that will not come). Each job still running whose
 events were lost is reported to `on_lost`, which fails it.
 
+An event larger than `max_event_bytes` (an embedding job's vectors, prompt logprobs, a long
+answer not streamed) is written to the job's `Keys.result` hash in the same round trip, and a
+`StoredEvent` pointing to it is published (and logged) in its place: pub/sub never carries a message
+near Redis's output buffer limit, whose breach would cut every job on the subscribing gateway.
+
 A job a client may resume has an event log (`shared.event_log`, made by the gateway): each step's
 events for it are appended there too, in the same round trip, and the log's expiry is renewed
 while it runs and set once more when it ends. Such a job runs on when nobody listens (its client
@@ -16,7 +21,9 @@ may come back, or asked it to run on); a job without a log nobody listens to is 
 `on_unheard`, which cancels it."""
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,12 +37,16 @@ from shared import event_log, usage_meter
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import Outage, publish
-from shared.wire import ErrorEvent, pack_event
+from shared.wire import ErrorEvent, StoredEvent, pack_event
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
 NO_LOG = -1.0  # in `Publisher._logs`: the job has no event log
+
+
+class _Stored(bytes):
+    """A packed `StoredEvent` (its event was written to `Keys.result` in the same round trip)."""
 
 
 @dataclass
@@ -48,6 +59,7 @@ class Publisher:
         None
     )  # a running job whose events Redis did not take
     retention_s: int = 600  # a job's event log lives this long after it ends (`stream_retention_s`)
+    max_event_bytes: int = 64 << 10  # larger events go to `Keys.result` (NodeSettings)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
     _kept: list[Outgoing] = field(default_factory=list)  # what a failed round trip must still do
@@ -56,6 +68,10 @@ class Publisher:
         default_factory=dict
     )  # job -> when its log's expiry is due again, or NO_LOG
     cache_index: CacheIndex | None = None  # the model's prefix marks, written with each round trip
+    _stored: itertools.count = field(default_factory=itertools.count)  # fields of `Keys.result`
+    _stored_prefix: str = field(
+        default_factory=lambda: secrets.token_hex(4)
+    )  # unique per publisher
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="publisher")
@@ -131,8 +147,10 @@ class Publisher:
         started = self.keys.started(self.node)
         now = time.monotonic()
         expiring = []
+        stored = []  # per item: its events written to `Keys.result` (two replies each)
         for item in outgoing:
-            packed = [pack_event(event) for event in item.events]
+            packed = [self._bounded(pipe, item, pack_event(event)) for event in item.events]
+            stored.append(sum(isinstance(p, _Stored) for p in packed))
             expiring.append(self._append_to_log(pipe, item, packed, now))
             if item.started:
                 pipe.sadd(started, item.job)
@@ -162,7 +180,9 @@ class Publisher:
             if marks is not None:
                 self.cache_index.restore(marks)
             raise
-        for item, expire in zip(outgoing, expiring):
+        for item, expire, kept in zip(outgoing, expiring, stored):
+            for _ in range(2 * kept):
+                next(replies)
             logged = None if expire is None else next(replies) is not None
             if expire:
                 next(replies)
@@ -183,6 +203,17 @@ class Publisher:
                 self._logs[item.job] = now + self.retention_s / 2
             if counts and max(counts) == 0 and not logged:
                 self.on_unheard(item.job)
+
+    def _bounded(self, pipe, item: Outgoing, packed: bytes) -> bytes:
+        """`packed`, or where it is larger than `max_event_bytes`, a `StoredEvent` pointing to it,
+        written to the job's `Keys.result` hash (with its expiry) on `pipe` first."""
+        if len(packed) <= self.max_event_bytes or not item.job:
+            return packed
+        name = f"{self._stored_prefix}-{next(self._stored)}"
+        result = self.keys.result(item.job)
+        pipe.hset(result, name, packed)
+        pipe.expire(result, self.retention_s)
+        return _Stored(pack_event(StoredEvent(field=name, size=len(packed))))
 
     def _append_to_log(self, pipe, item: Outgoing, packed: list[bytes], now: float) -> bool | None:
         """Queue the item's events for its job's log, with the log's expiry when it is due (first

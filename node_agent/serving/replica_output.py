@@ -31,6 +31,7 @@ class ReplicaOutput:
             model=model,
             log_level=settings.log_level,
             stream_retention_s=settings.stream_retention_s,
+            max_event_bytes=settings.max_event_bytes,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         self.publisher, self.on_feedback, self.on_exit = publisher, on_feedback, on_exit

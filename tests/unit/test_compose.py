@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shared.processes import SNAPSHOTS
+from shared.processes import PUBSUB_BUFFER_LIMIT, SNAPSHOTS, redis_server_argv
 from shared.settings import GatewaySettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,3 +95,12 @@ def test_redis_is_durable_on_a_named_volume(compose):
         options["--stop-writes-on-bgsave-error"] == "no"
     )  # the append-only file holds every write
     assert "redis-data:/data" in redis["volumes"] and "redis-data" in compose["volumes"]
+
+
+def test_redis_pubsub_output_buffer_is_set_knowingly(compose):
+    """As every redis-server Cortex starts (`cortex up`, scripts, tests): `redis_server_argv`."""
+    command = compose["services"]["redis"]["command"]
+    options = dict(zip(command[1::2], command[2::2]))
+    assert options["--client-output-buffer-limit"] == PUBSUB_BUFFER_LIMIT
+    argv = redis_server_argv(6379)
+    assert argv[argv.index("--client-output-buffer-limit") + 1] == PUBSUB_BUFFER_LIMIT

@@ -18,12 +18,18 @@ MAX_TOKENS_MAX = 2**31 - 1
 KEEP_ALIVE_MAX_S = 7 * 24 * 3600.0  # a request may hold its model loaded at most a week after it
 STOP_TOKEN_IDS_MAX = 64
 LOGIT_BIAS_MAX = 300  # OpenAI's limit on biased tokens
+POOLING_INPUTS_MAX = 2048  # OpenAI's limit on an embedding request's inputs, in every dialect
+DIMENSIONS_MAX = 65536  # an embedding's `dimensions` (a node refuses more than its model's width)
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=TOKEN_ID_MAX)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=STOP_TOKEN_IDS_MAX)]
+# An embedding, rerank or score request's inputs (`/v1/embeddings`, `/api/embed`, `/v1/rerank`,
+# `/v1/score`): a node also caps inputs × dimensions (`NodeSettings.max_pooled_floats`)
+Texts = Annotated[list[str], Field(min_length=1, max_length=POOLING_INPUTS_MAX)]
+Dimensions = Annotated[int, Field(ge=1, le=DIMENSIONS_MAX)]
 # vLLM's `cache_salt`: prompts share cached prefixes only with prompts of the same salt (and scope,
 # `prefix_cache_scope`); its length is bounded, as every string that reaches a node's hashing
 CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]

@@ -7,24 +7,22 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.dialects.protocol.bounds import TokenId
+from gateway.dialects.protocol.bounds import POOLING_INPUTS_MAX, Dimensions, Texts, TokenId
 from gateway.dialects.protocol.lenient import Lenient
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 EmbeddingInput = (
     str
-    | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
+    | Texts
     | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=POOLING_INPUTS_MAX)]
 )
 
 
 class EmbeddingCreateParams(Lenient):
     input: EmbeddingInput
     model: str
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Dimensions | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 

@@ -16,7 +16,15 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.dialects.protocol.bounds import Int64, JsonSchema, KeepAlive, TopK, duration_s
+from gateway.dialects.protocol.bounds import (
+    Dimensions,
+    Int64,
+    JsonSchema,
+    KeepAlive,
+    Texts,
+    TopK,
+    duration_s,
+)
 from gateway.dialects.protocol.lenient import Lenient
 from gateway.dialects.tools.grammars import Constraint, JsonOutput
 from gateway.dialects.tools.thinking import ThinkingSplitter
@@ -239,9 +247,9 @@ class EmbedRequest(Lenient):
     `truncate` is false (then they are refused)."""
 
     model: str = Field(min_length=1)
-    input: str | Annotated[list[str], Field(min_length=1)]
+    input: str | Texts
     truncate: bool = True
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Dimensions | None = None
     keep_alive: KeepAlive | None = None
     options: Options | None = None
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, model_validator
 
-from gateway.dialects.protocol.embeddings import MAX_INPUTS
+from gateway.dialects.protocol.bounds import POOLING_INPUTS_MAX, Texts
 from gateway.dialects.protocol.lenient import Lenient
 
 
@@ -16,7 +16,9 @@ class RerankDocument(Lenient):
     text: str
 
 
-Documents = Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_INPUTS)]
+Documents = Annotated[
+    list[str | RerankDocument], Field(min_length=1, max_length=POOLING_INPUTS_MAX)
+]
 
 
 class RerankRequest(Lenient):
@@ -48,13 +50,13 @@ class RerankResponse(BaseModel):
     usage: RerankUsage
 
 
-Texts = str | Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)]
+TextOrTexts = str | Texts
 
 
 class ScoreRequest(Lenient):
     model: str
-    text_1: Texts
-    text_2: Texts
+    text_1: TextOrTexts
+    text_2: TextOrTexts
 
     @model_validator(mode="after")
     def _pairable(self) -> "ScoreRequest":

@@ -70,7 +70,12 @@ slots = 4
 max_model_len = 256
 default_max_tokens = 8
 """
-    stack = start_stack(tmp_path_factory.mktemp("embeddings"), toml, CORTEX_ARQ_POLL_DELAY_S="0.1")
+    stack = start_stack(
+        tmp_path_factory.mktemp("embeddings"),
+        toml,
+        CORTEX_ARQ_POLL_DELAY_S="0.1",
+        CORTEX_MAX_EVENT_BYTES="65536",  # large results go through `cortex:result:{job}`
+    )
     try:
         stack.start_gateway()
         stack.start_node("node-e", ["embed", "embed-last", "embed-slow", "rerank", "chat"])

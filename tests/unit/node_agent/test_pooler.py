@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from node_agent.engine.pooler import PoolingEngine
+from node_agent.engine.pooler import Encoded, PoolingEngine
 from node_agent.model import pooling
 from node_agent.serving.pooling_inputs import encode
 from shared.catalog import ModelProfile
@@ -230,3 +230,39 @@ def test_the_engine_answers_what_serving_asks_of_its_device(folders):
     )
     eng.free()
     assert eng.lm.model is None
+
+
+def test_inputs_times_dimensions_are_capped_with_a_clear_400(folders):
+    """2048 inputs on a 4096-wide model would be a 32 MB result: a node refuses more floats than
+    `max_pooled_floats` before any forward pass (here 64 inputs × 64 dimensions fit, 65 do not)."""
+    eng = engine(folders["mean"])
+    fits = PoolingRequest(job="a", model="m", kind="embed", inputs=["x"] * 64)
+    assert len(encode(eng.lm, fits, max_floats=64 * 64).rows) == 64
+    over = fits.model_copy(update={"inputs": ["x"] * 65})
+    with pytest.raises(InvalidRequest, match="65 inputs × 64 dimensions .*at most 4096 floats"):
+        encode(eng.lm, over, max_floats=64 * 64)
+    cut = over.model_copy(update={"dimensions": 32})  # fewer dimensions: more inputs fit
+    assert len(encode(eng.lm, cut, max_floats=64 * 64).rows) == 65
+
+
+class CountedId(str):
+    """A job id that counts how often it is hashed: each time a pass looks at one of its inputs."""
+
+    hashes = 0
+
+    def __hash__(self) -> int:
+        CountedId.hashes += 1
+        return super().__hash__()
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_a_pass_looks_at_its_own_inputs_not_the_whole_queue(folders, pack):
+    """Behind 20,000 waiting inputs, a pass of a few looks at a few (it rescanned the whole queue)."""
+    eng = engine(folders["mean"], pack=pack, pooling_batch_tokens=16)
+    (row,) = encode(eng.lm, PoolingRequest(job="q", model="m", kind="embed", inputs=["x"])).rows
+    job = CountedId("queue")
+    eng.add(job, Encoded([row] * 20_000), None, 0.0)
+    CountedId.hashes = 0
+    for _ in range(5):
+        eng.core_step()
+    assert CountedId.hashes < 500, f"{CountedId.hashes} looks at waiting inputs in 5 passes"

@@ -18,7 +18,7 @@ from shared import event_log
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.processes import free_port, redis_answers, redis_server_argv
 from shared.redis_conn import connect
-from shared.wire import StartEvent, pack_event, unpack_event
+from shared.wire import Pooled, StartEvent, StoredEvent, pack_event, unpack_event
 from tests.conftest import Service
 from tests.unit.gateway.conftest import delta, done
 
@@ -265,3 +265,39 @@ async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_faile
     await publisher.stop()
     await admin.aclose()
     await client.aclose()
+
+
+async def test_an_event_over_the_bound_waits_in_the_result_hash_and_its_pointer_is_published(
+    redis_url,
+):
+    """A done event with 40 KB of vectors, the bound 16 KB: pub/sub and the event log carry a small
+    `stored` event; the event itself is in `Keys.result`, with the retention as its expiry."""
+    admin = aioredis.Redis.from_url(redis_url)
+    await admin.xadd(KEYS.event_log("big"), {event_log.RECORD: b"{}"})
+    pubsub = admin.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe("cortex:events:big")
+    client = connect(redis_url)
+    publisher = Publisher(
+        client, KEYS, "node-a", on_unheard=lambda job: None, retention_s=100, max_event_bytes=16384
+    )
+    publisher.start()
+    big = done()
+    big.pooled = Pooled(vectors=[bytes(400)] * 100)
+    publisher.send([Outgoing("cortex:events:big", [delta("small"), big], job="big")])
+    await publisher.flush()
+    heard = []
+    while len(heard) < 2:
+        if (message := await pubsub.get_message(timeout=1.0)) is not None:
+            heard.append(message["data"])
+    assert unpack_event(heard[0]) == delta("small")  # under the bound: as it was
+    assert len(heard[1]) < 200
+    pointer = unpack_event(heard[1])
+    assert isinstance(pointer, StoredEvent) and pointer.size == len(pack_event(big))
+    assert unpack_event(await admin.hget(KEYS.result("big"), pointer.field)) == big
+    assert 95 <= await admin.ttl(KEYS.result("big")) <= 100
+    *_, (_, logged) = await admin.xrange(KEYS.event_log("big"))
+    assert [e.type for e in event_log.events(logged)] == ["delta", "stored"]
+    await publisher.stop()
+    await pubsub.aclose()
+    await client.aclose()
+    await admin.aclose()

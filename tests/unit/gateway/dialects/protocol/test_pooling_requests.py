@@ -5,7 +5,9 @@ list of inputs; what it does not allow is refused before any job is queued, and 
 import pytest
 from pydantic import ValidationError
 
+from gateway.dialects.protocol.bounds import DIMENSIONS_MAX, POOLING_INPUTS_MAX
 from gateway.dialects.protocol.embeddings import EmbeddingCreateParams
+from gateway.dialects.protocol.ollama import EmbedRequest
 from gateway.dialects.protocol.rerank import RerankRequest, ScoreRequest
 from gateway.jobs.pooling import check_dimensions
 from shared.catalog import ModelProfile
@@ -81,3 +83,25 @@ def test_dimensions_only_for_models_trained_for_them(trained, dimensions, refusa
         with pytest.raises(InvalidRequest, match=refusal) as refused:
             check_dimensions(profile, dimensions)
         assert refused.value.param == "dimensions"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda inputs: EmbeddingCreateParams(model="m", input=inputs),
+        lambda inputs: EmbedRequest(model="m", input=inputs),  # Ollama's /api/embed
+        lambda inputs: RerankRequest(model="m", query="q", documents=inputs),
+        lambda inputs: ScoreRequest(model="m", text_1="q", text_2=inputs),
+    ],
+)
+def test_every_dialect_caps_its_inputs_alike(make):
+    assert make(["x"] * POOLING_INPUTS_MAX)
+    with pytest.raises(ValidationError, match=f"at most {POOLING_INPUTS_MAX} items"):
+        make(["x"] * (POOLING_INPUTS_MAX + 1))
+
+
+def test_dimensions_are_bounded_in_every_dialect():
+    for make in (EmbeddingCreateParams, EmbedRequest):
+        assert make(model="m", input="x", dimensions=DIMENSIONS_MAX)
+        with pytest.raises(ValidationError):
+            make(model="m", input="x", dimensions=DIMENSIONS_MAX + 1)

@@ -1,0 +1,66 @@
+"""A job whose events' pub/sub connection Redis cuts (`CLIENT KILL TYPE pubsub`, as Redis does to a
+subscriber past its output buffer limit) reads on from its event log: every event once, in order,
+whether it was published before, during or after the gap (issue 49). The gateway's app runs on a
+real redis-server here; the node is its real publisher."""
+
+import shutil
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.jobs.caller import ANONYMOUS_CALLER
+from gateway.jobs.submit import submit
+from node_agent.serving.output_messages import Outgoing
+from node_agent.serving.publisher import Publisher
+from shared.redis_conn import connect
+from tests.conftest import eventually
+from tests.unit.gateway.conftest import KEYS, delta, done
+from tests.unit.gateway.jobs.test_jobs import request
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+
+
+@pytest.fixture
+def redis_factory(redis_url):
+    return lambda: aioredis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def ctx(app):
+    return app.state.ctx
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["answer", "stream"])
+async def test_a_running_job_reads_on_from_its_log_when_redis_cuts_the_link(
+    ctx, redis, redis_url, streaming
+):
+    job = await submit(ctx, request(), ANONYMOUS_CALLER, streaming=streaming)
+    node = Publisher(connect(redis_url), KEYS, "n1", on_unheard=lambda job: None)
+    node.start()
+    channel = KEYS.events(job.id)
+
+    def step(*events) -> None:
+        node.send([Outgoing(channel, list(events), job=job.id)])
+
+    got = []
+    async with job:
+        events = job.events()
+        for i in range(5):
+            step(delta(str(i)))
+        got += [await anext(events) for _ in range(3)]
+        assert await redis.client_kill_filter(_type="pubsub") >= 1
+        for i in range(5, 10):  # published while nobody listens: only the log has them
+            step(delta(str(i)))
+        await node.flush()
+        await eventually(lambda: ctx.bus.connected, 5, "the bus reconnected")
+        step(delta("10"), done())
+        got += [event async for event in events]
+    await node.stop()
+    assert [e.choices[0].text for e in got if e.type == "delta"] == [str(i) for i in range(11)]
+    assert got[-1].type == "done"
+    assert not await redis.exists(
+        KEYS.event_log(job.id)
+    )  # nobody can resume it: deleted at its end
