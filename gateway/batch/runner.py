@@ -328,10 +328,11 @@ class BatchRunner:
                 )
                 return await lines.finish(job, parsed, endpoint)
             except RateLimited as exc:  # over a token budget: the batch pauses, costs no try
-                if self.stop_reason:
+                if not self.stop_reason:
+                    self._pause(exc)
+                    await self._while_paused()
+                if self.stop_reason:  # cancelled or expired meanwhile: the line ends with its 429
                     raise
-                self._pause(exc)
-                await self._while_paused()
             except (
                 BrokerUnavailable
             ) as exc:  # Redis away (or full): not the line's fault, it costs no try

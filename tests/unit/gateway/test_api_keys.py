@@ -2,6 +2,7 @@
 limits from real usage, the admin API, ownership of files and batches, metrics."""
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -341,26 +342,21 @@ def chat_lines(count: int) -> bytes:
     )
 
 
-async def test_a_batch_over_its_keys_daily_budget_pauses_until_the_budget_resets(
-    app, client, node, new_key, redis, monkeypatch
-):
-    """Its lines are admitted as requests are: none runs while the key's day is spent, none fails
-    for it; once the budget is back (here: the day's counter gone, as at 00:00 UTC) they run."""
+@contextlib.asynccontextmanager
+async def paused_batch(app, client, new_key, redis, monkeypatch, lines: int = 3):
+    """A batch of `lines` chat lines whose key (daily budget 8 tokens, rpm 1) spent its day, run by
+    a `BatchRunner`, with a scripted node on the batch stream; yields (headers, batch id, runner
+    task, the node, the day's counter)."""
     monkeypatch.setattr(runner, "BUDGET_RECHECK_S", 0.2)
     batch_lines = ScriptedNode(redis)
     reading = asyncio.create_task(batch_lines.run(KEYS.jobs(MODEL, "batch")))
-    secret = await new_key(max_tokens_per_day=8, rpm=1)  # rpm: the batch's lines are not requests
-    file_id = await upload(client, bearer(secret), chat_lines(3))
-    batch = await client.post(
-        "/v1/batches",
-        json={
-            "input_file_id": file_id,
-            "endpoint": "/v1/chat/completions",
-            "completion_window": "24h",
-        },
-        headers=bearer(secret),
-    )
-    batch_id = batch.json()["id"]
+    headers = bearer(await new_key(max_tokens_per_day=8, rpm=1))  # rpm: lines are not requests
+    body = {
+        "input_file_id": await upload(client, headers, chat_lines(lines)),
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    batch_id = (await client.post("/v1/batches", json=body, headers=headers)).json()["id"]
     spent = KEYS.daily_tokens("alice", utc_day())
     await redis.set(spent, 8)
     running = asyncio.create_task(
@@ -368,20 +364,45 @@ async def test_a_batch_over_its_keys_daily_budget_pauses_until_the_budget_resets
     )
     try:
         await asyncio.sleep(1.5)
-        paused = (await client.get(f"/v1/batches/{batch_id}", headers=bearer(secret))).json()
+        paused = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
         assert paused["status"] == "in_progress" and batch_lines.entries == []
         assert (paused["request_counts"]["completed"], paused["request_counts"]["failed"]) == (0, 0)
-        await redis.delete(spent)
-        await asyncio.wait_for(running, 10)
+        yield headers, batch_id, running, batch_lines, spent
     finally:
         for task in (running, reading):
             task.cancel()
         await asyncio.gather(running, reading, return_exceptions=True)
-    done = (await client.get(f"/v1/batches/{batch_id}", headers=bearer(secret))).json()
+
+
+async def test_a_batch_over_its_keys_daily_budget_pauses_until_the_budget_resets(
+    app, client, node, new_key, redis, monkeypatch
+):
+    """Its lines are admitted as requests are: none runs while the key's day is spent, none fails
+    for it; once the budget is back (here: the day's counter gone, as at 00:00 UTC) they run."""
+    async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
+        headers, batch_id, running, batch_lines, spent = paused
+        await redis.delete(spent)
+        await asyncio.wait_for(running, 10)
+    done = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 3, done
-    assert len(batch_lines.entries) == 3  # the first line crosses the budget; the key paid for 3
+    assert len(batch_lines.entries) == 3
     key = await app.state.ctx.api_keys.get("alice")
-    assert key.tokens_today == 3 * 8
+    assert key.tokens_today == 3 * 8  # all three started together: usage counts jobs that ended
+
+
+async def test_a_batch_cancelled_while_paused_puts_its_waiting_lines_in_the_error_file(
+    app, client, node, new_key, redis, monkeypatch
+):
+    async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
+        headers, batch_id, running, batch_lines, _ = paused
+        await client.post(f"/v1/batches/{batch_id}/cancel", headers=headers)
+        await asyncio.wait_for(running, 10)
+    done = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+    assert done["status"] == "cancelled" and batch_lines.entries == [], done
+    errors = (await client.get(f"/v1/files/{done['error_file_id']}/content", headers=headers)).text
+    responses = [json.loads(line)["response"] for line in errors.splitlines()]
+    assert [r["status_code"] for r in responses] == [429] * 3
+    assert {r["body"]["error"]["code"] for r in responses} == {"daily_budget_exceeded"}
 
 
 async def test_a_batch_line_counts_against_tpm_but_not_rpm(app, new_key):
