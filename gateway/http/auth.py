@@ -102,8 +102,13 @@ async def require_dashboard(request: Request, ctx: Ctx) -> None:
 
 async def sees_internals(request: Request, ctx: Ctx) -> bool:
     """Whether the caller may see the fleet's insides (its nodes, keys, Redis's settings): the admin
-    key, or anyone while auth is off."""
-    return _is_admin(ctx.settings, bearer(request)) or not await auth_required(ctx)
+    key, or anyone while auth is off (not while Redis is away: whether a key exists is unknown)."""
+    if _is_admin(ctx.settings, bearer(request)):
+        return True
+    try:
+        return not await auth_required(ctx)
+    except (RedisError, OSError):
+        return False
 
 
 async def metrics_access(request: Request, ctx: Ctx) -> bool:
