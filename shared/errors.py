@@ -74,20 +74,24 @@ class Forbidden(CortexError):
     status, code, type = 403, "forbidden", "permission_error"
 
 
-class RateLimited(CortexError):
-    """Over the key's requests per minute; `retry_after_s` is when a request would be admitted."""
-
-    status, code, type = 429, "rate_limit_exceeded", "requests"
+class RetryLater(CortexError):
+    """Refused for now: a request would be taken after `retry_after_s` (`Retry-After`)."""
 
     def __init__(self, message: str, *, retry_after_s: float = 1.0):
         self.retry_after = max(
             1, math.ceil(retry_after_s)
-        )  # whole seconds, as Retry-After carries them
+        )  # whole seconds, as Retry-After has them
         super().__init__(f"{message}; try again in {self.retry_after}s")
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after)}
+
+
+class RateLimited(RetryLater):
+    """Over the key's requests per minute; `retry_after_s` is when a request would be admitted."""
+
+    status, code, type = 429, "rate_limit_exceeded", "requests"
 
 
 class TokensRateLimited(RateLimited):
@@ -158,6 +162,27 @@ class DiskBudgetExceeded(ModelPullFailed):
     """A pull does not fit the node's `models_disk_gb`, even after evicting every idle model's files."""
 
     code = "insufficient_disk"
+
+
+class Overloaded(RetryLater):
+    """Too much waits for the model to take the request now: refused at once, to try again after
+    `retry_after_s` (Anthropic's 529 `overloaded_error`)."""
+
+    status, code, type = 503, "overloaded", "service_unavailable"
+    anthropic_status = 529
+
+
+class QueueFull(Overloaded):
+    """More jobs of the request's class were waiting for its model than `queue_max_waiting`."""
+
+    code = "queue_full"
+
+
+class QueueTimeout(Overloaded):
+    """The request waited in the queue past its deadline (`queue_timeout_s`, or the
+    `x-cortex-queue-timeout` header) and was taken off it before any node read it."""
+
+    code = "queue_timeout"
 
 
 class NodeLost(CortexError):

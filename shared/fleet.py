@@ -87,13 +87,14 @@ class Fleet:
     # ---- queues ---------------------------------------------------------------------------
 
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
-        """Per model: queued jobs by class (the own streams of `nodes` too), running jobs, replicas taking
-        jobs, oldest wait (every model's sent at once)."""
+        """Per model: queued jobs by class (the own streams of `nodes` and the waiting rooms
+        too), running jobs, replicas taking jobs, oldest wait (every model's sent at once)."""
         script = self._redis.register_script(queues.QUEUE_STATS_LUA)
         streams = {
             model: queues.streams(
                 self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model))
             )
+            + queues.rings(self._keys, model)
             for model in sorted(models)
         }
         # concurrently, not pipelined: a cluster pipeline cannot run scripts (each model's on its shard)

@@ -69,6 +69,32 @@ class Keys:
         band), whatever the prefix or hash tags."""
         return node_stream.rsplit(":@", 1)[0] + ":moved"
 
+    def all_waiting(self) -> str:
+        """The SCAN pattern matching every waiting room and list of rooms of every model."""
+        return f"{self.prefix}waiting:*"
+
+    def waiting_keys(self, model: str, job_class: str = "interactive", band: str = "normal") -> str:
+        """List: the waiting rooms (`waiting_room`) of one model, class and band that hold jobs, by
+        key name, in the order nodes take from them (one job from the first, which goes to the back:
+        round-robin, `shared.queues`); a room is on it exactly while it holds jobs
+        (``waiting:{model}[:{class}][:{band}]``)."""
+        return self._tagged("waiting", model) + self.stream_suffix(job_class, band)
+
+    def waiting_room(
+        self, model: str, tenant: str, job_class: str = "interactive", band: str = "normal"
+    ) -> str:
+        """Stream (no group): one caller's (an API key's, `admin`'s or `anonymous`'s) jobs for the
+        shared stream of a model, class and band that arrived while that stream already had a job
+        nobody had read, oldest first (``waiting:{model}[:{class}][:{band}]:~{tenant}``); a node
+        moves each onto the shared stream as it reads it. Deleted once empty."""
+        return f"{self.waiting_keys(model, job_class, band)}:~{tenant}"
+
+    @staticmethod
+    def shared_of(room: str) -> str:
+        """The shared stream a waiting room's jobs are for (`waiting_room` → `jobs` of its model,
+        class and band), whatever the prefix or hash tags (a prefix holding ``waiting:`` aside)."""
+        return room.rsplit(":~", 1)[0].replace("waiting:", "jobs:", 1)
+
     def prefixes(self, model: str, node: str) -> str:
         """Hash with TTL (the node's heartbeat TTL, renewed by its heartbeats): conversation prefixes
         whose KV `node`'s cache holds for `model`, as the gateway names them (`shared.prefix_marks`)
@@ -117,6 +143,12 @@ class Keys:
     def nodes(self) -> str:
         """Sorted set: node name -> last heartbeat (ms since the epoch)."""
         return self._in(FLEET, "nodes")
+
+    def host_nodes(self, host: str) -> str:
+        """Sorted set with TTL (the heartbeat TTL, renewed by each beat): the node agents running on
+        `host` (its hostname) -> their last beat (ms). Agents on one host split its cores between
+        them (node_agent/host_share.py)."""
+        return self._in(FLEET, f"host:{host}")
 
     def started(self, node: str) -> str:
         """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When

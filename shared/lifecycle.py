@@ -32,7 +32,8 @@ class FinishReason(StrEnum):
 class JobState(StrEnum):
     """A job's life as the gateway that submitted it sees it (gateway/jobs/job.py). It is queued
     from its submission until the first event of a node; it ends once, in `Job.close` or
-    `Job.detach`: finished or failed as the node ended it, cancelled (withdrawn from its stream, or
+    `Job.detach`: finished or failed as the node ended it (or failed still queued, past its queue
+    deadline: gateway/jobs/queue.py), cancelled (withdrawn from its stream, or
     stopped where it ran) when nobody waits for it any more, detached when it runs on without its
     client."""
 
@@ -52,7 +53,7 @@ class JobState(StrEnum):
 
 
 _JOB_MOVES = {
-    JobState.QUEUED: {JobState.RUNNING, JobState.CANCELLED, JobState.DETACHED},
+    JobState.QUEUED: {JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.DETACHED},
     JobState.RUNNING: {JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.DETACHED},
     **{
         ended: set()

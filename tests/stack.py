@@ -21,7 +21,7 @@ from tests.redis_cluster import LocalCluster, start_cluster
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
 DOCUMENTED_KEYS = re.compile(
-    r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|lock:placement:.+|modelfiles:.+|lock:pull:.+|lock:janitor|file:.+|files|files:bytes|batch:[^:]+|batches"
+    r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|lock:placement:.+|modelfiles:.+|host:.+|lock:pull:.+|lock:janitor|file:.+|files|files:bytes|batch:[^:]+|batches"
     r"|batches:active|response:.+|responses:background|eventlog:.+|detached:.+|metered:.+|started:.+|arq:queue|arq:queue:health-check|apikeys|apikey:.+|ratelimit:.+:(requests|tokens)|usage:.+:\d{4}-\d\d-\d\d|prefixes:.+|session:.+|routing:.+)$"
     r"|^arq:(cron|job|in-progress|result|retry):.+$"
 )
@@ -119,7 +119,8 @@ class Stack:
             self.cluster.stop()
 
     def assert_clean(self, timeout_s: float = 5.0) -> None:
-        """No pending entries, no queued jobs, and no keys beyond the documented ones."""
+        """No pending entries, no queued jobs (on a stream or in a waiting room), and no keys beyond
+        the documented ones."""
         client = self.client()
 
         def clean() -> bool:
@@ -127,7 +128,7 @@ class Stack:
             busy = any(
                 client.xlen(s) or client.xpending(s, CONSUMER_GROUP)["pending"] for s in streams
             )
-            return not busy
+            return not busy and not client.keys("cortex:waiting:*")  # no job in a waiting room
 
         try:
             wait_until(clean, timeout_s, "jobs to be acknowledged")

@@ -22,38 +22,55 @@ from gateway.bus.links import Link
 from gateway.bus.listeners import Listeners
 from shared import queues
 from shared.errors import BrokerUnavailable
-from shared.keys import CONSUMER_GROUP
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.wire import StreamEntry
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_TIMEOUT_S = 5.0  # Redis confirms a SUBSCRIBE in well under a millisecond
 SETTLE_S = 0.1  # an event on its way from another shard would say the job ran and ended
+ROOM_MOVES_SCANNED = 10_000  # entries of a shared stream searched for a job taken from its room
 
 
 async def entry_waiting(
-    client: aioredis.Redis | None, stream: str, entry_id: str, listening_for_ms: float
+    client: aioredis.Redis | None,
+    stream: str,
+    entry_id: str,
+    listening_for_ms: float,
+    channel: bytes = b"",
 ) -> bool:
-    """Whether the job queued as `entry_id` on `stream` (or moved from there: `queues.homes`) may
-    still be served: unread, or read by a node only within the last `listening_for_ms` (after its
-    events were listened to again)."""
+    """Whether the job queued as `entry_id` on `stream` (or moved from there: `queues.homes`; or,
+    from a waiting room, taken onto the shared stream: found there by its `channel`) may still be
+    served: unread, or read by a node only within the last `listening_for_ms` (after its events
+    were listened to again)."""
     if client is None:
         raise ConnectionError("not connected")
     for home in queues.homes(stream):
-        try:
-            pending = await client.xpending_range(
-                home, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1
-            )
-        except ResponseError as exc:
-            if str(exc).startswith(
-                "NOGROUP"
-            ):  # the stream itself is gone (a Redis that kept nothing)
-                continue
-            raise
-        if pending:  # read by a node: fine only if that was after we listened again
-            return pending[0]["time_since_delivered"] < listening_for_ms
+        if (pending := await _pending(client, home, entry_id)) is not None:
+            return pending < listening_for_ms  # read by a node: fine only if after we listened
         if await client.xrange(home, min=entry_id, max=entry_id):
             return True
+    if queues.is_waiting_room(stream) and channel:
+        shared = Keys.shared_of(stream)
+        for moved_id, fields in await client.xrange(shared, count=ROOM_MOVES_SCANNED):
+            if StreamEntry.channel_of(fields).encode() == channel:
+                pending = await _pending(client, shared, moved_id.decode())
+                return pending is None or pending < listening_for_ms
     return False
+
+
+async def _pending(client: aioredis.Redis, stream: str, entry_id: str) -> float | None:
+    """Ms since a node read the entry; None while nobody has (or for a stream without the group:
+    a waiting room, or a stream a Redis that kept nothing lost)."""
+    try:
+        found = await client.xpending_range(
+            stream, CONSUMER_GROUP, min=entry_id, max=entry_id, count=1
+        )
+    except ResponseError as exc:
+        if not str(exc).startswith("NOGROUP"):
+            raise
+        return None
+    return found[0]["time_since_delivered"] if found else None
 
 
 Resubscribe = Callable[
@@ -179,7 +196,7 @@ class QueuedJobs:
             stream, entry_id = self.entries[key]
             try:
                 waiting = await entry_waiting(
-                    commands, stream, entry_id, loop.time() * 1000 - listening_ms
+                    commands, stream, entry_id, loop.time() * 1000 - listening_ms, key
                 )
             except (RedisError, OSError) as exc:
                 waiting, why = (
@@ -214,7 +231,7 @@ class QueuedJobs:
         lost = 0
         for key, stream, entry_id in queued:
             try:
-                if await entry_waiting(commands, stream, entry_id, listening_for_ms=float("inf")):
+                if await entry_waiting(commands, stream, entry_id, float("inf"), key):
                     continue
             except (RedisError, OSError) as exc:
                 log.warning(

@@ -175,11 +175,19 @@ class Janitor:
         )
 
     async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
-        """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""
-        for _job_class, stream in queues.streams(self.keys, model):
+        """No node can serve `model` any more: tell the jobs waiting for it, on its streams and in its
+        waiting rooms (none of them is pending)."""
+        rooms = [
+            room.decode()
+            for _job_class, ring in queues.rings(self.keys, model)
+            for room in await self.redis.lrange(ring, 0, -1)
+        ]
+        for stream in [s for _, s in queues.streams(self.keys, model)] + rooms:
             for entry_id, fields in await self.redis.xrange(stream, count=1000):
                 async with atomic(self.redis) as pipe:
                     self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
                     pipe.xdel(stream, entry_id)
                     await pipe.execute()
+        if rooms:
+            await self.redis.delete(*rooms, *(r for _, r in queues.rings(self.keys, model)))
         log.warning("failed the jobs waiting for %s: %s", model, error.message)

@@ -199,14 +199,17 @@ class Placer:
         return {m for m, p in self.catalog.profiles.items() if overrides.get(m, p.pin)}
 
     async def _busy(self, nodes: list[NodeHeartbeat]) -> set[str]:
-        """Models with jobs waiting in their stream (never evicted from under them)."""
+        """Models with jobs waiting in their streams or waiting rooms (never evicted from under them)."""
         models = sorted({m for n in nodes for m in n.models})
         async with self.redis.pipeline(transaction=False) as pipe:
             for m in models:
                 for _job_class, stream in queues.streams(self.keys, m):
                     pipe.xlen(stream)
+                for _job_class, ring in queues.rings(self.keys, m):
+                    pipe.llen(ring)
             lengths = iter(await pipe.execute())
-        return {m for m in models if sum(next(lengths) for _ in queues.streams(self.keys, m))}
+        per_model = len(queues.streams(self.keys, "")) + len(queues.rings(self.keys, ""))
+        return {m for m in models if sum(next(lengths) for _ in range(per_model))}
 
     async def ensure_placed(self, profile: ModelProfile) -> None:
         """Make sure a live node has `profile` ready or loading; place it if none has."""

@@ -1,6 +1,7 @@
 """The gateway's ASGI middleware for what every request carries (pure ASGI, so streamed responses
 pass through untouched): headers kept in context variables for the request's log lines and jobs
-(`x-request-id`, echoed back; `x-cortex-session`, for routing), and the request's trace span.
+(`x-request-id`, echoed back; `x-cortex-session`, for routing; `x-cortex-queue-timeout`, a
+request's own queue deadline), and the request's trace span.
 The body limits are gateway/http/body_limit.py and gateway/http/json_body.py."""
 
 import re
@@ -28,6 +29,11 @@ def request_id(given: bytes) -> str:
 
 def session(given: bytes) -> str:
     return given.decode("utf-8", "replace")[:256]
+
+
+def latin1(given: bytes) -> str:
+    """A header's value as it came (`x-cortex-queue-timeout`: its reader parses it)."""
+    return given.decode("latin-1")[:64]
 
 
 class HeaderVarMiddleware:

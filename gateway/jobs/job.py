@@ -29,7 +29,7 @@ from gateway.jobs import queue
 from gateway.jobs.caller import Caller
 from gateway.jobs.context import JobContext
 from gateway.tracing import JobTrace, request_id_var
-from shared.errors import CortexError, Timeout, error_from_code
+from shared.errors import CortexError, QueueTimeout, Timeout, error_from_code
 from shared.lifecycle import JobState
 from shared.redis_conn import publish
 from shared.wire import DeltaEvent, DoneEvent, ErrorEvent, StartEvent
@@ -105,6 +105,7 @@ class Job:
             ""  # the job stream it was queued on, and its entry id there ("": not known here)
         )
         self.entry_id = ""
+        self.queue_deadline: float | None = None  # loop time after which it leaves the queue
         self.trace = trace or JobTrace(
             job, model
         )  # its part of the request's trace (gateway/tracing.py)
@@ -222,16 +223,39 @@ class Job:
         return item
 
     async def _get(self) -> Item:
+        """The next item the bus heard for the job, within `request_timeout_s`; while the job is
+        queued, also within its queue deadline (then it leaves the queue: `_leave_queue`)."""
         timeout_s = self._ctx.settings.request_timeout_s
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        queued = self.state is JobState.QUEUED and self.queue_deadline is not None
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(min(give_up, self.queue_deadline or give_up)):
                 item = await self._heard.get()
         except TimeoutError:
-            raise Timeout(
-                f"no event from model {self.model} for job {self.id} in {timeout_s:g}s"
-            ) from None
+            if not (queued and loop.time() < give_up):
+                raise Timeout(
+                    f"no event from model {self.model} for job {self.id} in {timeout_s:g}s"
+                ) from None
+            await self._leave_queue()
+            return await self._get()  # a node has it: its events come within `request_timeout_s`
         self.trace.taken()
         return item
+
+    async def _leave_queue(self) -> None:
+        """Past its queue deadline: taken off the queue, and `QueueTimeout`, when no node read it
+        yet (else it runs on, and its events come as any job's)."""
+        self.queue_deadline = None
+        redis, keys = self._ctx.redis, self._ctx.keys
+        if self.entry_id and await queue.withdraw(redis, keys, self.stream, self.entry_id):
+            waited_s = time.time() - self.created
+            error = QueueTimeout(
+                f"job {self.id} waited {waited_s:.0f}s in the queue for model {self.model} and was"
+                " taken off it",
+                retry_after_s=queue.RETRY_AFTER_S,
+            )
+            self._ending = ErrorEvent(code=error.code, message=error.message)
+            raise error
 
     # ---- its end ----------------------------------------------------------------------------------
 

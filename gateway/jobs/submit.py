@@ -2,12 +2,16 @@
 caller may use it and is within its limits), `admit_and_submit` (every generation request's one
 way in: a route's, a resumed stream's first submission, a batch line's) and `submit`, which
 subscribes to the job's event channel (confirmed by Redis) and only then XADDs the job to its
-stream; a job a client may resume gets its event log (`shared.event_log`) in the same round trip,
-first. The job that comes back is followed to its end by gateway/jobs/job.py.
+stream (or its caller's waiting room: fair shares, gateway/jobs/queue.py), unless too many jobs
+wait already (`queue_max_waiting`: 503 at once); a job a client may resume gets its event log
+(`shared.event_log`) first. An interactive job carries its queue deadline (`queue_timeout_s` or
+the `x-cortex-queue-timeout` header). The job that comes back is followed to its end by
+gateway/jobs/job.py.
 
 Words: a job's `job_class` is `interactive` (API requests) or `batch` (batch lines); a request's
 `priority` (lower is sooner) picks its band within that class (shared/queues.py)."""
 
+import asyncio
 import logging
 import time
 import uuid
@@ -20,6 +24,7 @@ from redis.exceptions import RedisError
 from gateway.dialects.tools import grammars
 from gateway.dialects.tools.parsers import Parsers, no_parser, parser_name, parsers_for
 from gateway.fleet.routing import SHARED
+from gateway.jobs import queue
 from gateway.jobs.caller import Caller
 from gateway.jobs.context import JobContext
 from gateway.jobs.images import ImageLimits, take_images
@@ -27,7 +32,7 @@ from gateway.jobs.job import Job, OnDisconnect, Resumable
 from gateway.tracing import JobTrace, request_id_var, span
 from shared import event_log, prefix_marks, queues
 from shared.catalog import ModelProfile
-from shared.errors import InvalidRequest, WrongModelKind
+from shared.errors import InvalidRequest, QueueFull, WrongModelKind
 from shared.redis_conn import broker_error
 from shared.wire import GenerationRequest, PoolingRequest, StreamEntry, pack
 
@@ -109,6 +114,7 @@ async def submit(
         else ctx.keys.jobs(request.model, job_class, band)
     )
     heard = await ctx.bus.subscribe(channel)
+    log_key = ctx.keys.event_log(request.job)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
             if resumable is not None:
@@ -118,18 +124,29 @@ async def submit(
                     request.model,
                 )
                 resumable.created, resumable.prompt_text = created, prompt_text
-                log_key = ctx.keys.event_log(request.job)
                 pipe.xadd(log_key, {event_log.RECORD: resumable.dumps()})
                 retention_s = ctx.settings.stream_retention_s + int(ctx.settings.request_timeout_s)
                 pipe.expire(log_key, retention_s)
             pipe.hincrby(ctx.keys.routing(request.model), route.outcome, 1)
-            maxlen = ctx.settings.stream_maxlen
-            pipe.xadd(stream, entry.to_fields(), maxlen=maxlen, approximate=True)
-            entry_id = (await pipe.execute())[-1].decode()
+            await pipe.execute()
+        stream, entry_id = await queue.enqueue(
+            ctx.redis,
+            ctx.keys,
+            stream,
+            entry.to_fields(),
+            tenant=caller.name,
+            max_waiting=ctx.settings.queue_max_waiting if job_class == "interactive" else 0,
+            maxlen=ctx.settings.stream_maxlen,
+        )
     except BaseException as exc:
         trace.taken()
         with anyio.CancelScope(shield=True):
             await ctx.bus.unsubscribe(channel, heard)
+            if isinstance(exc, QueueFull):  # nothing of the job stays behind
+                async with ctx.redis.pipeline(transaction=False) as pipe:
+                    pipe.hincrby(ctx.keys.routing(request.model), route.outcome, -1)
+                    pipe.delete(log_key)
+                    await pipe.execute()
         if isinstance(exc, RedisError):
             raise broker_error(exc, f"could not enqueue the job on {stream}") from exc
         raise
@@ -148,6 +165,8 @@ async def submit(
         session=session,
     )
     job.stream, job.entry_id = stream, entry_id
+    if job_class == "interactive" and (wait_s := queue.timeout_s(ctx.settings)) > 0:
+        job.queue_deadline = asyncio.get_running_loop().time() + wait_s
     trace.queued(stream, entry_id)
     ctx.bus.track(channel, stream, entry_id)  # while queued, it may wait out a Redis restart
     log.info(

@@ -1,7 +1,9 @@
 """Reads a model's job streams most urgent first (shared/queues.py): interactive before batch,
 and within a class the high band, then normal, then low; within a band this node's own stream
 first (jobs routed here for its cache, gateway/fleet/routing.py), then the moved and shared streams,
-whichever's next entry is older.
+whichever's next entry is older, then the callers' waiting rooms round-robin (fair shares between
+API keys: each job taken from a room is moved onto the shared stream and read there, in the same
+script; shared/queues.py).
 
 One Lua script reads them in that order in one round trip, as many entries as there are free
 slots; batch entries may take at most `batch_free` of them (the node keeps
@@ -27,7 +29,8 @@ BLOCK_MS = 1000
 CAPPED_BLOCK_MS = 50  # batch may take no slot now; read again soon, for when one of its jobs ends
 STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 
-# KEYS: per band, most urgent first, its three streams: this node's own, the moved one, the shared one.
+# KEYS: per band, most urgent first, its three streams: this node's own, the moved one, the shared one;
+# then per band its list of waiting rooms (`Keys.waiting_keys`).
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
 # interactive, 2: batch) and its max wait ms (0: never promoted).
 # Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
@@ -39,6 +42,7 @@ local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
+local bands = (#ARGV - 5) / 2
 local function head(key)
   if redis.call('XLEN', key) == 0 then return nil end
   local _, maxp = pending(key, group)
@@ -51,6 +55,21 @@ local function read(key, n)
   if not r then return 0 end
   for _, e in ipairs(r[1][2]) do out[#out + 1] = {key, e[1], e[2]} end
   return #r[1][2]
+end
+local function from_rooms(ring, shared, n)
+  local got = 0
+  while got < n do
+    local room = redis.call('LPOP', ring)
+    if not room then break end
+    local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
+    if e then redis.call('XDEL', room, e[1]) end
+    if redis.call('XLEN', room) > 0 then redis.call('RPUSH', ring, room) else redis.call('DEL', room) end
+    if e then
+      redis.call('XADD', shared, '*', unpack(e[2]))
+      got = got + read(shared, 1)
+    end
+  end
+  return got
 end
 local function take(g, n)
   local c = tonumber(ARGV[4 + 2 * g])
@@ -69,9 +88,10 @@ local function take(g, n)
     if k == 0 then break end
     got = got + k
   end
+  if got < n then got = got + from_rooms(KEYS[3 * bands + g], shared, n - got) end
   want, caps[c] = want - got, caps[c] - got
 end
-for g = 1, #KEYS / 3 do
+for g = 1, bands do
   local c, wait = tonumber(ARGV[4 + 2 * g]), tonumber(ARGV[5 + 2 * g])
   if wait > 0 and want > 0 and caps[c] > 0 then
     local oldest, key
@@ -79,13 +99,17 @@ for g = 1, #KEYS / 3 do
       local h = head(KEYS[i])
       if h and (oldest == nil or before(h, oldest)) then oldest, key = h, KEYS[i] end
     end
+    local ring = KEYS[3 * bands + g]
+    local room = redis.call('LINDEX', ring, 0)
+    local r = room and redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
+    if r and (oldest == nil or before(r[1], oldest)) then oldest, key = r[1], ring end
     if oldest and now - tonumber(string.match(oldest, '^(%d+)')) > wait then
-      local k = read(key, 1)
+      local k = key == ring and from_rooms(ring, KEYS[3 * g], 1) or read(key, 1)
       want, caps[c] = want - k, caps[c] - k
     end
   end
 end
-for g = 1, #KEYS / 3 do take(g, want) end
+for g = 1, bands do take(g, want) end
 return out
 """
 )
@@ -106,6 +130,7 @@ class JobReader:
         self.redis, self.consumer = redis, consumer
         self.streams = queues.streams(keys, model, nodes=(consumer,))  # (class, stream), as read
         self.class_of = {stream: job_class for job_class, stream in self.streams}
+        self.rings = [ring for _, ring in queues.rings(keys, model)]  # waiting rooms, per band
         self.batch_max_wait_ms = int(batch_max_wait_s * 1000)
         self._read = redis.register_script(_READ)
 
@@ -176,7 +201,7 @@ class JobReader:
         for job_class, _ in self.streams[::STREAMS_PER_BAND]:
             batch = job_class == "batch"
             args += [2 if batch else 1, self.batch_max_wait_ms if batch else 0]
-        reply = await self._read(keys=[s for _, s in self.streams], args=args)
+        reply = await self._read(keys=[*(s for _, s in self.streams), *self.rings], args=args)
         if reply:
             return [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply]
         readable = [s for c, s in self.streams if c != "batch" or batch_free > 0]

@@ -233,10 +233,12 @@ def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request
 
 
 def jobs_of(r) -> list[str]:
-    """The jobs queued on the model's streams."""
+    """The jobs queued on the model's streams and in its waiting rooms."""
     return [
         fields[b"job"].decode()
-        for stream in r.keys("cortex:jobs:*")
+        for pattern in ("cortex:jobs:*", "cortex:waiting:*")
+        for stream in r.keys(pattern)
+        if r.type(stream) == b"stream"  # not a list of waiting rooms
         for _, fields in r.xrange(stream)
     ]
 

@@ -9,9 +9,13 @@ no request fails; afterwards no entry is pending, no job channel is subscribed, 
 expire lives for ever, and every slot is free. The faults run once in CI (~2 minutes); `pytest
 --soak-s 240 …` repeats them for at least that long."""
 
+import asyncio
 import json
+import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from itertools import count
 
@@ -21,7 +25,7 @@ import pytest
 
 from shared.processes import redis_answers
 from tests.conftest import Service, _http_ok, wait_until
-from tests.integration.fleet.conftest import catalogue
+from tests.integration.fleet.conftest import ADMIN_KEY, catalogue
 from tests.stack import NODE_START_TIMEOUT_S, Stack, start_stack
 
 pytestmark = pytest.mark.integration
@@ -275,6 +279,7 @@ def fleet(tmp_path, tiny_dirs) -> Fleet:
         tmp_path,
         catalogue(tiny_dirs["llama"], **{MODEL: {}}),
         durable=True,
+        CORTEX_ADMIN_KEY=ADMIN_KEY,
         CORTEX_JANITOR_INTERVAL_S="0.5",
         CORTEX_HEARTBEAT_S="0.5",
         CORTEX_HEARTBEAT_TTL_S="3",
@@ -344,6 +349,19 @@ def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, reques
     outside = [o for o in failed if not any(w.overlaps(o) for w in windows)]
     assert outside == [], "\n".join(f"{o.kind} {o.error}" for o in outside)
 
+    assert_nothing_leaks(stack)
+    kinds = {
+        kind: sum(o.kind == kind for o in completed)
+        for kind in ("stream", "whole", "cancel", "malformed")
+    }
+    print(
+        f"soak: {len(outcomes)} requests, {len(failed)} failed inside fault windows; completed {kinds}"
+    )
+
+
+def assert_nothing_leaks(stack: Stack) -> None:
+    """No entry pending or queued (on a stream or in a waiting room), no stray key, no job channel
+    subscribed, no key that should expire living for ever, every slot free."""
     client = stack.client()
     stack.assert_clean(timeout_s=30)
     wait_until(
@@ -363,10 +381,128 @@ def test_the_fleet_loses_nothing_while_each_part_is_killed_in_turn(fleet, reques
         )
 
     wait_until(slots_free, 30, "every slot free")
-    kinds = {
-        kind: sum(o.kind == kind for o in completed)
-        for kind in ("stream", "whole", "cancel", "malformed")
-    }
-    print(
-        f"soak: {len(outcomes)} requests, {len(failed)} failed inside fault windows; completed {kinds}"
+
+
+# ---- a noisy tenant: one key's abuse must not hurt the others' streams ----------------------------
+
+BYSTANDER_CLIENTS, BYSTANDER_STREAMS = 2, 8  # streams each bystander client runs one after another
+FLOOD_IN_FLIGHT = 150  # the noisy key's requests kept queued or running at once during its flood
+
+
+def make_key(stack: Stack, name: str) -> str:
+    created = httpx.post(
+        f"{stack.replicas[0]}/admin/keys",
+        json={"name": name},
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
     )
+    assert created.status_code == 200, created.text
+    return created.json()["secret"]
+
+
+def first_token_s(url: str, secret: str, prompt: int) -> float:
+    """A bystander's streamed chat: the seconds to its first token; it must run to [DONE]."""
+    started, first = time.monotonic(), None
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body(prompt, True),
+        headers={"authorization": f"Bearer {secret}"},
+        timeout=httpx.Timeout(DEADLINE_S, connect=5),
+    ) as got:
+        assert got.status_code == 200, got.read()
+        finished = False
+        for line in got.iter_lines():
+            data = line.removeprefix("data: ")
+            if not line.startswith("data: "):
+                continue
+            if data == "[DONE]":
+                finished = True
+                break
+            chunk = json.loads(data)
+            assert "error" not in chunk, chunk
+            if first is None and any(c["delta"].get("content") for c in chunk["choices"]):
+                first = time.monotonic() - started
+        assert finished and first is not None
+    return first
+
+
+def bystanders(stack: Stack, secret: str) -> list[float]:
+    """Every bystander stream's time to its first token (each client on its own replica)."""
+    found: list[float] = []
+
+    def run(index: int) -> None:
+        for n in range(BYSTANDER_STREAMS):
+            found.append(first_token_s(stack.replicas[index % 2], secret, n % len(PROMPTS)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(BYSTANDER_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S * BYSTANDER_STREAMS)
+    assert len(found) == BYSTANDER_CLIENTS * BYSTANDER_STREAMS
+    return found
+
+
+@contextmanager
+def flood_of_queued_requests(stack: Stack, secret: str) -> Iterator[None]:
+    """The noisy key keeps FLOOD_IN_FLIGHT short chats queued or running (half on each replica)
+    until the block ends; each must end with an answer or a fast refusal (503 with Retry-After)."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    async def one(client: httpx.AsyncClient, n: int) -> None:
+        while not stop.is_set():
+            answer = await client.post(
+                f"{stack.replicas[n % 2]}/v1/chat/completions",
+                json=body(n % len(PROMPTS), False),
+                headers={"authorization": f"Bearer {secret}"},
+            )
+            assert answer.status_code == 200 or (
+                answer.status_code == 503 and "retry-after" in answer.headers
+            ), answer.text
+            statuses.append(answer.status_code)
+
+    async def flood() -> None:
+        limits = httpx.Limits(max_connections=FLOOD_IN_FLIGHT + 10)
+        timeout = httpx.Timeout(300, connect=5)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            await asyncio.gather(*(one(client, n) for n in range(FLOOD_IN_FLIGHT)))
+
+    failed: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run(flood(), failed))
+    thread.start()
+    client = stack.client()
+    rooms = f"{stack.keys.prefix}waiting:*"
+    wait_until(lambda: len(list(client.scan_iter(rooms))) > 0, 60, "the flood to queue")
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(300)
+    assert failed == [] and statuses.count(200) > FLOOD_IN_FLIGHT, (failed, len(statuses))
+
+
+def _run(coroutine, failed: list[BaseException]) -> None:
+    try:
+        asyncio.run(coroutine)
+    except BaseException as exc:  # seen by the test's thread
+        failed.append(exc)
+
+
+NOISES = (flood_of_queued_requests,)  # each: a context manager a noisy key's abuse runs within
+
+
+@pytest.mark.timeout(600)
+def test_a_noisy_tenant_does_not_slow_the_bystanders_streams(fleet):
+    stack = fleet.stack
+    noisy, bystander = make_key(stack, "noisy"), make_key(stack, "bystander")
+    quiet = statistics.median(bystanders(stack, bystander))
+    with ExitStack() as noise:
+        for make in NOISES:
+            noise.enter_context(make(stack, noisy))
+        loud = statistics.median(bystanders(stack, bystander))
+    print(
+        f"noisy tenant: bystanders' TTFT p50 {quiet * 1000:.0f} ms quiet, {loud * 1000:.0f} ms under the noise"
+    )
+    assert loud <= 2 * quiet, (quiet, loud)
+    assert_nothing_leaks(stack)

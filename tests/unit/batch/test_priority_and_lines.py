@@ -125,9 +125,23 @@ def test_bands_and_stream_names():
         KEYS.node_jobs(M, "n1", "interactive", "high"),
         KEYS.moved_jobs(M, "interactive", "high"),
         KEYS.jobs(M, "interactive", "high"),
+        KEYS.waiting_keys(M, "interactive", "high"),
         KEYS.node_jobs(M, "n1"),
         KEYS.moved_jobs(M),
         KEYS.jobs(M),
+        KEYS.waiting_keys(M),
+    ]
+    room = KEYS.waiting_room("a:b", "key-1", "batch", "high")
+    assert room == "cortex:waiting:a:b:batch:high:~key-1"
+    assert queues.parse(KEYS, room) == queues.StreamName("a:b", "batch", "high", tenant="key-1")
+    assert queues.is_waiting_room(room) and not queues.is_waiting_room(KEYS.jobs("a:b"))
+    assert KEYS.shared_of(room) == KEYS.jobs("a:b", "batch", "high")
+    cluster = Keys(cluster=True)
+    assert cluster.shared_of(cluster.waiting_room("m", "k")) == cluster.jobs("m")
+    assert queues.streams_before(KEYS, KEYS.waiting_room(M, "k", "interactive", "high")) == [
+        KEYS.moved_jobs(M, "interactive", "high"),
+        KEYS.jobs(M, "interactive", "high"),
+        KEYS.waiting_keys(M, "interactive", "high"),  # its own list of rooms, last
     ]
     assert [queues.band(p) for p in (-5, 0, None, 3)] == ["high", "normal", "normal", "low"]
     assert KEYS.jobs(M) == "cortex:jobs:m" and KEYS.jobs(M, "batch") == "cortex:jobs:m:batch"

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from redis.exceptions import ResponseError
 
 from gateway.http.server import create_app
-from shared import event_log, usage_meter
+from shared import event_log, queues, usage_meter
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
 from shared.keys import CONSUMER_GROUP, Keys
@@ -62,8 +62,8 @@ def hello_script(entry: StreamEntry) -> list:
 
 @dataclass
 class ScriptedNode:
-    """Reads the job stream like a node would (as consumer `n1`, the node `node` beats for) and answers
-    each job with `script(entry)`."""
+    """Reads the job stream like a node would (as consumer `n1`, the node `node` beats for), the jobs
+    waiting in its rooms too, and answers each job with `script(entry)`."""
 
     redis: fakeredis.aioredis.FakeRedis
     script: Script = hello_script
@@ -82,6 +82,7 @@ class ScriptedNode:
                 message := await cancels.get_message(ignore_subscribe_messages=True, timeout=0)
             ) is not None:
                 self.cancelled.append(message["data"].decode())
+            await self._take_waiting_rooms(stream)
             for _, entries in (
                 await self.redis.xreadgroup(CONSUMER_GROUP, "n1", {stream: ">"}, count=16) or []
             ):
@@ -90,6 +91,20 @@ class ScriptedNode:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
             await asyncio.sleep(0.005)
+
+    async def _take_waiting_rooms(self, stream: str) -> None:
+        """Every job waiting in the stream's rooms onto it, a job per room in turn (a node's reader
+        moves them one at a time as it reads them: shared/queues.py)."""
+        name = queues.parse(KEYS, stream)
+        ring = KEYS.waiting_keys(name.model, name.job_class, name.band)
+        while room := await self.redis.lpop(ring):
+            for entry_id, fields in await self.redis.xrange(room, count=1):
+                await self.redis.xdel(room, entry_id)
+                await self.redis.xadd(stream, fields)
+            if await self.redis.xlen(room):
+                await self.redis.rpush(ring, room)
+            else:
+                await self.redis.delete(room)
 
     async def _answer(self, entry: StreamEntry) -> None:
         self.entries.append(entry)

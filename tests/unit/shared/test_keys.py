@@ -38,8 +38,10 @@ def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
         "cancel",
         "arq_queue",
         "all_jobs",
+        "all_waiting",
         "stream_suffix",
         "moved_of",
+        "shared_of",
     }
     for name, method in inspect.getmembers(Keys, inspect.isfunction):
         if name.startswith("_") or name in lone:
@@ -56,6 +58,8 @@ def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
         + [
             CLUSTER.node_jobs("m", "n", "batch", "low"),
             CLUSTER.moved_jobs("m", "interactive", "high"),
+            CLUSTER.waiting_keys("m", "batch", "low"),
+            CLUSTER.waiting_room("m", "key-1", "interactive", "normal"),
         ],
         [CLUSTER.events("j"), CLUSTER.event_log("j"), CLUSTER.detached("j")],
         [

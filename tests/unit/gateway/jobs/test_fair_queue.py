@@ -1,0 +1,154 @@
+"""Fair shares between callers on a real redis-server: the gateway's enqueue (SUBMIT_LUA), the
+node's reader taking the waiting rooms round-robin, positions, withdrawal, queue depth and
+shedding by queue depth (shared/queues.py, gateway/jobs/queue.py, node_agent/serving/job_reader.py)."""
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.bus.queued_jobs import entry_waiting
+from gateway.jobs import queue
+from node_agent.serving.job_reader import JobReader
+from shared import queues
+from shared.errors import QueueFull
+from shared.keys import CONSUMER_GROUP, Keys
+
+KEYS = Keys()
+M = "m"
+SHARED = KEYS.jobs(M)
+
+
+@pytest.fixture
+async def r(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def reader(r) -> JobReader:
+    reader = JobReader(r, KEYS, M, "n1", batch_max_wait_s=60)
+    await reader.ensure_groups()
+    return reader
+
+
+async def enqueue(r, tenant: str, job: str, stream: str = SHARED, max_waiting: int = 0):
+    fields = {"job": job, "channel": f"events:{job}"}
+    return await queue.enqueue(
+        r, KEYS, stream, fields, tenant=tenant, max_waiting=max_waiting, maxlen=1000
+    )
+
+
+async def read_all(reader: JobReader, free: int = 1) -> list[str]:
+    """Every job the node reads, `free` at a time, acknowledged as a node does when each ends."""
+    order = []
+    while got := await reader._read_streams(free, free):
+        for entry in got:
+            order.append(entry.fields[b"job"].decode())
+            await reader.settle([(entry.stream, entry.entry_id)])
+    return order
+
+
+async def leftovers(r) -> list[bytes]:
+    return [k async for k in r.scan_iter(match=KEYS.all_waiting())]
+
+
+async def test_a_flood_from_one_key_does_not_starve_another(r, reader):
+    for i in range(200):
+        await enqueue(r, "flood", f"a{i}")
+    await enqueue(r, "bystander", "b")
+    order = await read_all(reader)
+    assert len(order) == 201
+    assert order.index("b") <= 2  # after the one already on the shared stream and one in turn
+    assert order[:2] == ["a0", "a1"] and order[3:6] == ["a2", "a3", "a4"]  # then the flood
+    assert await leftovers(r) == [] and await r.xlen(SHARED) == 0
+
+
+async def test_keys_take_turns_one_job_each(r, reader):
+    for tenant in ("x", "y", "z"):
+        for i in range(3):
+            await enqueue(r, tenant, f"{tenant}{i}")
+    # x0 went straight to the shared stream (nothing waited); the rest wait in three rooms
+    assert await read_all(reader, free=4) == [
+        *["x0", "x1", "y0", "z0"],
+        *["x2", "y1", "z1", "y2"],
+        "z2",
+    ]
+
+
+async def test_an_idle_queue_takes_a_job_straight_to_the_shared_stream(r, reader):
+    where, entry_id = await enqueue(r, "k", "first")
+    assert where == SHARED and await r.xlen(SHARED) == 1
+    where, _ = await enqueue(r, "k", "second")  # the first is unread: it waits in its room
+    assert where == KEYS.waiting_room(M, "k")
+    assert await r.lrange(KEYS.waiting_keys(M), 0, -1) == [where.encode()]
+    got = await reader.read(free=2, batch_free=0)
+    assert [e.stream for e in got] == [SHARED, SHARED]  # read where every node acknowledges
+    assert [e.fields[b"job"] for e in got] == [b"first", b"second"]
+    assert (await r.xpending(SHARED, CONSUMER_GROUP))["pending"] == 2
+    assert await leftovers(r) == []  # an emptied room and an emptied list are gone
+
+
+async def test_a_routed_job_never_waits_in_a_room(r, reader):
+    await enqueue(r, "k", "shared")
+    own = KEYS.node_jobs(M, "n1")
+    where, _ = await enqueue(r, "k", "routed", stream=own)
+    assert where == own and await leftovers(r) == []
+
+
+async def test_positions_follow_the_turns_and_a_withdrawn_job_leaves_nothing(r, reader):
+    placed = [await enqueue(r, "a", f"a{i}") for i in range(5)]  # a0 shared, a1-a4 in a room
+    b1 = await enqueue(r, "b", "b1")
+    b2 = await enqueue(r, "b", "b2")
+    # the node will read a0, a1, b1, a2, b2: b2 is fifth, a4 after b2
+    assert await queue.position(r, KEYS, *b1) == 3
+    assert await queue.position(r, KEYS, *b2) == 5
+    assert await queue.position(r, KEYS, *placed[0]) == 1
+    assert await queue.withdraw(r, KEYS, *b1) and await queue.withdraw(r, KEYS, *b2)
+    assert not await r.exists(KEYS.waiting_room(M, "b"))
+    assert await r.lrange(KEYS.waiting_keys(M), 0, -1) == [KEYS.waiting_room(M, "a").encode()]
+    assert await queue.position(r, KEYS, *b2) == 0 and not await queue.withdraw(r, KEYS, *b2)
+    assert await read_all(reader) == [f"a{i}" for i in range(5)]
+    assert await queue.position(r, KEYS, *placed[3]) == 0  # read: no place, nothing to withdraw
+    assert await leftovers(r) == []
+
+
+async def test_queue_depth_counts_the_waiting_rooms(r, reader):
+    for i in range(4):
+        await enqueue(r, "a", f"a{i}")
+    await enqueue(r, "b", "b0")
+    depth = await queues.depth(r, KEYS, M)
+    assert depth["queued"] == {"interactive": 5, "batch": 0} and depth["running"] == 0
+    assert depth["oldest_wait_s"] is not None
+    await reader.read(free=2, batch_free=0)
+    depth = await queues.depth(r, KEYS, M)
+    assert depth["queued"]["interactive"] == 3 and depth["running"] == 2
+
+
+async def test_more_than_the_limit_waiting_is_refused_and_writes_nothing(r, reader):
+    for i in range(4):  # 0, 1, 2 then 3 waiting before each: all taken
+        await enqueue(r, "a", f"a{i}", max_waiting=3)
+    before = (await r.xlen(SHARED), await r.xlen(KEYS.waiting_room(M, "a")))
+    with pytest.raises(QueueFull, match="4 interactive requests are waiting") as refused:
+        await enqueue(r, "b", "b", max_waiting=3)
+    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "5"}
+    assert (await r.xlen(SHARED), await r.xlen(KEYS.waiting_room(M, "a"))) == before
+    assert not await r.exists(KEYS.waiting_room(M, "b"))
+    batch = KEYS.jobs(M, "batch")  # another class's jobs do not count against interactive ones
+    assert (await enqueue(r, "b", "x", stream=batch, max_waiting=3))[0] == batch
+
+
+async def test_after_redis_restarts_a_job_taken_from_its_room_is_found_on_the_shared_stream(
+    r, reader
+):
+    """The gateway's check of a queued job's entry once its events are listened to again
+    (gateway/bus/queued_jobs.py): in its room it waits on; taken onto the shared stream by a node
+    since, it waits on only if that was after the gateway listened again."""
+    await enqueue(r, "a", "a0")
+    room, entry_id = await enqueue(r, "a", "a1")
+    channel = b"events:a1"
+    assert await entry_waiting(r, room, entry_id, float("inf"), channel)
+    await reader.read(free=2, batch_free=0)  # a0, then a1 from its room
+    assert not await r.exists(room)
+    assert await entry_waiting(r, room, entry_id, 60_000, channel)  # read within the last minute
+    assert not await entry_waiting(r, room, entry_id, 0, channel)  # read before we listened
+    assert not await entry_waiting(r, room, entry_id, 60_000, b"events:other")
