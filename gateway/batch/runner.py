@@ -6,6 +6,12 @@ by line number), so a batch resumed by another worker (or this one, restarted) s
 lines; a line whose job was queued or running when its worker died (`:inflight`) is withdrawn
 and run again. Only the worker holding the batch's lease (`cortex:batch:{id}:lease`, renewed
 while it runs) works on it. Inference stays on the job streams: a line is one `batch`-class job.
+
+A line is admitted as every request is (gateway/jobs/submit.py `admit`): its key's tokens per
+minute and per day count it. Over one of them the batch pauses (it stays `in_progress`, starts no
+line and costs no try) until the key is admitted again, asking every `BUDGET_RECHECK_S` at most or
+when the refusal's Retry-After says; a cancel or the completion window ends the pause, and the
+lines still waiting go to the error file with the 429 they got.
 """
 
 import asyncio
@@ -35,6 +41,7 @@ from shared.errors import (
     ModelUnavailable,
     NodeLost,
     NotFound,
+    RateLimited,
     Timeout,
 )
 from shared.redis_conn import atomic, publish
@@ -54,6 +61,7 @@ RETRY_BACKOFF_S = (
     8.0,
 )  # also while Redis is away or full, which costs a line no try
 STATUS_POLL_S = 0.5  # how often a running batch looks for a cancel
+BUDGET_RECHECK_S = 5.0  # a batch paused by its key's token budget asks to go on this often at most
 
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = (
@@ -78,6 +86,7 @@ class BatchRunner:
         self.broken: BaseException | None = (
             None  # a line failed on Redis (it cannot be recorded): the run stops
         )
+        self.paused_until = 0.0  # monotonic: the key's token budget refused a line until then
 
     def key(self, what: str) -> str:
         return self.keys.batch_lines(self.id, what)
@@ -211,6 +220,7 @@ class BatchRunner:
                         return_when=asyncio.FIRST_COMPLETED,
                     )
                     self._check_broken()
+                await self._while_paused()
                 if self.stop_reason:
                     break
                 task = asyncio.create_task(self._line(line_no, content[line_no], batch.endpoint))
@@ -224,6 +234,18 @@ class BatchRunner:
                 task.cancel()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+
+    def _pause(self, refusal: RateLimited) -> None:
+        """The key is over a token budget: no line starts until its Retry-After (or the next
+        recheck, whichever is sooner)."""
+        resume = time.monotonic() + min(refusal.retry_after, BUDGET_RECHECK_S)
+        if self.paused_until <= time.monotonic():
+            log.info("batch %s paused: %s", self.id, refusal.message)
+        self.paused_until = max(self.paused_until, resume)
+
+    async def _while_paused(self) -> None:
+        while time.monotonic() < self.paused_until and not self.stop_reason:
+            await asyncio.sleep(min(STATUS_POLL_S, self.paused_until - time.monotonic()))
 
     def _line_done(self, line_no: int, task: asyncio.Task) -> None:
         self.running.pop(line_no, None)
@@ -305,6 +327,12 @@ class BatchRunner:
                     self.key("inflight"), str(line_no), f"{job.id} {job.stream} {job.entry_id}"
                 )
                 return await lines.finish(job, parsed, endpoint)
+            except RateLimited as exc:  # over a token budget: the batch pauses, costs no try
+                if not self.stop_reason:
+                    self._pause(exc)
+                    await self._while_paused()
+                if self.stop_reason:  # cancelled or expired meanwhile: the line ends with its 429
+                    raise
             except (
                 BrokerUnavailable
             ) as exc:  # Redis away (or full): not the line's fault, it costs no try

@@ -100,15 +100,24 @@ async def require_dashboard(request: Request, ctx: Ctx) -> None:
         require_admin(request, ctx)
 
 
-async def metrics_access(request: Request, ctx: Ctx) -> bool:
-    """`/metrics`' dependency: True when the caller sees every series (the admin key, or anyone while
-    auth is off), False for the anonymous view (gateway/http/metrics_view.py); with
-    `metrics_require_admin_key`, anyone but the admin key is refused (401, or 403 without one set)."""
+async def sees_internals(request: Request, ctx: Ctx) -> bool:
+    """Whether the caller may see the fleet's insides (its nodes, keys, Redis's settings): the admin
+    key, or anyone while auth is off (not while Redis is away: whether a key exists is unknown)."""
     if _is_admin(ctx.settings, bearer(request)):
         return True
-    if ctx.settings.metrics_require_admin_key:
+    try:
+        return not await auth_required(ctx)
+    except (RedisError, OSError):
+        return False
+
+
+async def metrics_access(request: Request, ctx: Ctx) -> bool:
+    """`/metrics`' dependency: True when the caller sees every series (`sees_internals`), False for
+    the anonymous view (gateway/http/metrics_view.py); with `metrics_require_admin_key`, anyone but
+    the admin key is refused (401, or 403 without one set)."""
+    if ctx.settings.metrics_require_admin_key and not _is_admin(ctx.settings, bearer(request)):
         require_admin(request, ctx)
-    return not await auth_required(ctx)
+    return await sees_internals(request, ctx)
 
 
 async def warn_if_exposed(ctx: GatewayContext) -> None:

@@ -3,13 +3,16 @@ by Redis on Redis's clock, so two replicas admitting requests for one key at onc
 
 - requests per minute: a sliding window (`cortex:ratelimit:{key}:requests`, one member per
   admitted request in the last 60 s); a request is admitted while fewer than `rpm` are in it.
+  Batch lines do not count here (the batch was one request; its lines' pace is the worker's).
 - tokens per minute: a sliding window of ended jobs' real usage (`…:tokens`, members
   `{job}:{tokens}`); a request is admitted while the last 60 s used fewer than `tpm` tokens.
 - tokens per day: `cortex:usage:{key}:{YYYY-MM-DD}` (UTC), admitted while below the budget.
 
 Token counts are only known when a job ends, and the node that ends it counts them
 (shared/usage_meter.py: finished, failed or cancelled alike), so the one request that crosses a
-token limit finishes; the next ones wait. A refusal carries how long until a request would be admitted.
+token limit finishes; the next ones wait. A refusal carries how long until a request would be
+admitted. Every job class passes here: interactive requests, load-only requests and batch lines
+(a batch over a token budget pauses until it is admitted again: gateway/batch/runner.py).
 """
 
 import logging
@@ -91,9 +94,11 @@ class Limiter:
         self.keys, self.metrics = keys, metrics
         self._admit = redis.register_script(ADMIT_LUA)
 
-    async def admit(self, key: ApiKey) -> None:
-        """Count one request against `key`, or raise the limit it is over (429 with Retry-After)."""
+    async def admit(self, key: ApiKey, job_class: str = "interactive") -> None:
+        """Count one request of `job_class` against `key`, or raise the limit it is over (429 with
+        Retry-After); a batch line is held to the key's token budgets only, not to its rpm."""
         name = key.name
+        rpm = key.rpm if job_class == "interactive" else 0
         verdict, wait_ms = await self._admit(
             keys=[
                 self.keys.api_key(name),
@@ -101,7 +106,7 @@ class Limiter:
                 self.keys.rate_window(name, "tokens"),
                 self.keys.daily_tokens(name, utc_day()),
             ],
-            args=[key.rpm, key.tpm, key.max_tokens_per_day, ms_to_end_of_day(), uuid.uuid4().hex],
+            args=[rpm, key.tpm, key.max_tokens_per_day, ms_to_end_of_day(), uuid.uuid4().hex],
         )
         verdict = verdict.decode()
         if verdict == "ok":

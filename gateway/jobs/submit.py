@@ -201,18 +201,19 @@ _KINDS = {  # a profile's kind -> (what the model is, what it serves)
 
 
 async def admit(
-    ctx: JobContext, model: str, kind: str, caller: Caller, job_class: str
+    ctx: JobContext, model: str, kind: str | None, caller: Caller, job_class: str
 ) -> ModelProfile:
     """The profile of `model` (404 if unknown), checked that the caller's key may use it (404/403),
-    that it is of `kind` (400 when it serves something else: chat on an embedding model) and, for
-    interactive requests, is within its limits (429; batch lines are not rate limited)."""
+    that it is of `kind` (400 when it serves something else: chat on an embedding model; None: any
+    kind, as for a request that only loads the model) and that the key is within its limits (429;
+    a batch line within its token budgets, gateway/jobs/limits.py)."""
     profile = ctx.catalog.resolve(model)
     caller.check_may_use(profile)
-    if profile.kind != kind:
+    if kind is not None and profile.kind != kind:
         (named, serves), (_, asked) = _KINDS[profile.kind], _KINDS[kind]
         raise WrongModelKind(f"{model} is {named}: it serves {serves}, not {asked}", param="model")
-    if caller.key is not None and job_class == "interactive":
-        await ctx.limiter.admit(caller.key)
+    if caller.key is not None:
+        await ctx.limiter.admit(caller.key, job_class)
     return profile
 
 

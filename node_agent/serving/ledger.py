@@ -1,7 +1,8 @@
 """The jobs a replica holds: for each, the slots it takes, the stream entry it came from and where
 its answer goes. The one place a job is admitted and ended (finished, failed or cancelled): its
-slots are freed once, its entry is acknowledged through the event that ends it, and the keep-alive
-its request asked for is noted."""
+slots are freed once, its entry is acknowledged through the event that ends it (with the count of
+what it used against its API key, where the ledger knows it: shared/usage_meter.py), and the
+keep-alive its request asked for is noted."""
 
 import asyncio
 import time
@@ -9,11 +10,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from node_agent.serving.job_spans import JobSpans
-from node_agent.serving.output_messages import Delivery, Outgoing
+from node_agent.serving.output_messages import Charge, Delivery, Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError
 from shared.settings import NodeSettings
-from shared.wire import ErrorEvent, Timings
+from shared.wire import ErrorEvent, Timings, Usage
 
 KEEP_ALIVE_MAX_MS = (
     7 * 24 * 3600 * 1000
@@ -33,6 +34,9 @@ class Running:
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
     trace: JobSpans | None = None  # when its request is traced: its spans are made when it ends
     api_key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
+    # what it used, where the replica itself knows it (a pooled job: its inputs, once tokenised):
+    # charged when it fails or is cancelled here (a generation job's output process charges it)
+    used: Usage | None = None
 
 
 def now_ms() -> int:
@@ -82,8 +86,15 @@ class Ledger:
         if running is not None:
             if running.trace is not None:
                 running.trace.error = error.code
+            charge = Charge(running.api_key, running.used) if running.api_key else None
             self.refuse(
-                running.entry_id, running.channel, error, running.stream, job, running.streaming
+                running.entry_id,
+                running.channel,
+                error,
+                running.stream,
+                job,
+                running.streaming,
+                charge if running.used is not None else None,
             )
             self.end(job)
 
@@ -100,8 +111,10 @@ class Ledger:
         stream: str = "",
         job: str = "",
         streaming: bool = False,
+        charge: Charge | None = None,
     ) -> None:
-        """Answer an entry with `error` and acknowledge it (an entry never admitted, or one that `fail` ends)."""
+        """Answer an entry with `error` and acknowledge it (an entry never admitted, or one that
+        `fail` ends, with the `charge` of what it used when the ledger knows it)."""
         event = ErrorEvent(code=error.code, message=error.message)
         self._send(
             [
@@ -111,6 +124,7 @@ class Ledger:
                     (stream or self.stream, entry_id),
                     job=job,
                     streaming=streaming,
+                    charge=charge,
                 )
             ],
             [],

@@ -2,7 +2,9 @@
 `PoolingEngine`): each stream entry is decoded as a `PoolingRequest`, admitted to the ledger, its
 inputs tokenised and checked in the thread pool (node_agent/serving/pooling_inputs.py) against the
 device's free memory too, and a read's jobs are queued on the device thread together, but those
-cancelled while they were tokenised. An entry that cannot run ends here with its error."""
+cancelled while they were tokenised. An entry that cannot run ends here with its error. Once its
+inputs are tokenised their tokens are what the job is charged if it ends early (cancelled, failed:
+node_agent/serving/ledger.py); a finished job is charged with its result (served_pooler.py)."""
 
 import asyncio
 import logging
@@ -14,7 +16,7 @@ from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Running
 from node_agent.serving.pooling_inputs import encode
 from shared.errors import InvalidRequest
-from shared.wire import POOLING_KINDS, PoolingRequest, StreamEntry, WireError
+from shared.wire import POOLING_KINDS, PoolingRequest, StreamEntry, Usage, WireError
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +84,13 @@ class PoolingIntake(Intake):
         )
         try:
             self._check_memory()
-            return (
-                request,
-                await asyncio.to_thread(
-                    encode, self.engine.lm, request, self.settings.max_pooled_floats
-                ),
-                float(entry.submitted_ms),
+            encoded = await asyncio.to_thread(
+                encode, self.engine.lm, request, self.settings.max_pooled_floats
             )
         except Exception as exc:
             self.failed(request.job, exc)
-        return None
+            return None
+        if (running := self.ledger.running.get(request.job)) is not None:
+            # from now on its inputs hold the engine: ended early (cancelled, failed), it pays them
+            running.used = Usage(prompt_tokens=encoded.tokens)
+        return request, encoded, float(entry.submitted_ms)

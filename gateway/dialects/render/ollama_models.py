@@ -5,7 +5,8 @@ the catalogue resolves back). The gateway does not hold the models' files (nodes
 Ollama reads from a GGUF header comes from the catalogue and the heartbeats instead: the format
 from the source, the context from the loaded replicas (else the catalogue's `max_model_len`),
 sizes from what replicas hold, `general.architecture` as "cortex". A digest is the sha256 of the
-model's catalogue profile: it changes when the profile does.
+model's catalogue profile: it changes when the profile does. No local path reaches a client: a
+Modelfile's FROM is the hub repository or the model's id.
 """
 
 import hashlib
@@ -23,6 +24,7 @@ from gateway.dialects.protocol.ollama import (
 from shared.catalog import LATEST_TAG, ModelProfile
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.lifecycle import ModelState
+from shared.model_store import HUB_PREFIX
 
 ARCHITECTURE = "cortex"
 NEVER = datetime(
@@ -115,7 +117,7 @@ def show(profile: ModelProfile, nodes: list[NodeHeartbeat]) -> ShowResponse:
         f"\nnum_predict {profile.default_max_tokens}" if profile.default_max_tokens else ""
     )
     return ShowResponse(
-        modelfile=f"FROM {profile.source}\n"
+        modelfile=f"FROM {_public_source(profile)}\n"
         + "".join(f"PARAMETER {line}\n" for line in parameters.splitlines()),
         parameters=parameters,
         template=profile.chat_template or "",
@@ -128,6 +130,12 @@ def show(profile: ModelProfile, nodes: list[NodeHeartbeat]) -> ShowResponse:
         capabilities=capabilities(profile),
         modified_at=_since(min((node.started_ms for node, _ in replicas), default=0)),
     )
+
+
+def _public_source(profile: ModelProfile) -> str:
+    """What a Modelfile's FROM names: the hub repository (public), else the model's id, never a
+    path on a node's disk."""
+    return profile.source if profile.source.startswith(HUB_PREFIX) else profile.id
 
 
 def _expires_at(

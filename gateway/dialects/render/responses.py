@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
+from gateway.dialects.errors import for_clients
 from gateway.dialects.gather import GatheredChoice
 from gateway.dialects.protocol.responses import (
     IncompleteDetails,
@@ -277,7 +278,9 @@ def folded(
                 None,
                 None,
                 status="cancelled" if cancelled else "failed",
-                error=None if cancelled else {"code": event.code, "message": event.message},
+                error=None
+                if cancelled
+                else {"code": event.code, "message": for_clients(event.message)},
             )
         if not isinstance(event, StartEvent):
             for delta in event.choices:

@@ -5,7 +5,8 @@
 `stream: false` (gateway/dialects/render/ollama.py); with no messages (an empty prompt) they place the model
 on a node and answer `done_reason: "load"`. `GET /api/tags`, `POST /api/show` and `GET /api/ps` read
 the catalogue and the fleet (gateway/dialects/render/ollama_models.py); `GET /api/version` needs no key, as
-VS Code's Copilot Chat asks it before anything else. `POST /api/pull` of a catalogue model with an
+VS Code's Copilot Chat asks it before anything else. `POST /api/pull` (the admin key, or anyone while
+auth is off: an API key gets 403) of a catalogue model with an
 `hf:` source asks the nodes that may run it to fetch its files and follows them (a progress line
 per node as its bytes move, then `success`, or an error line); for other catalogue models it
 succeeds at once, and it says pulling is not available for models outside the catalogue; `DELETE
@@ -14,6 +15,7 @@ succeeds at once, and it says pulling is not available for models outside the ca
 (gateway/jobs/pooling.py).
 """
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -55,10 +57,12 @@ from gateway.jobs import ndjson, pooling
 from gateway.jobs.disconnect import unless_disconnected
 from gateway.jobs.job import Job
 from gateway.jobs.streaming import stream_job
-from gateway.jobs.submit import submit_request
+from gateway.jobs.submit import admit, submit_request
 from shared.catalog import ModelProfile
-from shared.errors import CortexError, ModelNotFound, ModelPullFailed
+from shared.errors import CortexError, Forbidden, ModelNotFound, ModelPullFailed
 from shared.model_store import HUB_PREFIX
+
+log = logging.getLogger(__name__)
 
 
 class JsonBody(APIRoute):
@@ -131,8 +135,12 @@ async def _answer(
 
 async def _load(ctx: GatewayContext, caller: Caller, answer: BaseModel) -> JSONResponse:
     """Place the model on a node if none serves it (it is loading there when this answers), as
-    Ollama loads for a request with nothing to generate."""
-    await ctx.placer.ensure_placed(_profile(ctx, caller, answer.model))
+    Ollama loads for a request with nothing to generate; admitted as every request is (the key may
+    use the model and is within its limits: gateway/jobs/submit.py `admit`)."""
+    profile = await ctx.outage.through(
+        lambda: admit(ctx, answer.model, None, caller, "interactive")
+    )
+    await ctx.placer.ensure_placed(profile)
     return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
 
 
@@ -197,6 +205,13 @@ async def ps(ctx: Ctx, caller: CallerDep) -> JSONResponse:
 
 @router.post("/api/pull", response_model=None)
 async def pull(body: PullRequest, ctx: Ctx, caller: CallerDep) -> Response:
+    """Pulling puts files on the fleet's disks and may evict others': the admin key's (or anyone's
+    while auth is off), as `POST /admin/models/{model}/pull` is; an API key gets 403."""
+    if caller.key is not None:
+        raise Forbidden(
+            f"API key {caller.name!r} may not pull models onto the fleet: pulling takes the admin "
+            "key (an operator runs `cortex models pull MODEL`)"
+        )
     try:
         profile = _profile(ctx, caller, body.model)
     except ModelNotFound:
@@ -231,6 +246,7 @@ async def _pull_progress(
     async for states in pulls.watch(ctx.fleet, folder, nodes):
         for node, state in states.items():
             if state.why:
+                log.warning("%s could not pull %s: %s", node, profile.id, state.why)
                 raise ModelPullFailed(f"{node} could not pull {profile.id}: {state.why}")
             if (
                 state.progress is not None

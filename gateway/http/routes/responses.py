@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from gateway.dialects.errors import for_clients
 from gateway.dialects.gather import gather_choices
 from gateway.dialects.protocol.responses import (
     ResponseCreateParams,
@@ -154,5 +155,6 @@ async def _frames(job: Job, events: AsyncIterator[ResponseStreamEvent]) -> Async
             "job=%s request=%s failed while streaming: %s", job.id, job.request_id, exc.message
         )
         yield sse.event(
-            "error", ResponseErrorEvent(code=exc.code, message=exc.message, param=exc.param)
+            "error",
+            ResponseErrorEvent(code=exc.code, message=for_clients(exc.message), param=exc.param),
         )

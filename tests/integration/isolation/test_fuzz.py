@@ -1,5 +1,7 @@
 """The fuzz tier: schemathesis generates requests from the gateway's own OpenAPI document for
-the generation routes of every dialect, and the embedding and rerank routes (model fixed to the tiny
+the generation routes of every dialect, every Ollama route (`/api/*`; hostile and oversized bodies
+for each, and the links they must not drop: test_hostile_ollama.py), and the embedding and rerank
+routes (model fixed to the tiny
 random chat model, completions kept short; embedding and rerank requests are validated, then refused
 for it) and checks every answer: never a 5xx, a status the document declares, and a body that matches
 its schema.
@@ -32,8 +34,10 @@ CHECKS = [
     response_schema_conformance,
 ]
 
-schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi()).include(
-    path=list(SUCCESS)
+DOCUMENT = create_app(GatewaySettings()).openapi()
+OLLAMA_ROUTES = [path for path in DOCUMENT["paths"] if path.startswith("/api/")]  # every one
+schema = schemathesis.openapi.from_dict(DOCUMENT).include(
+    path=sorted(set(SUCCESS) | set(OLLAMA_ROUTES))
 )
 
 

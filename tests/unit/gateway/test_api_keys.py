@@ -1,14 +1,22 @@
 """API keys on one gateway (fakeredis, a scripted node): auth modes, each dialect's 401/403/404/429,
 limits from real usage, the admin API, ownership of files and batches, metrics."""
 
+import asyncio
+import contextlib
+import json
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.api_keys import KeySpec
-from shared.settings import GatewaySettings
-from tests.unit.gateway.conftest import KEYS, MODEL
+from gateway.batch import runner
+from gateway.batch.runner import BatchRunner
+from shared import usage_meter
+from shared.api_keys import KeySpec, utc_day
+from shared.errors import RateLimited, TokensRateLimited
+from shared.settings import BatchSettings, GatewaySettings
+from shared.wire import ErrorEvent, Usage
+from tests.unit.gateway.conftest import KEYS, MODEL, ScriptedNode
 
 ADMIN = "admin-secret"
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -325,3 +333,142 @@ async def test_log_lines_about_a_request_name_its_key(client, node, new_key, cap
         and all("key=alice" in line for line in lines)
         and not any(secret in line for line in lines)
     )
+
+
+def chat_lines(count: int) -> bytes:
+    line = {"method": "POST", "url": "/v1/chat/completions", "body": CHAT}
+    return b"".join(
+        json.dumps(line | {"custom_id": f"line-{i}"}).encode() + b"\n" for i in range(count)
+    )
+
+
+@contextlib.asynccontextmanager
+async def paused_batch(app, client, new_key, redis, monkeypatch, lines: int = 3):
+    """A batch of `lines` chat lines whose key (daily budget 8 tokens, rpm 1) spent its day, run by
+    a `BatchRunner`, with a scripted node on the batch stream; yields (headers, batch id, runner
+    task, the node, the day's counter)."""
+    monkeypatch.setattr(runner, "BUDGET_RECHECK_S", 0.2)
+    batch_lines = ScriptedNode(redis)
+    reading = asyncio.create_task(batch_lines.run(KEYS.jobs(MODEL, "batch")))
+    headers = bearer(await new_key(max_tokens_per_day=8, rpm=1))  # rpm: lines are not requests
+    body = {
+        "input_file_id": await upload(client, headers, chat_lines(lines)),
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    batch_id = (await client.post("/v1/batches", json=body, headers=headers)).json()["id"]
+    spent = KEYS.daily_tokens("alice", utc_day())
+    await redis.set(spent, 8)
+    running = asyncio.create_task(
+        BatchRunner(app.state.ctx, BatchSettings(redis_url="redis://fake"), batch_id).run()
+    )
+    try:
+        await asyncio.sleep(1.5)
+        paused = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+        assert paused["status"] == "in_progress" and batch_lines.entries == []
+        assert (paused["request_counts"]["completed"], paused["request_counts"]["failed"]) == (0, 0)
+        yield headers, batch_id, running, batch_lines, spent
+    finally:
+        for task in (running, reading):
+            task.cancel()
+        await asyncio.gather(running, reading, return_exceptions=True)
+
+
+async def test_a_batch_over_its_keys_daily_budget_pauses_until_the_budget_resets(
+    app, client, node, new_key, redis, monkeypatch
+):
+    """Its lines are admitted as requests are: none runs while the key's day is spent, none fails
+    for it; once the budget is back (here: the day's counter gone, as at 00:00 UTC) they run."""
+    async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
+        headers, batch_id, running, batch_lines, spent = paused
+        await redis.delete(spent)
+        await asyncio.wait_for(running, 10)
+    done = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 3, done
+    assert len(batch_lines.entries) == 3
+    key = await app.state.ctx.api_keys.get("alice")
+    assert key.tokens_today == 3 * 8  # all three started together: usage counts jobs that ended
+
+
+async def test_a_batch_cancelled_while_paused_puts_its_waiting_lines_in_the_error_file(
+    app, client, node, new_key, redis, monkeypatch
+):
+    async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
+        headers, batch_id, running, batch_lines, _ = paused
+        await client.post(f"/v1/batches/{batch_id}/cancel", headers=headers)
+        await asyncio.wait_for(running, 10)
+    done = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+    assert done["status"] == "cancelled" and batch_lines.entries == [], done
+    errors = (await client.get(f"/v1/files/{done['error_file_id']}/content", headers=headers)).text
+    responses = [json.loads(line)["response"] for line in errors.splitlines()]
+    assert [r["status_code"] for r in responses] == [429] * 3
+    assert {r["body"]["error"]["code"] for r in responses} == {"daily_budget_exceeded"}
+
+
+async def test_a_batch_line_counts_against_tpm_but_not_rpm(app, new_key):
+    limiter, _ = app.state.ctx.limiter, await new_key(rpm=1, tpm=10)
+    key = await app.state.ctx.api_keys.get("alice")
+    for _ in range(3):
+        await limiter.admit(key, "batch")
+    await limiter.admit(key)  # the key's one interactive request this minute
+    with pytest.raises(RateLimited):
+        await limiter.admit(key)
+    pipe = app.state.ctx.redis.pipeline(transaction=False)
+    usage_meter.charge(pipe, KEYS, "alice", "job-1", Usage(prompt_tokens=10), 600)
+    await pipe.execute()
+    with pytest.raises(TokensRateLimited):
+        await limiter.admit(key, "batch")
+
+
+async def test_load_only_ollama_requests_pass_admission(client, node, new_key):
+    """A chat with no messages (a generate with no prompt) loads the model, as Ollama does: only a
+    model the key may use, and within its limits."""
+    other = bearer(await new_key("other", models=["some-other-model"]))
+    refused = await client.post("/api/chat", json={"model": "default"}, headers=other)
+    assert refused.status_code == 404, refused.text
+    limited = bearer(await new_key(rpm=1))
+    assert (
+        await client.post("/api/generate", json={"model": "default"}, headers=limited)
+    ).status_code == 200
+    again = await client.post("/api/chat", json={"model": "default"}, headers=limited)
+    assert again.status_code == 429 and again.headers["retry-after"]
+    assert node.entries == []
+
+
+async def test_pulling_takes_the_admin_key(client, new_key):
+    refused = await client.post(
+        "/api/pull", json={"model": "default", "stream": False}, headers=bearer(await new_key())
+    )
+    assert refused.status_code == 403 and "admin key" in refused.json()["error"]
+    pulled = await client.post(
+        "/api/pull", json={"model": "default", "stream": False}, headers=bearer(ADMIN)
+    )
+    assert pulled.status_code == 200 and pulled.json() == {"status": "success"}
+
+
+async def test_no_local_path_or_redis_setting_reaches_a_client(app, client, node, new_key):
+    """`/api/show` names the model, not where its files are; `/health` says ok without the admin key
+    (Redis's persistence and memory are the operator's); node messages lose URLs and paths."""
+    secret = bearer(await new_key())
+    profile = app.state.ctx.catalog.resolve("default")
+    source = profile.source
+    object.__setattr__(profile, "source", "/srv/models/secret-folder")
+    try:
+        shown = await client.post("/api/show", json={"model": "default"}, headers=secret)
+    finally:
+        object.__setattr__(profile, "source", source)
+    assert shown.status_code == 200 and "/srv/models" not in shown.text
+    assert shown.json()["modelfile"].startswith(f"FROM {MODEL}\n")
+    for headers in ({}, secret):
+        anonymous = await client.get("/health", headers=headers)
+        assert anonymous.json() == {"status": "ok"}, anonymous.text
+    assert "redis" in (await client.get("/health", headers=bearer(ADMIN))).json()
+    node.script = lambda entry: [
+        ErrorEvent(
+            code="generation_failed",
+            message="could not read /srv/models/secret-folder/a.bin from http://10.1.2.3:31314/x",
+        )
+    ]
+    failed = await client.post("/v1/chat/completions", json=CHAT, headers=secret)
+    message = failed.json()["error"]["message"]
+    assert "10.1.2.3" not in message and "/srv/models" not in message and "<url>" in message
