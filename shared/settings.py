@@ -190,7 +190,13 @@ class NodeSettings(CortexSettings):
     # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode eagerly.
     compile_cache: Path | None = Path.home() / ".cache" / "cortex" / "compiled"
 
-    @field_validator("convert_cache", "compile_cache", mode="before")
+    # The KV cache's disk tier (node_agent/engine/kv_disk.py): every full block a model computes is
+    # kept here, content-addressed, and read back when a prompt's prefix continues there (across
+    # restarts); each model keeps at most `kv_disk_gb`, least recently used evicted. Empty: off.
+    kv_disk_dir: Path | None = None
+    kv_disk_gb: float = Field(10.0, gt=0)
+
+    @field_validator("convert_cache", "compile_cache", "kv_disk_dir", mode="before")
     @classmethod
     def _empty_is_off(cls, value: Any) -> Any:
         return None if value in ("", None) else value
