@@ -8,4 +8,6 @@ WIRE_VERSION = 8  # 2: SamplingParams.grammar, kind "count"; 3: the start event,
 # a node of 7 from before refuses those jobs, so upgrade nodes before gateways)
 # 8: embedding and rerank jobs (`PoolingRequest`, the done event's `pooled`); SamplingParams.speculative,
 # num_speculative_tokens; then the job entry's `key` (sent only for metered jobs: the node counts their tokens
-# where they end; a node of 8 from before refuses them, so upgrade nodes before gateways)
+# where they end; a node of 8 from before refuses them, so upgrade nodes before gateways); then, additive
+# (defaults, so either side may be older), the heartbeat's KV tier counters (`KVCacheStats.host_*`,
+# `disk_*`, bytes moved) and the `prefix-tiers` hash beside a node's prefixes (`Keys.prefix_tiers`)

@@ -16,7 +16,7 @@ tells the gateways (`Keys.prefixes`). At most `2 * blocks` marks are kept, the o
 
 With KV tiers below the device (node_agent/engine/kv_tiers.py), an evicted block is first offered to
 them (`spill`): a block they keep keeps its marks, whose tier changes (`retiered`: a mark's tier is
-the best of its blocks', `device`, `host` or `disk`); they are dropped when no tier keeps it (`gone`).
+the best of its blocks', `device`, `host` or `disk`); they are dropped when no tier keeps it (`moved`).
 """
 
 import hashlib
@@ -60,8 +60,8 @@ class BlockPool:
         )  # mark -> the block hashes it ends on, oldest first
         self.marks: dict[bytes, set[str]] = {}  # block hash -> the marks anchored on it
         self.dropped: list[str] = []  # marks no cached block holds any more, not yet taken
-        # the tiers below the device: offered each evicted block (True: kept), asked where a hash is
-        self.spill: Callable[[int, bytes], bool] | None = None
+        # the tiers below the device: offered each evicted block, asked where a hash is kept
+        self.spill: Callable[[int, bytes], None] | None = None
         self.below: Callable[[bytes], str | None] = lambda block_hash: None
         self.mark_tiers: dict[str, str] = {}  # each mark's tier, as last reported
         self.retiered: dict[str, str] = {}  # marks whose tier changed, not yet taken
@@ -93,8 +93,9 @@ class BlockPool:
                 block = self.empty.pop()
             else:
                 block, _ = self.evictable.popitem(last=False)
-                block_hash = self.hash_of[block]
-                self._forget(block, kept=self.spill is not None and self.spill(block, block_hash))
+                if self.spill is not None:
+                    self.spill(block, self.hash_of[block])
+                self._forget(block)
             self.refs[block] = 1
             out.append(block)
         return out
@@ -138,21 +139,21 @@ class BlockPool:
             return True
         return False
 
-    def _forget(self, block: int, kept: bool = False) -> None:
-        """`block` no longer holds its hash; its marks stay if a tier below `kept` it."""
+    def _forget(self, block: int) -> None:
+        """`block` no longer holds its hash (its marks stay while a tier below keeps it)."""
         if (block_hash := self.hash_of[block]) is not None:
             del self.by_hash[block_hash]
             self.hash_of[block] = None
-            if kept:
-                self._retier(block_hash)
-            else:
-                self.gone(block_hash)
+            self.moved(block_hash)
 
-    def gone(self, block_hash: bytes) -> None:
-        """No tier keeps `block_hash` any more: the marks anchored on it let go of it."""
-        if block_hash not in self.by_hash:
-            for mark in self.marks.pop(block_hash, ()):
-                self._unanchor(mark, block_hash)
+    def moved(self, block_hash: bytes) -> None:
+        """`block_hash` changed tier: the marks anchored on it follow, or let go of it when no tier
+        keeps it any more."""
+        if self.tier(block_hash) is not None:
+            self._retier(block_hash)
+            return
+        for mark in self.marks.pop(block_hash, ()):
+            self._unanchor(mark, block_hash)
 
     def tier(self, block_hash: bytes) -> str | None:
         return "device" if block_hash in self.by_hash else self.below(block_hash)

@@ -79,15 +79,14 @@ class HostTier:
 
 class KVTiers:
     """The host and disk tiers of one engine (either may be off). `block_bytes`: one block's keys
-    and values over every attention layer. `gone`: called with a hash no tier holds any more (the
-    block pool then lets go of the prefix marks anchored on it)."""
+    and values over every attention layer. `moved`: called with a hash that left a tier below (the
+    block pool's marks anchored on it follow it, or let go of it)."""
 
     def __init__(self, host_slots: int, disk: DiskTier | None, block_bytes: int):
         self.host = HostTier(host_slots) if host_slots else None
         self.disk, self.block_bytes = disk, block_bytes
         self.stats = TierStats()
-        self.gone: Callable[[bytes], None] = lambda block_hash: None
-        self.on_device: Callable[[bytes], bool] = lambda block_hash: False
+        self.moved: Callable[[bytes], None] = lambda block_hash: None
         self.offloads: list[tuple[int, int]] = []  # (device block, host slot) this step
         self.restored = 0  # tokens restored this step
 
@@ -105,24 +104,22 @@ class KVTiers:
             return DISK
         return None
 
-    def spill(self, block: int, block_hash: bytes) -> bool:
-        """The device pool evicts `block` (holding `block_hash`): keep it below if a tier can; True
-        if some tier keeps it."""
+    def spill(self, block: int, block_hash: bytes) -> None:
+        """The device pool evicts `block` (holding `block_hash`): keep a copy in host memory (the
+        least recently used slot not read this step makes room)."""
         if self.host is None:
-            return self.where(block_hash) is not None
+            return
         if block_hash in self.host.slot_of:  # restored from here earlier: the copy is still good
             self.host.slot_of.move_to_end(block_hash)
-            return True
+            return
         slot, evicted = self.host.take(block_hash)
-        if evicted is not None and self.where(evicted) is None and not self.on_device(evicted):
-            self.gone(evicted)
-        if slot is None:
-            return self.where(block_hash) is not None
-        self.host.slot_of[block_hash] = slot
-        self.host.busy.add(slot)  # written this step: not evicted under the copy
-        self.offloads.append((block, slot))
-        self.stats.offloaded_bytes += self.block_bytes
-        return True
+        if evicted is not None:
+            self.moved(evicted)
+        if slot is not None:
+            self.host.slot_of[block_hash] = slot
+            self.host.busy.add(slot)  # written this step: not evicted under the copy
+            self.offloads.append((block, slot))
+            self.stats.offloaded_bytes += self.block_bytes
 
     def match(self, hashes: list[bytes]) -> list[Below]:
         """The blocks of the longest run of `hashes` kept below the device (each in host memory,
@@ -150,6 +147,7 @@ class KVTiers:
             if below.slot is None:
                 below.payload = self.disk.read(below.block_hash)
                 if below.payload is None:
+                    self.moved(below.block_hash)  # the disk let go of it
                     return found[:i]
                 self.stats.disk_read_bytes += len(below.payload)
         return found
@@ -183,8 +181,7 @@ class KVTiers:
         """The step's computed blocks' contents (in `saves` order), to disk in the background."""
         for (_, block_hash), payload in zip(saves, payloads):
             for dropped in self.disk.write(block_hash, payload):
-                if self.where(dropped) is None and not self.on_device(dropped):
-                    self.gone(dropped)
+                self.moved(dropped)
 
     def reset(self) -> None:
         """After a device fault: host copies may be half made; disk files are checked when read."""

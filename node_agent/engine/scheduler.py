@@ -108,7 +108,7 @@ class Scheduler:
         self.tiers = tiers if pool.caching and not linear_attention else None
         if self.tiers is not None:
             pool.spill, pool.below = self.tiers.spill, self.tiers.where
-            self.tiers.gone, self.tiers.on_device = pool.gone, pool.by_hash.__contains__
+            self.tiers.moved = pool.moved
         self.speculate_rows = speculate_rows
         self.recent = (
             RecentOutputs()
@@ -226,7 +226,6 @@ class Scheduler:
         self.pool.reset()
         if self.tiers is not None:
             self.tiers.reset()
-            self.tiers.on_device = self.pool.by_hash.__contains__
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)

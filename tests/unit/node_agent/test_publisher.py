@@ -264,3 +264,27 @@ async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_faile
     await publisher.stop()
     await admin.aclose()
     await client.aclose()
+
+
+async def test_the_tiers_of_prefix_marks_kept_below_the_device_ride_beside_them(server):
+    client = connect(server.url)
+    key, tiers_key = KEYS.prefixes("m", "node-a"), KEYS.prefix_tiers("m", "node-a")
+    admin = aioredis.Redis.from_url(server.url)
+    await admin.hset(tiers_key, mapping={"stale": "disk"})  # an earlier engine's
+    index = CacheIndex(key, ttl_ms=8000, tiers_key=tiers_key)
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, cache_index=index)
+    publisher.start()
+    index.note([("a", 16), ("b", 48), ("c", 64)], [])
+    index.note([], [], [("a", "host"), ("b", "disk")])
+    publisher.send([])
+    await publisher.flush()
+    assert await admin.hgetall(tiers_key) == {b"a": b"host", b"b": b"disk"}
+    assert len(await admin.hgetall(key)) == 3 and 0 < await admin.pttl(tiers_key) <= 8000
+    index.note([], ["b"], [("a", "device"), ("c", "host")])  # a restored, b gone, c evicted
+    publisher.send([])
+    await publisher.flush()
+    assert await admin.hgetall(tiers_key) == {b"c": b"host"}
+    assert set(await admin.hgetall(key)) == {b"a", b"c"}
+    await publisher.stop()
+    await admin.aclose()
+    await client.aclose()
