@@ -19,6 +19,7 @@ node it runs in the model's output process (node_agent/serving/output_process.py
 device's process; `step()` runs both here, one after the other (tests, the in-process bench).
 """
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -171,18 +172,13 @@ class Engine(OnDevice):
         """The cache's blocks and the prefix cache's counters; plain numbers (read from the event loop)."""
         stats, tiers = self.scheduler.stats, self.scheduler.tiers
         below = {}
-        if tiers is not None:
-            host, disk, moved = tiers.host, tiers.disk, tiers.stats
+        if tiers is not None:  # TierStats' counters have KVCacheStats' names
+            host, disk = tiers.host, tiers.disk
             below = dict(
                 host_blocks_total=host.slots if host else 0,
                 host_blocks_used=host.used if host else 0,
                 disk_blocks=len(disk.files) if disk else 0,
-                host_hits=moved.host_hits,
-                disk_hits=moved.disk_hits,
-                offloaded_bytes=moved.offloaded_bytes,
-                restored_bytes=moved.restored_bytes,
-                disk_written_bytes=moved.disk_written_bytes,
-                disk_read_bytes=moved.disk_read_bytes,
+                **dataclasses.asdict(tiers.stats),
             )
         return KVCacheStats(
             block_size=self.pool.block_size,
