@@ -67,7 +67,7 @@ class GatewaySettings(CortexSettings):
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
     # jobs queued when Redis goes away, and new requests that find it away, wait this long for it to come
-    # back; at most `redis_outage_max_waiting` new requests at once (gateway/outage.py), then a 503
+    # back; at most `redis_outage_max_waiting` new requests at once (gateway/bus/outage.py), then a 503
     redis_outage_wait_s: float = 30.0
     redis_outage_max_waiting: int = Field(1000, ge=0)
     max_request_bytes: int = (
@@ -90,7 +90,7 @@ class GatewaySettings(CortexSettings):
     )
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
     # /metrics without the admin key: once auth is on, series per API key are left out and those per node
-    # and device summed over them (gateway/metrics_view.py); true refuses it to anyone but the admin key
+    # and device summed over them (gateway/http/metrics_view.py); true refuses it to anyone but the admin key
     metrics_require_admin_key: bool = False
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
@@ -98,7 +98,7 @@ class GatewaySettings(CortexSettings):
     # A streaming client that disconnects (without `background`) leaves its job running this long:
     # resuming within it keeps the job; after it, the job is cancelled (0: at once).
     disconnect_grace_s: float = Field(10.0, ge=0)
-    # Cache-aware routing (gateway/routing.py): `cache` sends a job to the node where it costs least
+    # Cache-aware routing (gateway/fleet/routing.py): `cache` sends a job to the node where it costs least
     # (prompt tokens not cached there + `routing_load_weight` × tokens its running sequences hold) if
     # one holds part of it, else to where its session last ran, else to the least busy node;
     # `session` the last two; `none`: every job to the shared stream. A routed job waiting longer
@@ -114,7 +114,7 @@ class GatewaySettings(CortexSettings):
     responses_ttl_s: int = (
         30 * 24 * 3600
     )  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
-    # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
+    # Image input (gateway/jobs/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)
     image_max_bytes: int = 5 * 1024 * 1024  # an encoded image over this is refused with 400
     image_max_pixels: int = 16_000_000  # width x height

@@ -147,7 +147,7 @@ def test_a_restarted_engine_reads_its_prefixes_from_disk(small_pool, tmp_path):
     first = Engine(lm, profile, kv_disk=(tmp_path, 1.0))
     run(first, chat("before", 0, "Hello there"))
     written = first.kv_stats().disk_written_bytes
-    first.scheduler.tiers.close()  # as the engine's release does: its files are written by then
+    first.scheduler.tiers.close()  # as the engine's drop_model does: its files are written by then
     assert written > 0 and len(list(tmp_path.rglob("*.kv"))) >= 6
     later = chat("after", 0, "Hello there", "Hi!", "Why?", max_tokens=12)
     restarted = Engine(lm, profile, kv_disk=(tmp_path, 1.0))
