@@ -133,7 +133,7 @@ class Engine(OnDevice):
                 shape=list(copier.shape),
                 adapter="",  # adapters (LoRA) are not served yet: their id goes here
             )
-            disk = DiskTier(kv_disk[0], identity, int(kv_disk[1] * (1 << 30)), copier.block_bytes)
+            disk = DiskTier(kv_disk[0], identity, int(kv_disk[1] * 1e9), copier.block_bytes)
         return KVTiers(copier.host_blocks, disk, copier.block_bytes)
 
     def _eos_ids(self) -> set[int]:
