@@ -93,31 +93,6 @@ def _kept_at(path: str, size: int, mtime_ns: int) -> Path | None:
 
 
 def _read_file(path: str) -> GGUFHeader:
-    from gguf import GGUFReader
-    from gguf.constants import GGUFValueType
+    from shared.gguf_parse import read as read_bounded  # imports this module's records
 
-    reader = GGUFReader(path)
-    numbers = {}
-    for name, found in reader.fields.items():
-        if len(found.types) == 1 and found.types[0] not in (
-            GGUFValueType.STRING,
-            GGUFValueType.ARRAY,
-        ):
-            numbers[name] = found.parts[-1][0].item()
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(numbers.get(f"{architecture}.vocab_size", 0)) or (len(tokens.data) if tokens else 0)
-    tensors = tuple(
-        TensorInfo(
-            t.name,
-            tuple(int(d) for d in t.shape),
-            t.tensor_type.name,
-            int(t.n_elements),
-            int(t.n_bytes),
-            int(t.data_offset),
-            t.data.dtype.str,
-            tuple(t.data.shape),
-        )
-        for t in reader.tensors
-    )
-    return GGUFHeader(architecture, numbers, vocab, tensors)
+    return read_bounded(path)

@@ -95,6 +95,12 @@ class NodeHeartbeat(BaseModel):
     devices: list[DeviceInfo] = []
     models: dict[str, ModelInfo] = {}
     file_url: str = ""  # where peers fetch the model files it holds ('': it serves none)
+    # The process beating: its host's name (peers send the fleet secret only to a file_url there;
+    # node agents on one host share its cores), its pid, and an id drawn at its start (a second
+    # process under a live node's name is refused: node_agent/serving/node_identity.py)
+    host: str = ""
+    pid: int = 0
+    instance: str = ""
     pulls: dict[
         str, PullProgress
     ] = {}  # model folder -> progress, for every pull in progress (loads and `pull`s)
@@ -110,6 +116,9 @@ class NodeHeartbeat(BaseModel):
             "devices": json.dumps([d.model_dump() for d in self.devices]),
             "models": json.dumps({k: m.model_dump(mode="json") for k, m in self.models.items()}),
             "file_url": self.file_url,
+            "host": self.host,
+            "pid": str(self.pid),
+            "instance": self.instance,
             "pulls": json.dumps({k: p.model_dump() for k, p in self.pulls.items()}),
         }
 

@@ -124,6 +124,12 @@ class Keys:
         """Sorted set: node name -> last heartbeat (ms since the epoch)."""
         return self._in(FLEET, "nodes")
 
+    def host_nodes(self, host: str) -> str:
+        """Sorted set with TTL (the heartbeat TTL, renewed by each beat): the node agents running on
+        `host` (its hostname) -> their last beat (ms). Agents on one host split its cores between
+        them (node_agent/host_share.py)."""
+        return self._in(FLEET, f"host:{host}")
+
     def started(self, node: str) -> str:
         """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When
         the node dies the janitor fails these with `node_lost` and puts the others back."""

@@ -4,12 +4,13 @@ A folder without its manifest is a pull in progress (or an interrupted one, resu
 pull); only a folder with one may be loaded, served to peers, or counted as held. No torch here:
 the gateway reads manifests (placement, `cortex models rm`) as the nodes write them."""
 
+import re
 import shutil
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, ModelPullFailed
 
 HUB_PREFIX = "hf:"
 MANIFEST = "cortex-manifest.json"
@@ -17,6 +18,13 @@ LAST_USED = (
     "cortex-last-used"  # touched when a replica loads from the folder (its mtime orders eviction)
 )
 WORK_DIR = ".cache"  # partial files and the hub client's own bookkeeping, under each folder
+# A repo id (the hub's own rule: letters, digits, '-', '_', '.', not starting or ending with '-' or
+# '.', no '--' or '..'), as `name` or `org/name`; a revision: a 40-hex commit, or a branch or tag
+# name of the same characters (no '/': it names a folder; the hub's `refs/pr/N` is not taken).
+_NAME = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO = re.compile(rf"(?:{_NAME}/)?{_NAME}")
+_REVISION = re.compile(_NAME)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class HubRef(BaseModel):
@@ -31,10 +39,20 @@ class HubRef(BaseModel):
     def parse(cls, source: str) -> "HubRef":
         if not source.startswith(HUB_PREFIX):
             raise InvalidRequest(f"{source!r} is not a hub source (hf:org/name[@revision])")
-        repo, _, revision = source[len(HUB_PREFIX) :].partition("@")
-        if repo.count("/") > 1 or not repo.strip("/") or ".." in repo:
+        repo, at, revision = source[len(HUB_PREFIX) :].partition("@")
+        if not _REPO.fullmatch(repo) or "--" in repo or ".." in repo:
             raise InvalidRequest(f"{source!r}: a hub source is hf:org/name[@revision]")
+        if at and (not _REVISION.fullmatch(revision) or ".." in revision):
+            raise InvalidRequest(
+                f"{source!r}: a revision is a branch or tag name (letters, digits, '-', '_', '.') "
+                "or a 40-hex commit"
+            )
         return cls(repo=repo, revision=revision or None)
+
+    @staticmethod
+    def is_commit(revision: str | None) -> bool:
+        """Whether `revision` pins a commit (40 hex digits) rather than naming a branch or tag."""
+        return bool(revision and _COMMIT.fullmatch(revision))
 
     @property
     def folder(self) -> str:
@@ -74,9 +92,18 @@ class Manifest(BaseModel):
         return sum(f.size for f in self.files)
 
 
+def inside(folder: Path, name: str) -> Path:
+    """`folder / name`, refused (ModelPullFailed) unless it stays inside `folder` once symlinks and
+    '..' are resolved: a file a pull writes or a peer is served never lands elsewhere."""
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ModelPullFailed(f"{name!r} resolves outside its model folder ({path.resolve()})")
+    return path
+
+
 def partial_path(folder: Path, name: str) -> Path:
     """Where a file of `folder` grows until it is whole (kept across restarts: the next pull resumes it)."""
-    path = folder / WORK_DIR / f"{name}.partial"
+    path = inside(folder, f"{WORK_DIR}/{name}.partial")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -88,7 +115,11 @@ class ModelStore:
         self.root = Path(root).expanduser()
 
     def folder(self, name: str) -> Path:
-        return self.root / name
+        """The folder `name` (one path component), refused unless it resolves inside the root."""
+        folder = self.root / name
+        if "/" in name or name in ("", ".", "..") or folder.resolve().parent != self.root.resolve():
+            raise ModelPullFailed(f"{name!r} is not a folder inside the models directory")
+        return folder
 
     def manifest(self, name: str) -> Manifest | None:
         """The folder's manifest: None while it is not complete."""
@@ -113,7 +144,7 @@ class ModelStore:
         return {
             p.name: m
             for p in sorted(self.root.iterdir())
-            if p.is_dir() and (m := self.manifest(p.name))
+            if _ours(p) and (m := self.manifest(p.name))
         }
 
     def touch(self, name: str) -> None:
@@ -138,7 +169,7 @@ class ModelStore:
         """Bytes on disk by folder, complete or not."""
         if not self.root.is_dir():
             return {}
-        return {p.name: self.bytes_in(p.name) for p in sorted(self.root.iterdir()) if p.is_dir()}
+        return {p.name: self.bytes_in(p.name) for p in sorted(self.root.iterdir()) if _ours(p)}
 
     def remove(self, name: str) -> int:
         """Delete a folder; returns the bytes it held. The manifest goes first, so a folder half
@@ -147,3 +178,8 @@ class ModelStore:
         (self.folder(name) / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(self.folder(name), ignore_errors=True)
         return size
+
+
+def _ours(path: Path) -> bool:
+    """A model folder of the models directory: a directory, not a link to one elsewhere."""
+    return path.is_dir() and not path.is_symlink()

@@ -1,5 +1,7 @@
 """Settings, one class per service. Values come from the environment (`CORTEX_` prefix) and,
-optionally, a TOML file named by `CORTEX_CONFIG` (a `[gateway]` / `[node]` table each)."""
+optionally, a TOML file named by `CORTEX_CONFIG` (`cortex … --config PATH`; the packages' units pass
+/etc/cortex/cortex.toml): its top-level keys apply to every part, its `[gateway]`, `[node]` and
+`[batch]` tables to one each (the batch worker reads `[gateway]` too, `[batch]` over it)."""
 
 import os
 from pathlib import Path
@@ -14,15 +16,16 @@ from pydantic_settings import (
 )
 
 
-class _TomlTable(TomlConfigSettingsSource):
-    """Reads one table of the file named by CORTEX_CONFIG."""
+class _TomlTables(TomlConfigSettingsSource):
+    """Reads the file named by CORTEX_CONFIG: its top-level keys, then `tables` (each over the last)."""
 
-    def __init__(self, settings_cls: type[BaseSettings], table: str):
+    def __init__(self, settings_cls: type[BaseSettings], tables: tuple[str, ...]):
         path = os.environ.get("CORTEX_CONFIG")
         super().__init__(settings_cls, toml_file=Path(path) if path else None)
-        self.toml_data = self.toml_data.get(table, {}) | {
-            k: v for k, v in self.toml_data.items() if not isinstance(v, dict)
-        }
+        found = {k: v for k, v in self.toml_data.items() if not isinstance(v, dict)}
+        for table in tables:
+            found |= self.toml_data.get(table, {})
+        self.toml_data = found
 
     def __call__(self) -> dict[str, Any]:
         return self.toml_data
@@ -30,7 +33,7 @@ class _TomlTable(TomlConfigSettingsSource):
 
 class CortexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORTEX_", extra="ignore")
-    toml_table: ClassVar[str] = ""
+    toml_tables: ClassVar[tuple[str, ...]] = ()
 
     redis_url: str = (
         "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
@@ -49,7 +52,7 @@ class CortexSettings(BaseSettings):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _TomlTable(settings_cls, cls.toml_table)
+        return init_settings, env_settings, _TomlTables(settings_cls, cls.toml_tables)
 
     @property
     def keys(self):
@@ -60,7 +63,7 @@ class CortexSettings(BaseSettings):
 
 
 class GatewaySettings(CortexSettings):
-    toml_table: ClassVar[str] = "gateway"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway",)
 
     host: str = "127.0.0.1"
     port: int = 31313
@@ -142,7 +145,7 @@ class GatewaySettings(CortexSettings):
 
 
 class NodeSettings(CortexSettings):
-    toml_table: ClassVar[str] = "node"
+    toml_tables: ClassVar[tuple[str, ...]] = ("node",)
 
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
@@ -159,9 +162,9 @@ class NodeSettings(CortexSettings):
     labels: list[str] = []  # affinity labels models can ask for
     heartbeat_s: float = 2.0
     heartbeat_ttl_s: float = 8.0
-    torch_threads: int = (
-        0  # 0: on a CPU node all its cores (node_agent/model/devices.py); on a GPU torch's default
-    )
+    # 0: on a CPU node its share of the host's cores, all of them when it is the only node agent
+    # there (node_agent/host_share.py); on a GPU torch's default
+    torch_threads: int = 0
     # A CPU node's torch threads bound one to a CPU each ("" off; "auto": the first CPUs it may run
     # on; or a list such as "0-15" or "0,2,4,6", as vLLM's VLLM_CPU_OMP_THREADS_BIND)
     cpu_bind: str = ""
@@ -187,7 +190,8 @@ class NodeSettings(CortexSettings):
     # Dequantised copies of GGUF files (loads in ~1 s instead of ~15 s); empty disables it.
     convert_cache: Path | None = Path.home() / ".cache" / "cortex" / "converted"
     # Where a CPU node keeps Inductor's caches for the decode step it compiles at load
-    # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode eagerly.
+    # (node_agent/model/compiled_step.py: a minute or two the first time, ~15 s after); empty: decode
+    # eagerly, as when another user owns the folder or its group or others may write to it.
     compile_cache: Path | None = Path.home() / ".cache" / "cortex" / "compiled"
 
     # The KV cache's disk tier (node_agent/engine/kv_disk.py): every full block a model computes is
@@ -218,9 +222,9 @@ class NodeSettings(CortexSettings):
 
 
 class BatchSettings(GatewaySettings):
-    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (table `[batch]`)."""
+    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (tables `[gateway]`, then `[batch]`)."""
 
-    toml_table: ClassVar[str] = "batch"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway", "batch")
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
     batch_max_tries: int = (

@@ -4,6 +4,7 @@ embedding in F32, every Linear weight in one quantized type. gguf-py quantizes Q
 itself; it cannot write k-quants, so Q4_K/Q5_K/Q6_K tensors get valid blocks of random codes and
 scales (the model then is whatever those blocks say; tests compare it with its own dequantised copy)."""
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -11,6 +12,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from safetensors.numpy import load_file
 from transformers import AutoConfig
+
+from tests import tiny_models
 
 WRITABLE = {T.Q4_0, T.Q4_1, T.Q8_0}
 # Where a k-quant block keeps its float16 super-block scales (d, dmin): the other bytes are codes
@@ -34,6 +37,18 @@ def _random_k_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -
     for at, scale in zip(_SUPER_SCALES[qtype], (0.002, 0.006)):
         blocks[:, at : at + 2 or None] = np.array([scale], np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def tiny_llama(folder: Path, linear_type: T) -> Path:
+    """A tiny Llama (hidden 64) as `folder/llama.gguf`, its Linear weights as `linear_type`."""
+    hf_folder = tiny_models.build(
+        "llama",
+        folder / "llama",
+        tiny_models.make_tokenizer(),
+        hidden_size=64,
+        intermediate_size=128,
+    )
+    return write(hf_folder, folder / "llama.gguf", linear_type)
 
 
 def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:
@@ -75,3 +90,43 @@ def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Files made byte by byte, for the header reader's bounds (tests/unit/shared/test_gguf_hostile.py)
+STRING, ARRAY = 8, 9  # GGUF value types
+
+
+def gguf_string(text: str, length: int | None = None) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data) if length is None else length) + data
+
+
+def gguf_kv_string(key: str, value: str) -> bytes:
+    return gguf_string(key) + struct.pack("<I", STRING) + gguf_string(value)
+
+
+def gguf_tensor_info(name: str, dims: tuple[int, ...], qtype: int, offset: int) -> bytes:
+    return (
+        gguf_string(name)
+        + struct.pack("<I", len(dims))
+        + struct.pack(f"<{len(dims)}Q", *dims)
+        + struct.pack("<IQ", qtype, offset)
+    )
+
+
+def gguf_bytes(kvs: list[bytes], tensors: list[bytes], data: bytes = b"", counts=None) -> bytes:
+    """A GGUF v3 file: magic, version, counts (the true ones unless given), fields, tensor
+    infos, padding to 32 bytes, the data."""
+    tensor_count, kv_count = counts or (len(tensors), len(kvs))
+    head = b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + b"".join(kvs + tensors)
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+# The `gguf` reader's endless loop: past the end each item reads as nothing, and it goes on.
+ENDLESS = gguf_bytes(
+    [
+        gguf_kv_string("general.architecture", "llama"),
+        gguf_string("general.x") + struct.pack("<IIQ", ARRAY, 0, 1 << 40),
+    ],
+    [],
+)

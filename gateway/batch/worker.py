@@ -25,7 +25,7 @@ from gateway.bus.links import pubsub_client
 from gateway.bus.router import EventRouter
 from gateway.jobs.context import JobContext
 from gateway.stores.batches import enqueue
-from shared import __version__
+from shared import __version__, systemd_notify
 from shared.catalog import Catalog
 from shared.fleet import Fleet
 from shared.redis_conn import BACKOFF_MAX_S, Outage, connect, redact
@@ -89,6 +89,7 @@ async def startup(ctx: dict, settings: BatchSettings) -> None:
         bus=bus,
     )
     await bus.start()
+    systemd_notify.ready(f"running batches from {keys.arq_queue()}")  # Type=notify units
     log.info(
         "batch worker %s on Redis %s, queue %s on %s",
         __version__,

@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--config", help="TOML settings file with [gateway] and [node] tables (sets CORTEX_CONFIG)"
+        "--config",
+        help="TOML settings file with [gateway], [node] and [batch] tables (sets CORTEX_CONFIG)",
     )
     common.add_argument("--redis-url", help="Redis to use (sets CORTEX_REDIS_URL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -9,6 +10,7 @@ from functools import partial
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.main import STARTUP_FAILURE
 
 from gateway.bus.links import pubsub_client
 from gateway.bus.router import EventRouter
@@ -29,7 +31,7 @@ from gateway.http.middleware import (
 from gateway.jobs import background
 from gateway.jobs.submit import session_header_var
 from gateway.tracing import TraceLogFormatter, request_id_var
-from shared import __version__, tracing
+from shared import __version__, systemd_notify, tracing
 from shared.catalog import Catalog
 from shared.fleet import Fleet
 from shared.keys import Keys
@@ -156,13 +158,24 @@ def setup_logging(level: str) -> None:
     logging.getLogger("uvicorn.access").addFilter(QuietHealth())
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which tells systemd (a `Type=notify` unit) it is ready once its socket
+    listens: after the app's start-up, so that a unit ordered after it finds the port open."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            config = self.config
+            systemd_notify.ready(f"serving on {config.host}:{config.port}")
+
+
 def run(settings: GatewaySettings) -> None:
     """Serve the gateway in the foreground until SIGINT/SIGTERM."""
     setup_logging(settings.log_level)
     tracing.configure(
         "cortex-gateway", settings.otlp_endpoint, instance=f"{settings.host}:{settings.port}"
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
         port=settings.port,
@@ -171,3 +184,7 @@ def run(settings: GatewaySettings) -> None:
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    server = Server(config)
+    server.run()
+    if not server.started:  # as uvicorn.run: the app's start-up failed, or the port was taken
+        sys.exit(STARTUP_FAILURE)

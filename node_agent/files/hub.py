@@ -18,7 +18,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 from node_agent.files import hashes
 from node_agent.files.selection import needed_files
 from shared.errors import ModelPullFailed
-from shared.model_store import FileEntry, HubRef, Manifest, partial_path
+from shared.model_store import FileEntry, HubRef, Manifest, inside, partial_path
 
 
 def manifest(source: str, gguf_file: str | None) -> Manifest:
@@ -26,7 +26,7 @@ def manifest(source: str, gguf_file: str | None) -> Manifest:
     ref = HubRef.parse(source)
     try:
         info = HfApi().model_info(ref.repo, revision=ref.revision, files_metadata=True)
-    except (HfHubHTTPError, OSError) as exc:
+    except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
         raise ModelPullFailed(f"{source}: the hub's model info could not be read: {exc}") from exc
     siblings = {s.rfilename: s for s in info.siblings or []}
     files = [
@@ -47,7 +47,7 @@ def download(wanted: Manifest, folder: Path, stopping: threading.Event) -> None:
     `stopping` set ends it between two chunks (the node is shutting down)."""
     ref = HubRef.parse(wanted.source)
     for entry in wanted.files:
-        target = folder / entry.name
+        target = inside(folder, entry.name)
         if not target.is_file():
             try:
                 _fetch(

@@ -7,6 +7,7 @@ with every file checked and the folder's manifest written; its progress goes out
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -16,7 +17,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.exceptions import LockError
 
-from node_agent.files import disk_budget, hub, peer
+from node_agent.files import disk_budget, hub, peer, peer_trust
 from shared.catalog import ModelProfile
 from shared.errors import DiskBudgetExceeded, ModelPullFailed
 from shared.fleet import Fleet
@@ -129,10 +130,19 @@ class Puller:
 
     async def _run(self, pull: Pull, profile: ModelProfile) -> None:
         started, failed_peers = time.monotonic(), set()
+        expected = await self._hub_manifest(profile)  # None: the hub did not answer
         while True:
             found = await self._peer_holding(pull.folder, failed_peers)
             if found is not None:
-                name, url, wanted = found
+                name, url, offered = found
+                try:
+                    wanted = peer_trust.accepted(
+                        offered, profile.source, profile.gguf_file, expected
+                    )
+                except ModelPullFailed as exc:
+                    log.warning("not fetching %s from %s: %s", profile.source, name, exc.message)
+                    failed_peers.add(name)
+                    continue
                 pull.source = f"peer {name}"
                 try:
                     await self._fetch(
@@ -159,7 +169,7 @@ class Puller:
             if await lock.acquire(blocking=False):
                 try:
                     pull.source = "hub"
-                    wanted = await asyncio.to_thread(
+                    wanted = expected or await asyncio.to_thread(
                         hub.manifest, profile.source, profile.gguf_file
                     )
                     await self._fetch(
@@ -186,6 +196,16 @@ class Puller:
             pull.source,
             time.monotonic() - started,
         )
+
+    @staticmethod
+    async def _hub_manifest(profile: ModelProfile) -> Manifest | None:
+        """The hub's manifest of `profile`'s source, which a peer's must match; None when the hub
+        does not answer (then only a source pinned to a commit is taken from a peer)."""
+        try:
+            return await asyncio.to_thread(hub.manifest, profile.source, profile.gguf_file)
+        except ModelPullFailed as exc:
+            log.info("%s; a peer's copy is taken only of a pinned commit", exc.message)
+            return None
 
     async def _fetch(
         self, pull: Pull, wanted: Manifest, transfer: Callable[[], Awaitable[None]], lock=None
@@ -216,15 +236,30 @@ class Puller:
 
     async def _peer_holding(self, folder: str, skip: set[str]) -> tuple[str, str, Manifest] | None:
         """A live peer serving files, not in `skip`, that holds `folder` whole: (its name, its file URL,
-        its manifest)."""
+        its manifest). A peer whose file URL is not on its own host (node_agent/files/peer_trust.py)
+        is skipped with a log line (and added to `skip`): the fleet secret never goes there."""
         if not self.settings.fleet_secret:
             return None
         for node in await Fleet(self.redis, self.keys, self.settings.heartbeat_ttl_s).live_nodes():
             if node.node == self.node or not node.file_url or node.node in skip:
                 continue
             held = await self.redis.hget(self.keys.model_files(node.node), folder)
-            if held:
+            if not held:
+                continue
+            refusal = await asyncio.to_thread(
+                peer_trust.file_url_refusal, node.file_url, node.host, socket.gethostname()
+            )
+            if refusal:
+                log.warning("not fetching from peer %s: %s", node.node, refusal)
+                skip.add(node.node)
+                continue
+            try:
                 return node.node, node.file_url, Manifest.model_validate_json(held)
+            except ValueError as exc:
+                log.warning(
+                    "not fetching from peer %s: its manifest is unreadable: %s", node.node, exc
+                )
+                skip.add(node.node)
         return None
 
     def progress(self) -> dict[str, PullProgress]:

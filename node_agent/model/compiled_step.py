@@ -135,6 +135,11 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
             folder / "inductor"
         )  # not the user's choice (torch sets its
         # default there once it has looked); /tmp may not outlive a restart
+    caches = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    refusal = _cache_refusal(caches, folder)
+    if refusal:
+        log.warning("decode steps run eagerly: %s", refusal)
+        return None
     log.info(
         "compiling the decode step (a minute or two on a small CPU the first time; Inductor's caches in %s)",
         os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir(),
@@ -157,6 +162,30 @@ def load(model: torch.nn.Module, cache: PagedCache, folder: Path | None) -> Comp
         return None
     log.info("decode step compiled in %.1f s", time.perf_counter() - started)
     return step
+
+
+def _cache_refusal(caches: Path, setting: Path | None) -> str:
+    """Why Inductor must not use `caches` (it loads and runs the code kept there): it, or the
+    `compile_cache` folder holding it, is owned by another user or writable by its group or others.
+    A folder that is not there yet is made for this user alone. "" when it may."""
+    try:
+        caches.mkdir(parents=True, exist_ok=True, mode=0o700)
+        holders = [setting] if setting is not None and caches.is_relative_to(setting) else []
+        for folder in [*holders, caches]:
+            stat = folder.stat()
+            if stat.st_uid != os.geteuid():
+                return (
+                    f"the compile cache {folder} is owned by uid {stat.st_uid}, not this node's "
+                    f"user ({os.geteuid()}); chown it, or set another compile_cache"
+                )
+            if stat.st_mode & 0o022:
+                return (
+                    f"the compile cache {folder} is writable by its group or others (mode "
+                    f"{stat.st_mode & 0o777:o}); chmod go-w it, or set another compile_cache"
+                )
+    except OSError as exc:
+        return f"the compile cache {caches} cannot be used: {exc}"
+    return ""
 
 
 def _said(exc: Exception) -> str:

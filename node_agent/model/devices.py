@@ -27,19 +27,23 @@ def discover(requested: str = "auto", cpu_devices: int = 1) -> list[str]:
     return ["cpu"] if cpu_devices == 1 else [f"cpu:{i}" for i in range(cpu_devices)]
 
 
-def node_torch_threads(setting: int, device_ids: list[str]) -> int | None:
+def node_torch_threads(setting: int, device_ids: list[str], agents: int = 1) -> int | None:
     """Torch's intra-op threads on a node: `torch_threads` when set; else, when the node serves on
-    the CPU, every core it may use; None (torch's own default) on a GPU. The node's other work (its
-    event loop, output process, a gateway and Redis beside it) took 0.05 cores of 2 while serving
-    the default model; its forwards ran 1.35-1.85x faster on 2 threads than on 1 (through the
-    gateway, 128-token streams: 25.1 / 168 / 327 tok/s at N = 1 / 8 / 32 against 18.3 / 123 / 221;
-    docs/benchmarks.md). Several node agents on one host must share the cores out between them
-    (`torch_threads`): OpenMP threads that share a core stall each other at every op."""
+    the CPU, its share of the cores it may use with `agents` node agents on its host (all of them
+    alone; node_agent/host_share.py); None (torch's own default) on a GPU. The node's other work
+    (its event loop, output process, a gateway and Redis beside it) took 0.05 cores of 2 while
+    serving the default model; its forwards ran 1.35-1.85x faster on 2 threads than on 1 (through
+    the gateway, 128-token streams: 25.1 / 168 / 327 tok/s at N = 1 / 8 / 32 against 18.3 / 123 /
+    221; docs/benchmarks.md). Agents sharing the cores must not each take them all: OpenMP threads
+    that share a core stall each other at every op."""
     if setting:
         return setting
     if not all(is_cpu(d) for d in device_ids):
         return None
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    return max(1, cores // max(agents, 1))
 
 
 def cpu_list(spec: str, threads: int) -> list[int]:

@@ -28,6 +28,7 @@ from node_agent.model import (
     quantized_linear,
     vision,
 )
+from shared import gguf_header
 from shared.catalog import ModelProfile
 from shared.model_files import ModelFiles, ModelLoadError, locate
 
@@ -212,6 +213,8 @@ def load(
     every rank calls this at once, in a process group already made (node_agent/tp/tensor_parallel.py),
     and gets its shard."""
     files = locate(profile, hf_cache)
+    if files.gguf_file:  # its header read with bounds first: transformers' GGUF code trusts it
+        gguf_header.read(files.folder / files.gguf_file)
     # a CPU's 8 bits, "fp8" too (it has no FP8 matmuls): torch's dynamic int8 (its layers do not shard)
     dynamic_int8 = profile.quant in ("int8", "fp8") and devices.is_cpu(device) and tp_size == 1
     dtype = _DTYPES.get(profile.dtype) or (

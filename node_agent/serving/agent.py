@@ -9,18 +9,21 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 import torch
 from redis.exceptions import RedisError
 
+from node_agent import host_share
 from node_agent.files.file_server import FileServer
 from node_agent.files.puller import Puller
 from node_agent.model import devices
+from node_agent.serving import node_identity
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
-from shared import __version__, recovery, tracing
+from shared import __version__, recovery, systemd_notify, tracing
 from shared.catalog import Catalog
 from shared.commands import NodeCommand
 from shared.errors import BrokerUnavailable, CortexError
@@ -42,9 +45,11 @@ class NodeAgent:
     def __init__(self, settings: NodeSettings):
         self.settings = settings
         self.keys = settings.keys
-        self.name = settings.node_name or f"{socket.gethostname()}-{os.getpid()}"
+        self.name = host_share.node_name(settings)
+        self.agents_here = host_share.AT_START  # node agents on this host, this one too
         self.catalog = Catalog.load(settings.models_file)
         self.started_ms = _now_ms()
+        self.instance = uuid.uuid4().hex  # this process's, in its heartbeat (node_identity.py)
         self.state = NodeState.ACTIVE
         self.models: dict[str, ServedModel] = {}
         self.threads: dict[str, DeviceThread] = {}
@@ -60,6 +65,7 @@ class NodeAgent:
             loop.add_signal_handler(sig, self.stop)
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
+        await self._claim_name()
         self.publisher = Publisher(
             self.redis,
             self.keys,
@@ -94,9 +100,25 @@ class NodeAgent:
         ):  # stopped while starting: a download may take hours, a load finishes
             await self.puller.stop()
         await starting
+        if not self._stop.is_set():  # a Type=notify unit (packaging/systemd) starts now
+            systemd_notify.ready(f"serving {', '.join(self.models) or 'no model'} as {self.name}")
         await stopping
         log.info("node %s stopping", self.name)
+        systemd_notify.stopping()
         await self.shutdown(tasks)
+
+    async def _claim_name(self) -> None:
+        """Refuse to run under a name another live process beats under (node_identity.py)."""
+        try:
+            await node_identity.claim(
+                self.redis,
+                self.keys,
+                self.name,
+                self.settings.heartbeat_ttl_s,
+                self.settings.heartbeat_s / 4,
+            )
+        except RedisError as exc:  # Redis away: its heartbeats are away too
+            log.warning("could not check that no other node runs as %s: %s", self.name, exc)
 
     async def _bind_cpu_threads(self) -> None:
         """`cpu_bind`: the CPU device thread's torch threads one to a CPU each (one CPU device only:
@@ -349,6 +371,7 @@ class NodeAgent:
             )
         )
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
+        await self._quietly(host_share.leave(self.redis, self.keys, self.name))
         for thread in self.threads.values():
             thread.stop()
         await self.redis.aclose()
@@ -368,11 +391,36 @@ class NodeAgent:
         while True:
             try:
                 await self._beat()
+                await self._share_cores()
                 await self._notice_redis_restart()
                 outage.ok()
             except Exception as exc:  # Redis away: keep serving, keep trying
                 outage.failed(exc)
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _share_cores(self) -> None:
+        """Renew this agent in its host's set; when agents came or went, re-split the cores
+        (node_agent/host_share.py) on each CPU device thread, unless `torch_threads` or `cpu_bind`
+        fixes them."""
+        agents = await host_share.register(
+            self.redis, self.keys, self.name, self.settings.heartbeat_ttl_s
+        )
+        if agents == self.agents_here:
+            return
+        self.agents_here = agents
+        threads = devices.node_torch_threads(
+            self.settings.torch_threads, list(self.threads), agents
+        )
+        if self.settings.torch_threads or self.settings.cpu_bind or not threads:
+            return
+        log.info(
+            "%d node agents on this host: %d torch threads each (OMP_WAIT_POLICY %s)",
+            agents,
+            threads,
+            os.environ.get("OMP_WAIT_POLICY", "unset"),
+        )
+        for thread in self.threads.values():  # queued between its steps, not awaited: a load may
+            thread.call(torch.set_num_threads, threads)  # hold the thread for minutes
 
     async def _notice_redis_restart(self) -> None:
         """A new Redis process (its run_id changed) may have come back from its append-only file
@@ -396,6 +444,9 @@ class NodeAgent:
             devices=[self._budgeted(await t.info()) for t in self.threads.values()],
             models={mid: m.info() for mid, m in self.models.items()},
             file_url=self.file_url,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            instance=self.instance,
             pulls=self.puller.progress(),
         )
         key = self.keys.node(self.name)
@@ -485,11 +536,23 @@ def run(settings: NodeSettings | None = None) -> None:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     threads = devices.node_torch_threads(
-        settings.torch_threads, devices.discover(settings.device, settings.cpu_devices)
+        settings.torch_threads,
+        devices.discover(settings.device, settings.cpu_devices),
+        host_share.AT_START,
     )
     if threads:
         torch.set_num_threads(threads)
+    log.info(
+        "torch threads %d (node agents on this host: %d; OMP_WAIT_POLICY %s)",
+        torch.get_num_threads(),
+        host_share.AT_START,
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
     sys.setswitchinterval(settings.gil_switch_interval_s)
     agent = NodeAgent(settings)
     tracing.configure("cortex-node", settings.otlp_endpoint, instance=agent.name)
-    asyncio.run(agent.run())
+    try:
+        asyncio.run(agent.run())
+    except node_identity.NodeNameTaken as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from None

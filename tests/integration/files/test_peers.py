@@ -22,6 +22,8 @@ from tests.stack import start_stack, wait_for
 pytestmark = pytest.mark.integration
 
 ADMIN_KEY, SECRET = "admin-key", "fleet-s3cret"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # tests/hub_server.py's
+PINNED, PINNED_FOLDER = f"{REPO}@{COMMIT}", f"{FOLDER}@{COMMIT}"
 
 
 def peer_env(tmp_path, name: str, hub, port: int) -> dict[str, str]:
@@ -37,11 +39,11 @@ def peer_env(tmp_path, name: str, hub, port: int) -> dict[str, str]:
 
 
 def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, tiny_repo):
-    hub.publish(REPO, tiny_repo)
+    hub.publish(REPO, tiny_repo)  # at COMMIT (without the hub, a peer's copy is of a pinned one)
     hub.start()
     stack = start_stack(
         tmp_path,
-        catalogue(**{"tiny-a": f"hf:{REPO}|a", "tiny-b": f"hf:{REPO}|b"}),
+        catalogue(**{"tiny-a": f"hf:{PINNED}|a", "tiny-b": f"hf:{PINNED}|b"}),
         CORTEX_ADMIN_KEY=ADMIN_KEY,
         CORTEX_JANITOR_INTERVAL_S="0.5",
     )
@@ -57,11 +59,11 @@ def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, 
         )
         assert asked.json() == {"model": "tiny-a", "nodes": ["a"]}  # only the nodes that may run it
         wait_for(
-            lambda: stack.client().hexists(stack.keys.model_files("a"), FOLDER),
+            lambda: stack.client().hexists(stack.keys.model_files("a"), PINNED_FOLDER),
             60,
             "node a to hold the model",
         )
-        assert complete(tmp_path / "models-a")
+        assert complete(tmp_path / "models-a", PINNED_FOLDER)
         hub.stop()
 
         client = openai.OpenAI(
@@ -70,7 +72,9 @@ def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, 
         assert client.completions.create(
             model="tiny-b", prompt="Hello", max_tokens=4, temperature=0
         ).choices
-        assert folder_files(tmp_path / "models-b") == NEEDED and complete(tmp_path / "models-b")
+        assert folder_files(tmp_path / "models-b", PINNED_FOLDER) == NEEDED and complete(
+            tmp_path / "models-b", PINNED_FOLDER
+        )
         assert "from peer a" in node_b.log_path.read_text()
         assert pulls(stack, "b") == {}
         weights = [
@@ -82,26 +86,26 @@ def test_a_node_fetches_a_model_from_a_peer_once_the_hub_is_gone(tmp_path, hub, 
 
         files_b = f"http://127.0.0.1:{port_b}/files"
         auth = {"authorization": f"Bearer {SECRET}"}
-        assert httpx.get(f"{files_b}/{FOLDER}/config.json").status_code == 401
+        assert httpx.get(f"{files_b}/{PINNED_FOLDER}/config.json").status_code == 401
         assert (
             httpx.get(
-                f"{files_b}/{FOLDER}/config.json", headers={"authorization": "Bearer wrong"}
+                f"{files_b}/{PINNED_FOLDER}/config.json", headers={"authorization": "Bearer wrong"}
             ).status_code
             == 401
         )
-        whole = httpx.get(f"{files_b}/{FOLDER}/model.safetensors", headers=auth)
+        whole = httpx.get(f"{files_b}/{PINNED_FOLDER}/model.safetensors", headers=auth)
         assert (
             whole.status_code == 200
             and whole.content == (tiny_repo / "model.safetensors").read_bytes()
         )
         tail = httpx.get(
-            f"{files_b}/{FOLDER}/model.safetensors", headers=auth | {"range": "bytes=100-"}
+            f"{files_b}/{PINNED_FOLDER}/model.safetensors", headers=auth | {"range": "bytes=100-"}
         )
         assert tail.status_code == 206 and tail.content == whole.content[100:]
         (tmp_path / "secret.txt").write_text("not a model file")
-        outside = httpx.get(f"{files_b}/{FOLDER}/%2E%2E/%2E%2E/secret.txt", headers=auth)
+        outside = httpx.get(f"{files_b}/{PINNED_FOLDER}/%2E%2E/%2E%2E/secret.txt", headers=auth)
         assert outside.status_code == 403 and b"not a model file" not in outside.content
-        assert httpx.get(f"{files_b}/{FOLDER}/.cache/x", headers=auth).status_code == 404
+        assert httpx.get(f"{files_b}/{PINNED_FOLDER}/.cache/x", headers=auth).status_code == 404
         stack.assert_clean()
         assert node_b.stop() == 0  # SIGTERM stops a node serving files too (uvicorn passes it on)
     finally:

@@ -11,6 +11,7 @@ from node_agent.model.kv_cache import bytes_per_token
 from node_agent.model.sampling import SlotSampling
 from shared import memory, model_files
 from shared.catalog import ModelProfile
+from tests.gguf_files import ENDLESS
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import request, run
 
@@ -106,6 +107,14 @@ def test_unsupported_architecture_names_model_type(tmp_path):
     )
     with pytest.raises(model_files.ModelLoadError, match="model_type 'vit'.*supported: .*llama"):
         loader.load(profile(str(tmp_path)), "cpu")
+
+
+@pytest.mark.timeout(10)  # transformers' GGUF code (the `gguf` reader) loops on it, memory growing
+def test_a_hostile_gguf_file_is_a_load_error_naming_it_before_transformers_reads_it(tmp_path):
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(ENDLESS)
+    with pytest.raises(model_files.ModelLoadError, match=f"{path}.*general.x: 1099511627776 items"):
+        loader.load(profile(str(path), quant="none"), "cpu", convert_cache=tmp_path / "cache")
 
 
 def test_missing_package_says_how_to_install(tmp_path):

@@ -9,21 +9,14 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from shared import gguf_header
-from tests import gguf_files, tiny_models
+from tests import gguf_files
 
 
 @pytest.fixture
 def gguf_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CORTEX_CONVERT_CACHE", str(tmp_path / "cache"))
     gguf_header._parse.cache_clear()
-    folder = tiny_models.build(
-        "llama",
-        tmp_path / "llama",
-        tiny_models.make_tokenizer(),
-        hidden_size=64,
-        intermediate_size=128,
-    )
-    yield gguf_files.write(folder, tmp_path / "llama.gguf", T.Q4_0)
+    yield gguf_files.tiny_llama(tmp_path, T.Q4_0)
     gguf_header._parse.cache_clear()
 
 

@@ -6,6 +6,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.jobs.caller import ANONYMOUS_CALLER
+from gateway.jobs.job import OnDisconnect
 from gateway.jobs.submit import new_job_id, submit
 from shared.errors import BrokerUnavailable, ContextLengthExceeded, Timeout
 from shared.keys import CONSUMER_GROUP
@@ -81,8 +82,10 @@ async def test_close_before_done_publishes_cancel(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
     await node_reads(redis, job)
+    assert job.state is JobState.QUEUED  # no event yet: a node reading it is not news here
     await job.close()
     await job.close()  # idempotent: one cancel
+    assert job.state is JobState.CANCELLED
     assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
     assert await listener.get_message(timeout=0.05) is None
     assert ctx.bus.in_flight == 0
@@ -92,6 +95,7 @@ async def test_close_before_any_node_read_the_job_withdraws_it(ctx, redis):
     listener = await cancels(redis)
     job = await submit(ctx, request(), ANONYMOUS_CALLER)
     await job.close()
+    assert job.state is JobState.CANCELLED
     assert await redis.xlen(job.stream) == 0  # no node will run it for nobody
     assert await listener.get_message(timeout=0.05) is None  # and no node is bothered with a cancel
 
@@ -107,6 +111,7 @@ async def test_error_event_raises_the_typed_error_without_cancel(ctx, redis):
         async with job:
             async for _ in job.events():
                 pass
+    assert job.state is JobState.FAILED  # as the node ended it: nothing to cancel
     assert await listener.get_message(timeout=0.05) is None
 
 
@@ -147,3 +152,32 @@ async def test_cancelled_consumer_still_cleans_up(ctx, redis):
     await asyncio.gather(task, return_exceptions=True)
     assert (await listener.get_message(timeout=1))["data"] == job.id.encode()
     assert ctx.bus.in_flight == 0
+
+
+async def test_a_job_ends_once_and_reading_its_events_writes_nothing(ctx, redis):
+    """Events read without side effects: the done event is in hand, yet nothing was written (the
+    session's node is noted only when the job ends, in `close`); a detached job that ended cannot
+    be detached or closed into another state."""
+    job = await submit(ctx, request(), ANONYMOUS_CALLER, session="s1")
+    await redis.publish(KEYS.events(job.id), pack_event(delta("a")))
+    await redis.publish(KEYS.events(job.id), pack_event(done()))
+    got = [event async for event in job.events()]
+    assert [e.type for e in got] == ["delta", "done"] and job.state is JobState.RUNNING
+    assert await redis.get(KEYS.session(MODEL, "s1")) is None
+    await job.detach()  # the node ended it: detaching closes it
+    assert job.state is JobState.FINISHED
+    assert await redis.get(KEYS.session(MODEL, "s1")) == b"n1"  # its end noted where it ran
+    await job.close()
+    assert job.state is JobState.FINISHED and ctx.bus.in_flight == 0
+
+
+async def test_a_streamed_job_whose_client_leaves_runs_on_detached(ctx, redis):
+    listener = await cancels(redis)
+    job = await submit(ctx, request(), ANONYMOUS_CALLER)
+    job.on_disconnect = OnDisconnect.KEEP
+    await job.detach()
+    assert job.state is JobState.DETACHED and ctx.bus.in_flight == 0
+    await job.close()  # ended: nothing more happens
+    assert job.state is JobState.DETACHED
+    assert await listener.get_message(timeout=0.05) is None  # not cancelled
+    assert await redis.xlen(job.stream) == 1  # still queued for a node
