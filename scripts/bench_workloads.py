@@ -13,6 +13,11 @@ With `--speculative` settings other than off, Cortex's gateway runs once per set
 `gateway ngram`, `gateway suffix`, each a fresh stack), and the speculating ones report the draft
 tokens they checked during the workload and the share accepted (the gateway's /metrics).
 
+With `--kv-host-mb M` Cortex's gateway runs again with M MB of host-memory KV tier (`gateway host`,
+issue 52), ratios against `gateway`: set `--kv-cache-mb` to a device pool smaller than the prefixes.
+With `--kv-disk-restart` (multiturn) a node with a KV disk tier answers the first agent's system prompt
+with a new question, fresh (cold), then again after a restart on the same disk (warm).
+
 With `--nodes N` (2 or more) the systems are Cortex alone: one node (the hit rate's reference), then
 a fleet of N nodes with routing on (`cache`: a conversation's next turn goes to the node holding its
 prefix) and off (`none`: whichever node is free), each fleet fresh (issue 20).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,13 +40,16 @@ import bench_text
 from bench_core import NOISY_PCT, CpuMeter, Stream, Wave, fmt, log, one_http, percentile, verdict
 from bench_servers import (
     FLEET,
+    HOST_TIER,
     NAMES,
     SPECULATIVE,
     Served,
+    cortex_gateway,
     each_served,
     http_servers,
     label,
     peers_folder,
+    request,
     spec_delta,
     speculating,
     warm_up,
@@ -282,7 +291,52 @@ def run(args, workdir: Path, failures: dict[str, str], skipped: dict[str, str]) 
         log(f"{served.system}: {_short(result)}")
 
     each_served(args.systems, servers, use, failures, skipped)
+    if args.workload == "multiturn" and args.kv_disk_restart:
+        try:
+            results.append(restart_run(args, workdir, texts, warm))
+        except Exception as exc:
+            failures["disk restart"] = f"{type(exc).__name__}: {exc}"
     return results
+
+
+def restart_run(args, workdir: Path, texts, warm: list[dict]) -> dict:
+    """The first agent's system prompt with its first question on a fresh node whose KV disk tier is
+    empty (cold), then with its second question on a node restarted on the same disk (warm): its
+    TTFT each time, and the prompt tokens the warm one found cached (issue 52)."""
+    systems, users = texts
+    folder = workdir / "kv-disk"
+    shutil.rmtree(folder, ignore_errors=True)
+    streams = {}
+    for phase, question in (("cold", users[0][0]), ("warm", users[0][1 % len(users[0])])):
+        with cortex_gateway(
+            args, workdir, system=f"gateway disk {phase}", kv_disk_dir=folder
+        ) as served:
+            warm_up(served, args.timeout)
+            warm_up(served, args.timeout, warm)
+            messages = [
+                {"role": "system", "content": systems[0]},
+                {"role": "user", "content": question},
+            ]
+            streams[phase] = request(served, messages, args.answer_tokens, args.timeout)
+            if streams[phase].error:
+                raise RuntimeError(f"the {phase} request failed: {streams[phase].error}")
+    cold, warm_stream = streams["cold"], streams["warm"]
+    result = {
+        "system": "gateway disk restart",
+        "restart": True,
+        "cold_ttft_ms": cold.ttft_s * 1000,
+        "warm_ttft_ms": warm_stream.ttft_s * 1000,
+        "warm_over_cold": warm_stream.ttft_s / cold.ttft_s,
+        "prompt_tokens": warm_stream.prompt_tokens,
+        "cached_tokens": warm_stream.cached_tokens,
+        "streams": [asdict(cold), asdict(warm_stream)],
+    }
+    log(
+        f"disk restart: TTFT cold {result['cold_ttft_ms']:.0f} ms, after a restart "
+        f"{result['warm_ttft_ms']:.0f} ms ({result['warm_over_cold']:.2f}x; {result['cached_tokens']} "
+        f"of {result['prompt_tokens']} prompt tokens cached)"
+    )
+    return result
 
 
 def _short(r: dict) -> str:
@@ -353,8 +407,21 @@ FLEET_RATIOS = {  # (metric, what it is, better, the denominator, target): routi
 }
 
 
+HOST_RATIOS = {  # (metric, what it is, better, target): the host tier's against the gateway's, same run
+    "multiturn": [
+        ("later_ttft_p50_ms", "later-turn TTFT p50: host tier / off", "lower", 0.3),
+        ("later_cached_pct", "cached % of later turns: host tier / off", "higher", None),
+        ("wall_s", "wall time: host tier / off", "lower", None),
+    ],
+    "shared-prefix": [
+        ("ttft_p50_ms", "TTFT p50: host tier / off", "lower", None),
+        ("cached_pct", "cached %: host tier / off", "higher", None),
+    ],
+}
+
+
 def ratios(workload: str, results: list[dict]) -> list[dict]:
-    by = {r["system"]: r for r in results if r["tokens"]}
+    by = {r["system"]: r for r in results if not r.get("restart") and r["tokens"]}
     out = []
 
     def ratio(
@@ -378,8 +445,25 @@ def ratios(workload: str, results: list[dict]) -> list[dict]:
                     }
                 )
 
+    for r in results:
+        if r.get("restart"):
+            out.append(
+                {
+                    "name": "TTFT after a restart with a warm KV disk tier / cold",
+                    "metric": "warm_ttft_ms",
+                    "numerator": r["system"],
+                    "denominator": r["system"],
+                    "value": r["warm_over_cold"],
+                    "better": "lower",
+                    "target": 0.3,
+                    "noisy": False,
+                }
+            )
+
     for metric, what, better, denominator, target in FLEET_RATIOS[workload]:
         ratio(what, metric, "routing-on", denominator, better, target)
+    for metric, what, better, target in HOST_RATIOS[workload]:
+        ratio(what, metric, HOST_TIER, "gateway", better, target)
     for peer in (p for p in NAMES if p not in ("gateway", *FLEET)):
         for metric, what, better in RATIOS[workload]:
             ratio(f"{what}: gateway / {NAMES[peer]}", metric, "gateway", peer, better, None)
@@ -417,10 +501,11 @@ def title(args, meta: dict) -> str:
     )
 
 
-def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None:
+def print_report(args, everything: list[dict], rat: list[dict], meta: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    results = [r for r in everything if not r.get("restart")]
     console = Console(width=140)
     table = Table(title=title(args, meta))
     if args.workload == "multiturn":
@@ -479,6 +564,13 @@ def print_report(args, results: list[dict], rat: list[dict], meta: dict) -> None
                 f"  {NAMES[r['system']]}: jobs routed "
                 + (", ".join(f"{k} {v}" for k, v in sorted(r["routed"].items())) or "none")
                 + f"; the fleet's prefix hit rate {fmt(r['prefix_hit_rate'], 2)}"
+            )
+    for r in everything:
+        if r.get("restart"):
+            console.print(
+                f"  KV disk tier: TTFT on a fresh node {fmt(r['cold_ttft_ms'], 0)} ms, after a restart "
+                f"{fmt(r['warm_ttft_ms'], 0)} ms ({r['cached_tokens']} of {r['prompt_tokens']} prompt "
+                "tokens cached)"
             )
     for r in results:
         console.print(

@@ -10,6 +10,9 @@ WIRE_VERSION = 10  # 2: SamplingParams.grammar, kind "count"; 3: the start event
 # num_speculative_tokens; then the job entry's `key` (sent only for metered jobs: the node counts their tokens
 # where they end; a node of 8 from before refuses them, so upgrade nodes before gateways)
 # 9: the job entry's fields named as the glossary names them: `job_class` (was `priority`), `channel`
-# (was `reply`), `streaming` (was `stream`), `api_key` (was `key`); a part of 8 refuses a part of 9's entries
+# (was `reply`), `streaming` (was `stream`), `api_key` (was `key`); a part of 8 refuses a part of 9's entries;
+# then, additive (defaults, so either side may be older), the heartbeat's KV tier counters
+# (`KVCacheStats.host_*`, `disk_*`, bytes moved) and the `prefix-tiers` hash beside a node's prefixes
+# (`Keys.prefix_tiers`)
 # 10: the `stored` event: an event larger than the node's `max_event_bytes` waits in `Keys.result` and
 # travels as a pointer to it (pub/sub never carries a message near Redis's output buffer limit)

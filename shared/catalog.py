@@ -53,6 +53,10 @@ class ModelProfile(BaseModel):
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_mb: int | None = Field(None, ge=1)
     kv_memory_fraction: float | None = Field(None, gt=0, le=1)
+    # A host-memory tier below the device pool (node_agent/engine/kv_tiers.py): blocks the pool evicts
+    # are copied to this many MB of host memory (pinned on CUDA) and copied back, not recomputed, when
+    # a prompt's prefix continues there. 0: off. Not for tensor-parallel or linear-attention models.
+    kv_host_mb: int = Field(0, ge=0)
     # Reuse the KV blocks of a prompt's longest cached prefix (multi-turn chats, shared system
     # prompts, n > 1). Models with linear-attention layers (Qwen3.5, Qwen3-Next) never reuse.
     prefix_caching: bool = True

@@ -27,6 +27,17 @@ class KVCacheStats(BaseModel):
     prefix_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # counter: of those, tokens found cached
     preemptions: int = 0  # counter: sequences preempted (recomputed later) for lack of blocks
+    # The tiers below the device (node_agent/engine/kv_tiers.py; 0 where off). prefix_hits counts
+    # every tier's: the device's are prefix_hits - host_hits - disk_hits.
+    host_blocks_total: int = 0  # host-memory slots (`kv_host_mb`)
+    host_blocks_used: int = 0  # of those, holding a block
+    disk_blocks: int = 0  # blocks kept on disk (`kv_disk_dir`)
+    host_hits: int = 0  # counter: prompt tokens restored from host memory
+    disk_hits: int = 0  # counter: prompt tokens read back from disk
+    offloaded_bytes: int = 0  # counter: bytes copied device -> host
+    restored_bytes: int = 0  # counter: bytes copied host -> device
+    disk_written_bytes: int = 0  # counter
+    disk_read_bytes: int = 0  # counter
 
     @property
     def usage(self) -> float:

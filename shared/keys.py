@@ -101,6 +101,12 @@ class Keys:
         -> the tokens they span. Entries leave as the engine evicts their blocks; bounded by the cache."""
         return f"{self.prefix}prefixes:{model}:@{node}"
 
+    def prefix_tiers(self, model: str, node: str) -> str:
+        """Hash with the TTL of `prefixes`: the marks of `prefixes` whose blocks the node keeps only
+        below its device, in host memory or on disk (node_agent/engine/kv_tiers.py) -> `host` or
+        `disk`; a mark absent here is on the device. Written and expired with `prefixes`."""
+        return f"{self.prefix}prefix-tiers:{model}:@{node}"
+
     def session(self, model: str, session: str) -> str:
         """String with TTL (`session_ttl_s`): the node that ran the last turn of a session (a hash of
         the request's `prompt_cache_key`, `user`, `metadata.user_id` or `x-cortex-session`)."""

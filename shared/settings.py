@@ -201,7 +201,13 @@ class NodeSettings(CortexSettings):
     # eagerly, as when another user owns the folder or its group or others may write to it.
     compile_cache: Path | None = Path.home() / ".cache" / "cortex" / "compiled"
 
-    @field_validator("convert_cache", "compile_cache", mode="before")
+    # The KV cache's disk tier (node_agent/engine/kv_disk.py): every full block a model computes is
+    # kept here, content-addressed, and read back when a prompt's prefix continues there (across
+    # restarts); each model keeps at most `kv_disk_gb`, least recently used evicted. Empty: off.
+    kv_disk_dir: Path | None = None
+    kv_disk_gb: float = Field(10.0, gt=0)
+
+    @field_validator("convert_cache", "compile_cache", "kv_disk_dir", mode="before")
     @classmethod
     def _empty_is_off(cls, value: Any) -> Any:
         return None if value in ("", None) else value

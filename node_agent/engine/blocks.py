@@ -13,14 +13,19 @@ A block may carry marks: the names the gateway gives a conversation's prefixes
 (`shared.prefix_marks`), anchored on the block that ends them. A mark is held while one of its
 blocks is cached; when the last is evicted it is `dropped`, and the node takes it out of what it
 tells the gateways (`Keys.prefixes`). At most `2 * blocks` marks are kept, the oldest dropped first.
+
+With KV tiers below the device (node_agent/engine/kv_tiers.py), an evicted block is first offered to
+them (`spill`): a block they keep keeps its marks, whose tier changes (`retiered`: a mark's tier is
+the best of its blocks', `device`, `host` or `disk`); they are dropped when no tier keeps it (`moved`).
 """
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 NULL_BLOCK = 0
+TIER_ORDER = ("device", "host", "disk")
 
 
 def chain_hashes(tokens: list[int], block_size: int, parent: bytes, start: int = 0) -> list[bytes]:
@@ -55,6 +60,11 @@ class BlockPool:
         )  # mark -> the block hashes it ends on, oldest first
         self.marks: dict[bytes, set[str]] = {}  # block hash -> the marks anchored on it
         self.dropped: list[str] = []  # marks no cached block holds any more, not yet taken
+        # the tiers below the device: offered each evicted block, asked where a hash is kept
+        self.spill: Callable[[int, bytes], None] | None = None
+        self.below: Callable[[bytes], str | None] = lambda block_hash: None
+        self.mark_tiers: dict[str, str] = {}  # each mark's tier, as last reported
+        self.retiered: dict[str, str] = {}  # marks whose tier changed, not yet taken
 
     @property
     def free(self) -> int:
@@ -83,6 +93,8 @@ class BlockPool:
                 block = self.empty.pop()
             else:
                 block, _ = self.evictable.popitem(last=False)
+                if self.spill is not None:
+                    self.spill(block, self.hash_of[block])
                 self._forget(block)
             self.refs[block] = 1
             out.append(block)
@@ -117,19 +129,42 @@ class BlockPool:
                     self._forget(block)
                     self.empty.append(block)
 
-    def register(self, block: int, block_hash: bytes) -> None:
+    def register(self, block: int, block_hash: bytes) -> bool:
         """`block` is full and holds what `block_hash` names: later sequences may reuse it. A hash
-        already cached in another block keeps that block (this one is then just held)."""
+        already cached in another block keeps that block (this one is then just held); False then."""
         if self.caching and block_hash not in self.by_hash and self.hash_of[block] is None:
             self.by_hash[block_hash] = block
             self.hash_of[block] = block_hash
+            self._retier(block_hash)
+            return True
+        return False
 
     def _forget(self, block: int) -> None:
+        """`block` no longer holds its hash (its marks stay while a tier below keeps it)."""
         if (block_hash := self.hash_of[block]) is not None:
             del self.by_hash[block_hash]
             self.hash_of[block] = None
-            for mark in self.marks.pop(block_hash, ()):
-                self._unanchor(mark, block_hash)
+            self.moved(block_hash)
+
+    def moved(self, block_hash: bytes) -> None:
+        """`block_hash` changed tier: the marks anchored on it follow, or let go of it when no tier
+        keeps it any more."""
+        if self.tier(block_hash) is not None:
+            self._retier(block_hash)
+            return
+        for mark in self.marks.pop(block_hash, ()):
+            self._unanchor(mark, block_hash)
+
+    def tier(self, block_hash: bytes) -> str | None:
+        return "device" if block_hash in self.by_hash else self.below(block_hash)
+
+    def _retier(self, block_hash: bytes) -> None:
+        """Note the marks on `block_hash` whose tier (their best block's) changed."""
+        for mark in self.marks.get(block_hash, ()):
+            tiers = [self.tier(h) for h in self.anchors[mark]]
+            best = min((TIER_ORDER.index(t) for t in tiers if t), default=len(TIER_ORDER) - 1)
+            if self.mark_tiers.get(mark) != TIER_ORDER[best]:
+                self.mark_tiers[mark] = self.retiered[mark] = TIER_ORDER[best]
 
     # ---- marks ------------------------------------------------------------------------------
 
@@ -138,6 +173,7 @@ class BlockPool:
         block held it). A hash no block holds (caching off, or evicted already) anchors nothing."""
         if block_hash not in self.by_hash:
             return False
+        self.mark_tiers.setdefault(mark, "device")
         anchors = self.anchors.get(mark)
         new = anchors is None
         if new:
@@ -151,6 +187,7 @@ class BlockPool:
             self.anchors.move_to_end(mark)
         anchors.add(block_hash)
         self.marks.setdefault(block_hash, set()).add(mark)
+        self._retier(block_hash)  # a mark held below comes back to the device
         return new
 
     def _unanchor(self, mark: str, block_hash: bytes) -> None:
@@ -158,6 +195,8 @@ class BlockPool:
         anchors.discard(block_hash)
         if not anchors:
             del self.anchors[mark]
+            self.mark_tiers.pop(mark, None)
+            self.retiered.pop(mark, None)
             self.dropped.append(mark)
 
     def take_dropped(self) -> list[str]:
@@ -165,8 +204,14 @@ class BlockPool:
         dropped, self.dropped = self.dropped, []
         return dropped
 
+    def take_retiered(self) -> list[tuple[str, str]]:
+        """(mark, tier) of the marks whose tier changed since the last call."""
+        retiered, self.retiered = self.retiered, {}
+        return list(retiered.items())
+
     def reset(self) -> None:
         """Forget everything (after a device fault the cache's contents are not to be trusted)."""
         dropped = self.dropped + list(self.anchors)
+        spill, below = self.spill, self.below
         self.__init__(self.blocks, self.block_size, self.caching)
-        self.dropped = dropped
+        self.dropped, self.spill, self.below = dropped, spill, below

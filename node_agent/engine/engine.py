@@ -19,6 +19,7 @@ node it runs in the model's output process (node_agent/serving/output_process.py
 device's process; `step()` runs both here, one after the other (tests, the in-process bench).
 """
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -32,6 +33,8 @@ import numpy as np
 from node_agent.engine import constrain
 from node_agent.engine.blocks import BlockPool
 from node_agent.engine.detokenize import TokenizerText
+from node_agent.engine.kv_disk import DiskTier
+from node_agent.engine.kv_tiers import KVTiers
 from node_agent.engine.on_device import OnDevice
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
@@ -76,7 +79,9 @@ class Engine(OnDevice):
         profile: ModelProfile,
         node: str = "",
         compile_cache: Path | None = None,
+        kv_disk: tuple[Path, float] | None = None,
     ):
+        """`kv_disk`: the node's KV disk tier (its directory and the GB each model may keep there)."""
         self.lm, self.profile, self.node = loaded, profile, node
         self.runner = Runner(
             loaded, profile, compile_cache
@@ -94,6 +99,7 @@ class Engine(OnDevice):
             linear_attention=cache.has_linear_attention,
             root_hash=root,
             speculate_rows=profile.speculative_max_batch,
+            tiers=self._tiers(kv_disk),
         )
         self.speculation = SpeculationStats()
         self.eos_ids = self._eos_ids()
@@ -107,6 +113,28 @@ class Engine(OnDevice):
             loaded.tokenizer
         )  # what the output processor decodes with, here or there
         self.output = OutputProcessor(self.text, node)  # the text side when `step()` runs it here
+
+    def _tiers(self, kv_disk: tuple[Path, float] | None) -> KVTiers | None:
+        """The KV tiers below the device pool (node_agent/engine/kv_tiers.py), where the profile or
+        the node asks for one and the runner can copy blocks (node_agent/model/kv_host.py)."""
+        copier = self.runner.tiers
+        if copier is None or not (copier.host_blocks or kv_disk):
+            return None
+        disk = None
+        if kv_disk:
+            identity = dict(
+                format=1,
+                model=self.profile.id,
+                source=self.profile.source,
+                gguf_file=self.profile.gguf_file,
+                quant=self.lm.quant,
+                dtype=str(self.lm.dtype),
+                block_size=self.profile.block_size,
+                shape=list(copier.shape),
+                adapter="",  # adapters (LoRA) are not served yet: their id goes here
+            )
+            disk = DiskTier(kv_disk[0], identity, int(kv_disk[1] * 1e9), copier.block_bytes)
+        return KVTiers(copier.host_blocks, disk, copier.block_bytes)
 
     def _eos_ids(self) -> set[int]:
         ids = {self.lm.tokenizer.eos_token_id}
@@ -142,7 +170,16 @@ class Engine(OnDevice):
 
     def kv_stats(self) -> KVCacheStats:
         """The cache's blocks and the prefix cache's counters; plain numbers (read from the event loop)."""
-        stats = self.scheduler.stats
+        stats, tiers = self.scheduler.stats, self.scheduler.tiers
+        below = {}
+        if tiers is not None:  # TierStats' counters have KVCacheStats' names
+            host, disk = tiers.host, tiers.disk
+            below = dict(
+                host_blocks_total=host.slots if host else 0,
+                host_blocks_used=host.used if host else 0,
+                disk_blocks=len(disk.files) if disk else 0,
+                **dataclasses.asdict(tiers.stats),
+            )
         return KVCacheStats(
             block_size=self.pool.block_size,
             blocks_total=self.pool.blocks,
@@ -151,6 +188,7 @@ class Engine(OnDevice):
             prefix_queries=stats.queries,
             prefix_hits=stats.hits,
             preemptions=stats.preemptions,
+            **below,
         )
 
     def spec_stats(self) -> SpecDecodeStats:
@@ -174,6 +212,8 @@ class Engine(OnDevice):
     def drop_model(self) -> None:
         """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
         self.fail_all()
+        if self.scheduler.tiers is not None:
+            self.scheduler.tiers.close()
         self.runner.close()
         self.lm.model = None
 
@@ -338,6 +378,8 @@ class Engine(OnDevice):
             if matcher is not None and row.draft:
                 row.draft = row.draft[: matcher.validate_tokens(row.draft)]
         result = self.runner.run(plan, self.grammars.bitmask(matchers, plan.drafts))
+        if plan.saves:
+            self.scheduler.tiers.write(plan.saves, result.saved)
         for job, exc in result.failed.items():
             self._fail(out, job, exc)
         out.scores = [
@@ -381,6 +423,7 @@ class Engine(OnDevice):
                 if 0 <= block < len(hashes) and self.pool.mark(hashes[block], mark):
                     out.held.append((mark, tokens))
         out.dropped = self.pool.take_dropped()
+        out.tiers = self.pool.take_retiered()
 
     def _fail(self, out: StepOutput, job: str, exc: Exception) -> None:
         """One job's own work raised: end its sequences; the output processor sends the error."""

@@ -69,6 +69,7 @@ class StepOutput(_Record):
         tuple[str, int]
     ] = []  # prefix marks newly held by the cache, with the tokens they span
     dropped: list[str] = []  # prefix marks the cache no longer holds
+    tiers: list[tuple[str, str]] = []  # prefix marks whose tier changed: device, host or disk
 
     @property
     def empty(self) -> bool:
@@ -80,4 +81,5 @@ class StepOutput(_Record):
             or self.failed
             or self.held
             or self.dropped
+            or self.tiers
         )

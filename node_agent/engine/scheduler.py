@@ -20,6 +20,12 @@ Each `schedule()`:
    free (never by preempting); the blocks beyond a sequence's accepted tokens go back after it.
 Full blocks are registered in the pool by their hash chain as soon as they are planned, so the next
 step's admissions can reuse them.
+
+With KV tiers (node_agent/engine/kv_tiers.py), a prompt's cached prefix may continue below the
+device: admission gives those blocks device blocks and plans their copies back (within the step's
+restore budget; a sequence whose copies do not fit waits for the next step), and the blocks the pool
+evicts are offered to the tiers, their copies planned in the same step, before any forward reuses
+them. Newly computed blocks are listed for the disk tier.
 """
 
 import hashlib
@@ -28,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from node_agent.engine.blocks import BlockPool, chain_hashes
+from node_agent.engine.kv_tiers import RESTORE_RATIO, Below, KVTiers
 from node_agent.engine.speculation import Drafter, RecentOutputs
 from node_agent.model.step import DecodeRow, PrefillChunk, RowSetup, StepPlan
 from shared.wire import SamplingParams
@@ -80,8 +87,8 @@ class JobEntry:
 
 @dataclass
 class PrefixStats:
-    queries: int = 0  # prompt tokens looked up in the prefix cache
-    hits: int = 0  # of those, found cached
+    queries: int = 0  # prompt tokens looked up in the prefix cache (at a first admission)
+    hits: int = 0  # of those, found cached (in any tier)
     preemptions: int = 0
 
 
@@ -95,8 +102,13 @@ class Scheduler:
         linear_attention: bool,
         root_hash: bytes,
         speculate_rows: int = 0,
+        tiers: KVTiers | None = None,
     ):
         self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
+        self.tiers = tiers if pool.caching and not linear_attention else None
+        if self.tiers is not None:
+            pool.spill, pool.below = self.tiers.spill, self.tiers.where
+            self.tiers.moved = pool.moved
         self.speculate_rows = speculate_rows
         self.recent = (
             RecentOutputs()
@@ -212,6 +224,8 @@ class Scheduler:
         self.n_decoding = 0
         self._moves.clear()
         self.pool.reset()
+        if self.tiers is not None:
+            self.tiers.reset()
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
@@ -231,17 +245,23 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        if self.tiers is not None:
+            self.tiers.begin()
+        plan = StepPlan()
         self._grow_decoding()
-        plan = StepPlan(setups=self._admit())
+        plan.setups = self._admit(plan)
         drafts = self._drafts()
-        plan.prefill = self._chunks(self.chunk_tokens - sum(map(len, drafts)))
+        restored = self.tiers.restored // RESTORE_RATIO if self.tiers is not None else 0
+        plan.prefill = self._chunks(self.chunk_tokens - sum(map(len, drafts)) - restored)
         plan.decode = [
             DecodeRow(row, s.tokens[-1], s.computed, draft)
             for row, (s, draft) in enumerate(zip(self.rows[: self.n_decoding], drafts))
         ]
         for seq in self.rows[: self.n_decoding]:
             seq.computed += 1
-        self._register(self.rows)
+        plan.saves = self._register(self.rows)
+        if self.tiers is not None:
+            plan.offloads = self.tiers.offloads
         plan.moves, self._moves = self._moves, []
         plan.tables = self._tables()
         plan.rows = len(self.rows)
@@ -324,7 +344,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
-    def _admit(self) -> list[RowSetup]:
+    def _admit(self, plan: StepPlan) -> list[RowSetup]:
         setups = []
         while self.waiting and len(self.rows) < self.max_seqs:
             seq = self.waiting[0]
@@ -337,15 +357,23 @@ class Scheduler:
                 and first.computed < first.prompt_len
             ):
                 break  # an n > 1 job's other sequences share the first one's prompt blocks once it has read them
-            cached = self._cached_prefix(seq)
+            cached, below = self._cached_prefix(seq)
+            if below and not self.tiers.within_budget(
+                below, self.pool.block_size, self.chunk_tokens
+            ):
+                break  # its copies wait for the next step's budget
             holding = sum(self.pool.refs[b] == 0 for b in cached)
             need = self.pool.blocks_for(len(seq.tokens) + 1) - len(cached)
             if self.pool.free - holding < need:
                 break
             self.waiting.popleft()
             self.pool.hold(cached)
-            seq.blocks = cached + self.pool.allocate(need)
-            seq.registered, seq.computed = len(cached), len(cached) * self.pool.block_size
+            fresh = self.pool.allocate(need)
+            below = self._restore(plan, below, fresh) if below else []
+            seq.blocks = cached + fresh
+            found = len(cached) + len(below)
+            seq.registered, seq.computed = found, found * self.pool.block_size
+            self._count(seq, found, below)
             seq.admitted = next(self._admissions)
             seq.synced = (len(self.rows), 0)
             setups.append(
@@ -361,21 +389,38 @@ class Scheduler:
             self.rows.append(seq)
         return setups
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of the sequence's longest cached prefix, leaving at least one token to
-        read (its logits give the next token)."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[Below]]:
+        """The device blocks of the sequence's longest cached prefix, and where it continues below
+        the device, leaving at least one token to read (its logits give the next token)."""
         if not (self.pool.caching and seq.job.cacheable) or seq.scores_prompt:
-            return []
-        size = self.pool.block_size
-        usable = (len(seq.tokens) - 1) // size
+            return [], []
+        usable = (len(seq.tokens) - 1) // self.pool.block_size
         self._hash(seq, usable)
         cached = self.pool.match(seq.hashes[:usable])
-        if not seq.output_ids:  # a first admission (a resumed sequence's prompt was counted once)
+        below = self.tiers.match(seq.hashes[len(cached) : usable]) if self.tiers else []
+        return cached, below
+
+    def _restore(self, plan: StepPlan, below: list[Below], blocks: list[int]) -> list[Below]:
+        """Plan the copies of the prefix blocks found below into the first of `blocks` (as far as
+        they can be had), which then hold their hashes; returns those copied."""
+        below = self.tiers.read(below)
+        restores, loads = self.tiers.restore(below, blocks, self.pool.block_size)
+        plan.restores += restores
+        plan.loads += loads
+        for found, block in zip(below, blocks):
+            self.pool.register(block, found.block_hash)
+        return below
+
+    def _count(self, seq: Sequence, found: int, below: list[Below]) -> None:
+        """A first admission's prompt tokens looked up and found cached, `below` the device among
+        them (a resumed sequence's prompt was counted once)."""
+        if not seq.output_ids:
+            if below:
+                self.tiers.count(below, self.pool.block_size)
             self.stats.queries += seq.prompt_len
-            self.stats.hits += len(cached) * size
+            self.stats.hits += found * self.pool.block_size
             if seq.index == 0:
-                seq.job.cached_tokens = len(cached) * size
-        return cached
+                seq.job.cached_tokens = found * self.pool.block_size
 
     def _chunks(self, budget: int) -> list[PrefillChunk]:
         chunks = []
@@ -416,11 +461,13 @@ class Scheduler:
                 return span_start - start if span_start > start else span_end - start
         return length
 
-    def _register(self, seqs: list[Sequence]) -> None:
+    def _register(self, seqs: list[Sequence]) -> list[tuple[int, bytes]]:
         """Offer the full blocks planned so far to later sequences (their keys and values are
-        written by the forward this plan runs, before any later plan reads them)."""
+        written by the forward this plan runs, before any later plan reads them); returns those
+        the disk tier is to keep, with their hashes."""
+        saves: list[tuple[int, bytes]] = []
         if not self.pool.caching:
-            return
+            return saves
         size = self.pool.block_size
         for seq in seqs:
             full = seq.computed // size
@@ -428,8 +475,15 @@ class Scheduler:
                 continue
             self._hash(seq, full)
             for i in range(seq.registered, full):
-                self.pool.register(seq.blocks[i], seq.hashes[i])
+                block, block_hash = seq.blocks[i], seq.hashes[i]
+                if (
+                    self.pool.register(block, block_hash)
+                    and self.tiers is not None
+                    and self.tiers.keeps_on_disk(block_hash)
+                ):
+                    saves.append((block, block_hash))
             seq.registered = full
+        return saves
 
     def _hash(self, seq: Sequence, blocks: int) -> None:
         """Extend the sequence's hash chain over its first `blocks` full blocks."""

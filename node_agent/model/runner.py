@@ -26,6 +26,7 @@ import torch
 from node_agent.model import decoders, forward
 from node_agent.model.acceptance import NO_DRAFT, kept, verify
 from node_agent.model.kv_cache import PackedChunk
+from node_agent.model.kv_host import BlockCopier
 from node_agent.model.loader import LoadedModel
 from node_agent.model.model_calls import ModelCalls, paged_cache, weight_bytes
 from node_agent.model.sampling import SlotSampling, sample, stages, token_logprobs
@@ -83,6 +84,7 @@ class Runner:
         ] = {}  # a job's prompt and processor inputs,
         # until its images are embedded
         self.vision: dict[str, VisionPrompt] = {}  # a job's prompt embeddings, while it runs
+        self.tiers = self._tiers(profile, loaded)  # copies to and from the KV tiers, or None
         self.resident_bytes = weight_bytes(loaded.model) + self.cache.bytes + self.sampling.bytes
         log.info(
             "%s: %d KV blocks of %d tokens (%d MiB); decodes with %s steps",
@@ -92,6 +94,20 @@ class Runner:
             self.cache.bytes >> 20,
             self.decoder.name,
         )
+
+    def _tiers(self, profile: ModelProfile, loaded: LoadedModel) -> BlockCopier | None:
+        """The KV tiers' copier, where a prefix can be kept below the device: attention layers
+        only, on one device (not tensor-parallel), with prefix caching on."""
+        if (
+            not profile.prefix_caching
+            or self.cache.has_linear_attention
+            or loaded.tp_size > 1
+            or not any(kind != "linear_attention" for kind in self.cache.layer_types)
+        ):
+            return None
+        copier = BlockCopier(self.cache, 0)
+        host_blocks = profile.kv_host_mb * (1 << 20) // copier.block_bytes
+        return BlockCopier(self.cache, host_blocks) if host_blocks else copier
 
     @property
     def max_len(self) -> int:
@@ -111,12 +127,16 @@ class Runner:
 
     def close(self) -> None:
         self.calls.close()
-        self.cache = self.sampling = self.decoder = self.calls = None
+        self.cache = self.sampling = self.decoder = self.calls = self.tiers = None
         self.lm.model = None
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, bitmask: Bitmask | None = None) -> StepResult:
         result = StepResult()
+        if self.tiers is not None:  # evicted blocks leave before their blocks are reused
+            self.tiers.offload(plan.offloads)
+            self.tiers.restore(plan.restores)
+            self.tiers.load(plan.loads)
         self._place(plan)
         parts = []
         speculating = any(d.draft for d in plan.decode)
@@ -132,6 +152,8 @@ class Runner:
         if plan.samples:
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             result.sampled = self._sample(logits, plan, bitmask)
+        if plan.saves:
+            result.saved = self.tiers.save([block for block, _ in plan.saves])
         return result
 
     def _place(self, plan: StepPlan) -> None:

@@ -6,6 +6,11 @@ SchedulerOutput and ModelRunnerOutput).
 Rows: sequences occupy rows 0..n-1 of the runner's per-row state (sampling parameters, rope
 offsets, linear-attention states, block tables), decoding rows first, then rows still reading
 their prompt; the plan's moves keep them packed.
+
+KV tiers (node_agent/engine/kv_tiers.py): before its forwards a step copies evicted blocks to host
+slots (`offloads`), then host slots and disk payloads into the device blocks a prompt's prefix
+continues in (`restores`, `loads`); after them it hands back the bytes of the blocks computed for the
+disk tier (`saves`, `StepResult.saved`).
 """
 
 from dataclasses import dataclass, field
@@ -75,6 +80,10 @@ class StepPlan:
     sample_positions: list[int] = field(
         default_factory=list
     )  # each one's last position (its draw's noise)
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    loads: list[tuple[bytes, int]] = field(default_factory=list)  # (block payload, device block)
+    saves: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, its hash) to disk
 
     @property
     def drafts(self) -> list[list[int]]:
@@ -109,3 +118,4 @@ class StepResult:
     failed: dict[str, Exception] = field(
         default_factory=dict
     )  # jobs whose own work raised (an image, say)
+    saved: list[bytes] = field(default_factory=list)  # the `StepPlan.saves` blocks' contents

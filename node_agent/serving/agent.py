@@ -368,6 +368,7 @@ class NodeAgent:
                 self.keys.node(self.name),
                 self.keys.model_files(self.name),
                 *(self.keys.prefixes(model, self.name) for model in self.models),
+                *(self.keys.prefix_tiers(model, self.name) for model in self.models),
             )
         )
         await self._quietly(self.redis.zrem(self.keys.nodes(), self.name))
@@ -455,9 +456,8 @@ class NodeAgent:
             pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
             pipe.zadd(self.keys.nodes(), {self.name: now})
             for model in self.models:  # what their caches hold lives as long as the heartbeat
-                pipe.pexpire(
-                    self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000)
-                )
+                for held in (self.keys.prefixes, self.keys.prefix_tiers):
+                    pipe.pexpire(held(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
             self.puller.publish(pipe, int(self.settings.heartbeat_ttl_s * 1000))
             await pipe.execute()
 

@@ -1,47 +1,74 @@
 """What one model's KV cache on this node holds, as the gateways route by it: the hash
-`Keys.prefixes(model, node)` of prefix marks (`shared.prefix_marks`) -> tokens they span. The
-engine reports marks newly held and marks evicted with each step's record; this keeps the changes
-until the publisher's next round trip writes them (HSET, HDEL, and the key's expiry, which the
-node's heartbeats renew too); the first also deletes what an earlier engine of the model left. A round trip that fails leaves them here for the next one."""
+`Keys.prefixes(model, node)` of prefix marks (`shared.prefix_marks`) -> tokens they span, and beside
+it `Keys.prefix_tiers(model, node)`: the marks kept only below the device (`host`, `disk`;
+node_agent/engine/kv_tiers.py). The engine reports marks newly held, marks evicted and marks whose
+tier changed with each step's record; this keeps the changes until the publisher's next round trip
+writes them (HSET, HDEL, and the keys' expiry, which the node's heartbeats renew too); the first also
+deletes what an earlier engine of the model left. A round trip that fails leaves them here for the
+next one."""
 
 from dataclasses import dataclass, field
+
+DEVICE = "device"
+
+Changes = tuple[dict[str, int], set[str], dict[str, str], bool]
 
 
 @dataclass
 class CacheIndex:
     key: str
     ttl_ms: int
+    tiers_key: str = ""  # '' : tiers are not written
     _held: dict[str, int] = field(default_factory=dict)
     _dropped: set[str] = field(default_factory=set)
+    _tiers: dict[str, str] = field(default_factory=dict)  # mark -> its tier now
     _fresh: bool = True  # what the key holds is an older engine's: delete it first
 
-    def note(self, held: list[tuple[str, int]], dropped: list[str]) -> None:
-        """A step's changes (a mark held and dropped in one step ends dropped)."""
+    def note(
+        self,
+        held: list[tuple[str, int]],
+        dropped: list[str],
+        tiers: list[tuple[str, str]] = (),
+    ) -> None:
+        """A step's changes (a mark held and dropped in one step ends dropped; a mark newly held is
+        on the device)."""
         for mark, tokens in held:
             self._held[mark] = tokens
+            self._tiers[mark] = DEVICE
             self._dropped.discard(mark)
+        for mark, tier in tiers:
+            self._tiers[mark] = tier
         for mark in dropped:
             self._held.pop(mark, None)
+            self._tiers.pop(mark, None)
             self._dropped.add(mark)
 
-    def write(self, pipe) -> tuple[dict[str, int], set[str], bool] | None:
+    def write(self, pipe) -> Changes | None:
         """Queue the changes on `pipe`; returns them (to `restore` if the round trip fails), or None."""
-        if not (self._held or self._dropped or self._fresh):
+        if not (self._held or self._dropped or self._tiers or self._fresh):
             return None
-        held, dropped, fresh = self._held, self._dropped, self._fresh
-        self._held, self._dropped, self._fresh = {}, set(), False
+        held, dropped, tiers, fresh = self._held, self._dropped, self._tiers, self._fresh
+        self._held, self._dropped, self._tiers, self._fresh = {}, set(), {}, False
+        keys = [self.key, self.tiers_key] if self.tiers_key else [self.key]
         if fresh:
-            pipe.delete(self.key)
+            pipe.delete(*keys)
         if held:
             pipe.hset(self.key, mapping=held)
         if dropped:
             pipe.hdel(self.key, *dropped)
-        pipe.pexpire(self.key, self.ttl_ms)
-        return held, dropped, fresh
+        if self.tiers_key:
+            below = {mark: tier for mark, tier in tiers.items() if tier != DEVICE}
+            if below:
+                pipe.hset(self.tiers_key, mapping=below)
+            if on_device := [m for m, tier in tiers.items() if tier == DEVICE] + list(dropped):
+                pipe.hdel(self.tiers_key, *on_device)
+        for key in keys:
+            pipe.pexpire(key, self.ttl_ms)
+        return held, dropped, tiers, fresh
 
-    def restore(self, written: tuple[dict[str, int], set[str], bool]) -> None:
+    def restore(self, written: Changes) -> None:
         """Changes whose round trip failed go before those noted since."""
-        held, dropped, fresh = written
-        newer_held, newer_dropped = self._held, self._dropped
-        self._held, self._dropped, self._fresh = held, dropped, fresh
-        self.note(list(newer_held.items()), list(newer_dropped))
+        held, dropped, tiers, fresh = written
+        newer = self._held, self._dropped, self._tiers
+        self._held, self._dropped, self._tiers, self._fresh = held, dropped, tiers, fresh
+        self.note(list(newer[0].items()), list(newer[1]), list(newer[2].items()))

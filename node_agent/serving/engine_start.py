@@ -21,7 +21,8 @@ def start_engine(
     else:
         loaded = loader.load(profile, device_ids[0], settings.hf_cache, settings.convert_cache)
     try:
-        return Engine(loaded, profile, node, settings.compile_cache)
+        kv_disk = (settings.kv_disk_dir, settings.kv_disk_gb) if settings.kv_disk_dir else None
+        return Engine(loaded, profile, node, settings.compile_cache, kv_disk)
     except BaseException:
         if loaded.group is not None:
             loaded.group.close()

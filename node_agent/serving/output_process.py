@@ -74,8 +74,8 @@ class OutputSide:
             raise ValueError("the output process was opened twice")
 
     def step(self, out: StepOutput) -> None:
-        if out.held or out.dropped:
-            self.publisher.cache_index.note(out.held, out.dropped)
+        if out.held or out.dropped or out.tiers:
+            self.publisher.cache_index.note(out.held, out.dropped, out.tiers)
         events, stopped = self.output.process(out)
         batch, ended, timings = [], [], {}
         for job, job_events in events:
@@ -154,7 +154,11 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     )
     redis = connect(opened.redis_url)
     keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
-    index = CacheIndex(keys.prefixes(opened.model, opened.node), int(opened.heartbeat_ttl_s * 1000))
+    index = CacheIndex(
+        keys.prefixes(opened.model, opened.node),
+        int(opened.heartbeat_ttl_s * 1000),
+        keys.prefix_tiers(opened.model, opened.node),
+    )
     publisher = Publisher(
         redis,
         keys,

@@ -33,7 +33,7 @@ async def submit(r: aioredis.Redis, keys, job: str, max_tokens: int):
         submitted_ms=int(time.time() * 1000),
         channel=keys.events(job),
         body=pack(request),
-        stream=True,
+        streaming=True,
     )
     await r.xadd(keys.jobs("tiny"), entry.to_fields())
     return pubsub

@@ -83,3 +83,49 @@ def test_marks_are_bounded_by_twice_the_blocks_oldest_first_and_a_reset_drops_th
     assert pool.take_dropped() == ["m0"] and list(pool.anchors) == ["m1", "m2"]
     pool.reset()
     assert sorted(pool.take_dropped()) == ["m1", "m2"] and pool.anchors == {} and pool.marks == {}
+
+
+# ---- the tiers below the device (node_agent/engine/kv_tiers.py) ---------------------------------
+
+
+def _tiered(blocks: int, host_slots: int):
+    from node_agent.engine.kv_tiers import KVTiers
+
+    pool, tiers = BlockPool(blocks, 16), KVTiers(host_slots, None, block_bytes=100)
+    pool.spill, pool.below, tiers.moved = tiers.spill, tiers.where, pool.moved
+    return pool, tiers
+
+
+def test_evicted_blocks_go_to_host_slots_least_recently_used_out_and_their_marks_follow():
+    pool, tiers = _tiered(2, 2)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for h in hashes:  # a step each: a block released cached, evicted by a later allocation
+        tiers.begin()
+        (block,) = pool.allocate(1)
+        pool.register(block, h)
+        pool.mark(h, f"m{h[0]}")
+        pool.release([block])
+    assert list(tiers.host.slot_of) == hashes[:2]
+    tiers.begin()
+    assert pool.allocate(2) == [1, 2]
+    assert tiers.offloads == [(1, 0), (2, 1)]  # copied out before the step reuses the blocks
+    assert list(tiers.host.slot_of) == hashes[2:]  # the two oldest went out of host memory
+    assert pool.take_dropped() == ["m0", "m1"]
+    assert dict(pool.take_retiered()) == {"m2": "host", "m3": "host"}
+    assert tiers.stats.offloaded_bytes == 4 * 100
+
+
+def test_a_host_slot_a_plan_reads_is_not_evicted_under_it():
+    pool, tiers = _tiered(1, 1)
+    tiers.begin()
+    (block,) = pool.allocate(1)
+    pool.register(block, b"a" * 16)
+    pool.release([block])
+    pool.allocate(1)  # evicts a into the one slot
+    tiers.begin()
+    found = tiers.match([b"a" * 16, b"b" * 16])
+    assert [f.slot for f in found] == [0]
+    assert tiers.spill(2, b"c" * 16) is None and b"a" * 16 in tiers.host.slot_of  # c not kept
+    assert tiers.within_budget(found, 16, 512)
+    tiers.restore(found, [1], 16)
+    assert not tiers.within_budget(found * 300, 16, 512)  # past 8 x 512 tokens after the first

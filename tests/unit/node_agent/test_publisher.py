@@ -301,3 +301,27 @@ async def test_an_event_over_the_bound_waits_in_the_result_hash_and_its_pointer_
     await pubsub.aclose()
     await client.aclose()
     await admin.aclose()
+
+
+async def test_the_tiers_of_prefix_marks_kept_below_the_device_ride_beside_them(server):
+    client = connect(server.url)
+    key, tiers_key = KEYS.prefixes("m", "node-a"), KEYS.prefix_tiers("m", "node-a")
+    admin = aioredis.Redis.from_url(server.url)
+    await admin.hset(tiers_key, mapping={"stale": "disk"})  # an earlier engine's
+    index = CacheIndex(key, ttl_ms=8000, tiers_key=tiers_key)
+    publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, cache_index=index)
+    publisher.start()
+    index.note([("a", 16), ("b", 48), ("c", 64)], [])
+    index.note([], [], [("a", "host"), ("b", "disk")])
+    publisher.send([])
+    await publisher.flush()
+    assert await admin.hgetall(tiers_key) == {b"a": b"host", b"b": b"disk"}
+    assert len(await admin.hgetall(key)) == 3 and 0 < await admin.pttl(tiers_key) <= 8000
+    index.note([], ["b"], [("a", "device"), ("c", "host")])  # a restored, b gone, c evicted
+    publisher.send([])
+    await publisher.flush()
+    assert await admin.hgetall(tiers_key) == {b"c": b"host"}
+    assert set(await admin.hgetall(key)) == {b"a", b"c"}
+    await publisher.stop()
+    await admin.aclose()
+    await client.aclose()
