@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.errors import ModelNotFound
+from shared.errors import Conflict, InvalidRequest, ModelNotFound
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_EMBEDDING_MODEL_ID = "all-MiniLM-L6-v2"
@@ -88,6 +88,11 @@ class ModelProfile(BaseModel):
     speculative: Literal["off", "ngram", "suffix"] = "off"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
     speculative_max_batch: int = Field(4, ge=0, le=1024)
+    # LoRA adapters served on this base (node_agent/model/lora_layers.py): how many are held on the
+    # device at once (0: none; more wait for a slot, swapped least recently used from host memory)
+    # and the highest rank one may have. Each slot costs its rank's share of every targeted projection.
+    max_loras: int = Field(0, ge=0, le=64)
+    max_lora_rank: int = Field(16, ge=1, le=512)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
     # How this model writes tool calls; None: chosen from the model's family (see gateway/dialects/tools/parsers.py).
@@ -129,6 +134,22 @@ class ModelProfile(BaseModel):
         )
 
 
+class AdapterProfile(BaseModel):
+    """A LoRA adapter served on a catalogue model (its `base`): `[[models]]` with `base` and
+    `adapter`, or loaded at run time (POST /v1/load_lora_adapter). Requests name it as their
+    `model`; they run on the base's replicas with the adapter's low-rank updates
+    (node_agent/model/lora_layers.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    base: str  # the catalogue model (id or alias) it was trained on
+    # A local folder of PEFT's files (adapter_config.json, adapter_model.safetensors), as the
+    # nodes see it.
+    adapter: str
+    aliases: list[str] = []
+
+
 BUILTIN = [
     ModelProfile(
         id=DEFAULT_MODEL_ID,
@@ -149,27 +170,69 @@ BUILTIN = [
 
 
 class Catalog:
-    def __init__(self, profiles: list[ModelProfile]):
+    def __init__(self, profiles: list[ModelProfile], adapters: list[AdapterProfile] = ()):
         self.profiles = {p.id: p for p in profiles}
         self._names = {name: p.id for p in profiles for name in [p.id, *p.aliases]}
+        self.adapters: dict[str, AdapterProfile] = {}
+        self._adapter_names: dict[str, str] = {}
+        for adapter in adapters:
+            self.add_adapter(adapter)
 
     @classmethod
     def load(cls, path: Path | None) -> "Catalog":
         if path is None:
             return cls(BUILTIN)
-        data = tomllib.loads(Path(path).read_text())
-        return cls([ModelProfile(**entry) for entry in data.get("models", [])])
+        entries = tomllib.loads(Path(path).read_text()).get("models", [])
+        return cls(
+            [ModelProfile(**entry) for entry in entries if "base" not in entry],
+            [AdapterProfile(**entry) for entry in entries if "base" in entry],
+        )
 
     def names(self, model: str) -> set[str]:
-        """Every name of a model: its id and, for a catalogue model, its aliases (what an API key's
-        allowed models are matched against)."""
-        profile = self.profiles.get(model)
-        return {model, *(profile.aliases if profile else ())}
+        """Every name of a model or adapter: its id and, for a catalogue one, its aliases (what an
+        API key's allowed models are matched against)."""
+        entry = self.profiles.get(model) or self.adapters.get(model)
+        return {model, *(entry.aliases if entry else ())}
 
     def resolve(self, name: str) -> ModelProfile:
-        """The profile for a model id or alias, also with Ollama's default tag (`name:latest` is
-        `name`); `ModelNotFound` otherwise."""
+        """The profile for a model id or alias (an adapter's: its base's), also with Ollama's
+        default tag (`name:latest` is `name`); `ModelNotFound` otherwise."""
+        adapter = self.adapter_of(name)
+        if adapter is not None:
+            return self.resolve(adapter.base)
         found = self._names.get(name) or self._names.get(name.removesuffix(LATEST_TAG))
         if found is None:
             raise ModelNotFound(f"The model '{name}' does not exist.", param="model")
         return self.profiles[found]
+
+    def adapter_of(self, name: str) -> AdapterProfile | None:
+        """The adapter a request's `model` names (id or alias), None for a model's name."""
+        found = self._adapter_names.get(name) or self._adapter_names.get(
+            name.removesuffix(LATEST_TAG)
+        )
+        return self.adapters[found] if found else None
+
+    def add_adapter(self, adapter: AdapterProfile) -> None:
+        """Serve `adapter` on its base from now on: InvalidRequest when the base is not a generating
+        model of the catalogue, Conflict when a model or another adapter has one of its names."""
+        base = self._names.get(adapter.base)
+        if base is None or self.profiles[base].kind != "generate":
+            raise InvalidRequest(
+                f"adapter {adapter.id!r}: its base {adapter.base!r} is not a generating model of "
+                "the catalogue",
+                param="base",
+            )
+        for name in [adapter.id, *adapter.aliases]:
+            if name in self._names or self._adapter_names.get(name, adapter.id) != adapter.id:
+                raise Conflict(f"the name {name!r} is taken by another model or adapter")
+        self.remove_adapter(adapter.id)
+        adapter = adapter.model_copy(update={"base": base})
+        self.adapters[adapter.id] = adapter
+        self._adapter_names |= {name: adapter.id for name in [adapter.id, *adapter.aliases]}
+
+    def remove_adapter(self, name: str) -> AdapterProfile | None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is not None:
+            for alias in [adapter.id, *adapter.aliases]:
+                self._adapter_names.pop(alias, None)
+        return adapter

@@ -39,6 +39,13 @@ class WrongModelKind(InvalidRequest):
     code = "model_not_supported"
 
 
+class AdapterLoadFailed(InvalidRequest):
+    """A LoRA adapter that cannot be served on its base: missing or corrupt files, another base's
+    shapes, a rank over the model's `max_lora_rank`, a kind of adapter not supported."""
+
+    code = "adapter_load_failed"
+
+
 class PreviousResponseNotFound(InvalidRequest):
     code = "previous_response_not_found"
 

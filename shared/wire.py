@@ -88,7 +88,9 @@ RENDERING_KWARGS = frozenset(
 class GenerationRequest(Wire):
     """What a node needs to run one job; the gateway has already validated it."""
 
-    added_within_version: ClassVar[frozenset[str]] = frozenset({"cache_salt"})
+    added_within_version: ClassVar[frozenset[str]] = frozenset(
+        {"cache_salt", "adapter", "adapter_source"}
+    )
 
     job: str
     model: str
@@ -110,6 +112,11 @@ class GenerationRequest(Wire):
     # (and prefix marks) only with prompts of the same salt. The gateway sets it from the request's
     # `cache_salt` and, under `prefix_cache_scope = "key"`, the API key (`shared.prefix_marks.salt`).
     cache_salt: str = ""
+    # The LoRA adapter the job runs with on `model` (its base), as the catalogue or
+    # /v1/load_lora_adapter names it; "": the base itself. A node without it loads it from
+    # `adapter_source` (a folder of PEFT's files), or fails the job with why.
+    adapter: str = ""
+    adapter_source: str = ""
 
 
 class PoolingRequest(Wire):

@@ -193,6 +193,7 @@ SLOW_UNIT_MODULES = {
     "test_vision.py",
     "test_cpu_attention.py",  # the architecture matrix
     "test_quantized_matrix.py",
+    "test_lora.py",  # adapters against PEFT merged models, two architectures
     "test_tensor_parallel.py",
     "test_quantized_tensor_parallel.py",
 }  # ranks in processes (gloo)

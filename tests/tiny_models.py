@@ -433,3 +433,24 @@ def build_vision(arch: str, folder: Path, tokenizer, seed: int = 0) -> Path:
         part.save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(template)
     return folder
+
+
+def save_lora_adapter(
+    base_dir: Path, folder: Path, rank: int, targets: list[str], seed: int
+) -> Path:
+    """A PEFT LoRA adapter of `rank` on the model in `base_dir`, with random weights (strong
+    enough to change greedy tokens), saved as PEFT saves one."""
+    from peft import LoraConfig, get_peft_model  # the test extra's; only these tests need it
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
+    )
+    peft = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    peft.save_pretrained(folder)
+    return folder

@@ -6,7 +6,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from shared.api_keys import ADMIN, ANONYMOUS, ApiKey
-from shared.catalog import ModelProfile
+from shared.catalog import AdapterProfile, ModelProfile
 from shared.errors import ModelNotAllowed, Unauthorized
 
 caller_var: ContextVar[str] = ContextVar("caller", default="-")  # the key's name, for log lines
@@ -26,18 +26,19 @@ class Caller:
         """Whether the caller may use the model with these names (its id and aliases)."""
         return self.key is None or self.key.may_use(names)
 
-    def check_may_use(self, profile: ModelProfile) -> None:
+    def check_may_use(self, profile: ModelProfile, adapter: AdapterProfile | None = None) -> None:
         """401 if the key was revoked or expired since (a batch runs for a while), 404/403 if it may
-        not use the model."""
+        not use the model (or the LoRA adapter on it, by the adapter's own names)."""
         if self.key is None:
             return
         if (state := self.key.state()) != "active":
             raise Unauthorized(
                 f"API key {self.name!r} ({self.key.hint}…) is {state}; ask an operator for another"
             )
-        if not self.may_use({profile.id, *profile.aliases}):
+        named = adapter or profile
+        if not self.may_use({named.id, *named.aliases}):
             raise ModelNotAllowed(
-                f"The model `{profile.id}` does not exist or API key {self.name!r} may not use it",
+                f"The model `{named.id}` does not exist or API key {self.name!r} may not use it",
                 param="model",
             )
 

@@ -208,7 +208,7 @@ async def admit(
     kind, as for a request that only loads the model) and that the key is within its limits (429;
     a batch line within its token budgets, gateway/jobs/limits.py)."""
     profile = ctx.catalog.resolve(model)
-    caller.check_may_use(profile)
+    caller.check_may_use(profile, ctx.catalog.adapter_of(model))
     if kind is not None and profile.kind != kind:
         (named, serves), (_, asked) = _KINDS[profile.kind], _KINDS[kind]
         raise WrongModelKind(f"{model} is {named}: it serves {serves}, not {asked}", param="model")
@@ -250,6 +250,9 @@ async def admit_and_submit(
         profile = await admit(ctx, body.model, "generate", caller, job_class)
         tool_format = parser_name(profile)
         request = body.to_generation_request(new_job_id(), profile.id)
+        adapter = ctx.catalog.adapter_of(body.model)
+        if adapter is not None:  # runs on its base's streams
+            request.adapter, request.adapter_source = adapter.id, adapter.adapter
         request.cache_salt = prefix_marks.salt(
             ctx.settings.prefix_cache_scope,
             caller.name if caller.key else None,

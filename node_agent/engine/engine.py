@@ -44,7 +44,13 @@ from node_agent.model import vision
 from node_agent.model.loader import LoadedModel
 from node_agent.model.runner import Runner
 from shared.catalog import ModelProfile
-from shared.errors import ContextLengthExceeded, CortexError, GenerationFailed, InvalidRequest
+from shared.errors import (
+    AdapterLoadFailed,
+    ContextLengthExceeded,
+    CortexError,
+    GenerationFailed,
+    InvalidRequest,
+)
 from shared.heartbeat import KVCacheStats, SpecDecodeStats
 from shared.lifecycle import FinishReason
 from shared.wire import GenerationRequest, SamplingParams, StepEvents
@@ -100,6 +106,7 @@ class Engine(OnDevice):
             root_hash=root,
             speculate_rows=profile.speculative_max_batch,
             tiers=self._tiers(kv_disk),
+            adapter_slots=profile.max_loras,
         )
         self.speculation = SpeculationStats()
         self.eos_ids = self._eos_ids()
@@ -217,6 +224,29 @@ class Engine(OnDevice):
         self.runner.close()
         self.lm.model = None
 
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """Read a LoRA adapter for requests that name it (`GenerationRequest.adapter`);
+        AdapterLoadFailed saying why it cannot be (node_agent/model/lora_files.py)."""
+        self.runner.load_adapter(name, folder)
+        self.scheduler.adapters.forget(name)  # a slot holding an older copy is not reused
+
+    def _hold_adapter(self, name: str, source: str) -> None:
+        """A request's adapter, read from `source` when it is not held yet (or was read from
+        another folder); AdapterLoadFailed (the request's alone) when it cannot be."""
+        held = self.runner.adapters.get(name)
+        if held is not None and (not source or str(Path(source)) == held.source):
+            return
+        if not source:
+            raise AdapterLoadFailed(
+                f"adapter {name!r} is not loaded on this replica of {self.profile.id}"
+            )
+        self.load_adapter(name, Path(source))
+
+    def unload_adapter(self, name: str) -> None:
+        """Refuse new requests for the adapter; its running sequences finish on its slot."""
+        self.runner.unload_adapter(name)
+        self.scheduler.adapters.forget(name)
+
     @property
     def tokenizer(self):
         return self.lm.tokenizer
@@ -239,6 +269,8 @@ class Engine(OnDevice):
         vision model's processor inputs for the prompt's images (node_agent/serving/prompts.vision_prompt)."""
         params = request.sampling
         self._check_token_ids(prompt_ids, params)
+        if request.adapter:
+            self._hold_adapter(request.adapter, request.adapter_source)
         spans = self._image_spans(prompt_ids) if images else []
         pool_tokens = self.pool.blocks * self.pool.block_size
         if len(prompt_ids) + 1 > pool_tokens:
@@ -271,6 +303,7 @@ class Engine(OnDevice):
             cache_salt=request.cache_salt,
             draft_tokens=self._draft_tokens(params, method),
             suffix=method == "suffix",
+            adapter=request.adapter,
         )
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)

@@ -33,6 +33,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from node_agent.engine.adapter_slots import AdapterSlots
 from node_agent.engine.blocks import BlockPool, chain_hashes
 from node_agent.engine.kv_tiers import RESTORE_RATIO, Below, KVTiers
 from node_agent.engine.speculation import Drafter, RecentOutputs
@@ -61,6 +62,7 @@ class Sequence:
     done: bool = False
     admitted: int = 0  # admission order (the newest is preempted first)
     synced: tuple[int, int] = (-1, 0)  # (row, blocks) the runner's block table last had
+    slot: int = 0  # its adapter's device slot while it holds a row (0: the base)
 
     @property
     def output_ids(self) -> list[int]:
@@ -83,6 +85,7 @@ class JobEntry:
         b""  # what its blocks' hash chain starts from: the model's, salted by its cache salt
     )
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
+    adapter: str = ""  # the LoRA adapter it runs with ("": the base)
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Scheduler:
         root_hash: bytes,
         speculate_rows: int = 0,
         tiers: KVTiers | None = None,
+        adapter_slots: int = 0,
     ):
         self.pool, self.max_seqs, self.chunk_tokens = pool, max_seqs, chunk_tokens
         self.tiers = tiers if pool.caching and not linear_attention else None
@@ -122,6 +126,8 @@ class Scheduler:
         self._keys = itertools.count()
         self._admissions = itertools.count(1)
         self._moves: list[tuple[int, int]] = []  # row moves not yet handed to the runner
+        self.adapters = AdapterSlots(adapter_slots)
+        self._loads: dict[int, str] = {}  # adapter slots to load, not yet handed to the runner
 
     @property
     def has_work(self) -> bool:
@@ -141,15 +147,18 @@ class Scheduler:
         cache_salt: str = "",
         draft_tokens: int = 0,
         suffix: bool = False,
+        adapter: str = "",
     ) -> list[int]:
         """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
         step (0: not at all; never with linear attention, whose state cannot take a guess back),
         with `suffix` from the recent outputs of unsalted jobs too (a salted job's outputs, like its
         blocks, are never another's to guess from); returns their keys. Its blocks are shared only
-        with jobs of the same `cache_salt` (`GenerationRequest.cache_salt`)."""
+        with jobs of the same `cache_salt` (`GenerationRequest.cache_salt`) and the same LoRA
+        `adapter` (a block computed under one adapter is never another's, nor the base's)."""
+        salt = cache_salt.encode() + (b"\0adapter:" + adapter.encode() if adapter else b"")
         root = (
-            hashlib.blake2b(self.root_hash + cache_salt.encode(), digest_size=16).digest()
-            if cache_salt
+            hashlib.blake2b(self.root_hash + salt, digest_size=16).digest()
+            if salt
             else self.root_hash
         )
         entry = JobEntry(
@@ -157,6 +166,7 @@ class Scheduler:
             spans=list(spans),
             cacheable=not images and not self.linear_attention,
             root_hash=root,
+            adapter=adapter,
         )
         recent = self.recent if suffix and not cache_salt else None
         for index, seed in enumerate(seeds):
@@ -226,10 +236,14 @@ class Scheduler:
         self.pool.reset()
         if self.tiers is not None:
             self.tiers.reset()
+        self.adapters = AdapterSlots(self.adapters.slots)
+        self._loads.clear()
 
     def _release(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)
-        seq.blocks, seq.registered, seq.synced = [], 0, (-1, 0)
+        if seq.slot:
+            self.adapters.release(seq.slot)
+        seq.blocks, seq.registered, seq.synced, seq.slot = [], 0, (-1, 0), 0
         self.rows.remove(seq)
 
     def _pack(self) -> None:
@@ -263,6 +277,7 @@ class Scheduler:
         if self.tiers is not None:
             plan.offloads = self.tiers.offloads
         plan.moves, self._moves = self._moves, []
+        plan.adapter_loads, self._loads = self._loads, {}
         plan.tables = self._tables()
         plan.rows = len(self.rows)
         sampled = self.rows[: self.n_decoding] + [
@@ -366,6 +381,13 @@ class Scheduler:
             need = self.pool.blocks_for(len(seq.tokens) + 1) - len(cached)
             if self.pool.free - holding < need:
                 break
+            if seq.job.adapter:
+                taken = self.adapters.acquire(seq.job.adapter)
+                if taken is None:
+                    break  # every adapter slot is in use by running sequences
+                seq.slot = taken[0]
+                if taken[1]:
+                    self._loads[seq.slot] = seq.job.adapter
             self.waiting.popleft()
             self.pool.hold(cached)
             fresh = self.pool.allocate(need)
@@ -384,6 +406,7 @@ class Scheduler:
                     seq.tokens[: seq.prompt_len],
                     seq.output_ids,
                     seq.seed,
+                    seq.slot,
                 )
             )
             self.rows.append(seq)

@@ -23,7 +23,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from node_agent.model import decoders, forward
+from node_agent.model import decoders, forward, lora_files, lora_layers
 from node_agent.model.acceptance import NO_DRAFT, kept, verify
 from node_agent.model.kv_cache import PackedChunk
 from node_agent.model.kv_host import BlockCopier
@@ -40,6 +40,7 @@ from node_agent.model.step import (
 )
 from node_agent.model.vision import VisionPrompt, embed_prompt
 from shared.catalog import ModelProfile
+from shared.errors import AdapterLoadFailed
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class Runner:
         self.rope_offsets = torch.zeros(
             profile.slots, dtype=torch.long, device=loaded.device
         )  # moved with rows
+        self.lora, self.lora_targets, self.adapters = None, {}, {}
+        self.lora_refusal = self._install_lora(loaded, profile)
         self.decoder = decoders.make(
             profile.decode,
             loaded.model,
@@ -113,6 +116,51 @@ class Runner:
     def max_len(self) -> int:
         return self.cache.max_len
 
+    def _install_lora(self, loaded: LoadedModel, profile: ModelProfile) -> str | None:
+        """Wrap the targeted projections for `max_loras` adapter slots (before the decode step is
+        compiled or captured); returns why adapters cannot be served, if so."""
+        if not profile.max_loras:
+            return "its catalogue entry sets no max_loras"
+        if loaded.group:
+            return "it is sharded over devices (tensor_parallel)"
+        reason = lora_layers.why_not(loaded.model)
+        if reason is None:
+            self.lora, self.lora_targets = lora_layers.install(
+                loaded.model, profile.max_loras, profile.slots, profile.max_lora_rank
+            )
+        return reason
+
+    def load_adapter(self, name: str, folder: Path) -> lora_files.HostAdapter:
+        """Read a PEFT LoRA adapter into host memory (into a device slot when a sequence needs it);
+        AdapterLoadFailed saying why it cannot be served on this model."""
+        if self.lora_refusal is not None:
+            raise AdapterLoadFailed(
+                f"adapter {name!r}: {self.profile.id} serves no adapters: {self.lora_refusal}"
+            )
+        adapter = lora_files.read(name, Path(folder), self.lora_targets, self.profile.max_lora_rank)
+        self.unload_adapter(name)
+        self.adapters[name] = adapter
+        self.resident_bytes += adapter.bytes
+        return adapter
+
+    def unload_adapter(self, name: str) -> None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is not None:
+            self.resident_bytes -= adapter.bytes
+
+    def _fill_slot(self, slot: int, name: str) -> None:
+        """Copy an adapter from host memory into device slot `slot` (every targeted projection:
+        those it does not adapt are zeroed)."""
+        weights = self.adapters[name].weights
+        for path, (layer, part) in self.lora_targets.items():
+            a, b = weights.get(path, (None, None))
+            layer.place(part, slot, a, b)
+
+    def _adapter_ids(self, ids: torch.Tensor | None = None) -> None:
+        """The adapter slot of each token of the forward about to run (None: one token a row, rows 0..B-1)."""
+        if self.lora is not None:
+            self.lora.ids = self.lora.decode_ids if ids is None else ids
+
     def memory_bytes(self) -> int:
         return self.resident_bytes + self.decoder.graph_bytes
 
@@ -161,12 +209,18 @@ class Runner:
             self.calls.move_row(src, dst)
             self.sampling.move(src, dst)
             self.rope_offsets[dst] = self.rope_offsets[src]
+            if self.lora is not None:
+                self.lora.row_slots[dst] = self.lora.row_slots[src]
+        for slot, name in plan.adapter_loads.items():
+            self._fill_slot(slot, name)
         for setup in plan.setups:
             self.sampling.assign(
                 setup.row, setup.params, setup.prompt_ids, setup.seed, setup.output_ids
             )
             prompt = self.vision.get(setup.job)
             self.rope_offsets[setup.row] = prompt.rope_delta if prompt else 0
+            if self.lora is not None:
+                self.lora.row_slots[setup.row] = setup.adapter_slot
         if plan.tables:
             for row, blocks in plan.tables.items():
                 self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -175,6 +229,7 @@ class Runner:
 
     def _decode(self, plan: StepPlan) -> torch.Tensor:
         tokens, positions = [d.token for d in plan.decode], [d.position for d in plan.decode]
+        self._adapter_ids()
         try:
             return self.decoder(tokens, positions)
         except decoders.CaptureFailed as exc:
@@ -218,6 +273,9 @@ class Runner:
             p for c in packed for p in range(c.start, c.start + c.length)
         ]
         device = self.lm.device
+        if self.lora is not None:
+            token_rows = rows + [c.row for c in packed for _ in range(c.length)]
+            self._adapter_ids(self.lora.row_slots[torch.tensor(token_rows, device=device)][None])
         hidden = self.calls.packed_forward(
             torch.tensor(tokens, device=device),
             torch.tensor(positions, device=device),
@@ -239,6 +297,7 @@ class Runner:
         the widest); returns the logits of all their positions, row after row."""
         index = [(i, j) for i, d in enumerate(rows) for j in range(d.width)]
         picked = [i for i, _ in index], [j for _, j in index]
+        self._adapter_ids()
         if self.decoder.verifies:
             try:
                 return self.decoder.verify(
@@ -286,6 +345,8 @@ class Runner:
             [(c.tokens, c.start) for c in chunks]
         )
         embeds, rope, sees_until = self._vision_inputs(chunks, input_ids, positions, start, result)
+        if self.lora is not None:
+            self._adapter_ids(self.lora.row_slots[start : start + len(chunks), None])
         hidden = self.calls.forward(
             slice(start, start + len(chunks)),
             input_ids,

@@ -28,6 +28,7 @@ class RowSetup:
     prompt_ids: list[int]
     output_ids: list[int]  # a preempted sequence's tokens so far (it resumes from them)
     seed: int | None
+    adapter_slot: int = 0  # its LoRA adapter's device slot (0: the base)
 
 
 @dataclass
@@ -68,6 +69,9 @@ class StepPlan:
     tables: dict[int, list[int]] = field(
         default_factory=dict
     )  # row -> its blocks, for rows that changed
+    adapter_loads: dict[int, str] = field(
+        default_factory=dict
+    )  # device slot -> the LoRA adapter to load there, before the rows that use it run
     rows: int = 0  # rows in use after the moves and setups
     decode: list[DecodeRow] = field(default_factory=list)  # rows 0..len-1
     prefill: list[PrefillChunk] = field(

@@ -587,6 +587,7 @@ class Model(BaseModel):
     )
     replicas: list[ModelReplica] = []
     root: str  # vLLM's name: the model an id names (an alias's model, or the model itself)
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model
     capabilities: list[Literal["vision"]] = []  # "vision": it reads images in messages
     kind: Literal["generate", "embedding", "rerank"] = (
         "generate"  # what it serves (the catalogue's `kind`)

@@ -26,7 +26,8 @@ def model_list(
     """Every catalogue model (loaded or not), then models live nodes serve outside the catalogue;
     each with its replicas and its best state, only those `may_use` (given a model's id and aliases)
     allows; then each alias (`default` …) as an entry of its own whose `root` is the model it names
-    (a model's `root` is itself). `created` is when the earliest node holding it started (0 when none does);
+    (a model's `root` is itself); then each LoRA adapter the caller may use whose base is listed,
+    with `parent` its base. `created` is when the earliest node holding it started (0 when none does);
     `max_model_len` the shortest context its loaded replicas run with (None while none is loaded)."""
     replicas: dict[str, list[ModelReplica]] = {}
     created: dict[str, int] = {}
@@ -80,6 +81,12 @@ def model_list(
         for p in catalog.profiles.values()
         if p.id in by_id
         for alias in p.aliases
+    ]
+    data += [  # LoRA adapters, as vLLM lists them: on their base's replicas, `parent` the base
+        by_id[a.base].model_copy(update={"id": name, "root": a.id, "parent": a.base})
+        for a in catalog.adapters.values()
+        if a.base in by_id and may_use(catalog.names(a.id))
+        for name in [a.id, *a.aliases]
     ]
     return ModelList(data=data)
 

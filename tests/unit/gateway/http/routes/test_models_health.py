@@ -48,6 +48,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
         "owned_by": "cortex",
         "state": "ready",
         "root": MODEL,
+        "parent": None,
         "capabilities": [],
         "kind": "generate",
         "replicas": [
