@@ -21,7 +21,7 @@ from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
 from shared import __version__, recovery, tracing
-from shared.catalog import Catalog
+from shared.catalog import Catalog, ModelProfile
 from shared.commands import NodeCommand
 from shared.errors import BrokerUnavailable, CortexError
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
@@ -58,6 +58,11 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
+        await self.serve()
+
+    async def serve(self) -> None:
+        """Serve until `stop()`: the devices, the predecessor's leftovers, the heartbeat, cancels,
+        commands, keep-alive, the models to load at start; then a clean shutdown."""
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
         self.publisher = Publisher(
@@ -73,10 +78,8 @@ class NodeAgent:
         self.file_server = self._file_server()
         if self.file_server is not None:
             await self.file_server.start()
-        for device in devices.discover(self.settings.device, self.settings.cpu_devices):
-            thread = DeviceThread(device, loop)
-            thread.start()
-            self.threads[device] = thread
+        for thread in self.start_devices(asyncio.get_running_loop()):
+            self.threads[thread.device] = thread
         if self.settings.cpu_bind:
             await self._bind_cpu_threads()
         await self._recover_predecessor()
@@ -97,6 +100,20 @@ class NodeAgent:
         await stopping
         log.info("node %s stopping", self.name)
         await self.shutdown(tasks)
+
+    def start_devices(self, loop: asyncio.AbstractEventLoop) -> list[DeviceThread]:
+        """One started thread per device found (a simulated node's are node_agent/sim/device.py's)."""
+        threads = [
+            DeviceThread(device, loop)
+            for device in devices.discover(self.settings.device, self.settings.cpu_devices)
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def served_class(self, profile: ModelProfile) -> type[ServedModel]:
+        """What serves `profile` here (a simulated node's: node_agent/sim/served.py)."""
+        return served_class(profile)
 
     async def _bind_cpu_threads(self) -> None:
         """`cpu_bind`: the CPU device thread's torch threads one to a CPU each (one CPU device only:
@@ -182,7 +199,7 @@ class NodeAgent:
         )
         chosen = ranked[: profile.tensor_parallel]
         pull = self.puller.start(profile) if self.puller.needs(profile) else None
-        served = served_class(profile)(
+        served = self.served_class(profile)(
             profile,
             chosen[0],
             self.redis,
