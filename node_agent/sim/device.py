@@ -1,7 +1,8 @@
 """A simulated device: `DeviceThread`'s interface (node_agent/serving/device_thread.py) on the event
 loop, so a thousand nodes share one process. Work handed to it runs at once (a coroutine, such as
-a load that takes `load_s`, is awaited); each attached engine with work is stepped every `step_ms`
-through the same `step_engine` a device thread uses; a detach takes `unload_s`. It calls itself
+a load that takes `load_s`, is awaited); the attached engines with work are stepped together through
+the same `step_engine` a device thread uses, their records handed on `step_ms` later; a detach
+takes `unload_s`. It calls itself
 `cpu`, so the node reports its memory as its budget (`memory_budget_mb`) less its models'."""
 
 import asyncio
@@ -67,13 +68,21 @@ class SimDevice:
         return sim_engine(profile, self.config, node)
 
     async def _run(self) -> None:
+        """Step every engine with work at once, then hand out their records when the step's time
+        is up (a device's step starts when work is there and ends `step_ms` later)."""
         while True:
             busy = [e for e in self._engines if e.has_work]
             if not busy:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await asyncio.sleep(self.config.step_s)  # a step's results come out when it ends
+            began, done = self.loop.time(), []
             for engine in busy:
                 if (sinks := self._engines.get(engine)) is not None:
-                    step_engine(engine, sinks, self.device, self.loop)
+                    held = Sinks(
+                        lambda out, sinks=sinks: done.append((sinks, out)), sinks.on_failure
+                    )
+                    step_engine(engine, held, self.device, self.loop)
+            await asyncio.sleep(max(0.0, self.config.step_s - (self.loop.time() - began)))
+            for sinks, out in done:
+                sinks.on_step(out)

@@ -3,7 +3,7 @@
 publishers) on a simulated device (node_agent/sim/device.py). Settings come from the environment
 as a node's do (`CORTEX_REDIS_URL`, `CORTEX_MODELS_FILE`, ...); the hardware from the flags below.
 Node i is named `{prefix}-{i}`; `--preload` spreads models over the nodes at start (model j on node
-j mod N: fewer models than nodes leaves some nodes empty for placement to fill). Starts are spread
+j mod the fleet's size: fewer models than nodes leaves some nodes empty for placement to fill). Starts are spread
 over one heartbeat interval, as a real fleet's are. SIGTERM or SIGINT stops every node cleanly.
 
     python -m node_agent --simulate 100 --step-ms 20 --preload m-0,m-1,m-2
@@ -39,18 +39,17 @@ class SimNodeAgent(NodeAgent):
 
 
 def fleet_settings(
-    base: NodeSettings, config: SimConfig, names: list[str], preload: list[str]
+    base: NodeSettings, config: SimConfig, names: dict[int, str], total: int, preload: list[str]
 ) -> list[NodeSettings]:
-    """Each node's settings: its name, its share of `preload`, the device's memory as its budget."""
+    """Each node's settings: its name, its share of `preload` (model j on node number j mod
+    `total`, the whole fleet's size), the device's memory as its budget."""
     return [
         base.model_copy(
             update=dict(
-                node_name=name,
-                models=preload[i :: len(names)],
-                memory_budget_mb=config.memory_mb,
+                node_name=name, models=preload[number::total], memory_budget_mb=config.memory_mb
             )
         )
-        for i, name in enumerate(names)
+        for number, name in names.items()
     ]
 
 
@@ -72,6 +71,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--first", type=int, default=0, help="the first node's number (default 0)")
     p.add_argument("--prefix", default="sim", help="node names: PREFIX-i (default sim)")
     p.add_argument("--preload", default="", help="comma-separated models spread over the nodes")
+    p.add_argument(
+        "--fleet-size",
+        type=int,
+        default=0,
+        help="nodes in the whole fleet, over every process (default: FIRST + N): model j of "
+        "--preload goes to node number j mod this",
+    )
     for name, field in SimConfig.model_fields.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=field.annotation, default=field.default)
     return p.parse_args(argv)
@@ -84,10 +90,13 @@ def main(argv: list[str]) -> None:
         level=base.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = SimConfig(**{name: getattr(args, name) for name in SimConfig.model_fields})
-    names = [f"{args.prefix}-{i}" for i in range(args.first, args.first + args.simulate)]
+    numbers = range(args.first, args.first + args.simulate)
+    names = {n: f"{args.prefix}-{n}" for n in numbers}
     preload = [m for m in args.preload.split(",") if m]
+    total = args.fleet_size or numbers.stop
     agents = [
-        SimNodeAgent(settings, config) for settings in fleet_settings(base, config, names, preload)
+        SimNodeAgent(settings, config)
+        for settings in fleet_settings(base, config, names, total, preload)
     ]
-    log.info("simulating %d nodes (%s .. %s): %s", len(agents), names[0], names[-1], config)
+    log.info("simulating %d nodes from %s: %s", len(agents), names[numbers[0]], config)
     asyncio.run(run_fleet(agents, base.heartbeat_s))
