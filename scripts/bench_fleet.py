@@ -7,22 +7,25 @@ the real node agent over a synthetic engine, `--nodes-per-process` nodes to a pr
 replicas as fit one a node, at least one each: 10 nodes hold ~10 models each, 1,000 nodes ~10
 replicas of each), the cold ones placed by the first request for them. Then, in order:
 
-1. idle (`--idle-s`): the fleet's own load on Redis (heartbeats, the nodes' blocking reads, the
-   janitor): commands/s by command, Redis CPU (INFO cpu), and the gateways' CPU;
+1. idle (`--idle-s`): the fleet's own load on Redis (heartbeats and the nodes' idle reads):
+   commands/s by command, Redis CPU (INFO cpu), and the gateways' CPU;
 2. the request mix (`--requests`, `--concurrency` at once, over the gateways in turn): of every 20,
    12 streamed chats from 8 conversations that share long system prompts (each conversation on one
    model), 7 short non-streamed completions over every warm model, and 1 streamed chat to a cold
-   model. Per request: Redis commands (INFO commandstats delta less the idle rate over the same
-   time, by command), gateway CPU ms (/proc of the gateway processes, less their idle rate);
-   admit-to-start p50/p99 (the done event's `queue_ms` the gateways log: the gateway's enqueue,
-   after placement and routing, to the engine's admission); the first request of each cold model's
-   time to its first token (placement, load `--load-s` included);
-3. the janitor's sweep, run 3 times in this process on the same Redis (gateway/janitor.py), timed;
+   model. Per request: the Redis commands the gateways sent (`redis-cli monitor` on every master,
+   each command told by its client's port, a script's commands counted with its sender), by
+   command; every command Redis ran (INFO commandstats), less the idle rate over the same time
+   (`_all`: rough, the nodes' idle reads vary); gateway CPU ms (/proc of the gateway processes, less
+   their idle rate); admit-to-start p50/p99 (the done event's `queue_ms` the gateways log: the
+   gateway's enqueue, after placement and routing, to the engine's admission); the first request
+   of each cold model's time to its first token (placement, load `--load-s` included);
+3. the janitor's sweep (gateway/janitor.py) run 3 times in this process, timed: the gateways run
+   without their janitor (`janitor_interval_s` a day), so that a request's commands are told apart
+   from a sweep's; this process runs it once a second during step 4;
 4. a node's death: a slow simulated node (one step a minute, room for that model alone) and sim-0
-   serve the model `requeue`;
-   `2 * slots` completions are sent, the slow node takes its share, then it is killed (SIGKILL): the
-   time from the kill to the last of them served elsewhere (the janitor requeues a dead node's jobs
-   once its heartbeat is older than `node_ttl_s`);
+   serve the model `requeue`; `2 * slots` completions are sent, and once the slow node holds some
+   it is killed (SIGKILL): the time from the kill to the last of them served elsewhere (the janitor
+   requeues a dead node's jobs once its heartbeat is older than `node_ttl_s`);
 5. Redis memory (INFO memory).
 
 One JSON row per fleet size (see ROW_FIELDS); nothing asserts on time.
@@ -40,7 +43,7 @@ import signal
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +66,8 @@ ROW_FIELDS = (
     "errors",
     "redis_cmds_per_request",
     "redis_cmds_per_request_by_command",
+    "redis_cmds_per_request_all",
+    "redis_cmds_per_request_all_by_command",
     "gateway_cpu_ms_per_request",
     "admit_to_start_ms_p50",
     "admit_to_start_ms_p99",
@@ -78,6 +83,7 @@ ROW_FIELDS = (
     "load_avg",
 )
 QUEUE_MS = re.compile(r"done: .* queue (\d+)ms")
+MONITOR_LINE = re.compile(r'^[\d.]+ \[\d+ ([^\]]+)\] "([^"]+)"', re.M)
 
 
 # ---- measurements ------------------------------------------------------------------------------
@@ -191,6 +197,7 @@ def fleet(args, nodes: int, workdir: Path):
             "CORTEX_MODELS_FILE": str(workdir / "models.toml"),
             "CORTEX_LOG_LEVEL": "WARNING",
             "CORTEX_MODELS_DIR": str(workdir / "models"),
+            "CORTEX_JANITOR_INTERVAL_S": "86400",  # the bench runs the janitor itself (`janitor`)
             **extra,
         }
         try:
@@ -362,8 +369,65 @@ async def drive(requests, concurrency: int, timeout_s: float):
 # ---- one fleet size ----------------------------------------------------------------------------
 
 
-def janitor_sweeps(url: str, cluster: bool, times: int = 3) -> list[float]:
-    """Seconds of `times` janitor sweeps run here, on the fleet's Redis."""
+@contextmanager
+def monitored(ports: list[int], workdir: Path):
+    """`redis-cli monitor` on every master while the block runs; yields a list filled, on the way
+    out, with (client port or 0 for a script's commands, command) per command Redis ran."""
+    import shutil
+    import subprocess
+
+    files = [workdir / f"monitor-{port}.txt" for port in ports]
+    procs = [
+        subprocess.Popen(
+            [shutil.which("redis-cli"), "-p", str(port), "monitor"], stdout=open(path, "wb")
+        )
+        for port, path in zip(ports, files)
+    ]
+    seen: list[tuple[int, str]] = []
+    try:
+        time.sleep(0.3)
+        yield seen
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait()
+    for path in files:
+        for m in MONITOR_LINE.finditer(path.read_text(errors="replace")):
+            client, command = m.group(1), m.group(2).lower()
+            seen.append((0 if client == "lua" else int(client.rsplit(":", 1)[1]), command))
+        path.unlink()
+
+
+def owned_ports(pids: list[int], redis_ports: list[int]) -> set[int]:
+    """The local ports of these processes' connections to the bus."""
+    import psutil
+
+    return {
+        c.laddr.port
+        for pid in pids
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port in redis_ports
+    }
+
+
+def attributed(seen: list[tuple[int, str]], ports: set[int]) -> dict[str, int]:
+    """Commands by command sent from `ports`, a script's inner commands counted with its EVALSHA's
+    sender (a script runs alone: its commands follow it in MONITOR's output)."""
+    counted: dict[str, int] = {}
+    owner = False
+    for port, command in seen:
+        if port:
+            owner = port in ports
+        if owner:
+            name = command if port else f"{command} (in a script)"
+            counted[name] = counted.get(name, 0) + 1
+    return counted
+
+
+@asynccontextmanager
+async def janitor(url: str, cluster: bool):
+    """The gateway's janitor (gateway/janitor.py), run here on the fleet's Redis: the bench's gateways
+    run without theirs, so that a request's commands are told apart from a sweep's."""
     from gateway.context import GatewayContext
     from gateway.events import EventRouter
     from gateway.janitor import Janitor
@@ -373,67 +437,83 @@ def janitor_sweeps(url: str, cluster: bool, times: int = 3) -> list[float]:
     from shared.redis_conn import connect
     from shared.settings import GatewaySettings
 
-    async def sweeps() -> list[float]:
-        settings = GatewaySettings(redis_url=url)
-        redis = connect(url)
-        keys = Keys(settings.key_prefix, cluster=cluster)
-        ctx = GatewayContext(
-            settings=settings,
-            keys=keys,
-            redis=redis,
-            catalog=Catalog.load(settings.models_file),
-            router=EventRouter(lambda: connect(url)),
-            fleet=Fleet(redis, keys, settings.node_ttl_s),
-        )
-        took = []
-        for _ in range(times):
-            t0 = time.perf_counter()
-            await Janitor(ctx).sweep()
-            took.append(time.perf_counter() - t0)
+    settings = GatewaySettings(redis_url=url, janitor_interval_s=1.0)
+    redis = connect(url)
+    keys = Keys(settings.key_prefix, cluster=cluster)
+    ctx = GatewayContext(
+        settings=settings,
+        keys=keys,
+        redis=redis,
+        catalog=Catalog.load(settings.models_file),
+        router=EventRouter(lambda: connect(url)),
+        fleet=Fleet(redis, keys, settings.node_ttl_s),
+    )
+    try:
+        yield Janitor(ctx)
+    finally:
         await redis.aclose()
+
+
+def janitor_sweeps(url: str, cluster: bool, times: int = 3) -> list[float]:
+    """Seconds of `times` janitor sweeps, one after another."""
+
+    async def sweeps() -> list[float]:
+        took = []
+        async with janitor(url, cluster) as j:
+            for _ in range(times):
+                t0 = time.perf_counter()
+                await j.sweep()
+                took.append(time.perf_counter() - t0)
         return took
 
     return asyncio.run(sweeps())
 
 
 def dead_node(args, f: dict) -> float | None:
-    """Seconds from the slow node's death to the last of `2 * SLOTS` completions served; None when
-    the slow node had read none of them."""
+    """Seconds from the slow node's death to the last of `2 * SLOTS` completions served, the janitor
+    running; None when the slow node took none of them within 30 s."""
     import httpx
 
-    gateway = f["gateways"][0]
     client, keys = f["client"], f["keys"]
     stream = keys.jobs(REQUEUE_MODEL)
 
+    def held() -> int:
+        try:
+            return sum(
+                int(c["pending"])
+                for c in client.xinfo_consumers(stream, "agents")
+                if c["name"] in ("victim-0", b"victim-0")
+            )
+        except Exception:
+            return 0
+
     async def run() -> float | None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120)) as http:
+        async with janitor(f["url"], args.cluster) as j, httpx.AsyncClient(timeout=120) as http:
+            j.start()
             body = {"model": REQUEUE_MODEL, "prompt": "Requeue me", "max_tokens": 4}
             sent = [
-                asyncio.create_task(http.post(f"{gateway}/v1/completions", json=body))
+                asyncio.create_task(http.post(f"{f['gateways'][0]}/v1/completions", json=body))
                 for _ in range(2 * SLOTS)
             ]
-            await asyncio.sleep(1.0)
-            held = 0
-            for s in [stream]:
-                try:
-                    held += sum(
-                        int(c["pending"])
-                        for c in client.xinfo_consumers(s, "agents")
-                        if c["name"] in ("victim-0", b"victim-0")
-                    )
-                except Exception as exc:
-                    log(f"reading the victim's pending entries: {exc}")
+            deadline = time.monotonic() + 30
+            while not (taken := held()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
             os.killpg(f["victim"].pid, signal.SIGKILL)
             killed = time.monotonic()
             replies = await asyncio.gather(*sent, return_exceptions=True)
             ended = time.monotonic()
-            bad = [r for r in replies if isinstance(r, Exception) or r.status_code != 200]
-            if bad:
-                log(f"dead node: {len(bad)} of {len(sent)} failed: {bad[0]}")
-            log(f"dead node: the victim held {held} jobs when killed")
-            return ended - killed if held else None
+            await j.stop()
+        bad = [r for r in replies if isinstance(r, Exception) or r.status_code != 200]
+        if bad:
+            log(f"dead node: {len(bad)} of {len(sent)} failed: {bad[0]}")
+        log(f"dead node: the victim held {taken} jobs when killed")
+        return ended - killed if taken else None
 
     return asyncio.run(run())
+
+
+def per_request(calls: dict[str, int], n: int) -> dict[str, float]:
+    return {c: round(v / n, 2) for c, v in sorted(calls.items(), key=lambda kv: -kv[1])}
 
 
 def measure(args, nodes: int, workdir: Path) -> dict:
@@ -453,16 +533,17 @@ def measure(args, nodes: int, workdir: Path) -> dict:
         gateway_idle = (g1 - g0) / idle_s
         log(f"{nodes} nodes: {len(requests)} requests, {args.concurrency} at once")
         offsets = [p.stat().st_size for p in f["logs"]]
-        g0, r0 = cpu_s(pids), meter.sample()
-        streams, firsts = asyncio.run(drive(requests, args.concurrency, args.timeout))
-        g1, r1 = cpu_s(pids), meter.sample()
+        with monitored(f["masters"], workdir) as seen:
+            g0, r0 = cpu_s(pids), meter.sample()
+            streams, firsts = asyncio.run(drive(requests, args.concurrency, args.timeout))
+            g1, r1 = cpu_s(pids), meter.sample()
         wave_s, wave_calls, wave_cpu = delta(r0, r1)
         n = len(requests)
-        per_request = {
-            c: round((wave_calls.get(c, 0) - idle_calls.get(c, 0) * wave_s / idle_s) / n, 2)
+        gateway_calls = attributed(seen, owned_ports(pids, f["masters"]))
+        everything = {
+            c: wave_calls.get(c, 0) - idle_calls.get(c, 0) * wave_s / idle_s
             for c in set(wave_calls) | set(idle_calls)
         }
-        per_request = dict(sorted(per_request.items(), key=lambda kv: -abs(kv[1])))
         queue_ms = logged_queue_ms(f["logs"], offsets)
         errors = [s.error for s in streams if s.error]
         if errors:
@@ -481,8 +562,12 @@ def measure(args, nodes: int, workdir: Path) -> dict:
             bus="3-master cluster" if args.cluster else "one Redis",
             requests=n,
             errors=len(errors),
-            redis_cmds_per_request=round(sum(per_request.values()), 1),
-            redis_cmds_per_request_by_command=per_request,
+            redis_cmds_per_request=round(sum(gateway_calls.values()) / n, 1),
+            redis_cmds_per_request_by_command=per_request(gateway_calls, n),
+            redis_cmds_per_request_all=round(sum(everything.values()) / n, 1),
+            redis_cmds_per_request_all_by_command=per_request(
+                {c: round(v) for c, v in everything.items()}, n
+            ),
             gateway_cpu_ms_per_request=round(1000 * ((g1 - g0) - gateway_idle * wave_s) / n, 2),
             admit_to_start_ms_p50=percentile(queue_ms, 50),
             admit_to_start_ms_p99=percentile(queue_ms, 99),
