@@ -14,7 +14,8 @@ replicas of each), the cold ones placed by the first request for them. Then, in 
    model), 7 short non-streamed completions over every warm model, and 1 streamed chat to a cold
    model. Per request: the Redis commands the gateways sent (`redis-cli monitor` on every master,
    each command told by its client's port, a script's commands counted with its sender), by
-   command; every command Redis ran (INFO commandstats), less the idle rate over the same time
+   command, less what they send when idle (their metrics refresh: every node's heartbeat and every
+   model's queues every 2 s, measured the same way over a second idle window); every command Redis ran (INFO commandstats), less the idle rate over the same time
    (`_all`: rough, the nodes' idle reads vary); gateway CPU ms (/proc of the gateway processes, less
    their idle rate); admit-to-start p50/p99 (the done event's `queue_ms` the gateways log: the
    gateway's enqueue, after placement and routing, to the engine's admission); the first request
@@ -75,6 +76,8 @@ ROW_FIELDS = (
     "heartbeat_cmds_per_s",
     "heartbeat_cmds_by_command",
     "heartbeat_redis_cpu",
+    "gateway_background_cmds_per_s",
+    "gateway_background_by_command",
     "redis_cpu_during_requests",
     "redis_memory_mb",
     "janitor_sweep_ms",
@@ -531,6 +534,11 @@ def measure(args, nodes: int, workdir: Path) -> dict:
         g1, r1 = cpu_s(pids), meter.sample()
         idle_s, idle_calls, idle_cpu = delta(r0, r1)
         gateway_idle = (g1 - g0) / idle_s
+        with monitored(f["masters"], workdir) as seen:  # the gateways' own background work
+            t0 = time.monotonic()
+            time.sleep(args.idle_s)
+            quiet_s = time.monotonic() - t0
+        background = attributed(seen, owned_ports(pids, f["masters"]))
         log(f"{nodes} nodes: {len(requests)} requests, {args.concurrency} at once")
         offsets = [p.stat().st_size for p in f["logs"]]
         with monitored(f["masters"], workdir) as seen:
@@ -539,7 +547,10 @@ def measure(args, nodes: int, workdir: Path) -> dict:
             g1, r1 = cpu_s(pids), meter.sample()
         wave_s, wave_calls, wave_cpu = delta(r0, r1)
         n = len(requests)
-        gateway_calls = attributed(seen, owned_ports(pids, f["masters"]))
+        gateway_calls = {
+            c: round(v - background.get(c, 0) * wave_s / quiet_s)
+            for c, v in attributed(seen, owned_ports(pids, f["masters"])).items()
+        }
         everything = {
             c: wave_calls.get(c, 0) - idle_calls.get(c, 0) * wave_s / idle_s
             for c in set(wave_calls) | set(idle_calls)
@@ -578,6 +589,8 @@ def measure(args, nodes: int, workdir: Path) -> dict:
                 for c, v in sorted(idle_calls.items(), key=lambda kv: -kv[1])
             },
             heartbeat_redis_cpu=round(idle_cpu / idle_s, 3),
+            gateway_background_cmds_per_s=round(sum(background.values()) / quiet_s, 1),
+            gateway_background_by_command=per_request(background, quiet_s),
             redis_cpu_during_requests=round(wave_cpu / wave_s, 3),
             redis_memory_mb=round(meter.memory_mb(), 1),
             janitor_sweep_ms=round(1000 * sum(sweeps) / len(sweeps), 1),

@@ -118,6 +118,12 @@ class Keys:
         """Sorted set: node name -> last heartbeat (ms since the epoch)."""
         return self._in(FLEET, "nodes")
 
+    def fleet_changes(self) -> str:
+        """Stream (capped): what each node's heartbeat changed, in order: `node`, `started_ms`, `seq`
+        (the node's count of changed heartbeats) and the fields of `node` that changed. Gateways
+        keep their fleet view current from it (shared/fleet_view.py)."""
+        return self._in(FLEET, "fleet:changes")
+
     def started(self, node: str) -> str:
         """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When
         the node dies the janitor fails these with `node_lost` and puts the others back."""

@@ -17,6 +17,7 @@ from node_agent.files.file_server import FileServer
 from node_agent.files.puller import Puller
 from node_agent.model import devices
 from node_agent.serving.device_thread import DeviceThread
+from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
@@ -50,6 +51,10 @@ class NodeAgent:
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
         self._redis_run_id: str | None = None
+        self.heartbeats = HeartbeatWriter(
+            self.keys, self.name, int(settings.heartbeat_ttl_s * 1000)
+        )
+        self._beating = asyncio.Lock()
         self._cancelling: set[str] = (
             set()
         )  # jobs being cancelled (their unheard steps say so only once)
@@ -396,11 +401,16 @@ class NodeAgent:
         run_id = (await self.redis.info("server"))["run_id"]
         if self._redis_run_id not in (None, run_id):
             log.info("Redis restarted (run_id %s, was %s)", run_id[:8], self._redis_run_id[:8])
+            self.heartbeats.forget()
             for model in self.models.values():
                 model.consumer.redis_came_back()
         self._redis_run_id = run_id
 
     async def _beat(self) -> None:
+        async with self._beating:  # one at a time: each is written as a diff of the last
+            await self._build_and_write_beat()
+
+    async def _build_and_write_beat(self) -> None:
         now = _now_ms()
         beat = NodeHeartbeat(
             node=self.name,
@@ -414,17 +424,13 @@ class NodeAgent:
             file_url=self.file_url,
             pulls=self.puller.progress(),
         )
-        key = self.keys.node(self.name)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         async with atomic(self.redis) as pipe:
-            pipe.hset(key, mapping=beat.to_hash())
-            pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
-            pipe.zadd(self.keys.nodes(), {self.name: now})
+            self.heartbeats.write(pipe, beat)
             for model in self.models:  # what their caches hold lives as long as the heartbeat
-                pipe.pexpire(
-                    self.keys.prefixes(model, self.name), int(self.settings.heartbeat_ttl_s * 1000)
-                )
-            self.puller.publish(pipe, int(self.settings.heartbeat_ttl_s * 1000))
-            await pipe.execute()
+                pipe.pexpire(self.keys.prefixes(model, self.name), ttl_ms)
+            self.puller.publish(pipe, ttl_ms)
+            self.heartbeats.settle(await pipe.execute())
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:
         """A CPU device with a memory budget reports the budget, less what its models hold (a

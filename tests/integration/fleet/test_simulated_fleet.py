@@ -5,6 +5,7 @@ to 100 simulated nodes (issue 48), counted from the Redis commands the gateways 
 
 import sys
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -122,8 +123,9 @@ def _mix(base_urls: list[str], n: int) -> None:
             _chat(url, "Be short.", f"Item {i}", model=MODELS[i % len(MODELS)])
 
 
-def _gateway_commands(stack: Stack, pids: list[int], requests: int) -> Counter:
-    """(command, key kind) -> how many the gateway processes sent while `requests` of the mix ran."""
+def _gateway_commands(stack: Stack, pids: list[int], work) -> tuple[Counter, float]:
+    """(command, key kind) -> how many the gateway processes sent while `work()` ran, and its
+    seconds (MONITOR: a command's client port tells whose it is)."""
     lines: list[tuple[int, str]] = []
     client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
     done = threading.Event()
@@ -139,25 +141,35 @@ def _gateway_commands(stack: Stack, pids: list[int], requests: int) -> Counter:
 
         reader = threading.Thread(target=listen, daemon=True)
         reader.start()
+        t0 = time.monotonic()
         try:
-            _mix(stack.replicas, requests)
+            work()
         finally:
+            took = time.monotonic() - t0
             done.set()
             reader.join(5)
+    redis_port = stack.client().connection_pool.connection_kwargs["port"]
     ports = {
         c.laddr.port
         for pid in pids
         for c in psutil.Process(pid).net_connections(kind="tcp")
-        if c.raddr and c.raddr.port == stack.client().connection_pool.connection_kwargs["port"]
+        if c.raddr and c.raddr.port == redis_port
     }
     counted: Counter = Counter()
     for port, command in lines:
         if port in ports:
             words = command.split()
-            name = words[0].upper()
             key = words[1] if len(words) > 1 else ""
-            counted[(name, "node" if key.startswith(stack.keys.node("")) else "")] += 1
-    return counted
+            counted[(words[0].upper(), "node" if key.startswith(stack.keys.node("")) else "")] += 1
+    return counted, took
+
+
+def _per_request(stack: Stack, pids: list[int], requests: int) -> Counter:
+    """The gateways' commands for `requests` of the mix, less what they send meanwhile when idle
+    (their metrics refresh), measured over as long right after."""
+    busy, took = _gateway_commands(stack, pids, lambda: _mix(stack.replicas, requests))
+    idle, _ = _gateway_commands(stack, pids, lambda: time.sleep(took))
+    return Counter({k: v - idle.get(k, 0) for k, v in busy.items() if v > idle.get(k, 0)})
 
 
 @pytest.mark.xfail(
@@ -177,11 +189,11 @@ def test_commands_per_request_do_not_grow_with_the_fleet(tmp_path):
         pids = [s.proc.pid for s in stack.services if s.name == "gateway"]
         simulate(stack, 5, MODELS, step_ms=2)
         _mix(stack.replicas, 8)  # warm every path
-        small = _gateway_commands(stack, pids, 40)
+        small = _per_request(stack, pids, 40)
         spread = [MODELS[k % len(MODELS)] for k in range(100)]
         simulate(stack, 95, spread, first=5, fleet_size=100, step_ms=2)
         _mix(stack.replicas, 8)
-        large = _gateway_commands(stack, pids, 40)
+        large = _per_request(stack, pids, 40)
         scans = {k: v for k, v in large.items() if k[0] in ("SCAN", "KEYS")}
         node_reads = sum(v for (name, kind), v in large.items() if kind == "node")
         assert not scans, f"no request scans the keyspace: {scans}"
