@@ -75,6 +75,12 @@ class Keys:
         -> the tokens they span. Entries leave as the engine evicts their blocks; bounded by the cache."""
         return f"{self.prefix}prefixes:{model}:@{node}"
 
+    def prefix_index(self, model: str) -> str:
+        """Hash with TTL (the nodes' heartbeat TTL, renewed by their heartbeats): `{mark}@{node}` ->
+        tokens, for every node's cache of `model` (what `prefixes` holds, for all nodes at once):
+        routing reads a job's marks on every candidate node in one HMGET."""
+        return self._tagged("prefixes", model)
+
     def session(self, model: str, session: str) -> str:
         """String with TTL (`session_ttl_s`): the node that ran the last turn of a session (a hash of
         the request's `prompt_cache_key`, `user`, `metadata.user_id` or `x-cortex-session`)."""

@@ -429,6 +429,7 @@ class NodeAgent:
             self.heartbeats.write(pipe, beat)
             for model in self.models:  # what their caches hold lives as long as the heartbeat
                 pipe.pexpire(self.keys.prefixes(model, self.name), ttl_ms)
+                pipe.pexpire(self.keys.prefix_index(model), ttl_ms)
             self.puller.publish(pipe, ttl_ms)
             self.heartbeats.settle(await pipe.execute())
 

@@ -2,7 +2,9 @@
 `Keys.prefixes(model, node)` of prefix marks (`shared.prefix_marks`) -> tokens they span. The
 engine reports marks newly held and marks evicted with each step's record; this keeps the changes
 until the publisher's next round trip writes them (HSET, HDEL, and the key's expiry, which the
-node's heartbeats renew too); the first also deletes what an earlier engine of the model left. A round trip that fails leaves them here for the next one."""
+node's heartbeats renew too); the first also deletes what an earlier engine of the model left. The
+same marks go to the model's prefix index (`Keys.prefix_index`, as `{mark}@{node}`), from which a
+gateway reads a job's marks on every candidate node in one HMGET (gateway routing). A round trip that fails leaves them here for the next one."""
 
 from dataclasses import dataclass, field
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 class CacheIndex:
     key: str
     ttl_ms: int
+    index_key: str = ""  # the model's prefix index (`Keys.prefix_index`): the same marks, by node
+    node: str = ""  # whose marks: `{mark}@{node}` in the index
     _held: dict[str, int] = field(default_factory=dict)
     _dropped: set[str] = field(default_factory=set)
     _fresh: bool = True  # what the key holds is an older engine's: delete it first
@@ -37,6 +41,12 @@ class CacheIndex:
         if dropped:
             pipe.hdel(self.key, *dropped)
         pipe.pexpire(self.key, self.ttl_ms)
+        if self.index_key:
+            if held:
+                pipe.hset(self.index_key, mapping={f"{m}@{self.node}": t for m, t in held.items()})
+            if dropped:
+                pipe.hdel(self.index_key, *(f"{m}@{self.node}" for m in dropped))
+            pipe.pexpire(self.index_key, self.ttl_ms)
         return held, dropped, fresh
 
     def restore(self, written: tuple[dict[str, int], set[str], bool]) -> None:

@@ -174,7 +174,12 @@ def open_side(
     """The text side of `opened`'s model with its publisher started (on `redis`) and its prefix marks
     index: this process's, or, in a simulated node, the node's own (node_agent/sim/output.py)."""
     keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
-    index = CacheIndex(keys.prefixes(opened.model, opened.node), int(opened.heartbeat_ttl_s * 1000))
+    index = CacheIndex(
+        keys.prefixes(opened.model, opened.node),
+        int(opened.heartbeat_ttl_s * 1000),
+        keys.prefix_index(opened.model),
+        opened.node,
+    )
     publisher = Publisher(
         redis,
         keys,
