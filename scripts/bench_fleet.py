@@ -490,9 +490,14 @@ def dead_node(args, f: dict) -> float | None:
         except Exception:
             return 0
 
+    async def sweeping(j) -> None:  # the janitor's round, once a second (the bench holds no lock)
+        while True:
+            await j.sweep()
+            await asyncio.sleep(1.0)
+
     async def run() -> float | None:
-        async with janitor(f["url"], args.cluster) as j, httpx.AsyncClient(timeout=120) as http:
-            j.start()
+        async with janitor(f["url"], args.cluster) as j, httpx.AsyncClient(timeout=600) as http:
+            rounds = asyncio.create_task(sweeping(j))
             body = {"model": REQUEUE_MODEL, "prompt": "Requeue me", "max_tokens": 4}
             sent = [
                 asyncio.create_task(http.post(f"{f['gateways'][0]}/v1/completions", json=body))
@@ -505,7 +510,8 @@ def dead_node(args, f: dict) -> float | None:
             killed = time.monotonic()
             replies = await asyncio.gather(*sent, return_exceptions=True)
             ended = time.monotonic()
-            await j.stop()
+            rounds.cancel()
+            await asyncio.gather(rounds, return_exceptions=True)
         bad = [r for r in replies if isinstance(r, Exception) or r.status_code != 200]
         if bad:
             log(f"dead node: {len(bad)} of {len(sent)} failed: {bad[0]}")

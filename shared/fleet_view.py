@@ -21,6 +21,7 @@ import time
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import Keys
@@ -81,7 +82,13 @@ class FleetView:
     async def start(self) -> None:
         """Read the fleet once (the change stream's position first, so no change falls between),
         then follow it in the background."""
-        await self._bootstrap()
+        try:
+            await self._bootstrap()
+        except (RedisError, OSError) as exc:  # Redis away: the view starts once it answers
+            log.warning(
+                "fleet view: Redis did not answer (%s); reading nodes from Redis meanwhile", exc
+            )
+            self._last_id = "0-0"
         self._task = asyncio.create_task(self._follow(), name="fleet-view")
 
     async def stop(self) -> None:
