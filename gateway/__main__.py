@@ -1,6 +1,6 @@
 """`python -m gateway`: serve the gateway with settings from the environment (`CORTEX_…`)."""
 
-from gateway.server import run
+from gateway.http.server import run
 from shared.settings import GatewaySettings
 
 if __name__ == "__main__":

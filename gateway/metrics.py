@@ -8,10 +8,12 @@ every `REFRESH_S`."""
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shared.fleet import Fleet
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.wire import DeltaEvent, DoneEvent, Usage
 
@@ -142,8 +144,8 @@ class Metrics:
     def request(self, model: str, submitted: float) -> "RequestTimer":
         return RequestTimer(self, model, submitted)
 
-    async def refresh(self, ctx) -> None:
-        nodes = await ctx.fleet.live_nodes()
+    async def refresh(self, fleet: Fleet, models: set[str]) -> None:
+        nodes = await fleet.live_nodes()
         self.replicas.update(nodes)
         for gauge in (self.memory_used, self.memory_total, self.slots_used, self.slots_total):
             gauge.clear()
@@ -156,7 +158,7 @@ class Metrics:
             for model, info in node.models.items():
                 self.slots_used.labels(model, node.node).set(info.slots_used)
                 self.slots_total.labels(model, node.node).set(info.slots_total)
-        found = await ctx.fleet.queues(set(ctx.catalog.profiles), nodes)
+        found = await fleet.queues(models, nodes)
         self.routing.routed = {q.model: q.routed for q in found}
         self.prefix_hit_rate.clear()
         for q in found:
@@ -165,13 +167,17 @@ class Metrics:
             if q.prefix_hit_rate is not None:
                 self.prefix_hit_rate.labels(q.model).set(q.prefix_hit_rate)
 
-    async def refresh_forever(self, ctx) -> None:
+    async def refresh_forever(
+        self, fleet: Fleet, models: set[str], sampled: Callable[["Metrics"], None]
+    ) -> None:
+        """Refresh the fleet's gauges every REFRESH_S, handing each refresh to `sampled` (the
+        dashboard's history)."""
         while True:
             try:
-                await self.refresh(ctx)
+                await self.refresh(fleet, models)
             except Exception as exc:  # Redis away: the gauges keep their last values
                 log.debug("metrics refresh: %s", exc)
-            ctx.dashboard.sample(self)
+            sampled(self)
             await asyncio.sleep(REFRESH_S)
 
 
@@ -257,7 +263,7 @@ class ReplicaCollector:
 
 class RoutingCollector:
     """`cortex:routed_jobs_total{model, outcome}`: jobs by how the gateways routed them, fleet-wide
-    (every gateway counts in `Keys.routing`; see gateway/routing.py for the outcomes)."""
+    (every gateway counts in `Keys.routing`; see gateway/fleet/routing.py for the outcomes)."""
 
     def __init__(self) -> None:
         self.routed: dict[str, dict[str, int]] = {}  # model -> outcome -> jobs

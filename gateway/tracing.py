@@ -1,21 +1,18 @@
 """The gateway's spans of a request's trace (shared/tracing.py; nothing here works while tracing is off).
 
-`TracingMiddleware` opens one span per API request (`/v1/...`), continuing the client's own trace
+`TracingMiddleware` (gateway/http/middleware.py) opens one span per API request (`/v1/...`), continuing the client's own trace
 when it sends a `traceparent`, names the trace in the response's `x-trace-id` header and in every
 log line the request causes (`TraceLogFormatter`). Inside it, `span()` times one part of the request
 (admission, placement) and a job's `JobTrace` times its wait in the queue (enqueued until a node's
 first event) and carries the request span's context to the node, whose tokenisation, prefill and
-decode spans are its children (node_agent/serving/job_trace.py)."""
+decode spans are its children (node_agent/serving/job_spans.py)."""
 
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, StatusCode
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.request_id import request_id_var
 from shared import tracing
 from shared.wire import DoneEvent
 
@@ -27,49 +24,9 @@ TRACED_PREFIX = (
 _CONTEXT_HEADERS = (b"traceparent", b"tracestate")
 
 trace_id_var: ContextVar[str] = ContextVar("trace_id", default="")
-
-
-class TracingMiddleware:
-    """Pure ASGI, so streaming responses pass through untouched; the span ends with the response's last byte."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tracer = tracing.tracer(SCOPE)
-        if tracer is None or scope["type"] != "http" or not scope["path"].startswith(TRACED_PREFIX):
-            return await self.app(scope, receive, send)
-        method = scope["method"]
-        parent = tracing.parent_context(
-            {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in _CONTEXT_HEADERS}
-        )
-        attributes = {
-            "http.request.method": method,
-            "url.path": scope["path"],
-            "cortex.request_id": request_id_var.get(),
-        }
-        with tracer.start_as_current_span(
-            f"{method} {scope['path']}", context=parent, kind=SpanKind.SERVER, attributes=attributes
-        ) as span:
-            trace_id = tracing.trace_id(span)
-            token = trace_id_var.set(trace_id)
-
-            async def send_traced(message: Message) -> None:
-                if message["type"] == "http.response.start":
-                    message["headers"] = [*message.get("headers", []), (HEADER, trace_id.encode())]
-                    span.set_attribute("http.response.status_code", message["status"])
-                    if message["status"] >= 500:
-                        span.set_status(StatusCode.ERROR)
-                await send(message)
-
-            try:
-                await self.app(scope, receive, send_traced)
-            finally:
-                trace_id_var.reset(token)
-                route = getattr(
-                    scope.get("route"), "path", None
-                )  # the matched route's template, once routed
-                span.update_name(f"{method} {route}" if route else method)
+request_id_var: ContextVar[str] = ContextVar(
+    "request_id", default="-"
+)  # x-request-id (gateway/http/middleware.py)
 
 
 def span(name: str) -> AbstractContextManager:

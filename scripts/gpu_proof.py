@@ -65,7 +65,7 @@ IMPORTS = [
     "pytest",
     "pytest_asyncio",
     "fakeredis",
-    "gateway.server",
+    "gateway.http.server",
     "node_agent.engine.engine",
     "node_agent.serving.agent",
 ]

@@ -86,7 +86,7 @@ class ModelProfile(BaseModel):
     speculative_max_batch: int = Field(4, ge=0, le=1024)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     force_chatml: bool = False
-    # How this model writes tool calls; None: chosen from the model's family (see gateway/tool_calls.py).
+    # How this model writes tool calls; None: chosen from the model's family (see gateway/dialects/tools/parsers.py).
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     # Shard the model over this many devices of one node (transformers' TP plan; one worker process
     # per device beyond the first). Needs heads divisible by it; see docs/operations.md.

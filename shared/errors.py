@@ -170,7 +170,7 @@ class BrokerUnavailable(CortexError):
 
 class RedisUnreachable(BrokerUnavailable):
     """No answer from Redis (restarting, or the network gone): a new request waits for it to come
-    back (gateway/outage.py) before it is refused."""
+    back (gateway/bus/outage.py) before it is refused."""
 
 
 class BrokerOutOfMemory(BrokerUnavailable):

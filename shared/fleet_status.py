@@ -110,7 +110,7 @@ class NodeStatus(BaseModel):
         )
 
 
-# How a gateway routed a job (gateway/routing.py), as `Keys.routing` counts them: to the node whose
+# How a gateway routed a job (gateway/fleet/routing.py), as `Keys.routing` counts them: to the node whose
 # cache holds its prefix, the node of its session's last turn, the least busy node (a new
 # conversation), another node than those (they had no room, or cost more), the shared stream; `moved`:
 # the janitor moved it from a node's own stream to every node's.

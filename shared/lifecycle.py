@@ -1,4 +1,4 @@
-"""States every part reads the same way: a node's, a model replica's, a finished choice's."""
+"""States every part reads the same way: a node's, a model replica's, a finished choice's, a job's."""
 
 from enum import StrEnum
 
@@ -27,3 +27,35 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+class JobState(StrEnum):
+    """A job's life as the gateway that submitted it sees it (gateway/jobs/job.py). It is queued
+    from its submission until the first event of a node; it ends once, in `Job.close` or
+    `Job.detach`: finished or failed as the node ended it, cancelled (withdrawn from its stream, or
+    stopped where it ran) when nobody waits for it any more, detached when it runs on without its
+    client."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DETACHED = "detached"
+
+    @property
+    def ended(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+    def may_become(self, state: "JobState") -> bool:
+        return state in _JOB_MOVES[self]
+
+
+_JOB_MOVES = {
+    JobState.QUEUED: {JobState.RUNNING, JobState.CANCELLED, JobState.DETACHED},
+    JobState.RUNNING: {JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.DETACHED},
+    **{
+        ended: set()
+        for ended in (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.DETACHED)
+    },
+}

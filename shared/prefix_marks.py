@@ -1,5 +1,5 @@
 """Names for a conversation's prefixes that the gateway can compute without a tokenizer, and that
-a node's cache can vouch for (cache-aware routing, gateway/routing.py).
+a node's cache can vouch for (cache-aware routing, gateway/fleet/routing.py).
 
 A chat request's marks are a hash chain over its messages: the first names the model, the request's
 cache salt (`salt`), the tools and the template's arguments with the first message; each next one

@@ -12,7 +12,7 @@ them most urgent first (`node_agent.serving.job_reader`):
 
 `priority` follows vLLM's convention (lower is sooner, default 0); within a band jobs are FIFO.
 
-Each of these has two neighbours of the same class and band (cache-aware routing, gateway/routing.py):
+Each of these has two neighbours of the same class and band (cache-aware routing, gateway/fleet/routing.py):
 a node's own stream (`:@{node}`), for jobs routed to the node whose cache holds their prefix, which
 only that node reads, before the rest of the band; and the moved stream (`:moved`), for jobs that
 left an own stream unserved (their node was full for `affinity_wait_ms`, or is gone), which every

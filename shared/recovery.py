@@ -15,7 +15,7 @@ from shared import event_log, queues
 from shared.errors import NodeLost
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import atomic, publish
-from shared.wire import ErrorEvent, pack_event
+from shared.wire import ErrorEvent, StreamEntry, pack_event
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,9 @@ def fail_job(
 ) -> None:
     """Queue on `pipe` the job's end with `error`: in its log (if any), then to its listeners."""
     packed = pack_event(error)
-    if job := fields.get(b"job", b"").decode(errors="replace"):
+    if job := StreamEntry.job_of(fields):
         event_log.append(pipe, keys.event_log(job), [packed], retention_s)
-    publish(pipe, fields[b"reply"], packed, sharded=keys.cluster)
+    publish(pipe, StreamEntry.channel_of(fields), packed, sharded=keys.cluster)
 
 
 async def recover_consumer(

@@ -1,5 +1,7 @@
 """Settings, one class per service. Values come from the environment (`CORTEX_` prefix) and,
-optionally, a TOML file named by `CORTEX_CONFIG` (a `[gateway]` / `[node]` table each)."""
+optionally, a TOML file named by `CORTEX_CONFIG` (`cortex … --config PATH`; the packages' units pass
+/etc/cortex/cortex.toml): its top-level keys apply to every part, its `[gateway]`, `[node]` and
+`[batch]` tables to one each (the batch worker reads `[gateway]` too, `[batch]` over it)."""
 
 import os
 from pathlib import Path
@@ -14,15 +16,16 @@ from pydantic_settings import (
 )
 
 
-class _TomlTable(TomlConfigSettingsSource):
-    """Reads one table of the file named by CORTEX_CONFIG."""
+class _TomlTables(TomlConfigSettingsSource):
+    """Reads the file named by CORTEX_CONFIG: its top-level keys, then `tables` (each over the last)."""
 
-    def __init__(self, settings_cls: type[BaseSettings], table: str):
+    def __init__(self, settings_cls: type[BaseSettings], tables: tuple[str, ...]):
         path = os.environ.get("CORTEX_CONFIG")
         super().__init__(settings_cls, toml_file=Path(path) if path else None)
-        self.toml_data = self.toml_data.get(table, {}) | {
-            k: v for k, v in self.toml_data.items() if not isinstance(v, dict)
-        }
+        found = {k: v for k, v in self.toml_data.items() if not isinstance(v, dict)}
+        for table in tables:
+            found |= self.toml_data.get(table, {})
+        self.toml_data = found
 
     def __call__(self) -> dict[str, Any]:
         return self.toml_data
@@ -30,7 +33,7 @@ class _TomlTable(TomlConfigSettingsSource):
 
 class CortexSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CORTEX_", extra="ignore")
-    toml_table: ClassVar[str] = ""
+    toml_tables: ClassVar[tuple[str, ...]] = ()
 
     redis_url: str = (
         "redis://127.0.0.1:6379/0"  # redis+cluster://host:port: a Redis Cluster (any of its nodes)
@@ -49,7 +52,7 @@ class CortexSettings(BaseSettings):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _TomlTable(settings_cls, cls.toml_table)
+        return init_settings, env_settings, _TomlTables(settings_cls, cls.toml_tables)
 
     @property
     def keys(self):
@@ -60,14 +63,14 @@ class CortexSettings(BaseSettings):
 
 
 class GatewaySettings(CortexSettings):
-    toml_table: ClassVar[str] = "gateway"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway",)
 
     host: str = "127.0.0.1"
     port: int = 31313
     node_ttl_s: float = 8.0  # a node whose heartbeat is older than this is dead
     request_timeout_s: float = 600.0  # longest a request may wait for its next event
     # jobs queued when Redis goes away, and new requests that find it away, wait this long for it to come
-    # back; at most `redis_outage_max_waiting` new requests at once (gateway/outage.py), then a 503
+    # back; at most `redis_outage_max_waiting` new requests at once (gateway/bus/outage.py), then a 503
     redis_outage_wait_s: float = 30.0
     redis_outage_max_waiting: int = Field(1000, ge=0)
     max_request_bytes: int = (
@@ -90,7 +93,7 @@ class GatewaySettings(CortexSettings):
     )
     admin_key: str = ""  # bearer key for /admin/*; empty disables the admin API
     # /metrics without the admin key: once auth is on, series per API key are left out and those per node
-    # and device summed over them (gateway/metrics_view.py); true refuses it to anyone but the admin key
+    # and device summed over them (gateway/http/metrics_view.py); true refuses it to anyone but the admin key
     metrics_require_admin_key: bool = False
     # API keys (`cortex keys create`): clients must send one once any key exists or the gateway listens
     # beyond loopback; this forces that on a loopback gateway with no key yet too
@@ -98,7 +101,7 @@ class GatewaySettings(CortexSettings):
     # A streaming client that disconnects (without `background`) leaves its job running this long:
     # resuming within it keeps the job; after it, the job is cancelled (0: at once).
     disconnect_grace_s: float = Field(10.0, ge=0)
-    # Cache-aware routing (gateway/routing.py): `cache` sends a job to the node where it costs least
+    # Cache-aware routing (gateway/fleet/routing.py): `cache` sends a job to the node where it costs least
     # (prompt tokens not cached there + `routing_load_weight` × tokens its running sequences hold) if
     # one holds part of it, else to where its session last ran, else to the least busy node;
     # `session` the last two; `none`: every job to the shared stream. A routed job waiting longer
@@ -114,7 +117,7 @@ class GatewaySettings(CortexSettings):
     responses_ttl_s: int = (
         30 * 24 * 3600
     )  # stored /v1/responses (previous_response_id) live this long, as OpenAI's
-    # Image input (gateway/images.py): limits per image and per request; http(s) image URLs are refused
+    # Image input (gateway/jobs/images.py): limits per image and per request; http(s) image URLs are refused
     # unless their host is listed here (then the gateway fetches them, bounded by the size limit and timeout)
     image_max_bytes: int = 5 * 1024 * 1024  # an encoded image over this is refused with 400
     image_max_pixels: int = 16_000_000  # width x height
@@ -142,7 +145,7 @@ class GatewaySettings(CortexSettings):
 
 
 class NodeSettings(CortexSettings):
-    toml_table: ClassVar[str] = "node"
+    toml_tables: ClassVar[tuple[str, ...]] = ("node",)
 
     node_name: str = ""  # default: hostname-pid
     models: list[str] = ["SmolLM2-135M-Instruct"]  # catalogue ids this node loads at start
@@ -212,9 +215,9 @@ class NodeSettings(CortexSettings):
 
 
 class BatchSettings(GatewaySettings):
-    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (table `[batch]`)."""
+    """`cortex batch-worker`: the arq worker that runs `/v1/batches` (tables `[gateway]`, then `[batch]`)."""
 
-    toml_table: ClassVar[str] = "batch"
+    toml_tables: ClassVar[tuple[str, ...]] = ("gateway", "batch")
 
     batch_lines_in_flight: int = 64  # per batch: lines queued or running on the job streams at once
     batch_max_tries: int = (

@@ -2,7 +2,7 @@
 (finished, failed or cancelled, whoever still listens) adds `charge` to the round trip that
 acknowledges its entry (node_agent/serving/publisher.py). So what a client that left, or a job that
 failed, consumed counts too, and a job that a node lost and another ran again counts once (its
-`Keys.metered` marker). The gateway's admission (gateway/limits.py) reads the same keys:
+`Keys.metered` marker). The gateway's admission (gateway/jobs/limits.py) reads the same keys:
 
 - tokens per minute: `Keys.rate_window(key, "tokens")`, members `{job}:{tokens}` scored by Redis time;
 - tokens per day: `Keys.daily_tokens(key, day)` (UTC), kept `DAY_TTL_S`;

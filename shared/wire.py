@@ -1,8 +1,8 @@
 """Messages between the gateway and the nodes.
 
 A job is one entry on `cortex:jobs:{model}`: readable top-level fields (`job`, `kind`, `model`,
-`priority`, `max_tokens`, `submitted_ms`, `reply`, `request_id`, `traceparent` when the request is
-traced) plus `body`, the msgpack of a `GenerationRequest` (or of a `PoolingRequest`, for the
+`job_class`, `max_tokens`, `submitted_ms`, `channel` (where its events go), `streaming`, `request_id`,
+`traceparent` when the request is traced) plus `body`, the msgpack of a `GenerationRequest` (or of a `PoolingRequest`, for the
 kinds `embed` and `rerank`). Token events travel on
 `cortex:events:{job}` as msgpack of one `Event`. Every message carries the wire version `v`; a part
 refuses a version it does not speak.
@@ -101,7 +101,7 @@ class GenerationRequest(Wire):
     echo: bool = False  # the start event carries the prompt's text (for a prompt of token ids)
     sampling: SamplingParams = SamplingParams()
     # The messages' images, encoded (PNG, JPEG, WebP, GIF) and checked by the gateway, in order: the
-    # i-th `{"type": "image"}` part of the messages stands for `images[i]` (gateway/images.py).
+    # i-th `{"type": "image"}` part of the messages stands for `images[i]` (gateway/jobs/images.py).
     images: list[bytes] = []
     # The conversation's prefixes as the gateway names them (`shared.prefix_marks`): each mark with
     # the characters of the messages up to it. The node reports the marks its cache comes to hold.
@@ -136,17 +136,19 @@ class StreamEntry(Wire):
     job: str
     kind: str
     model: str
-    priority: str = "interactive"
+    job_class: str = "interactive"  # interactive | batch (shared/queues.py)
     max_tokens: int = 0
     submitted_ms: int
-    reply: str
+    channel: str  # the job's event channel, `cortex:events:{job}`
     request_id: str = ""  # the client's x-request-id, so node logs can name it
-    stream: int = 0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
+    streaming: int = (
+        0  # 1: a client is streaming it (a lost node fails it); 0: it may be retried once
+    )
     keep_alive_s: float | None = (
         None  # keep the model loaded at least this long after the job (Ollama's keep_alive)
     )
     retries: int = 0  # times the janitor put it back after its node was lost
-    key: str | None = (
+    api_key: str | None = (
         None  # the API key (its name) whose budgets the job's tokens count against, where it ends
     )
     # the W3C trace context of the gateway's request span, when traced (shared/tracing.py)
@@ -166,6 +168,15 @@ class StreamEntry(Wire):
             return cls.model_validate(decoded)
         except ValidationError as exc:
             raise WireError(f"bad job entry: {exc}") from exc
+
+    @staticmethod
+    def channel_of(fields: dict[bytes, bytes]) -> str:
+        """The channel of an entry that may not parse (its error event goes there all the same)."""
+        return fields.get(b"channel", b"").decode(errors="replace")
+
+    @staticmethod
+    def job_of(fields: dict[bytes, bytes]) -> str:
+        return fields.get(b"job", b"").decode(errors="replace")
 
     def request(self) -> GenerationRequest:
         return unpack(self.body, GenerationRequest)

@@ -81,10 +81,15 @@ class Service:
     in a log file; `stop()` terminates it (then kills)."""
 
     def __init__(
-        self, name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ):
         self.name, self.log_path = name, log_path
-        self.child = processes.start(name, args, env, log_path=log_path)
+        self.child = processes.start(name, args, env, log_path=log_path, cwd=cwd)
         self.proc = self.child.proc
 
     def alive(self) -> bool:

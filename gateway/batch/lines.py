@@ -11,33 +11,38 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.auth import Caller
-from gateway.context import GatewayContext
-from gateway.errors import error_body
-from gateway.gather import Gathered, gather_choices
-from gateway.jobs import Job, submit_request
-from gateway.pooling import embedded, submit_embedding
-from gateway.protocol.anthropic import MessageCreateParams
-from gateway.protocol.embeddings import EmbeddingCreateParams
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
-from gateway.protocol.openai_batch import BatchLineError, BatchLineResponse, BatchOutputLine
-from gateway.render.chat import chat_completion
-from gateway.render.completions import completion
-from gateway.render.embeddings import embedding_response
-from gateway.render.messages import message
+from gateway.dialects.errors import error_body
+from gateway.dialects.gather import Gathered, gather_choices
+from gateway.dialects.protocol.anthropic import MessageCreateParams
+from gateway.dialects.protocol.embeddings import EmbeddingCreateParams
+from gateway.dialects.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.dialects.protocol.openai_batch import (
+    BatchLineError,
+    BatchLineResponse,
+    BatchOutputLine,
+)
+from gateway.dialects.render.chat import chat_completion
+from gateway.dialects.render.completions import completion
+from gateway.dialects.render.embeddings import embedding_response
+from gateway.dialects.render.messages import message
+from gateway.jobs.caller import Caller
+from gateway.jobs.context import JobContext
+from gateway.jobs.job import Job
+from gateway.jobs.pooling import embedded, submit_embedding
+from gateway.jobs.submit import submit_request
 from shared.errors import CortexError, InvalidRequest
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    request: type[BaseModel]  # a `gateway.jobs.ApiRequest`, or the embeddings request
+    request: type[BaseModel]  # a `gateway.jobs.job.ApiRequest`, or the embeddings request
     render: Callable[
         [Job, Any, Any], BaseModel
     ]  # (job, request, result): as the endpoint answers it, not streamed
     start: Callable[
-        [GatewayContext, Any, Caller], Awaitable[Job]
+        [JobContext, Any, Caller], Awaitable[Job]
     ] = (  # queue the line's job in the batch class
-        lambda ctx, body, caller: submit_request(ctx, body, caller, priority="batch")
+        lambda ctx, body, caller: submit_request(ctx, body, caller, job_class="batch")
     )
     result: Callable[[Job, Any], Awaitable[Any]] = (  # the job's result, once done (the job closed)
         lambda job, body: _gathered(job, getattr(body, "n", 1))
@@ -58,7 +63,7 @@ ENDPOINTS: dict[str, Endpoint] = {
         EmbeddingCreateParams,
         lambda job, body, result: embedding_response(body.model, result, body.encoding_format),
         start=lambda ctx, body, caller: submit_embedding(
-            ctx, caller, body.model, body.inputs, dimensions=body.dimensions, priority="batch"
+            ctx, caller, body.model, body.inputs, dimensions=body.dimensions, job_class="batch"
         ),
         result=lambda job, body: embedded(job),
     ),
@@ -127,7 +132,7 @@ def parse_line(raw: bytes, endpoint: str) -> ParsedLine:
     return ParsedLine(custom_id, body)
 
 
-async def start(ctx: GatewayContext, parsed: ParsedLine, caller: Caller, endpoint: str) -> Job:
+async def start(ctx: JobContext, parsed: ParsedLine, caller: Caller, endpoint: str) -> Job:
     """Queue the line's job in the batch class as the batch key's, by the path every request takes."""
     return await ENDPOINTS[endpoint].start(ctx, parsed.body, caller)
 

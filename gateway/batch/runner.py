@@ -16,19 +16,17 @@ import uuid
 
 from redis.exceptions import RedisError
 
-from gateway.auth import ANONYMOUS_CALLER, Caller
 from gateway.batch import lines
-from gateway.batch.store import BatchStore
-from gateway.context import GatewayContext
-from gateway.files import FileStore
-from gateway.job_queue import withdraw
-from gateway.protocol.openai_batch import (
+from gateway.dialects.protocol.openai_batch import (
     Batch,
     BatchError,
     BatchErrors,
     BatchOutputLine,
     BatchRequestCounts,
 )
+from gateway.jobs.caller import ANONYMOUS_CALLER, Caller
+from gateway.jobs.context import JobContext
+from gateway.jobs.queue import withdraw
 from shared.api_keys import ADMIN, ANONYMOUS
 from shared.errors import (
     BrokerUnavailable,
@@ -68,11 +66,11 @@ class LeaseLost(Exception):
 
 
 class BatchRunner:
-    def __init__(self, ctx: GatewayContext, settings: BatchSettings, batch_id: str):
+    def __init__(self, ctx: JobContext, settings: BatchSettings, batch_id: str):
         self.ctx, self.settings, self.id = ctx, settings, batch_id
         self.redis, self.keys = ctx.redis, ctx.keys
-        self.store = BatchStore(ctx.redis, ctx.keys)
-        self.files = FileStore(ctx.redis, ctx.keys)
+        self.store = ctx.batches
+        self.files = ctx.files
         self.token = uuid.uuid4().hex
         self.stop_reason: str | None = None  # cancelled | expired
         self.owner = ANONYMOUS_CALLER  # the key the batch belongs to: its lines run as that key's
@@ -106,7 +104,7 @@ class BatchRunner:
             if not renewed:
                 raise LeaseLost(f"batch {self.id}: another worker took its lease")
 
-    async def release(self) -> None:
+    async def release_lease(self) -> None:
         await self.redis.eval(_RELEASE, 1, self.keys.batch_lease(self.id), self.token)
 
     # ---- the run --------------------------------------------------------------------------
@@ -128,7 +126,7 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(work, keeper, return_exceptions=True)
             with contextlib.suppress(RedisError, OSError):  # else the lease expires by itself
-                await self.release()
+                await self.release_lease()
 
     async def _run(self) -> None:
         try:
@@ -258,7 +256,7 @@ class BatchRunner:
     async def _withdraw_queued(self) -> None:
         for line_no, where in (await self.redis.hgetall(self.key("inflight"))).items():
             _job, stream, entry_id = where.decode().split(" ")
-            if await withdraw(self.ctx, stream, entry_id):
+            if await withdraw(self.redis, self.keys, stream, entry_id):
                 task = self.running.get(int(line_no))
                 if task is not None:
                     task.cancel()
@@ -270,7 +268,7 @@ class BatchRunner:
         leftovers = await self.redis.hgetall(self.key("inflight"))
         for line_no, where in leftovers.items():
             job, stream, entry_id = where.decode().split(" ")
-            await withdraw(self.ctx, stream, entry_id)
+            await withdraw(self.redis, self.keys, stream, entry_id)
             await publish(self.redis, self.keys.cancel(), job)
         if leftovers:
             log.info(

@@ -10,12 +10,10 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import uuid
 from functools import partial
-from typing import Any
 
 from arq import cron
-from arq.connections import ArqRedis, RedisSettings
+from arq.connections import RedisSettings
 from arq.worker import Worker, func
 from redis import exceptions as redis_errors
 from redis.asyncio.retry import Retry
@@ -23,14 +21,13 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from gateway.batch.runner import BatchRunner, LeaseLost
-from gateway.batch.store import BatchStore
-from gateway.context import GatewayContext
-from gateway.event_links import pubsub_client
-from gateway.events import EventRouter
+from gateway.bus.links import pubsub_client
+from gateway.bus.router import EventRouter
+from gateway.jobs.context import JobContext
+from gateway.stores.batches import enqueue
 from shared import __version__
 from shared.catalog import Catalog
 from shared.fleet import Fleet
-from shared.keys import Keys
 from shared.redis_conn import BACKOFF_MAX_S, Outage, connect, redact
 from shared.redis_health import warn_if_not_durable
 from shared.settings import BatchSettings
@@ -38,14 +35,6 @@ from shared.settings import BatchSettings
 log = logging.getLogger(__name__)
 
 RUN_BATCH_TIMEOUT_S = 25 * 3600  # the 24 h completion window, and then some
-
-
-async def enqueue(redis: Any, keys: Keys, batch_id: str) -> None:
-    """Ask some batch worker to run `batch_id` (a unique arq job: the lease stops doubles)."""
-    arq = ArqRedis(pool_or_conn=redis.connection_pool, default_queue_name=keys.arq_queue())
-    await arq.enqueue_job(
-        "run_batch", batch_id, _job_id=f"run-batch:{batch_id}:{uuid.uuid4().hex[:8]}"
-    )
 
 
 async def run_batch(ctx: dict, batch_id: str) -> None:
@@ -75,32 +64,31 @@ class QuietCron(logging.Filter):
 
 async def resume_batches(ctx: dict) -> None:
     """Enqueue every active batch that nobody holds the lease of."""
-    cortex: GatewayContext = ctx["cortex"]
-    for batch_id in await BatchStore(cortex.redis, cortex.keys).active():
+    cortex: JobContext = ctx["cortex"]
+    for batch_id in await cortex.batches.active():
         if not await cortex.redis.exists(cortex.keys.batch_lease(batch_id)):
             log.info("batch %s has no worker; resuming it", batch_id)
-            await enqueue(cortex.batch_queue, cortex.keys, batch_id)
+            # on arq's queue, through arq's own connection
+            await enqueue(ctx["redis"], cortex.keys, batch_id)
 
 
 async def startup(ctx: dict, settings: BatchSettings) -> None:
     keys = settings.keys
     redis = connect(settings.redis_url)
-    router = EventRouter(
+    bus = EventRouter(
         partial(pubsub_client, settings.redis_url), outage_wait_s=settings.redis_outage_wait_s
     )
     catalog = Catalog.load(settings.models_file)
     ctx["settings"] = settings
-    # the batches this worker resumes go on arq's queue through arq's own connection
-    ctx["cortex"] = GatewayContext(
-        settings,
-        keys,
-        redis,
-        catalog,
-        router,
-        Fleet(redis, keys, settings.node_ttl_s),
-        batch_queue=ctx["redis"],
+    ctx["cortex"] = JobContext(
+        settings=settings,
+        keys=keys,
+        redis=redis,
+        catalog=catalog,
+        fleet=Fleet(redis, keys, settings.node_ttl_s),
+        bus=bus,
     )
-    await router.start()
+    await bus.start()
     log.info(
         "batch worker %s on Redis %s, queue %s on %s",
         __version__,
@@ -112,9 +100,9 @@ async def startup(ctx: dict, settings: BatchSettings) -> None:
 
 
 async def shutdown(ctx: dict) -> None:
-    cortex: GatewayContext | None = ctx.get("cortex")
+    cortex: JobContext | None = ctx.get("cortex")
     if cortex is not None:
-        await cortex.router.stop()
+        await cortex.bus.stop()
         await cortex.redis.aclose()
 
 

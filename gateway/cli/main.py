@@ -26,13 +26,13 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from gateway import operations
 from gateway.cli import backup, pull_progress
 from gateway.cli.embedded_redis import default_data_dir
 from gateway.cli.run_file import settings_for_cli
 from gateway.cli.status import key_summary, render_fleet, render_keys
 from gateway.cli.up import UP_REDIS_PORT, run_up
-from gateway.context import GatewayContext
+from gateway.fleet import operations
+from gateway.fleet.placement import Placer
 from shared import redis_health
 from shared.api_keys import KeySpec, KeyStore
 from shared.catalog import Catalog
@@ -158,26 +158,20 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 async def _operate(action: str, model: str | None, node: str | None, follow: bool = False) -> int:
-    """Run one fleet operation straight against Redis, as the admin API would (gateway/operations.py)."""
+    """Run one fleet operation straight against Redis, as the admin API would (gateway/fleet/operations.py)."""
     settings = settings_for_cli()
     client = connect(settings.redis_url)
-    ctx = GatewayContext(
-        settings,
-        settings.keys,
-        client,
-        Catalog.load(settings.models_file),
-        None,
-        Fleet(client, settings.keys, settings.node_ttl_s),
-    )
+    fleet = Fleet(client, settings.keys, settings.node_ttl_s)
+    placer = Placer(client, settings.keys, settings, Catalog.load(settings.models_file), fleet)
     try:
         if action == "load":
-            print(f"loading {model} on {await operations.load(ctx, model, node)}")
+            print(f"loading {model} on {await operations.load(placer, model, node)}")
         elif action == "unload":
             print(
-                f"unloading {model} from {', '.join(await operations.unload(ctx, model, node)) or 'no node'}"
+                f"unloading {model} from {', '.join(await operations.unload(placer, model, node)) or 'no node'}"
             )
         elif action == "pull":
-            nodes = await operations.pull(ctx, model)
+            nodes = await operations.pull(placer, model)
             print(
                 f"pulling {model} on {', '.join(nodes)}"
                 + ("" if follow else "; `cortex status` shows the progress")
@@ -187,7 +181,7 @@ async def _operate(action: str, model: str | None, node: str | None, follow: boo
                     return (
                         0
                         if await pull_progress.follow(
-                            ctx.fleet, operations.hub_folder(ctx.catalog.resolve(model)), nodes
+                            fleet, operations.hub_folder(placer.catalog.resolve(model)), nodes
                         )
                         else 2
                     )
@@ -195,16 +189,16 @@ async def _operate(action: str, model: str | None, node: str | None, follow: boo
                     print("stopped following; the nodes pull on (`cortex status` shows them)")
                     return 130
         elif action == "rm":
-            asked = await operations.remove_files(ctx, model, node)
+            asked = await operations.remove_files(placer, model, node)
             print(
                 f"deleting the files of {model} on {', '.join(asked) or 'no node (none holds them)'}; a node keeps "
                 "them while it has the model loaded, pinned or being pulled"
             )
         elif action in ("pin", "unpin"):
-            await operations.set_pin(ctx, model, action == "pin")
+            await operations.set_pin(placer, model, action == "pin")
             print(f"{model} {action}ned")
         else:
-            await operations.drain(ctx, node)
+            await operations.drain(placer, node)
             print(
                 f"draining {node}: it finishes its running jobs, unloads its models and goes idle"
             )

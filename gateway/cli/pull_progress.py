@@ -1,7 +1,7 @@
 """`cortex models pull` prints a line whenever a node's progress moves, until every node holds the
-files or failed (gateway/pulls.py). Ctrl-C stops following; the nodes pull on."""
+files or failed (gateway/fleet/pulls.py). Ctrl-C stops following; the nodes pull on."""
 
-from gateway.pulls import NodePull, watch
+from gateway.fleet.pulls import NodePull, watch
 from shared.fleet import Fleet
 
 

@@ -172,7 +172,7 @@ class Engine(OnDevice):
             spec=self.spec_stats(),
         )
 
-    def release(self) -> None:
+    def drop_model(self) -> None:
         """Drop every tensor (on unload), and a tensor-parallel model's other ranks."""
         self.fail_all()
         self.runner.close()

@@ -1,14 +1,14 @@
 """What the serving layer asks of any engine about the device it runs on (a generation engine or the
-pooling engine): each holds its loaded model as `lm` (with `device`) and can `release` it."""
+pooling engine): each holds its loaded model as `lm` (with `device`) and can `drop_model` (every tensor of it)."""
 
 from node_agent.model import devices
 
 
 class OnDevice:
     def free(self) -> None:
-        """On the device thread: `release`, then give the device the memory it held back."""
+        """On the device thread: `drop_model`, then give the device the memory it held back."""
         device = self.lm.device
-        self.release()
+        self.drop_model()
         devices.give_back_memory(device)
 
     def is_device_fault(self, exc: BaseException) -> bool:

@@ -117,7 +117,7 @@ class PoolingEngine(OnDevice):
         self._waiting.clear()
         return jobs
 
-    def release(self) -> None:
+    def drop_model(self) -> None:
         self.fail_all()
         self.lm.model = None
 

@@ -21,7 +21,7 @@ from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
-from shared import __version__, recovery, tracing
+from shared import __version__, recovery, systemd_notify, tracing
 from shared.catalog import Catalog, ModelProfile
 from shared.commands import NodeCommand
 from shared.errors import BrokerUnavailable, CortexError
@@ -102,8 +102,11 @@ class NodeAgent:
         ):  # stopped while starting: a download may take hours, a load finishes
             await self.puller.stop()
         await starting
+        if not self._stop.is_set():  # a Type=notify unit (packaging/systemd) starts now
+            systemd_notify.ready(f"serving {', '.join(self.models) or 'no model'} as {self.name}")
         await stopping
         log.info("node %s stopping", self.name)
+        systemd_notify.stopping()
         await self.shutdown(tasks)
 
     def start_devices(self, loop: asyncio.AbstractEventLoop) -> list[DeviceThread]:

@@ -16,6 +16,7 @@ from node_agent.serving.job_reader import Entry, JobReader
 from node_agent.serving.ledger import Ledger
 from shared.errors import CortexError, GenerationFailed
 from shared.redis_conn import Outage
+from shared.wire import StreamEntry
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Consumer:
 
     def pause(self, seconds: float) -> None:
         """Read no new job for `seconds`: a gateway that lost Redis is subscribing again to its jobs
-        still queued, and a job read before it listens again fails there (gateway/events.py)."""
+        still queued, and a job read before it listens again fails there (gateway/bus/router.py)."""
         self._read_after = max(self._read_after, time.monotonic() + seconds)
 
     def redis_came_back(self) -> None:
@@ -85,10 +86,10 @@ class Consumer:
                 for e in entries:
                     self.ledger.refuse(
                         e.entry_id,
-                        e.fields.get(b"reply", b"").decode(errors="replace"),
+                        StreamEntry.channel_of(e.fields),
                         error,
                         e.stream,
-                        e.fields.get(b"job", b"").decode(errors="replace"),
+                        StreamEntry.job_of(e.fields),
                     )
         except (
             OSError,
@@ -165,7 +166,7 @@ class Consumer:
                 else:
                     self.ledger.refuse(
                         e.entry_id,
-                        e.fields.get(b"reply", b"").decode(errors="replace"),
+                        StreamEntry.channel_of(e.fields),
                         error,
                         e.stream,
                     )

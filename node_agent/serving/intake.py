@@ -17,8 +17,7 @@ from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.job_reader import Entry
 from node_agent.serving.job_spans import JobSpans
 from node_agent.serving.ledger import Ledger, Running, Send
-from node_agent.serving.output_process import Delivery
-from node_agent.serving.publisher import Outgoing
+from node_agent.serving.output_messages import Delivery, Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, GenerationFailed, InsufficientMemory, InvalidRequest
 from shared.settings import NodeSettings
@@ -78,7 +77,7 @@ class Intake:
         """Decode, render, tokenise and check one entry; returns what the engine needs, or None
         when the entry ended here (refused, failed, or a count that needs no engine)."""
         stream = e.stream or self.ledger.stream
-        reply = e.fields.get(b"reply", b"").decode(errors="replace")
+        channel = StreamEntry.channel_of(e.fields)
         try:
             entry = StreamEntry.from_fields(e.fields)
             request = entry.request()
@@ -89,7 +88,7 @@ class Intake:
                 "refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc
             )
             self.ledger.refuse(
-                e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream
+                e.entry_id, channel, InvalidRequest(f"an unreadable job entry: {exc}"), stream
             )
             return None
         trace = JobSpans.of(entry, e.entry_id, self.node)
@@ -97,14 +96,14 @@ class Intake:
             request.job,
             Running(
                 e.entry_id,
-                entry.reply,
+                entry.channel,
                 request.sampling.n,
                 entry.keep_alive_s,
                 stream=stream,
                 job_class=e.job_class,
-                streaming=bool(entry.stream),
+                streaming=bool(entry.streaming),
                 trace=trace,
-                key=entry.key or "",
+                api_key=entry.api_key or "",
             ),
         )
         log.info(
@@ -124,14 +123,14 @@ class Intake:
                 self._send(
                     [
                         Outgoing(
-                            entry.reply,
+                            entry.channel,
                             [DoneEvent(usage=Usage(prompt_tokens=len(ids)), node=self.node)],
                             (stream, e.entry_id),
                         )
                     ],
                     [],
                 )
-                self.ledger.release(request.job)
+                self.ledger.end(request.job)
                 return None
             sampling = request.sampling
             sampling.max_tokens = completion_budget(
@@ -141,15 +140,15 @@ class Intake:
                 self.engine.max_len, len(ids), sampling.max_tokens, self.profile.max_prompt_tokens
             )
             self._send(
-                [Outgoing(entry.reply, [self._start_event(request, ids)], job=request.job)],
+                [Outgoing(entry.channel, [self._start_event(request, ids)], job=request.job)],
                 [
                     Delivery(
                         request.job,
-                        entry.reply,
+                        entry.channel,
                         stream,
                         e.entry_id,
-                        bool(entry.stream),
-                        key=entry.key or "",
+                        bool(entry.streaming),
+                        api_key=entry.api_key or "",
                     )
                 ],
             )

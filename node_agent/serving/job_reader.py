@@ -1,6 +1,6 @@
 """Reads a model's job streams most urgent first (shared/queues.py): interactive before batch,
 and within a class the high band, then normal, then low; within a band this node's own stream
-first (jobs routed here for its cache, gateway/routing.py), then the moved and shared streams,
+first (jobs routed here for its cache, gateway/fleet/routing.py), then the moved and shared streams,
 whichever's next entry is older.
 
 One Lua script reads them in that order in one round trip, as many entries as there are free

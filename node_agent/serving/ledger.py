@@ -9,14 +9,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from node_agent.serving.job_spans import JobSpans
-from node_agent.serving.output_process import Delivery
-from node_agent.serving.publisher import Outgoing
+from node_agent.serving.output_messages import Delivery, Outgoing
 from shared.catalog import ModelProfile
 from shared.errors import CortexError
 from shared.settings import NodeSettings
 from shared.wire import ErrorEvent, Timings
 
-KEEP_ALIVE_MAX_MS = 7 * 24 * 3600 * 1000  # the gateway's bound too (gateway/protocol/bounds.py)
+KEEP_ALIVE_MAX_MS = (
+    7 * 24 * 3600 * 1000
+)  # the gateway's bound too (gateway/dialects/protocol/bounds.py)
 
 Send = Callable[[list[Outgoing], list[Delivery]], None]
 
@@ -24,14 +25,14 @@ Send = Callable[[list[Outgoing], list[Delivery]], None]
 @dataclass
 class Running:
     entry_id: str
-    reply: str
+    channel: str  # the job's event channel
     sequences: int
     keep_alive_s: float | None = None
     stream: str = ""  # the job stream it came from (shared/queues.py), acknowledged there
     job_class: str = "interactive"
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
     trace: JobSpans | None = None  # when its request is traced: its spans are made when it ends
-    key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
+    api_key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
 
 
 def now_ms() -> int:
@@ -82,9 +83,9 @@ class Ledger:
             if running.trace is not None:
                 running.trace.error = error.code
             self.refuse(
-                running.entry_id, running.reply, error, running.stream, job, running.streaming
+                running.entry_id, running.channel, error, running.stream, job, running.streaming
             )
-            self.release(job)
+            self.end(job)
 
     def fail_all(self, error: CortexError, jobs: list[str] = ()) -> None:
         """End every job held here, and `jobs` (out of the engine already) if still held, with `error`."""
@@ -94,22 +95,22 @@ class Ledger:
     def refuse(
         self,
         entry_id: str,
-        reply: str,
+        channel: str,
         error: CortexError,
         stream: str = "",
         job: str = "",
-        tracked: bool = False,
+        streaming: bool = False,
     ) -> None:
         """Answer an entry with `error` and acknowledge it (an entry never admitted, or one that `fail` ends)."""
         event = ErrorEvent(code=error.code, message=error.message)
         self._send(
             [
                 Outgoing(
-                    reply,
-                    [event] if reply else [],
+                    channel,
+                    [event] if channel else [],
                     (stream or self.stream, entry_id),
                     job=job,
-                    tracked=tracked,
+                    streaming=streaming,
                 )
             ],
             [],
@@ -124,7 +125,7 @@ class Ledger:
             and now >= max(self.last_used_ms + keep_alive, self.keep_until_ms)
         )
 
-    def release(self, job: str, timings: Timings | None = None) -> None:
+    def end(self, job: str, timings: Timings | None = None) -> None:
         """The job ended (`timings`: its done event's, when it finished): its slots are free."""
         running = self.running.pop(job, None)
         if running is not None and running.trace is not None:

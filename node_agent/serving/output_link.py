@@ -19,8 +19,16 @@ import msgspec
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
-from node_agent.serving.output_process import FRAME, Delivery, Feedback, Open, Publish, Step, frame
-from node_agent.serving.publisher import Outgoing
+from node_agent.serving.output_messages import (
+    FRAME,
+    Delivery,
+    Feedback,
+    Open,
+    Outgoing,
+    Publish,
+    Step,
+)
+from node_agent.serving.output_process import frame
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +84,8 @@ class OutputLink:
         """One engine step's record; called on the device thread."""
         self._write(Step(out))
 
-    def publish(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
-        self._write(Publish(items, list(routes)))
+    def publish(self, items: list[Outgoing], deliveries: list[Delivery] = ()) -> None:
+        self._write(Publish(items, list(deliveries)))
 
     def _write(self, message) -> None:
         data = frame(message, self._encoder)

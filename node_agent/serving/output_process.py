@@ -3,7 +3,7 @@ device (vLLM v1 detokenises in its front-end process for the same reason: one GI
 
 The node (node_agent/serving/output_link.py) starts one per loaded model and writes it, over a
 socket pair, length-prefixed msgpack `Message`s: its settings and the model's tokenizer first
-(`Open`; nothing secret goes on the command line, which `ps` shows), each
+(`Open`; node_agent/serving/output_messages.py has every message; nothing secret goes on the command line, which `ps` shows), each
 engine step's record (`Step`, written by the device thread itself), and what the node itself has
 to say about a job (`Publish`: its start event with the job's `Delivery`, a failure, a cancel). This
 process detokenises, applies stop strings, builds and packs the wire events, and publishes them
@@ -22,7 +22,6 @@ import asyncio
 import logging
 import signal
 import socket
-import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,61 +33,23 @@ from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import StepOutput
 from node_agent.serving.cache_index import CacheIndex
-from node_agent.serving.publisher import Charge, Outgoing, Publisher
+from node_agent.serving.output_messages import (
+    FRAME,
+    Charge,
+    Delivery,
+    Feedback,
+    Message,
+    Open,
+    Outgoing,
+    Publish,
+    Step,
+)
+from node_agent.serving.publisher import Publisher
 from shared.keys import Keys
 from shared.redis_conn import connect, is_cluster_url
-from shared.wire import DoneEvent, Event, Timings, ends_job
+from shared.wire import DoneEvent, Event, ends_job
 
 log = logging.getLogger(__name__)
-
-FRAME = struct.Struct("<I")  # each message: its length, then its msgpack bytes
-
-
-class Delivery(msgspec.Struct, array_like=True):
-    """Where a job's events go and which stream entry its end acknowledges."""
-
-    job: str
-    channel: str
-    stream: str
-    entry_id: str
-    streaming: bool = False  # a client streams it: its first output is noted in `Keys.started`
-    started: bool = False
-    key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
-
-
-class Open(msgspec.Struct, tag=True, array_like=True):
-    redis_url: str
-    key_prefix: str
-    node: str
-    model: str
-    log_level: str
-    tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
-    stream_retention_s: int = 600  # how long a job's event log lives after it ends
-    heartbeat_ttl_s: float = (
-        8.0  # what the cache's prefix marks (`Keys.prefixes`) live without a renewal
-    )
-
-
-class Publish(msgspec.Struct, tag=True, array_like=True):
-    items: list[Outgoing]  # an item that acknowledges a job ends it here too
-    routes: list[Delivery] = []  # jobs the engine will run
-
-
-class Step(msgspec.Struct, tag=True, array_like=True):
-    out: StepOutput
-
-
-Message = Open | Publish | Step
-
-
-class Feedback(msgspec.Struct, array_like=True, omit_defaults=True):
-    stopped: list[int] = []  # sequence keys a stop string ended (or whose job's text side failed)
-    ended: list[str] = []  # jobs whose last events (and acknowledgement) went to the publisher
-    unheard: list[str] = []  # jobs nobody listens to any more
-    lost: list[str] = []  # running jobs whose events Redis did not take
-    timings: dict[
-        str, Timings
-    ] = {}  # of the `ended` jobs that finished: their done event's (the node's spans)
 
 
 def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
@@ -98,12 +59,12 @@ def frame(message: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
 
 @dataclass
 class OutputSide:
-    """What the process does with each message: the text side of every job, and its routes."""
+    """What the process does with each message: the text side of every job, and where its events go."""
 
     output: OutputProcessor
     publisher: Publisher
     send_feedback: Callable[["Feedback"], None]
-    routes: dict[str, Delivery] = field(default_factory=dict)
+    deliveries: dict[str, Delivery] = field(default_factory=dict)
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Step):
@@ -130,37 +91,39 @@ class OutputSide:
             self.send_feedback(Feedback(stopped=stopped, ended=ended, timings=timings))
 
     def publish(self, message: Publish) -> None:
-        for route in message.routes:
-            self.routes[route.job] = route
+        for delivery in message.deliveries:
+            self.deliveries[delivery.job] = delivery
         for item in message.items:
             if (
                 item.ack and item.job
             ):  # the node ended it (failed, cancelled): no more events from the engine's side
-                route = self.routes.pop(item.job, None)
+                delivery = self.deliveries.pop(item.job, None)
                 used = self.output.drop(item.job)
-                if route is not None and route.key and used is not None:
-                    item.charge = Charge(route.key, used)
+                if delivery is not None and delivery.api_key and used is not None:
+                    item.charge = Charge(delivery.api_key, used)
         self.publisher.send(message.items)
 
     def _outgoing(self, job: str, events: list[Event]) -> Outgoing | None:
-        route = self.routes.get(job)
-        if route is None:  # the node ended it already
+        delivery = self.deliveries.get(job)
+        if delivery is None:  # the node ended it already
             return None
         ended = ends_job(events)
-        first = route.streaming and not route.started
-        route.started = True
+        first = delivery.streaming and not delivery.started
+        delivery.started = True
         charge = None
         if ended:
-            del self.routes[job]
+            del self.deliveries[job]
             used = self.output.consumed.get(job)
-            charge = Charge(route.key, used) if route.key and used is not None else None
+            charge = (
+                Charge(delivery.api_key, used) if delivery.api_key and used is not None else None
+            )
         return Outgoing(
-            route.channel,
+            delivery.channel,
             events,
-            (route.stream, route.entry_id) if ended else None,
+            (delivery.stream, delivery.entry_id) if ended else None,
             job,
             started=first,
-            tracked=route.streaming,
+            streaming=delivery.streaming,
             charge=charge,
         )
 

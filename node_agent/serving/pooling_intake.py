@@ -54,22 +54,22 @@ class PoolingIntake(Intake):
             log.error(
                 "refusing entry %s on %s: %s: %s", e.entry_id, stream, type(exc).__name__, exc
             )
-            reply = e.fields.get(b"reply", b"").decode(errors="replace")
+            channel = StreamEntry.channel_of(e.fields)
             self.ledger.refuse(
-                e.entry_id, reply, InvalidRequest(f"an unreadable job entry: {exc}"), stream
+                e.entry_id, channel, InvalidRequest(f"an unreadable job entry: {exc}"), stream
             )
             return None
         self.ledger.admit(
             request.job,
             Running(
                 e.entry_id,
-                entry.reply,
+                entry.channel,
                 1,
                 entry.keep_alive_s,
                 stream=stream,
                 job_class=e.job_class,
                 trace=JobSpans.of(entry, e.entry_id, self.node),
-                key=entry.key or "",
+                api_key=entry.api_key or "",
             ),
         )
         log.info(

@@ -21,42 +21,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from node_agent.serving.cache_index import CacheIndex
+from node_agent.serving.output_messages import Outgoing
 from shared import event_log, usage_meter
 from shared.errors import BrokerUnavailable, CortexError, GenerationFailed
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_conn import Outage, publish
-from shared.wire import ErrorEvent, Event, Usage, pack_event
+from shared.wire import ErrorEvent, pack_event
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how often kept acknowledgements are retried while nothing else is sent
 NO_LOG = -1.0  # in `Publisher._logs`: the job has no event log
-
-
-class Charge(msgspec.Struct, array_like=True):
-    """What an ended job used, to count against the API key that sent it (shared/usage_meter.py)."""
-
-    key: str
-    usage: Usage
-
-
-class Outgoing(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One job's events of one step (a Struct: the node hands these to its output process)."""
-
-    channel: str
-    events: list[Event]  # in order
-    ack: tuple[str, str] | None = None  # (stream, entry id) to XACK + XDEL after publishing
-    job: str = ""
-    started: bool = (
-        False  # a streaming job's first output: noted in `Keys.started` (before it is published)
-    )
-    tracked: bool = False  # a streaming job whose note is dropped when it ends (with `ack`)
-    charge: Charge | None = None  # with `ack`: the job's tokens, counted in the same round trip
 
 
 @dataclass
@@ -140,7 +119,7 @@ class Publisher:
                         events,
                         item.ack,
                         item.job,
-                        tracked=item.tracked,
+                        streaming=item.streaming,
                         charge=item.charge,
                     )
                 )
@@ -163,13 +142,13 @@ class Publisher:
                 stream, entry_id = item.ack
                 pipe.xack(stream, CONSUMER_GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
-                if item.tracked:
+                if item.streaming:
                     pipe.srem(started, item.job)
                 if item.charge is not None:
                     usage_meter.charge(
                         pipe,
                         self.keys,
-                        item.charge.key,
+                        item.charge.api_key,
                         item.job,
                         item.charge.usage,
                         self.retention_s,
@@ -192,7 +171,7 @@ class Publisher:
             counts = [next(replies) for _ in item.events]
             if item.ack:
                 next(replies), next(replies)
-                if item.tracked:
+                if item.streaming:
                     next(replies)
                 if item.charge is not None:
                     next(replies)

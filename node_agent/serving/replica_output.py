@@ -9,8 +9,8 @@ from typing import Callable
 from node_agent.engine.engine import Engine
 from node_agent.engine.records import StepOutput
 from node_agent.serving.output_link import OutputLink
-from node_agent.serving.output_process import Delivery, Feedback
-from node_agent.serving.publisher import Outgoing, Publisher
+from node_agent.serving.output_messages import Delivery, Feedback, Outgoing
+from node_agent.serving.publisher import Publisher
 from shared.settings import NodeSettings
 
 
@@ -53,9 +53,9 @@ class ReplicaOutput:
         """One engine step's record (the device thread calls this)."""
         self.link.step(out)
 
-    def send(self, items: list[Outgoing], routes: list[Delivery] = ()) -> None:
+    def send(self, items: list[Outgoing], deliveries: list[Delivery] = ()) -> None:
         if self.link is not None and self.link.alive:
-            self.link.publish(items, routes)
+            self.link.publish(items, deliveries)
         else:
             self.publisher.send(items)
 

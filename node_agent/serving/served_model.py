@@ -22,7 +22,7 @@ from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
 from node_agent.serving.output_link import OutputLink
-from node_agent.serving.output_process import Feedback
+from node_agent.serving.output_messages import Feedback
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
 from node_agent.serving.replica_faults import ReplicaFaults
@@ -193,7 +193,7 @@ class ServedModel:
         if feedback.stopped and self.engine is not None:
             self.device.call(self.engine.stop, feedback.stopped)
         for job in feedback.ended:
-            self.ledger.release(job, feedback.timings.get(job))
+            self.ledger.end(job, feedback.timings.get(job))
         for job in feedback.unheard:
             self.publisher.on_unheard(job)
         for job in feedback.lost:

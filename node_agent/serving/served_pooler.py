@@ -11,8 +11,8 @@ import logging
 from node_agent.engine.pooler import PooledJob, PoolingEngine, PoolingStep
 from node_agent.serving.engine_start import start_pooler
 from node_agent.serving.ledger import Running
+from node_agent.serving.output_messages import Charge, Outgoing
 from node_agent.serving.pooling_intake import PoolingIntake
-from node_agent.serving.publisher import Charge, Outgoing
 from node_agent.serving.served_model import ServedModel
 from shared.catalog import ModelProfile
 from shared.wire import DoneEvent, Usage
@@ -60,12 +60,12 @@ class ServedPooler(ServedModel):
         ]
         self.output.send([self._outgoing(done, running) for done, running in finished], [])
         for done, _ in finished:
-            self.ledger.release(done.job, done.timings)
+            self.ledger.end(done.job, done.timings)
 
     def _outgoing(self, done: PooledJob, running: Running) -> Outgoing:
         usage = Usage(prompt_tokens=done.prompt_tokens)
         return Outgoing(
-            running.reply,
+            running.channel,
             [
                 DoneEvent(
                     usage=usage, timings=done.timings, node=self.consumer_name, pooled=done.pooled
@@ -73,5 +73,5 @@ class ServedPooler(ServedModel):
             ],
             (running.stream, running.entry_id),
             job=done.job,
-            charge=Charge(running.key, usage) if running.key else None,
+            charge=Charge(running.api_key, usage) if running.api_key else None,
         )

@@ -12,16 +12,8 @@ import redis.asyncio as aioredis
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.records import StepOutput
-from node_agent.serving.output_process import (
-    Delivery,
-    Feedback,
-    Open,
-    OutputSide,
-    Publish,
-    Step,
-    open_side,
-)
-from node_agent.serving.publisher import Outgoing
+from node_agent.serving.output_messages import Delivery, Feedback, Open, Outgoing, Publish, Step
+from node_agent.serving.output_process import OutputSide, open_side
 
 log = logging.getLogger(__name__)
 

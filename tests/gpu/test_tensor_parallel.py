@@ -32,7 +32,7 @@ def test_two_gpus_generate_what_one_does(gpu_tiny_dirs, arch):
     try:
         got = driver.run(engine, *requests())
     finally:
-        engine.release()
+        engine.drop_model()
     assert {j: r.token_ids for j, r in got.items()} == {j: r.token_ids for j, r in expected.items()}
     assert not dist.is_initialized() and not children()
 
@@ -51,5 +51,5 @@ def test_a_killed_gpu_worker_poisons_the_group(gpu_tiny_dirs):
         for _ in range(50):
             engine.step()
     engine.fail_all()
-    engine.release()
+    engine.drop_model()
     assert not dist.is_initialized() and not children()

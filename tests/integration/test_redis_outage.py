@@ -1,4 +1,4 @@
-"""New requests during a short Redis outage wait for it (gateway/outage.py): a real redis-server stopped
+"""New requests during a short Redis outage wait for it (gateway/bus/outage.py): a real redis-server stopped
 for a few seconds and started again from its snapshot, two gateway replicas (one with the default
 wait, one allowing 1 s and one waiting request) and a node serving a tiny random model."""
 

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from openai import AsyncOpenAI
 
-from gateway.server import create_app
+from gateway.http.server import create_app
 from node_agent.serving.agent import NodeAgent
 from shared.lifecycle import ModelState
 from shared.processes import free_port

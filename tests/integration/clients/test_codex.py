@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.protocol import responses, responses_input, responses_tools
+from gateway.dialects.protocol import responses, responses_input, responses_tools
 from tests.integration.clients.conftest import ANSWER, npm_client
 
 RUN_TIMEOUT_S = 300

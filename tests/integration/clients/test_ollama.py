@@ -14,7 +14,7 @@ import ollama
 import openai
 import pytest
 
-from gateway.protocol import ollama as protocol_ollama
+from gateway.dialects.protocol import ollama as protocol_ollama
 from tests import tiny_poolers
 from tests.integration.clients.conftest import ANSWER, unknown_fields
 from tests.stack import wait_for

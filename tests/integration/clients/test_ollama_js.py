@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from gateway.protocol import ollama as protocol_ollama
+from gateway.dialects.protocol import ollama as protocol_ollama
 from tests import tiny_poolers
 from tests.integration.clients.conftest import ANSWER, npm_library, unknown_fields
 

@@ -15,9 +15,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.errors import OLLAMA_PATHS
-from gateway.openapi import SUCCESS
-from gateway.server import create_app
+from gateway.http.errors import OLLAMA_PATHS
+from gateway.http.openapi import SUCCESS
+from gateway.http.server import create_app
 from shared.settings import GatewaySettings
 from tests.integration.isolation.conftest import MODEL
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.server import create_app
+from gateway.http.server import create_app
 from shared.settings import GatewaySettings
 from tests.integration.fleet.conftest import catalogue
 from tests.json_schema_bodies import TEXT, Bodies, nested

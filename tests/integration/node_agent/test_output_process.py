@@ -31,7 +31,7 @@ async def submit(r: aioredis.Redis, keys, job: str, max_tokens: int):
         kind="completion",
         model="tiny",
         submitted_ms=int(time.time() * 1000),
-        reply=keys.events(job),
+        channel=keys.events(job),
         body=pack(request),
         stream=True,
     )

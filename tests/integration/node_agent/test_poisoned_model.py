@@ -29,7 +29,7 @@ async def ask(r: aioredis.Redis, keys, model: str, job: str) -> list:
         kind="completion",
         model=model,
         submitted_ms=int(time.time() * 1000),
-        reply=keys.events(job),
+        channel=keys.events(job),
         body=pack(request),
     )
     await r.xadd(keys.jobs(model), entry.to_fields())

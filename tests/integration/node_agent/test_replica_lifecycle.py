@@ -72,7 +72,7 @@ async def enqueue(r: aioredis.Redis, stream: str, reply: str, job: str) -> None:
         kind="completion",
         model="tiny",
         submitted_ms=int(time.time() * 1000),
-        reply=reply,
+        channel=reply,
         body=pack(request),
     )
     await r.xadd(stream, entry.to_fields())

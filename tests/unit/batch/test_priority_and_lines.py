@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.batch.lines import LineError, parse_line
-from gateway.files import check_batch_input
+from gateway.stores.files import check_batch_input
 from node_agent.serving.job_reader import JobReader
 from shared import queues
 from shared.errors import InvalidRequest, PayloadTooLarge
@@ -73,7 +73,7 @@ async def test_queue_position_counts_more_urgent_streams_and_withdraw(r):
 
 
 async def test_a_routed_job_keeps_its_position_and_can_be_withdrawn_once_moved(r):
-    from gateway.job_queue import _position
+    from gateway.jobs.queue import _position
 
     own = KEYS.node_jobs(M, "n1")
     mine = (await r.xadd(own, {"job": "mine"})).decode()

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from redis.exceptions import ResponseError
 
-from gateway.server import create_app
+from gateway.http.server import create_app
 from shared import event_log, usage_meter
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
@@ -93,7 +93,7 @@ class ScriptedNode:
 
     async def _answer(self, entry: StreamEntry) -> None:
         self.entries.append(entry)
-        [(_, listeners)] = await self.redis.pubsub_numsub(entry.reply)
+        [(_, listeners)] = await self.redis.pubsub_numsub(entry.channel)
         self.subscribers_at_read.append(listeners)
         for step in self.script(entry):
             if isinstance(step, asyncio.Event):  # a gate the test opens
@@ -114,9 +114,9 @@ class ScriptedNode:
         packed = pack_event(event)
         async with self.redis.pipeline(transaction=False) as pipe:
             event_log.append(pipe, KEYS.event_log(entry.job), [packed], 600)
-            pipe.publish(entry.reply, packed)
-            if isinstance(event, DoneEvent) and entry.key:
-                usage_meter.charge(pipe, KEYS, entry.key, entry.job, event.usage, 600)
+            pipe.publish(entry.channel, packed)
+            if isinstance(event, DoneEvent) and entry.api_key:
+                usage_meter.charge(pipe, KEYS, entry.api_key, entry.job, event.usage, 600)
             await pipe.execute()
 
 

@@ -44,7 +44,7 @@ async def test_auth_is_off_on_loopback_while_no_key_exists(client, node):
 async def test_auth_is_on_beyond_loopback_or_when_required(redis_factory, node, overrides):
     import httpx
 
-    from gateway.server import create_app
+    from gateway.http.server import create_app
 
     app = create_app(
         GatewaySettings(redis_url="redis://fake", **overrides), redis_factory=redis_factory
@@ -317,9 +317,9 @@ async def test_metrics_name_keys_never_secrets_and_only_to_the_admin_key(client,
 
 async def test_log_lines_about_a_request_name_its_key(client, node, new_key, caplog):
     secret = await new_key()
-    with caplog.at_level("INFO", logger="gateway.jobs"):
+    with caplog.at_level("INFO", logger="gateway.jobs.job"):
         await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
-    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.jobs"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "gateway.jobs.job"]
     assert (
         lines
         and all("key=alice" in line for line in lines)

@@ -32,7 +32,8 @@ async def test_every_query_names_series_the_gateway_exports(app, client, redis):
         {MODEL: ModelState.READY},
         kv={MODEL: KVCacheStats(block_size=16, blocks_total=10)},
     )
-    await app.state.ctx.metrics.refresh(app.state.ctx)
+    ctx = app.state.ctx
+    await ctx.metrics.refresh(ctx.fleet, set(ctx.catalog.profiles))
     families = text_string_to_metric_families((await client.get("/metrics")).text)
     exported = {f.name + suffix for f in families for suffix in SUFFIXES.get(f.type, ("",))}
     named = {

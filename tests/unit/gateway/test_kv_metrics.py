@@ -17,7 +17,8 @@ SPEC_COUNTERS = (
 
 async def scrape(app, client) -> dict:
     """The KV families after a refresh (the lifespan's loop refreshes every REFRESH_S)."""
-    await app.state.ctx.metrics.refresh(app.state.ctx)
+    ctx = app.state.ctx
+    await ctx.metrics.refresh(ctx.fleet, set(ctx.catalog.profiles))
     text = (await client.get("/metrics")).text
     return {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
 

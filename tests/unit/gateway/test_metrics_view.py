@@ -1,10 +1,10 @@
-"""What a scrape of /metrics without the admin key sees (gateway/metrics_view.py). No I/O."""
+"""What a scrape of /metrics without the admin key sees (gateway/http/metrics_view.py). No I/O."""
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.http.metrics_view import AnonymousView
 from gateway.metrics import Metrics
-from gateway.metrics_view import AnonymousView
 
 
 def _samples(text: bytes) -> dict[tuple[str, frozenset], float]:

@@ -6,7 +6,7 @@ off nothing of it shows. (The node's side: tests/integration/test_tracing.py.)""
 import io
 import logging
 
-from gateway.server import LOG_FORMAT
+from gateway.http.server import LOG_FORMAT
 from gateway.tracing import TraceLogFormatter
 from tests.unit.gateway.conftest import MODEL
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from gateway.tools.grammars import forced_call_grammar, json_grammar
-from gateway.tools.parsers import parse
+from gateway.dialects.tools.grammars import forced_call_grammar, json_grammar
+from gateway.dialects.tools.parsers import parse
 from node_agent.engine.engine import Engine
 from node_agent.serving import prompts
 from shared.errors import InvalidRequest

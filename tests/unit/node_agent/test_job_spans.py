@@ -22,7 +22,7 @@ def entry(traceparent: str | None = f"00-{TRACE}-{PARENT}-01") -> StreamEntry:
         kind="chat",
         model="m",
         submitted_ms=0,
-        reply="r",
+        channel="r",
         body=b"",
         traceparent=traceparent,
     )

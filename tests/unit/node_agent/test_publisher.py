@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 from node_agent.serving import publisher as publisher_module
 from node_agent.serving.cache_index import CacheIndex
 from node_agent.serving.job_reader import JobReader
-from node_agent.serving.publisher import Outgoing, Publisher
+from node_agent.serving.output_messages import Outgoing
+from node_agent.serving.publisher import Publisher
 from shared import event_log
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.processes import free_port, redis_answers, redis_server_argv

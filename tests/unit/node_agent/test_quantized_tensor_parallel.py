@@ -105,7 +105,7 @@ def test_two_ranks_hold_half_the_quantized_weights_each_and_decode_what_one_devi
     try:
         got = driver.run(engine, *greedy_requests())
     finally:
-        engine.release()
+        engine.drop_model()
     assert lm.quant == single.quant == ("int8" if name == "Q8_0" else "int4")
     assert rank0 == pytest.approx(
         whole / 2, rel=0.01
@@ -142,7 +142,7 @@ def test_int8_at_load_shards_as_weight_only_8_bit_layers(quantized):
     try:
         got = driver.run(engine, *greedy_requests()[:2])
     finally:
-        engine.release()
+        engine.drop_model()
     assert lm.quant == "int8" and len(layers) == 14  # q k v o gate up down, 2 layers
     assert [len(got[j].token_ids[0]) for j in ("j0", "j1")] == [8, 9]
 

@@ -95,7 +95,7 @@ def test_two_ranks_generate_what_one_device_does(tiny_dirs, new_children):
             tensor_parallel.load(sharded(tiny_dirs["qwen3"]), CPUS, SETTINGS)
         got = driver.run(engine, *requests())
     finally:
-        engine.release()
+        engine.drop_model()
     for job, want in expected.items():
         assert got[job].token_ids == want.token_ids, job
         assert got[job].text == want.text
@@ -133,7 +133,7 @@ def test_a_lost_worker_fails_the_next_step_and_nothing_is_left(
     ):  # nothing more runs on a broken group
         engine.step()
     engine.fail_all()
-    engine.release()
+    engine.drop_model()
     assert not dist.is_initialized() and not new_children() and worker.exitcode == -signal.SIGKILL
 
 

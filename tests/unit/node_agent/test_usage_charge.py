@@ -11,8 +11,9 @@ import redis.asyncio as aioredis
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, StepOutput, TokenOut
-from node_agent.serving.output_process import Delivery, OutputSide, Publish
-from node_agent.serving.publisher import Outgoing, Publisher
+from node_agent.serving.output_messages import Delivery, Outgoing, Publish
+from node_agent.serving.output_process import OutputSide
+from node_agent.serving.publisher import Publisher
 from shared import usage_meter
 from shared.api_keys import utc_day
 from shared.keys import CONSUMER_GROUP, Keys
@@ -48,13 +49,13 @@ async def test_finished_failed_and_cancelled_jobs_charge_their_key_what_they_use
     side.publish(
         Publish(
             items=[],
-            routes=[
+            deliveries=[
                 Delivery(
                     job,
                     f"events:{job}",
                     STREAM,
                     entries[job],
-                    key="" if job == "unmetered" else "alice",
+                    api_key="" if job == "unmetered" else "alice",
                 )
                 for job in jobs
             ],

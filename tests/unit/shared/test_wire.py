@@ -197,7 +197,7 @@ def test_a_pooling_job_travels_as_its_own_request():
         job="j", model="m", kind="embed", inputs=["a text", [101, 7, 102]], dimensions=8
     )
     entry = StreamEntry(
-        job="j", kind="embed", model="m", submitted_ms=1, reply="r", body=pack(request)
+        job="j", kind="embed", model="m", submitted_ms=1, channel="r", body=pack(request)
     )
     fields = {
         k.encode(): v if isinstance(v, bytes) else str(v).encode()

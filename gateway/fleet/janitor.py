@@ -1,0 +1,185 @@
+"""The fleet janitor: every `janitor_interval_s` one gateway replica (whoever holds
+`cortex:lock:janitor`) repairs what no request is around to notice:
+
+- jobs a dead node had read: a streaming one that had sent a token (`Keys.started`) ends with a
+  `node_lost` error event (its client has seen tokens that cannot be taken back); any other goes
+  back on its stream once (`retries` field), so its client only waits longer; the dead consumer
+  and its note of started jobs are then deleted;
+- jobs routed to a node's own stream (gateway/fleet/routing.py) that waited there longer than
+  `affinity_wait_ms`, or whose node is dead, draining or without the model, go to the moved stream
+  every node reads, keeping their place (`shared.queues.MOVE_LUA`); a gone node's own streams are
+  deleted once empty;
+- models with jobs waiting and no live replica are placed again, and replicas are added where
+  the queue per replica passes `scale_out_queue_depth` or `min_replicas` asks for more;
+- whatever else the server hands it as `sweeps` runs on the same beat: background responses
+  whose job ended are stored (gateway/jobs/background.py).
+
+An error event the janitor sends goes to the job's event log too (if it has one), so a client
+resuming the job learns how it ended.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from redis.exceptions import LockError, RedisError, ResponseError
+
+from gateway.fleet.placement import Placer
+from shared import queues, recovery
+from shared.errors import ModelUnavailable
+from shared.heartbeat import NodeHeartbeat
+from shared.keys import CONSUMER_GROUP
+from shared.redis_conn import Outage, atomic
+from shared.wire import ErrorEvent
+
+log = logging.getLogger(__name__)
+
+
+class Janitor:
+    def __init__(self, placer: Placer, sweeps: Sequence[Callable[[], Awaitable[None]]] = ()):
+        """`placer` holds what the janitor reads and writes (Redis, the catalogue, the fleet) and
+        places models again; `sweeps` are the upper layers' own chores, run after the fleet's."""
+        self.placer, self.sweeps = placer, sweeps
+        self.redis, self.keys, self.settings = placer.redis, placer.keys, placer.settings
+        self.catalog, self.fleet = placer.catalog, placer.fleet
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="janitor")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        interval = self.settings.janitor_interval_s
+        outage = Outage(log, "janitor")
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                lock = self.redis.lock(self.keys.janitor_lock(), timeout=max(5 * interval, 5))
+                if await lock.acquire(blocking=False):
+                    try:
+                        await self.sweep()
+                    finally:
+                        await lock.release()
+                outage.ok()
+            except (RedisError, OSError) as exc:
+                outage.failed(exc)
+            except Exception:
+                log.exception("janitor round failed")
+
+    async def sweep(self) -> None:
+        nodes = await self.fleet.live_nodes()
+        live = {n.node for n in nodes}
+        dead = set()
+        for stream in [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]:
+            dead |= await self._reap_dead_consumers(stream, live)
+            if (name := queues.parse(self.keys, stream)) is not None and name.node is not None:
+                await self._move_waiting(stream, name, {n.node: n for n in nodes}.get(name.node))
+        if dead:
+            await self.redis.delete(*[self.keys.started(node) for node in dead])
+        for profile in self.catalog.profiles.values():
+            await self._keep_replicas(profile, nodes)
+        for sweep in self.sweeps:
+            await sweep()
+
+    def _fail(self, pipe, fields: dict[bytes, bytes], error: ErrorEvent) -> None:
+        recovery.fail_job(pipe, self.keys, fields, error, self.settings.stream_retention_s)
+
+    async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
+        """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
+        try:
+            consumers = await self.redis.xinfo_consumers(stream, CONSUMER_GROUP)
+        except ResponseError:  # no group yet
+            return set()
+        dead = set()
+        for consumer in consumers:
+            name = (
+                consumer["name"].decode()
+                if isinstance(consumer["name"], bytes)
+                else consumer["name"]
+            )
+            if name in live:
+                continue
+            await recovery.recover_consumer(
+                self.redis, self.keys, stream, name, self.settings.stream_retention_s
+            )
+            dead.add(name)
+            log.info("removed dead consumer %s from %s", name, stream)
+        return dead
+
+    async def _move_waiting(
+        self, stream: str, name: queues.StreamName, node: NodeHeartbeat | None
+    ) -> None:
+        """Move what waits on a node's own stream to the moved stream: all of it when the node is gone,
+        draining or without the model (then the stream goes once empty), else what waited too long."""
+        serving = node is not None and node.takes_jobs and node.serves(name.model)
+        newest = str(int(time.time() * 1000) - self.settings.affinity_wait_ms) if serving else "+"
+        script = self.redis.register_script(queues.MOVE_LUA)
+        moved = await script(
+            keys=[stream, self.keys.moved_jobs(name.model, name.job_class, name.band)],
+            args=[CONSUMER_GROUP, newest, 1000, "0" if node is not None else "1"],
+        )
+        if moved:
+            await self.redis.hincrby(self.keys.routing(name.model), "moved", moved)
+            log.info(
+                "moved %d jobs from %s (%s)",
+                moved,
+                stream,
+                "waited too long" if serving else "node gone",
+            )
+
+    async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat]) -> None:
+        """`nodes`: the live nodes as this sweep read them (once for every model: a fleet of 100 nodes
+        and 100 models would parse 10,000 heartbeats a second otherwise); read again to place."""
+        waiting = await self._waiting(profile.id, nodes)
+        if self._replicas_missing(profile, waiting, nodes) == 0:
+            return
+        try:
+            async with self.redis.lock(
+                self.keys.placement_lock(profile.id), timeout=30, blocking_timeout=0.1
+            ):
+                replicas = self._replicas_missing(
+                    profile, waiting, await self.fleet.live_nodes()
+                )  # under the lock
+                if replicas == 0:
+                    return
+                node = await self.placer.place(profile, extra_replica=replicas < 0)
+                log.info(
+                    "janitor placed a replica of %s on %s (%d waiting)", profile.id, node, waiting
+                )
+        except LockError:  # another gateway is placing it right now
+            return
+        except ModelUnavailable as exc:
+            if waiting and not await self.fleet.is_served(profile.id, fresh=True):
+                await self._fail_waiting(profile.id, exc)
+
+    def _replicas_missing(self, profile, waiting: int, nodes: list[NodeHeartbeat]) -> int:
+        """0: enough replicas; 1: none and one is needed; -1: some, and one more is needed."""
+        replicas = [n for n in nodes if n.takes_jobs and n.serves(profile.id)]
+        wanted = max(profile.min_replicas, 1 if waiting else 0)
+        if replicas and waiting > self.settings.scale_out_queue_depth * len(replicas):
+            wanted = len(replicas) + 1
+        if len(replicas) >= min(wanted, profile.max_replicas):
+            return 0
+        return -1 if replicas else 1
+
+    async def _waiting(self, model: str, nodes: list[NodeHeartbeat]) -> int:
+        """Entries of any class nobody has read yet (on the own streams of its nodes too)."""
+        serving = tuple(n.node for n in nodes if n.serves(model))
+        return sum(
+            (await queues.depth(self.redis, self.keys, model, nodes=serving))["queued"].values()
+        )
+
+    async def _fail_waiting(self, model: str, error: ModelUnavailable) -> None:
+        """No node can serve `model` any more: tell the jobs waiting for it (none of them is pending)."""
+        for _job_class, stream in queues.streams(self.keys, model):
+            for entry_id, fields in await self.redis.xrange(stream, count=1000):
+                async with atomic(self.redis) as pipe:
+                    self._fail(pipe, fields, ErrorEvent(code=error.code, message=error.message))
+                    pipe.xdel(stream, entry_id)
+                    await pipe.execute()
+        log.warning("failed the jobs waiting for %s: %s", model, error.message)

@@ -1,0 +1,1 @@
+"""The HTTP API: the server, its middleware and errors, the routes."""

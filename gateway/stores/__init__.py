@@ -1,0 +1,1 @@
+"""What users store through the API, in Redis: files, batches, responses."""
