@@ -20,7 +20,7 @@ replicas of each), the cold ones placed by the first request for them. Then, in 
    their idle rate); admit-to-start p50/p99 (the done event's `queue_ms` the gateways log: the
    gateway's enqueue, after placement and routing, to the engine's admission); the first request
    of each cold model's time to its first token (placement, load `--load-s` included);
-3. the janitor's sweep (gateway/janitor.py) run 3 times in this process, timed: the gateways run
+3. the janitor's sweep (gateway/fleet/janitor.py) run 3 times in this process, timed: the gateways run
    without their janitor (`janitor_interval_s` a day), so that a request's commands are told apart
    from a sweep's; this process runs it once a second during step 4;
 4. a node's death: a slow simulated node (one step a minute, room for that model alone) and sim-0
@@ -428,14 +428,15 @@ def attributed(seen: list[tuple[int, str]], ports: set[int]) -> dict[str, int]:
 
 
 @asynccontextmanager
-async def janitor(url: str, cluster: bool):
-    """The gateway's janitor (gateway/janitor.py), run here on the fleet's Redis: the bench's gateways
-    run without theirs, so that a request's commands are told apart from a sweep's."""
-    from gateway.context import GatewayContext
-    from gateway.events import EventRouter
-    from gateway.janitor import Janitor
+async def janitor(url: str, cluster: bool, view: bool = True):
+    """The gateway's janitor (gateway/fleet/janitor.py), run here on the fleet's Redis with a fleet
+    view as a gateway has (`view`): the bench's gateways run without theirs, so that a request's
+    commands are told apart from a sweep's."""
+    from gateway.fleet.janitor import Janitor
+    from gateway.fleet.placement import Placer
     from shared.catalog import Catalog
     from shared.fleet import Fleet
+    from shared.fleet_view import FleetView
     from shared.keys import Keys
     from shared.redis_conn import connect
     from shared.settings import GatewaySettings
@@ -443,17 +444,15 @@ async def janitor(url: str, cluster: bool):
     settings = GatewaySettings(redis_url=url, janitor_interval_s=1.0)
     redis = connect(url)
     keys = Keys(settings.key_prefix, cluster=cluster)
-    ctx = GatewayContext(
-        settings=settings,
-        keys=keys,
-        redis=redis,
-        catalog=Catalog.load(settings.models_file),
-        router=EventRouter(lambda: connect(url)),
-        fleet=Fleet(redis, keys, settings.node_ttl_s),
-    )
+    fleet_view = FleetView(redis, keys, settings.node_ttl_s) if view else None
+    if fleet_view is not None:
+        await fleet_view.start()
+    fleet = Fleet(redis, keys, settings.node_ttl_s, view=fleet_view)
     try:
-        yield Janitor(ctx)
+        yield Janitor(Placer(redis, keys, settings, Catalog.load(settings.models_file), fleet))
     finally:
+        if fleet_view is not None:
+            await fleet_view.stop()
         await redis.aclose()
 
 
