@@ -155,7 +155,7 @@ class Routing:
         else:
             outcome, cost = "load", lambda n: (active[n.node], _cached_blocks(n, model))
         best = await self._with_short_stream(
-            sorted(roomy, key=cost)[:ROOM_CHECKS], model, job_class, band
+            sorted(roomy, key=cost)[:ROOM_CHECKS], request.job, prompt, model, job_class, band
         )
         if best is None:
             return SHARED if outcome == "load" else FULL
@@ -163,18 +163,27 @@ class Routing:
             outcome == "session" and best.node != last
         ):
             outcome = "full"  # a node with room that holds none of it costs less (or the session's has none)
-        self._routed.setdefault(best.node, {})[request.job] = _Routed(_now_ms(), prompt)
         return Route(best.node, outcome)
 
     async def _with_short_stream(
-        self, ranked: list[NodeHeartbeat], model: str, job_class: str, band: str
+        self,
+        ranked: list[NodeHeartbeat],
+        job: str,
+        prompt: int,
+        model: str,
+        job_class: str,
+        band: str,
     ) -> NodeHeartbeat | None:
         """The first of `ranked` whose own stream of the job's class and band holds fewer jobs than
-        it has slots (one XLEN each, in order)."""
+        it has slots (one XLEN each, in order), with the job counted there: counted before the XLEN,
+        so that jobs routed meanwhile see it (and taken back if the stream is full)."""
         for node in ranked:
+            routed = self._routed.setdefault(node.node, {})
+            routed[job] = _Routed(_now_ms(), prompt)
             queued = await self.redis.xlen(self.keys.node_jobs(model, node.node, job_class, band))
             if queued < node.models[model].slots_total:
                 return node
+            routed.pop(job, None)
         return None
 
     def _since_heartbeat(self, node: NodeHeartbeat) -> tuple[int, int]:

@@ -172,11 +172,6 @@ def _per_request(stack: Stack, pids: list[int], requests: int) -> Counter:
     return Counter({k: v - idle.get(k, 0) for k, v in busy.items() if v > idle.get(k, 0)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 48 phase 2: placement (shared/fleet.Fleet.is_served) and routing "
-    "(gateway/routing.Routing._live) read every node's heartbeat hash per request",
-)
 def test_commands_per_request_do_not_grow_with_the_fleet(tmp_path):
     stack = start_stack(
         tmp_path,
