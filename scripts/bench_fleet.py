@@ -14,8 +14,9 @@ replicas of each), the cold ones placed by the first request for them. Then, in 
    model), 7 short non-streamed completions over every warm model, and 1 streamed chat to a cold
    model. Per request: the Redis commands the gateways sent (`redis-cli monitor` on every master,
    each command told by its client's port, a script's commands counted with its sender), by
-   command, less what they send when idle (their metrics refresh: every node's heartbeat and every
-   model's queues every 2 s, measured the same way over a second idle window); every command Redis ran (INFO commandstats), less the idle rate over the same time
+   command, less what they send when idle (their metrics refresh: every model's queues every 2 s,
+   measured the same way over a second idle window; a command's figure never below 0, as the
+   refresh comes in bursts); every command Redis ran (INFO commandstats), less the idle rate over the same time
    (`_all`: rough, the nodes' idle reads vary); gateway CPU ms (/proc of the gateway processes, less
    their idle rate); admit-to-start p50/p99 (the done event's `queue_ms` the gateways log: the
    gateway's enqueue, after placement and routing, to the engine's admission); the first request
@@ -552,8 +553,8 @@ def measure(args, nodes: int, workdir: Path) -> dict:
             g1, r1 = cpu_s(pids), meter.sample()
         wave_s, wave_calls, wave_cpu = delta(r0, r1)
         n = len(requests)
-        gateway_calls = {
-            c: round(v - background.get(c, 0) * wave_s / quiet_s)
+        gateway_calls = {  # a command the background sends in bursts is never below 0
+            c: max(0, round(v - background.get(c, 0) * wave_s / quiet_s))
             for c, v in attributed(seen, owned_ports(pids, f["masters"])).items()
         }
         everything = {
