@@ -3,8 +3,9 @@ time (node_agent/serving/agent.py `_beat`, the one builder real and simulated no
 writes the hash fields that differ from the last beat Redis took, and, when any did, appends them
 to the fleet's change stream (`Keys.fleet_changes`) with the node's `seq`, the count of such beats,
 from which gateways keep their fleet view (shared/fleet_view.py). A beat that changed nothing is
-`heartbeat_ms` alone, the hash's expiry and the node's score in `Keys.nodes`. When the hash was gone
-(a Redis that lost it, or the node's first beat) the next beat writes every field."""
+`heartbeat_ms` alone, the hash's expiry and the node's score in `Keys.nodes`. Every field is
+written at the first beat, after a beat that found the hash gone (a Redis that lost it), and when
+the last beat Redis took is older than half the hash's TTL (a late beat: the hash may be gone)."""
 
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import Keys
@@ -19,9 +20,12 @@ class HeartbeatWriter:
         self._sent: dict[str, str] = {}  # what the hash holds, as far as this node knows
         self._writing: dict[str, str] = {}
         self._whole = False
+        self._written_ms = self._writing_ms = 0  # the last beat Redis took, and this one
 
     def write(self, pipe, beat: NodeHeartbeat) -> None:
         """Queue the beat on `pipe`, first (`settle` reads the first reply)."""
+        if beat.heartbeat_ms - self._written_ms > self.ttl_ms // 2:
+            self._sent = {}  # late (a busy host): the hash may have expired, write all of it
         fields = beat.to_hash()
         changed = {
             k: v
@@ -43,11 +47,13 @@ class HeartbeatWriter:
                 approximate=True,
             )
         self._writing = fields | {"seq": str(self.seq)}
+        self._writing_ms = beat.heartbeat_ms
         self._whole = not self._sent  # every field sent: right even if the hash was gone
 
     def settle(self, replies: list) -> None:
         """After the pipeline ran: what the hash holds now (or, if it was gone, send it all next)."""
         self._sent = self._writing if replies[0] or self._whole else {}
+        self._written_ms = self._writing_ms
 
     def forget(self) -> None:
         """Send every field next time (the hash may be gone: Redis restarted)."""

@@ -63,6 +63,11 @@ def test_a_beat_writes_what_changed(redis_url):
         await _send(redis, writer, _beat("n1", 1, m="ready"))
         await _send(redis, writer, _beat("n1", 1, m="ready"))
         assert NodeHeartbeat.from_hash(await redis.hgetall(KEYS.node("n1"))).models == stored.models
+        await redis.delete(KEYS.node("n1"))  # expired: the node's beats came too late
+        late = _beat("n1", 1, m="ready")
+        late.heartbeat_ms += 5000  # over half the TTL after the last: every field again
+        await _send(redis, writer, late)
+        assert NodeHeartbeat.from_hash(await redis.hgetall(KEYS.node("n1"))).models == stored.models
         await redis.aclose()
 
     asyncio.run(run())
