@@ -261,19 +261,8 @@ def fleet(args, nodes: int, workdir: Path):
             wait_until(f"{nodes} simulated nodes ready", ready, args.start_timeout, procs, 1.0)
             for g in gateways:
                 wait_until(f"gateway {g}", lambda g=g: _http_ok(f"{g}/health"), 60, procs, 0.2)
-            yield dict(
-                gateways=gateways,
-                logs=logs,
-                pids=pids,
-                masters=masters,
-                warm=warm,
-                cold=cold,
-                victim=victim,
-                url=url,
-                client=client,
-                keys=keys,
-                procs=procs,
-            )
+            handles = dict(gateways=gateways, logs=logs, pids=pids, masters=masters, url=url)
+            yield handles | dict(warm=warm, cold=cold, victim=victim, client=client, keys=keys)
         except Exception:
             for child in procs.supervisor.children:
                 log(f"{child.name} log tail:\n{procs.tail(child.name)}")
