@@ -34,6 +34,8 @@ from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
 
+SCAN_COUNT = 1000  # keys a SCAN step looks at (Redis's default, 10, is a round trip per 10 keys)
+
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
@@ -165,7 +167,10 @@ class NodeAgent:
         dead-node window left entries read and unfinished: requeue or fail them now (as the janitor
         would), so that their clients do not wait for the request timeout."""
         try:
-            streams = [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]
+            streams = [
+                k.decode()
+                async for k in self.redis.scan_iter(match=self.keys.all_jobs(), count=SCAN_COUNT)
+            ]
             found = [
                 s
                 for s in streams
