@@ -182,7 +182,10 @@ def test_commands_per_request_do_not_grow_with_the_fleet(tmp_path):
     try:
         stack.start_gateways(2)
         pids = [s.proc.pid for s in stack.services if s.name == "gateway"]
-        simulate(stack, 5, MODELS, step_ms=2)
+        two_each = (
+            MODELS + MODELS[1:] + MODELS[:1]
+        )  # two replicas a model: routing runs at both sizes
+        simulate(stack, 5, two_each, step_ms=2)
         _mix(stack.replicas, 8)  # warm every path
         small = _per_request(stack, pids, 40)
         spread = [MODELS[k % len(MODELS)] for k in range(100)]
