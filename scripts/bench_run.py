@@ -21,7 +21,8 @@ the HTTP ones (gateway, vllm-cpu, tf-serve) get the same client. --workload mult
 measure prefix caching against gateway, vllm-cpu and tf-serve (bench_workloads.py); --workload embed
 the default embedding model's inputs/s through the gateway, in-process and in sentence-transformers
 (bench_embed.py); --workload edit measures speculative decoding: files given back with one change,
-in the in-process engine, through the gateway and through vLLM-CPU (bench_edit.py). --speculative
+in the in-process engine, through the gateway and through vLLM-CPU (bench_edit.py); --workload fleet
+what a request costs the control plane on 10 to 1,000 simulated nodes (bench_fleet.py). --speculative
 runs Cortex's gateway once per catalogue `speculative` setting (streams, multiturn, shared-prefix, edit).
 This is a report: nothing here asserts on time. See docs/benchmarks.md.
 """
@@ -53,6 +54,7 @@ sys.path.insert(
 import bench_bus  # noqa: E402  (beside this file)
 import bench_edit  # noqa: E402
 import bench_embed  # noqa: E402
+import bench_fleet  # noqa: E402
 import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (  # noqa: E402
@@ -856,7 +858,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--workload",
         default="streams",
-        choices=["streams", "multiturn", "shared-prefix", "bus", "embed", "edit"],
+        choices=["streams", "multiturn", "shared-prefix", "bus", "embed", "edit", "fleet"],
         help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
         "growing conversations; shared-prefix: requests sharing one long prefix (see "
         "scripts/bench_workloads.py); bus: the streams through a fleet of several models, "
@@ -864,7 +866,8 @@ def parse_args(argv=None):
         "embed: all-MiniLM-L6-v2's inputs/s at batch sizes --concurrency (scripts/bench_embed.py); "
         "edit: source files given back with one change, speculation off and on, in the in-process "
         "engine, through the gateway and through vLLM-CPU (scripts/bench_edit.py; N = 1,4,16,64, "
-        "256 tokens)",
+        "256 tokens); fleet: the control plane's cost per request on 10, 100, 1,000 simulated "
+        "nodes (scripts/bench_fleet.py, its own options: --workload fleet --help)",
     )
     p.add_argument(
         "--speculative",
@@ -1302,6 +1305,10 @@ def prefix_workload(args, parser) -> None:
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload")
+    if pre.parse_known_args(argv)[0].workload == "fleet":  # its own options: bench_fleet.py
+        return bench_fleet.main(argv)
     args = parse_args(argv)
     if args.export_tokenizer:
         bench_models.default_tokenizer().save_pretrained(args.export_tokenizer)

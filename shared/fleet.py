@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from shared import queues
 from shared.commands import NodeCommand
 from shared.fleet_status import CatalogModelStatus, FleetStatus, NodeStatus, QueueStatus
+from shared.fleet_view import FleetView
 from shared.heartbeat import NodeHeartbeat
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import ModelState
@@ -25,10 +26,15 @@ COMMANDS_KEPT = 1000  # MAXLEN ~ of a node's command stream
 
 
 class Fleet:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, node_ttl_s: float):
+    def __init__(
+        self, redis: aioredis.Redis, keys: Keys, node_ttl_s: float, view: FleetView | None = None
+    ):
+        """`view`: the gateway's fleet view (shared/fleet_view.py); while it is fresh the live nodes
+        and a model's replicas come from it, and no request reads the nodes' hashes."""
         self._redis = redis
         self._keys = keys
         self._node_ttl_s = node_ttl_s
+        self.view = view
         self._served_until: dict[str, float] = {}  # model id -> monotonic deadline
 
     async def _heartbeats(self, names: list[bytes]) -> list[NodeHeartbeat | None | ValueError]:
@@ -46,7 +52,14 @@ class Fleet:
         return found
 
     async def live_nodes(self) -> list[NodeHeartbeat]:
-        """Nodes whose last heartbeat is newer than `node_ttl_s`, in name order."""
+        """Nodes whose last heartbeat is newer than `node_ttl_s`, in name order (the view's, while
+        it is fresh)."""
+        if self.view is not None and self.view.fresh:
+            return self.view.live_nodes()
+        return await self._read_live_nodes()
+
+    async def _read_live_nodes(self) -> list[NodeHeartbeat]:
+        """`live_nodes` as Redis holds them now: every live node's hash read."""
         since_ms = int((time.time() - self._node_ttl_s) * 1000)
         names = await self._redis.zrangebyscore(self._keys.nodes(), since_ms, "+inf")
         nodes = []
@@ -68,10 +81,14 @@ class Fleet:
         return NodeHeartbeat.from_hash(fields) if fields else None
 
     async def is_served(self, model: str, *, fresh: bool = False) -> bool:
-        """Some live node taking jobs has `model` ready or loading (a yes is reused for a second)."""
+        """Some live node taking jobs has `model` ready or loading (a yes is reused for a second;
+        `fresh`: neither that nor the view, Redis read now)."""
         if not fresh and self._served_until.get(model, 0.0) > time.monotonic():
             return True
-        served = any(node.serves(model) for node in await self.serving_nodes())
+        if not fresh and self.view is not None and self.view.fresh:
+            return any(n.takes_jobs and n.serves(model) for n in self.view.holders(model))
+        nodes = await (self._read_live_nodes() if fresh else self.live_nodes())
+        served = any(node.takes_jobs and node.serves(model) for node in nodes)
         if served:
             self._served_until[model] = time.monotonic() + SERVED_CACHE_S
         return served

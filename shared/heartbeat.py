@@ -92,6 +92,7 @@ class NodeHeartbeat(BaseModel):
     labels: list[str] = []
     started_ms: int
     heartbeat_ms: int
+    seq: int = 0  # heartbeats that changed something, since the node started (shared/fleet_view.py)
     devices: list[DeviceInfo] = []
     models: dict[str, ModelInfo] = {}
     file_url: str = ""  # where peers fetch the model files it holds ('': it serves none)
@@ -112,6 +113,7 @@ class NodeHeartbeat(BaseModel):
             "state": str(self.state),
             "started_ms": str(self.started_ms),
             "heartbeat_ms": str(self.heartbeat_ms),
+            "seq": str(self.seq),
             "labels": json.dumps(self.labels),
             "devices": json.dumps([d.model_dump() for d in self.devices]),
             "models": json.dumps({k: m.model_dump(mode="json") for k, m in self.models.items()}),

@@ -107,6 +107,12 @@ class Keys:
         `disk`; a mark absent here is on the device. Written and expired with `prefixes`."""
         return f"{self.prefix}prefix-tiers:{model}:@{node}"
 
+    def prefix_index(self, model: str) -> str:
+        """Hash with TTL (the nodes' heartbeat TTL, renewed by their heartbeats): `{mark}@{node}` ->
+        tokens, for every node's cache of `model` (what `prefixes` holds, for all nodes at once):
+        routing reads a job's marks on every candidate node in one HMGET."""
+        return self._tagged("prefixes", model)
+
     def session(self, model: str, session: str) -> str:
         """String with TTL (`session_ttl_s`): the node that ran the last turn of a session (a hash of
         the request's `prompt_cache_key`, `user`, `metadata.user_id` or `x-cortex-session`)."""
@@ -162,6 +168,12 @@ class Keys:
         `host` (its hostname) -> their last beat (ms). Agents on one host split its cores between
         them (node_agent/host_share.py)."""
         return self._in(FLEET, f"host:{host}")
+
+    def fleet_changes(self) -> str:
+        """Stream (capped): what each node's heartbeat changed, in order: `node`, `started_ms`, `seq`
+        (the node's count of changed heartbeats) and the fields of `node` that changed. Gateways
+        keep their fleet view current from it (shared/fleet_view.py)."""
+        return self._in(FLEET, "fleet:changes")
 
     def started(self, node: str) -> str:
         """Set: streaming jobs on `node` that have sent a token (a job leaves it when it ends). When

@@ -21,7 +21,7 @@ from tests.redis_cluster import LocalCluster, start_cluster
 
 NODE_START_TIMEOUT_S = 180.0  # a first GGUF load dequantises for ~30 s on a busy 2-core machine
 DOCUMENTED_KEYS = re.compile(
-    r"^cortex:(jobs:.+|nodes|node:.+|catalog|cmd:.+|pins|lock:placement:.+|modelfiles:.+|host:.+|lock:pull:.+|lock:janitor|file:.+|files|files:bytes|batch:[^:]+|batches"
+    r"^cortex:(jobs:.+|nodes|node:.+|fleet:changes|catalog|cmd:.+|pins|lock:placement:.+|modelfiles:.+|host:.+|lock:pull:.+|lock:janitor|file:.+|files|files:bytes|batch:[^:]+|batches"
     r"|batches:active|response:.+|responses:background|eventlog:.+|result:.+|detached:.+|metered:.+|started:.+|arq:queue|arq:queue:health-check|apikeys|apikey:.+|ratelimit:.+:(requests|tokens)|usage:.+:\d{4}-\d\d-\d\d|prefixes:.+|session:.+|routing:.+)$"
     r"|^arq:(cron|job|in-progress|result|retry):.+$"
 )

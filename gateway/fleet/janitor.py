@@ -35,6 +35,8 @@ from shared.wire import ErrorEvent
 
 log = logging.getLogger(__name__)
 
+SCAN_COUNT = 1000  # keys a SCAN step looks at (Redis's default, 10, is a round trip per 10 keys)
+
 
 class Janitor:
     def __init__(self, placer: Placer, sweeps: Sequence[Callable[[], Awaitable[None]]] = ()):
@@ -73,28 +75,48 @@ class Janitor:
 
     async def sweep(self) -> None:
         nodes = await self.fleet.live_nodes()
-        live = {n.node for n in nodes}
+        by_name = {n.node: n for n in nodes}
+        streams = [
+            k.decode()
+            async for k in self.redis.scan_iter(match=self.keys.all_jobs(), count=SCAN_COUNT)
+        ]
+        consumers, lengths = await self._survey(streams)
         dead = set()
-        for stream in [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]:
-            dead |= await self._reap_dead_consumers(stream, live)
-            if (name := queues.parse(self.keys, stream)) is not None and name.node is not None:
-                await self._move_waiting(stream, name, {n.node: n for n in nodes}.get(name.node))
+        for stream, found, length in zip(streams, consumers, lengths):
+            dead |= await self._reap_dead_consumers(stream, found, set(by_name))
+            name = queues.parse(self.keys, stream)
+            if name is not None and name.node is not None and (length or name.node not in by_name):
+                await self._move_waiting(stream, name, by_name.get(name.node))
         if dead:
             await self.redis.delete(*[self.keys.started(node) for node in dead])
-        for profile in self.catalog.profiles.values():
-            await self._keep_replicas(profile, nodes)
+        profiles = list(self.catalog.profiles.values())
+        waiting = await asyncio.gather(*(self._waiting(p.id, nodes) for p in profiles))
+        for profile, queued in zip(profiles, waiting):
+            await self._keep_replicas(profile, nodes, queued)
         for sweep in self.sweeps:
             await sweep()
 
     def _fail(self, pipe, fields: dict[bytes, bytes], error: ErrorEvent) -> None:
         recovery.fail_job(pipe, self.keys, fields, error, self.settings.stream_retention_s)
 
-    async def _reap_dead_consumers(self, stream: str, live: set[str]) -> set[str]:
+    async def _survey(self, streams: list[str]) -> tuple[list, list[int]]:
+        """Each stream's consumers (XINFO CONSUMERS; none without a group) and length, in one
+        pipelined round trip rather than two a stream."""
+        if not streams:
+            return [], []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in streams:
+                pipe.xinfo_consumers(stream, CONSUMER_GROUP)
+                pipe.xlen(stream)
+            replies = await pipe.execute(raise_on_error=False)
+        consumers = [[] if isinstance(r, ResponseError) else r for r in replies[0::2]]
+        for r in replies:
+            if isinstance(r, Exception) and not isinstance(r, ResponseError):
+                raise r
+        return consumers, [r if isinstance(r, int) else 0 for r in replies[1::2]]
+
+    async def _reap_dead_consumers(self, stream: str, consumers: list, live: set[str]) -> set[str]:
         """Recover what dead consumers of `stream` had read, and delete them; returns their names."""
-        try:
-            consumers = await self.redis.xinfo_consumers(stream, CONSUMER_GROUP)
-        except ResponseError:  # no group yet
-            return set()
         dead = set()
         for consumer in consumers:
             name = (
@@ -132,10 +154,10 @@ class Janitor:
                 "waited too long" if serving else "node gone",
             )
 
-    async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat]) -> None:
+    async def _keep_replicas(self, profile, nodes: list[NodeHeartbeat], waiting: int) -> None:
         """`nodes`: the live nodes as this sweep read them (once for every model: a fleet of 100 nodes
-        and 100 models would parse 10,000 heartbeats a second otherwise); read again to place."""
-        waiting = await self._waiting(profile.id, nodes)
+        and 100 models would parse 10,000 heartbeats a second otherwise); read again to place.
+        `waiting`: the model's jobs nobody has read yet."""
         if self._replicas_missing(profile, waiting, nodes) == 0:
             return
         try:

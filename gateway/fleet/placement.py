@@ -198,9 +198,9 @@ class Placer:
         overrides = await self.fleet.pins()
         return {m for m, p in self.catalog.profiles.items() if overrides.get(m, p.pin)}
 
-    async def _busy(self, nodes: list[NodeHeartbeat]) -> set[str]:
-        """Models with jobs waiting in their streams or waiting rooms (never evicted from under them)."""
-        models = sorted({m for n in nodes for m in n.models})
+    async def _busy(self, models: list[str]) -> set[str]:
+        """Of `models`, those with jobs waiting in their streams or waiting rooms (never evicted
+        from under them)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for m in models:
                 for _job_class, stream in queues.streams(self.keys, m):
@@ -234,9 +234,11 @@ class Placer:
         ]
         strategy = self.settings.eviction_strategy
         priority = {m: p.priority for m, p in self.catalog.profiles.items()}
-        found = candidates(
-            profile, nodes, await self.pinned(), await self._busy(nodes), priority, strategy
-        )
+        pinned = await self.pinned()
+        found = candidates(profile, nodes, pinned, set(), priority, strategy)
+        evictable = sorted({m for c in found for m in c.evictable + c.must_evict})
+        if busy := await self._busy(evictable):  # only what a candidate could evict is looked at
+            found = candidates(profile, nodes, pinned, busy, priority, strategy)
         need = await self._estimate_mb(profile) if found else 0  # on each of its devices
         holding = frozenset(
             await self.fleet.file_holders(

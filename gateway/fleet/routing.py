@@ -2,10 +2,12 @@
 is here, the nodes only report what their caches hold).
 
 For each job with a conversation (chat) or a session, among the live nodes taking jobs that have
-its model ready and room for it (a free sequence slot in its last heartbeat, less the jobs this
-gateway routed there since, and plus those it saw end; fewer jobs on its own stream of the job's
-class and band than slots):
-1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefixes`, written by the
+its model ready (the model's holders in the gateway's fleet view, shared/fleet_view.py: no Redis
+command) and room for it (a free sequence slot in its last heartbeat, less the jobs this gateway
+routed there since, and plus those it saw end; and, read for the best two only, fewer jobs on its
+own stream of the job's class and band than slots). A job costs a fixed number of commands however
+large the fleet: one HMGET of its marks on every candidate, one GET of its session, one or two XLEN:
+1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefix_index`, written by the
    nodes from their engines' real cache state; marks in `shared.prefix_marks`), the node where the
    job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
    cache lacks (to prefill) plus `routing_load_weight` × the tokens its running sequences hold (to
@@ -42,7 +44,8 @@ from shared.lifecycle import ModelState
 from shared.settings import GatewaySettings
 from shared.wire import GenerationRequest
 
-NODES_FRESH_S = 0.5  # the live nodes are read at most this often (their heartbeats come every 2 s)
+NODES_FRESH_S = 0.5  # without a fresh fleet view, the live nodes are read at most this often
+ROOM_CHECKS = 2  # the best candidates whose own stream's length is read, in order
 
 
 @dataclass(frozen=True)
@@ -95,40 +98,51 @@ class Routing:
                 self._read_at = time.monotonic()
             return self._nodes
 
+    async def _candidates(self, model: str) -> list[NodeHeartbeat]:
+        """Nodes taking jobs that have `model` ready: its holders in the fleet view while the view
+        is fresh (no Redis command), else the live nodes read at most every NODES_FRESH_S."""
+        view = self.fleet.view
+        nodes = view.holders(model) if view is not None and view.fresh else await self._live()
+        return [
+            n
+            for n in nodes
+            if n.takes_jobs
+            and (info := n.models.get(model)) is not None
+            and info.state == ModelState.READY
+        ]
+
     async def route(
         self, request: GenerationRequest, session: str, job_class: str, band: str
     ) -> Route:
-        """Where the job goes (see the module's docstring)."""
+        """Where the job goes (see the module's docstring): one HMGET of the prompt's marks on every
+        candidate (the model's prefix index), the session's last node, then the own stream's length
+        of the best candidates only, at most ROOM_CHECKS of them."""
         if self.mode == "none" or not (request.prefix_marks or session):
             return SHARED
         model, keys = request.model, self.keys
-        nodes = [
-            n
-            for n in await self._live()
-            if (info := n.models.get(model)) is not None and info.state == ModelState.READY
-        ]
+        nodes = await self._candidates(model)
         if len(nodes) < 2:
             return SHARED
         marks = [mark for mark, _ in request.prefix_marks] if self.mode == "cache" else []
         async with self.redis.pipeline(transaction=False) as pipe:
-            for node in nodes:
-                pipe.xlen(keys.node_jobs(model, node.node, job_class, band))
-                if marks:
-                    pipe.hmget(keys.prefixes(model, node.node), marks)
+            if marks:
+                pipe.hmget(
+                    keys.prefix_index(model), [f"{m}@{n.node}" for n in nodes for m in marks]
+                )
             if session:
                 pipe.get(keys.session(model, session))
             replies = await pipe.execute()
-        step = 2 if marks else 1
-        queued = dict(zip((n.node for n in nodes), replies[0::step]))
         since = {n.node: self._since_heartbeat(n) for n in nodes}
         active = {n.node: _active(n, model, since[n.node][1]) for n in nodes}
-        roomy = [n for n in nodes if _has_room(n, model, queued[n.node], since[n.node][0])]
+        roomy = [n for n in nodes if _has_room(n, model, since[n.node][0])]
         prompt = (
             request.prefix_marks[-1][1] if request.prefix_marks else 0
         )  # its tokens, as the marks count them
-        held = (
-            {n.node: _longest(found) for n, found in zip(nodes, replies[1::step])} if marks else {}
-        )
+        found = replies[0] if marks else []
+        held = {
+            n.node: _longest(found[i * len(marks) : (i + 1) * len(marks)])
+            for i, n in enumerate(nodes)
+        }
         last = replies[-1].decode() if session and replies[-1] else None
         if any(held.values()):
             weight = self.settings.routing_load_weight
@@ -140,15 +154,37 @@ class Routing:
             outcome, cost = "session", lambda n: (n.node != last, active[n.node])
         else:
             outcome, cost = "load", lambda n: (active[n.node], _cached_blocks(n, model))
-        best = min(roomy, key=cost, default=None)
+        best = await self._with_short_stream(
+            sorted(roomy, key=cost)[:ROOM_CHECKS], request.job, prompt, model, job_class, band
+        )
         if best is None:
             return SHARED if outcome == "load" else FULL
         if (outcome == "cache" and not held[best.node]) or (
             outcome == "session" and best.node != last
         ):
             outcome = "full"  # a node with room that holds none of it costs less (or the session's has none)
-        self._routed.setdefault(best.node, {})[request.job] = _Routed(_now_ms(), prompt)
         return Route(best.node, outcome)
+
+    async def _with_short_stream(
+        self,
+        ranked: list[NodeHeartbeat],
+        job: str,
+        prompt: int,
+        model: str,
+        job_class: str,
+        band: str,
+    ) -> NodeHeartbeat | None:
+        """The first of `ranked` whose own stream of the job's class and band holds fewer jobs than
+        it has slots (one XLEN each, in order), with the job counted there: counted before the XLEN,
+        so that jobs routed meanwhile see it (and taken back if the stream is full)."""
+        for node in ranked:
+            routed = self._routed.setdefault(node.node, {})
+            routed[job] = _Routed(_now_ms(), prompt)
+            queued = await self.redis.xlen(self.keys.node_jobs(model, node.node, job_class, band))
+            if queued < node.models[model].slots_total:
+                return node
+            routed.pop(job, None)
+        return None
 
     def _since_heartbeat(self, node: NodeHeartbeat) -> tuple[int, int]:
         """What changed on `node` since its last heartbeat, as far as this gateway knows: (sequences,
@@ -197,12 +233,11 @@ def _active(node: NodeHeartbeat, model: str, tokens_since: int) -> int:
     return max(0, (kv.blocks_used * kv.block_size if kv else 0) + tokens_since)
 
 
-def _has_room(node: NodeHeartbeat, model: str, queued: int, sequences_since: int) -> bool:
-    """A free sequence slot (its heartbeat's, corrected as in `_active`) and a short own stream."""
+def _has_room(node: NodeHeartbeat, model: str, sequences_since: int) -> bool:
+    """A free sequence slot (its heartbeat's, corrected as in `_active`); its own stream's length is
+    checked for the best candidates only (`Routing._with_short_stream`)."""
     info = node.models[model]
-    return (
-        max(0, info.slots_used + sequences_since) < info.slots_total and queued < info.slots_total
-    )
+    return max(0, info.slots_used + sequences_since) < info.slots_total
 
 
 def _cached_blocks(node: NodeHeartbeat, model: str) -> int:

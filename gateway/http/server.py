@@ -35,6 +35,7 @@ from gateway.tracing import TraceLogFormatter, request_id_var
 from shared import __version__, systemd_notify, tracing
 from shared.catalog import Catalog
 from shared.fleet import Fleet
+from shared.fleet_view import FleetView
 from shared.keys import Keys
 from shared.redis_conn import atomic, connect, redact
 from shared.redis_health import warn_if_not_durable
@@ -79,17 +80,19 @@ def create_app(
         batch_queue = (
             connect(queue_url) if queue_url != settings.redis_url and not redis_factory else None
         )
+        view = FleetView(redis, keys, settings.node_ttl_s)  # no request reads the whole fleet
         app.state.ctx = ctx = GatewayContext(
             settings=settings,
             keys=keys,
             redis=redis,
             catalog=catalog,
-            fleet=Fleet(redis, keys, settings.node_ttl_s),
+            fleet=Fleet(redis, keys, settings.node_ttl_s, view=view),
             bus=bus,
             batch_queue=batch_queue,
         )
         janitor = Janitor(ctx.placer, sweeps=[partial(background.settle_ended, ctx)])
         await bus.start()
+        await view.start()
         janitor.start()
         warm_up = asyncio.create_task(ctx.placer.warm_up(), name="estimate-memory")
         metrics = asyncio.create_task(
@@ -111,6 +114,7 @@ def create_app(
             metrics.cancel()
             ctx.outage.stop()
             await janitor.stop()
+            await view.stop()
             await ctx.departures.stop()
             await bus.stop()
             await redis.aclose()

@@ -86,12 +86,13 @@ class Engine(OnDevice):
         node: str = "",
         compile_cache: Path | None = None,
         kv_disk: tuple[Path, float] | None = None,
+        runner: Runner | None = None,
     ):
-        """`kv_disk`: the node's KV disk tier (its directory and the GB each model may keep there)."""
+        """`kv_disk`: the node's KV disk tier (its directory and the GB each model may keep there);
+        `runner`: what runs each step's plan (default: the model's `Runner` on its device, its
+        compiled decode step kept in `compile_cache`; a simulated node's is node_agent/sim/runner.py)."""
         self.lm, self.profile, self.node = loaded, profile, node
-        self.runner = Runner(
-            loaded, profile, compile_cache
-        )  # compile_cache: where a CPU's compiled decode step is kept
+        self.runner = runner or Runner(loaded, profile, compile_cache)
         self.vocab = self.runner.vocab
         cache = self.runner.cache
         self.pool = BlockPool(cache.blocks, cache.block_size, caching=profile.prefix_caching)

@@ -77,6 +77,7 @@ class Puller:
             str, tuple[float, PullProgress]
         ] = {}  # folder -> (when, how far it got and why)
         self.held: dict[str, Manifest] = self.store.held()
+        self._published = True  # the last heartbeat's `publish` wrote some (at first: may have)
         self._stopping = threading.Event()  # ends hub downloads (threads) when the node stops
 
     # ---- what a load needs ------------------------------------------------------------------
@@ -293,10 +294,13 @@ class Puller:
     def publish(self, pipe, ttl_ms: int) -> None:
         """The folders held whole, into `Keys.model_files` (in the heartbeat's pipeline)."""
         key = self.keys.model_files(self.node)
+        if not (self.held or self._published):  # nothing held, nothing to take back: no command
+            return
         pipe.delete(key)
         if self.held:
             pipe.hset(key, mapping={folder: m.model_dump_json() for folder, m in self.held.items()})
             pipe.pexpire(key, ttl_ms)
+        self._published = bool(self.held)
 
     async def stop(self) -> None:
         self._stopping.set()

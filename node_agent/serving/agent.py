@@ -20,11 +20,12 @@ from node_agent.files.puller import Puller
 from node_agent.model import devices
 from node_agent.serving import node_identity
 from node_agent.serving.device_thread import DeviceThread
+from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
 from shared import __version__, recovery, systemd_notify, tracing
-from shared.catalog import Catalog
+from shared.catalog import Catalog, ModelProfile
 from shared.commands import NodeCommand
 from shared.errors import BrokerUnavailable, CortexError
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
@@ -35,6 +36,8 @@ from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
 log = logging.getLogger(__name__)
+
+SCAN_COUNT = 1000  # keys a SCAN step looks at (Redis's default, 10, is a round trip per 10 keys)
 
 
 def _now_ms() -> int:
@@ -55,6 +58,10 @@ class NodeAgent:
         self.threads: dict[str, DeviceThread] = {}
         self._stop = asyncio.Event()
         self._redis_run_id: str | None = None
+        self.heartbeats = HeartbeatWriter(
+            self.keys, self.name, int(settings.heartbeat_ttl_s * 1000)
+        )
+        self._beating = asyncio.Lock()
         self._cancelling: set[str] = (
             set()
         )  # jobs being cancelled (their unheard steps say so only once)
@@ -63,6 +70,11 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
+        await self.serve()
+
+    async def serve(self) -> None:
+        """Serve until `stop()`: the devices, the predecessor's leftovers, the heartbeat, cancels,
+        commands, keep-alive, the models to load at start; then a clean shutdown."""
         self.redis = connect(self.settings.redis_url)
         await warn_if_not_durable(self.redis, log)
         await self._claim_name()
@@ -80,10 +92,8 @@ class NodeAgent:
         self.file_server = self._file_server()
         if self.file_server is not None:
             await self.file_server.start()
-        for device in devices.discover(self.settings.device, self.settings.cpu_devices):
-            thread = DeviceThread(device, loop)
-            thread.start()
-            self.threads[device] = thread
+        for thread in self.start_devices(asyncio.get_running_loop()):
+            self.threads[thread.device] = thread
         if self.settings.cpu_bind:
             await self._bind_cpu_threads()
         await self._recover_predecessor()
@@ -120,6 +130,20 @@ class NodeAgent:
             )
         except RedisError as exc:  # Redis away: its heartbeats are away too
             log.warning("could not check that no other node runs as %s: %s", self.name, exc)
+
+    def start_devices(self, loop: asyncio.AbstractEventLoop) -> list[DeviceThread]:
+        """One started thread per device found (a simulated node's are node_agent/sim/device.py's)."""
+        threads = [
+            DeviceThread(device, loop)
+            for device in devices.discover(self.settings.device, self.settings.cpu_devices)
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def served_class(self, profile: ModelProfile) -> type[ServedModel]:
+        """What serves `profile` here (a simulated node's: node_agent/sim/served.py)."""
+        return served_class(profile)
 
     async def _bind_cpu_threads(self) -> None:
         """`cpu_bind`: the CPU device thread's torch threads one to a CPU each (one CPU device only:
@@ -163,7 +187,10 @@ class NodeAgent:
         dead-node window left entries read and unfinished: requeue or fail them now (as the janitor
         would), so that their clients do not wait for the request timeout."""
         try:
-            streams = [k.decode() async for k in self.redis.scan_iter(match=self.keys.all_jobs())]
+            streams = [
+                k.decode()
+                async for k in self.redis.scan_iter(match=self.keys.all_jobs(), count=SCAN_COUNT)
+            ]
             found = [
                 s
                 for s in streams
@@ -205,7 +232,7 @@ class NodeAgent:
         )
         chosen = ranked[: profile.tensor_parallel]
         pull = self.puller.start(profile) if self.puller.needs(profile) else None
-        served = served_class(profile)(
+        served = self.served_class(profile)(
             profile,
             chosen[0],
             self.redis,
@@ -429,11 +456,16 @@ class NodeAgent:
         run_id = (await self.redis.info("server"))["run_id"]
         if self._redis_run_id not in (None, run_id):
             log.info("Redis restarted (run_id %s, was %s)", run_id[:8], self._redis_run_id[:8])
+            self.heartbeats.forget()
             for model in self.models.values():
                 model.consumer.redis_came_back()
         self._redis_run_id = run_id
 
     async def _beat(self) -> None:
+        async with self._beating:  # one at a time: each is written as a diff of the last
+            await self._build_and_write_beat()
+
+    async def _build_and_write_beat(self) -> None:
         now = _now_ms()
         beat = NodeHeartbeat(
             node=self.name,
@@ -450,16 +482,15 @@ class NodeAgent:
             instance=self.instance,
             pulls=self.puller.progress(),
         )
-        key = self.keys.node(self.name)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         async with atomic(self.redis) as pipe:
-            pipe.hset(key, mapping=beat.to_hash())
-            pipe.pexpire(key, int(self.settings.heartbeat_ttl_s * 1000))
-            pipe.zadd(self.keys.nodes(), {self.name: now})
+            self.heartbeats.write(pipe, beat)
             for model in self.models:  # what their caches hold lives as long as the heartbeat
                 for held in (self.keys.prefixes, self.keys.prefix_tiers):
-                    pipe.pexpire(held(model, self.name), int(self.settings.heartbeat_ttl_s * 1000))
-            self.puller.publish(pipe, int(self.settings.heartbeat_ttl_s * 1000))
-            await pipe.execute()
+                    pipe.pexpire(held(model, self.name), ttl_ms)
+                pipe.pexpire(self.keys.prefix_index(model), ttl_ms)
+            self.puller.publish(pipe, ttl_ms)
+            self.heartbeats.settle(await pipe.execute())
 
     def _budgeted(self, info: DeviceInfo) -> DeviceInfo:
         """A CPU device with a memory budget reports the budget, less what its models hold (a

@@ -4,7 +4,9 @@ it `Keys.prefix_tiers(model, node)`: the marks kept only below the device (`host
 node_agent/engine/kv_tiers.py). The engine reports marks newly held, marks evicted and marks whose
 tier changed with each step's record; this keeps the changes until the publisher's next round trip
 writes them (HSET, HDEL, and the keys' expiry, which the node's heartbeats renew too); the first also
-deletes what an earlier engine of the model left. A round trip that fails leaves them here for the
+deletes what an earlier engine of the model left. The same marks go to the model's prefix index
+(`Keys.prefix_index`, as `{mark}@{node}`), from which a gateway reads a job's marks on every
+candidate node in one HMGET (gateway routing). A round trip that fails leaves them here for the
 next one."""
 
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ class CacheIndex:
     key: str
     ttl_ms: int
     tiers_key: str = ""  # '' : tiers are not written
+    index_key: str = ""  # the model's prefix index (`Keys.prefix_index`): the same marks, by node
+    node: str = ""  # whose marks: `{mark}@{node}` in the index
     _held: dict[str, int] = field(default_factory=dict)
     _dropped: set[str] = field(default_factory=set)
     _tiers: dict[str, str] = field(default_factory=dict)  # mark -> its tier now
@@ -64,6 +68,12 @@ class CacheIndex:
                 pipe.hdel(self.tiers_key, *on_device)
         for key in keys:
             pipe.pexpire(key, self.ttl_ms)
+        if self.index_key:
+            if held:
+                pipe.hset(self.index_key, mapping={f"{m}@{self.node}": t for m, t in held.items()})
+            if dropped:
+                pipe.hdel(self.index_key, *(f"{m}@{self.node}" for m in dropped))
+            pipe.pexpire(self.index_key, self.ttl_ms)
         return held, dropped, tiers, fresh
 
     def restore(self, written: Changes) -> None:

@@ -114,28 +114,30 @@ class DeviceThread:
             return None
 
     def _step(self, engine: Stepped, sinks: Sinks | None) -> None:
-        if sinks is None:  # detached by work run just before
-            return
+        if sinks is not None:  # None: detached by work run just before
+            step_engine(engine, sinks, self.device, self.loop)
+
+
+def step_engine(
+    engine: Stepped, sinks: Sinks, device: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """One step of `engine`, its record to `sinks.on_step`; an error fails the step's jobs, not the
+    caller (a device thread, or a simulated device on the loop: node_agent/sim/device.py), and goes
+    to `sinks.on_failure` on the loop, with whether the device itself is at fault."""
+    try:
+        out = engine.core_step()
+    except Exception as exc:  # it fails this step's jobs; a broken device poisons the model
+        log.exception("engine step failed on %s", device)
+        jobs = engine.fail_all()
         try:
-            out = engine.core_step()
-        except (
-            Exception
-        ) as exc:  # it fails this step's jobs, not the thread; a broken device poisons the model
-            log.exception("engine step failed on %s", self.device)
-            jobs = engine.fail_all()
-            try:
-                device_fault = engine.is_device_fault(exc)
-            except (
-                Exception
-            ):  # cannot tell: treat it as the device's (the model is reloaded), keep the thread
-                log.exception(
-                    "telling whether the failure is the device's failed on %s", self.device
-                )
-                device_fault = True
-            self.loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, device_fault)
-            return
-        if not out.empty:
-            sinks.on_step(out)
+            device_fault = engine.is_device_fault(exc)
+        except Exception:  # cannot tell: treat it as the device's (the model is reloaded)
+            log.exception("telling whether the failure is the device's failed on %s", device)
+            device_fault = True
+        loop.call_soon_threadsafe(sinks.on_failure, exc, jobs, device_fault)
+        return
+    if not out.empty:
+        sinks.on_step(out)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

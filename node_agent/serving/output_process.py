@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import msgspec
+import redis.asyncio as aioredis
 
 from node_agent.engine.detokenize import TokenizerText
 from node_agent.engine.output import OutputProcessor
@@ -127,6 +128,36 @@ class OutputSide:
         )
 
 
+def open_side(
+    opened: Open,
+    text: TokenizerText,
+    redis: aioredis.Redis,
+    send_feedback: Callable[[Feedback], None],
+) -> OutputSide:
+    """The text side of `opened`'s model with its publisher started (on `redis`) and its prefix marks
+    index: this process's, or, in a simulated node, the node's own (node_agent/sim/output.py)."""
+    keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
+    index = CacheIndex(
+        keys.prefixes(opened.model, opened.node),
+        int(opened.heartbeat_ttl_s * 1000),
+        tiers_key=keys.prefix_tiers(opened.model, opened.node),
+        index_key=keys.prefix_index(opened.model),
+        node=opened.node,
+    )
+    publisher = Publisher(
+        redis,
+        keys,
+        opened.node,
+        on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
+        on_lost=lambda job: send_feedback(Feedback(lost=[job])),
+        retention_s=opened.stream_retention_s,
+        max_event_bytes=opened.max_event_bytes,
+        cache_index=index,
+    )
+    publisher.start()
+    return OutputSide(OutputProcessor(text, opened.node), publisher, send_feedback)
+
+
 async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
     reader, inbox_writer = await asyncio.open_unix_connection(
         sock=inbox
@@ -153,28 +184,7 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
         format=f"%(asctime)s %(levelname)s output[{opened.model}] %(name)s: %(message)s",
     )
     redis = connect(opened.redis_url)
-    keys = Keys(opened.key_prefix, cluster=is_cluster_url(opened.redis_url))
-    index = CacheIndex(
-        keys.prefixes(opened.model, opened.node),
-        int(opened.heartbeat_ttl_s * 1000),
-        keys.prefix_tiers(opened.model, opened.node),
-    )
-    publisher = Publisher(
-        redis,
-        keys,
-        opened.node,
-        on_unheard=lambda job: send_feedback(Feedback(unheard=[job])),
-        on_lost=lambda job: send_feedback(Feedback(lost=[job])),
-        retention_s=opened.stream_retention_s,
-        max_event_bytes=opened.max_event_bytes,
-        cache_index=index,
-    )
-    publisher.start()
-    side = OutputSide(
-        OutputProcessor(TokenizerText.loads(opened.tokenizer), opened.node),
-        publisher,
-        send_feedback,
-    )
+    side = open_side(opened, TokenizerText.loads(opened.tokenizer), redis, send_feedback)
     while (message := await receive()) is not None:
         try:
             side.handle(message)
@@ -183,7 +193,7 @@ async def serve(inbox: socket.socket, feedback: socket.socket) -> None:
         ):  # a bug here must not pass silently; the node reloads the model when this exits
             log.exception("%s: the output process failed", opened.model)
             raise
-    await publisher.stop()
+    await side.publisher.stop()
     writer.close()
     inbox_writer.close()
     await redis.aclose()

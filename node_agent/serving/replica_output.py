@@ -23,7 +23,11 @@ class ReplicaOutput:
         publisher: Publisher,
         on_feedback: Callable[[Feedback], None],
         on_exit: Callable[[str], None],
+        link_type: Callable[..., OutputLink] = OutputLink,
     ):
+        """`link_type(config, on_feedback, on_exit)`: the link to the output side (a simulated node's
+        keeps that side in its own process: node_agent/sim/output.py)."""
+        self.link_type = link_type
         self.config = dict(
             redis_url=settings.redis_url,
             key_prefix=settings.key_prefix,
@@ -39,7 +43,7 @@ class ReplicaOutput:
 
     async def start(self) -> None:
         """Start the output process (it imports while the model loads)."""
-        self.link = OutputLink(self.config, self.on_feedback, self.on_exit)
+        self.link = self.link_type(self.config, self.on_feedback, self.on_exit)
         await self.link.start()
 
     def open(self, engine: Engine) -> None:

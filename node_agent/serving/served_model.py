@@ -21,6 +21,7 @@ from node_agent.serving.engine_start import start_engine
 from node_agent.serving.intake import Intake
 from node_agent.serving.job_reader import JobReader
 from node_agent.serving.ledger import Ledger, now_ms
+from node_agent.serving.output_link import OutputLink
 from node_agent.serving.output_messages import Feedback
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
@@ -42,6 +43,7 @@ class OutputProcessExited(RuntimeError):
 
 class ServedModel:
     intake_type: type[Intake] = Intake  # what turns its stream entries into engine requests
+    engine_start = staticmethod(start_engine)  # on the device: the model loaded, its engine built
 
     def __init__(
         self,
@@ -77,6 +79,7 @@ class ServedModel:
             lambda reason: self.faults.poison(
                 OutputProcessExited(reason), list(self.ledger.running)
             ),
+            self.output_link,
         )
         self.reserved_mb = profile.memory_mb or 0  # reserved from the start when the catalogue says
         self.reader = JobReader(redis, keys, profile.id, consumer_name, settings.batch_max_wait_s)
@@ -86,6 +89,10 @@ class ServedModel:
         )
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
         self.faults = ReplicaFaults(self)  # every move to `poisoned` or `failed`
+
+    def output_link(self, config: dict, on_feedback, on_exit) -> OutputLink:
+        """The link to this replica's output side: its own process (node_agent/serving/output_link.py)."""
+        return OutputLink(config, on_feedback, on_exit)
 
     @property
     def state(self) -> ModelState:
@@ -169,7 +176,7 @@ class ServedModel:
         """Start the output process, build the engine on the device thread and step it there."""
         await self.output.start()  # it starts up while the model loads
         self.engine = await self.device.call(
-            start_engine, self.load_from, self.devices, self.settings, self.consumer_name
+            self.engine_start, self.load_from, self.devices, self.settings, self.consumer_name
         )
         self.check_still_loading()
         self.intake.attach(self.engine)

@@ -242,7 +242,7 @@ async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_faile
     key = KEYS.prefixes("m", "node-a")
     admin = aioredis.Redis.from_url(server.url)
     await admin.hset(key, mapping={"stale": 1})  # an earlier engine's
-    index = CacheIndex(key, ttl_ms=8000)
+    index = CacheIndex(key, ttl_ms=8000, index_key=KEYS.prefix_index("m"), node="node-a")
     publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, cache_index=index)
     publisher.start()
     index.note([("a", 16), ("b", 48)], [])
@@ -262,6 +262,7 @@ async def test_the_caches_prefix_marks_ride_the_round_trips_and_wait_out_a_faile
     await publisher.flush()
     admin = aioredis.Redis.from_url(server.url)
     assert await admin.hgetall(key) == {b"a": b"16", b"b": b"48"}
+    assert await admin.hgetall(KEYS.prefix_index("m")) == {b"a@node-a": b"16", b"b@node-a": b"48"}
     await publisher.stop()
     await admin.aclose()
     await client.aclose()

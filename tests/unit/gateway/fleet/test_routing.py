@@ -13,6 +13,7 @@ from gateway.fleet.routing import Route, Routing
 from gateway.jobs.submit import session_hint
 from shared import prefix_marks
 from shared.fleet import Fleet
+from shared.fleet_view import FleetView
 from shared.heartbeat import KVCacheStats, ModelInfo, NodeHeartbeat
 from shared.keys import Keys
 from shared.lifecycle import ModelState
@@ -67,8 +68,11 @@ def marked() -> GenerationRequest:
 
 
 async def hold(r, node: str, request: GenerationRequest, upto: int) -> None:
-    """`node`'s cache holds the request's first `upto` prefixes."""
-    await r.hset(KEYS.prefixes(MODEL, node), mapping={m: c for m, c in request.prefix_marks[:upto]})
+    """`node`'s cache holds the request's first `upto` prefixes (as its CacheIndex writes them: its
+    own hash, and the model's prefix index routing reads)."""
+    marks = request.prefix_marks[:upto]
+    await r.hset(KEYS.prefixes(MODEL, node), mapping={m: c for m, c in marks})
+    await r.hset(KEYS.prefix_index(MODEL), mapping={f"{m}@{node}": c for m, c in marks})
 
 
 async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
@@ -231,3 +235,32 @@ async def test_a_prefix_another_key_left_cached_does_not_draw_the_job(r):
     assert await routing(r).route(of("bob", "fleet"), "", "interactive", "normal") == Route(
         "n1", "cache"
     )
+
+
+async def test_a_job_costs_the_same_few_commands_however_many_nodes_hold_its_model(r):
+    """With the gateway's fleet view, routing reads no heartbeat: one HMGET of the job's marks on
+    every candidate, one GET of its session, an XLEN of the best candidates' own streams."""
+    request = marked()
+    counts = []
+    for nodes in (3, 30):
+        for i in range(nodes):
+            await beat(r, f"n{i}")
+        await hold(r, "n1", request, 2)
+        view = FleetView(r, KEYS, node_ttl_s=8.0)
+        await view.start()
+        try:
+            router = Routing(r, KEYS, GatewaySettings(), Fleet(r, KEYS, 8, view=view))
+            before = await r.info("commandstats")
+            assert await router.route(request, "s", "interactive", "normal") == Route("n1", "cache")
+            after = await r.info("commandstats")
+        finally:
+            await view.stop()
+        own = ("cmdstat_info", "cmdstat_xread", "cmdstat_zrangebyscore")  # this test's, the view's
+        counts.append(
+            {
+                k: after[k]["calls"] - before.get(k, {}).get("calls", 0)
+                for k in after
+                if k not in own and after[k]["calls"] != before.get(k, {}).get("calls", 0)
+            }
+        )
+    assert counts[0] == counts[1] == {"cmdstat_hmget": 1, "cmdstat_get": 1, "cmdstat_xlen": 1}
