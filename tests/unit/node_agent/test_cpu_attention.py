@@ -4,9 +4,12 @@ so does the prefill kernel's causal chunk read from scattered blocks (float32 an
 which models read in place; a machine that cannot build them decodes through the copy; and decode
 rows packed with prefill chunks into one forward give what the separate forwards give.
 The engine's greedy equality with transformers through it is the architecture matrix's
-(test_architectures.py)."""
+(test_architectures.py). A lock left by a killed build does not hang the next load."""
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +231,26 @@ def test_decode_rows_and_chunks_packed_in_one_forward_give_the_separate_forwards
             forward.packed_forward(lm.model, cache, tokens, positions, torch.arange(2), packed),
         )
     torch.testing.assert_close(together, torch.cat(apart), atol=1e-4, rtol=1e-4)
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch waits forever on a build directory's `lock` file; one left by a build that was killed
+    (a node stopped while loading its first model) must not hang every later load on the machine."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    left = Path(_get_build_directory(cpu_kernels.library_name(), False)) / "lock"
+    left.touch()
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from node_agent.model import cpu_kernels; print(cpu_kernels.load())",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert loaded.stdout.strip() == "True", loaded.stderr
+    assert "left by a build of the CPU kernels that was killed" in loaded.stderr
+    assert not left.exists()
