@@ -27,7 +27,7 @@ class ModelProfile(BaseModel):
     kind: Literal["generate", "embedding", "rerank"] = "generate"
     # A local directory or file (.gguf / .safetensors), "hf:org/name[@revision]" (the node's models
     # directory, else the Hugging Face cache; pulled from a peer node or the hub when neither has it;
-    # node_agent/files/) or "pkg:package/file" (a file shipped inside an installed Python package; a
+    # node_agent/weights/) or "pkg:package/file" (a file shipped inside an installed Python package; a
     # .zip is unpacked once, into ~/.cache/cortex/unpacked).
     source: str
     gguf_file: str | None = None  # which .gguf inside a directory or hf repo

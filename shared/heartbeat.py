@@ -46,7 +46,7 @@ class KVCacheStats(BaseModel):
 
 
 class PullProgress(BaseModel):
-    """A model's files on their way to a node (node_agent/files/puller.py)."""
+    """A model's files on their way to a node (node_agent/weights/puller.py)."""
 
     source: str = ""  # "hub" or "peer NODE"; "" while the source is being chosen
     bytes_done: int = 0

@@ -15,8 +15,6 @@ import torch
 from redis.exceptions import RedisError
 
 from node_agent import host_share
-from node_agent.files.file_server import FileServer
-from node_agent.files.puller import Puller
 from node_agent.model import devices
 from node_agent.serving import node_identity
 from node_agent.serving.device_thread import DeviceThread
@@ -24,6 +22,8 @@ from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
 from node_agent.serving.served_pooler import served_class
+from node_agent.weights.file_server import FileServer
+from node_agent.weights.puller import Puller
 from shared import __version__, recovery, systemd_notify, tracing
 from shared.catalog import Catalog, ModelProfile
 from shared.commands import NodeCommand

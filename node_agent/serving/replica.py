@@ -10,7 +10,7 @@
 | unloading   |                    |                |                     |                |                         |
 | failed      |                    |                |                     | unload         |                         |
 
-- A replica whose files are not on the node starts `downloading` (node_agent/files/puller.py fetches
+- A replica whose files are not on the node starts `downloading` (node_agent/weights/puller.py fetches
   them from a peer node or the hub, sizes and hashes checked); it loads only once they are all here.
   A pull is bounded by its transfers' own timeouts, not by `replica_stuck_s` (a 100 GB model may
   take longer than that and still be moving).

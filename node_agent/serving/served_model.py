@@ -14,7 +14,6 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
-from node_agent.files.puller import Pull
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.engine_start import start_engine
@@ -27,6 +26,7 @@ from node_agent.serving.publisher import Publisher
 from node_agent.serving.replica import Replica
 from node_agent.serving.replica_faults import ReplicaFaults
 from node_agent.serving.replica_output import ReplicaOutput
+from node_agent.weights.puller import Pull
 from shared.catalog import ModelProfile
 from shared.errors import CortexError, JobCancelled, ModelLoadFailed, ModelPullFailed, NodeLost
 from shared.heartbeat import ModelInfo

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from node_agent.files import disk_budget, hashes
-from node_agent.files.selection import needed_files
+from node_agent.weights import disk_budget, hashes
+from node_agent.weights.selection import needed_files
 from shared.errors import DiskBudgetExceeded, InvalidRequest, ModelFileCorrupt
 from shared.heartbeat import ModelInfo, NodeHeartbeat
 from shared.lifecycle import ModelState

@@ -1,4 +1,4 @@
-"""Pulls trust neither a source's text nor a peer (node_agent/files/peer_trust.py, shared/model_store.py):
+"""Pulls trust neither a source's text nor a peer (node_agent/weights/peer_trust.py, shared/model_store.py):
 a revision is a branch or tag name or a commit; every path stays inside the models directory once
 links are resolved; a peer's manifest is used only where it matches the hub's (or the pinned
 commit's); the fleet secret goes only to an http(s) file URL on the peer's own host."""
@@ -11,8 +11,8 @@ import time
 import fakeredis
 import pytest
 
-from node_agent.files import hub, peer_trust
-from node_agent.files.puller import Puller
+from node_agent.weights import hub, peer_trust
+from node_agent.weights.puller import Puller
 from shared.catalog import ModelProfile
 from shared.errors import InvalidRequest, ModelPullFailed
 from shared.heartbeat import NodeHeartbeat

@@ -1,5 +1,5 @@
-"""What a node takes from a peer before it fetches a model's files from it (node_agent/files/puller.py,
-node_agent/files/peer.py): the fleet secret goes only to an http(s) `file_url` on the peer's own host
+"""What a node takes from a peer before it fetches a model's files from it (node_agent/weights/puller.py,
+node_agent/weights/peer.py): the fleet secret goes only to an http(s) `file_url` on the peer's own host
 (its heartbeat's `host`), and the peer's manifest is used only where it matches what this node
 expects: the hub's manifest of the catalogue's source when the hub answers, else, for a source
 pinned to a commit, the peer's manifest of that same commit. The folder written is the catalogue
@@ -9,7 +9,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-from node_agent.files.selection import needed_files
+from node_agent.weights.selection import needed_files
 from shared.errors import InvalidRequest, ModelPullFailed
 from shared.model_store import HubRef, Manifest
 

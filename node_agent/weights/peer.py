@@ -1,5 +1,5 @@
-"""Fetch a model folder from a peer node's file server (node_agent/files/file_server.py): each file
-of the manifest this node accepted (node_agent/files/peer_trust.py), resumed from its `.partial`
+"""Fetch a model folder from a peer node's file server (node_agent/weights/file_server.py): each file
+of the manifest this node accepted (node_agent/weights/peer_trust.py), resumed from its `.partial`
 file with a Range request, never past the size the manifest gives it, then checked against its
 size and hash."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from node_agent.files import hashes
+from node_agent.weights import hashes
 from shared.errors import ModelPullFailed
 from shared.model_store import FileEntry, HubRef, Manifest, inside, partial_path
 

@@ -7,7 +7,7 @@ import sys
 import ollama
 import pytest
 
-from tests.integration.files.conftest import catalogue, complete, cortex, node_env, pulls, send
+from tests.integration.weights.conftest import catalogue, complete, cortex, node_env, pulls, send
 from tests.stack import start_stack, wait_for
 
 pytestmark = pytest.mark.integration

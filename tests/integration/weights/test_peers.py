@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from shared.processes import free_port
-from tests.integration.files.conftest import (
+from tests.integration.weights.conftest import (
     FOLDER,
     NEEDED,
     REPO,

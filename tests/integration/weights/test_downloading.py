@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.files.conftest import REPO, catalogue, cortex, node_env
+from tests.integration.weights.conftest import REPO, catalogue, cortex, node_env
 from tests.stack import start_stack, wait_for
 
 pytestmark = pytest.mark.integration

@@ -15,8 +15,8 @@ from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from node_agent.files import hashes
-from node_agent.files.selection import needed_files
+from node_agent.weights import hashes
+from node_agent.weights.selection import needed_files
 from shared.errors import ModelPullFailed
 from shared.model_store import FileEntry, HubRef, Manifest, inside, partial_path
 

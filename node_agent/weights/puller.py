@@ -17,7 +17,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.exceptions import LockError
 
-from node_agent.files import disk_budget, hub, peer, peer_trust
+from node_agent.weights import disk_budget, hub, peer, peer_trust
 from shared.catalog import ModelProfile
 from shared.errors import DiskBudgetExceeded, ModelPullFailed
 from shared.fleet import Fleet
@@ -237,7 +237,7 @@ class Puller:
 
     async def _peer_holding(self, folder: str, skip: set[str]) -> tuple[str, str, Manifest] | None:
         """A live peer serving files, not in `skip`, that holds `folder` whole: (its name, its file URL,
-        its manifest). A peer whose file URL is not on its own host (node_agent/files/peer_trust.py)
+        its manifest). A peer whose file URL is not on its own host (node_agent/weights/peer_trust.py)
         is skipped with a log line (and added to `skip`): the fleet secret never goes there."""
         if not self.settings.fleet_secret:
             return None

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.conftest import Service
-from tests.integration.files.conftest import (
+from tests.integration.weights.conftest import (
     FOLDER,
     NEEDED,
     REPO,
