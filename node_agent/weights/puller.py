@@ -217,8 +217,9 @@ class Puller:
             f: "being pulled" for f in self.pulls if f != pull.folder
         }
         budget = int(self.settings.models_disk_gb * 1e9) if self.settings.models_disk_gb else None
+        coming = {f: p.total for f, p in self.pulls.items() if f != pull.folder and p.total}
         for evicted in disk_budget.make_room(
-            self.store, pull.folder, wanted.total_bytes, budget, protected, wanted.source
+            self.store, pull.folder, wanted.total_bytes, budget, protected, wanted.source, coming
         ):
             self.held.pop(evicted, None)
         self.store.folder(pull.folder).mkdir(parents=True, exist_ok=True)

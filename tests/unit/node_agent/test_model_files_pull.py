@@ -119,6 +119,28 @@ def test_a_pull_that_cannot_fit_names_what_holds_the_disk(tmp_path):
     assert sorted(store.held()) == ["org--loaded"]
 
 
+def test_pulls_in_flight_hold_their_whole_size_in_the_budget(tmp_path):
+    """Two pulls at once must not overshoot `models_disk_gb`: a pull still transferring counts at
+    the size it will have (its reservation), not at the bytes it has written so far, and is never
+    deleted to make room."""
+    store = ModelStore(tmp_path)
+    folder(store, "org--coming", 100, last_used=0, whole=False)  # 100 of its 600 bytes so far
+    reserved = {"org--coming": 600}
+    with pytest.raises(DiskBudgetExceeded, match=r"org--coming \(0.0 MB, being pulled\)"):
+        disk_budget.make_room(
+            store, "org--next", 500, 1000, {"org--coming": "being pulled"}, "hf:org/next", reserved
+        )
+    assert (
+        disk_budget.make_room(
+            store, "org--next", 400, 1000, {"org--coming": "being pulled"}, "hf:org/next", reserved
+        )
+        == []
+    )  # 600 + 400 fit
+    assert disk_budget.make_room(
+        store, "org--next", 400, 1000, {}, "hf:org/next", {"org--elsewhere": 600}
+    ) == ["org--coming"]  # a reservation not yet on disk counts too; the half pull goes first
+
+
 def test_a_replica_downloading_counts_as_one_coming():
     info = ModelInfo(state=ModelState.DOWNLOADING, device="cpu")
     assert NodeHeartbeat(
