@@ -51,10 +51,10 @@ class Fleet:
                 found.append(ValueError(str(exc).splitlines()[0]))
         return found
 
-    async def live_nodes(self) -> list[NodeHeartbeat]:
+    async def live_nodes(self, *, fresh: bool = False) -> list[NodeHeartbeat]:
         """Nodes whose last heartbeat is newer than `node_ttl_s`, in name order (the view's, while
-        it is fresh)."""
-        if self.view is not None and self.view.fresh:
+        it is fresh; `fresh`: as Redis holds them now)."""
+        if not fresh and self.view is not None and self.view.fresh:
             return self.view.live_nodes()
         return await self._read_live_nodes()
 

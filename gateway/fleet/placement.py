@@ -225,8 +225,18 @@ class Placer:
 
     async def place(self, profile: ModelProfile, *, extra_replica: bool = False) -> str:
         """Choose a node (evicting idle models if needed), send `load`, wait for it to say `loading`.
-        Call it holding the model's placement lock."""
-        nodes = await self.fleet.live_nodes()
+        Call it holding the model's placement lock. The fleet view first; where it finds no room,
+        the heartbeats as Redis holds them now (the view sees a node that joined within its poll
+        interval, half a second, only after it)."""
+        try:
+            return await self._place(profile, await self.fleet.live_nodes(), extra_replica)
+        except InsufficientCapacity:
+            nodes = await self.fleet.live_nodes(fresh=True)
+            return await self._place(profile, nodes, extra_replica)
+
+    async def _place(
+        self, profile: ModelProfile, nodes: list[NodeHeartbeat], extra_replica: bool
+    ) -> str:
         failed = [
             n
             for n in nodes
