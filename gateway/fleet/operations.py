@@ -1,6 +1,8 @@
 """What an operator can ask of the fleet: load, unload, pull, remove files, pin, drain. Used by the
 admin routes and the `cortex models`/`cortex drain` commands alike, through the placer (which holds
-the fleet, the catalogue and the nodes' command streams)."""
+the fleet, the catalogue and the nodes' command streams). An operator's command is rare and must
+reach every node live now, so it reads the heartbeats from Redis, not the gateway's fleet view
+(which sees a node that joined within its poll interval only after it)."""
 
 import asyncio
 
@@ -30,7 +32,7 @@ async def unload(placer: Placer, model: str, node: str | None = None) -> list[st
     profile = placer.catalog.resolve(model)
     holders = [
         n.node
-        for n in await placer.fleet.live_nodes()
+        for n in await placer.fleet.live_nodes(fresh=True)
         if profile.id in n.models and node in (None, n.node)
     ]
     await asyncio.gather(*(placer.send(n, "unload", profile.id) for n in holders))
@@ -51,7 +53,7 @@ async def pull(placer: Placer, model: str) -> list[str]:
     """Ask every live node that may run `model` to fetch its files (from a peer, else the hub); returns them."""
     profile = placer.catalog.resolve(model)
     hub_folder(profile)
-    nodes = [n.node for n in await placer.fleet.live_nodes() if allowed(profile, n)]
+    nodes = [n.node for n in await placer.fleet.live_nodes(fresh=True) if allowed(profile, n)]
     if not nodes:
         raise InsufficientCapacity(
             f"no live node may run {profile.id} (allowed nodes: {profile.nodes or 'any'}; "
@@ -65,7 +67,7 @@ async def remove_files(placer: Placer, model: str, node: str | None = None) -> l
     """Ask the live nodes holding `model`'s files (or `node` only) to delete them (each keeps them if it
     has the model loaded, pinned or being pulled); returns the nodes asked."""
     profile = placer.catalog.resolve(model)
-    live = [n for n in await placer.fleet.live_nodes() if node in (None, n.node)]
+    live = [n for n in await placer.fleet.live_nodes(fresh=True) if node in (None, n.node)]
     holders = await placer.fleet.file_holders(hub_folder(profile), live)
     await asyncio.gather(*(placer.send(n, "rm", profile.id) for n in holders))
     return holders
