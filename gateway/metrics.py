@@ -145,7 +145,7 @@ class Metrics:
         return RequestTimer(self, model, submitted)
 
     async def refresh(self, fleet: Fleet, models: set[str]) -> None:
-        nodes = await fleet.live_nodes()
+        nodes = await fleet.live_nodes(fresh=True)
         self.replicas.update(nodes)
         for gauge in (self.memory_used, self.memory_total, self.slots_used, self.slots_total):
             gauge.clear()

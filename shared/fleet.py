@@ -52,9 +52,13 @@ class Fleet:
         return found
 
     async def live_nodes(self, *, fresh: bool = False) -> list[NodeHeartbeat]:
-        """Nodes whose last heartbeat is newer than `node_ttl_s`, in name order (the view's, while
-        it is fresh; `fresh`: as Redis holds them now)."""
-        if not fresh and self.view is not None and self.view.fresh:
+        """Nodes whose last heartbeat is newer than `node_ttl_s`, in name order: the view's, while
+        it is fresh; `fresh`: every beat Redis took so far (the view caught up first, or, with none,
+        the hashes read).  Readers that answer what a caller just changed (a model it loaded, a node
+        it started) ask for `fresh`; a request's routing does not."""
+        if self.view is not None and self.view.fresh:
+            if fresh:
+                await self.view.sync()
             return self.view.live_nodes()
         return await self._read_live_nodes()
 
@@ -72,9 +76,9 @@ class Fleet:
                 nodes.append(node)
         return sorted(nodes, key=lambda node: node.node)
 
-    async def serving_nodes(self) -> list[NodeHeartbeat]:
+    async def serving_nodes(self, *, fresh: bool = False) -> list[NodeHeartbeat]:
         """Live nodes that take new jobs (not draining or drained)."""
-        return [node for node in await self.live_nodes() if node.takes_jobs]
+        return [node for node in await self.live_nodes(fresh=fresh) if node.takes_jobs]
 
     async def node(self, name: str) -> NodeHeartbeat | None:
         fields = await self._redis.hgetall(self._keys.node(name))
@@ -82,13 +86,14 @@ class Fleet:
 
     async def is_served(self, model: str, *, fresh: bool = False) -> bool:
         """Some live node taking jobs has `model` ready or loading (a yes is reused for a second;
-        `fresh`: neither that nor the view, Redis read now)."""
+        `fresh`: not that, every beat Redis took so far)."""
         if not fresh and self._served_until.get(model, 0.0) > time.monotonic():
             return True
-        if not fresh and self.view is not None and self.view.fresh:
+        if self.view is not None and self.view.fresh:
+            if fresh:
+                await self.view.sync()
             return any(n.takes_jobs and n.serves(model) for n in self.view.holders(model))
-        nodes = await (self._read_live_nodes() if fresh else self.live_nodes())
-        served = any(node.takes_jobs and node.serves(model) for node in nodes)
+        served = any(n.takes_jobs and n.serves(model) for n in await self._read_live_nodes())
         if served:
             self._served_until[model] = time.monotonic() + SERVED_CACHE_S
         return served

@@ -13,6 +13,7 @@ from Redis within `stale_after_s`, and readers (shared/fleet.py) read Redis them
     view = FleetView(redis, keys, node_ttl_s=8.0)
     await view.start()
     view.live_nodes(); view.holders("m"); view.version
+    await view.sync()  # caught up now: what a reader that must see the latest beats waits for
 """
 
 import asyncio
@@ -101,6 +102,26 @@ class FleetView:
         self._last_id = last[0][0].decode() if last else "0-0"
         await self._poll()
 
+    async def sync(self) -> None:
+        """Catch up now: the changes written since the view's last read, then who is alive, with
+        nodes first seen or out of step read whole. Costs the change stream's new entries and one
+        ZRANGEBYSCORE, not a read of every node; safe beside the background follower (an entry
+        applied twice is skipped by its `seq`)."""
+        reply = await self._redis.xread({self._keys.fleet_changes(): self._last_id}, count=10_000)
+        self._take(reply)
+        await self._poll()
+
+    def _take(self, reply) -> None:
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._advance(entry_id.decode())
+                self._apply(fields)
+
+    def _advance(self, entry_id: str) -> None:
+        """The last change read moves forward only (`sync` and the follower both read)."""
+        if _stream_id(entry_id) > _stream_id(self._last_id):
+            self._last_id = entry_id
+
     async def _follow(self) -> None:
         outage = Outage(log, "fleet view")
         polled = time.monotonic()
@@ -113,10 +134,7 @@ class FleetView:
                     block=int(self._poll_s * 1000),
                     count=1000,
                 )
-                for _stream, entries in reply or []:
-                    for entry_id, fields in entries:
-                        self._last_id = entry_id.decode()
-                        self._apply(fields)
+                self._take(reply)
                 if time.monotonic() - polled >= self._poll_s:
                     await self._poll()
                     polled = time.monotonic()
@@ -190,3 +208,8 @@ class FleetView:
         for model in beat.models if beat else ():
             self._holders.get(model, set()).discard(node)
         self.version += 1
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -11,7 +11,10 @@ A line is admitted as every request is (gateway/jobs/submit.py `admit`): its key
 minute and per day count it. Over one of them the batch pauses (it stays `in_progress`, starts no
 line and costs no try) until the key is admitted again, asking every `BUDGET_RECHECK_S` at most or
 when the refusal's Retry-After says; a cancel or the completion window ends the pause, and the
-lines still waiting go to the error file with the 429 they got.
+lines still waiting go to the error file with the 429 they got. As the line that crosses a budget
+finishes (every line already running does), a batch of a key with a token budget keeps no more
+lines in flight than the budget left pays for, at the tokens its lines have cost so far (one
+until a line has ended): its overshoot is a line or two, not `batch_lines_in_flight`.
 """
 
 import asyncio
@@ -33,7 +36,7 @@ from gateway.dialects.protocol.openai_batch import (
 from gateway.jobs.caller import ANONYMOUS_CALLER, Caller
 from gateway.jobs.context import JobContext
 from gateway.jobs.queue import withdraw
-from shared.api_keys import ADMIN, ANONYMOUS
+from shared.api_keys import ADMIN, ANONYMOUS, utc_day
 from shared.errors import (
     BrokerUnavailable,
     CortexError,
@@ -87,6 +90,9 @@ class BatchRunner:
             None  # a line failed on Redis (it cannot be recorded): the run stops
         )
         self.paused_until = 0.0  # monotonic: the key's token budget refused a line until then
+        self.lines_ended = 0  # lines of this run that ended (their tokens are charged)
+        self.tokens_spent = 0  # what the key's tokens today grew by while this run went on
+        self.used_seen: int | None = None  # the key's tokens today when last read
 
     def key(self, what: str) -> str:
         return self.keys.batch_lines(self.id, what)
@@ -210,10 +216,7 @@ class BatchRunner:
         watcher = asyncio.create_task(self._watch(batch), name=f"watch-{self.id}")
         try:
             for line_no in todo:
-                while (
-                    len(self.running) >= self.settings.batch_lines_in_flight
-                    and not self.stop_reason
-                ):
+                while len(self.running) >= await self._in_flight_cap() and not self.stop_reason:
                     await asyncio.wait(
                         set(self.running.values()),
                         timeout=STATUS_POLL_S,
@@ -235,6 +238,28 @@ class BatchRunner:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
 
+    async def _in_flight_cap(self) -> int:
+        """Lines that may be queued or running at once: `batch_lines_in_flight`, or for a key with a
+        token budget what the budget left pays for at this run's tokens per line so far (what the
+        key's count of today's tokens grew by while it ran, over the lines ended), at least one."""
+        cap, key = self.settings.batch_lines_in_flight, self.owner.key
+        if key is None or not (key.tpm or key.max_tokens_per_day):
+            return cap
+        try:
+            used = int(await self.redis.get(self.keys.daily_tokens(key.name, utc_day())) or 0)
+        except RedisError:  # the line's own start will wait for Redis
+            return 1
+        if self.used_seen is not None and used > self.used_seen:
+            self.tokens_spent += used - self.used_seen
+        self.used_seen = used  # lower: a new day
+        if not (self.lines_ended and self.tokens_spent):
+            return 1
+        per_line = max(1, self.tokens_spent // self.lines_ended)
+        left = [key.tpm] if key.tpm else []
+        if key.max_tokens_per_day:
+            left.append(key.max_tokens_per_day - used)
+        return max(1, min(cap, min(left) // per_line))
+
     def _pause(self, refusal: RateLimited) -> None:
         """The key is over a token budget: no line starts until its Retry-After (or the next
         recheck, whichever is sooner)."""
@@ -249,6 +274,7 @@ class BatchRunner:
 
     def _line_done(self, line_no: int, task: asyncio.Task) -> None:
         self.running.pop(line_no, None)
+        self.lines_ended += 1
         if not task.cancelled() and task.exception() is not None and self.broken is None:
             self.broken = task.exception()
 

@@ -226,7 +226,7 @@ class Placer:
     async def place(self, profile: ModelProfile, *, extra_replica: bool = False) -> str:
         """Choose a node (evicting idle models if needed), send `load`, wait for it to say `loading`.
         Call it holding the model's placement lock. The fleet view first; where it finds no room,
-        the heartbeats as Redis holds them now (the view sees a node that joined within its poll
+        the view caught up with every beat Redis took (it sees a node that joined within its poll
         interval, half a second, only after it)."""
         try:
             return await self._place(profile, await self.fleet.live_nodes(), extra_replica)

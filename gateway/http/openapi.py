@@ -24,6 +24,7 @@ SUCCESS: dict[str, type[BaseModel]] = {  # POST path → what a non-streamed ans
     "/v1/messages/count_tokens": anthropic.MessageTokensCount,
     "/api/chat": ollama.ChatResponse,
     "/api/generate": ollama.GenerateResponse,
+    "/api/pull": ollama.ProgressResponse,
 }
 SSE_EVENT = {
     "type": "object",
@@ -37,6 +38,7 @@ STREAMED = {  # path → how its stream is framed
     "/v1/messages": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
     "/api/chat": {ndjson.MEDIA_TYPE: {"schema": NDJSON_LINE}},
     "/api/generate": {ndjson.MEDIA_TYPE: {"schema": NDJSON_LINE}},
+    "/api/pull": {ndjson.MEDIA_TYPE: {"schema": NDJSON_LINE}},
 }
 
 

@@ -54,8 +54,8 @@ class CacheIndex:
         held, dropped, tiers, fresh = self._held, self._dropped, self._tiers, self._fresh
         self._held, self._dropped, self._tiers, self._fresh = {}, set(), {}, False
         keys = [self.key, self.tiers_key] if self.tiers_key else [self.key]
-        if fresh:
-            pipe.delete(*keys)
+        for key in keys if fresh else ():  # one by one: on a cluster the two hash to two slots
+            pipe.delete(key)
         if held:
             pipe.hset(self.key, mapping=held)
         if dropped:

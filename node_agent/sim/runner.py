@@ -33,6 +33,7 @@ class SimCache:
 
 class SyntheticRunner:
     decoder = None  # no compiled step: the replica's memory is the catalogue's `memory_mb`
+    tiers = None  # no KV tiers below the device: the simulated cache is the device's alone
 
     def __init__(self, profile: ModelProfile, config: SimConfig, vocab: int, text_ids: list[int]):
         self.vocab, self.text_ids = vocab, text_ids

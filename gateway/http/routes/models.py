@@ -43,7 +43,9 @@ async def unload_lora_adapter(body: UnloadLoraAdapter, ctx: Ctx) -> PlainTextRes
 @router.get("/v1/models")
 async def list_models(ctx: Ctx, caller: CallerDep) -> JSONResponse:
     return JSONResponse(
-        model_list(ctx.catalog, await ctx.fleet.serving_nodes(), caller.may_use).model_dump()
+        model_list(
+            ctx.catalog, await ctx.fleet.serving_nodes(fresh=True), caller.may_use
+        ).model_dump()
     )
 
 
@@ -51,6 +53,6 @@ async def list_models(ctx: Ctx, caller: CallerDep) -> JSONResponse:
 async def retrieve_model(model_id: str, ctx: Ctx, caller: CallerDep) -> JSONResponse:
     return JSONResponse(
         model_card(
-            ctx.catalog, await ctx.fleet.serving_nodes(), model_id, caller.may_use
+            ctx.catalog, await ctx.fleet.serving_nodes(fresh=True), model_id, caller.may_use
         ).model_dump()
     )

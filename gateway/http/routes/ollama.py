@@ -187,19 +187,25 @@ async def embeddings(
 @router.get("/api/tags")
 async def tags(ctx: Ctx, caller: CallerDep) -> JSONResponse:
     return JSONResponse(
-        model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes()).model_dump(mode="json")
+        model_list(_usable(ctx, caller), await ctx.fleet.serving_nodes(fresh=True)).model_dump(
+            mode="json"
+        )
     )
 
 
 @router.post("/api/show")
 async def show_model(body: ShowRequest, ctx: Ctx, caller: CallerDep) -> JSONResponse:
     profile = _profile(ctx, caller, body.model)
-    return JSONResponse(show(profile, await ctx.fleet.serving_nodes()).model_dump(mode="json"))
+    return JSONResponse(
+        show(profile, await ctx.fleet.serving_nodes(fresh=True)).model_dump(mode="json")
+    )
 
 
 @router.get("/api/ps")
 async def ps(ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    loaded = running(_usable(ctx, caller), await ctx.fleet.live_nodes(), await ctx.placer.pinned())
+    loaded = running(
+        _usable(ctx, caller), await ctx.fleet.live_nodes(fresh=True), await ctx.placer.pinned()
+    )
     return JSONResponse(loaded.model_dump(mode="json"))
 
 

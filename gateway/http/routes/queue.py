@@ -12,7 +12,7 @@ router = APIRouter()
 
 @router.get("/v1/queue")
 async def queue_summary(ctx: Ctx, caller: CallerDep) -> JSONResponse:
-    nodes = await ctx.fleet.live_nodes()
+    nodes = await ctx.fleet.live_nodes(fresh=True)
     models = set(ctx.catalog.profiles) | {m for node in nodes for m in node.models}
     found = await ctx.fleet.queues(
         {m for m in models if caller.may_use(ctx.catalog.names(m))}, nodes

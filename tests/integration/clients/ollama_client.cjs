@@ -1,8 +1,10 @@
 // The npm `ollama` client's calls against a Cortex gateway, for tests/integration/clients/test_ollama_js.py.
-// Usage: node ollama_client.cjs MODULE_DIR HOST API_KEY — prints one JSON object of what the client got.
+// Usage: node ollama_client.cjs MODULE_DIR HOST API_KEY ADMIN_KEY — prints one JSON object of what the client got
+// (pulling onto the fleet takes the admin key).
 const { Ollama } = require(process.argv[2]);
 
 const client = new Ollama({ host: process.argv[3], headers: { Authorization: `Bearer ${process.argv[4]}` } });
+const admin = new Ollama({ host: process.argv[3], headers: { Authorization: `Bearer ${process.argv[5]}` } });
 const hi = [{ role: 'user', content: 'Hello there' }];
 const greedy = { temperature: 0, num_predict: 8 };
 const bash = { type: 'function', function: { name: 'Bash', description: 'Run a shell command', parameters: {
@@ -44,7 +46,8 @@ async function main() {
     list: (await client.list()).models.map((m) => m.model),
     show: await client.show({ model: 'tiny' }),
     ps: (await client.ps()).models,
-    pull: await client.pull({ model: 'tiny' }),
+    pull: await admin.pull({ model: 'tiny' }),
+    pullRefused: await refused(() => client.pull({ model: 'tiny' })),
     embed: await client.embed({ model: 'embed', input: ['Hello there', 'The sea'] }),
     unknown: await refused(() => client.chat({ model: 'no-such-model', messages: hi })),
     noKey: await refused(() => new Ollama({ host: process.argv[3] }).list()),

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.dialects.protocol import ollama as protocol_ollama
 from tests import tiny_poolers
-from tests.integration.clients.conftest import ANSWER, unknown_fields
+from tests.integration.clients.conftest import ANSWER, OLLAMA_ADMIN_KEY, unknown_fields
 from tests.stack import wait_for
 
 HI = [{"role": "user", "content": "Hello there"}]
@@ -188,9 +188,15 @@ def test_embed(client, ollama_embedder):
 
 
 def test_pull_and_errors(client, keyed_stack):
-    assert [p.status for p in client.pull("tiny", stream=True)] == ["success"]
+    admin = ollama.Client(
+        host=keyed_stack.url, headers={"Authorization": f"Bearer {OLLAMA_ADMIN_KEY}"}
+    )
+    assert [p.status for p in admin.pull("tiny", stream=True)] == ["success"]
+    with pytest.raises(ollama.ResponseError) as not_admin:  # pulling fills the nodes' disks
+        client.pull("tiny")
+    assert not_admin.value.status_code == 403 and "admin key" in not_admin.value.error
     with pytest.raises(ollama.ResponseError) as missing:
-        client.pull("llama3.2")
+        admin.pull("llama3.2")
     assert (
         missing.value.status_code == 404
         and "pulling models is not available yet" in missing.value.error

@@ -17,7 +17,12 @@ import pytest
 
 from gateway.dialects.protocol import ollama as protocol_ollama
 from tests import tiny_poolers
-from tests.integration.clients.conftest import ANSWER, npm_library, unknown_fields
+from tests.integration.clients.conftest import (
+    ANSWER,
+    OLLAMA_ADMIN_KEY,
+    npm_library,
+    unknown_fields,
+)
 
 SCRIPT = Path(__file__).with_name("ollama_client.cjs")
 RUN_TIMEOUT_S = 300
@@ -36,7 +41,7 @@ def test_npm_ollama_client(ollama_js, keyed_stack, ollama_embedder):
     log = keyed_stack.stack.root / "gateway.log"
     since = len(log.read_text().splitlines())
     done = subprocess.run(
-        ["node", str(SCRIPT), str(ollama_js), keyed_stack.url, keyed_stack.key],
+        ["node", str(SCRIPT), str(ollama_js), keyed_stack.url, keyed_stack.key, OLLAMA_ADMIN_KEY],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -76,6 +81,7 @@ def test_npm_ollama_client(ollama_js, keyed_stack, ollama_embedder):
     assert got["show"]["model_info"]["general.basename"] == "tiny"
     assert "tiny:latest" in [m["model"] for m in got["ps"]]
     assert got["pull"] == {"status": "success"}
+    assert got["pullRefused"]["status"] == 403 and "admin key" in got["pullRefused"]["error"]
     expected_vectors = tiny_poolers.reference_vectors(
         ollama_embedder, ["Hello there", "The sea"]
     ).numpy()

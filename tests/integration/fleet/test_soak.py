@@ -11,9 +11,11 @@ expire lives for ever, and every slot is free. The faults run once in CI (~2 min
 
 import asyncio
 import json
+import multiprocessing
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -23,7 +25,9 @@ import httpx
 import psutil
 import pytest
 
+from gateway.dialects.protocol.bounds import POOLING_INPUTS_MAX
 from shared.processes import redis_answers
+from tests import tiny_poolers
 from tests.conftest import Service, _http_ok, wait_until
 from tests.integration.fleet.conftest import ADMIN_KEY, catalogue
 from tests.stack import NODE_START_TIMEOUT_S, Stack, start_stack
@@ -31,6 +35,7 @@ from tests.stack import NODE_START_TIMEOUT_S, Stack, start_stack
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-soak"
+EMBED = "embed-soak"  # the noisy tenant's embedding model
 NODES = ("node-a", "node-b")
 PROMPTS = ["Tell me a story.", "Name three colours.", "Count to five.", "Say something kind."]
 MAX_TOKENS = 16
@@ -275,9 +280,11 @@ class Fleet:
 
 @pytest.fixture
 def fleet(tmp_path, tiny_dirs) -> Fleet:
+    embedder = tiny_poolers.build_embedder(tmp_path / "embedder")
+    embedding = {"source": str(embedder), "kind": "embedding", "max_model_len": 128}
     stack = start_stack(
         tmp_path,
-        catalogue(tiny_dirs["llama"], **{MODEL: {}}),
+        catalogue(tiny_dirs["llama"], **{MODEL: {}, EMBED: embedding}),
         durable=True,
         CORTEX_ADMIN_KEY=ADMIN_KEY,
         CORTEX_JANITOR_INTERVAL_S="0.5",
@@ -389,10 +396,10 @@ BYSTANDER_CLIENTS, BYSTANDER_STREAMS = 2, 8  # streams each bystander client run
 FLOOD_IN_FLIGHT = 150  # the noisy key's requests kept queued or running at once during its flood
 
 
-def make_key(stack: Stack, name: str) -> str:
+def make_key(stack: Stack, name: str, **limits: int) -> str:
     created = httpx.post(
         f"{stack.replicas[0]}/admin/keys",
-        json={"name": name},
+        json={"name": name} | limits,
         headers={"authorization": f"Bearer {ADMIN_KEY}"},
     )
     assert created.status_code == 200, created.text
@@ -444,16 +451,38 @@ def bystanders(stack: Stack, secret: str) -> list[float]:
 
 
 @contextmanager
-def flood_of_queued_requests(stack: Stack, secret: str) -> Iterator[None]:
-    """The noisy key keeps FLOOD_IN_FLIGHT short chats queued or running (half on each replica)
-    until the block ends; each must end with an answer or a fast refusal (503 with Retry-After)."""
-    statuses: list[int] = []
-    stop = threading.Event()
+def noisy_client(send, *args) -> Iterator[list[int]]:
+    """`send(stop, statuses, *args)` in a process of its own (a noisy tenant is another client, not
+    threads sharing the measuring test's interpreter), until the block ends; yields the statuses it
+    got so far, and fails the test with what `send` raised."""
+    context = multiprocessing.get_context("spawn")
+    stop, statuses, failure = context.Event(), context.Manager().list(), context.Queue()
+    process = context.Process(target=_report, args=(send, stop, statuses, failure, *args))
+    process.start()
+    try:
+        yield statuses
+    finally:
+        stop.set()
+        process.join(300)
+    assert process.exitcode == 0 and failure.empty(), failure.get(timeout=1)
+
+
+def _report(send, stop, statuses, failure, *args) -> None:
+    try:
+        send(stop, statuses, *args)
+    except BaseException:
+        failure.put(traceback.format_exc())
+        raise
+
+
+def _flood(stop, statuses, urls: list[str], secret: str) -> None:
+    """FLOOD_IN_FLIGHT short chats kept queued or running (half on each replica), each answered or
+    refused fast (503 with Retry-After)."""
 
     async def one(client: httpx.AsyncClient, n: int) -> None:
         while not stop.is_set():
             answer = await client.post(
-                f"{stack.replicas[n % 2]}/v1/chat/completions",
+                f"{urls[n % 2]}/v1/chat/completions",
                 json=body(n % len(PROMPTS), False),
                 headers={"authorization": f"Bearer {secret}"},
             )
@@ -468,28 +497,126 @@ def flood_of_queued_requests(stack: Stack, secret: str) -> Iterator[None]:
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             await asyncio.gather(*(one(client, n) for n in range(FLOOD_IN_FLIGHT)))
 
-    failed: list[BaseException] = []
-    thread = threading.Thread(target=lambda: _run(flood(), failed))
-    thread.start()
-    client = stack.client()
-    rooms = f"{stack.keys.prefix}waiting:*"
-    wait_until(lambda: len(list(client.scan_iter(rooms))) > 0, 60, "the flood to queue")
+    asyncio.run(flood())
+
+
+@contextmanager
+def flood_of_queued_requests(stack: Stack, secret: str) -> Iterator[None]:
+    """The noisy key keeps FLOOD_IN_FLIGHT short chats queued or running until the block ends."""
+    with noisy_client(_flood, stack.replicas, secret) as statuses:
+        client = stack.client()
+        rooms = f"{stack.keys.prefix}waiting:*"
+        wait_until(lambda: len(list(client.scan_iter(rooms))) > 0, 60, "the flood to queue")
+        yield
+    assert list(statuses).count(200) > FLOOD_IN_FLIGHT, len(statuses)
+
+
+EMBED_RPM = 30  # the noisy tenant's embedding key: its rate limit, which it keeps reaching
+EMBED_TEXT = "a sentence of some length for the embedder to pool"
+
+
+def _embeds(stop, statuses, urls: list[str], key: str) -> None:
+    """`/api/embed` at the input cap, then one over it, again and again; a 429 is waited out as its
+    Retry-After says (a client at its rate limit)."""
+    with httpx.Client(timeout=httpx.Timeout(DEADLINE_S, connect=5)) as client:
+        for n in count():
+            if stop.is_set():
+                return
+            inputs = POOLING_INPUTS_MAX + (n % 2)
+            answer = client.post(
+                f"{urls[n % 2]}/api/embed",
+                json={"model": EMBED, "input": [f"{EMBED_TEXT} {i}" for i in range(inputs)]},
+                headers={"authorization": f"Bearer {key}"},
+            )
+            expected = {200, 429} if inputs == POOLING_INPUTS_MAX else {400, 429}
+            assert answer.status_code in expected, (inputs, answer.status_code, answer.text)
+            if answer.status_code == 200:
+                assert len(answer.json()["embeddings"]) == inputs
+            statuses.append(answer.status_code)
+            if answer.status_code == 429:
+                stop.wait(float(answer.headers["retry-after"]))
+
+
+@contextmanager
+def oversized_embeds(stack: Stack, secret: str) -> Iterator[None]:
+    """The noisy tenant's embedding key sends `/api/embed` at the input cap (each answer many times
+    the largest event a node publishes, so it travels through the job's result hash) and over it,
+    at its rate limit: each ends 200, 400 (over the cap) or 429 (the limit)."""
+    key = make_key(stack, "noisy-embed", rpm=EMBED_RPM)
+    with noisy_client(_embeds, stack.replicas, key) as statuses:
+        wait_until(lambda: 200 in statuses, 120, "the first oversized embed")
+        yield
+    assert {200, 400} <= set(statuses), list(statuses)
+
+
+BATCH_LINES, BATCH_BUDGET = 1000, 400  # the noisy batch's lines, its key's tokens per day
+
+
+@contextmanager
+def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
+    """The noisy tenant's batch key (a daily budget of a few lines' tokens) runs a 1,000-line
+    batch: it pauses once the budget is spent (still in progress, no line refused for it), having
+    spent at most two lines' tokens past it (gateway/batch/runner.py paces a budgeted key's lines)."""
+    key = make_key(stack, "noisy-batch", max_tokens_per_day=BATCH_BUDGET)
+    headers = {"authorization": f"Bearer {key}"}
+    url = stack.replicas[0]
+    stack.start_batch_worker(CORTEX_ARQ_POLL_DELAY_S="0.1")
+    lines = "".join(
+        json.dumps(
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": body(i % len(PROMPTS), False),
+            }
+        )
+        + "\n"
+        for i in range(BATCH_LINES)
+    )
+    uploaded = httpx.post(
+        f"{url}/v1/files",
+        files={"file": ("noise.jsonl", lines.encode())},
+        data={"purpose": "batch"},
+        headers=headers,
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    created = httpx.post(
+        f"{url}/v1/batches",
+        json={
+            "input_file_id": uploaded.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+        headers=headers,
+    )
+    assert created.status_code == 200, created.text
+    batch = created.json()["id"]
+
+    def state() -> dict:
+        return httpx.get(f"{url}/v1/batches/{batch}", headers=headers).json()
+
+    wait_until(lambda: state()["request_counts"]["completed"] > 0, 120, "the batch to start")
     try:
         yield
     finally:
-        stop.set()
-        thread.join(300)
-    assert failed == [] and statuses.count(200) > FLOOD_IN_FLIGHT, (failed, len(statuses))
+        paused = state()
+        spent = httpx.get(
+            f"{url}/admin/keys/noisy-batch", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        ).json()["tokens_today"]
+        cancelled = httpx.post(f"{url}/v1/batches/{batch}/cancel", headers=headers)
+        assert cancelled.status_code == 200, cancelled.text
+        wait_until(lambda: state()["status"] == "cancelled", 60, "the batch to cancel")
+    counts = paused["request_counts"]
+    assert paused["status"] == "in_progress" and counts["failed"] == 0, paused
+    per_line = spent / counts["completed"]
+    assert BATCH_BUDGET <= spent <= BATCH_BUDGET + 2 * per_line, (spent, counts)
 
 
-def _run(coroutine, failed: list[BaseException]) -> None:
-    try:
-        asyncio.run(coroutine)
-    except BaseException as exc:  # seen by the test's thread
-        failed.append(exc)
-
-
-NOISES = (flood_of_queued_requests,)  # each: a context manager a noisy key's abuse runs within
+NOISES = (  # each: a context manager a noisy tenant's abuse runs within
+    flood_of_queued_requests,
+    oversized_embeds,
+    batch_over_its_budget,
+)
 
 
 @pytest.mark.timeout(600)

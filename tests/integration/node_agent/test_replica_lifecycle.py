@@ -152,14 +152,14 @@ async def test_groups_that_cannot_be_made_fail_the_load_and_free_the_engine(
 def blocking_start(monkeypatch) -> tuple[threading.Event, list[int]]:
     """Loads wait on the returned event (on the device thread); the list counts the loads started."""
     release, started = threading.Event(), []
-    real = served_model.start_engine
+    real = served_model.ServedModel.engine_start
 
     def slow_start(*args):
         started.append(1)
         release.wait(60)
         return real(*args)
 
-    monkeypatch.setattr(served_model, "start_engine", slow_start)
+    monkeypatch.setattr(served_model.ServedModel, "engine_start", staticmethod(slow_start))
     return release, started
 
 

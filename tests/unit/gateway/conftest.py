@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from redis.exceptions import ResponseError
 
 from gateway.http.server import create_app
+from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from shared import event_log, queues, usage_meter
 from shared.catalog import DEFAULT_MODEL_ID
 from shared.heartbeat import DeviceInfo, KVCacheStats, ModelInfo, NodeHeartbeat, SpecDecodeStats
@@ -186,7 +187,7 @@ async def beat(
     quant: str = "",
     weight_mb: int = 0,
 ) -> NodeHeartbeat:
-    """Write a heartbeat as a node agent would; `kv` gives models their KV cache figures, `spec`
+    """Write a heartbeat as a node agent would (node_agent/serving/heartbeat_writer.py); `kv` gives models their KV cache figures, `spec`
     their speculative decoding's, and all run with `max_model_len` (0: not said) and hold their
     weights as `quant` in `weight_mb` (not said: ""/0); a CPU device with `free_mb` free, when given
     (placement reads it)."""
@@ -216,8 +217,11 @@ async def beat(
             for name, s in models.items()
         },
     )
-    await redis.hset(KEYS.node(node), mapping=heartbeat.to_hash())
-    await redis.zadd(KEYS.nodes(), {node: now_ms})
+    writer = HeartbeatWriter(KEYS, node, ttl_ms=60_000)  # the hash, its score, the change stream
+    writer.seq = int(await redis.hget(KEYS.node(node), "seq") or 0)
+    async with redis.pipeline(transaction=False) as pipe:
+        writer.write(pipe, heartbeat)
+        await pipe.execute()
     return heartbeat
 
 

@@ -16,6 +16,7 @@ from shared.api_keys import KeySpec, utc_day
 from shared.errors import RateLimited, TokensRateLimited
 from shared.settings import BatchSettings, GatewaySettings
 from shared.wire import ErrorEvent, Usage
+from tests.conftest import eventually
 from tests.unit.gateway.conftest import KEYS, MODEL, ScriptedNode
 
 ADMIN = "admin-secret"
@@ -381,16 +382,51 @@ async def test_a_batch_over_its_keys_daily_budget_pauses_until_the_budget_resets
     for it; once the budget is back (here: the day's counter gone, as at 00:00 UTC) they run."""
     async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
         headers, batch_id, running, batch_lines, spent = paused
-        await redis.delete(spent)
+        for ran in range(1, 4):  # each reset buys one line (8 tokens), run alone, then a pause
+            await redis.delete(spent)
+            await eventually(lambda: len(batch_lines.entries) == ran, 10)
+            await asyncio.sleep(0.5)  # the next line waits for the next reset
+            assert len(batch_lines.entries) == ran
         await asyncio.wait_for(running, 10)
     done = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 3, done
-    assert len(batch_lines.entries) == 3
     key = await app.state.ctx.api_keys.get("alice")
-    assert key.tokens_today == 3 * 8  # all three started together: usage counts jobs that ended
+    assert key.tokens_today == 8  # the last day's one line: never two lines on one day's budget
 
 
-async def test_a_batch_cancelled_while_paused_puts_its_waiting_lines_in_the_error_file(
+async def test_a_batch_keeps_no_more_lines_in_flight_than_its_keys_budget_left_pays_for(
+    app, client, node, new_key, redis, monkeypatch
+):
+    """A 20-line batch (8 tokens a line) of a key with 40 tokens a day: one line first, then as many
+    as the budget left pays for; it pauses having spent at most a line past the budget."""
+    monkeypatch.setattr(runner, "BUDGET_RECHECK_S", 0.2)
+    batch_lines = ScriptedNode(redis)
+    reading = asyncio.create_task(batch_lines.run(KEYS.jobs(MODEL, "batch")))
+    headers = bearer(await new_key(max_tokens_per_day=40))
+    body = {
+        "input_file_id": await upload(client, headers, chat_lines(20)),
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
+    batch_id = (await client.post("/v1/batches", json=body, headers=headers)).json()["id"]
+    running = asyncio.create_task(
+        BatchRunner(app.state.ctx, BatchSettings(redis_url="redis://fake"), batch_id).run()
+    )
+    try:
+        await eventually(lambda: len(batch_lines.entries) >= 5, 10)
+        await asyncio.sleep(1.0)  # paused: no more lines come
+        state = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+        key = await app.state.ctx.api_keys.get("alice")
+        assert 40 <= key.tokens_today <= 48, key.tokens_today
+        assert state["status"] == "in_progress" and state["request_counts"]["failed"] == 0
+        assert len(batch_lines.entries) == state["request_counts"]["completed"] <= 6
+    finally:
+        for task in (running, reading):
+            task.cancel()
+        await asyncio.gather(running, reading, return_exceptions=True)
+
+
+async def test_a_batch_cancelled_while_paused_puts_its_waiting_line_in_the_error_file(
     app, client, node, new_key, redis, monkeypatch
 ):
     async with paused_batch(app, client, new_key, redis, monkeypatch) as paused:
@@ -401,8 +437,11 @@ async def test_a_batch_cancelled_while_paused_puts_its_waiting_lines_in_the_erro
     assert done["status"] == "cancelled" and batch_lines.entries == [], done
     errors = (await client.get(f"/v1/files/{done['error_file_id']}/content", headers=headers)).text
     responses = [json.loads(line)["response"] for line in errors.splitlines()]
-    assert [r["status_code"] for r in responses] == [429] * 3
+    # the one line that waited for the budget (a budgeted batch starts one line until one has
+    # ended); the two never started are in neither file, as with OpenAI's cancelled batches
+    assert [r["status_code"] for r in responses] == [429]
     assert {r["body"]["error"]["code"] for r in responses} == {"daily_budget_exceeded"}
+    assert done["request_counts"]["total"] == 3
 
 
 async def test_a_batch_line_counts_against_tpm_but_not_rpm(app, new_key):

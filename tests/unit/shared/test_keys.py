@@ -33,6 +33,7 @@ def test_one_redis_keeps_the_names_it_always_had():
 def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
     lone = {
         "prefixes",
+        "prefix_tiers",
         "session",
         "routing",
         "cancel",
