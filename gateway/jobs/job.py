@@ -124,6 +124,7 @@ class Job:
         )
         self.entry_id = ""
         self.queue_deadline: float | None = None  # loop time after which it leaves the queue
+        self.waits_its_turn = False  # a batch line: unread on the queue, it is not silent
         self.trace = trace or JobTrace(
             job, model
         )  # its part of the request's trace (gateway/tracing.py)
@@ -314,25 +315,31 @@ class Job:
 
     async def _next_heard(self) -> Item:
         """The next item the bus heard for the job, within `request_timeout_s`; while the job is
-        queued, also within its queue deadline (then it leaves the queue: `_leave_queue`)."""
+        queued, also within its queue deadline (then it leaves the queue: `_leave_queue`). A batch
+        line still unread on the queue is not silent but waiting its turn behind interactive jobs:
+        it waits on (its batch's window bounds it)."""
         timeout_s = self._ctx.settings.request_timeout_s
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout_s
-        queued = self.state is JobState.QUEUED and self.queue_deadline is not None
-        try:
-            async with asyncio.timeout_at(min(give_up, self.queue_deadline or give_up)):
-                item = await self._heard.get()
-        except TimeoutError:
-            if not (queued and loop.time() < give_up):
+        while True:
+            give_up = loop.time() + timeout_s
+            queued = self.state is JobState.QUEUED
+            deadline = (
+                min(give_up, self.queue_deadline) if queued and self.queue_deadline else give_up
+            )
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await self._heard.get()
+            except TimeoutError:
+                if queued and self.queue_deadline and loop.time() >= self.queue_deadline:
+                    await self._leave_queue()  # else a node has it: its events come as any job's
+                    continue
+                if queued and self.waits_its_turn and await self.position() > 0:
+                    continue
                 raise Timeout(
                     f"no event from model {self.model} for job {self.id} in {timeout_s:g}s"
                 ) from None
-            await self._leave_queue()
-            return (
-                await self._next_heard()
-            )  # a node has it: its events come within `request_timeout_s`
-        self.trace.taken()
-        return item
+            self.trace.taken()
+            return item
 
     async def _leave_queue(self) -> None:
         """Past its queue deadline: taken off the queue, and `QueueTimeout`, when no node read it

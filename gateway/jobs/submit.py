@@ -162,6 +162,7 @@ async def submit(
         session=session,
     )
     job.stream, job.entry_id, job.logged = stream, entry_id, True
+    job.waits_its_turn = job_class == "batch"
     if job_class == "interactive" and (wait_s := queue.timeout_s(ctx.settings)) > 0:
         job.queue_deadline = asyncio.get_running_loop().time() + wait_s
     trace.queued(stream, entry_id)

@@ -102,3 +102,35 @@ def test_the_view_follows_changes_without_reading_hashes(redis_url):
             await redis.aclose()
 
     asyncio.run(run())
+
+
+def test_sync_catches_the_view_up_at_once(redis_url):
+    """A reader that answers what a caller just changed (a node it started, a model it loaded)
+    waits for `sync`: the view then has every beat Redis took, though it polls only every minute,
+    from the change stream and one liveness read, without reading the nodes it knows whole."""
+
+    async def run() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        n1, n2 = HeartbeatWriter(KEYS, "n1", 8000), HeartbeatWriter(KEYS, "n2", 8000)
+        await _send(redis, n1, _beat("n1", 1, a="loading"))
+        view = FleetView(redis, KEYS, node_ttl_s=8.0, poll_s=60.0)
+        await view.start()
+        try:
+            await asyncio.sleep(0.1)  # the follower waits on the stream (it may take what follows)
+            await _send(redis, n2, _beat("n2", 5, b="ready"))  # a node joins
+            await _send(redis, n1, _beat("n1", 1, a="ready"))  # a model becomes ready
+            await view.sync()
+            assert [n.node for n in view.live_nodes()] == ["n1", "n2"]
+            assert view.live_nodes()[0].models["a"].state == "ready"
+            reads = await _calls(redis, "hgetall")
+            await _send(redis, n1, _beat("n1", 1, a="ready", b="loading"))
+            await view.sync()
+            assert [n.node for n in view.holders("b")] == ["n1", "n2"]
+            assert await _calls(redis, "hgetall") == reads, (
+                "a known node's change came from the stream"
+            )
+        finally:
+            await view.stop()
+            await redis.aclose()
+
+    asyncio.run(run())

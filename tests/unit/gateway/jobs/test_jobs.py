@@ -123,6 +123,20 @@ async def test_timeout_waiting_for_the_next_event(ctx, redis):
             await job.first_event()
 
 
+async def test_a_batch_line_waits_its_turn_on_the_queue_past_the_silence_timeout(ctx, redis):
+    """Unread on the queue (interactive jobs ahead), a batch line is not silent: it waits on; once a
+    node has read it, silence is timed again."""
+    ctx.settings.request_timeout_s = 0.05
+    job = await submit(ctx, request(), ANONYMOUS_CALLER, job_class="batch")
+    async with job:
+        first = asyncio.create_task(job.first_event())
+        await asyncio.sleep(0.3)  # six silence timeouts
+        assert not first.done()
+        await node_reads(redis, job)
+        with pytest.raises(Timeout, match=job.id):
+            await first
+
+
 async def test_enqueue_failure_is_503_and_leaves_no_subscription(ctx, monkeypatch):
     async def broken_execute(*args, **kwargs):
         raise RedisConnectionError("gone")
