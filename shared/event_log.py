@@ -11,7 +11,10 @@ that lost its connection can resume it through any gateway replica.
   It sets the expiry to `stream_retention_s` when it first writes, again every half of that while
   the job runs, and once more when the job ends. `MAXLEN ~` caps it whatever happens.
 - Entry ids order the events: a reader goes on after the last id it read (XREAD), so it gets no
-  event twice and misses none.
+  event twice. Each node entry also says where its events stand among the job's (field `at`: the
+  events logged before it), so a reader that heard some events over pub/sub first takes up where
+  they end, and one that finds events missing (entries a Redis lost in a failover or a restart
+  from its file, after the node wrote them) knows it, rather than going on with a hole.
 """
 
 from redis.asyncio.client import Pipeline
@@ -25,12 +28,20 @@ RECORD = b"record"  # the field of the gateway's first entry
 _NAMES = tuple(str(i).encode() for i in range(16))
 
 
-def append(pipe: Pipeline, log: str, packed: list[bytes], expire_s: int | None) -> None:
-    """Queue on `pipe` one entry of packed events to an existing log (two replies: the entry id or
-    None when there is no log, then the expiry's if `expire_s`)."""
+AT = b"at"  # the field of a node's entry: how many of the job's events the log held before it
+
+
+def append(
+    pipe: Pipeline, log: str, packed: list[bytes], expire_s: int | None, at: int | None = None
+) -> None:
+    """Queue on `pipe` one entry of packed events to an existing log, `at` their place among the
+    job's events when the writer knows it (two replies: the entry id or None when there is no log,
+    then the expiry's if `expire_s`)."""
     fields = {
         (_NAMES[i] if i < len(_NAMES) else str(i).encode()): event for i, event in enumerate(packed)
     }
+    if at is not None:
+        fields[AT] = str(at).encode()
     pipe.xadd(log, fields, maxlen=MAXLEN, approximate=True, nomkstream=True)
     if expire_s is not None:
         pipe.expire(log, expire_s)
@@ -40,4 +51,10 @@ def events(fields: dict[bytes, bytes]) -> list[Event]:
     """One entry's events, in order (none for the record)."""
     if RECORD in fields:
         return []
-    return [unpack_event(fields[name]) for name in sorted(fields, key=int)]
+    return [unpack_event(fields[name]) for name in sorted(fields.keys() - {AT}, key=int)]
+
+
+def place(fields: dict[bytes, bytes]) -> int | None:
+    """Where the entry's events stand among the job's (`at`), or None where its writer did not say
+    (the janitor's error for a job whose node died)."""
+    return int(fields[AT]) if AT in fields else None

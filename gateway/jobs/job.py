@@ -136,10 +136,9 @@ class Job:
         self._first: DeltaEvent | DoneEvent | None = None  # read by `first_event`, not yet yielded
         self._ending: DoneEvent | ErrorEvent | None = None  # how the node ended it, once it did
         self.logged = False  # it has an event log: a dropped link reads on from there
-        self._taken = (
-            0  # events taken from the bus (reading the log, the first this many are skipped)
-        )
+        self._taken = 0  # the job's events taken so far (from the bus, then from the log)
         self._last: bytes | None = None  # reading the event log: the last entry read
+        self._logged = 0  # reading the event log: the job's events up to the last entry read
         self._read: deque[Item] = deque()  # read from the log, not yet taken
         self._outage_until: float | None = None  # Redis away since the link dropped: retry until
         self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
@@ -275,8 +274,10 @@ class Job:
         return time.monotonic() + self._ctx.settings.redis_outage_wait_s
 
     async def _read_log(self) -> bool:
-        """Read the log's entries after the last one read (the first `_taken` events skipped): True
-        when there were any."""
+        """Read the log's entries after the last one read, each from where the events taken so far
+        end (those heard on the bus first are not taken twice): True when there were any. Events
+        missing before an entry (a Redis that lost what the node wrote, in a failover or a restart
+        from its file) fail the job: the answer would have a hole."""
         log_key = self._ctx.keys.event_log(self.id)
         entries = await self._ctx.redis.xrange(log_key, min=b"(" + self._last, count=READ_COUNT)
         if not entries and not await self._ctx.redis.exists(log_key):
@@ -291,9 +292,19 @@ class Job:
                     GenerationFailed(f"the node logged an event this gateway cannot read: {exc}")
                 )
                 continue
-            skipped = min(self._taken, len(events))
-            self._taken -= skipped
-            self._read.extend(events[skipped:])
+            at = event_log.place(fields)
+            at = self._logged if at is None else at
+            if at > self._taken:  # the events before it first, then the job ends
+                self._read.append(
+                    BrokerUnavailable(
+                        f"Redis lost events {self._taken}-{at - 1} of job {self.id} after the node"
+                        " sent them (a failover or a restart from its file)"
+                    )
+                )
+                break
+            self._read.extend(events[self._taken - at :])
+            self._taken = max(self._taken, at + len(events))
+            self._logged = at + len(events)
         return bool(entries)
 
     def _log_gone(self) -> CortexError:

@@ -67,6 +67,7 @@ class Publisher:
     _logs: dict[str, float] = field(
         default_factory=dict
     )  # job -> when its log's expiry is due again, or NO_LOG
+    _logged: dict[str, int] = field(default_factory=dict)  # job -> events its log holds
     cache_index: CacheIndex | None = None  # the model's prefix marks, written with each round trip
     _stored: itertools.count = field(default_factory=itertools.count)  # fields of `Keys.result`
     _stored_prefix: str = field(
@@ -147,11 +148,12 @@ class Publisher:
         started = self.keys.started(self.node)
         now = time.monotonic()
         expiring = []
+        logged: dict[str, int] = {}  # job -> events its log holds once this round trip is taken
         stored = []  # per item: its events written to `Keys.result` (two replies each)
         for item in outgoing:
             packed = [self._bounded(pipe, item, pack_event(event)) for event in item.events]
             stored.append(sum(isinstance(p, _Stored) for p in packed))
-            expiring.append(self._append_to_log(pipe, item, packed, now))
+            expiring.append(self._append_to_log(pipe, item, packed, now, logged))
             if item.started:
                 pipe.sadd(started, item.job)
             for event in packed:
@@ -180,6 +182,7 @@ class Publisher:
             if marks is not None:
                 self.cache_index.restore(marks)
             raise
+        self._logged.update(logged)
         for item, expire, kept in zip(outgoing, expiring, stored):
             for _ in range(2 * kept):
                 next(replies)
@@ -196,9 +199,11 @@ class Publisher:
                 if item.charge is not None:
                     next(replies)
                 self._logs.pop(item.job, None)
+                self._logged.pop(item.job, None)
                 continue
             if logged is False:
                 self._logs[item.job] = NO_LOG
+                self._logged.pop(item.job, None)
             elif expire:
                 self._logs[item.job] = now + self.retention_s / 2
             if counts and max(counts) == 0 and not logged:
@@ -215,13 +220,18 @@ class Publisher:
         pipe.expire(result, self.retention_s)
         return _Stored(pack_event(StoredEvent(field=name, size=len(packed))))
 
-    def _append_to_log(self, pipe, item: Outgoing, packed: list[bytes], now: float) -> bool | None:
-        """Queue the item's events for its job's log, with the log's expiry when it is due (first
-        write, half the retention since the last, the job's end); None if the job has no log."""
+    def _append_to_log(
+        self, pipe, item: Outgoing, packed: list[bytes], now: float, logged: dict[str, int]
+    ) -> bool | None:
+        """Queue the item's events for its job's log, at their place in the job's events (`logged`:
+        the places this round trip reached), with the log's expiry when it is due (first write,
+        half the retention since the last, the job's end); None if the job has no log."""
         if not item.job or not packed or (due := self._logs.get(item.job)) == NO_LOG:
             return None
         expire = item.ack is not None or due is None or now >= due
+        at = logged.get(item.job, self._logged.get(item.job, 0))
         event_log.append(
-            pipe, self.keys.event_log(item.job), packed, self.retention_s if expire else None
+            pipe, self.keys.event_log(item.job), packed, self.retention_s if expire else None, at
         )
+        logged[item.job] = at + len(packed)
         return expire

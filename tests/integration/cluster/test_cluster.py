@@ -193,11 +193,12 @@ def test_a_killed_node_fails_its_stream_and_another_serves(cluster_stack, secret
     assert chat(cluster_stack, secret).choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request_succeeds(
+def test_a_stream_whose_master_dies_reads_on_or_ends_clearly_and_the_next_request_succeeds(
     cluster_stack, secret
 ):
-    """The master holding a running stream's events channel is killed: the stream ends with an error
-    naming Redis (no hang, no silent truncation); after the replica takes over, requests succeed."""
+    """The master holding a running stream's events channel is killed: the stream reads on from its
+    log once the replica takes over, or ends with an error naming Redis (no hang, no silent hole);
+    then requests succeed."""
     cluster = cluster_stack.cluster
     if not cluster_stack.nodes:
         cluster_stack.nodes["node-b"] = cluster_stack.start_node("node-b", [MODEL])
@@ -225,7 +226,12 @@ def test_a_stream_whose_master_dies_ends_with_a_clear_error_and_the_next_request
     cluster.kill(victim)
     reader.join(60)
     assert not reader.is_alive()
-    assert isinstance(got[-1], openai.APIError) and "Redis" in str(got[-1]), got[-1]
+    # read on from its event log on the promoted replica, whole (an event the replica never got is
+    # a hole the log's places show: shared/event_log.py), or ended with an error naming Redis
+    if got[-1] == "complete":
+        assert got[-2].choices[0].finish_reason == "length", got[-2]
+    else:
+        assert isinstance(got[-1], openai.APIError) and "Redis" in str(got[-1]), got[-1]
     cluster.wait_for_failover(victim)
     assert chat(cluster_stack, secret).choices[0].finish_reason in ("stop", "length")
     cluster_stack.assert_clean(timeout_s=10)

@@ -207,7 +207,11 @@ async def test_a_job_with_an_event_log_gets_its_steps_appended_its_expiry_kept_a
     await publisher.flush()
     assert 95 <= await admin.ttl(log_key) <= 100  # the end sets it once more
     entries = await admin.xrange(log_key)
-    assert [list(fields) for _, fields in entries] == [[b"record"], [b"0"], [b"0"], [b"0", b"1"]]
+    assert [fields for _, fields in entries][1:] == [  # each entry's place among the job's events
+        {b"0": pack_event(StartEvent(prompt_tokens=3)), b"at": b"0"},
+        {b"0": pack_event(delta("Hel")), b"at": b"1"},
+        {b"0": pack_event(delta("lo")), b"1": pack_event(done()), b"at": b"2"},
+    ]
     said = [event for _, fields in entries for event in event_log.events(fields)]
     assert [e.type for e in said] == ["start", "delta", "delta", "done"]
     assert "".join(e.choices[0].text for e in said if e.type == "delta") == "Hello"
@@ -231,7 +235,10 @@ async def test_an_event_log_is_capped_however_long_its_job_runs(redis_url, monke
     assert (
         50 <= await admin.xlen(log_key) <= 50 + 100
     )  # MAXLEN ~: whole nodes of 100 entries are trimmed
-    assert (await admin.xrevrange(log_key, count=1))[0][1] == {b"0": pack_event(delta("999"))}
+    assert (await admin.xrevrange(log_key, count=1))[0][1] == {
+        b"0": pack_event(delta("999")),
+        b"at": b"999",
+    }
     await publisher.stop()
     await client.aclose()
     await admin.aclose()

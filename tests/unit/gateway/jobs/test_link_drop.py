@@ -12,6 +12,7 @@ from gateway.jobs.caller import ANONYMOUS_CALLER
 from gateway.jobs.submit import submit
 from node_agent.serving.output_messages import Outgoing
 from node_agent.serving.publisher import Publisher
+from shared.errors import BrokerUnavailable
 from shared.redis_conn import connect
 from tests.conftest import eventually
 from tests.unit.gateway.conftest import KEYS, delta, done
@@ -64,3 +65,38 @@ async def test_a_running_job_reads_on_from_its_log_when_redis_cuts_the_link(
     assert not await redis.exists(
         KEYS.event_log(job.id)
     )  # nobody can resume it: deleted at its end
+
+
+async def test_events_a_redis_lost_from_the_log_fail_the_job_rather_than_leave_a_hole(
+    ctx, redis, redis_url
+):
+    """The log lost two entries the node wrote (as a replica promoted before it had them would):
+    reading on finds the gap by each entry's place among the job's events and ends the job with an
+    error naming Redis, never an answer with two events missing."""
+    job = await submit(ctx, request(), ANONYMOUS_CALLER, streaming=True)
+    node = Publisher(connect(redis_url), KEYS, "n1", on_unheard=lambda job: None)
+    node.start()
+    channel = KEYS.events(job.id)
+
+    def step(*events) -> None:
+        node.send([Outgoing(channel, list(events), job=job.id)])
+
+    got = []
+    async with job:
+        events = job.events()
+        for i in range(5):
+            step(delta(str(i)))
+        got += [await anext(events) for _ in range(3)]
+        assert await redis.client_kill_filter(_type="pubsub") >= 1
+        for i in range(5, 10):
+            step(delta(str(i)))
+        await node.flush()
+        logged = await redis.xrange(KEYS.event_log(job.id))
+        assert [int(fields[b"at"]) for _, fields in logged[1:]] == list(range(10))
+        await redis.xdel(KEYS.event_log(job.id), logged[1 + 6][0], logged[1 + 7][0])
+        step(delta("10"), done())
+        with pytest.raises(BrokerUnavailable, match="Redis lost events 6-7"):
+            async for event in events:
+                got.append(event)
+    await node.stop()
+    assert [e.choices[0].text for e in got] == [str(i) for i in range(6)]
