@@ -19,6 +19,7 @@ resuming the job learns how it ended.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -65,8 +66,9 @@ class Janitor:
                 if await lock.acquire(blocking=False):
                     try:
                         await self.sweep()
-                    finally:
-                        await lock.release()
+                    finally:  # a lock that expired mid-sweep, or Redis away: it expires by itself
+                        with contextlib.suppress(RedisError, OSError):  # (a cancel stays one)
+                            await lock.release()
                 outage.ok()
             except (RedisError, OSError) as exc:
                 outage.failed(exc)
