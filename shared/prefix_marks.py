@@ -8,6 +8,10 @@ turn 2 of a conversation shares turn 1's last mark). Each mark travels with the 
 messages up to it, from which the node estimates the tokens it spans
 (node_agent/engine/engine.prefix_tokens), anchors it on the cached block that ends there, and
 reports it held (`Keys.prefixes`) until that block is evicted.
+
+In the model's prefix index (`Keys.prefix_index`), a mark a node holds reads `{tokens}` where its
+blocks are on the device and `{tokens}:{tier}` where the node keeps them only below it (`host`,
+`disk`: node_agent/engine/kv_tiers.py); `held` and `indexed` write and read that.
 """
 
 import hashlib
@@ -60,3 +64,18 @@ def session(owner: str, hint: str) -> str:
     """The name a session hint (`prompt_cache_key`, `user`, ...) is kept under: a hash, so neither the
     hint nor whose it is shows in Redis, and two API keys' equal hints stay apart."""
     return hashlib.blake2b(f"{owner}\0{hint}".encode(), digest_size=DIGEST_BYTES).hexdigest()
+
+
+DEVICE = "device"
+
+
+def indexed(tokens: int, tier: str = DEVICE) -> str:
+    """A held mark's value in the model's prefix index."""
+    return str(tokens) if tier == DEVICE else f"{tokens}:{tier}"
+
+
+def held(value: bytes | str) -> tuple[int, str]:
+    """(tokens, tier) of a prefix index value."""
+    text = value.decode() if isinstance(value, bytes) else value
+    tokens, _, tier = text.partition(":")
+    return int(tokens), tier or DEVICE

@@ -10,7 +10,8 @@ large the fleet: one HMGET of its marks on every candidate, one GET of its sessi
 1. `cache`: when some node's cache holds a prefix of the prompt (`Keys.prefix_index`, written by the
    nodes from their engines' real cache state; marks in `shared.prefix_marks`), the node where the
    job costs least, counting in tokens as NVIDIA Dynamo's KV router does: the prompt tokens its
-   cache lacks (to prefill) plus `routing_load_weight` × the tokens its running sequences hold (to
+   cache lacks (to prefill; a prefix it keeps only in host memory or on disk lacks a share of its
+   tokens, the copy back: `TIER_COPY_COST`) plus `routing_load_weight` × the tokens its running sequences hold (to
    decode alongside; the heartbeat's KV blocks in use, plus the prompts this gateway routed there
    since, less those of its jobs that ended since). Dynamo weighs both alike (1); the default 0.25
    counts a token held by a running sequence as a quarter of a token to prefill, as a node with a
@@ -46,6 +47,11 @@ from shared.wire import GenerationRequest
 
 NODES_FRESH_S = 0.5  # without a fresh fleet view, the live nodes are read at most this often
 ROOM_CHECKS = 2  # the best candidates whose own stream's length is read, in order
+# What copying a cached token back to the device costs, in tokens to prefill: a host-tier hit
+# answered in 0.24x the time of prefilling the prompt, a restarted node's disk tier in 0.11x
+# (docs/benchmarks.md, issue 52), both with the rest of the request in it; a disk read costs more
+# than a host copy where the disk is not in the page cache. A prefix on the device costs nothing.
+TIER_COPY_COST = {prefix_marks.DEVICE: 0.0, "host": 0.1, "disk": 0.25}
 
 
 @dataclass(frozen=True)
@@ -221,9 +227,16 @@ class Routing:
         )
 
 
-def _longest(found: list[bytes | None]) -> int:
-    """Tokens of the longest prefix a node holds (its marks' replies, in the request's order)."""
-    return max((int(tokens) for tokens in found if tokens is not None), default=0)
+def _longest(found: list[bytes | None]) -> float:
+    """What the longest prefix a node holds saves, in prompt tokens (its marks' replies, in the
+    request's order): a prefix kept below the device saves its tokens less what copying them back
+    costs (`TIER_COPY_COST`)."""
+    saved = 0.0
+    for value in found:
+        if value is not None:
+            tokens, tier = prefix_marks.held(value)
+            saved = max(saved, tokens * (1 - TIER_COPY_COST.get(tier, 1.0)))
+    return saved
 
 
 def _active(node: NodeHeartbeat, model: str, tokens_since: int) -> int:

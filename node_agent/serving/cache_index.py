@@ -5,13 +5,13 @@ node_agent/engine/kv_tiers.py). The engine reports marks newly held, marks evict
 tier changed with each step's record; this keeps the changes until the publisher's next round trip
 writes them (HSET, HDEL, and the keys' expiry, which the node's heartbeats renew too); the first also
 deletes what an earlier engine of the model left. The same marks go to the model's prefix index
-(`Keys.prefix_index`, as `{mark}@{node}`), from which a gateway reads a job's marks on every
-candidate node in one HMGET (gateway routing). A round trip that fails leaves them here for the
+(`Keys.prefix_index`, as `{mark}@{node}`, their tier in the value: `shared.prefix_marks.indexed`),
+from which a gateway reads a job's marks on every candidate node in one HMGET (gateway routing). A round trip that fails leaves them here for the
 next one."""
 
 from dataclasses import dataclass, field
 
-DEVICE = "device"
+from shared.prefix_marks import DEVICE, indexed
 
 Changes = tuple[dict[str, int], set[str], dict[str, str], bool]
 
@@ -27,6 +27,7 @@ class CacheIndex:
     _dropped: set[str] = field(default_factory=set)
     _tiers: dict[str, str] = field(default_factory=dict)  # mark -> its tier now
     _fresh: bool = True  # what the key holds is an older engine's: delete it first
+    _spans: dict[str, int] = field(default_factory=dict)  # every mark held -> its tokens
 
     def note(
         self,
@@ -69,8 +70,16 @@ class CacheIndex:
         for key in keys:
             pipe.pexpire(key, self.ttl_ms)
         if self.index_key:
-            if held:
-                pipe.hset(self.index_key, mapping={f"{m}@{self.node}": t for m, t in held.items()})
+            self._spans.update(held)
+            for mark in dropped:
+                self._spans.pop(mark, None)
+            values = {
+                f"{mark}@{self.node}": indexed(self._spans[mark], tiers.get(mark, DEVICE))
+                for mark in held.keys() | tiers.keys()
+                if mark in self._spans
+            }
+            if values:
+                pipe.hset(self.index_key, mapping=values)
             if dropped:
                 pipe.hdel(self.index_key, *(f"{m}@{self.node}" for m in dropped))
             pipe.pexpire(self.index_key, self.ttl_ms)

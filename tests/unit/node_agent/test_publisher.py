@@ -316,7 +316,9 @@ async def test_the_tiers_of_prefix_marks_kept_below_the_device_ride_beside_them(
     key, tiers_key = KEYS.prefixes("m", "node-a"), KEYS.prefix_tiers("m", "node-a")
     admin = aioredis.Redis.from_url(server.url)
     await admin.hset(tiers_key, mapping={"stale": "disk"})  # an earlier engine's
-    index = CacheIndex(key, ttl_ms=8000, tiers_key=tiers_key)
+    index = CacheIndex(
+        key, ttl_ms=8000, tiers_key=tiers_key, index_key=KEYS.prefix_index("m"), node="node-a"
+    )
     publisher = Publisher(client, KEYS, "node-a", on_unheard=lambda job: None, cache_index=index)
     publisher.start()
     index.note([("a", 16), ("b", 48), ("c", 64)], [])
@@ -330,6 +332,11 @@ async def test_the_tiers_of_prefix_marks_kept_below_the_device_ride_beside_them(
     await publisher.flush()
     assert await admin.hgetall(tiers_key) == {b"c": b"host"}
     assert set(await admin.hgetall(key)) == {b"a", b"c"}
+    # the model's prefix index says each held mark's tier too, for routing
+    assert await admin.hgetall(KEYS.prefix_index("m")) == {
+        b"a@node-a": b"16",
+        b"c@node-a": b"64:host",
+    }
     await publisher.stop()
     await admin.aclose()
     await client.aclose()

@@ -67,12 +67,16 @@ def marked() -> GenerationRequest:
     return TURN.model_copy(update={"prefix_marks": prefix_marks.marks(TURN)})
 
 
-async def hold(r, node: str, request: GenerationRequest, upto: int) -> None:
-    """`node`'s cache holds the request's first `upto` prefixes (as its CacheIndex writes them: its
-    own hash, and the model's prefix index routing reads)."""
+async def hold(r, node: str, request: GenerationRequest, upto: int, tier: str = "device") -> None:
+    """`node`'s cache holds the request's first `upto` prefixes, on the device or only in a tier
+    below it (as its CacheIndex writes them: its own hash, and the model's prefix index routing
+    reads)."""
     marks = request.prefix_marks[:upto]
     await r.hset(KEYS.prefixes(MODEL, node), mapping={m: c for m, c in marks})
-    await r.hset(KEYS.prefix_index(MODEL), mapping={f"{m}@{node}": c for m, c in marks})
+    await r.hset(
+        KEYS.prefix_index(MODEL),
+        mapping={f"{m}@{node}": prefix_marks.indexed(c, tier) for m, c in marks},
+    )
 
 
 async def test_the_node_holding_the_longest_prefix_with_room_gets_the_job(r):
@@ -117,6 +121,28 @@ async def test_a_busy_holder_is_worth_its_cached_tokens_only(r):
     assert await routing(r, load_weight=1).route(request, "", "interactive", "normal") == Route(
         "n2", "full"
     )
+
+
+async def test_a_prefix_on_the_device_beats_one_in_host_memory_which_beats_one_on_disk(r):
+    """The same prefix held three ways: copying it back from host memory or disk costs a share of
+    its tokens (`TIER_COPY_COST`), so the device's holder wins, then host memory's; a longer prefix
+    on disk still beats a much shorter one on the device."""
+    request = marked()
+    for node in ("n1", "n2", "n3"):
+        await beat(r, node)
+    await hold(r, "n1", request, 4, tier="disk")
+    await hold(r, "n2", request, 4, tier="host")
+    await hold(r, "n3", request, 4)
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n3", "cache")
+    await r.delete(KEYS.prefix_index(MODEL))
+    await hold(r, "n1", request, 4, tier="disk")
+    await hold(r, "n2", request, 4, tier="host")
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n2", "cache")
+    await r.delete(KEYS.prefix_index(MODEL))
+    await hold(r, "n1", request, 4, tier="disk")
+    await hold(r, "n3", request, 1)  # the system prompt alone, on the device
+    assert request.prefix_marks[0][1] < 0.75 * request.prefix_marks[3][1]
+    assert await routing(r).route(request, "", "interactive", "normal") == Route("n1", "cache")
 
 
 async def test_what_this_gateway_routed_since_a_heartbeat_counts_as_load(r):
