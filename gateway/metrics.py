@@ -251,14 +251,47 @@ class ReplicaCollector:
             (CounterMetricFamily(name, doc, labels=labels), part, field)
             for name, part, field, doc in _COUNTERS
         ]
+        tier_hits = CounterMetricFamily(
+            "cortex:kv_cache_tier_hits",
+            "Prefix cache hits by the tier the blocks came from, in prompt tokens: device (in the"
+            " pool), host (copied back from host memory), disk (read back from the disk tier).",
+            labels=[*labels, "tier"],
+        )
+        tier_bytes = CounterMetricFamily(
+            "cortex:kv_cache_tier_bytes",
+            "KV bytes moved between the tiers: offloaded (device to host), restored (host to"
+            " device), disk_written, disk_read.",
+            labels=[*labels, "copy"],
+        )
+        tier_blocks = GaugeMetricFamily(
+            "cortex:kv_cache_tier_blocks",
+            "KV blocks kept below the device: host_used and host_total (host-memory slots),"
+            " disk (blocks on disk).",
+            labels=[*labels, "tier"],
+        )
         for (model, node), info in self.replicas.items():
-            usage.add_metric([model, node], info.kv.usage)
+            kv = info.kv
+            usage.add_metric([model, node], kv.usage)
             for family, part, field in counters:
                 if (stats := getattr(info, part)) is not None:
                     family.add_metric([model, node], getattr(stats, field))
+            if not (kv.host_blocks_total or kv.disk_blocks or kv.disk_hits):
+                continue  # no tier below the device
+            device = kv.prefix_hits - kv.host_hits - kv.disk_hits
+            for tier, hits in (("device", device), ("host", kv.host_hits), ("disk", kv.disk_hits)):
+                tier_hits.add_metric([model, node, tier], hits)
+            for copy in ("offloaded", "restored", "disk_written", "disk_read"):
+                tier_bytes.add_metric([model, node, copy], getattr(kv, f"{copy}_bytes"))
+            for tier, blocks in (
+                ("host_used", kv.host_blocks_used),
+                ("host_total", kv.host_blocks_total),
+                ("disk", kv.disk_blocks),
+            ):
+                tier_blocks.add_metric([model, node, tier], blocks)
         yield usage
         for family, _, _ in counters:
             yield family
+        yield from (tier_hits, tier_bytes, tier_blocks)
 
 
 class RoutingCollector:

@@ -48,11 +48,23 @@ def _pull(p: PullProgress) -> str:
 
 
 def _kv(kv: KVCacheStats, spec: SpecDecodeStats | None) -> str:
-    """The KV cache's use, the prefix cache's hit rate, and the share of draft tokens accepted where
-    the model speculates."""
+    """The KV cache's use, the prefix cache's hit rate, the tiers below the device where it has
+    them (host slots in use, blocks on disk, and the share of hits each served), and the share of
+    draft tokens accepted where the model speculates."""
     return (
         f"KV {_percent(kv.blocks_used, kv.blocks_total)} ({kv.blocks_used}/{kv.blocks_total} blk)"
         f" prefix {_percent(kv.prefix_hits, kv.prefix_queries)}"
+        + (
+            f" host {kv.host_blocks_used}/{kv.host_blocks_total} blk"
+            f" ({_percent(kv.host_hits, kv.prefix_hits)} of hits)"
+            if kv.host_blocks_total
+            else ""
+        )
+        + (
+            f" disk {kv.disk_blocks} blk ({_percent(kv.disk_hits, kv.prefix_hits)} of hits)"
+            if kv.disk_blocks or kv.disk_hits
+            else ""
+        )
         + (
             f" spec {_percent(spec.accepted_tokens, spec.draft_tokens)}"
             if spec and spec.draft_tokens

@@ -121,3 +121,50 @@ async def test_a_replica_gone_from_the_heartbeats_leaves_the_metrics(app, client
 
     assert all(family.samples == [] for family in families.values())
     assert set(families) == {"vllm:kv_cache_usage_perc", *COUNTERS, *SPEC_COUNTERS}
+
+
+async def test_the_tiers_below_the_device_show_their_hits_bytes_and_blocks(app, client, redis):
+    kv = KVCacheStats(
+        block_size=16,
+        blocks_total=100,
+        prefix_queries=5000,
+        prefix_hits=4000,
+        host_blocks_total=300,
+        host_blocks_used=120,
+        disk_blocks=900,
+        host_hits=1500,
+        disk_hits=500,
+        offloaded_bytes=10 << 20,
+        restored_bytes=4 << 20,
+        disk_written_bytes=30 << 20,
+        disk_read_bytes=2 << 20,
+    )
+    await beat(redis, "n1", {MODEL: ModelState.READY}, kv={MODEL: kv})
+    await beat(  # no tier: no tier series
+        redis, "n2", {MODEL: ModelState.READY}, kv={MODEL: KVCacheStats(block_size=16)}
+    )
+    ctx = app.state.ctx
+    await ctx.metrics.refresh(ctx.fleet, set(ctx.catalog.profiles))
+    text = (await client.get("/metrics")).text
+    found = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def by(name: str, label: str) -> dict[tuple[str, str], float]:
+        return {(s.labels["node"], s.labels[label]): s.value for s in found[name].samples}
+
+    assert found["cortex:kv_cache_tier_hits"].type == "counter"
+    assert by("cortex:kv_cache_tier_hits", "tier") == {
+        ("n1", "device"): 2000,
+        ("n1", "host"): 1500,
+        ("n1", "disk"): 500,
+    }
+    assert by("cortex:kv_cache_tier_bytes", "copy") == {
+        ("n1", "offloaded"): 10 << 20,
+        ("n1", "restored"): 4 << 20,
+        ("n1", "disk_written"): 30 << 20,
+        ("n1", "disk_read"): 2 << 20,
+    }
+    assert by("cortex:kv_cache_tier_blocks", "tier") == {
+        ("n1", "host_used"): 120,
+        ("n1", "host_total"): 300,
+        ("n1", "disk"): 900,
+    }

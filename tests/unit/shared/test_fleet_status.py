@@ -304,6 +304,23 @@ async def test_models_show_their_kv_cache_prefix_hit_rate_and_speculation(r):
                     spec=SpecDecodeStats(),
                 ),  # speculation off, or nothing drafted yet
                 "loading": ModelInfo(state=ModelState.LOADING, device="cpu", slots_total=4),
+                "tiered": ModelInfo(
+                    state=ModelState.READY,
+                    device="cpu",
+                    slots_total=4,
+                    kv=KVCacheStats(
+                        block_size=16,
+                        blocks_total=100,
+                        blocks_used=10,
+                        prefix_queries=1000,
+                        prefix_hits=500,
+                        host_blocks_total=300,
+                        host_blocks_used=40,
+                        host_hits=300,
+                        disk_blocks=900,
+                        disk_hits=100,
+                    ),
+                ),
             },
         ),
     )
@@ -315,7 +332,7 @@ async def test_models_show_their_kv_cache_prefix_hit_rate_and_speculation(r):
     assert (
         json.loads(fleet.model_dump_json())["nodes"][0]["models"][MODEL]["kv"]["prefix_hits"] == 819
     )
-    console = Console(record=True, width=200, color_system=None)
+    console = Console(record=True, width=260, color_system=None)
     render_fleet(fleet, console)
     nodes_table = console.export_text().split("Queues")[0]
     rows = [line.split("│")[7:9] for line in nodes_table.splitlines() if line.count("│") == 9]
@@ -325,8 +342,10 @@ async def test_models_show_their_kv_cache_prefix_hit_rate_and_speculation(r):
     assert kv_by_model == {
         MODEL: "KV 37% (148/400 blk) prefix 81% spec 75%",  # floored, not rounded
         "cold": "KV 29% (29/100 blk) prefix -",  # no prompt looked up yet
-        "loading": "",
-    }  # no engine yet
+        "loading": "",  # no engine yet
+        "tiered": "KV 10% (10/100 blk) prefix 50% host 40/300 blk (60% of hits) disk 900 blk (20%"
+        " of hits)",  # the tiers below the device
+    }
 
 
 def test_status_shows_how_redis_keeps_its_data_and_its_warnings():
