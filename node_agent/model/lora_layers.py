@@ -12,12 +12,17 @@ in place by the fixed-shape decode step, so it stays under CUDA graphs and the c
 
 A layer that serves several projections at once (the stacked q/k/v and gate/up of
 node_agent/model/fused_layers.py) holds one part per projection: its B is block-diagonal.
+A quantized base (node_agent/model/quantized_linear.py: 4-bit, 8-bit, float8) keeps its layers as
+they are: the update is added to what its kernel gives, in full precision (the adapter's own
+matrices are never quantized), as vLLM and PEFT serve adapters on quantized bases.
+
 The adapters' files are read by node_agent/model/lora_files.py."""
 
 import torch
 
 from node_agent.model.fused_layers import ProjectionPart
 from node_agent.model.packed_linear import PackedLinear
+from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -43,19 +48,15 @@ class LoraLinear(torch.nn.Module):
         super().__init__()
         self.base, self.widths, self.state = base, widths, state
         self.in_features, self.out_features = in_features, sum(widths)
-        like = next(iter(base.buffers()), None)
-        like = like if like is not None else next(base.parameters())
-        dtype = like.dtype if like.is_floating_point() else torch.float32
+        # the activations' dtype and device (a quantized base's buffers are codes, or packed away)
+        dtype, device = state.dtype, state.device
         columns = len(widths) * state.slots * state.rank
+        self.register_buffer("a", torch.zeros(columns, in_features, dtype=dtype, device=device))
         self.register_buffer(
-            "a", torch.zeros(columns, in_features, dtype=dtype, device=like.device)
-        )
-        self.register_buffer(
-            "b", torch.zeros(self.out_features, columns, dtype=dtype, device=like.device)
+            "b", torch.zeros(self.out_features, columns, dtype=dtype, device=device)
         )
         self.register_buffer(  # each column's slot
-            "columns",
-            (torch.arange(columns, device=like.device) // state.rank % state.slots + 1),
+            "columns", (torch.arange(columns, device=device) // state.rank % state.slots + 1)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,16 @@ class LoraLinear(torch.nn.Module):
             self.b[row : row + width, first : first + a.shape[0]] = b.to(self.b.dtype)
 
 
-SERVED = (torch.nn.Linear, PackedLinear, ProjectionPart)  # the projections adapters wrap
+SERVED = (  # the projections adapters wrap
+    torch.nn.Linear,
+    torch.ao.nn.quantized.dynamic.Linear,  # a CPU's int8 (node_agent/model/loader.py)
+    PackedLinear,
+    ProjectionPart,
+    Int4Linear,
+    Int8GroupLinear,
+    Int8Linear,
+    Float8Linear,
+)
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -86,8 +96,8 @@ def why_not(model: torch.nn.Module) -> str | None:
             child = getattr(module, name, None)
             if isinstance(child, torch.nn.Module) and not isinstance(child, (*SERVED, LoraLinear)):
                 return (
-                    f"its {name} is a {type(child).__name__}: adapters are served on "
-                    "full-precision bases only, not quantized ones (yet)"
+                    f"its {name} is a {type(child).__name__}, which adapters are not served on"
+                    f" (only {', '.join(t.__name__ for t in SERVED)})"
                 )
     return None
 

@@ -10,12 +10,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import safetensors.torch
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from node_agent.engine.engine import Engine
-from node_agent.model import loader
+from node_agent.model import loader, lora_layers, quantized_linear
 from node_agent.serving import prompts
 from shared.errors import AdapterLoadFailed
 from tests import tiny_models
@@ -138,9 +139,90 @@ def test_adapters_that_cannot_be_served_are_refused_and_the_base_goes_on(setup, 
     assert tokens(run(engine, *base)) == expected(s, base)
 
 
-def test_a_quantized_base_refuses_adapters_with_why(small_vocab_dirs, tmp_path):
-    profile = tiny_profile(small_vocab_dirs["llama"], quant="int8", max_loras=1)
-    engine = Engine(loader.load(profile, "cpu"), profile)
-    save_adapter(small_vocab_dirs["llama"], tmp_path / "a", 4, ["q_proj"], 1)
-    with pytest.raises(AdapterLoadFailed, match="not quantized ones"):
-        engine.load_adapter("a", tmp_path / "a")
+def _int4_reference(base_dir, adapter_dir):
+    """transformers' model with its Linear layers but the head rounded as a node's 4-bit layers
+    round them (quantized_linear.round_int4) and read back in float32, and the adapter's update added
+    to each targeted layer's output by a hook, from PEFT's files (`adapter_dir` None: the base)."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module is not head:
+                module.weight.copy_(_read_back_int4(module.weight))
+    if adapter_dir is not None:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        scale = config["lora_alpha"] / config["r"]
+        weights = safetensors.torch.load_file(adapter_dir / "adapter_model.safetensors")
+        for name, module in model.named_modules():
+            if (a := weights.get(f"base_model.model.{name}.lora_A.weight")) is not None:
+                b = weights[f"base_model.model.{name}.lora_B.weight"]
+                module.register_forward_hook(
+                    lambda _, args, out, a=a, b=b: out + scale * (args[0] @ a.T @ b.T)
+                )
+    return model.eval()
+
+
+def _read_back_int4(weight: torch.Tensor) -> torch.Tensor:
+    codes, scale, zero = quantized_linear.round_int4(weight)
+    groups = codes.float().reshape(weight.shape[0], -1, quantized_linear.GROUP)
+    return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_adapters_on_a_quantized_base_follow_the_quantized_reference(
+    small_vocab_dirs, tmp_path, bits
+):
+    """The base's layers stay 4-bit; each adapter's update is added in full precision. Greedy tokens
+    of the base and two adapters in one mixed batch follow the reference (the rounded weights read
+    back in float32, each request alone, the update added by hooks from PEFT's files) within the
+    kernels' bfloat16 activations: at most one row of the twelve parts from it."""
+    bits = "int4"
+    base_dir = small_vocab_dirs["llama"]
+    for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
+        save_adapter(base_dir, tmp_path / name, rank, targets, seed)
+    profile = tiny_profile(base_dir, quant=bits, slots=6, max_loras=2, max_lora_rank=8)
+    lm = loader.load(profile, "cpu")
+    assert quantized_linear.held_as(lm.model) == "int4"
+    reference = {"": _int4_reference(base_dir, None)}
+    for name in ADAPTERS:
+        reference[name] = _int4_reference(base_dir, tmp_path / name)
+    s = SimpleNamespace(profile=profile, lm=lm, root=tmp_path, models=reference)
+    reqs = requests_for(s, "q")
+    want = expected(s, reqs)
+    engine = engine_with_adapters(s)
+    got = tokens(run(engine, *reqs, join_every=1))
+    apart = [job for job in want if got[job] != want[job]]
+    assert len(apart) <= 1, (apart, {job: (got[job], want[job]) for job in apart})
+    for i in range(4):  # the adapters change what the quantized base says
+        assert got[f"q{i}a4"] != got[f"q{i}base"] and got[f"q{i}a8"] != got[f"q{i}base"]
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8-weights", "int8-dynamic"])
+def test_a_quantized_layer_gets_each_tokens_adapter_update_in_full_precision(kind):
+    """One layer of each quantized kind a CPU serves: a token of slot 0 (the base) gets what the
+    quantized layer gives; a token of an adapter's slot gets that plus its scaled B @ A @ x, computed
+    here in float32 apart from the layer."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    if kind == "int4":
+        base = quantized_linear.Int4Linear.quantize(linear.weight.detach())
+    elif kind == "int8-weights":
+        base = quantized_linear.Int8Linear.quantize(linear.weight.detach())
+    else:
+        holder = torch.nn.Sequential(linear)  # as loader.quantize_int8_dynamic quantizes a model
+        torch.ao.quantization.quantize_dynamic(
+            holder,
+            {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
+            inplace=True,
+        )
+        base = holder[0]
+    state = lora_layers.LoraState(slots=2, rows=3, rank=4, dtype=torch.float32, device="cpu")
+    layer = lora_layers.LoraLinear(base, [96], 64, state)
+    a, b = torch.randn(4, 64), torch.randn(96, 4) * 0.5
+    layer.place(0, 2, a, b)
+    x = torch.randn(3, 1, 64)
+    state.ids = torch.tensor([[0], [2], [1]])  # base, the adapter, an empty slot
+    got = layer(x)
+    plain = base(x)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
+    torch.testing.assert_close(got[1], plain[1] + x[1] @ a.T @ b.T, rtol=1e-5, atol=1e-4)
