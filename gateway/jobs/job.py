@@ -334,14 +334,12 @@ class Job:
         while True:
             give_up = loop.time() + timeout_s
             queued = self.state is JobState.QUEUED
-            deadline = (
-                min(give_up, self.queue_deadline) if queued and self.queue_deadline else give_up
-            )
+            leaves = queued and self.queue_deadline is not None and self.queue_deadline < give_up
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(self.queue_deadline if leaves else give_up):
                     item = await self._heard.get()
             except TimeoutError:
-                if queued and self.queue_deadline and loop.time() >= self.queue_deadline:
+                if leaves:  # its queue deadline came first
                     await self._leave_queue()  # else a node has it: its events come as any job's
                     continue
                 if queued and self.waits_its_turn and await self.position() > 0:

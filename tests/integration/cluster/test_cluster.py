@@ -250,13 +250,13 @@ def jobs_of(r) -> list[str]:
 
 
 def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret):
-    """The master holding the model's streams dies while jobs wait there (the node is frozen, its
-    heartbeat still fresh): its replica takes over and the queued jobs are served once the node
+    """The master holding the model's streams dies while jobs wait there (the nodes are frozen, their
+    heartbeats still fresh): its replica takes over and the queued jobs are served once the node
     goes on; new requests succeed."""
     cluster, keys = cluster_stack.cluster, cluster_stack.keys
     if not cluster_stack.nodes:
         cluster_stack.nodes["node-b"] = cluster_stack.start_node("node-b", [MODEL])
-    node = next(iter(cluster_stack.nodes.values()))
+    nodes = list(cluster_stack.nodes.values())  # every one frozen: none reads a job meanwhile
     results: list = []
 
     def ask(i: int) -> None:
@@ -266,9 +266,10 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
             results.append(exc)
 
     waiting = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
-    node.proc.send_signal(
-        signal.SIGSTOP
-    )  # reads nothing, for less than its heartbeat's TTL (15 s here)
+    log = cluster_stack.root / "gateway.log"  # the module's: this test's lines come after `since`
+    since = len(log.read_text())
+    for node in nodes:  # they read nothing, for less than their heartbeat's TTL (15 s here)
+        node.proc.send_signal(signal.SIGSTOP)
     try:
         for t in waiting:
             t.start()
@@ -283,17 +284,19 @@ def test_a_master_killed_under_traffic_loses_no_queued_job(cluster_stack, secret
         # only the jobs whose events channel the dead master held were cut off; the node goes on once the
         # gateway listens to that shard again (a job the frozen node had been handed, its read in flight
         # at SIGSTOP, fails with a 503 then, as its events may have been lost)
-        log = cluster_stack.root / "gateway.log"
         back = r"is back; (\d) of (\d) queued jobs wait on"
         if cut_off:
             wait_for(
-                lambda: re.search(back, log.read_text()),
+                lambda: re.search(back, log.read_text()[since:]),
                 30,
                 "the gateway to listen to the shard again",
             )
-        lost = sum(int(total) - int(kept) for kept, total in re.findall(back, log.read_text()))
+        lost = sum(
+            int(total) - int(kept) for kept, total in re.findall(back, log.read_text()[since:])
+        )
     finally:
-        node.proc.send_signal(signal.SIGCONT)
+        for node in nodes:
+            node.proc.send_signal(signal.SIGCONT)
     for t in waiting:
         t.join(120)
     assert not any(t.is_alive() for t in waiting)

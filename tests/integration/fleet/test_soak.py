@@ -166,6 +166,18 @@ def read_stream(url: str, outcome: Outcome, timeout: httpx.Timeout) -> None:
             outcome.error = "the stream ended without [DONE]"
 
 
+def output_processes(node: psutil.Process) -> list[psutil.Process]:
+    """The node's live output processes (one killed before may linger as a zombie a moment)."""
+    found = []
+    for child in node.children():
+        try:
+            if "node_agent.serving.output_process" in " ".join(child.cmdline()):
+                found.append(child)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return found
+
+
 class Fleet:
     """The soak's stack and the faults it suffers."""
 
@@ -214,21 +226,13 @@ class Fleet:
 
     def kill_output_process(self) -> None:
         node = psutil.Process(self.nodes["node-a"].proc.pid)
-        [output] = [
-            p
-            for p in node.children()
-            if "node_agent.serving.output_process" in " ".join(p.cmdline())
-        ]
+        [output] = output_processes(node)
         output.kill()
         client = self.stack.client()
 
         def reloaded() -> bool:  # a new output process, and the model ready again
             models = json.loads(client.hget(self.stack.keys.node("node-a"), "models") or b"{}")
-            fresh = [
-                p
-                for p in node.children()
-                if "node_agent.serving.output_process" in " ".join(p.cmdline())
-            ]
+            fresh = output_processes(node)
             return (
                 fresh
                 and fresh[0].pid != output.pid
@@ -595,27 +599,29 @@ def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
     def state() -> dict:
         return httpx.get(f"{url}/v1/batches/{batch}", headers=headers).json()
 
-    wait_until(lambda: state()["request_counts"]["completed"] > 0, 120, "the batch to start")
-    try:
-        yield
-    finally:
-        paused = state()
-        spent = httpx.get(
+    def spent() -> int:
+        return httpx.get(
             f"{url}/admin/keys/noisy-batch", headers={"authorization": f"Bearer {ADMIN_KEY}"}
         ).json()["tokens_today"]
+
+    wait_until(lambda: spent() >= BATCH_BUDGET, 120, "the batch to spend its budget")
+    try:
+        yield  # paused: the other noises and the bystanders run beside it
+    finally:
+        paused, spent_then = state(), spent()
         cancelled = httpx.post(f"{url}/v1/batches/{batch}/cancel", headers=headers)
         assert cancelled.status_code == 200, cancelled.text
         wait_until(lambda: state()["status"] == "cancelled", 60, "the batch to cancel")
     counts = paused["request_counts"]
     assert paused["status"] == "in_progress" and counts["failed"] == 0, paused
-    per_line = spent / counts["completed"]
-    assert BATCH_BUDGET <= spent <= BATCH_BUDGET + 2 * per_line, (spent, counts)
+    per_line = spent_then / counts["completed"]
+    assert spent_then <= BATCH_BUDGET + 2 * per_line, (spent_then, counts)
 
 
 NOISES = (  # each: a context manager a noisy tenant's abuse runs within
+    batch_over_its_budget,  # first: it spends its budget before the flood, then stays paused
     flood_of_queued_requests,
     oversized_embeds,
-    batch_over_its_budget,
 )
 
 
