@@ -4,14 +4,15 @@
 plain matmuls): one decode step mixes rows of different adapters and of the base.
 
 Slot 0 is the base (no update); slots 1..S hold adapters. A layer holds every slot's A matrices
-stacked ([parts x S x r, in]) and their B matrices, scaled, side by side ([out, parts x S x r]):
-x @ A.T gives every slot's low-rank projection, a mask keeps each token's own slot's columns, and
-@ B.T adds its update. Shapes never depend on which adapters a step mixes: the slot ids are a
+stacked ([parts x S x r, in]) and their B matrices, scaled, side by side ([out, S x r]: each part's
+rows hold that part's columns): x @ A.T gives every slot's low-rank projection, a mask keeps each
+token's own slot's columns, and each part's columns @ its rows of B.T add its update. Shapes never depend on which adapters a step mixes: the slot ids are a
 tensor (`LoraState.ids`) the runner writes before each forward (node_agent/model/runner.py), read
 in place by the fixed-shape decode step, so it stays under CUDA graphs and the compiled CPU step.
 
 A layer that serves several projections at once (the stacked q/k/v and gate/up of
-node_agent/model/fused_layers.py) holds one part per projection: its B is block-diagonal.
+node_agent/model/fused_layers.py) holds one part per projection: its B is block-diagonal, kept as
+its blocks (a dense B over the fused width cost 3x the q/k/v update's work and 2x gate/up's).
 A quantized base (node_agent/model/quantized_linear.py: 4-bit, 8-bit, float8) keeps its layers as
 they are: the update is added to what its kernel gives, in full precision (the adapter's own
 matrices are never quantized), as vLLM and PEFT serve adapters on quantized bases.
@@ -50,31 +51,42 @@ class LoraLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, sum(widths)
         # the activations' dtype and device (a quantized base's buffers are codes, or packed away)
         dtype, device = state.dtype, state.device
-        columns = len(widths) * state.slots * state.rank
+        self.span = state.slots * state.rank  # a part's columns: every slot's rank
+        columns = len(widths) * self.span
         self.register_buffer("a", torch.zeros(columns, in_features, dtype=dtype, device=device))
+        # each part's rows of B hold that part's columns only (no block of zeros between parts)
         self.register_buffer(
-            "b", torch.zeros(self.out_features, columns, dtype=dtype, device=device)
+            "b", torch.zeros(self.out_features, self.span, dtype=dtype, device=device)
         )
         self.register_buffer(  # each column's slot
             "columns", (torch.arange(columns, device=device) // state.rank % state.slots + 1)
         )
+        self.rows = [sum(widths[:part]) for part in range(len(widths) + 1)]  # each part's rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         ids = self.state.ids[: x.shape[0]]
         low = (x @ self.a.T) * (ids[..., None] == self.columns).to(x.dtype)
-        return out + low @ self.b.T
+        if len(self.widths) == 1:
+            return out + low @ self.b.T
+        parts = low.unflatten(-1, (len(self.widths), self.span))
+        update = [
+            parts[..., part, :] @ self.b[self.rows[part] : self.rows[part + 1]].T
+            for part in range(len(self.widths))
+        ]
+        return out + torch.cat(update, dim=-1)
 
     def place(self, part: int, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot `slot`'s matrices for part `part` (`b` already scaled); None: no update there."""
-        rank, width = self.state.rank, self.widths[part]
-        first = (part * self.state.slots + slot - 1) * rank
-        row = sum(self.widths[:part])
+        rank = self.state.rank
+        first = part * self.span + (slot - 1) * rank  # its columns of A's rows
+        column = (slot - 1) * rank  # and of its part's rows of B
+        rows = slice(self.rows[part], self.rows[part + 1])
         self.a[first : first + rank].zero_()
-        self.b[row : row + width, first : first + rank].zero_()
+        self.b[rows, column : column + rank].zero_()
         if a is not None:
             self.a[first : first + a.shape[0]] = a.to(self.a.dtype)
-            self.b[row : row + width, first : first + a.shape[0]] = b.to(self.b.dtype)
+            self.b[rows, column : column + a.shape[0]] = b.to(self.b.dtype)
 
 
 SERVED = (  # the projections adapters wrap
