@@ -56,11 +56,18 @@ class Fleet:
         it is fresh; `fresh`: every beat Redis took so far (the view caught up first, or, with none,
         the hashes read).  Readers that answer what a caller just changed (a model it loaded, a node
         it started) ask for `fresh`; a request's routing does not."""
-        if self.view is not None and self.view.fresh:
-            if fresh:
-                await self.view.sync()
-            return self.view.live_nodes()
+        if view := await self._usable_view(fresh):
+            return view.live_nodes()
         return await self._read_live_nodes()
+
+    async def _usable_view(self, fresh: bool) -> FleetView | None:
+        """The view while it is fresh (caught up with every beat Redis took first, with `fresh`);
+        None: read Redis."""
+        if self.view is None or not self.view.fresh:
+            return None
+        if fresh:
+            await self.view.sync()
+        return self.view
 
     async def _read_live_nodes(self) -> list[NodeHeartbeat]:
         """`live_nodes` as Redis holds them now: every live node's hash read."""
@@ -89,10 +96,8 @@ class Fleet:
         `fresh`: not that, every beat Redis took so far)."""
         if not fresh and self._served_until.get(model, 0.0) > time.monotonic():
             return True
-        if self.view is not None and self.view.fresh:
-            if fresh:
-                await self.view.sync()
-            return any(n.takes_jobs and n.serves(model) for n in self.view.holders(model))
+        if view := await self._usable_view(fresh):
+            return any(n.takes_jobs and n.serves(model) for n in view.holders(model))
         served = any(n.takes_jobs and n.serves(model) for n in await self._read_live_nodes())
         if served:
             self._served_until[model] = time.monotonic() + SERVED_CACHE_S
