@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 
 from gateway.bus.queued_jobs import entry_waiting
 from gateway.jobs import queue
+from node_agent.serving import job_reader
 from node_agent.serving.job_reader import JobReader
 from shared import queues
 from shared.errors import QueueFull
@@ -152,3 +153,45 @@ async def test_after_redis_restarts_a_job_taken_from_its_room_is_found_on_the_sh
     assert await entry_waiting(r, room, entry_id, 60_000, channel)  # read within the last minute
     assert not await entry_waiting(r, room, entry_id, 0, channel)  # read before we listened
     assert not await entry_waiting(r, room, entry_id, 60_000, b"events:other")
+
+
+async def script_runs(r) -> int:
+    stats = await r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+async def test_an_idle_reader_blocks_again_without_the_read_script(r, reader, monkeypatch):
+    """An idle replica costs Redis one blocking XREADGROUP a round, not the read script's ~30
+    commands: nothing the script reads can change while the reader is blocked on every stream.
+    It still runs the script every SCRIPT_EVERY_S, and at once after its block was answered."""
+    monkeypatch.setattr(job_reader, "BLOCK_MS", 50)
+    monkeypatch.setattr(job_reader, "SCRIPT_EVERY_S", 3600)
+    assert await reader.read(free=2, batch_free=2) == []  # the script, then a block that runs out
+    before = await script_runs(r)
+    for _ in range(3):
+        assert await reader.read(free=2, batch_free=2) == []
+    assert await script_runs(r) == before
+    await enqueue(r, "a", "a0")  # to the shared stream, which a blocked read would take at once
+    await enqueue(r, "a", "a1")  # to a's room: a0 is unread
+    before = await script_runs(r)
+    assert [e.fields[b"job"] for e in await reader.read(free=1, batch_free=1)] == [b"a0"]
+    assert await script_runs(r) == before
+    assert [e.fields[b"job"] for e in await reader.read(free=1, batch_free=1)] == [b"a1"]
+    assert await script_runs(r) == before + 1
+
+
+async def test_an_idle_reader_still_runs_the_script_every_so_often(r, reader, monkeypatch):
+    """A job in a waiting room that no blocked read hears of (a Redis restored from its file with
+    rooms in it) is taken within SCRIPT_EVERY_S."""
+    monkeypatch.setattr(job_reader, "BLOCK_MS", 50)
+    monkeypatch.setattr(job_reader, "SCRIPT_EVERY_S", 0.3)
+    assert await reader.read(free=1, batch_free=1) == []
+    room = KEYS.waiting_room(M, "a")
+    await r.xadd(room, {"job": "restored", "channel": "events:restored"})
+    await r.rpush(KEYS.waiting_keys(M), room)
+    assert await reader.read(free=1, batch_free=1) == []  # blocked again, the room unseen
+    got = []
+    for _ in range(20):
+        if got := await reader.read(free=1, batch_free=1):
+            break
+    assert [e.fields[b"job"] for e in got] == [b"restored"]
