@@ -16,7 +16,7 @@ from shared.commands import NodeCommand
 from shared.fleet_status import CatalogModelStatus, FleetStatus, NodeStatus, QueueStatus
 from shared.fleet_view import FleetView
 from shared.heartbeat import NodeHeartbeat
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import Keys
 from shared.lifecycle import ModelState
 
 log = logging.getLogger(__name__)
@@ -116,34 +116,30 @@ class Fleet:
     async def queues(self, models: set[str], nodes: list[NodeHeartbeat]) -> list[QueueStatus]:
         """Per model: queued jobs by class (the own streams of `nodes` and the waiting rooms
         too), running jobs, replicas taking jobs, oldest wait (every model's sent at once)."""
-        script = self._redis.register_script(queues.QUEUE_STATS_LUA)
-        streams = {
-            model: queues.streams(
-                self._keys, model, nodes=tuple(n.node for n in nodes if n.serves(model))
-            )
-            + queues.rings(self._keys, model)
-            for model in sorted(models)
-        }
+        ordered = sorted(models)
         # concurrently, not pipelined: a cluster pipeline cannot run scripts (each model's on its shard)
         replies = await asyncio.gather(
             *(
-                script(keys=[s for _, s in pairs], args=[CONSUMER_GROUP])
-                for pairs in streams.values()
-            ),
-            *(self._redis.hgetall(self._keys.routing(model)) for model in streams),
-        )
-        replies, routings = replies[: len(streams)], replies[len(streams) :]
-        found = []
-        for (model, pairs), reply, routed in zip(streams.items(), replies, routings):
-            replicas = sum(1 for node in nodes if node.serves(model) and node.takes_jobs)
-            found.append(
-                QueueStatus(
-                    **queues.summarize(model, [c for c, _ in pairs], reply, replicas),
-                    routed={k.decode(): int(v) for k, v in routed.items()},
-                    prefix_hit_rate=prefix_hit_rate(model, nodes),
+                queues.depth(
+                    self._redis,
+                    self._keys,
+                    model,
+                    replicas=sum(1 for n in nodes if n.serves(model) and n.takes_jobs),
+                    nodes=tuple(n.node for n in nodes if n.serves(model)),
                 )
+                for model in ordered
+            ),
+            *(self._redis.hgetall(self._keys.routing(model)) for model in ordered),
+        )
+        depths, routings = replies[: len(ordered)], replies[len(ordered) :]
+        return [
+            QueueStatus(
+                **depth,
+                routed={k.decode(): int(v) for k, v in routed.items()},
+                prefix_hit_rate=prefix_hit_rate(model, nodes),
             )
-        return found
+            for model, depth, routed in zip(ordered, depths, routings)
+        ]
 
     # ---- everything, for `cortex status` --------------------------------------------------
 

@@ -165,31 +165,37 @@ local function waiting(key, group)
 end
 """
 
-# KEYS: streams and lists of waiting rooms (`rings`); ARGV[1]: group. Returns {now_ms, {unread,
-# pending, oldest unread id or ''} per key} (for a list of rooms: the jobs in its rooms, 0, the oldest).
+# KEYS: streams, then lists of waiting rooms (`rings`); ARGV[1]: group, ARGV[2]: the first list's
+# place in KEYS. Returns {now_ms, {unread, pending, oldest unread id or ''} per key} (for a list of
+# rooms: the jobs in its rooms, 0, the oldest). An empty stream (most of a fleet's own streams) costs
+# one XLEN, a list without rooms one LRANGE.
 QUEUE_STATS_LUA = (
     LUA_PENDING
     + """
 local t = redis.call('TIME')
+local first_ring = tonumber(ARGV[2])
 local out = {}
 for i, key in ipairs(KEYS) do
-  if is_rooms(key) then
-    local oldest = ''
+  local unread, n, oldest = 0, 0, ''
+  if i >= first_ring then
     for _, room in ipairs(rooms(key)) do
+      unread = unread + redis.call('XLEN', room)
       local r = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)
       if r[1] and (oldest == '' or before(r[1][1], oldest)) then oldest = r[1][1] end
     end
-    out[i] = {waiting(key, ARGV[1]), 0, oldest}
   else
     local len = redis.call('XLEN', key)
-    local n, maxp = pending(key, ARGV[1])
-    local oldest = ''
-    if len > n then
-      local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
-      if r[1] then oldest = r[1][1] end
+    if len > 0 then
+      local maxp
+      n, maxp = pending(key, ARGV[1])
+      if len > n then
+        local r = redis.call('XRANGE', key, maxp and ('(' .. maxp) or '-', '+', 'COUNT', 1)
+        if r[1] then oldest = r[1][1] end
+      end
+      unread = math.max(len - n, 0)
     end
-    out[i] = {math.max(len - n, 0), n, oldest}
   end
+  out[i] = {unread, n, oldest}
 end
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), out}
 """
@@ -291,9 +297,10 @@ async def depth(
     """One model's `/v1/queue` entry (`summarize`) from an asyncio client: what is really waiting
     (entries no node has read, counted from the streams, not the group's `lag`, which deletions
     can leave stale) and running; with the own streams of `nodes`."""
-    pairs = streams(keys, model, nodes=nodes) + rings(keys, model)
+    stream_pairs = streams(keys, model, nodes=nodes)
+    pairs = stream_pairs + rings(keys, model)
     reply = await redis.register_script(QUEUE_STATS_LUA)(
-        keys=[s for _, s in pairs], args=[CONSUMER_GROUP]
+        keys=[s for _, s in pairs], args=[CONSUMER_GROUP, len(stream_pairs) + 1]
     )
     return summarize(model, [c for c, _ in pairs], reply, replicas)
 

@@ -125,6 +125,24 @@ async def test_queue_depth_counts_the_waiting_rooms(r, reader):
     assert depth["queued"]["interactive"] == 3 and depth["running"] == 2
 
 
+async def commands(r, *names: str) -> int:
+    stats = await r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in names)
+
+
+async def test_queue_depth_costs_one_command_per_empty_stream(r, reader):
+    """The metrics refresh reads every model's queues, with the own streams of every node holding
+    it: an empty one (most of them) costs one XLEN, not a TYPE and an XPENDING besides."""
+    await enqueue(r, "a", "a0")
+    nodes = tuple(f"n{i}" for i in range(100))
+    before = await commands(r, "xlen", "type", "xpending", "xrange", "lrange")
+    depth = await queues.depth(r, KEYS, M, nodes=nodes)
+    spent = await commands(r, "xlen", "type", "xpending", "xrange", "lrange") - before
+    assert depth["queued"]["interactive"] == 1
+    streams = len(queues.streams(KEYS, M, nodes=nodes))  # 18 + 6 a node
+    assert spent <= streams + len(queues.rings(KEYS, M)) + 2  # + the one entry's XPENDING, XRANGE
+
+
 async def test_more_than_the_limit_waiting_is_refused_and_writes_nothing(r, reader):
     for i in range(4):  # 0, 1, 2 then 3 waiting before each: all taken
         await enqueue(r, "a", f"a{i}", max_waiting=3)
@@ -156,8 +174,7 @@ async def test_after_redis_restarts_a_job_taken_from_its_room_is_found_on_the_sh
 
 
 async def script_runs(r) -> int:
-    stats = await r.info("commandstats")
-    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+    return await commands(r, "evalsha", "eval")
 
 
 async def test_an_idle_reader_blocks_again_without_the_read_script(r, reader, monkeypatch):
