@@ -7,7 +7,10 @@ It is built once from the heartbeat hashes (`Keys.node`), then follows the chang
 heartbeat changed and the node's `seq`; an entry that does not follow the last one the view has of
 its node (a gap: the stream was trimmed past this view, or the node restarted) makes the view read
 that node's hash again. Liveness comes from `Keys.nodes` (one ZRANGEBYSCORE every `poll_s`); a node
-first seen there is read whole. `version` counts the changes applied; `fresh` says the view heard
+first seen there is read whole. A node whose beats stop is left out of every answer at once but kept
+`forget_after_s` before it is forgotten, so a node that comes back (its host stalled, or Redis did:
+then every node is late together) goes on from its change stream entries, not with a read of its
+hash by every gateway at once. `version` counts the changes applied; `fresh` says the view heard
 from Redis within `stale_after_s`, and readers (shared/fleet.py) read Redis themselves when not.
 
     view = FleetView(redis, keys, node_ttl_s=8.0)
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # liveness read (and the change stream's longest block)
 STALE_AFTER_S = 3.0  # a view that has not heard from Redis for this long is not used
+FORGET_AFTER_S = 60.0  # a node out of `Keys.nodes`'s live range this long is forgotten
 
 
 class FleetView:
@@ -42,12 +46,15 @@ class FleetView:
         node_ttl_s: float,
         poll_s: float = POLL_S,
         stale_after_s: float = STALE_AFTER_S,
+        forget_after_s: float = FORGET_AFTER_S,
     ):
         self._redis, self._keys, self._node_ttl_s = redis, keys, node_ttl_s
         self._poll_s, self._stale_after_s = poll_s, stale_after_s
+        self._forget_after_s = forget_after_s
         self._fields: dict[str, dict[str, str]] = {}  # node -> its hash as last known
         self._nodes: dict[str, NodeHeartbeat] = {}  # node -> its parsed heartbeat
         self._seen_ms: dict[str, int] = {}  # node -> last heartbeat (`Keys.nodes` score)
+        self._absent: dict[str, float] = {}  # node -> monotonic time it left the live range
         self._holders: dict[str, set[str]] = {}  # model -> nodes whose heartbeat lists it
         self._stale: set[str] = set()  # nodes to read whole at the next poll
         self._last_id = "0-0"
@@ -170,12 +177,16 @@ class FleetView:
         self._seen_ms = {name.decode(): int(score) for name, score in scored}
         for name, beat in self._nodes.items():  # a beat that changed nothing is as new as its score
             beat.heartbeat_ms = max(beat.heartbeat_ms, self._seen_ms.get(name, 0))
+        now = time.monotonic()
+        for name in self._seen_ms:
+            self._absent.pop(name, None)
         for gone in set(self._nodes) - set(self._seen_ms):
-            self._forget(gone)
+            if now - self._absent.setdefault(gone, now) >= self._forget_after_s:
+                self._forget(gone)
         wanted = sorted(
             (set(self._seen_ms) - set(self._nodes)) | (self._stale & set(self._seen_ms))
         )
-        self._stale.clear()
+        self._stale -= set(wanted)  # an absent node out of step is read when it is back
         if not wanted:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -203,6 +214,8 @@ class FleetView:
         self.version += 1
 
     def _forget(self, node: str) -> None:
+        self._absent.pop(node, None)
+        self._stale.discard(node)
         beat = self._nodes.pop(node, None)
         self._fields.pop(node, None)
         for model in beat.models if beat else ():

@@ -21,6 +21,7 @@ the own streams' backlog read when a load failed, leaving the group on unload, a
 holds for this node that it no longer runs. Acknowledging a finished job rides on the step's
 pipeline (node_agent/serving/publisher.py)."""
 
+import random
 import time
 from dataclasses import dataclass
 
@@ -140,6 +141,9 @@ class JobReader:
         self.batch_max_wait_ms = int(batch_max_wait_s * 1000)
         self._read = redis.register_script(_READ)
         self._idle_since: float | None = None  # monotonic time of the script that found nothing
+        # a share of SCRIPT_EVERY_S of its own: replicas idle since the same moment do not all run
+        # the script in the same second
+        self._script_share = random.uniform(0.5, 1.0)
 
     async def ensure_groups(self) -> None:
         """Create the group `agents` on every stream of the model (and the streams), where missing."""
@@ -209,7 +213,7 @@ class JobReader:
 
     async def _read_streams(self, free: int, batch_free: int) -> list[Entry]:
         idle = self._idle_since is not None and batch_free > 0
-        if not idle or time.monotonic() - self._idle_since >= SCRIPT_EVERY_S:
+        if not idle or time.monotonic() - self._idle_since >= SCRIPT_EVERY_S * self._script_share:
             if entries := await self._run_script(free, batch_free):
                 self._idle_since = None
                 return entries

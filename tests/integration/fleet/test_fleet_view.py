@@ -134,3 +134,34 @@ def test_sync_catches_the_view_up_at_once(redis_url):
             await redis.aclose()
 
     asyncio.run(run())
+
+
+def test_a_node_back_after_a_stall_goes_on_from_the_stream(redis_url):
+    """Every node late at once (its host, or Redis, stalled longer than the TTL): each is left out
+    while it is late, and when it beats again the view goes on from its change entries instead of
+    every gateway reading every node's hash at once; a node away longer than `forget_after_s` is
+    forgotten (read whole if it ever comes back)."""
+
+    async def run() -> None:
+        redis = aioredis.Redis.from_url(redis_url)
+        n1 = HeartbeatWriter(KEYS, "n1", 8000)
+        await _send(redis, n1, _beat("n1", 1, a="ready"))
+        view = FleetView(redis, KEYS, node_ttl_s=8.0, poll_s=0.05, forget_after_s=0.6)
+        await view.start()
+        try:
+            reads = await _calls(redis, "hgetall")
+            await redis.zadd(KEYS.nodes(), {"n1": 1})  # its last beat: long ago
+            await _until(lambda: view.live_nodes() == [] and view.holders("a") == [])
+            await _send(redis, n1, _beat("n1", 1, a="ready", b="loading"))  # back, one change on
+            await _until(lambda: [n.node for n in view.holders("b")] == ["n1"])
+            assert await _calls(redis, "hgetall") == reads, "it went on from the change stream"
+            await redis.zadd(KEYS.nodes(), {"n1": 1})
+            await asyncio.sleep(1.0)  # away past forget_after_s
+            await _send(redis, n1, _beat("n1", 1, a="ready", b="ready"))
+            await _until(lambda: [n.node for n in view.holders("b")] == ["n1"])
+            assert await _calls(redis, "hgetall") == reads + 1, "forgotten: read whole"
+        finally:
+            await view.stop()
+            await redis.aclose()
+
+    asyncio.run(run())
