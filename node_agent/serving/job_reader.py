@@ -198,12 +198,13 @@ class JobReader:
     async def read(self, free: int, batch_free: int) -> list[Entry]:
         """Up to `free` entries (at most `batch_free` of them batch), most urgent first; blocks up
         to BLOCK_MS when there are none. A stream deleted meanwhile (the janitor removes the own
-        streams of a node it thought gone) is made again."""
+        streams of a node it thought gone), before the read or under the blocked one (Redis then
+        answers UNBLOCKED), is made again."""
         try:
             return await self._read_streams(free, batch_free)
         except ResponseError as exc:
             self._idle_since = None
-            if "NOGROUP" not in str(exc):
+            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                 raise
             await self.ensure_groups()
             return await self._read_streams(free, batch_free)

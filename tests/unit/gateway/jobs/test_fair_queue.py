@@ -2,6 +2,8 @@
 node's reader taking the waiting rooms round-robin, positions, withdrawal, queue depth and
 shedding by queue depth (shared/queues.py, gateway/jobs/queue.py, node_agent/serving/job_reader.py)."""
 
+import asyncio
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -212,3 +214,19 @@ async def test_an_idle_reader_still_runs_the_script_every_so_often(r, reader, mo
         if got := await reader.read(free=1, batch_free=1):
             break
     assert [e.fields[b"job"] for e in got] == [b"restored"]
+
+
+async def test_a_stream_deleted_under_a_blocked_read_is_made_again(r, reader, monkeypatch):
+    """The janitor deletes the own streams of a node it thought gone; a read blocked on them is
+    answered UNBLOCKED: the reader makes its streams again and reads on, the job that follows
+    reaches it, and nothing fails."""
+    monkeypatch.setattr(job_reader, "BLOCK_MS", 2000)
+    own = KEYS.node_jobs(M, "n1")
+    assert await reader.read(free=1, batch_free=1) == []  # idle: the next read blocks at once
+    blocked = asyncio.ensure_future(reader.read(free=1, batch_free=1))
+    await asyncio.sleep(0.2)
+    await r.delete(own)
+    assert await blocked == []
+    assert await r.exists(own)  # made again, with its group
+    await enqueue(r, "a", "routed", stream=own)
+    assert [e.fields[b"job"] for e in await reader.read(free=1, batch_free=1)] == [b"routed"]
