@@ -160,8 +160,10 @@ local function waiting(key, group)
     for _, room in ipairs(rooms(key)) do n = n + redis.call('XLEN', room) end
     return n
   end
+  local len = redis.call('XLEN', key)
+  if len == 0 then return 0 end
   local n = pending(key, group)
-  return math.max(redis.call('XLEN', key) - n, 0)
+  return math.max(len - n, 0)
 end
 """
 

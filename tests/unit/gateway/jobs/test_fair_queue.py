@@ -145,6 +145,16 @@ async def test_queue_depth_costs_one_command_per_empty_stream(r, reader):
     assert spent <= streams + len(queues.rings(KEYS, M)) + 2  # + the one entry's XPENDING, XRANGE
 
 
+async def test_counting_what_waits_skips_empty_streams(r, reader):
+    """Every submit counts what waits for its class (`queue_max_waiting`): an empty stream costs
+    that count one XLEN, no XPENDING."""
+    before = await commands(r, "xpending")
+    await enqueue(r, "a", "a0", max_waiting=10)
+    assert await commands(r, "xpending") == before  # nothing waited anywhere
+    await enqueue(r, "a", "a1", max_waiting=10)
+    assert await commands(r, "xpending") == before + 2  # the shared stream holds a0: counted
+
+
 async def test_more_than_the_limit_waiting_is_refused_and_writes_nothing(r, reader):
     for i in range(4):  # 0, 1, 2 then 3 waiting before each: all taken
         await enqueue(r, "a", f"a{i}", max_waiting=3)
