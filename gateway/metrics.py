@@ -347,8 +347,9 @@ class RequestTimer:
             m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
         m.e2e.labels(*labels).observe(now - self.submitted)
         m.queue.labels(*labels).observe(event.timings.queue_ms / 1000)
+        itl = m.itl.labels(*labels)
         for gap in self.gaps:
-            m.itl.labels(*labels).observe(gap)
+            itl.observe(gap)
         m.prompt_tokens.labels(*labels).inc(event.usage.prompt_tokens)
         m.generation_tokens.labels(*labels).inc(event.usage.completion_tokens)
         m.success.labels(self.model, node, self.finish_reason).inc()

@@ -30,6 +30,7 @@ unread entry and no room of the band holds jobs (an idle fleet: no extra step); 
 wakes a node blocked on the streams, and the node takes the rooms' jobs on its next read.
 """
 
+import functools
 from dataclasses import dataclass
 
 from shared.keys import CONSUMER_GROUP, Keys
@@ -51,7 +52,14 @@ def streams(
     """(class, stream key) for the streams of `model` in the order a node reads them: by class and
     band, most urgent first, and within a band the own streams of `nodes` (`Keys.node_jobs`), then
     the moved stream, then the shared one (a node takes the moved and shared streams oldest first)."""
-    return [
+    return list(_streams(keys, model, classes, tuple(nodes)))
+
+
+@functools.lru_cache(maxsize=8192)  # every gateway asks for every model's every 2 s (its metrics)
+def _streams(
+    keys: Keys, model: str, classes: tuple[str, ...], nodes: tuple[str, ...]
+) -> tuple[tuple[str, str], ...]:
+    return tuple(
         (c, s)
         for c in classes
         for b in BANDS
@@ -60,7 +68,7 @@ def streams(
             keys.moved_jobs(model, c, b),
             keys.jobs(model, c, b),
         ]
-    ]
+    )
 
 
 def rings(keys: Keys, model: str, classes: tuple[str, ...] = CLASSES) -> list[tuple[str, str]]:
