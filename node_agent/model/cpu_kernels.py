@@ -1,6 +1,7 @@
 """The node's C++ CPU kernels (node_agent/model/csrc/): attention read in place from the paged KV
-cache (paged_attention.cpp, node_agent/model/cpu_attention.py) and torch's OpenMP threads bound to
-CPUs (cpu_threads.cpp, node_agent/model/devices.py), as torch operators in one library.
+cache (paged_attention.cpp, node_agent/model/cpu_attention.py), torch's OpenMP threads bound to
+CPUs (cpu_threads.cpp, node_agent/model/devices.py) and 4-bit layers' matmul for many rows
+(int4_matmul.cpp, node_agent/model/quantized_linear.py), as torch operators in one library.
 
 Compiled at the first load of a CPU model on this machine (~25 s, g++ and the Python headers;
 `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
@@ -21,7 +22,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "cpu_threads.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.cpp", "cpu_threads.cpp", "int4_matmul.cpp")
 ]
 
 

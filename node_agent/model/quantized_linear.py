@@ -8,14 +8,16 @@ A 4-bit group holds codes q in 0..15 and reads as `(q - 8) * scale + zero` (the 
 convention), so any affine group `scale * q + low` maps onto it exactly with
 `zero = low + 8 * scale`. The kernels take activations, scales and zeros in bfloat16 only (on a
 CPU their float32 path is scalar, 30-90x slower: docs/benchmarks.md): a layer casts its input to
-bfloat16 and its output back to the input's dtype."""
+bfloat16 and its output back to the input's dtype. On a CPU, a 4-bit layer's call with many rows
+runs the weights dequantised a tile at a time into a float32 GEMM instead
+(node_agent/model/int4_tiles.py): torch's kernel is a matrix-vector one."""
 
 import functools
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from node_agent.model import linear_shards
+from node_agent.model import int4_tiles, linear_shards
 from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
     GROUP,
     OUT_MULTIPLE,
@@ -108,7 +110,15 @@ class Int4Linear(torch.nn.Module):
         return cls(*shard.int4(*round_int4(weight)), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        flat = x.reshape(-1, self.in_features)
+        if int4_tiles.tiled(flat.shape[0], flat.device):  # many rows on a CPU
+            return _as_output(
+                int4_tiles.matmul(flat, self.weight_packed, self.scales_and_zeros, GROUP),
+                x,
+                self.out_features,
+                self.bias,
+            )
+        flat = flat.to(COMPUTE_DTYPE)
         if flat.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(
                 flat, self.weight_packed, GROUP, self.scales_and_zeros

@@ -1,0 +1,114 @@
+// A 4-bit layer's matmul for many rows (node_agent/model/quantized_linear.py): the weights torch's
+// CPU int4 kernel packed (`_convert_weight_to_int4pack_for_cpu`) dequantised a tile of output
+// channels at a time into float32, into a buffer of the thread's own that stays in its cache, and
+// each tile multiplied by all the rows at once with oneDNN's batch-reduce GEMM (ATen's
+// cpublas::brgemm). Torch's kernel re-reads and re-dequantises every weight for each 4 rows
+// (a matrix-vector kernel); here each weight is dequantised once a call, whatever the rows.
+//
+// Torch's packing, per block of `block_n` output channels (32 with AVX2, 64 with AVX-512), is
+// input-major: for each input k, block_n / 2 bytes. In a whole block, byte b holds channel b in its
+// low nibble and channel b + block_n / 2 in its high one (`split_halves`); in a last, narrower
+// block (and on CPUs without AVX2) byte b holds channels 2b and 2b + 1. Scales and zeros are
+// [in / group, out, 2] bfloat16; a weight reads (q - 8) * scale + zero, as torch's kernel reads it.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowChunk = 64;  // rows a GEMM call takes (a prefill chunk runs as several)
+
+// Channels [start, start + width) of the layer as float32 [in, width] (row k: input k's weights).
+void dequantise_tile(const uint8_t* packed, const at::BFloat16* scales_and_zeros, int64_t out_features,
+                     int64_t in_features, int64_t group, int64_t start, int64_t width, bool halves,
+                     float* __restrict__ tile, float* __restrict__ scale, float* __restrict__ zero) {
+  const uint8_t* block = packed + start * in_features / 2;
+  const int64_t half = width / 2;
+  for (int64_t g = 0; g < in_features / group; ++g) {
+    const at::BFloat16* sz = scales_and_zeros + (g * out_features + start) * 2;
+    for (int64_t n = 0; n < width; ++n) {
+      scale[n] = static_cast<float>(sz[2 * n]);
+      zero[n] = static_cast<float>(sz[2 * n + 1]);
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      const uint8_t* bytes = block + k * half;
+      float* row = tile + k * width;
+#if defined(__AVX2__)  // GCC's vector extension converts bytes to floats one at a time: intrinsics
+      if (halves) {
+        const __m256i mask = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+        for (int64_t b = 0; b < half; b += 8) {
+          const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + b)));
+          _mm256_storeu_ps(row + b, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(codes, mask), eight)),
+                                                    _mm256_loadu_ps(scale + b), _mm256_loadu_ps(zero + b)));
+          _mm256_storeu_ps(row + half + b,
+                           _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(codes, 4), eight)),
+                                           _mm256_loadu_ps(scale + half + b), _mm256_loadu_ps(zero + half + b)));
+        }
+        continue;
+      }
+#endif
+      if (halves) {
+        for (int64_t b = 0; b < half; ++b) {
+          row[b] = static_cast<float>((bytes[b] & 15) - 8) * scale[b] + zero[b];
+          row[half + b] = static_cast<float>((bytes[b] >> 4) - 8) * scale[half + b] + zero[half + b];
+        }
+      } else {
+        for (int64_t b = 0; b < half; ++b) {
+          row[2 * b] = static_cast<float>((bytes[b] & 15) - 8) * scale[2 * b] + zero[2 * b];
+          row[2 * b + 1] = static_cast<float>((bytes[b] >> 4) - 8) * scale[2 * b + 1] + zero[2 * b + 1];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x [rows, in] float32; packed uint8 [out, in / 2]; scales_and_zeros bfloat16 [in / group, out, 2].
+// block_n and split_halves: torch's packing on this CPU (above). Returns x @ W.T, float32 [rows, out].
+at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                             int64_t group, int64_t block_n, bool split_halves) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_tiled_matmul: x must be float32 [rows, in]");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scales_and_zeros.scalar_type() == at::kBFloat16,
+              "int4_tiled_matmul: packed uint8 weights and bfloat16 scales and zeros");
+  TORCH_CHECK(block_n > 0 && block_n % 16 == 0, "int4_tiled_matmul: block_n ", block_n);
+  const at::Tensor a = x.contiguous();
+  const at::Tensor w = packed.contiguous();
+  const at::Tensor sz = scales_and_zeros.contiguous();
+  const int64_t rows = a.size(0), in_features = a.size(1), out_features = sz.size(1);
+  TORCH_CHECK(w.numel() * 2 == out_features * in_features && in_features % group == 0,
+              "int4_tiled_matmul: weights of ", w.numel(), " bytes for ", out_features, " x ", in_features);
+  at::Tensor out = at::empty({rows, out_features}, a.options());
+  const float* a_data = a.const_data_ptr<float>();
+  const uint8_t* w_data = w.const_data_ptr<uint8_t>();
+  const at::BFloat16* sz_data = sz.const_data_ptr<at::BFloat16>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t blocks = (out_features + block_n - 1) / block_n;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(in_features * block_n), scale(block_n), zero(block_n);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t start = i * block_n, width = std::min(block_n, out_features - start);
+      dequantise_tile(w_data, sz_data, out_features, in_features, group, start, width, split_halves && width == block_n,
+                      tile.data(), scale.data(), zero.data());
+      for (int64_t r = 0; r < rows; r += kRowChunk) {
+        at::native::cpublas::brgemm(std::min(kRowChunk, rows - r), width, in_features, in_features, width,
+                                    out_features, false, a_data + r * in_features, tile.data(),
+                                    out_data + r * out_features + start, false);
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(cortex, m) {
+  m.def("int4_tiled_matmul(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int block_n, bool split_halves) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cortex, CPU, m) { m.impl("int4_tiled_matmul", &int4_tiled_matmul); }

@@ -1,0 +1,59 @@
+"""The two CPU paths of a 4-bit layer (node_agent/model/int4_tiles.py): torch's int4 kernel below
+TILED_FROM_ROWS rows, the dequantised tiles from there, each equal to the dequantised weights'
+matmul on bfloat16-rounded inputs, and a row's result the same whichever path runs it."""
+
+import pytest
+import torch
+
+from node_agent.model import int4_tiles
+from node_agent.model.quantized_linear import GROUP, Int4Linear, round_int4
+
+pytestmark = pytest.mark.skipif(
+    int4_tiles.layout() is None, reason="the CPU kernels are not built here"
+)
+
+
+def layer_and_weight(out_features: int, in_features: int) -> tuple[Int4Linear, torch.Tensor]:
+    """A random 4-bit layer and its dequantised weight [out, in] (what both paths must multiply by)."""
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    codes, scale, zero = round_int4(torch.randn(out_features, in_features, generator=generator))
+    layer = Int4Linear(codes, scale, zero, torch.randn(out_features, generator=generator))
+    sz = layer.scales_and_zeros.float()  # bfloat16 as the kernels read them: [in / GROUP, out, 2]
+    groups = (codes.float() - 8).reshape(out_features, -1, GROUP)
+    weight = groups * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    return layer, weight.reshape(out_features, in_features)
+
+
+@pytest.mark.parametrize(
+    "shape", [(576, 576), (192, 576), (576, 1536), (80, 64)]
+)  # SmolLM2's q/o, k/v, down; a last block narrower than torch's
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 33, 130])
+def test_both_paths_equal_the_dequantised_matmul(shape, rows):
+    layer, weight = layer_and_weight(*shape)
+    x = torch.randn(rows, shape[1])
+    expected = x.bfloat16().float() @ weight.t() + layer.bias
+    assert int4_tiles.tiled(rows, x.device) == (rows >= int4_tiles.TILED_FROM_ROWS)
+    y = layer(x)
+    assert y.dtype == x.dtype and y.shape == (rows, shape[0])
+    # both paths return bfloat16 products (8 bits of mantissa) of sums of up to 1536 terms
+    torch.testing.assert_close(y, expected, rtol=1e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_a_row_reads_the_same_alone_and_in_a_batch():
+    layer, _ = layer_and_weight(576, 1536)
+    x = torch.randn(32, 1536)
+    alone = torch.cat([layer(row[None]) for row in x])  # torch's int4 kernel
+    batched = layer(x)  # the tiles
+    close = torch.isclose(alone, batched, rtol=1e-2, atol=1e-3)
+    assert close.float().mean() > 0.999  # apart from bfloat16's rounding of a rare near-tie
+    torch.testing.assert_close(alone, batched, rtol=2e-2, atol=1e-2)
+
+
+def test_the_layout_is_found_for_this_cpu():
+    assert int4_tiles.layout() in {(64, True), (32, True), (32, False), (64, False)}
+    layer, weight = layer_and_weight(80, 64)
+    eye = torch.eye(64)
+    dequantised = torch.ops.cortex.int4_tiled_matmul(
+        eye, layer.weight_packed, layer.scales_and_zeros, GROUP, *int4_tiles.layout()
+    )
+    torch.testing.assert_close(dequantised, weight.t(), rtol=0, atol=0)
