@@ -127,14 +127,8 @@ def test_a_background_response_completes_with_no_client_and_is_fetched_and_strea
     )
     done = sdk(second).responses.retrieve(created.id)
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
-    reference = sdk(second).responses.create(
-        model="tiny", input="Tell me a story.", max_output_tokens=300, temperature=0
-    )
-    assert (
-        done.output_text == reference.output_text
-        and done.usage.output_tokens == reference.usage.output_tokens
-    )
 
+    # streamed again at once: its events are kept `stream_retention_s` (3 s here) after it ended
     events = list(sdk(first).responses.retrieve(created.id, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[-1].type in ("response.completed", "response.incomplete")
@@ -145,6 +139,14 @@ def test_a_background_response_completes_with_no_client_and_is_fetched_and_strea
     middle = len(events) // 2
     rest = list(sdk(second).responses.retrieve(created.id, stream=True, starting_after=middle))
     assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[middle + 1 :]]
+
+    reference = sdk(second).responses.create(
+        model="tiny", input="Tell me a story.", max_output_tokens=300, temperature=0
+    )
+    assert (
+        done.output_text == reference.output_text
+        and done.usage.output_tokens == reference.usage.output_tokens
+    )
 
 
 def slots_used(stack) -> int:
