@@ -112,20 +112,14 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if int4_tiles.tiled(flat.shape[0], flat.device):  # many rows on a CPU
-            return _as_output(
-                int4_tiles.matmul(flat, self.weight_packed, self.scales_and_zeros, GROUP),
-                x,
-                self.out_features,
-                self.bias,
-            )
-        flat = flat.to(COMPUTE_DTYPE)
-        if flat.device.type == "cuda":
+            y = int4_tiles.matmul(flat, self.weight_packed, self.scales_and_zeros, GROUP)
+        elif flat.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(
-                flat, self.weight_packed, GROUP, self.scales_and_zeros
+                flat.to(COMPUTE_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros
             )
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat, self.weight_packed, GROUP, self.scales_and_zeros
+                flat.to(COMPUTE_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros
             )
         return _as_output(y, x, self.out_features, self.bias)
 

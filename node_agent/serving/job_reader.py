@@ -202,15 +202,16 @@ class JobReader:
         answers UNBLOCKED), is made again."""
         try:
             return await self._read_streams(free, batch_free)
-        except ResponseError as exc:
+        except (RedisError, OSError) as exc:
+            # Redis away or restarted, or streams gone: what waits is not known
             self._idle_since = None
-            if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
+            regroup = isinstance(exc, ResponseError) and str(exc).startswith(
+                ("NOGROUP", "UNBLOCKED")
+            )
+            if not regroup:
                 raise
-            await self.ensure_groups()
-            return await self._read_streams(free, batch_free)
-        except (RedisError, OSError):
-            self._idle_since = None  # Redis away, maybe restarted: what waits is not known
-            raise
+        await self.ensure_groups()
+        return await self._read_streams(free, batch_free)
 
     async def _read_streams(self, free: int, batch_free: int) -> list[Entry]:
         idle = self._idle_since is not None and batch_free > 0
