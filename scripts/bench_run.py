@@ -57,6 +57,7 @@ import bench_embed  # noqa: E402
 import bench_fleet  # noqa: E402
 import bench_lora  # noqa: E402
 import bench_models  # noqa: E402
+import bench_wake  # noqa: E402
 import bench_workloads  # noqa: E402
 from bench_core import (  # noqa: E402
     NOISY_PCT,
@@ -1328,8 +1329,11 @@ def prefix_workload(args, parser) -> None:
 def main(argv=None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload")
-    if pre.parse_known_args(argv)[0].workload == "fleet":  # its own options: bench_fleet.py
+    workload = pre.parse_known_args(argv)[0].workload
+    if workload == "fleet":  # its own options: bench_fleet.py
         return bench_fleet.main(argv)
+    if workload == "wake":  # its own options: bench_wake.py
+        return bench_wake.main(argv)
     args = parse_args(argv)
     if args.export_tokenizer:
         bench_models.default_tokenizer().save_pretrained(args.export_tokenizer)

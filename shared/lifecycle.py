@@ -17,6 +17,9 @@ class ModelState(StrEnum):
     DOWNLOADING = "downloading"  # fetching its files (from a peer node or the hub) before loading
     LOADING = "loading"
     READY = "ready"
+    # idle past its keep_alive on a CPU node with `sleep_mb`: not serving, but its engine (weights,
+    # compiled step, cached prefixes) kept in memory so that a load wakes it in a fraction of a load
+    SLEEPING = "sleeping"
     POISONED = "poisoned"
     UNLOADING = "unloading"
     FAILED = "failed"

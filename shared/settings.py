@@ -160,6 +160,12 @@ class NodeSettings(CortexSettings):
     memory_budget_mb: int = (
         0  # each CPU device reports this much memory (0: the host's); simulates a fleet
     )
+    # Sleeping replicas (node_agent/serving/served_model.py `sleep`): a model idle past its keep_alive on
+    # a CPU device keeps its engine in memory, up to this many MB for all of them (the least recently
+    # used dropped first), and a load wakes it without reading or compiling anything. 0: off (idle
+    # models are unloaded). A sleeping model's memory still counts against the device; placement
+    # evicts sleeping models before idle ready ones, and wakes one before loading a model anywhere.
+    sleep_mb: int = Field(0, ge=0)
     # Logical CPU devices ("cpu:0", "cpu:1", …), each its own device thread, for testing tensor
     # parallelism without GPUs and for CPU fleets; they share the host's cores and memory.
     cpu_devices: int = Field(1, ge=1, le=64)

@@ -77,6 +77,7 @@ _STATE_STYLE = {
     ModelState.READY: "green",
     ModelState.DOWNLOADING: "cyan",
     ModelState.LOADING: "yellow",
+    ModelState.SLEEPING: "blue",
     ModelState.UNLOADING: "yellow",
     ModelState.POISONED: "red",
     ModelState.FAILED: "red",

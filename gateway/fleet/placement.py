@@ -32,6 +32,7 @@ class Plan:
     node: str
     evict: list[str]
     free_mb: int  # free on the node once the evictions are done
+    wakes: bool = False  # the model sleeps there: a load wakes it
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Candidate:
     must_evict: list[str] = field(
         default_factory=list
     )  # the node's tensor-parallel model, for another one
+    asleep: bool = False  # the node holds the model sleeping: waking it needs no more memory
 
 
 def allowed(profile: ModelProfile, node: NodeHeartbeat) -> bool:
@@ -85,25 +87,34 @@ def candidates(
     priority: dict[str, int],
     strategy: str,
 ) -> list[Candidate]:
-    """Allowed nodes not yet holding `profile`, each with what it could free for it. A
-    tensor-parallel model goes only where the node's own tensor-parallel model (if any) is idle,
-    and evicts it."""
+    """Allowed nodes not yet serving `profile` (those where it sleeps among them), each with what
+    it could free for it: its sleeping models first, then its idle ready ones. A tensor-parallel
+    model goes only where the node's own tensor-parallel model (if any) is idle, and evicts it."""
     found = []
     for node in nodes:
-        if not allowed(profile, node) or profile.id in node.models:
+        held = node.models.get(profile.id)
+        asleep = held is not None and held.state == ModelState.SLEEPING
+        if not allowed(profile, node) or (held is not None and not asleep):
             continue
         idle = [
             m
             for m, info in node.models.items()
-            if info.state == ModelState.READY
-            and info.slots_used == 0
+            if m != profile.id
+            and (
+                info.state == ModelState.SLEEPING
+                or (info.state == ModelState.READY and info.slots_used == 0)
+            )
             and m not in pinned
             and m not in busy
         ]
+
+        def awake(m: str) -> bool:
+            return node.models[m].state != ModelState.SLEEPING
+
         order = (
-            (lambda m: (priority.get(m, 0), node.models[m].last_used_ms))
+            (lambda m: (awake(m), priority.get(m, 0), node.models[m].last_used_ms))
             if strategy == "priority"
-            else (lambda m: node.models[m].last_used_ms)
+            else (lambda m: (awake(m), node.models[m].last_used_ms))
         )
         must_evict = sharded_models(node) if profile.tensor_parallel > 1 else []
         if any(m not in idle for m in must_evict):
@@ -114,6 +125,7 @@ def candidates(
                 room_mb(profile, node, must_evict),
                 [m for m in sorted(idle, key=order) if m not in must_evict],
                 must_evict,
+                asleep,
             )
         )
     return found
@@ -126,10 +138,14 @@ def plan(
     fleet_summary: str = "",
     holding: frozenset[str] = frozenset(),
 ) -> Plan:
-    """A node that holds the model's files already (`holding`: no download), then the one needing the
-    fewest evictions, then with the most room left; 503 when none fits."""
+    """A node where the model sleeps (waking it loads nothing), then one that holds the model's files
+    already (`holding`: no download), then the one needing the fewest evictions, then with the most
+    room left; 503 when none fits."""
     plans = []
     for c in found:
+        if c.asleep:
+            plans.append(Plan(c.node.node, [], c.free_mb, wakes=True))
+            continue
         free, evict = c.free_mb, list(c.must_evict)
         for model in c.evictable:
             if free >= need_mb:
@@ -139,7 +155,9 @@ def plan(
         if free >= need_mb:
             plans.append(Plan(c.node.node, evict, free - need_mb))
     if plans:
-        return min(plans, key=lambda p: (p.node not in holding, len(p.evict), -p.free_mb))
+        return min(
+            plans, key=lambda p: (not p.wakes, p.node not in holding, len(p.evict), -p.free_mb)
+        )
     if not found:
         devices = (
             f"; {profile.tensor_parallel} devices on one node, whose tensor-parallel model if any is idle"
@@ -249,7 +267,8 @@ class Placer:
         evictable = sorted({m for c in found for m in c.evictable + c.must_evict})
         if busy := await self._busy(evictable):  # only what a candidate could evict is looked at
             found = candidates(profile, nodes, pinned, busy, priority, strategy)
-        need = await self._estimate_mb(profile) if found else 0  # on each of its devices
+        wakes = any(c.asleep for c in found)  # then that plan is chosen: nothing to estimate
+        need = await self._estimate_mb(profile) if found and not wakes else 0  # on each device
         holding = frozenset(
             await self.fleet.file_holders(
                 HubRef.parse(profile.source).folder, [c.node for c in found]
@@ -269,13 +288,16 @@ class Placer:
         for model in chosen.evict:
             log.info("evicting %s from %s for %s (%s)", model, chosen.node, profile.id, strategy)
             await self.send(chosen.node, "unload", model)
-        log.info(
-            "placing %s (%d MB on each of %d devices) on %s",
-            profile.id,
-            need,
-            profile.tensor_parallel,
-            chosen.node,
-        )
+        if chosen.wakes:
+            log.info("waking %s on %s", profile.id, chosen.node)
+        else:
+            log.info(
+                "placing %s (%d MB on each of %d devices) on %s",
+                profile.id,
+                need,
+                profile.tensor_parallel,
+                chosen.node,
+            )
         await self.send(chosen.node, "load", profile.id)
         await self._await_loading(chosen.node, profile.id)
         return chosen.node
@@ -296,9 +318,11 @@ class Placer:
         await self.fleet.command(node, cmd, model, by=f"gateway:{self.settings.port}")
 
     async def _await_loading(self, node: str, model: str) -> None:
+        """Until the node says `loading` (or further): a model sleeping there is woken first."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while time.monotonic() < deadline:
-            if model in (await self.fleet.node(node) or NodeHeartbeat.empty(node)).models:
+            held = (await self.fleet.node(node) or NodeHeartbeat.empty(node)).models.get(model)
+            if held is not None and held.state != ModelState.SLEEPING:
                 return
             await asyncio.sleep(0.05)
         log.warning("%s did not show %s loading within %.0f s", node, model, ACK_TIMEOUT_S)

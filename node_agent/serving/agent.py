@@ -217,6 +217,10 @@ class NodeAgent:
             current := self.models.get(profile.id)
         ) is not None and current.state == ModelState.UNLOADING:
             await asyncio.sleep(0.05)  # a load that races an unload waits for it, then loads again
+        if current is not None and current.state == ModelState.SLEEPING:
+            await current.wake()
+            await self._beat()
+            return
         if current is not None and current.state != ModelState.FAILED:
             return
         while profile.tensor_parallel > 1 and any(
@@ -345,8 +349,29 @@ class NodeAgent:
                 and served.ledger.idle_past(served.profile.keep_alive_s, now)
                 and not await self._pinned(served)
             ):
-                log.info("%s idle past keep_alive; unloading", model_id)
-                await self.unload_model(model_id)
+                await self._rest(served)
+
+    async def _rest(self, served: ServedModel) -> None:
+        """A model idle past its keep_alive sleeps where it can and `sleep_mb` has room (the least
+        recently used sleeping models unloaded to make it), else it is unloaded."""
+        model_id, room = served.profile.id, self.settings.sleep_mb - served.memory_mb
+        if not served.can_sleep or room < 0:
+            log.info("%s idle past keep_alive; unloading", model_id)
+            await self.unload_model(model_id)
+            return
+        sleeping = sorted(
+            (m for m in self.models.values() if m.state == ModelState.SLEEPING),
+            key=lambda m: m.ledger.last_used_ms,
+        )
+        while sleeping and sum(m.memory_mb for m in sleeping) > room:
+            oldest = sleeping.pop(0)
+            log.info("%s unloaded: %s needs its room to sleep", oldest.profile.id, model_id)
+            await self.unload_model(oldest.profile.id)
+        if not served.can_sleep:  # it changed while the others were unloaded
+            return
+        log.info("%s idle past keep_alive; sleeping", model_id)
+        await served.sleep(self.settings.shutdown_grace_s)
+        await self._beat()
 
     async def _pinned(self, served: ServedModel) -> bool:
         override = await self.redis.hget(self.keys.pins(), served.profile.id)

@@ -1,14 +1,15 @@
 """A model replica's state on its node: the one place it changes, and only along these transitions.
 
-| from \\ to   | loading            | ready          | poisoned            | unloading      | failed                  |
-|-------------|--------------------|----------------|---------------------|----------------|-------------------------|
-| downloading | files verified     |                |                     | unload / drain | pull failed             |
-| loading     |                    | loaded, groups | —                   | unload / drain | load failed; overdue    |
-| ready       |                    |                | device fault;       | unload / drain |                         |
-|             |                    |                | output process died |                |                         |
-| poisoned    |                    | reloaded       |                     | unload / drain | reload failed; overdue  |
-| unloading   |                    |                |                     |                |                         |
-| failed      |                    |                |                     | unload         |                         |
+| from \\ to   | loading            | ready          | poisoned            | sleeping       | unloading      | failed                  |
+|-------------|--------------------|----------------|---------------------|----------------|----------------|-------------------------|
+| downloading | files verified     |                |                     |                | unload / drain | pull failed             |
+| loading     |                    | loaded, groups | —                   |                | unload / drain | load failed; overdue    |
+| ready       |                    |                | device fault;       | idle past      | unload / drain |                         |
+|             |                    |                | output process died | keep_alive     |                |                         |
+| poisoned    |                    | reloaded       |                     |                | unload / drain | reload failed; overdue  |
+| sleeping    | woken (a load)     |                |                     |                | unload / drain |                         |
+| unloading   |                    |                |                     |                |                |                         |
+| failed      |                    |                |                     |                | unload         |                         |
 
 - A replica whose files are not on the node starts `downloading` (node_agent/weights/puller.py fetches
   them from a peer node or the hub, sizes and hashes checked); it loads only once they are all here.
@@ -18,6 +19,8 @@
   replica is `failed` (its own waiting jobs fail; placement backs off from this node).
 - `poisoned` → `ready` is the reload: the old engine freed, a new one built, all while the
   heartbeat says `poisoned` with the fault that caused it; if freeing or loading fails, `failed`.
+- `sleeping` keeps the engine built (on a CPU device, within the node's `sleep_mb`): nothing is read
+  or stepped; a load wakes it through `loading`, which then builds nothing.
 - A fault while `loading` or `unloading` fails the jobs it names and changes nothing: a second load
   never starts beside the first (`poisoned` is entered from `ready` only).
 - `failed` and `unloading` are ends: the agent drops the replica (and a later load makes a new one).
@@ -29,19 +32,21 @@ import time
 
 from shared.lifecycle import ModelState
 
-D, L, R, P, U, F = (
+D, L, R, P, S, U, F = (
     ModelState.DOWNLOADING,
     ModelState.LOADING,
     ModelState.READY,
     ModelState.POISONED,
+    ModelState.SLEEPING,
     ModelState.UNLOADING,
     ModelState.FAILED,
 )
 TRANSITIONS: dict[ModelState, frozenset[ModelState]] = {
     D: frozenset({L, U, F}),
     L: frozenset({R, U, F}),
-    R: frozenset({P, U}),
+    R: frozenset({P, S, U}),
     P: frozenset({R, U, F}),
+    S: frozenset({L, U}),
     U: frozenset(),
     F: frozenset({U}),
 }

@@ -14,6 +14,7 @@ import time
 import redis.asyncio as aioredis
 
 from node_agent.engine.engine import Engine
+from node_agent.model import devices
 from node_agent.serving.consumer import Consumer
 from node_agent.serving.device_thread import DeviceThread
 from node_agent.serving.engine_start import start_engine
@@ -89,6 +90,9 @@ class ServedModel:
         )
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
         self.faults = ReplicaFaults(self)  # every move to `poisoned` or `failed`
+        self._resting = (
+            asyncio.Lock()
+        )  # held while it falls asleep, wakes or unloads: one at a time
 
     def output_link(self, config: dict, on_feedback, on_exit) -> OutputLink:
         """The link to this replica's output side: its own process (node_agent/serving/output_link.py)."""
@@ -173,11 +177,13 @@ class ServedModel:
         )
 
     async def _open(self) -> None:
-        """Start the output process, build the engine on the device thread and step it there."""
+        """Start the output process, build the engine on the device thread (unless it was kept
+        asleep) and step it there."""
         await self.output.start()  # it starts up while the model loads
-        self.engine = await self.device.call(
-            self.engine_start, self.load_from, self.devices, self.settings, self.consumer_name
-        )
+        if self.engine is None:
+            self.engine = await self.device.call(
+                self.engine_start, self.load_from, self.devices, self.settings, self.consumer_name
+            )
         self.check_still_loading()
         self.intake.attach(self.engine)
         self.output.open(self.engine)
@@ -199,11 +205,48 @@ class ServedModel:
         for job in feedback.lost:
             self.publisher.on_lost(job)
 
+    @property
+    def can_sleep(self) -> bool:
+        """A generating model on one CPU device, ready: its engine may be kept in the host's memory
+        (on a GPU that memory is the device's; a tensor-parallel model's ranks are other threads)."""
+        return (
+            self.state == ModelState.READY
+            and isinstance(self.engine, Engine)
+            and self.devices == [self.device.device]
+            and devices.is_cpu(self.device.device)
+        )
+
+    async def sleep(self, grace_s: float) -> None:
+        """`ready` → `sleeping`: stop reading (running jobs get `grace_s`) and stepping, close the output
+        process, leave the job streams; the engine stays, with its compiled step and cached prefixes,
+        for the load that wakes it (`wake`)."""
+        async with self._resting:  # a load that comes meanwhile wakes it once it is asleep
+            self.replica.to(ModelState.SLEEPING)
+            await self.stop_taking(grace_s)
+            await self.device.detach(self.engine)
+            await self.output.close()
+            await self.reader.leave()
+        log.info(
+            "%s sleeps on %s (%d MB kept)", self.profile.id, self.device.device, self.memory_mb
+        )
+
+    async def wake(self) -> None:
+        """`sleeping` → `loading` → `ready` with the engine it kept (a failure: `failed`, as a load's)."""
+        started = time.monotonic()
+        async with self._resting:
+            if self.state != ModelState.SLEEPING:  # unloaded while it fell asleep
+                return
+            self.replica.to(ModelState.LOADING)
+            await self.load()
+        log.info("%s woke in %.2f s", self.profile.id, time.monotonic() - started)
+
     async def unload(self, grace_s: float) -> None:
-        """Finish (within `grace_s`) or fail running jobs, then free the device memory."""
-        await self.drain(grace_s)
-        await self.free()
-        await self.reader.leave()
+        """Finish (within `grace_s`) or fail running jobs, then free the device memory (once it fell
+        asleep, when it was falling asleep)."""
+        async with self._resting:
+            await self.drain(grace_s)
+            await self.free()
+            await self.reader.leave()
         log.info("%s unloaded from %s", self.profile.id, self.device.device)
 
     async def free(self) -> None:
@@ -222,9 +265,13 @@ class ServedModel:
             self.ledger.fail(job, error or JobCancelled(f"job {job} was cancelled"))
 
     async def drain(self, grace_s: float) -> None:
-        """Stop reading; let running jobs finish within `grace_s`, fail the rest."""
+        """`unloading`: stop reading; let running jobs finish within `grace_s`, fail the rest."""
         if self.replica.can(ModelState.UNLOADING):
             self.replica.to(ModelState.UNLOADING)
+        await self.stop_taking(grace_s)
+
+    async def stop_taking(self, grace_s: float) -> None:
+        """Stop reading; let running jobs finish within `grace_s`, fail the rest."""
         await self.consumer.stop()
         deadline = time.monotonic() + grace_s
         while self.ledger.running and time.monotonic() < deadline:

@@ -12,6 +12,7 @@ _RANK = [
     ModelState.READY,
     ModelState.LOADING,
     ModelState.DOWNLOADING,
+    ModelState.SLEEPING,
     ModelState.UNLOADING,
     ModelState.POISONED,
     ModelState.FAILED,

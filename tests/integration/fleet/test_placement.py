@@ -143,3 +143,52 @@ def test_admin_api_needs_the_key_and_cli_status_shows_the_fleet(fleet_stack):
     assert node["node"] == "n1" and node["alive"]
     assert node["devices"][0]["total_mb"] == 500
     assert "tiny-a" in json.dumps(node["models"])
+
+
+def chat(stack, model: str):
+    """Greedy, with a system prompt of several KV blocks (a prefix a kept cache answers from)."""
+    client = openai.OpenAI(
+        base_url=f"{stack.gateway_url}/v1", api_key="x", max_retries=0, timeout=60
+    )
+    return client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "system", "content": "You answer questions about attention. " * 12},
+            {"role": "user", "content": "Hello"},
+        ],
+        max_tokens=6,
+        temperature=0,
+    )
+
+
+def state_on(stack, node: str, model: str) -> str | None:
+    return stack.models_on(node).get(model, {}).get("state")
+
+
+@pytest.mark.models(
+    **{"tiny-a": {"keep_alive_s": 1.0}, "tiny-b": {"keep_alive_s": 600}, "tiny-c": {}}
+)
+def test_an_idle_model_sleeps_wakes_with_its_cache_and_is_evicted_first(fleet_stack):
+    """With `sleep_mb`, a model idle past its keep_alive sleeps (its engine kept); the next request
+    wakes it (the same greedy answer, its prompt's prefix still cached: nothing was reloaded); a model
+    placed on the full node evicts the sleeping model before an idle ready one used longer ago."""
+    fleet_stack.start_gateway()
+    fleet_stack.start_node("n1", models=[], CORTEX_MEMORY_BUDGET_MB="250", CORTEX_SLEEP_MB="1000")
+    ask(fleet_stack, "tiny-b")  # the least recently used from now on
+    first = chat(fleet_stack, "tiny-a")
+    wait_for(lambda: state_on(fleet_stack, "n1", "tiny-a") == "sleeping", 15, "tiny-a to sleep")
+    woken = chat(fleet_stack, "tiny-a")
+    assert woken.choices[0].message.content == first.choices[0].message.content
+    assert woken.usage.prompt_tokens_details.cached_tokens >= 16, woken.usage
+    assert state_on(fleet_stack, "n1", "tiny-a") == "ready"
+
+    wait_for(
+        lambda: state_on(fleet_stack, "n1", "tiny-a") == "sleeping", 15, "tiny-a to sleep again"
+    )
+    assert ask(fleet_stack, "tiny-c").choices  # no room for three: the sleeping one goes
+    wait_for(
+        lambda: set(fleet_stack.models_on("n1")) == {"tiny-b", "tiny-c"},
+        15,
+        "the sleeping tiny-a evicted, not the idle tiny-b",
+    )
+    fleet_stack.assert_clean()

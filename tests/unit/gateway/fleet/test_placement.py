@@ -1,4 +1,5 @@
-"""Placement of tensor-parallel models: N devices of one node, a share of the memory on each."""
+"""Placement: tensor-parallel models (N devices of one node, a share of the memory on each), the
+nodes holding a model's files, and sleeping replicas (woken first, evicted first)."""
 
 import asyncio
 
@@ -26,6 +27,16 @@ def node(name: str, free_mb: list[int], **models: ModelInfo) -> NodeHeartbeat:
 def idle(memory_mb: int, *devices: str) -> ModelInfo:
     return ModelInfo(
         state=ModelState.READY, device=devices[0], devices=list(devices), memory_mb=memory_mb
+    )
+
+
+def asleep(memory_mb: int, last_used_ms: int = 0) -> ModelInfo:
+    return ModelInfo(
+        state=ModelState.SLEEPING,
+        device="cuda:0",
+        devices=["cuda:0"],
+        memory_mb=memory_mb,
+        last_used_ms=last_used_ms,
     )
 
 
@@ -100,3 +111,29 @@ def test_a_sharded_quantized_model_is_placed_by_what_its_rank_0_holds(tmp_path):
             per_device,
             node("n1", [per_device - 1] * 2),
         )
+
+
+def test_a_model_sleeping_on_a_full_node_is_woken_there_before_a_load_anywhere():
+    m = ModelProfile(id="m", source="hf:org/m")
+    chosen = choose(m, 500, node("roomy", [900]), node("full", [10], m=asleep(400)))
+    assert chosen.node == "full" and chosen.wakes and chosen.evict == []
+    found = candidates(m, [node("full", [10], m=asleep(400))], set(), set(), {}, "lru")
+    assert found[0].evictable == []  # its own sleeping replica is not evicted for it
+
+
+def test_a_node_evicts_its_sleeping_models_before_its_idle_ready_ones():
+    m = ModelProfile(id="m", source="x")
+    full = node(
+        "n1",
+        [100],
+        ready=idle(300, "cuda:0").model_copy(update={"last_used_ms": 1}),
+        slept=asleep(300, last_used_ms=5),
+        slept_long=asleep(300, last_used_ms=2),
+    )
+    assert choose(m, 350, full).evict == ["slept_long"]
+    assert choose(m, 650, full).evict == ["slept_long", "slept"]
+    assert choose(m, 950, full).evict == ["slept_long", "slept", "ready"]
+    queued = candidates(m, [full], set(), {"slept_long"}, {}, "lru")
+    assert queued[0].evictable == ["slept", "ready"]  # jobs wait for it: it is woken, not evicted
+    pinned = candidates(m, [full], {"slept"}, set(), {}, "priority")
+    assert pinned[0].evictable == ["slept_long", "ready"]
