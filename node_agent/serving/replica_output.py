@@ -46,6 +46,10 @@ class ReplicaOutput:
         self.link = self.link_type(self.config, self.on_feedback, self.on_exit)
         await self.link.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.link is not None and self.link.alive
+
     def open(self, engine: Engine) -> None:
         """Hand the process the engine's tokenizer: from now on the engine's steps go to it."""
         self.link.open(engine.text)
@@ -55,7 +59,7 @@ class ReplicaOutput:
         self.link.step(out)
 
     def send(self, items: list[Outgoing], deliveries: list[Delivery] = ()) -> None:
-        if self.link is not None and self.link.alive:
+        if self.alive:
             self.link.publish(items, deliveries)
         else:
             self.publisher.send(items)

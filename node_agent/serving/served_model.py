@@ -177,16 +177,19 @@ class ServedModel:
         )
 
     async def _open(self) -> None:
-        """Start the output process, build the engine on the device thread (unless it was kept
-        asleep) and step it there."""
-        await self.output.start()  # it starts up while the model loads
+        """Start the output process, build the engine on the device thread and step it there; a
+        sleeping replica's engine and output process were kept (the latter started again if it died)."""
+        starts_output = self.engine is None or not self.output.alive
+        if starts_output:
+            await self.output.start()  # it starts up while the model loads
         if self.engine is None:
             self.engine = await self.device.call(
                 self.engine_start, self.load_from, self.devices, self.settings, self.consumer_name
             )
         self.check_still_loading()
         self.intake.attach(self.engine)
-        self.output.open(self.engine)
+        if starts_output:
+            self.output.open(self.engine)
         await self.device.attach(self.engine, self.output.step, self.faults.on_failure)
 
     def check_still_loading(self) -> None:
@@ -217,14 +220,13 @@ class ServedModel:
         )
 
     async def sleep(self, grace_s: float) -> None:
-        """`ready` → `sleeping`: stop reading (running jobs get `grace_s`) and stepping, close the output
-        process, leave the job streams; the engine stays, with its compiled step and cached prefixes,
-        for the load that wakes it (`wake`)."""
+        """`ready` → `sleeping`: stop reading (running jobs get `grace_s`) and stepping, leave the job
+        streams; the engine stays, with its compiled step and cached prefixes, and its output process
+        (idle), for the load that wakes it (`wake`)."""
         async with self._resting:  # a load that comes meanwhile wakes it once it is asleep
             self.replica.to(ModelState.SLEEPING)
             await self.stop_taking(grace_s)
             await self.device.detach(self.engine)
-            await self.output.close()
             await self.reader.leave()
         log.info(
             "%s sleeps on %s (%d MB kept)", self.profile.id, self.device.device, self.memory_mb
