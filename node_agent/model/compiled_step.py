@@ -12,8 +12,10 @@ two, with a padding row that writes the scratch position as a static decoder's d
 at load, by a step of two padding rows: a minute or two on a small CPU the first time, then
 Inductor's caches (its compiled kernels and graphs, under the node's `compile_cache` folder unless
 TORCHINDUCTOR_CACHE_DIR is set) leave only the trace to redo (~15 s for the default model). Where it
-cannot compile (any error), the step runs eagerly and a log line says why; a model with quantized
-layers (Inductor changes their numbers) or linear attention (per-step Python state) runs eagerly.
+cannot compile (any error), the step runs eagerly and a log line says why; a model with 8-bit
+layers (torch's dynamic int8 quantizes a whole batch's activations) or linear attention (per-step
+Python state) runs eagerly. 4-bit layers are opaque to Inductor as the packed matmul is
+(`cortex::int4_matmul`, node_agent/model/quantized_linear.py), so their numbers stay the eager ones.
 """
 
 import logging
@@ -39,8 +41,12 @@ def why_not(model: torch.nn.Module, cache: PagedCache) -> str | None:
         return "its attention does not read the paged cache in place (the CPU kernels are not built, or it needs eager attention)"
     if cache.has_linear_attention:
         return "it has linear-attention layers"
-    if any(type(m).__module__ == quantized_linear.__name__ for m in model.modules()):
-        return "it has quantized layers (their kernels run eagerly)"
+    if any(
+        type(m).__module__ == quantized_linear.__name__
+        and not isinstance(m, quantized_linear.Int4Linear)
+        for m in model.modules()
+    ):
+        return "it has 8-bit or FP8 layers (their kernels run eagerly)"
     if cache.block_tables.shape[0] < 2:
         return "one slot (a single row runs padded to two)"
     return None

@@ -111,17 +111,44 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if int4_tiles.tiled(flat.shape[0], flat.device):  # many rows on a CPU
-            y = int4_tiles.matmul(flat, self.weight_packed, self.scales_and_zeros, GROUP)
-        elif flat.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(
-                flat.to(COMPUTE_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros
-            )
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                flat.to(COMPUTE_DTYPE), self.weight_packed, GROUP, self.scales_and_zeros
-            )
+        if torch.compiler.is_compiling():  # opaque to Inductor (node_agent/model/compiled_step.py)
+            y = int4_matmul(flat, self.weight_packed, self.scales_and_zeros, self.out_features)
+        else:  # eager: the kernels themselves, without the custom operator's own dispatch
+            y = _int4_matmul(flat, self.weight_packed, self.scales_and_zeros)
         return _as_output(y, x, self.out_features, self.bias)
+
+
+def _int4_matmul(
+    flat: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """`flat` [rows, in] times a 4-bit layer's packed weights: [rows, out] in COMPUTE_DTYPE, by the
+    kernel for the call's rows and device."""
+    if int4_tiles.tiled(flat.shape[0], flat.device):  # many rows on a CPU
+        return int4_tiles.matmul(flat, packed, scales_and_zeros, GROUP)
+    if flat.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(
+            flat.to(COMPUTE_DTYPE), packed, GROUP, scales_and_zeros
+        )
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        flat.to(COMPUTE_DTYPE), packed, GROUP, scales_and_zeros
+    )
+
+
+@torch.library.custom_op("cortex::int4_matmul", mutates_args=())
+def int4_matmul(
+    flat: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """A 4-bit layer's matmul as one operator that a compiled graph calls as it is: Inductor lowers
+    torch's int4 kernel to a GEMM template of its own, which sums in another order (a compiled step's
+    tokens would differ from an eager one's), and the kernel for a call is chosen by its rows."""
+    return _int4_matmul(flat, packed, scales_and_zeros)
+
+
+@int4_matmul.register_fake
+def _(
+    flat: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    return flat.new_empty((flat.shape[0], out_features), dtype=COMPUTE_DTYPE)
 
 
 class ReorderedInt4Linear(Int4Linear):

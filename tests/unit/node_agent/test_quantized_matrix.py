@@ -11,7 +11,7 @@ quantized model's greedy tokens agree with the full-precision model's is reporte
 import pytest
 
 from node_agent.engine.engine import Engine
-from node_agent.model import loader
+from node_agent.model import compiled_step, loader
 from node_agent.serving import prompts
 from tests.model_fixtures import tiny_profile
 from tests.unit.node_agent.engine_driver import full_forward_greedy, run
@@ -23,20 +23,31 @@ def agreeing(tokens: list[int], reference: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))
 
 
-@pytest.mark.parametrize("bits", ["int4", "int8"])
+# compiled: 4-bit layers in a compiled decode step (opaque to Inductor: node_agent/model/compiled_step.py)
+@pytest.mark.parametrize(
+    "bits, decode", [("int4", "eager"), ("int8", "eager"), ("int4", "compiled")]
+)
 @pytest.mark.parametrize("arch", MATRIX)
 def test_a_quantized_model_runs_the_matrix_in_the_engine(
     references,  # noqa: F811  (the fixture imported above)
     small_vocab_dirs,
     arch,
     bits,
+    decode,
     record_property,
 ):
     _, _, full_precision = references(arch)
-    quantized = tiny_profile(small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4, quant=bits)
+    quantized = tiny_profile(
+        small_vocab_dirs[arch], prefill_chunk_tokens=16, slots=4, quant=bits, decode=decode
+    )
     lm = loader.load(quantized, "cpu")
     assert lm.quant == bits  # (on a CPU, "int8" is torch's dynamic int8 layers)
-    results = run(Engine(lm, quantized), *REQUESTS, join_every=2)
+    engine = Engine(lm, quantized)
+    if decode == "compiled":  # wherever the model allows it (else eager, for the reason logged)
+        assert (engine.decoder.name == "compiled") == (
+            compiled_step.why_not(lm.model, engine.cache) is None
+        )
+    results = run(engine, *REQUESTS, join_every=2)
     agreed = total = 0
     for r in REQUESTS:
         tokens = results[r.job].token_ids[0]
@@ -48,5 +59,5 @@ def test_a_quantized_model_runs_the_matrix_in_the_engine(
         total += r.sampling.max_tokens
     record_property("greedy_agreement_with_full_precision", f"{agreed}/{total}")
     print(
-        f"{arch} {bits}: {agreed} of {total} tokens agree with full precision before the first difference"
+        f"{arch} {bits} {decode}: {agreed} of {total} tokens agree with full precision before the first difference"
     )
