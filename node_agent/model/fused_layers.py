@@ -22,6 +22,8 @@ import inspect
 import torch
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from node_agent.model import quantized_linear
+
 
 class FusedRMSNorm(torch.nn.Module):
     """`weight * x / sqrt(mean(x²) + eps)`, computed in float32 and cast back before the weight,
@@ -43,9 +45,20 @@ class FusedRMSNorm(torch.nn.Module):
         return self.weight * normed.to(hidden_states.dtype)
 
 
-def _stacked(layers: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One Linear over the same input as `layers` (biased alike), their weights stacked in order:
-    its output is theirs side by side."""
+def stackable(layers: list[torch.nn.Module]) -> bool:
+    """Whether layers over one input can be one (`_stacked`): plain Linear layers biased alike in one
+    dtype, or 4-bit layers whose packings join (quantized_linear.stackable); other quantized layers
+    keep their own kernels."""
+    if all(type(layer) is torch.nn.Linear for layer in layers):
+        return len({(layer.bias is None, layer.weight.dtype) for layer in layers}) == 1
+    return quantized_linear.stackable(layers)
+
+
+def _stacked(layers: list[torch.nn.Module]) -> torch.nn.Module:
+    """One layer over the same input as `layers` (`stackable`), their weights stacked in order: its
+    output is theirs side by side."""
+    if type(layers[0]) is quantized_linear.Int4Linear:
+        return quantized_linear.Int4Linear.stacked(layers)
     first = layers[0]
     stacked = torch.nn.Linear(
         first.in_features,
@@ -120,11 +133,9 @@ def _stack_qkv(attention: torch.nn.Module) -> bool:
     """Replace `attention`'s q_proj, k_proj and v_proj by parts of one StackedProjections (its
     `qkv_proj`) where all three are plain Linear layers over the same width, biased alike."""
     layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(
-        type(layer) is torch.nn.Linear for layer in layers
-    ):  # quantized layers keep their own kernels
+    if not all(isinstance(layer, torch.nn.Module) for layer in layers) or not stackable(layers):
         return False
-    if len({(layer.in_features, layer.bias is None, layer.weight.dtype) for layer in layers}) != 1:
+    if len({layer.in_features for layer in layers}) != 1:
         return False
     stack = StackedProjections(layers)
     attention.qkv_proj = stack
@@ -147,13 +158,8 @@ def _forward_is(cls: type, reference: type) -> bool:
 def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
     if _forward_is(type(module), LlamaRMSNorm):
         return FusedRMSNorm(module)
-    if (
-        _forward_is(type(module), LlamaMLP)
-        and type(module.gate_proj) is type(module.up_proj) is torch.nn.Linear
-    ):
-        return FusedMLP(
-            module
-        )  # full-precision projections only: quantized layers keep their own kernels
+    if _forward_is(type(module), LlamaMLP) and stackable([module.gate_proj, module.up_proj]):
+        return FusedMLP(module)
     return None
 
 

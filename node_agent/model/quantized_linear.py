@@ -24,6 +24,9 @@ from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's su
 )
 
 COMPUTE_DTYPE = torch.bfloat16
+CPU_PACK_BLOCK = (
+    64  # the most output channels torch's CPU int4 packing interleaves (AVX-512; 32 on AVX2)
+)
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -109,6 +112,22 @@ class Int4Linear(torch.nn.Module):
         """`weight` rounded whole (`round_int4`), then cut to a tensor-parallel rank's `shard` (`bias`: its own already)."""
         return cls(*shard.int4(*round_int4(weight)), bias)
 
+    @classmethod
+    def stacked(cls, layers: list["Int4Linear"]) -> "Int4Linear":
+        """One layer over the input of `layers` (see `stackable`): their packed codes, scales, zeros
+        and biases joined along the outputs, so that its output is theirs side by side."""
+        stack = cls.__new__(cls)
+        torch.nn.Module.__init__(stack)
+        stack.in_features = layers[0].in_features
+        stack.out_features = sum(layer.out_features for layer in layers)
+        stack.register_buffer("weight_packed", torch.cat([layer.weight_packed for layer in layers]))
+        stack.register_buffer(
+            "scales_and_zeros", torch.cat([layer.scales_and_zeros for layer in layers], dim=1)
+        )
+        biases = [layer.bias for layer in layers]
+        stack.register_buffer("bias", None if biases[0] is None else torch.cat(biases))
+        return stack
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():  # opaque to Inductor (node_agent/model/compiled_step.py)
@@ -116,6 +135,18 @@ class Int4Linear(torch.nn.Module):
         else:  # eager: the kernels themselves, without the custom operator's own dispatch
             y = _int4_matmul(flat, self.weight_packed, self.scales_and_zeros)
         return _as_output(y, x, self.out_features, self.bias)
+
+
+def stackable(layers: list[torch.nn.Module]) -> bool:
+    """Whether 4-bit layers over one input can be one (`Int4Linear.stacked`): plain Int4Linear layers on
+    a CPU, biased alike, each with whole blocks of the CPU kernel's packing (64 output channels at
+    most: a block's codes lie together, so joined packings are the packing of the joined codes)."""
+    return (
+        all(type(layer) is Int4Linear for layer in layers)
+        and all(layer.weight_packed.device.type == "cpu" for layer in layers)
+        and all(layer.out_features % CPU_PACK_BLOCK == 0 for layer in layers)
+        and len({(layer.in_features, layer.bias is None) for layer in layers}) == 1
+    )
 
 
 def _int4_matmul(

@@ -5,7 +5,7 @@ matmul on bfloat16-rounded inputs, and a row's result the same whichever path ru
 import pytest
 import torch
 
-from node_agent.model import int4_tiles
+from node_agent.model import int4_tiles, quantized_linear
 from node_agent.model.quantized_linear import GROUP, Int4Linear, round_int4
 
 pytestmark = pytest.mark.skipif(
@@ -57,3 +57,15 @@ def test_the_layout_is_found_for_this_cpu():
         eye, layer.weight_packed, layer.scales_and_zeros, GROUP, *int4_tiles.layout()
     )
     torch.testing.assert_close(dequantised, weight.t(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 33])  # torch's int4 kernel, then the tiles
+def test_stacked_layers_give_their_parts_outputs_side_by_side(rows):
+    """q/k/v and gate/up stacked as one 4-bit layer (node_agent/model/fused_layers.py): each output
+    channel is the same sum in the same order, so the parts read back exactly."""
+    parts = [layer_and_weight(out, 576)[0] for out in (576, 192, 192)]
+    assert quantized_linear.stackable(parts)
+    stack = Int4Linear.stacked(parts)
+    x = torch.randn(rows, 576)
+    assert torch.equal(stack(x), torch.cat([part(x) for part in parts], dim=-1))
+    assert not quantized_linear.stackable([layer_and_weight(80, 64)[0]])  # a part-block of outputs
