@@ -1,5 +1,5 @@
-"""One model replica on one node: its way up and down (pull, load, unload) along the state table
-in node_agent/serving/replica.py, its engine on a device thread and its output process.
+"""One model replica on one node: its way up and down (pull, load, sleep, wake, unload) along the
+state table in node_agent/serving/replica.py, its engine on a device thread and its output process.
 The parts do one job each: the ledger (node_agent/serving/ledger.py) holds its jobs and slots, the
 intake (intake.py) turns stream entries into engine requests, the consumer (consumer.py) reads the
 model's job streams only as far as the ledger has free slots, and its faults (replica_faults.py)
