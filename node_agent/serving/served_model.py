@@ -90,9 +90,8 @@ class ServedModel:
         )
         self.consumer = Consumer(self.reader, self.ledger, self.intake)
         self.faults = ReplicaFaults(self)  # every move to `poisoned` or `failed`
-        self._resting = (
-            asyncio.Lock()
-        )  # held while it falls asleep, wakes or unloads: one at a time
+        # held while it falls asleep, wakes or unloads: one at a time
+        self._resting = asyncio.Lock()
 
     def output_link(self, config: dict, on_feedback, on_exit) -> OutputLink:
         """The link to this replica's output side: its own process (node_agent/serving/output_link.py)."""
