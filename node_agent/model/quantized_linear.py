@@ -24,9 +24,8 @@ from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's su
 )
 
 COMPUTE_DTYPE = torch.bfloat16
-CPU_PACK_BLOCK = (
-    64  # the most output channels torch's CPU int4 packing interleaves (AVX-512; 32 on AVX2)
-)
+# the most output channels torch's CPU int4 packing interleaves (AVX-512; 32 on AVX2)
+CPU_PACK_BLOCK = 64
 
 
 def _pack_int4(codes: torch.Tensor) -> torch.Tensor:
