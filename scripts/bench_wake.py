@@ -17,7 +17,6 @@ Nothing asserts on time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -28,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_core import Procs, log, one_http, wait_until  # noqa: E402
+from bench_core import Procs, log, wait_until  # noqa: E402
+from bench_servers import Served, openai_body, request  # noqa: E402
 
 from shared import processes  # noqa: E402
 from shared.catalog import Catalog  # noqa: E402
@@ -62,23 +62,8 @@ def catalogue(model: str, keep_alive_s: float, path: Path) -> str:
 
 def ttft_s(url: str, model: str) -> float:
     """One streamed chat's time to its first token, in seconds."""
-    import httpx
-
-    async def go():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30)) as client:
-            return await one_http(
-                client,
-                url + "/v1/chat/completions",
-                {
-                    "model": model,
-                    "messages": [{"role": "user", "content": "Say hello."}],
-                    "max_tokens": 4,
-                    "temperature": 0,
-                    "stream": True,
-                },
-            )
-
-    stream = asyncio.run(go())
+    served = Served("gateway", url, openai_body(model))
+    stream = request(served, [{"role": "user", "content": "Say hello."}], 4, 600)
     if stream.error:
         raise RuntimeError(stream.error)
     return stream.ttft_s

@@ -2,7 +2,7 @@
 their forward is Llama's line for line (transformers' modular files copy it into most
 architectures; the others, such as Gemma's 1 + weight norm or Olmo's order of operations, stay as
 they are), and for the query, key and value projections wherever all three are plain Linear layers
-over one input.
+(or 4-bit layers whose packings join) over one input.
 
 A decode step is a few rows: each call's fixed cost (Python, dispatch, oneDNN's ~25 µs a matmul)
 is much of a step for a small model. transformers' RMSNorm runs its seven tensor ops (float32
@@ -46,11 +46,14 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 def stackable(layers: list[torch.nn.Module]) -> bool:
-    """Whether layers over one input can be one (`_stacked`): plain Linear layers biased alike in one
-    dtype, or 4-bit layers whose packings join (quantized_linear.stackable); other quantized layers
-    keep their own kernels."""
+    """Whether layers over one input can be one (`_stacked`): plain Linear layers of one width,
+    biased alike, in one dtype, or 4-bit layers whose packings join (quantized_linear.stackable);
+    other quantized layers keep their own kernels."""
     if all(type(layer) is torch.nn.Linear for layer in layers):
-        return len({(layer.bias is None, layer.weight.dtype) for layer in layers}) == 1
+        return (
+            len({(layer.in_features, layer.bias is None, layer.weight.dtype) for layer in layers})
+            == 1
+        )
     return quantized_linear.stackable(layers)
 
 
@@ -131,11 +134,9 @@ class ProjectionPart(torch.nn.Module):
 
 def _stack_qkv(attention: torch.nn.Module) -> bool:
     """Replace `attention`'s q_proj, k_proj and v_proj by parts of one StackedProjections (its
-    `qkv_proj`) where all three are plain Linear layers over the same width, biased alike."""
+    `qkv_proj`) where the three can be one layer (`stackable`)."""
     layers = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(layer, torch.nn.Module) for layer in layers) or not stackable(layers):
-        return False
-    if len({layer.in_features for layer in layers}) != 1:
         return False
     stack = StackedProjections(layers)
     attention.qkv_proj = stack
