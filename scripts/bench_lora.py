@@ -1,6 +1,8 @@
 """The lora workload of `scripts/bench` (issue 51): what serving LoRA adapters costs the engine.
-Cortex's engine in-process (no gateway, no Redis), on the run's model, at every `--concurrency`
-(default 32), greedy, `--max-tokens` each (EOS ignored), three waves in this order:
+Cortex's engine in-process (no gateway, no Redis), on the run's model, its decode step built as a
+node builds it (compiled on a CPU, node_agent/model/compiled_step.py), at every `--concurrency`
+(default 32), greedy, `--max-tokens` each (EOS ignored), three waves, one after another, for
+`--lora-rounds` rounds (default 3; a wave's figures are its median over the rounds):
 
   base        an engine without adapter slots (`max_loras = 0`): the model as it serves today
   base+lora   an engine with `--adapters` slots of rank `--lora-rank`, the adapters loaded, every
@@ -10,14 +12,17 @@ Cortex's engine in-process (no gateway, no Redis), on the run's model, at every 
 The adapters are written here as PEFT writes them (`adapter_config.json`,
 `adapter_model.safetensors`): random weights on every projection (q, k, v, o, gate, up, down) of
 every layer, shaped by the model's config. The ratio reported is adapters / base (issue 51's
-target: at least 0.8 at 32 streams on a CPU). Installing the slots wraps the loaded model's layers
-in place, so the plain base runs first.
+target: at least 0.8 at 32 streams on a CPU). Installing the slots wraps a loaded model's layers
+in place, so the engine without slots runs on a copy of its own. Waves of one engine taken apart
+(all of one, then all of the other) moved the base 7 % between two runs of one commit; rounds of
+all three, medians, compare them under the same conditions.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -66,41 +71,62 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> Path:
 
 
 def run(args, workdir: Path, load_model, engine_wave) -> list[dict]:
-    """The three waves at every concurrency: the rows."""
+    """The three waves at every concurrency, `--lora-rounds` times: the rows (medians)."""
     from node_agent.engine.engine import Engine
+    from shared.settings import NodeSettings
 
-    profile, loaded = load_model(args)
+    profile, plain_model = load_model(args)
+    _, slotted_model = load_model(args)  # the slots wrap its layers in place
     names = [f"bench-lora-{i}" for i in range(args.adapters)]
     folders = [
-        write_adapter(workdir / name, loaded.model.config, args.lora_rank, seed)
+        write_adapter(workdir / name, plain_model.model.config, args.lora_rank, seed)
         for seed, name in enumerate(names, start=1)
     ]
-    rows: list[dict] = []
-    plain = Engine(loaded, profile.model_copy(update={"max_loras": 0}), "bench")
-    _waves(args, plain, loaded, profile, "base", [""], engine_wave, rows)
-    del plain
+    compile_cache = NodeSettings().compile_cache  # each engine's decode step as a node builds it
+    plain = Engine(plain_model, profile.model_copy(update={"max_loras": 0}), "bench", compile_cache)
     slots = {"max_loras": args.adapters, "max_lora_rank": args.lora_rank}
-    engine = Engine(loaded, profile.model_copy(update=slots), "bench")
+    slotted = Engine(slotted_model, profile.model_copy(update=slots), "bench", compile_cache)
     for name, folder in zip(names, folders):
-        engine.load_adapter(name, folder)
-    _waves(args, engine, loaded, profile, "base+lora", [""], engine_wave, rows)
-    _waves(args, engine, loaded, profile, "adapters", names, engine_wave, rows)
+        slotted.load_adapter(name, folder)
+    waves = [
+        ("base", plain, plain_model, [""]),
+        ("base+lora", slotted, slotted_model, [""]),
+        ("adapters", slotted, slotted_model, names),
+    ]
+    rows: list[dict] = []
+    for n in args.concurrency:
+        taken: dict[str, list[dict]] = {setting: [] for setting, *_ in waves}
+        for _, engine, loaded, adapters in waves:  # warm-up: this concurrency's shapes
+            engine_wave(engine, loaded, profile, n, 4, adapters=adapters)
+        for round_ in range(args.lora_rounds):
+            for setting, engine, loaded, adapters in waves:
+                with CpuMeter() as cpu:
+                    wave = engine_wave(
+                        engine, loaded, profile, n, args.max_tokens, adapters=adapters
+                    )
+                wave.other_cpu_pct, wave.cores = cpu.other_pct, cpu.cores
+                row = wave.summary() | {
+                    "setting": setting,
+                    "adapters": len([a for a in adapters if a]),
+                }
+                log(
+                    f"round {round_ + 1}: engine {setting} N={n}: {row['aggregate_tok_s']:.1f} tok/s, "
+                    f"step {fmt(row['step_ms'], 1)} ms, other CPU {fmt(row['other_cpu_pct'], 0)}%"
+                    + (f", {row['errors']} errors: {row['first_error']}" if row["errors"] else "")
+                )
+                taken[setting].append(row)
+        rows += [_median(setting, runs) for setting, runs in taken.items()]
     return rows
 
 
-def _waves(args, engine, loaded, profile, setting, adapters, engine_wave, rows) -> None:
-    engine_wave(engine, loaded, profile, 2, 4, adapters=adapters)  # warm-up
-    for n in args.concurrency:
-        with CpuMeter() as cpu:
-            wave = engine_wave(engine, loaded, profile, n, args.max_tokens, adapters=adapters)
-        wave.other_cpu_pct, wave.cores = cpu.other_pct, cpu.cores
-        row = wave.summary() | {"setting": setting, "adapters": len([a for a in adapters if a])}
-        log(
-            f"engine {setting} N={n}: {row['aggregate_tok_s']:.1f} tok/s, step "
-            f"{fmt(row['step_ms'], 1)} ms, other CPU {fmt(row['other_cpu_pct'], 0)}%"
-            + (f", {row['errors']} errors: {row['first_error']}" if row["errors"] else "")
-        )
-        rows.append(row)
+def _median(setting: str, runs: list[dict]) -> dict:
+    """A wave's row over its rounds: each figure's median (errors summed)."""
+    row = dict(runs[0])
+    for key in ("aggregate_tok_s", "per_stream_tok_s", "step_ms", "ttft_p50_ms", "other_cpu_pct"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["errors"] = sum(r["errors"] for r in runs)
+    row["rounds"] = len(runs)
+    return row
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -127,6 +153,7 @@ def print_report(args, rows: list[dict], meta: dict) -> None:
     table = Table(
         title=f"LoRA: {meta['model']} ({meta['dtype']}, quant {','.join(meta['quant'])}), "
         f"{args.adapters} adapters of rank {args.lora_rank}, {args.max_tokens} tokens a stream, "
+        f"medians of {args.lora_rounds} rounds, "
         f"{meta['cpu_count']} CPUs, commit {meta['commit']}"
     )
     for column in ("wave", "N", "tok/s", "per stream", "step ms", "TTFT p50 ms", "other CPU %"):

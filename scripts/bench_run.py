@@ -893,6 +893,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--lora-rank", type=int, default=16, help="lora: the adapters' rank (16)")
     p.add_argument(
+        "--lora-rounds",
+        type=int,
+        default=3,
+        help="lora: rounds of the three waves, one after another (medians reported; default 3)",
+    )
+    p.add_argument(
         "--file-tokens",
         type=int,
         default=600,

@@ -1,7 +1,8 @@
 """The node's C++ CPU kernels (node_agent/model/csrc/): attention read in place from the paged KV
 cache (paged_attention.cpp, node_agent/model/cpu_attention.py), torch's OpenMP threads bound to
-CPUs (cpu_threads.cpp, node_agent/model/devices.py) and 4-bit layers' matmul for many rows
-(int4_matmul.cpp, node_agent/model/quantized_linear.py), as torch operators in one library.
+CPUs (cpu_threads.cpp, node_agent/model/devices.py), 4-bit layers' matmul for many rows
+(int4_matmul.cpp, node_agent/model/quantized_linear.py) and LoRA adapters' updates (lora_update.cpp,
+node_agent/model/lora_layers.py), as torch operators in one library.
 
 Compiled at the first load of a CPU model on this machine (~25 s, g++ and the Python headers;
 `torch.utils.cpp_extension`) and cached (`TORCH_EXTENSIONS_DIR`, by default
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "cpu_threads.cpp", "int4_matmul.cpp")
+    for name in ("paged_attention.cpp", "cpu_threads.cpp", "int4_matmul.cpp", "lora_update.cpp")
 ]
 
 

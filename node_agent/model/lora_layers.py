@@ -1,26 +1,35 @@
 """LoRA adapters on a replica: every targeted projection (q, k, v, o, gate, up, down) wrapped in a
 `LoraLinear` that adds each token's adapter's low-rank update to the base layer's output, for
-`max_loras` device slots of up to `max_lora_rank` each (Punica's and vLLM's batched LoRA, in
-plain matmuls): one decode step mixes rows of different adapters and of the base.
+`max_loras` device slots of up to `max_lora_rank` each (Punica's and vLLM's batched LoRA): one
+decode step mixes rows of different adapters and of the base.
 
-Slot 0 is the base (no update); slots 1..S hold adapters. A layer holds every slot's A matrices
-stacked ([parts x S x r, in]) and their B matrices, scaled, side by side ([out, S x r]: each part's
-rows hold that part's columns): x @ A.T gives every slot's low-rank projection, a mask keeps each
-token's own slot's columns, and each part's columns @ its rows of B.T add its update. Shapes never depend on which adapters a step mixes: the slot ids are a
-tensor (`LoraState.ids`) the runner writes before each forward (node_agent/model/runner.py), read
-in place by the fixed-shape decode step, so it stays under CUDA graphs and the compiled CPU step.
+Slot 0 is the base (no update); slots 1..S hold adapters. A layer holds each slot's A matrices
+([S, parts x r, in]) and, for each part of its output, that part's B matrices transposed ([S, r,
+width], scaled). Shapes never depend on which adapters a step mixes: the slot ids are a tensor
+(`LoraState.ids`) the runner writes before each forward (node_agent/model/runner.py), read in place
+by the fixed-shape decode step, so it stays under CUDA graphs and the compiled CPU step.
+
+Two ways to add the updates, by device:
+- on a CPU, one call a layer (`cortex::lora_update`, node_agent/model/csrc/lora_update.cpp): each
+  token through its own adapter only, tokens grouped by slot so each adapter's matrices are read
+  once for a few tokens (Punica's SGMV); opaque to Inductor, as the packed matmul is;
+- on a GPU (or a CPU without the node's C++ kernels): batched matmuls over every slot for every
+  token, each token's result masked to its own slot: S times the work, in a few fixed-shape calls
+  a CUDA graph captures.
 
 A layer that serves several projections at once (the stacked q/k/v and gate/up of
-node_agent/model/fused_layers.py) holds one part per projection: its B is block-diagonal, kept as
-its blocks (a dense B over the fused width cost 3x the q/k/v update's work and 2x gate/up's).
-A quantized base (node_agent/model/quantized_linear.py: 4-bit, 8-bit, float8) keeps its layers as
-they are: the update is added to what its kernel gives, in full precision (the adapter's own
-matrices are never quantized), as vLLM and PEFT serve adapters on quantized bases.
+node_agent/model/fused_layers.py) holds one part per projection: one A for all (their input is the
+same), one B per part. A quantized base (node_agent/model/quantized_linear.py: 4-bit, 8-bit, float8)
+keeps its layers as they are: the update is added to what its kernel gives, in full precision (the
+adapter's own matrices are never quantized), as vLLM and PEFT serve adapters on quantized bases.
 
 The adapters' files are read by node_agent/model/lora_files.py."""
 
+import functools
+
 import torch
 
+from node_agent.model import cpu_kernels
 from node_agent.model.fused_layers import ProjectionPart
 from node_agent.model.packed_linear import PackedLinear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
@@ -33,11 +42,35 @@ class LoraState:
     """What every LoraLinear of a model reads: the slot id of each row (`row_slots`, moved with
     rows) and the ids of the forward about to run (`ids`: broadcastable to its tokens [B, T])."""
 
-    def __init__(self, slots: int, rows: int, rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        slots: int,
+        rows: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: bool | None = None,
+    ):
+        """`kernel`: whether layers call the CPU kernel (default: on a CPU where it is built)."""
         self.slots, self.rank, self.dtype, self.device = slots, rank, dtype, device
         self.row_slots = torch.zeros(rows, dtype=torch.long, device=device)
         self.decode_ids = self.row_slots[:, None]  # one token a row, rows 0..B-1
         self.ids = self.decode_ids
+        self.adapter_slots = torch.arange(1, slots + 1, device=device)[:, None, None]
+        self.kernel = (device.type == "cpu" and _kernel()) if kernel is None else kernel
+
+    def token_slots(self, x: torch.Tensor) -> torch.Tensor:
+        """The slot of each token of `x` [B, T, in], flat [B x T]."""
+        return self.ids[: x.shape[0]].expand(x.shape[:-1]).reshape(-1)
+
+
+@functools.cache
+def _kernel() -> bool:
+    """Whether `cortex::lora_update` is there (with its shape for compiled steps)."""
+    if not cpu_kernels.load():
+        return False
+    torch.library.register_fake("cortex::lora_update")(lambda out, x, slots, a, bts, rank: None)
+    return True
 
 
 class LoraLinear(torch.nn.Module):
@@ -50,43 +83,48 @@ class LoraLinear(torch.nn.Module):
         self.base, self.widths, self.state = base, widths, state
         self.in_features, self.out_features = in_features, sum(widths)
         # the activations' dtype and device (a quantized base's buffers are codes, or packed away)
-        dtype, device = state.dtype, state.device
-        self.span = state.slots * state.rank  # a part's columns: every slot's rank
-        columns = len(widths) * self.span
-        self.register_buffer("a", torch.zeros(columns, in_features, dtype=dtype, device=device))
-        # each part's rows of B hold that part's columns only (no block of zeros between parts)
+        dtype, device, slots, rank = state.dtype, state.device, state.slots, state.rank
         self.register_buffer(
-            "b", torch.zeros(self.out_features, self.span, dtype=dtype, device=device)
+            "a", torch.zeros(slots, len(widths) * rank, in_features, dtype=dtype, device=device)
         )
-        self.register_buffer(  # each column's slot
-            "columns", (torch.arange(columns, device=device) // state.rank % state.slots + 1)
-        )
-        self.rows = [sum(widths[:part]) for part in range(len(widths) + 1)]  # each part's rows
+        for part, width in enumerate(
+            widths
+        ):  # each part's B, its own columns only (no zero blocks)
+            self.register_buffer(
+                f"bt{part}", torch.zeros(slots, rank, width, dtype=dtype, device=device)
+            )
+
+    def bts(self) -> list[torch.Tensor]:
+        return [getattr(self, f"bt{part}") for part in range(len(self.widths))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        ids = self.state.ids[: x.shape[0]]
-        low = (x @ self.a.T) * (ids[..., None] == self.columns).to(x.dtype)
-        if len(self.widths) == 1:
-            return out + low @ self.b.T
-        parts = low.unflatten(-1, (len(self.widths), self.span))
-        update = [
-            parts[..., part, :] @ self.b[self.rows[part] : self.rows[part + 1]].T
-            for part in range(len(self.widths))
+        slots, flat = self.state.token_slots(x), x.reshape(-1, self.in_features)
+        if self.state.kernel:
+            torch.ops.cortex.lora_update(
+                out.view(-1, self.out_features), flat, slots, self.a, self.bts(), self.state.rank
+            )
+            return out
+        mine = (slots[None, :, None] == self.state.adapter_slots).to(x.dtype)  # [S, tokens, 1]
+        low = torch.matmul(flat, self.a.transpose(1, 2)) * mine  # [S, tokens, parts x r]
+        rank = self.state.rank
+        updates = [
+            torch.bmm(low[..., part * rank : (part + 1) * rank], bt)
+            for part, bt in enumerate(self.bts())
         ]
-        return out + torch.cat(update, dim=-1)
+        update = updates[0] if len(updates) == 1 else torch.cat(updates, dim=-1)
+        return out + update.sum(0).view(out.shape)
 
     def place(self, part: int, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Slot `slot`'s matrices for part `part` (`b` already scaled); None: no update there."""
         rank = self.state.rank
-        first = part * self.span + (slot - 1) * rank  # its columns of A's rows
-        column = (slot - 1) * rank  # and of its part's rows of B
-        rows = slice(self.rows[part], self.rows[part + 1])
-        self.a[first : first + rank].zero_()
-        self.b[rows, column : column + rank].zero_()
+        slot_a = self.a[slot - 1, part * rank : (part + 1) * rank]
+        slot_bt = self.bts()[part][slot - 1]
+        slot_a.zero_()
+        slot_bt.zero_()
         if a is not None:
-            self.a[first : first + a.shape[0]] = a.to(self.a.dtype)
-            self.b[rows, column : column + a.shape[0]] = b.to(self.b.dtype)
+            slot_a[: a.shape[0]] = a.to(slot_a.dtype)
+            slot_bt[: a.shape[0]] = b.T.to(slot_bt.dtype)
 
 
 SERVED = (  # the projections adapters wrap

@@ -97,6 +97,20 @@ def test_mixed_batches_equal_peft_merged_models(setup):
     assert engine.kv_stats().prefix_hits > hits
 
 
+def test_the_compiled_step_serves_mixed_batches_in_the_graph_it_was_compiled_to(setup):
+    """A CPU node's decode step compiled (node_agent/model/compiled_step.py) with adapter slots:
+    rows of the base and both adapters joining one at a time (each slot's group of another size
+    every few steps) give PEFT's merged models' tokens, all from the graph compiled at load."""
+    s = setup
+    reqs = requests_for(s, "c", count=3)
+    engine = engine_with_adapters(s, decode="compiled")
+    assert engine.decoder.name == "compiled"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert tokens(run(engine, *reqs, join_every=1)) == expected(s, reqs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert not engine.decoder.step.eager
+
+
 def test_one_slot_swaps_adapters_and_preemption_is_per_row(setup):
     s = setup
     reqs = requests_for(s, "p", count=2, max_tokens=24)
@@ -168,19 +182,15 @@ def _read_back_int4(weight: torch.Tensor) -> torch.Tensor:
     return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(weight.shape)
 
 
-@pytest.mark.parametrize("bits", ["int8", "int4"])
-def test_adapters_on_a_quantized_base_follow_the_quantized_reference(
-    small_vocab_dirs, tmp_path, bits
-):
+def test_adapters_on_a_quantized_base_follow_the_quantized_reference(small_vocab_dirs, tmp_path):
     """The base's layers stay 4-bit; each adapter's update is added in full precision. Greedy tokens
     of the base and two adapters in one mixed batch follow the reference (the rounded weights read
     back in float32, each request alone, the update added by hooks from PEFT's files) within the
     kernels' bfloat16 activations: at most one row of the twelve parts from it."""
-    bits = "int4"
     base_dir = small_vocab_dirs["llama"]
     for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items(), start=1):
         save_adapter(base_dir, tmp_path / name, rank, targets, seed)
-    profile = tiny_profile(base_dir, quant=bits, slots=6, max_loras=2, max_lora_rank=8)
+    profile = tiny_profile(base_dir, quant="int4", slots=6, max_loras=2, max_lora_rank=8)
     lm = loader.load(profile, "cpu")
     assert quantized_linear.held_as(lm.model) == "int4"
     reference = {"": _int4_reference(base_dir, None)}
@@ -216,7 +226,7 @@ def test_a_quantized_layer_gets_each_tokens_adapter_update_in_full_precision(kin
             inplace=True,
         )
         base = holder[0]
-    state = lora_layers.LoraState(slots=2, rows=3, rank=4, dtype=torch.float32, device="cpu")
+    state = lora_layers.LoraState(2, 3, 4, torch.float32, torch.device("cpu"))
     layer = lora_layers.LoraLinear(base, [96], 64, state)
     a, b = torch.randn(4, 64), torch.randn(96, 4) * 0.5
     layer.place(0, 2, a, b)
@@ -226,3 +236,33 @@ def test_a_quantized_layer_gets_each_tokens_adapter_update_in_full_precision(kin
     plain = base(x)
     assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
     torch.testing.assert_close(got[1], plain[1] + x[1] @ a.T @ b.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "batched-matmuls"])
+def test_each_token_gets_its_own_slots_update_through_every_part(kernel):
+    """A layer of three parts (a stacked q/k/v's widths, one wider than the kernel's stretch of
+    columns) over tokens of the base, two adapters (one of a lower rank) and an empty slot, in a
+    [rows, tokens] grid of more tokens a slot than the kernel's block: each token gets its own slot's
+    update in each part, by the CPU kernel and by the batched matmuls a GPU runs."""
+    if kernel and not lora_layers._kernel():
+        pytest.skip("the node's C++ CPU kernels could not be built here (no compiler)")
+    torch.manual_seed(0)
+    widths, rank = [600, 32, 48], 4
+    base = torch.nn.Linear(64, sum(widths), bias=False)
+    state = lora_layers.LoraState(3, 4, rank, torch.float32, torch.device("cpu"), kernel)
+    layer = lora_layers.LoraLinear(base, widths, 64, state)
+    update = {}
+    for slot, used in ((1, rank), (2, rank - 1)):  # slot 3 empty
+        a = [torch.randn(used, 64) for _ in widths]
+        b = [torch.randn(width, used) * 0.5 for width in widths]
+        for part in range(len(widths)):
+            layer.place(part, slot, a[part], b[part])
+        update[slot] = lambda x, a=a, b=b: torch.cat([x @ ai.T @ bi.T for ai, bi in zip(a, b)], -1)
+    state.ids = torch.tensor([[0, 1, 2, 1, 3, 1, 1], [2, 2, 0, 1, 1, 2, 2], [1, 1, 1, 0, 2, 2, 3]])
+    x = torch.randn(3, 7, 64)
+    got, plain = layer(x), base(x)
+    for row in range(3):
+        for column in range(7):
+            slot = state.ids[row, column].item()
+            want = plain[row, column] + (update[slot](x[row, column]) if slot in update else 0)
+            torch.testing.assert_close(got[row, column], want, rtol=1e-5, atol=1e-4)
