@@ -13,7 +13,8 @@ Two ways to add the updates, by device:
 - on a CPU, one call a layer (`cortex::lora_update`, node_agent/model/csrc/lora_update.cpp): each
   token through its own adapter only, tokens grouped by slot so each adapter's matrices are read
   once for a few tokens (Punica's SGMV); opaque to Inductor, as the packed matmul is;
-- on a GPU (or a CPU without the node's C++ kernels): batched matmuls over every slot for every
+- on a GPU (or a CPU without the node's C++ kernels, or a base layer whose output is not in the
+  activations' dtype): batched matmuls over every slot for every
   token, each token's result masked to its own slot: S times the work, in a few fixed-shape calls
   a CUDA graph captures.
 
@@ -87,9 +88,8 @@ class LoraLinear(torch.nn.Module):
         self.register_buffer(
             "a", torch.zeros(slots, len(widths) * rank, in_features, dtype=dtype, device=device)
         )
-        for part, width in enumerate(
-            widths
-        ):  # each part's B, its own columns only (no zero blocks)
+        # each part's B (transposed), its own columns only: no blocks of zeros between parts
+        for part, width in enumerate(widths):
             self.register_buffer(
                 f"bt{part}", torch.zeros(slots, rank, width, dtype=dtype, device=device)
             )
@@ -100,7 +100,7 @@ class LoraLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         slots, flat = self.state.token_slots(x), x.reshape(-1, self.in_features)
-        if self.state.kernel:
+        if self.state.kernel and out.dtype == x.dtype == self.a.dtype and out.is_contiguous():
             torch.ops.cortex.lora_update(
                 out.view(-1, self.out_features), flat, slots, self.a, self.bts(), self.state.rank
             )
