@@ -104,7 +104,6 @@ class Intake:
                 streaming=bool(entry.streaming),
                 trace=trace,
                 api_key=entry.api_key or "",
-                tenant=entry.tenant or "",
             ),
         )
         log.info(
