@@ -621,11 +621,11 @@ def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
 # How much the bystanders' TTFT p50 may grow under the noise. Issue 49's target is 2x; on this 2-core
 # box (two nodes of 4 slots, two gateways, Redis and every client on it) the flood alone, from a
 # process of its own, makes it 2.5x (107 -> 267 ms) and all three noises 2.5-3.2x (50 -> 145-168
-# ms): a bystander's job waits for the next slot a flood job frees (the flood and the bystanders
-# share prompts, so cache-aware routing puts most of both on the nodes' own streams, which never
-# wait in rooms), as nothing yet preempts an over-share key's running sequence or keeps a slot for
-# a key under its share; with the flood cut below the slots the noise alone costs 1.87x (52 -> 97
-# ms). The bound catches a fairness regression (without waiting rooms a bystander would queue
+# ms): a bystander's job waits for the next slot a flood job frees, as nothing yet preempts an
+# over-share key's running sequence or keeps a slot for a key under its share; with the flood cut
+# below the slots the noise alone costs 1.87x (52 -> 97 ms). (Routed: 53 jobs to a node's own
+# stream for its cache, 793 to the shared stream and its rooms, 659 of them because that node was
+# full; `cortex:routing:{model}` after one run.) The bound catches a fairness regression (without waiting rooms a bystander would queue
 # behind the whole flood: 150 jobs of ~250 ms on 8 slots, seconds).
 TTFT_UNDER_NOISE = 4.0
 
