@@ -14,7 +14,7 @@ The adapters are written here as PEFT writes them (`adapter_config.json`,
 every layer, shaped by the model's config. The ratio reported is adapters / base (issue 51's
 target: at least 0.8 at 32 streams on a CPU). Installing the slots wraps a loaded model's layers
 in place, so the engine without slots runs on a copy of its own. Waves of one engine taken apart
-(all of one, then all of the other) moved the base 7 % between two runs of one commit; rounds of
+(all of one, then all of the other) moved the base 7-20 % between runs of one commit; rounds of
 all three, medians, compare them under the same conditions.
 """
 
