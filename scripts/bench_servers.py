@@ -707,7 +707,12 @@ def llama_cpp_python() -> Path:
         "9-22 minutes of compiling on 2 cores",
         env={
             **os.environ,
+            # this CPU's instructions but AMX: on a 2-core Xeon with AMX, 0.3.36's AMX path ran
+            # `tileloadd` on tiles it had not configured (SIGILL on the first request)
             "CMAKE_ARGS": "-DGGML_NATIVE=ON",
+            "CFLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            "CXXFLAGS": "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+            "PIP_NO_CACHE_DIR": "1",  # built here with these flags, never a wheel pip kept from another build
             "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
         },
     )

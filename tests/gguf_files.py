@@ -51,8 +51,12 @@ def tiny_llama(folder: Path, linear_type: T) -> Path:
     return write(hf_folder, folder / "llama.gguf", linear_type)
 
 
-def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:
-    """Write the model in `hf_folder` (llama or qwen3) to `path`, its Linear weights as `linear_type`."""
+def write(
+    hf_folder: Path, path: Path, linear_type: T, seed: int = 0, embedding_type: T = T.F32
+) -> Path:
+    """Write the model in `hf_folder` (llama or qwen3) to `path`, its Linear weights as `linear_type`
+    and its token embedding as `embedding_type` (F32, or Q8_0 as llama.cpp's converter keeps it
+    beside 4-bit layers)."""
     config = AutoConfig.from_pretrained(hf_folder)
     arch = _ARCHES[config.model_type]
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
@@ -73,7 +77,13 @@ def write(hf_folder: Path, path: Path, linear_type: T, seed: int = 0) -> Path:
         if arch == gguf.MODEL_ARCH.LLAMA and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
             weight = _permute(weight, heads)
-        if weight.ndim != 2 or name == "token_embd.weight":
+        if name == "token_embd.weight" and embedding_type != T.F32:
+            writer.add_tensor(
+                name,
+                gguf.quants.quantize(weight.astype(np.float32), embedding_type),
+                raw_dtype=embedding_type,
+            )
+        elif weight.ndim != 2 or name == "token_embd.weight":
             writer.add_tensor(name, weight.astype(np.float32))
         elif linear_type in WRITABLE:
             writer.add_tensor(

@@ -24,7 +24,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.cpp", "cpu_threads.cpp", "int4_matmul.cpp", "lora_update.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "cpu_threads.cpp",
+        "int4_matmul.cpp",
+        "int8_group_matmul.cpp",
+        "lora_update.cpp",
+    )
 ]
 
 

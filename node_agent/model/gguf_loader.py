@@ -6,7 +6,11 @@ one tensor's temporaries and the header; the pages a block's temporaries freed g
 system after it, node_agent/model/meta_model.return_freed_pages).
 
 GGUF names map to transformers' with transformers' own map, and llama's permuted Q/K rows are
-put back by its own tensor processor (which moves whole rows, so it works on blocks as well)."""
+put back by its own tensor processor (which moves whole rows, so it works on blocks as well).
+
+An output head tied to a Q8_0 embedding (most GGUF files of small models) is read as stored on a
+CPU, a byte a weight (node_agent/model/int8_groups_cpu.py), as llama.cpp reads it; the embedding's
+rows are still looked up from its dense copy."""
 
 import functools
 import os
@@ -25,11 +29,11 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
-from node_agent.model import gguf_weights, meta_model
+from node_agent.model import gguf_weights, int8_groups_cpu, meta_model
 from node_agent.model.linear_shards import Plan
 from shared import gguf_header
 from shared.gguf_header import TensorInfo
-from shared.weight_formats import gguf_layout
+from shared.weight_formats import EXACT_INT8_TYPES, gguf_layout
 
 # Tensor processors that keep one GGUF tensor one transformers tensor (MoE ones split and merge experts).
 _ROW_PROCESSORS = (TensorProcessor, LlamaTensorProcessor)
@@ -105,6 +109,20 @@ def _place(
     meta_model.set_dense(owner, attr, shard.dense(attr, gguf_weights.dense(raw, qtype, dtype)))
 
 
+def _head_as_stored(
+    tensor: TensorInfo, config: PretrainedConfig, device: torch.device, ranks: int
+) -> bool:
+    """Whether `tensor` is a Q8_0 embedding that the output head is tied to and reads as stored."""
+    return (
+        tensor.name == "token_embd.weight"
+        and tensor.gguf_type in EXACT_INT8_TYPES
+        and bool(getattr(config, "tie_word_embeddings", False))
+        and device.type == "cpu"
+        and ranks == 1
+        and int8_groups_cpu.runs()
+    )
+
+
 def load(
     path: Path,
     config: PretrainedConfig,
@@ -122,6 +140,7 @@ def load(
     plan = Plan.of(model, ranks)
     with _one_name_map():
         names = get_gguf_hf_weights_map(model, processor)
+    head = None  # a tied head's codes and scales, where it reads them as stored
     with open(path, "rb") as file:
         block = None
         for tensor in header.tensors:
@@ -133,7 +152,11 @@ def load(
             found = processor.process(weights=_read(file.fileno(), tensor), name=tensor.name)
             if found.name in names:
                 _place(model, names[found.name], found.weights, tensor, dtype, device, plan)
+                if _head_as_stored(tensor, config, device, ranks):
+                    head = gguf_weights.int8_groups(found.weights)
         meta_model.return_freed_pages()
     model = meta_model.filled(model, config, path.name)
+    if head is not None:
+        model.set_output_embeddings(int8_groups_cpu.CpuInt8GroupLinear(*head, None))
     plan.sum_rows(model)
     return model

@@ -1,17 +1,23 @@
-"""The many-rows path of a 4-bit layer on a CPU (node_agent/model/csrc/int4_matmul.cpp): torch's int4
-kernel (`_weight_int4pack_mm_for_cpu`) is a matrix-vector kernel that re-reads and re-dequantises
-every weight for each 4 rows, so a batch of decode rows, a prefill chunk or speculation's verify
-step costs it about one pass over the weights per 4 rows. `cortex::int4_tiled_matmul` dequantises
-the same packed weights once a call, a tile of output channels at a time into float32 kept in the
-core's cache, and multiplies all the rows by each tile with oneDNN's GEMM: no resident copy of the
-weights in a wider type. On a 2-core AVX2 EPYC it is 1.3-2x faster than the int4 kernel from 4 rows
-up and 1.1-1.9x faster than the packed float32 GEMM (docs/benchmarks.md, issue 50); below 4 rows
-the int4 kernel stays (at 1 and 2 rows it equals or beats the tiles on the larger layers).
+"""A 4-bit layer's matmul on a CPU by the node's kernel (node_agent/model/csrc/int4_matmul.cpp,
+`cortex::int4_linear`), over the weights as torch's int4 kernel packed them, the path chosen by
+the call's rows. Torch's kernel (`_weight_int4pack_mm_for_cpu`) is a matrix-vector one that
+re-reads and re-dequantises every weight for each 4 rows, so a batch of decode rows, a prefill
+chunk or speculation's verify step costs it about one pass over the weights per 4 rows. From
+`tiled_from_rows()` rows the tiles run instead: the same packed weights dequantised once a call, a
+tile of output channels at a time into float32 kept in the core's cache, and all the rows
+multiplied by each tile with oneDNN's GEMM; no resident copy of the weights in a wider type.
+
+Where the tiles start was measured per layer shape (docs/benchmarks.md, issue 50): on a 2-core
+AVX2 EPYC they beat torch's kernel from 2-4 rows; on a 2-core AVX-512 Xeon, whose torch kernel
+(blocks of 64 channels) is about twice as fast a row, from 6-16 rows: 4 rows where torch packs
+blocks of 32 channels (AVX2), 8 where it packs 64 (AVX-512).
 
 Torch packs the codes for the kernel of this CPU's instruction set (blocks of 64 output channels
 with AVX-512, 32 otherwise; whole blocks split in halves where vectorised): the layout is found once
 a process by dequantising a probe and comparing it with its codes. Where none matches, or the
-node's C++ kernels are not built, every row count runs torch's int4 kernel."""
+node's C++ kernels are not built, every row count runs torch's int4 kernel. A model's 4-bit layers
+are bound to the kernel at load (`bind`), so that a compiled step calls the C++ operator itself
+(no Python between Inductor and the kernel)."""
 
 import functools
 import logging
@@ -22,14 +28,7 @@ from node_agent.model import cpu_kernels
 
 log = logging.getLogger(__name__)
 
-TILED_FROM_ROWS = 4  # rows from which the tiles beat torch's int4 kernel (measured, all shapes)
 _LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # torch's (block_n, split_halves)
-
-
-def tiled(rows: int, device: torch.device) -> bool:
-    """Whether a 4-bit layer's call with `rows` rows on `device` runs the tiles (a function of the
-    call's shape only)."""
-    return device.type == "cpu" and rows >= TILED_FROM_ROWS and layout() is not None
 
 
 @functools.cache
@@ -58,13 +57,47 @@ def layout() -> tuple[int, bool] | None:
     return None
 
 
+def runs(device: torch.device) -> bool:
+    """Whether a 4-bit layer's calls on `device` run the node's kernel."""
+    return device.type == "cpu" and layout() is not None
+
+
+def kernel_args() -> tuple[int, bool, int]:
+    """`cortex::int4_linear`'s arguments after the group, for this CPU: torch's packing (block_n,
+    split_halves) and the rows from which the tiles run."""
+    block_n, split_halves = layout()
+    return block_n, split_halves, 8 if block_n == 64 else 4
+
+
 def matmul(
     flat: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
-    """`flat` [rows, in] times an Int4Linear's packed weights, by the tiles: [rows, out]. The input
-    and the output are rounded to bfloat16 as torch's kernel takes and returns them, so that a row's
-    result does not depend on how many rows are beside it beyond float32's summation order."""
-    rounded = flat.to(torch.bfloat16).float()
-    return torch.ops.cortex.int4_tiled_matmul(
-        rounded, packed, scales_and_zeros, group, *layout()
-    ).to(torch.bfloat16)
+    """`flat` [rows, in] times an Int4Linear's packed weights: [rows, out] in bfloat16. The input is
+    rounded to bfloat16 as torch's kernel takes it, so that a row's result does not depend on how
+    many rows are beside it beyond float32's summation order."""
+    return torch.ops.cortex.int4_linear(
+        flat.to(torch.bfloat16), packed, scales_and_zeros, group, *kernel_args()
+    )
+
+
+def bind(model: torch.nn.Module) -> int:
+    """Give each CPU 4-bit layer of `model` the kernel's arguments for this CPU, so that its calls (a
+    compiled step's too) go straight to `cortex::int4_linear`; returns how many (none where the
+    kernel cannot run)."""
+    from node_agent.model.quantized_linear import Int4Linear
+
+    if layout() is None:
+        return 0
+    torch.library.register_fake("cortex::int4_linear", _shape)
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Int4Linear) and m.weight_packed.device.type == "cpu"
+    ]
+    for layer in layers:
+        layer.cpu_kernel = kernel_args()
+    return len(layers)
+
+
+def _shape(flat, packed, scales_and_zeros, group, block_n, split_halves, tiled_from_rows):
+    return flat.new_empty((flat.shape[0], scales_and_zeros.shape[1]), dtype=torch.bfloat16)

@@ -23,6 +23,7 @@ from node_agent.model import (
     devices,
     fused_layers,
     gguf_loader,
+    int4_tiles,
     packed_linear,
     quantized_checkpoint,
     quantized_linear,
@@ -131,8 +132,9 @@ def weights_as_stored(files: ModelFiles, profile: ModelProfile) -> bool:
 def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
     """A CPU model's full-precision Linear weights packed for oneDNN (node_agent/model/packed_linear.py;
     quantized layers stay), its RMSNorms, gated MLPs and q/k/v projections fused (node_agent/model/fused_layers.py) and its
-    decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), with a
-    log line for each, or for why not."""
+    decode attention reading the paged cache in place (node_agent/model/cpu_attention.py), its 4-bit
+    layers bound to the node's int4 kernel (node_agent/model/int4_tiles.py), with a log line for
+    each, or for why not."""
     log.info(
         "%s: %d RMSNorm, MLP and attention projection layers fused",
         profile.id,
@@ -143,6 +145,8 @@ def _tune_for_cpu(model: torch.nn.Module, profile: ModelProfile) -> None:
         log.info("%s: Linear layers run unpacked: %s", profile.id, why_not)
     else:
         log.info("%s: %d Linear layers packed for oneDNN", profile.id, packed_linear.pack(model))
+    if bound := int4_tiles.bind(model):
+        log.info("%s: %d 4-bit layers run the node's int4 kernel", profile.id, bound)
     if cpu_attention.enable(model):
         log.info("%s: decode attention reads the paged KV cache in place", profile.id)
 

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from node_agent.model import int4_tiles, linear_shards
+from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
     GROUP,
     OUT_MULTIPLE,
@@ -79,6 +80,9 @@ def round_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int4Linear(torch.nn.Module):
     """`y = x @ W.T + b` with `W[o, i] = (q[o, i] - 8) * scale[o, i // GROUP] + zero[o, i // GROUP]`."""
 
+    # cortex::int4_linear's arguments for this CPU once the model is bound to it (int4_tiles.bind)
+    cpu_kernel: tuple[int, bool, int] | None = None
+
     def __init__(
         self,
         codes: torch.Tensor,
@@ -129,7 +133,17 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():  # opaque to Inductor (node_agent/model/compiled_step.py)
+        if self.cpu_kernel is not None:  # the node's C++ kernel, which Inductor calls as it is
+            y = torch.ops.cortex.int4_linear(
+                flat.to(COMPUTE_DTYPE),
+                self.weight_packed,
+                self.scales_and_zeros,
+                GROUP,
+                *self.cpu_kernel,
+            )
+        elif (
+            torch.compiler.is_compiling()
+        ):  # opaque to Inductor (node_agent/model/compiled_step.py)
             y = int4_matmul(flat, self.weight_packed, self.scales_and_zeros, self.out_features)
         else:  # eager: the kernels themselves, without the custom operator's own dispatch
             y = _int4_matmul(flat, self.weight_packed, self.scales_and_zeros)
@@ -153,7 +167,7 @@ def _int4_matmul(
 ) -> torch.Tensor:
     """`flat` [rows, in] times a 4-bit layer's packed weights: [rows, out] in COMPUTE_DTYPE, by the
     kernel for the call's rows and device."""
-    if int4_tiles.tiled(flat.shape[0], flat.device):  # many rows on a CPU
+    if int4_tiles.runs(flat.device):  # the node's kernel on a CPU
         return int4_tiles.matmul(flat, packed, scales_and_zeros, GROUP)
     if flat.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(
@@ -369,17 +383,27 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def held_as(model: torch.nn.Module) -> str:
-    """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"
-    (8-bit groups are "int8": their two 4-bit halves are one layer)."""
-    halves = {
+    """How a model's Linear weights but the output head are held: "int4", "int8", "fp8", a mix
+    ("int4+int8"), or "none" (8-bit groups are "int8": their two 4-bit halves are one layer)."""
+    head = model.get_output_embeddings()
+    not_counted = {id(head)} | {  # the head, and 8-bit groups' 4-bit halves
         id(half)
         for m in model.modules()
         if isinstance(m, Int8GroupLinear)
         for half in (m.high, m.low)
     }
-    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in halves}
-    kinds |= {"int8" for m in model.modules() if isinstance(m, (Int8Linear, Int8GroupLinear))}
-    kinds |= {"fp8" for m in model.modules() if isinstance(m, Float8Linear)}
+    kinds = {
+        "int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in not_counted
+    }
+    kinds |= {
+        "int8"
+        for m in model.modules()
+        if isinstance(m, (Int8Linear, Int8GroupLinear, CpuInt8GroupLinear))
+        and id(m) not in not_counted
+    }
+    kinds |= {
+        "fp8" for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in not_counted
+    }
     return "+".join(sorted(kinds)) or "none"
 
 

@@ -1,9 +1,12 @@
-// A 4-bit layer's matmul for many rows (node_agent/model/quantized_linear.py): the weights torch's
-// CPU int4 kernel packed (`_convert_weight_to_int4pack_for_cpu`) dequantised a tile of output
-// channels at a time into float32, into a buffer of the thread's own that stays in its cache, and
-// each tile multiplied by all the rows at once with oneDNN's batch-reduce GEMM (ATen's
-// cpublas::brgemm). Torch's kernel re-reads and re-dequantises every weight for each 4 rows
-// (a matrix-vector kernel); here each weight is dequantised once a call, whatever the rows.
+// A 4-bit layer's matmul on a CPU (node_agent/model/quantized_linear.py, int4_tiles.py), over the
+// weights torch's CPU int4 kernel packed (`_convert_weight_to_int4pack_for_cpu`), chosen by rows:
+// - few rows: torch's kernel (`_weight_int4pack_mm_for_cpu`), a matrix-vector one.
+// - many rows: the weights dequantised a tile of output channels at a time into float32, into a
+//   buffer of the thread's own that stays in its cache, and each tile multiplied by all the rows at
+//   once with oneDNN's batch-reduce GEMM (ATen's cpublas::brgemm). Torch's kernel re-reads and
+//   re-dequantises every weight for each 4 rows; here each weight is dequantised once a call,
+//   whatever the rows.
+// One C++ operator for both, so that a compiled step calls the kernel with no Python between.
 //
 // Torch's packing, per block of `block_n` output channels (32 with AVX2, 64 with AVX-512), is
 // input-major: for each input k, block_n / 2 bytes. In a whole block, byte b holds channel b in its
@@ -121,8 +124,21 @@ at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, cons
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(cortex, m) {
-  m.def("int4_tiled_matmul(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int block_n, bool split_halves) -> Tensor");
+// The layer's matmul as a step runs it: x [rows, in] bfloat16 (the kernels' activations), by torch's
+// kernel below `tiled_from_rows` rows, else by the tiles. Returns x @ W.T, bfloat16 [rows, out].
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                       int64_t group, int64_t block_n, bool split_halves, int64_t tiled_from_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_linear: x must be bfloat16 [rows, in]");
+  if (x.size(0) < tiled_from_rows) return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros);
+  return int4_tiled_matmul(x.to(at::kFloat), packed, scales_and_zeros, group, block_n, split_halves).to(at::kBFloat16);
 }
 
-TORCH_LIBRARY_IMPL(cortex, CPU, m) { m.impl("int4_tiled_matmul", &int4_tiled_matmul); }
+TORCH_LIBRARY_FRAGMENT(cortex, m) {
+  m.def("int4_tiled_matmul(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int block_n, bool split_halves) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, int group, int block_n, bool split_halves, int tiled_from_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cortex, CPU, m) {
+  m.impl("int4_tiled_matmul", &int4_tiled_matmul);
+  m.impl("int4_linear", &int4_linear);
+}

@@ -1,6 +1,8 @@
-"""The two CPU paths of a 4-bit layer (node_agent/model/int4_tiles.py): torch's int4 kernel below
-TILED_FROM_ROWS rows, the dequantised tiles from there, each equal to the dequantised weights'
-matmul on bfloat16-rounded inputs, and a row's result the same whichever path runs it."""
+"""The two CPU paths of a 4-bit layer (node_agent/model/int4_tiles.py, `cortex::int4_linear`):
+torch's int4 kernel below the rows from which the tiles run (4 or 8, by torch's packing on this
+CPU), the dequantised tiles from there, each equal to the dequantised weights' matmul on
+bfloat16-rounded inputs, a row's result the same whichever path runs it, and a layer bound to the
+kernel (as a node's are) giving what an unbound one gives, eagerly and in a compiled call."""
 
 import pytest
 import torch
@@ -32,7 +34,6 @@ def test_both_paths_equal_the_dequantised_matmul(shape, rows):
     layer, weight = layer_and_weight(*shape)
     x = torch.randn(rows, shape[1])
     expected = x.bfloat16().float() @ weight.t() + layer.bias
-    assert int4_tiles.tiled(rows, x.device) == (rows >= int4_tiles.TILED_FROM_ROWS)
     y = layer(x)
     assert y.dtype == x.dtype and y.shape == (rows, shape[0])
     # both paths return bfloat16 products (8 bits of mantissa) of sums of up to 1536 terms
@@ -59,7 +60,26 @@ def test_the_layout_is_found_for_this_cpu():
     torch.testing.assert_close(dequantised, weight.t(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 33])  # torch's int4 kernel, then the tiles
+TILED_FROM = int4_tiles.kernel_args()[2] if int4_tiles.layout() else 0
+
+
+def test_the_tiles_start_at_4_rows_with_avx2_packing_and_8_with_avx512():
+    assert TILED_FROM == {32: 4, 64: 8}[int4_tiles.layout()[0]]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 33])
+def test_a_bound_layer_gives_what_an_unbound_one_does_eagerly_and_compiled(rows):
+    layer, _ = layer_and_weight(576, 576)
+    x = torch.randn(rows, 576)
+    unbound = layer(x)
+    model = torch.nn.Sequential(layer)
+    assert int4_tiles.bind(model) == 1 and layer.cpu_kernel == int4_tiles.kernel_args()
+    torch.testing.assert_close(layer(x), unbound, rtol=0, atol=0)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x), unbound, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, TILED_FROM, 33])  # torch's int4 kernel, then the tiles
 def test_stacked_layers_give_their_parts_outputs_side_by_side(rows):
     """q/k/v and gate/up stacked as one 4-bit layer (node_agent/model/fused_layers.py): each output
     channel is the same sum in the same order, so the parts read back exactly."""

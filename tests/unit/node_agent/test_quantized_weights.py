@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as T
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from node_agent.engine.engine import Engine
-from node_agent.model import loader, quantized_linear
+from node_agent.model import int8_groups_cpu, loader, quantized_linear
+from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
 from node_agent.serving import prompts
 from shared import memory
@@ -40,7 +41,7 @@ LAYOUT = {
     T.Q4_1: Int4Linear,
     T.Q4_K: Int4Linear,
     T.Q5_K: Int4Linear,
-    T.Q8_0: Int8GroupLinear,
+    T.Q8_0: CpuInt8GroupLinear if int8_groups_cpu.runs() else Int8GroupLinear,  # by the CPU kernel
     T.Q6_K: Int8Linear,
 }
 
@@ -58,13 +59,18 @@ def gguf_models(tmp_path_factory):
     }
     made = {}
 
-    def make(arch: str, qtype: T):
-        if (arch, qtype) not in made:
-            path = gguf_files.write(folders[arch], root / f"{arch}-{qtype.name}.gguf", qtype)
-            made[arch, qtype] = tiny_profile(
+    def make(arch: str, qtype: T, embedding: T = T.F32):
+        if (arch, qtype, embedding) not in made:
+            path = gguf_files.write(
+                folders[arch],
+                root / f"{arch}-{qtype.name}-{embedding.name}.gguf",
+                qtype,
+                embedding_type=embedding,
+            )
+            made[arch, qtype, embedding] = tiny_profile(
                 path, id=path.stem, tokenizer_source=str(folders[arch])
             )
-        return made[arch, qtype]
+        return made[arch, qtype, embedding]
 
     return make
 
@@ -159,7 +165,8 @@ def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(
     layers = [
         m
         for m in stored.model.modules()
-        if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear)) and id(m) not in halves
+        if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear, CpuInt8GroupLinear))
+        and id(m) not in halves
     ]
     assert layers and all(type(m) is LAYOUT[qtype] for m in layers)
     assert (stored.quant, dequantised.quant) == (
@@ -179,20 +186,21 @@ def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(
 
 
 @pytest.mark.parametrize(
-    "arch, decode, qtype",
+    "arch, decode, qtype, embedding",
     [
-        ("llama", "eager", T.Q4_1),
-        ("qwen3", "eager", T.Q4_1),
-        ("llama", "static", T.Q4_1),
-        ("llama", "eager", T.Q4_0),
-        ("qwen3", "eager", T.Q8_0),
+        ("llama", "eager", T.Q4_1, T.F32),
+        ("qwen3", "eager", T.Q4_1, T.F32),
+        ("llama", "static", T.Q4_1, T.F32),
+        ("llama", "eager", T.Q4_0, T.F32),
+        ("qwen3", "eager", T.Q8_0, T.F32),
+        ("llama", "compiled", T.Q4_1, T.Q8_0),  # the default model's layout: its head as stored
     ],
     ids=str,
 )
 def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_and_preempted(
-    gguf_models, arch, decode, qtype
+    gguf_models, arch, decode, qtype, embedding
 ):
-    profile = gguf_models(arch, qtype).model_copy(
+    profile = gguf_models(arch, qtype, embedding).model_copy(
         update={"prefill_chunk_tokens": 16, "kv_cache_mb": 1, "block_size": 4, "decode": decode}
     )
     lm = loader.load(profile, "cpu")
@@ -206,6 +214,24 @@ def test_the_engine_decodes_a_quantized_model_as_hf_does_batched_prefix_cached_a
     for req in requests:
         ids = prompts.prompt_ids(lm.tokenizer, profile, req)
         assert got[req.job].token_ids[0] == full_forward_greedy(lm, ids, 12), req.job
+
+
+@pytest.mark.skipif(not int8_groups_cpu.runs(), reason="the CPU kernels are not built here")
+def test_an_output_head_tied_to_a_q8_0_embedding_is_read_as_stored(gguf_models):
+    profile = gguf_models("llama", T.Q4_1, T.Q8_0)
+    stored = loader.load(profile, "cpu")
+    dense_head = loader.load(gguf_models("llama", T.Q4_1), "cpu")
+    head = stored.model.get_output_embeddings()
+    assert type(head) is CpuInt8GroupLinear and stored.quant == "int4"  # the layers' precision
+    assert type(dense_head.model.get_output_embeddings()) is not CpuInt8GroupLinear
+    assert stored.weight_bytes < dense_head.weight_bytes  # a byte a weight, not a packed copy
+    # the embedding's rows are still looked up dense: the head's codes are the same numbers
+    embedding = stored.model.get_input_embeddings().weight
+    torch.testing.assert_close(head(torch.eye(embedding.shape[1])).T, embedding)
+    dequantised = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
+    got, want = last_logits(stored, ids), last_logits(dequantised, ids)
+    assert (got - want).abs().max() <= EXACT[T.Q4_1] * want.abs().max()
 
 
 def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):
@@ -260,7 +286,8 @@ _PEAK_SCRIPT = """
 import json, sys
 from pathlib import Path
 from shared.catalog import ModelProfile
-from node_agent.model import loader, quantized_linear
+from node_agent.model import int8_groups_cpu, loader, quantized_linear
+from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 warm_up, profile = (ModelProfile.model_validate_json(arg) for arg in sys.argv[1:])
 loader.load(warm_up, "cpu")  # every module the load imports, imported
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here

@@ -1,0 +1,57 @@
+"""8-bit codes with a scale per group of 32 inputs (GGUF's Q8_0: `w = scale * q`) on a CPU, read a
+byte a weight by the node's kernel (node_agent/model/csrc/int8_group_matmul.cpp): few rows summed
+in registers straight from the codes, many rows through tiles dequantised into oneDNN's GEMM.
+
+Most GGUF files keep the token embedding in Q8_0 and tie the output head to it; llama.cpp reads
+that head as stored, where the dense head read 2x (bfloat16) or 4x (float32) the bytes at each
+decode step. Elsewhere Q8_0 layers run as two 4-bit layers (quantized_linear.Int8GroupLinear): a GPU,
+or a CPU without the node's kernels. Results equal the dequantised weights' product in float32 but
+for the order of the sums."""
+
+import functools
+
+import torch
+
+from node_agent.model import cpu_kernels
+
+BLOCK = 64  # output channels a block of the kernel's layout
+
+
+@functools.cache
+def runs() -> bool:
+    """Whether the kernel is there (built and loaded here), with its shape for compiled steps."""
+    if not cpu_kernels.load():
+        return False
+    torch.library.register_fake("cortex::int8_group_matmul")(
+        lambda x, codes, scales, out_features: x.new_empty((x.shape[0], out_features))
+    )
+    return True
+
+
+def blocked(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [out, in] (int8) and scales [out, in / group] as the kernel reads them: codes [blocks,
+    in, 64] and float32 scales [blocks, in / group, 64], channel-inner, the last block padded."""
+    out_features = codes.shape[0]
+    pad = -out_features % BLOCK
+    codes = torch.nn.functional.pad(codes.to(torch.int8), (0, 0, 0, pad))
+    scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    as_blocks = lambda t: t.view(-1, BLOCK, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+    return as_blocks(codes), as_blocks(scale)
+
+
+class CpuInt8GroupLinear(torch.nn.Module):
+    """`y = x @ W.T + b` with `W[o, i] = q[o, i] * scale[o, i // group]`, q in -128..127, on a CPU."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        blocked_codes, blocked_scales = blocked(codes, scale)
+        self.register_buffer("codes", blocked_codes)
+        self.register_buffer("scales", blocked_scales)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        y = torch.ops.cortex.int8_group_matmul(flat, self.codes, self.scales, self.out_features)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
