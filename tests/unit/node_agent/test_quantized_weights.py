@@ -224,6 +224,9 @@ def test_an_output_head_tied_to_a_q8_0_embedding_is_read_as_stored(gguf_models):
     head = stored.model.get_output_embeddings()
     assert type(head) is CpuInt8GroupLinear and stored.quant == "int4"  # the layers' precision
     assert type(dense_head.model.get_output_embeddings()) is not CpuInt8GroupLinear
+    # bfloat16 activations keep the packed bfloat16 head (2 bytes a weight; faster at batch)
+    bf16 = loader.load(profile.model_copy(update={"dtype": "bfloat16"}), "cpu")
+    assert type(bf16.model.get_output_embeddings()) is not CpuInt8GroupLinear
     assert stored.weight_bytes < dense_head.weight_bytes  # a byte a weight, not a packed copy
     # the embedding's rows are still looked up dense: the head's codes are the same numbers
     embedding = stored.model.get_input_embeddings().weight
