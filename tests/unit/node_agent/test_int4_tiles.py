@@ -29,7 +29,7 @@ def layer_and_weight(out_features: int, in_features: int) -> tuple[Int4Linear, t
 @pytest.mark.parametrize(
     "shape", [(576, 576), (192, 576), (576, 1536), (80, 64)]
 )  # SmolLM2's q/o, k/v, down; a last block narrower than torch's
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 33, 130])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 33, 130, 512])
 def test_both_paths_equal_the_dequantised_matmul(shape, rows):
     layer, weight = layer_and_weight(*shape)
     x = torch.randn(rows, shape[1])
@@ -40,9 +40,11 @@ def test_both_paths_equal_the_dequantised_matmul(shape, rows):
     torch.testing.assert_close(y, expected, rtol=1e-2, atol=2e-2 * expected.abs().max().item())
 
 
-def test_a_row_reads_the_same_alone_and_in_a_batch():
+# 32 rows: float32 tiles; 130: on a CPU with AMX, bfloat16 GEMMs over each weight's two halves
+@pytest.mark.parametrize("rows", [32, 130])
+def test_a_row_reads_the_same_alone_and_in_a_batch(rows):
     layer, _ = layer_and_weight(576, 1536)
-    x = torch.randn(32, 1536)
+    x = torch.randn(rows, 1536)
     alone = torch.cat([layer(row[None]) for row in x])  # torch's int4 kernel
     batched = layer(x)  # the tiles
     close = torch.isclose(alone, batched, rtol=1e-2, atol=1e-3)
@@ -89,3 +91,16 @@ def test_stacked_layers_give_their_parts_outputs_side_by_side(rows):
     x = torch.randn(rows, 576)
     assert torch.equal(stack(x), torch.cat([part(x) for part in parts], dim=-1))
     assert not quantized_linear.stackable([layer_and_weight(80, 64)[0]])  # a part-block of outputs
+
+
+def test_a_prefill_chunks_product_carries_each_weight_in_full():
+    """From 128 rows on a CPU with AMX the tiles run as two bfloat16 GEMMs, over each weight rounded
+    to bfloat16 and over what that rounding left: float32's product within float32's rounding, not
+    bfloat16's (one bfloat16 GEMM over the rounded weights: 1.6e-3 of the largest here)."""
+    layer, weight = layer_and_weight(576, 576)
+    x = torch.randn(256, 576).bfloat16().float()  # the kernels' activations are bfloat16's values
+    got = torch.ops.cortex.int4_tiled_matmul(
+        x, layer.weight_packed, layer.scales_and_zeros, GROUP, *int4_tiles.layout()
+    )
+    want = x.double() @ weight.double().t()
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
