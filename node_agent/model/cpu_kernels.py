@@ -1,7 +1,8 @@
 """The node's C++ CPU kernels (node_agent/model/csrc/): attention read in place from the paged KV
 cache (paged_attention.cpp, node_agent/model/cpu_attention.py), torch's OpenMP threads bound to
-CPUs (cpu_threads.cpp, node_agent/model/devices.py), 4-bit layers' matmul for many rows
-(int4_matmul.cpp, node_agent/model/quantized_linear.py) and LoRA adapters' updates (lora_update.cpp,
+CPUs (cpu_threads.cpp, node_agent/model/devices.py), 4-bit layers' matmul (int4_matmul.cpp,
+node_agent/model/int4_tiles.py), an output head of 8-bit groups read as stored (int8_group_matmul.cpp,
+node_agent/model/int8_groups_cpu.py) and LoRA adapters' updates (lora_update.cpp,
 node_agent/model/lora_layers.py), as torch operators in one library.
 
 Compiled at the first load of a CPU model on this machine (~25 s, g++ and the Python headers;

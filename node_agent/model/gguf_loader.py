@@ -124,6 +124,7 @@ def _head_as_stored(
         dtype == torch.float32
         and tensor.name == "token_embd.weight"
         and tensor.gguf_type in EXACT_INT8_TYPES
+        and int8_groups_cpu.fits(tensor.shape[-1])
         and bool(getattr(config, "tie_word_embeddings", False))
         and device.type == "cpu"
         and ranks == 1

@@ -4,9 +4,8 @@
 - Q4_0 (`d * (q - 8)`), Q4_1 (`d * q + m`) and Q4_K (`d * sc * q - dmin * m` per sub-block of 32)
   are affine groups of 32 four-bit codes: they map onto `Int4Linear` code for code, with only
   their scales rounded to bfloat16 (the kernels' dtype).
-- Q8_0 (`d * q`, 32 eight-bit codes a block) maps code for code onto the node's 8-bit kernel on a
-  CPU (`CpuInt8GroupLinear`), elsewhere onto `Int8GroupLinear`, its scales rounded to bfloat16 (a
-  layer whose shape the int4 kernels do not take: per channel, as below).
+- Q8_0 (`d * q`, 32 eight-bit codes a block) maps onto `Int8GroupLinear` code for code, its scales
+  rounded to bfloat16 (a layer whose shape the int4 kernels do not take: per channel, as below).
 - Q6_K and Q8_K are dequantised and rounded per output channel to `Int8Linear`; every
   other quantized type (Q5_K, Q5_0/1, Q2_K, Q3_K, the IQ types) to `Int4Linear` groups (a
   measured error: docs/operations.md). shared/weight_formats.py holds this table.
@@ -19,8 +18,6 @@ from gguf import GGML_QUANT_SIZES, dequantize
 from gguf import GGMLQuantizationType as T
 from gguf.quants import Q4_K
 
-from node_agent.model import int8_groups_cpu
-from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 from node_agent.model.linear_shards import WHOLE, Shard
 from node_agent.model.quantized_linear import Int4Linear, Int8GroupLinear, Int8Linear, fits_int4
 from shared.weight_formats import EXACT_INT4_TYPES, EXACT_INT8_TYPES, gguf_layout
@@ -80,7 +77,7 @@ def dense(raw: np.ndarray, qtype: T, dtype: torch.dtype) -> torch.Tensor:
 
 def linear(
     raw: np.ndarray, qtype: T, device: torch.device, shard: Shard = WHOLE
-) -> Int4Linear | CpuInt8GroupLinear | Int8GroupLinear | Int8Linear | None:
+) -> Int4Linear | Int8GroupLinear | Int8Linear | None:
     """A quantized Linear weight [out, in] (bias set later) as the layer that runs `shard` of it on
     `device` (each device's kernel has its own packing; the whole layer is rounded before it is cut,
     so each rank's part is what one device holds of it); None for a 4-bit layout the int4 kernels
@@ -92,8 +89,6 @@ def linear(
     if qtype.name in EXACT_INT4_TYPES:
         codes, scale, low = int4_groups(raw, qtype)
         return Int4Linear(*(t.to(device) for t in shard.int4(codes, scale, low + 8 * scale)), None)
-    if qtype.name in EXACT_INT8_TYPES and device.type == "cpu" and int8_groups_cpu.runs():
-        return CpuInt8GroupLinear(*shard.int8_groups(*int8_groups(raw)), None)
     if qtype.name in EXACT_INT8_TYPES and fits_int4(out_features, in_features):
         return Int8GroupLinear(*(t.to(device) for t in shard.int8_groups(*int8_groups(raw))), None)
     weight = dense(raw, qtype, torch.float32).to(device)

@@ -3,10 +3,10 @@ byte a weight by the node's kernel (node_agent/model/csrc/int8_group_matmul.cpp)
 in registers straight from the codes, many rows through tiles dequantised into oneDNN's GEMM.
 
 Most GGUF files keep the token embedding in Q8_0 and tie the output head to it; llama.cpp reads
-that head as stored, where the dense head read 2x (bfloat16) or 4x (float32) the bytes at each
-decode step. Elsewhere Q8_0 layers run as two 4-bit layers (quantized_linear.Int8GroupLinear): a GPU,
-or a CPU without the node's kernels. Results equal the dequantised weights' product in float32 but
-for the order of the sums."""
+that head as stored, where a float32 model's dense head read 4x the bytes at each decode step
+(node_agent/model/gguf_loader.py: the head of a float32 model on a CPU). Results equal the
+dequantised weights' product in float32 but for the order of the sums. Q8_0 Linear layers run as
+two 4-bit layers (quantized_linear.Int8GroupLinear), on every device."""
 
 import functools
 
@@ -28,15 +28,17 @@ def runs() -> bool:
     return True
 
 
+def fits(out_features: int) -> bool:
+    """Whether a layer of `out_features` outputs is whole blocks of the kernel's layout (a narrower
+    one runs as Int8GroupLinear: padding would hold up to 63 channels more)."""
+    return out_features % BLOCK == 0
+
+
 def blocked(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [out, in] (int8) and scales [out, in / group] as the kernel reads them: codes [blocks,
-    in, 64] and float32 scales [blocks, in / group, 64], channel-inner, the last block padded."""
-    out_features = codes.shape[0]
-    pad = -out_features % BLOCK
-    codes = torch.nn.functional.pad(codes.to(torch.int8), (0, 0, 0, pad))
-    scale = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    in, 64] and float32 scales [blocks, in / group, 64], channel-inner."""
     as_blocks = lambda t: t.view(-1, BLOCK, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
-    return as_blocks(codes), as_blocks(scale)
+    return as_blocks(codes.to(torch.int8)), as_blocks(scale.float())
 
 
 class CpuInt8GroupLinear(torch.nn.Module):
@@ -45,6 +47,8 @@ class CpuInt8GroupLinear(torch.nn.Module):
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape
+        if not fits(self.out_features):
+            raise ValueError(f"{self.out_features} outputs are not whole blocks of {BLOCK}")
         blocked_codes, blocked_scales = blocked(codes, scale)
         self.register_buffer("codes", blocked_codes)
         self.register_buffer("scales", blocked_scales)

@@ -32,7 +32,6 @@ import torch
 
 from node_agent.model import cpu_kernels
 from node_agent.model.fused_layers import ProjectionPart
-from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 from node_agent.model.packed_linear import PackedLinear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
@@ -134,7 +133,6 @@ SERVED = (  # the projections adapters wrap
     PackedLinear,
     ProjectionPart,
     Int4Linear,
-    CpuInt8GroupLinear,
     Int8GroupLinear,
     Int8Linear,
     Float8Linear,

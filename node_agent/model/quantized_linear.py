@@ -18,7 +18,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from node_agent.model import int4_tiles, linear_shards
-from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
 from shared.weight_formats import (  # GROUP: GGUF's Q4_0/Q4_1 blocks, Q4_K's sub-blocks
     GROUP,
     OUT_MULTIPLE,
@@ -141,9 +140,7 @@ class Int4Linear(torch.nn.Module):
                 GROUP,
                 *self.cpu_kernel,
             )
-        elif (
-            torch.compiler.is_compiling()
-        ):  # opaque to Inductor (node_agent/model/compiled_step.py)
+        elif torch.compiler.is_compiling():  # opaque to Inductor (compiled_step.py)
             y = int4_matmul(flat, self.weight_packed, self.scales_and_zeros, self.out_features)
         else:  # eager: the kernels themselves, without the custom operator's own dispatch
             y = _int4_matmul(flat, self.weight_packed, self.scales_and_zeros)
@@ -383,27 +380,17 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 
 def held_as(model: torch.nn.Module) -> str:
-    """How a model's Linear weights but the output head are held: "int4", "int8", "fp8", a mix
-    ("int4+int8"), or "none" (8-bit groups are "int8": their two 4-bit halves are one layer)."""
-    head = model.get_output_embeddings()
-    not_counted = {id(head)} | {  # the head, and 8-bit groups' 4-bit halves
+    """How a model's Linear weights are held: "int4", "int8", "fp8", a mix ("int4+int8"), or "none"
+    (8-bit groups are "int8": their two 4-bit halves are one layer)."""
+    halves = {
         id(half)
         for m in model.modules()
         if isinstance(m, Int8GroupLinear)
         for half in (m.high, m.low)
     }
-    kinds = {
-        "int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in not_counted
-    }
-    kinds |= {
-        "int8"
-        for m in model.modules()
-        if isinstance(m, (Int8Linear, Int8GroupLinear, CpuInt8GroupLinear))
-        and id(m) not in not_counted
-    }
-    kinds |= {
-        "fp8" for m in model.modules() if isinstance(m, Float8Linear) and id(m) not in not_counted
-    }
+    kinds = {"int4" for m in model.modules() if isinstance(m, Int4Linear) and id(m) not in halves}
+    kinds |= {"int8" for m in model.modules() if isinstance(m, (Int8Linear, Int8GroupLinear))}
+    kinds |= {"fp8" for m in model.modules() if isinstance(m, Float8Linear)}
     return "+".join(sorted(kinds)) or "none"
 
 

@@ -4,7 +4,7 @@
 // is a third of the step's bytes; torch has no kernel for groups of 8-bit codes.
 //
 // The codes are laid out channel-inner, blocks of 64 output channels: codes [blocks, in, 64],
-// scales [blocks, in / group, 64] float32 (the last block padded with zero codes). Few rows: each
+// scales [blocks, in / group, 64] float32 (layers of whole blocks only). Few rows: each
 // block's 64 channels summed in registers over the input, a group at a time, then scaled into the
 // block's sums (the codes converted once for all the rows). Many rows: a block dequantised into
 // float32 [in, 64] in the thread's cache and multiplied by all the rows with oneDNN's batch-reduce
@@ -25,10 +25,10 @@ constexpr int64_t kBlock = 64;     // output channels a block
 constexpr int64_t kFewRows = 4;    // rows summed in registers; more run the dequantised tiles
 constexpr int64_t kRowChunk = 64;  // rows a GEMM call takes
 
-// out[r, start + n] for rows r < ROWS and channels n < width of one block.
+// out[r, n] for rows r < ROWS and the 64 channels n of one block.
 template <int ROWS>
 void block_few_rows(const float* x, int64_t in_features, int64_t group, const int8_t* codes, const float* scales,
-                    float* out, int64_t out_stride, int64_t width) {
+                    float* out, int64_t out_stride) {
 #if defined(__AVX512F__)
   __m512 sum[ROWS][4];
   for (int r = 0; r < ROWS; ++r)
@@ -53,15 +53,8 @@ void block_few_rows(const float* x, int64_t in_features, int64_t group, const in
       for (int r = 0; r < ROWS; ++r) sum[r][j] = _mm512_fmadd_ps(part[r][j], s, sum[r][j]);
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    if (width == kBlock) {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * out_stride + 16 * j, sum[r][j]);
-    } else {
-      alignas(64) float whole[kBlock];
-      for (int j = 0; j < 4; ++j) _mm512_store_ps(whole + 16 * j, sum[r][j]);
-      std::copy(whole, whole + width, out + r * out_stride);
-    }
-  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * out_stride + 16 * j, sum[r][j]);
 #else  // plain loops (the compiler vectorises them as it can)
   float sum[ROWS][kBlock] = {}, part[ROWS][kBlock];
   for (int64_t g = 0; g < in_features / group; ++g) {
@@ -77,7 +70,7 @@ void block_few_rows(const float* x, int64_t in_features, int64_t group, const in
     for (int r = 0; r < ROWS; ++r)
       for (int64_t n = 0; n < kBlock; ++n) sum[r][n] += part[r][n] * scale[n];
   }
-  for (int r = 0; r < ROWS; ++r) std::copy(sum[r], sum[r] + width, out + r * out_stride);
+  for (int r = 0; r < ROWS; ++r) std::copy(sum[r], sum[r] + kBlock, out + r * out_stride);
 #endif
 }
 
@@ -102,7 +95,7 @@ void dequantise_block(int64_t in_features, int64_t group, const int8_t* codes, c
 }  // namespace
 
 // x [rows, in] float32; codes int8 [blocks, in, 64]; scales float32 [blocks, in / group, 64].
-// Returns x @ W.T, float32 [rows, out_features] (out_features <= blocks * 64).
+// Returns x @ W.T, float32 [rows, out_features] (out_features = blocks * 64).
 at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                              int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_group_matmul: x must be float32 [rows, in]");
@@ -115,8 +108,7 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const
   const int64_t rows = a.size(0), in_features = a.size(1), blocks = c.size(0);
   TORCH_CHECK(c.size(1) == in_features && in_features % s.size(1) == 0, "int8_group_matmul: ", in_features,
               " inputs against codes of ", c.size(1), " and ", s.size(1), " groups");
-  TORCH_CHECK(out_features > (blocks - 1) * kBlock && out_features <= blocks * kBlock,
-              "int8_group_matmul: ", out_features, " outputs in ", blocks, " blocks");
+  TORCH_CHECK(out_features == blocks * kBlock, "int8_group_matmul: ", out_features, " outputs in ", blocks, " blocks");
   const int64_t group = in_features / s.size(1);
   at::Tensor out = at::empty({rows, out_features}, a.options());
   const float* a_data = a.const_data_ptr<float>();
@@ -126,7 +118,7 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(rows >= kFewRows ? in_features * kBlock : 0);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t start = b * kBlock, width = std::min(kBlock, out_features - start);
+      const int64_t start = b * kBlock;
       const int8_t* block_codes = c_data + b * in_features * kBlock;
       const float* block_scales = s_data + b * (in_features / group) * kBlock;
       if (rows < kFewRows) {
@@ -134,16 +126,16 @@ at::Tensor int8_group_matmul(const at::Tensor& x, const at::Tensor& codes, const
           const float* xr = a_data + r * in_features;
           float* o = out_data + r * out_features + start;
           switch (rows - r) {
-            case 3: block_few_rows<3>(xr, in_features, group, block_codes, block_scales, o, out_features, width); r += 3; break;
-            case 2: block_few_rows<2>(xr, in_features, group, block_codes, block_scales, o, out_features, width); r += 2; break;
-            default: block_few_rows<1>(xr, in_features, group, block_codes, block_scales, o, out_features, width); r += 1;
+            case 3: block_few_rows<3>(xr, in_features, group, block_codes, block_scales, o, out_features); r += 3; break;
+            case 2: block_few_rows<2>(xr, in_features, group, block_codes, block_scales, o, out_features); r += 2; break;
+            default: block_few_rows<1>(xr, in_features, group, block_codes, block_scales, o, out_features); r += 1;
           }
         }
         continue;
       }
       dequantise_block(in_features, group, block_codes, block_scales, tile.data());
       for (int64_t r = 0; r < rows; r += kRowChunk) {
-        at::native::cpublas::brgemm(std::min(kRowChunk, rows - r), width, in_features, in_features, kBlock,
+        at::native::cpublas::brgemm(std::min(kRowChunk, rows - r), kBlock, in_features, in_features, kBlock,
                                     out_features, false, a_data + r * in_features, tile.data(),
                                     out_data + r * out_features + start, false);
       }

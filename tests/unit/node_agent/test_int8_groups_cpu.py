@@ -27,8 +27,8 @@ def layer_and_weight(out_features: int, in_features: int, bias: bool = False):
     return CpuInt8GroupLinear(codes, scale, b), weight
 
 
-# 100 outputs: a last block of 36 channels padded to 64; 3 rows and under: in registers, 4 and up: tiles
-@pytest.mark.parametrize("shape", [(128, 64), (100, 96)], ids=str)
+# 3 rows and under: in registers, 4 and up: tiles
+@pytest.mark.parametrize("shape", [(128, 64), (192, 96)], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 33, 130])
 def test_both_paths_equal_the_dequantised_matmul(shape, rows):
     layer, weight = layer_and_weight(*shape, bias=True)
@@ -57,3 +57,9 @@ def test_a_compiled_call_equals_an_eager_one():
     for rows in (2, 9):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_a_layer_of_part_blocks_is_refused():
+    assert not int8_groups_cpu.fits(100) and int8_groups_cpu.fits(49152)
+    with pytest.raises(ValueError, match="whole blocks of 64"):
+        CpuInt8GroupLinear(torch.zeros(100, 64, dtype=torch.int8), torch.ones(100, 2), None)

@@ -17,7 +17,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from node_agent.engine.engine import Engine
 from node_agent.model import int8_groups_cpu, loader, quantized_linear
-from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
+from node_agent.model.int8_groups_cpu import BLOCK, CpuInt8GroupLinear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
 from node_agent.serving import prompts
 from shared import memory
@@ -41,7 +41,7 @@ LAYOUT = {
     T.Q4_1: Int4Linear,
     T.Q4_K: Int4Linear,
     T.Q5_K: Int4Linear,
-    T.Q8_0: CpuInt8GroupLinear if int8_groups_cpu.runs() else Int8GroupLinear,  # by the CPU kernel
+    T.Q8_0: Int8GroupLinear,
     T.Q6_K: Int8Linear,
 }
 
@@ -50,7 +50,8 @@ LAYOUT = {
 def gguf_models(tmp_path_factory):
     """(arch, type) -> the profile of a GGUF file of a tiny model, its tokenizer from its HF folder.
     Rows of 256 inputs (a k-quant super-block); the qwen3 one has Qwen3's head_dim of 128:
-    transformers reads no head size from a qwen3 file."""
+    transformers reads no head size from a qwen3 file. With a Q8_0 embedding, a llama whose vocabulary
+    is padded to whole blocks of the 8-bit kernel (as real models' are), so that its head reads it."""
     root, tokenizer = tmp_path_factory.mktemp("gguf"), tiny_models.make_tokenizer()
     size = dict(hidden_size=256, intermediate_size=512, initializer_range=0.05)
     folders = {
@@ -61,14 +62,20 @@ def gguf_models(tmp_path_factory):
 
     def make(arch: str, qtype: T, embedding: T = T.F32):
         if (arch, qtype, embedding) not in made:
+            if (arch, embedding) not in folders:
+                padded = -(-len(tokenizer) // BLOCK) * BLOCK
+                folders[arch, embedding] = tiny_models.build(
+                    arch, root / f"{arch}-{embedding.name}", tokenizer, vocab_size=padded, **size
+                )
+            folder = folders[arch] if embedding == T.F32 else folders[arch, embedding]
             path = gguf_files.write(
-                folders[arch],
+                folder,
                 root / f"{arch}-{qtype.name}-{embedding.name}.gguf",
                 qtype,
                 embedding_type=embedding,
             )
             made[arch, qtype, embedding] = tiny_profile(
-                path, id=path.stem, tokenizer_source=str(folders[arch])
+                path, id=path.stem, tokenizer_source=str(folder)
             )
         return made[arch, qtype, embedding]
 
@@ -165,8 +172,7 @@ def test_gguf_linear_weights_load_quantized_and_match_the_dequantised_model(
     layers = [
         m
         for m in stored.model.modules()
-        if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear, CpuInt8GroupLinear))
-        and id(m) not in halves
+        if isinstance(m, (Int4Linear, Int8Linear, Int8GroupLinear)) and id(m) not in halves
     ]
     assert layers and all(type(m) is LAYOUT[qtype] for m in layers)
     assert (stored.quant, dequantised.quant) == (
@@ -290,7 +296,7 @@ import json, sys
 from pathlib import Path
 from shared.catalog import ModelProfile
 from node_agent.model import int8_groups_cpu, loader, quantized_linear
-from node_agent.model.int8_groups_cpu import CpuInt8GroupLinear
+from node_agent.model.int8_groups_cpu import BLOCK, CpuInt8GroupLinear
 warm_up, profile = (ModelProfile.model_validate_json(arg) for arg in sys.argv[1:])
 loader.load(warm_up, "cpu")  # every module the load imports, imported
 Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here
