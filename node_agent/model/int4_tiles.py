@@ -3,7 +3,7 @@
 the call's rows. Torch's kernel (`_weight_int4pack_mm_for_cpu`) is a matrix-vector one that
 re-reads and re-dequantises every weight for each 4 rows, so a batch of decode rows, a prefill
 chunk or speculation's verify step costs it about one pass over the weights per 4 rows. From
-`tiled_from_rows()` rows the tiles run instead: the same packed weights dequantised once a call, a
+a number of rows (`kernel_args`) the tiles run instead: the same packed weights dequantised once a call, a
 tile of output channels at a time into float32 kept in the core's cache, and all the rows
 multiplied by each tile with oneDNN's GEMM; no resident copy of the weights in a wider type. From
 128 rows (a prefill chunk) on a CPU with AMX, each tile runs as two bfloat16 GEMMs, over the
@@ -40,6 +40,7 @@ def layout() -> tuple[int, bool] | None:
     """Torch's int4 packing on this CPU as (block_n, split_halves), or None where the tiles cannot run."""
     if not cpu_kernels.load():
         return None
+    torch.library.register_fake("cortex::int4_linear", _shape)  # its shape for compiled steps
     from node_agent.model.quantized_linear import GROUP, Int4Linear, round_int4
 
     probe = torch.randn(80, 2 * GROUP, generator=torch.Generator().manual_seed(0))
@@ -74,13 +75,18 @@ def kernel_args() -> tuple[int, bool, int]:
 
 
 def matmul(
-    flat: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int
+    flat: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group: int,
+    kernel: tuple[int, bool, int],
 ) -> torch.Tensor:
-    """`flat` [rows, in] times an Int4Linear's packed weights: [rows, out] in bfloat16. The input is
-    rounded to bfloat16 as torch's kernel takes it, so that a row's result does not depend on how
-    many rows are beside it beyond float32's summation order."""
+    """`flat` [rows, in] times an Int4Linear's packed weights by `cortex::int4_linear` with `kernel`
+    (`kernel_args()`): [rows, out] in bfloat16. The input is rounded to bfloat16 as torch's kernel
+    takes it, so that a row's result does not depend on how many rows are beside it beyond float32's
+    summation order."""
     return torch.ops.cortex.int4_linear(
-        flat.to(torch.bfloat16), packed, scales_and_zeros, group, *kernel_args()
+        flat.to(torch.bfloat16), packed, scales_and_zeros, group, *kernel
     )
 
 
@@ -92,7 +98,6 @@ def bind(model: torch.nn.Module) -> int:
 
     if layout() is None:
         return 0
-    torch.library.register_fake("cortex::int4_linear", _shape)
     layers = [
         m
         for m in model.modules()

@@ -133,12 +133,8 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.cpu_kernel is not None:  # the node's C++ kernel, which Inductor calls as it is
-            y = torch.ops.cortex.int4_linear(
-                flat.to(COMPUTE_DTYPE),
-                self.weight_packed,
-                self.scales_and_zeros,
-                GROUP,
-                *self.cpu_kernel,
+            y = int4_tiles.matmul(
+                flat, self.weight_packed, self.scales_and_zeros, GROUP, self.cpu_kernel
             )
         elif torch.compiler.is_compiling():  # opaque to Inductor (compiled_step.py)
             y = int4_matmul(flat, self.weight_packed, self.scales_and_zeros, self.out_features)
@@ -165,7 +161,7 @@ def _int4_matmul(
     """`flat` [rows, in] times a 4-bit layer's packed weights: [rows, out] in COMPUTE_DTYPE, by the
     kernel for the call's rows and device."""
     if int4_tiles.runs(flat.device):  # the node's kernel on a CPU
-        return int4_tiles.matmul(flat, packed, scales_and_zeros, GROUP)
+        return int4_tiles.matmul(flat, packed, scales_and_zeros, GROUP, int4_tiles.kernel_args())
     if flat.device.type == "cuda":
         return torch.ops.aten._weight_int4pack_mm(
             flat.to(COMPUTE_DTYPE), packed, GROUP, scales_and_zeros
