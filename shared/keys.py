@@ -155,6 +155,11 @@ class Keys:
         """Pub/sub channel: a message is the id of a job to cancel; every node listens."""
         return f"{self.prefix}cancel"
 
+    def newcomers(self) -> str:
+        """Pub/sub channel: a message is a model whose callers' jobs wait in waiting rooms and that
+        a caller's first job has just joined (shared/queues.py); every node listens."""
+        return f"{self.prefix}newcomers"
+
     def node(self, node: str) -> str:
         """Hash with TTL: one node's heartbeat."""
         return self._in(FLEET, f"node:{node}")

@@ -104,6 +104,7 @@ async def submit(
         ),  # a resumable job's client may have seen tokens
         keep_alive_s=keep_alive_s,
         api_key=caller.name if metered else None,
+        tenant=caller.name,
         traceparent=trace.traceparent,
         body=body,
     )

@@ -54,6 +54,8 @@ def packable(model: torch.nn.Module) -> str | None:
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"oneDNN packs float32 and bfloat16 weights, not {dtype}"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN packs bfloat16 weights only on a CPU with AVX-512 or AVX-NE-CONVERT"
     return None
 
 

@@ -566,16 +566,23 @@ class NodeAgent:
             await model.cancel(job, error)
 
     async def _cancel_listener(self) -> None:
+        """Cancels from the fleet, and newcomers to a model's waiting rooms (a replica waiting with
+        only its kept slots free reads at once)."""
         outage = Outage(log, "cancel listener")
         while True:
             client = None
             try:  # on a cluster, any master hears every cancel (a cluster passes each PUBLISH to all)
                 client = await broadcast_client(self.redis, self.settings.redis_url)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.keys.cancel())
+                await pubsub.subscribe(self.keys.cancel(), self.keys.newcomers())
                 outage.ok()
                 async for message in pubsub.listen():
-                    await self._cancel(message["data"].decode())
+                    said = message["data"].decode()
+                    if message["channel"].decode() == self.keys.newcomers():
+                        if (served := self.models.get(said)) is not None:
+                            served.consumer.newcomer()
+                    else:
+                        await self._cancel(said)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -12,7 +12,7 @@ import time
 from redis.exceptions import RedisError, ResponseError
 
 from node_agent.serving.intake import Intake, Prepared
-from node_agent.serving.job_reader import Entry, JobReader
+from node_agent.serving.job_reader import BLOCK_MS, Entry, JobReader
 from node_agent.serving.ledger import Ledger
 from shared.errors import CortexError, GenerationFailed
 from shared.redis_conn import Outage
@@ -29,6 +29,7 @@ class Consumer:
         self._running = False
         self._settle = False  # Redis came back: settle the entries it holds for jobs no longer here
         self._read_after = 0.0  # monotonic time before which nothing is read (pause)
+        self._newcomer = asyncio.Event()  # a caller's first job joined a waiting room of the model
 
     def start(self) -> None:
         self._running = True
@@ -47,6 +48,11 @@ class Consumer:
             await asyncio.gather(self._task, return_exceptions=True)
             await asyncio.gather(*self._adding, return_exceptions=True)
             self._task = None
+
+    def newcomer(self) -> None:
+        """A caller's first job joined one of the model's waiting rooms (`Keys.newcomers`): a
+        replica waiting with only its kept slots free reads now."""
+        self._newcomer.set()
 
     def pause(self, seconds: float) -> None:
         """Read no new job for `seconds`: a gateway that lost Redis is subscribing again to its jobs
@@ -115,10 +121,18 @@ class Consumer:
                 if (paused_s := self._read_after - time.monotonic()) > 0:
                     await asyncio.sleep(paused_s)
                     continue
+                self._newcomer.clear()  # (before the read: one announced during it is not missed)
+                self.ledger.slot_freed.clear()
                 entries = await self.reader.read(
-                    free, self.ledger.batch_free(free)
+                    free,
+                    self.ledger.batch_free(free),
+                    self.ledger.newcomer_slots,
+                    self.ledger.tenants(),
                 )  # most urgent first
                 outage.ok()
+                if not entries and self.reader.kept_only:
+                    await self._newcomer_or_freed_slot()
+                    continue
             except ResponseError as exc:
                 if "NOGROUP" in str(
                     exc
@@ -141,6 +155,18 @@ class Consumer:
             adding = asyncio.create_task(self._add(prepared))
             self._adding.add(adding)
             adding.add_done_callback(self._adding.discard)
+
+    async def _newcomer_or_freed_slot(self) -> None:
+        """Wait (at most a block's time, as a blocked read would) for a newcomer or a freed slot."""
+        waits = [
+            asyncio.create_task(self._newcomer.wait()),
+            asyncio.create_task(self.ledger.slot_freed.wait()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=BLOCK_MS / 1000, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def _prepare(self, entries: list[Entry]) -> list[Prepared]:
         """The read's entries prepared at once; one whose preparation broke (a bug) ends alone."""

@@ -104,6 +104,7 @@ class Intake:
                 streaming=bool(entry.streaming),
                 trace=trace,
                 api_key=entry.api_key or "",
+                tenant=entry.tenant or "",
             ),
         )
         log.info(

@@ -7,8 +7,13 @@ script; shared/queues.py).
 
 One Lua script reads them in that order in one round trip, as many entries as there are free
 slots; batch entries may take at most `batch_free` of them (the node keeps
-`interactive_reserved_slots` for interactive arrivals). Starvation is bounded: a band whose
-next entry has waited longer than `batch_max_wait_s` gets one entry read ahead of the rest. When
+`interactive_reserved_slots` for interactive arrivals), and while callers' jobs wait in waiting
+rooms the last `newcomer_slots` free slots take only jobs of callers with nothing running here (one
+caller's flood fills the rest; another caller's job starts at once). A replica with only those
+slots free does not block on the streams (a newcomer's job goes to its room, which no blocked read
+sees): it waits for the newcomers' announcement (`Keys.newcomers`) or a freed slot. Starvation is
+bounded: a band whose next entry has waited longer than `batch_max_wait_s` gets one entry read
+ahead of the rest. When
 every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a new job is
 taken within a round trip of its XADD. An idle reader whose block ran out with nothing blocks again
 without the script (a job reaches a waiting room only while its shared stream holds an entry nobody
@@ -39,8 +44,10 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # KEYS: per band, most urgent first, its three streams: this node's own, the moved one, the shared one;
 # then per band its list of waiting rooms (`Keys.waiting_keys`).
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
-# interactive, 2: batch) and its max wait ms (0: never promoted).
-# Returns {stream, entry id, {field, value, ...}} per entry, in admission order.
+# interactive, 2: batch) and its max wait ms (0: never promoted); then the slots kept for newcomers
+# and the callers with a job running here.
+# Returns {1 if any room holds jobs else 0, {stream, entry id, {field, value, ...}} per entry, in
+# admission order}.
 _READ = (
     queues.LUA_PENDING
     + """
@@ -49,7 +56,15 @@ local caps = {tonumber(ARGV[4]), tonumber(ARGV[5])}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
-local bands = (#ARGV - 5) / 2
+local bands = #KEYS / 4
+local running = {}
+for i = 7 + 2 * bands, #ARGV do running[ARGV[i]] = true end
+local contended = false
+for g = 1, bands do
+  if redis.call('EXISTS', KEYS[3 * bands + g]) == 1 then contended = true end
+end
+local kept = contended and math.min(tonumber(ARGV[6 + 2 * bands]), want) or 0
+want = want - kept
 local function head(key)
   if redis.call('XLEN', key) == 0 then return nil end
   local _, maxp = pending(key, group)
@@ -117,7 +132,30 @@ for g = 1, bands do
   end
 end
 for g = 1, bands do take(g, want) end
-return out
+-- the kept slots: the oldest job of each room whose caller runs nothing here, most urgent band
+-- first (interactive only, and only where the shared stream has nothing unread: it is read first)
+for g = 1, bands do
+  local ring, shared = KEYS[3 * bands + g], KEYS[3 * g]
+  if kept > 0 and caps[1] > 0 and tonumber(ARGV[4 + 2 * g]) == 1 and head(shared) == nil then
+    for _, room in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+      local tenant = string.match(room, ':~(.*)$')
+      if kept > 0 and not running[tenant] then
+        local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
+        if e then
+          redis.call('XDEL', room, e[1])
+          redis.call('XADD', shared, '*', unpack(e[2]))
+          local k = read(shared, 1)
+          kept, caps[1], running[tenant] = kept - k, caps[1] - k, true
+        end
+        if redis.call('XLEN', room) == 0 then
+          redis.call('LREM', ring, 1, room)
+          redis.call('DEL', room)
+        end
+      end
+    end
+  end
+end
+return {contended and 1 or 0, out}
 """
 )
 
@@ -144,6 +182,7 @@ class JobReader:
         # a share of SCRIPT_EVERY_S of its own: replicas idle since the same moment do not all run
         # the script in the same second
         self._script_share = random.uniform(0.5, 1.0)
+        self.kept_only = False  # the last read found nothing, and only kept slots were free
 
     async def ensure_groups(self) -> None:
         """Create the group `agents` on every stream of the model (and the streams), where missing."""
@@ -195,13 +234,17 @@ class JobReader:
                 pipe.xdel(stream, entry_id)
             await pipe.execute()
 
-    async def read(self, free: int, batch_free: int) -> list[Entry]:
-        """Up to `free` entries (at most `batch_free` of them batch), most urgent first; blocks up
-        to BLOCK_MS when there are none. A stream deleted meanwhile (the janitor removes the own
-        streams of a node it thought gone), before the read or under the blocked one (Redis then
-        answers UNBLOCKED), is made again."""
+    async def read(
+        self, free: int, batch_free: int, kept: int = 0, tenants: set[str] = frozenset()
+    ) -> list[Entry]:
+        """Up to `free` entries (at most `batch_free` of them batch), most urgent first, of which
+        the last `kept` only jobs of callers not in `tenants` (those running here) while callers'
+        jobs wait in waiting rooms; blocks up to BLOCK_MS when there are none, unless only kept
+        slots could take one (`kept_only`: wait for a newcomer or a freed slot instead). A stream
+        deleted meanwhile (the janitor removes the own streams of a node it thought gone), before
+        the read or under the blocked one (Redis then answers UNBLOCKED), is made again."""
         try:
-            return await self._read_streams(free, batch_free)
+            return await self._read_streams(free, batch_free, kept, tenants)
         except (RedisError, OSError) as exc:
             # Redis away or restarted, or streams gone: what waits is not known
             self._idle_since = None
@@ -211,15 +254,26 @@ class JobReader:
             if not regroup:
                 raise
         await self.ensure_groups()
-        return await self._read_streams(free, batch_free)
+        return await self._read_streams(free, batch_free, kept, tenants)
 
-    async def _read_streams(self, free: int, batch_free: int) -> list[Entry]:
+    async def _read_streams(
+        self, free: int, batch_free: int, kept: int = 0, tenants: set[str] = frozenset()
+    ) -> list[Entry]:
+        self.kept_only = False
         idle = self._idle_since is not None and batch_free > 0
         if not idle or time.monotonic() - self._idle_since >= SCRIPT_EVERY_S * self._script_share:
-            if entries := await self._run_script(free, batch_free):
+            entries, contended = await self._run_script(free, batch_free, kept, tenants)
+            if entries:
                 self._idle_since = None
                 return entries
-            self._idle_since = time.monotonic() if batch_free > 0 else None
+            if contended:  # rooms hold jobs: a newcomer's is announced (`Keys.newcomers`), not
+                # added to a stream a blocked read would be handed
+                self._idle_since = None
+                self.kept_only = free <= kept
+                if self.kept_only:
+                    return []
+            else:
+                self._idle_since = time.monotonic() if batch_free > 0 else None
         readable = [s for c, s in self.streams if c != "batch" or batch_free > 0]
         count = min(free, batch_free) if batch_free > 0 else free
         blocked = await self.redis.xreadgroup(
@@ -233,13 +287,20 @@ class JobReader:
             self._idle_since = None
         return self._entries(blocked)
 
-    async def _run_script(self, free: int, batch_free: int) -> list[Entry]:
+    async def _run_script(
+        self, free: int, batch_free: int, kept: int, tenants: set[str]
+    ) -> tuple[list[Entry], bool]:
+        """The read script's entries, and whether any waiting room held jobs."""
         args: list = [CONSUMER_GROUP, self.consumer, free, free, batch_free]
         for job_class, _ in self.streams[::STREAMS_PER_BAND]:
             batch = job_class == "batch"
             args += [2 if batch else 1, self.batch_max_wait_ms if batch else 0]
-        reply = await self._read(keys=[*(s for _, s in self.streams), *self.rings], args=args)
-        return [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply or []]
+        args += [kept, *sorted(tenants)]
+        contended, reply = await self._read(
+            keys=[*(s for _, s in self.streams), *self.rings], args=args
+        )
+        entries = [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply or []]
+        return entries, bool(contended)
 
     def _entries(self, reply) -> list[Entry]:
         return [

@@ -34,9 +34,13 @@ class Running:
     streaming: bool = False  # a client streams it: its first output is noted (`Keys.started`)
     trace: JobSpans | None = None  # when its request is traced: its spans are made when it ends
     api_key: str = ""  # the API key its tokens count against where it ends (none: unmetered)
+    tenant: str = ""  # the caller whose waiting room it came through (shared/queues.py)
     # what it used, where the replica itself knows it (a pooled job: its inputs, once tokenised):
     # charged when it fails or is cancelled here (a generation job's output process charges it)
     used: Usage | None = None
+
+
+TENANTS_SEEN_S = 60.0  # how long a caller served here counts as one of the replica's callers
 
 
 def now_ms() -> int:
@@ -56,6 +60,7 @@ class Ledger:
     def __init__(self, profile: ModelProfile, settings: NodeSettings, stream: str, send: Send):
         self.profile, self.settings, self.stream, self._send = profile, settings, stream, send
         self.running: dict[str, Running] = {}
+        self._seen: dict[str, float] = {}  # caller -> monotonic time of its last job admitted here
         self.slot_freed = asyncio.Event()
         self.last_used_ms = now_ms()
         self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
@@ -77,8 +82,24 @@ class Ledger:
         batch_used = sum(r.sequences for r in self.running.values() if r.job_class == "batch")
         return max(0, min(free, self.profile.slots - reserved - batch_used))
 
+    @property
+    def newcomer_slots(self) -> int:
+        """Slots kept, while callers' jobs wait in waiting rooms, for callers with no job running
+        here: once more than one caller was served here within TENANTS_SEEN_S (one caller alone,
+        a single user's burst above all, keeps every slot)."""
+        since = time.monotonic() - TENANTS_SEEN_S
+        self._seen = {tenant: at for tenant, at in self._seen.items() if at >= since}
+        if len(self._seen) < 2:
+            return 0
+        return min(self.settings.newcomer_slots, self.profile.slots - 1)
+
+    def tenants(self) -> set[str]:
+        """The callers with a job running here."""
+        return {r.tenant for r in self.running.values() if r.tenant}
+
     def admit(self, job: str, running: Running) -> None:
         self.running[job] = running
+        self._seen[running.tenant] = time.monotonic()
 
     def fail(self, job: str, error: CortexError) -> None:
         """End a job held here with `error` (its client is told, its entry acknowledged, its slots freed)."""

@@ -72,6 +72,7 @@ class PoolingIntake(Intake):
                 job_class=e.job_class,
                 trace=JobSpans.of(entry, e.entry_id, self.node),
                 api_key=entry.api_key or "",
+                tenant=entry.tenant or "",
             ),
         )
         log.info(

@@ -37,6 +37,7 @@ def test_every_cluster_key_but_the_lone_ones_carries_a_hash_tag():
         "session",
         "routing",
         "cancel",
+        "newcomers",
         "arq_queue",
         "all_jobs",
         "all_waiting",

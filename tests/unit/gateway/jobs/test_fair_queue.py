@@ -66,6 +66,52 @@ async def test_a_flood_from_one_key_does_not_starve_another(r, reader):
     assert await leftovers(r) == [] and await r.xlen(SHARED) == 0
 
 
+async def test_a_kept_slot_takes_a_caller_with_nothing_running_here_before_the_flood(r, reader):
+    """While rooms hold jobs, a replica's kept slot (`newcomer_slots`) takes only a job of a caller
+    with nothing running on it, from its room, however the ring is ordered; with nothing to take
+    there the read says so (`kept_only`) instead of blocking on the streams."""
+    for i in range(20):
+        await enqueue(r, "flood", f"a{i}")
+    first = await reader._read_streams(1, 1)  # the shared stream's (no slot kept)
+    assert [e.fields[b"job"] for e in first] == [b"a0"]
+    await reader.settle([(e.stream, e.entry_id) for e in first])
+    await enqueue(r, "bystander", "b")
+    await enqueue(r, "other", "c")
+    taken = await reader._read_streams(1, 1, kept=1, tenants={"flood", "bystander"})
+    assert [e.fields[b"job"] for e in taken] == [b"c"] and not reader.kept_only
+    await reader.settle([(e.stream, e.entry_id) for e in taken])
+    got = await reader._read_streams(2, 2, kept=1, tenants={"flood"})  # one slot as ever, one kept
+    assert [e.fields[b"job"] for e in got] == [b"a1", b"b"]
+    await reader.settle([(e.stream, e.entry_id) for e in got])
+    assert await reader._read_streams(1, 1, kept=1, tenants={"flood"}) == []
+    assert reader.kept_only  # (not blocked: it came back at once)
+    assert await read_all(reader) == [f"a{i}" for i in range(2, 20)]  # no slot kept: the flood
+    assert await leftovers(r) == [] and await r.xlen(SHARED) == 0
+
+
+async def test_without_waiting_rooms_no_slot_is_kept(r, reader):
+    await enqueue(r, "solo", "s0")  # straight to the shared stream: nothing waits
+    got = await reader._read_streams(1, 1, kept=1, tenants={"solo"})
+    assert [e.fields[b"job"] for e in got] == [b"s0"]
+
+
+async def test_a_room_made_for_a_job_is_announced_to_the_nodes(r, reader):
+    """Each room made (a caller's first job waiting) is announced on `Keys.newcomers` with the
+    model's name: the flood's room once, the bystander's once; a job joining a room, never."""
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(KEYS.newcomers())
+    for i in range(5):
+        await enqueue(r, "flood", f"a{i}")
+    await enqueue(r, "bystander", "b0")
+    await enqueue(r, "bystander", "b1")
+    heard, deadline = [], asyncio.get_running_loop().time() + 1
+    while asyncio.get_running_loop().time() < deadline:  # (None also for a subscription's reply)
+        if (message := await pubsub.get_message(timeout=0.1)) is not None:
+            heard.append((message["channel"], message["data"]))
+    assert heard == [(KEYS.newcomers().encode(), M.encode())] * 2
+    await pubsub.aclose()
+
+
 async def test_keys_take_turns_one_job_each(r, reader):
     for tenant in ("x", "y", "z"):
         for i in range(3):
