@@ -1,7 +1,7 @@
 """Code shared by the gateway and the node agents: settings, Redis keys, wire messages, errors."""
 
 __version__ = "0.1.0"
-WIRE_VERSION = 10  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs; 4: images;
+WIRE_VERSION = 11  # 2: SamplingParams.grammar, kind "count"; 3: the start event, echo, prompt logprobs; 4: images;
 # 5: events are msgspec Structs: unknown fields refused in every part, fields at their defaults left out of parts;
 # 6: the job entry's `traceparent`; 7: the request's `prefix_marks` (cache-aware routing), then its `cache_salt`
 # (sent only when set, `Wire.added_within_version`: with API keys and scope `key`, or a request's `cache_salt`;
@@ -16,3 +16,5 @@ WIRE_VERSION = 10  # 2: SamplingParams.grammar, kind "count"; 3: the start event
 # (`Keys.prefix_tiers`)
 # 10: the `stored` event: an event larger than the node's `max_event_bytes` waits in `Keys.result` and
 # travels as a pointer to it (pub/sub never carries a message near Redis's output buffer limit)
+# 11: the job entry's `tenant` (its caller, whose waiting room it went through: a node takes a caller
+# with nothing running on it beyond its slots while others' jobs wait); a part of 10 refuses its entries

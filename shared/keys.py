@@ -155,10 +155,10 @@ class Keys:
         """Pub/sub channel: a message is the id of a job to cancel; every node listens."""
         return f"{self.prefix}cancel"
 
-    def newcomers(self) -> str:
-        """Pub/sub channel: a message is a model whose callers' jobs wait in waiting rooms and that
-        a caller's first job has just joined (shared/queues.py); every node listens."""
-        return f"{self.prefix}newcomers"
+    def newcomers(self, model: str) -> str:
+        """Pub/sub channel: a message (the model's name) says a caller's first job has just joined
+        one of `model`'s waiting rooms (shared/queues.py); the nodes serving `model` listen."""
+        return f"{self.prefix}newcomers:{model}"
 
     def node(self, node: str) -> str:
         """Hash with TTL: one node's heartbeat."""

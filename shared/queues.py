@@ -19,17 +19,18 @@ left an own stream unserved (their node was full for `affinity_wait_ms`, or is g
 node reads beside the shared stream, the older entry first, so a moved job keeps its place.
 
 Fair shares between callers (API keys; `admin` and `anonymous` are one each): a job for a shared
-stream that already holds a job nobody has read waits instead in its caller's waiting room
-(`Keys.waiting_room`), and the band's list of rooms holding jobs (`Keys.waiting_keys`) is served
+stream that already holds a job nobody has read, or for any stream of a band whose rooms hold jobs
+(a node's own stream too: a full fleet serves callers in turn before caches), waits instead in its
+caller's waiting room (`Keys.waiting_room`), and the band's list of rooms holding jobs (`Keys.waiting_keys`) is served
 round-robin: a node that has read every unread entry of the band's streams takes the first room's
 oldest job, moves it onto the shared stream and reads it there (so from then on it is an ordinary
 entry, acknowledged, recovered and requeued as any), and puts the room at the back of the list.
 A caller with 1,000 jobs waiting therefore delays another caller's one job by at most one job per
 caller with jobs waiting, not by 1,000. Nor need it wait for a slot: while rooms hold jobs, each
-replica keeps `newcomer_slots` of its slots for callers with no job running on it (their jobs
-taken from their rooms, most urgent band first), and a room that was empty and gets a job is
-announced on `Keys.newcomers` (the model's name), which wakes the replicas that have such a slot
-free (node_agent/serving/job_reader.py). A job goes straight to the shared stream when that has no
+replica takes up to `newcomer_slots` jobs beyond its slots, each from the room of a caller with no
+job running on it (most urgent band first; the engine preempts a sequence of the caller holding the
+most rows to make it a row), and a room that was empty and gets a job is announced on
+`Keys.newcomers` (the model's name), which wakes the full replicas (node_agent/serving/job_reader.py). A job goes straight to the shared stream when that has no
 unread entry and no room of the band holds jobs (an idle fleet: no extra step); that entry also
 wakes a node blocked on the streams, and the node takes the rooms' jobs on its next read.
 """
@@ -256,9 +257,9 @@ return ahead + 1
 # KEYS[1]: the stream the job is for (shared, or a node's own); KEYS[2]: its caller's waiting room;
 # KEYS[3]: the band's list of rooms; KEYS[4..]: the moved and shared streams and lists of rooms of
 # the job's class (what counts as waiting for `limit`). ARGV: group, MAXLEN ~ of the stream, limit
-# (0: none), '1' when KEYS[1] is the shared stream (else the job goes there whatever waits), the
-# newcomers' channel and the model (a room that was empty gets a job: PUBLISH the model there), then
-# the entry's fields and values. Returns {key, entry id} where the job was queued, or {'', jobs
+# (0: none), '1' when KEYS[1] is the shared stream (a node's own stream takes the job unless rooms
+# of its band hold jobs), the newcomers' channel and the model (a room that was empty gets a job:
+# PUBLISH the model there), then the entry's fields and values. Returns {key, entry id} where the job was queued, or {'', jobs
 # waiting} when more than `limit` jobs of the class were waiting already (nothing is written).
 SUBMIT_LUA = (
     LUA_PENDING
@@ -271,10 +272,10 @@ if limit > 0 then
 end
 local fields = {}
 for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
-if ARGV[4] == '1' and (redis.call('EXISTS', KEYS[3]) == 1 or waiting(KEYS[1], group) > 0) then
+if redis.call('EXISTS', KEYS[3]) == 1 or (ARGV[4] == '1' and waiting(KEYS[1], group) > 0) then
   if redis.call('XLEN', KEYS[2]) == 0 then
     redis.call('RPUSH', KEYS[3], KEYS[2])
-    redis.call('PUBLISH', ARGV[5], ARGV[6])  -- a newcomer: wakes the replicas' kept slots
+    redis.call('PUBLISH', ARGV[5], ARGV[6])  -- a newcomer: wakes the full replicas
   end
   return {KEYS[2], redis.call('XADD', KEYS[2], '*', unpack(fields))}
 end

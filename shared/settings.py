@@ -240,10 +240,10 @@ class NodeSettings(CortexSettings):
     # for interactive arrivals, and a batch line that waited this long goes ahead of interactive work
     interactive_reserved_slots: int = 1
     batch_max_wait_s: float = 60.0
-    # fair shares (shared/queues.py): while callers' jobs wait in waiting rooms, a replica that has
-    # served more than one caller in the last minute keeps this many slots for callers with no job
-    # running on it, so that one caller's flood does not make another's first job wait for a slot
-    # (at most its slots - 1; 0: none kept)
+    # fair shares (shared/queues.py): while callers' jobs wait in waiting rooms, a replica takes up to
+    # this many jobs beyond its slots, each of a caller with no job running on it, and its engine
+    # preempts a sequence of the caller holding the most rows for each: one caller's flood does not
+    # make another's first job wait for a slot (0: newcomers wait for a slot like everyone)
     newcomer_slots: int = Field(1, ge=0)
 
 

@@ -158,8 +158,8 @@ class StreamEntry(Wire):
     api_key: str | None = (
         None  # the API key (its name) whose budgets the job's tokens count against, where it ends
     )
-    # the caller (its key's name; `admin`, `anonymous`) whose waiting room its jobs wait in: a node
-    # keeps a slot for callers with no job running on it (shared/queues.py)
+    # the caller (its key's name; `admin`, `anonymous`) whose waiting room its jobs wait in: while
+    # others' jobs wait, a node takes a caller with no job running on it beyond its slots (shared/queues.py)
     tenant: str | None = None
     # the W3C trace context of the gateway's request span, when traced (shared/tracing.py)
     traceparent: str | None = Field(

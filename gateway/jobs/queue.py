@@ -51,7 +51,14 @@ async def enqueue(
     model, job_class, band = name.model, name.job_class, name.band
     script = redis.register_script(queues.SUBMIT_LUA)
     shared = name.node is None
-    args = [CONSUMER_GROUP, maxlen, max_waiting, "1" if shared else "0", keys.newcomers(), model]
+    args = [
+        CONSUMER_GROUP,
+        maxlen,
+        max_waiting,
+        "1" if shared else "0",
+        keys.newcomers(model),
+        model,
+    ]
     args += [part for pair in fields.items() for part in pair]
     room = keys.waiting_room(model, tenant, job_class, band)
     ring = keys.waiting_keys(model, job_class, band)

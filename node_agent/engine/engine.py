@@ -38,7 +38,7 @@ from node_agent.engine.kv_tiers import KVTiers
 from node_agent.engine.on_device import OnDevice
 from node_agent.engine.output import OutputProcessor
 from node_agent.engine.records import JobFailed, JobOpened, PromptScoresOut, StepOutput, TokenOut
-from node_agent.engine.scheduler import Scheduler
+from node_agent.engine.scheduler import Scheduler, Share
 from node_agent.engine.speculation import SpeculationStats
 from node_agent.model import vision
 from node_agent.model.loader import LoadedModel
@@ -265,9 +265,11 @@ class Engine(OnDevice):
         prompt_ids: list[int],
         submitted_ms: float,
         images: dict[str, np.ndarray] | None = None,
+        share: Share = Share(),
     ) -> None:
         """Queue a job whose prompt is already tokenised and checked with `check_fits`; `images`: a
-        vision model's processor inputs for the prompt's images (node_agent/serving/prompts.vision_prompt)."""
+        vision model's processor inputs for the prompt's images (node_agent/serving/prompts.vision_prompt);
+        `share`: whose share of the rows it takes, and whether it is a newcomer (Scheduler.add)."""
         params = request.sampling
         self._check_token_ids(prompt_ids, params)
         if request.adapter:
@@ -305,6 +307,7 @@ class Engine(OnDevice):
             draft_tokens=self._draft_tokens(params, method),
             suffix=method == "suffix",
             adapter=request.adapter,
+            share=share,
         )
         for key, matcher in zip(keys, matchers):
             self.sequences[key] = CoreSequence(request.job, params, max_tokens, matcher)

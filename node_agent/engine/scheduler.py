@@ -41,6 +41,16 @@ from node_agent.model.step import DecodeRow, PrefillChunk, RowSetup, StepPlan
 from shared.wire import SamplingParams
 
 
+@dataclass(frozen=True)
+class Share:
+    """Whose share of the rows a job takes (its caller: an API key's name, `admin`, `anonymous`)
+    and whether it came as a newcomer: its caller had no job on the replica while others' jobs
+    waited (node_agent/serving/job_reader.py), so it may take a row from the largest share."""
+
+    tenant: str = ""
+    newcomer: bool = False
+
+
 @dataclass(eq=False)
 class Sequence:
     key: int
@@ -86,6 +96,9 @@ class JobEntry:
     )
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
     adapter: str = ""  # the LoRA adapter it runs with ("": the base)
+    share: Share = (
+        Share()
+    )  # whose share of the rows it takes; a newcomer may take one (Scheduler.add)
 
 
 @dataclass
@@ -148,13 +161,16 @@ class Scheduler:
         draft_tokens: int = 0,
         suffix: bool = False,
         adapter: str = "",
+        share: Share = Share(),
     ) -> list[int]:
         """Queue a job's sequences (one per seed), each speculating up to `draft_tokens` tokens a
         step (0: not at all; never with linear attention, whose state cannot take a guess back),
         with `suffix` from the recent outputs of unsalted jobs too (a salted job's outputs, like its
         blocks, are never another's to guess from); returns their keys. Its blocks are shared only
         with jobs of the same `cache_salt` (`GenerationRequest.cache_salt`) and the same LoRA
-        `adapter` (a block computed under one adapter is never another's, nor the base's)."""
+        `adapter` (a block computed under one adapter is never another's, nor the base's). A newcomer
+        (`share`) waits ahead of the other jobs and, with every row taken, preempts the newest
+        sequence of the caller holding the most rows, if that caller holds more than one (`_displace`)."""
         salt = cache_salt.encode() + (b"\0adapter:" + adapter.encode() if adapter else b"")
         root = (
             hashlib.blake2b(self.root_hash + salt, digest_size=16).digest()
@@ -167,6 +183,7 @@ class Scheduler:
             cacheable=not images and not self.linear_attention,
             root_hash=root,
             adapter=adapter,
+            share=share,
         )
         recent = self.recent if suffix and not cache_salt else None
         for index, seed in enumerate(seeds):
@@ -189,7 +206,15 @@ class Scheduler:
                 )
             )
         self.jobs[job] = entry
-        self.waiting.extend(entry.sequences)
+        if share.newcomer:  # after the newcomers already waiting, ahead of everyone else
+            ahead = next(
+                (i for i, s in enumerate(self.waiting) if not s.job.share.newcomer),
+                len(self.waiting),
+            )
+            for offset, seq in enumerate(entry.sequences):
+                self.waiting.insert(ahead + offset, seq)
+        else:
+            self.waiting.extend(entry.sequences)
         return [s.key for s in entry.sequences]
 
     def finish(self, keys: set[int]) -> None:
@@ -352,16 +377,35 @@ class Scheduler:
                 seq.blocks += self.pool.allocate(1)
         self._pack()
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Give back a running sequence's blocks; it is recomputed from its tokens later."""
+    def _preempt(self, seq: Sequence, at: int = 0) -> None:
+        """Give back a running sequence's blocks; it waits at place `at` of the queue (the head by
+        default) and is recomputed from its tokens later."""
         self._release(seq)
         seq.computed, seq.decoding = 0, False
-        self.waiting.appendleft(seq)
+        self.waiting.insert(at, seq)
         self.stats.preemptions += 1
+
+    def _displace(self) -> bool:
+        """Make a row for the newcomer at the head of the queue: preempt the newest sequence of the
+        caller holding the most rows (more than one; never another newcomer's), which then waits
+        right after it. False when no caller holds more than its one row."""
+        held: dict[str, list[Sequence]] = {}
+        for seq in self.rows:
+            if not seq.job.share.newcomer:
+                held.setdefault(seq.job.share.tenant, []).append(seq)
+        largest = max(held.values(), key=len, default=[])
+        if len(largest) < 2:
+            return False
+        self._preempt(max(largest, key=lambda s: s.admitted), at=1)
+        self._pack()
+        return True
 
     def _admit(self, plan: StepPlan) -> list[RowSetup]:
         setups = []
-        while self.waiting and len(self.rows) < self.max_seqs:
+        while self.waiting and (
+            len(self.rows) < self.max_seqs
+            or (self.waiting[0].job.share.newcomer and self._displace())
+        ):
             seq = self.waiting[0]
             first = seq.job.sequences[0]
             if (

@@ -2,7 +2,6 @@
 clean shutdown on SIGTERM/SIGINT."""
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from node_agent import host_share
 from node_agent.model import devices
 from node_agent.serving import node_identity
 from node_agent.serving.device_thread import DeviceThread
+from node_agent.serving.fleet_listener import FleetListener
 from node_agent.serving.heartbeat_writer import HeartbeatWriter
 from node_agent.serving.publisher import Publisher
 from node_agent.serving.served_model import ServedModel
@@ -31,7 +31,7 @@ from shared.errors import BrokerUnavailable, CortexError
 from shared.heartbeat import DeviceInfo, NodeHeartbeat
 from shared.lifecycle import ModelState, NodeState
 from shared.model_store import HUB_PREFIX, HubRef
-from shared.redis_conn import BACKOFF_MAX_S, Outage, atomic, broadcast_client, connect
+from shared.redis_conn import BACKOFF_MAX_S, Outage, atomic, connect
 from shared.redis_health import warn_if_not_durable
 from shared.settings import NodeSettings
 
@@ -88,6 +88,9 @@ class NodeAgent:
             max_event_bytes=self.settings.max_event_bytes,
         )
         self.publisher.start()
+        self.listener = FleetListener(
+            self.redis, self.settings.redis_url, self.keys, self._cancel, self._newcomer
+        )
         self.puller = Puller(self.settings, self.redis, self.keys, self.name, self._protected_files)
         self.file_server = self._file_server()
         if self.file_server is not None:
@@ -99,7 +102,7 @@ class NodeAgent:
         await self._recover_predecessor()
         tasks = [
             asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._cancel_listener()),
+            asyncio.create_task(self.listener.run()),
             asyncio.create_task(self._command_listener()),
             asyncio.create_task(self._keep_alive_loop()),
         ]
@@ -487,6 +490,7 @@ class NodeAgent:
         self._redis_run_id = run_id
 
     async def _beat(self) -> None:
+        await self.listener.hear(self.models)  # (each change of the models here beats at once)
         async with self._beating:  # one at a time: each is written as a diff of the last
             await self._build_and_write_beat()
 
@@ -565,33 +569,9 @@ class NodeAgent:
         for model in self.models.values():
             await model.cancel(job, error)
 
-    async def _cancel_listener(self) -> None:
-        """Cancels from the fleet, and newcomers to a model's waiting rooms (a replica waiting with
-        only its kept slots free reads at once)."""
-        outage = Outage(log, "cancel listener")
-        while True:
-            client = None
-            try:  # on a cluster, any master hears every cancel (a cluster passes each PUBLISH to all)
-                client = await broadcast_client(self.redis, self.settings.redis_url)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.keys.cancel(), self.keys.newcomers())
-                outage.ok()
-                async for message in pubsub.listen():
-                    said = message["data"].decode()
-                    if message["channel"].decode() == self.keys.newcomers():
-                        if (served := self.models.get(said)) is not None:
-                            served.consumer.newcomer()
-                    else:
-                        await self._cancel(said)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                outage.failed(exc)
-                await asyncio.sleep(1)
-            finally:
-                if client is not None:
-                    with contextlib.suppress(RedisError, OSError):
-                        await client.aclose()
+    def _newcomer(self, model: str) -> None:
+        if (served := self.models.get(model)) is not None:
+            served.consumer.newcomer()
 
 
 def run(settings: NodeSettings | None = None) -> None:

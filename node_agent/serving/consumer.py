@@ -1,5 +1,6 @@
 """The loop that feeds one replica from its model's job streams: it reads only as many entries as
 the ledger has free slots (batch within its share), most urgent first (node_agent/serving/job_reader.py),
+and, while others' jobs wait, newcomers' jobs beyond them (woken by the model's announcement),
 and hands each read to the intake while it reads on. It rides out Redis outages (a log line when
 one starts and ends), makes the consumer groups again when Redis lost them, settles the entries
 Redis holds for jobs no longer here once Redis comes back, and can be paused. Whatever one read
@@ -50,8 +51,8 @@ class Consumer:
             self._task = None
 
     def newcomer(self) -> None:
-        """A caller's first job joined one of the model's waiting rooms (`Keys.newcomers`): a
-        replica waiting with only its kept slots free reads now."""
+        """A caller's first job joined one of the model's waiting rooms (`Keys.newcomers`): a full
+        replica reads now (it may take that job beyond its slots: `Ledger.newcomer_slots`)."""
         self._newcomer.set()
 
     def pause(self, seconds: float) -> None:
@@ -114,7 +115,7 @@ class Consumer:
                     self._settle
                 ):  # here, between reads: every entry read so far is in the ledger or has ended
                     await self.settle_orphans()
-                if free <= 0:
+                if free <= 0 and self.ledger.newcomer_slots <= 0:
                     self.ledger.slot_freed.clear()
                     await self.ledger.slot_freed.wait()
                     continue
@@ -130,7 +131,7 @@ class Consumer:
                     self.ledger.tenants(),
                 )  # most urgent first
                 outage.ok()
-                if not entries and self.reader.kept_only:
+                if not entries and self.reader.full:
                     await self._newcomer_or_freed_slot()
                     continue
             except ResponseError as exc:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from node_agent.engine.engine import Engine, check_fits
+from node_agent.engine.scheduler import Share
 from node_agent.serving import prompts
 from node_agent.serving.completion_budget import completion_budget
 from node_agent.serving.device_thread import DeviceThread
@@ -26,16 +27,16 @@ from shared.wire import DoneEvent, GenerationRequest, StartEvent, StreamEntry, U
 log = logging.getLogger(__name__)
 
 Prepared = tuple[
-    GenerationRequest, list[int], float, dict[str, np.ndarray]
-]  # request, prompt ids, submitted, images
+    GenerationRequest, list[int], float, dict[str, np.ndarray], Share
+]  # request, prompt ids, submitted, images, whose share of the rows it takes
 
 
 def add_each(engine: Engine, jobs: list[Prepared]) -> list[tuple[str, CortexError]]:
     """On the device thread: add each job; returns the jobs the engine refused, with why."""
     refused = []
-    for request, ids, submitted_ms, images in jobs:
+    for request, ids, submitted_ms, images, share in jobs:
         try:
-            engine.add(request, ids, submitted_ms, images)
+            engine.add(request, ids, submitted_ms, images, share)
         except CortexError as exc:
             refused.append((request.job, exc))
         except Exception as exc:
@@ -153,7 +154,8 @@ class Intake:
                     )
                 ],
             )
-            return request, ids, float(entry.submitted_ms), images
+            share = Share(entry.tenant or "", e.newcomer)
+            return request, ids, float(entry.submitted_ms), images, share
         except Exception as exc:
             self.failed(request.job, exc)
         return None

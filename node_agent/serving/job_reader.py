@@ -7,14 +7,15 @@ script; shared/queues.py).
 
 One Lua script reads them in that order in one round trip, as many entries as there are free
 slots; batch entries may take at most `batch_free` of them (the node keeps
-`interactive_reserved_slots` for interactive arrivals), and while callers' jobs wait in waiting
-rooms the last `newcomer_slots` free slots take only jobs of callers with nothing running here (one
-caller's flood fills the rest; another caller's job starts at once). A replica with only those
-slots free does not block on the streams (a newcomer's job goes to its room, which no blocked read
-sees): it waits for the newcomers' announcement (`Keys.newcomers`) or a freed slot. Starvation is
-bounded: a band whose next entry has waited longer than `batch_max_wait_s` gets one entry read
-ahead of the rest. When
-every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a new job is
+`interactive_reserved_slots` for interactive arrivals). While callers' jobs wait in waiting
+rooms, a replica also takes up to `newcomer_slots` jobs beyond its slots, each the oldest job of a
+room whose caller has nothing running here (a newcomer: one caller's flood fills every slot, and
+another caller's first job still starts at its next step, the engine preempting a sequence of the
+caller holding the most rows: node_agent/engine/scheduler.Share). A full replica does not block on
+the streams (a newcomer's job goes to its room, which no blocked read sees): it waits for the
+model's newcomers' announcement (`Keys.newcomers`) or a freed slot. Starvation is bounded: a band
+whose next entry has waited longer than `batch_max_wait_s` gets one entry read ahead of the rest.
+When every stream is empty the reader blocks on all of them (XREADGROUP BLOCK), so a new job is
 taken within a round trip of its XADD. An idle reader whose block ran out with nothing blocks again
 without the script (a job reaches a waiting room only while its shared stream holds an entry nobody
 has read, which a reader blocked on that stream would have been handed: nothing the script reads
@@ -44,10 +45,10 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # KEYS: per band, most urgent first, its three streams: this node's own, the moved one, the shared one;
 # then per band its list of waiting rooms (`Keys.waiting_keys`).
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
-# interactive, 2: batch) and its max wait ms (0: never promoted); then the slots kept for newcomers
-# and the callers with a job running here.
+# interactive, 2: batch) and its max wait ms (0: never promoted); then the newcomers' slots (taken
+# beyond `wanted`, interactive only) and the callers with a job running here.
 # Returns {1 if any room holds jobs else 0, {stream, entry id, {field, value, ...}} per entry, in
-# admission order}.
+# admission order, the newcomers' last; how many of them are newcomers'}.
 _READ = (
     queues.LUA_PENDING
     + """
@@ -63,8 +64,7 @@ local contended = false
 for g = 1, bands do
   if redis.call('EXISTS', KEYS[3 * bands + g]) == 1 then contended = true end
 end
-local kept = contended and math.min(tonumber(ARGV[6 + 2 * bands]), want) or 0
-want = want - kept
+local kept = contended and tonumber(ARGV[6 + 2 * bands]) or 0
 local function head(key)
   if redis.call('XLEN', key) == 0 then return nil end
   local _, maxp = pending(key, group)
@@ -132,8 +132,9 @@ for g = 1, bands do
   end
 end
 for g = 1, bands do take(g, want) end
--- the kept slots: the oldest job of each room whose caller runs nothing here, most urgent band
+-- the newcomers' slots: the oldest job of each room whose caller runs nothing here, most urgent band
 -- first (interactive only, and only where the shared stream has nothing unread: it is read first)
+local newcomers = #out
 for g = 1, bands do
   local ring, shared = KEYS[3 * bands + g], KEYS[3 * g]
   if kept > 0 and caps[1] > 0 and tonumber(ARGV[4 + 2 * g]) == 1 and head(shared) == nil then
@@ -155,7 +156,7 @@ for g = 1, bands do
     end
   end
 end
-return {contended and 1 or 0, out}
+return {contended and 1 or 0, out, #out - newcomers}
 """
 )
 
@@ -166,6 +167,7 @@ class Entry:
     entry_id: str
     job_class: str
     fields: dict[bytes, bytes]
+    newcomer: bool = False  # taken beyond the replica's slots, for a caller with no job here
 
 
 class JobReader:
@@ -182,7 +184,7 @@ class JobReader:
         # a share of SCRIPT_EVERY_S of its own: replicas idle since the same moment do not all run
         # the script in the same second
         self._script_share = random.uniform(0.5, 1.0)
-        self.kept_only = False  # the last read found nothing, and only kept slots were free
+        self.full = False  # the last read had no free slot (only the newcomers' could take a job)
 
     async def ensure_groups(self) -> None:
         """Create the group `agents` on every stream of the model (and the streams), where missing."""
@@ -235,16 +237,16 @@ class JobReader:
             await pipe.execute()
 
     async def read(
-        self, free: int, batch_free: int, kept: int = 0, tenants: set[str] = frozenset()
+        self, free: int, batch_free: int, newcomers: int = 0, tenants: set[str] = frozenset()
     ) -> list[Entry]:
-        """Up to `free` entries (at most `batch_free` of them batch), most urgent first, of which
-        the last `kept` only jobs of callers not in `tenants` (those running here) while callers'
-        jobs wait in waiting rooms; blocks up to BLOCK_MS when there are none, unless only kept
-        slots could take one (`kept_only`: wait for a newcomer or a freed slot instead). A stream
-        deleted meanwhile (the janitor removes the own streams of a node it thought gone), before
-        the read or under the blocked one (Redis then answers UNBLOCKED), is made again."""
+        """Up to `free` entries (at most `batch_free` of them batch), most urgent first, and while
+        callers' jobs wait in waiting rooms up to `newcomers` more, each of a caller not in `tenants`
+        (those with a job running here; `Entry.newcomer`); blocks up to BLOCK_MS when there are none,
+        unless no slot is free (`full`: wait for a newcomer's announcement or a freed slot instead).
+        A stream deleted meanwhile (the janitor removes the own streams of a node it thought gone),
+        before the read or under the blocked one (Redis then answers UNBLOCKED), is made again."""
         try:
-            return await self._read_streams(free, batch_free, kept, tenants)
+            return await self._read_streams(free, batch_free, newcomers, tenants)
         except (RedisError, OSError) as exc:
             # Redis away or restarted, or streams gone: what waits is not known
             self._idle_since = None
@@ -254,26 +256,26 @@ class JobReader:
             if not regroup:
                 raise
         await self.ensure_groups()
-        return await self._read_streams(free, batch_free, kept, tenants)
+        return await self._read_streams(free, batch_free, newcomers, tenants)
 
     async def _read_streams(
-        self, free: int, batch_free: int, kept: int = 0, tenants: set[str] = frozenset()
+        self, free: int, batch_free: int, newcomers: int = 0, tenants: set[str] = frozenset()
     ) -> list[Entry]:
-        self.kept_only = False
+        self.full = free <= 0
         idle = self._idle_since is not None and batch_free > 0
-        if not idle or time.monotonic() - self._idle_since >= SCRIPT_EVERY_S * self._script_share:
-            entries, contended = await self._run_script(free, batch_free, kept, tenants)
+        if (
+            self.full
+            or not idle
+            or time.monotonic() - self._idle_since >= SCRIPT_EVERY_S * self._script_share
+        ):
+            entries, contended = await self._run_script(free, batch_free, newcomers, tenants)
             if entries:
                 self._idle_since = None
                 return entries
-            if contended:  # rooms hold jobs: a newcomer's is announced (`Keys.newcomers`), not
-                # added to a stream a blocked read would be handed
-                self._idle_since = None
-                self.kept_only = free <= kept
-                if self.kept_only:
-                    return []
-            else:
-                self._idle_since = time.monotonic() if batch_free > 0 else None
+            if self.full:  # a newcomer's job is announced (`Keys.newcomers`), not blocked on
+                return []
+            # rooms hold jobs: a new one is added to a room, which no blocked read is handed
+            self._idle_since = None if contended or batch_free <= 0 else time.monotonic()
         readable = [s for c, s in self.streams if c != "batch" or batch_free > 0]
         count = min(free, batch_free) if batch_free > 0 else free
         blocked = await self.redis.xreadgroup(
@@ -288,18 +290,21 @@ class JobReader:
         return self._entries(blocked)
 
     async def _run_script(
-        self, free: int, batch_free: int, kept: int, tenants: set[str]
+        self, free: int, batch_free: int, newcomers: int, tenants: set[str]
     ) -> tuple[list[Entry], bool]:
-        """The read script's entries, and whether any waiting room held jobs."""
-        args: list = [CONSUMER_GROUP, self.consumer, free, free, batch_free]
+        """The read script's entries (the newcomers' marked), and whether any waiting room held jobs."""
+        free = max(free, 0)
+        args: list = [CONSUMER_GROUP, self.consumer, free, free + newcomers, batch_free]
         for job_class, _ in self.streams[::STREAMS_PER_BAND]:
             batch = job_class == "batch"
             args += [2 if batch else 1, self.batch_max_wait_ms if batch else 0]
-        args += [kept, *sorted(tenants)]
-        contended, reply = await self._read(
+        args += [newcomers, *sorted(tenants)]
+        contended, reply, taken = await self._read(
             keys=[*(s for _, s in self.streams), *self.rings], args=args
         )
         entries = [self._entry(stream, entry_id, flat) for stream, entry_id, flat in reply or []]
+        for entry in entries[len(entries) - taken :] if taken else []:
+            entry.newcomer = True
         return entries, bool(contended)
 
     def _entries(self, reply) -> list[Entry]:

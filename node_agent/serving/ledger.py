@@ -40,9 +40,6 @@ class Running:
     used: Usage | None = None
 
 
-TENANTS_SEEN_S = 60.0  # how long a caller served here counts as one of the replica's callers
-
-
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -60,7 +57,6 @@ class Ledger:
     def __init__(self, profile: ModelProfile, settings: NodeSettings, stream: str, send: Send):
         self.profile, self.settings, self.stream, self._send = profile, settings, stream, send
         self.running: dict[str, Running] = {}
-        self._seen: dict[str, float] = {}  # caller -> monotonic time of its last job admitted here
         self.slot_freed = asyncio.Event()
         self.last_used_ms = now_ms()
         self.keep_until_ms = 0  # a request's keep_alive holds the model at least until then
@@ -84,14 +80,14 @@ class Ledger:
 
     @property
     def newcomer_slots(self) -> int:
-        """Slots kept, while callers' jobs wait in waiting rooms, for callers with no job running
-        here: once more than one caller was served here within TENANTS_SEEN_S (one caller alone,
-        a single user's burst above all, keeps every slot)."""
-        since = time.monotonic() - TENANTS_SEEN_S
-        self._seen = {tenant: at for tenant, at in self._seen.items() if at >= since}
-        if len(self._seen) < 2:
-            return 0
-        return min(self.settings.newcomer_slots, self.profile.slots - 1)
+        """Slots this replica may take beyond its `slots` now, for callers with no job running here
+        while others' jobs wait in waiting rooms (`NodeSettings.newcomer_slots`): the engine makes
+        each such job a row by preempting a sequence of the caller holding the most
+        (node_agent/engine/scheduler.Share), so one caller's flood does not make another's first job
+        wait for a slot."""
+        return max(
+            0, min(self.settings.newcomer_slots, self.free_slots + self.settings.newcomer_slots)
+        )
 
     def tenants(self) -> set[str]:
         """The callers with a job running here."""
@@ -99,7 +95,6 @@ class Ledger:
 
     def admit(self, job: str, running: Running) -> None:
         self.running[job] = running
-        self._seen[running.tenant] = time.monotonic()
 
     def fail(self, job: str, error: CortexError) -> None:
         """End a job held here with `error` (its client is told, its entry acknowledged, its slots freed)."""

@@ -1,8 +1,6 @@
-"""The ledger's slots kept for newcomers (fair shares, shared/queues.py): none while one caller alone
-has been served here (a single user's burst keeps every slot), `newcomer_slots` (at most the slots
-less one) once two callers were, until the other caller has not been seen for TENANTS_SEEN_S."""
+"""The ledger's newcomers' slots (fair shares, shared/queues.py): up to `newcomer_slots` jobs beyond
+the replica's slots, for callers with no job running here; none once that many are taken beyond."""
 
-from node_agent.serving import ledger
 from node_agent.serving.ledger import Ledger, Running
 from shared.catalog import ModelProfile
 from shared.settings import NodeSettings
@@ -12,24 +10,21 @@ def running(tenant: str) -> Running:
     return Running("1-0", f"events:{tenant}", 1, tenant=tenant)
 
 
-def test_slots_are_kept_for_newcomers_once_two_callers_were_served_here(monkeypatch):
-    now = [1000.0]
-    monkeypatch.setattr(ledger.time, "monotonic", lambda: now[0])
+def test_newcomers_may_take_up_to_newcomer_slots_beyond_the_slots():
     book = Ledger(
-        ModelProfile(id="m", source="x", slots=4), NodeSettings(newcomer_slots=2), "s", print
+        ModelProfile(id="m", source="x", slots=2), NodeSettings(newcomer_slots=2), "s", print
     )
+    assert book.newcomer_slots == 2 and book.tenants() == set()
     book.admit("a1", running("alice"))
     book.admit("a2", running("alice"))
-    assert book.newcomer_slots == 0 and book.tenants() == {"alice"}
-    book.admit("b1", running("bob"))
-    assert book.newcomer_slots == 2 and book.tenants() == {"alice", "bob"}
-    now[0] += ledger.TENANTS_SEEN_S / 2
-    book.admit("a3", running("alice"))
-    now[0] += ledger.TENANTS_SEEN_S / 2 + 1  # bob last seen more than TENANTS_SEEN_S ago
-    assert book.newcomer_slots == 0
-    tiny = Ledger(
-        ModelProfile(id="t", source="x", slots=2), NodeSettings(newcomer_slots=5), "t", print
+    assert book.free_slots == 0 and book.newcomer_slots == 2 and book.tenants() == {"alice"}
+    book.admit("b1", running("bob"))  # a newcomer, beyond the slots
+    assert book.free_slots == -1 and book.newcomer_slots == 1
+    book.admit("c1", running("carol"))
+    assert book.newcomer_slots == 0 and book.tenants() == {"alice", "bob", "carol"}
+    book.end("a1")
+    assert book.newcomer_slots == 1 and book.free_slots == -1
+    none = Ledger(
+        ModelProfile(id="n", source="x", slots=2), NodeSettings(newcomer_slots=0), "n", print
     )
-    tiny.admit("a", running("alice"))
-    tiny.admit("b", running("bob"))
-    assert tiny.newcomer_slots == 1  # never every slot
+    assert none.newcomer_slots == 0

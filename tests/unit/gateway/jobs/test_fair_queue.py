@@ -66,40 +66,56 @@ async def test_a_flood_from_one_key_does_not_starve_another(r, reader):
     assert await leftovers(r) == [] and await r.xlen(SHARED) == 0
 
 
-async def test_a_kept_slot_takes_a_caller_with_nothing_running_here_before_the_flood(r, reader):
-    """While rooms hold jobs, a replica's kept slot (`newcomer_slots`) takes only a job of a caller
-    with nothing running on it, from its room, however the ring is ordered; with nothing to take
-    there the read says so (`kept_only`) instead of blocking on the streams."""
+async def test_a_full_replica_takes_a_caller_with_nothing_running_here_beyond_its_slots(r, reader):
+    """While rooms hold jobs, a replica takes up to `newcomers` jobs beyond its free slots, each a
+    job of a caller with nothing running on it, from its room, however the ring is ordered (marked
+    `newcomer`: the engine makes it a row); with nothing to take there, a full replica's read comes
+    back at once (`full`) instead of blocking on the streams."""
     for i in range(20):
         await enqueue(r, "flood", f"a{i}")
-    first = await reader._read_streams(1, 1)  # the shared stream's (no slot kept)
+    first = await reader._read_streams(1, 1)  # the shared stream's
     assert [e.fields[b"job"] for e in first] == [b"a0"]
     await reader.settle([(e.stream, e.entry_id) for e in first])
     await enqueue(r, "bystander", "b")
     await enqueue(r, "other", "c")
-    taken = await reader._read_streams(1, 1, kept=1, tenants={"flood", "bystander"})
-    assert [e.fields[b"job"] for e in taken] == [b"c"] and not reader.kept_only
+    taken = await reader._read_streams(0, 0, 1, {"flood", "bystander"})  # full
+    assert [(e.fields[b"job"], e.newcomer) for e in taken] == [(b"c", True)] and reader.full
     await reader.settle([(e.stream, e.entry_id) for e in taken])
-    got = await reader._read_streams(2, 2, kept=1, tenants={"flood"})  # one slot as ever, one kept
-    assert [e.fields[b"job"] for e in got] == [b"a1", b"b"]
+    got = await reader._read_streams(1, 1, 1, {"flood"})  # a slot free, and a newcomer's
+    assert [(e.fields[b"job"], e.newcomer) for e in got] == [(b"a1", False), (b"b", True)]
     await reader.settle([(e.stream, e.entry_id) for e in got])
-    assert await reader._read_streams(1, 1, kept=1, tenants={"flood"}) == []
-    assert reader.kept_only  # (not blocked: it came back at once)
-    assert await read_all(reader) == [f"a{i}" for i in range(2, 20)]  # no slot kept: the flood
+    assert await reader._read_streams(0, 0, 1, {"flood"}) == [] and reader.full
+    assert await read_all(reader) == [f"a{i}" for i in range(2, 20)]
     assert await leftovers(r) == [] and await r.xlen(SHARED) == 0
 
 
-async def test_without_waiting_rooms_no_slot_is_kept(r, reader):
+async def test_without_waiting_rooms_nothing_is_taken_beyond_the_slots(r, reader):
     await enqueue(r, "solo", "s0")  # straight to the shared stream: nothing waits
-    got = await reader._read_streams(1, 1, kept=1, tenants={"solo"})
-    assert [e.fields[b"job"] for e in got] == [b"s0"]
+    assert await reader._read_streams(0, 0, 1, set()) == [] and reader.full
+    got = await reader._read_streams(1, 1, 1, set())
+    assert [(e.fields[b"job"], e.newcomer) for e in got] == [(b"s0", False)]
+
+
+async def test_a_job_for_a_nodes_own_stream_waits_in_its_room_while_rooms_hold_jobs(r, reader):
+    """Cache-aware routing sends a job to a node's own stream; while the band's rooms hold jobs (every
+    replica full) it waits in its caller's room instead, where any replica's newcomers' slot takes it."""
+    own = KEYS.node_jobs(M, "n1")
+    assert (await enqueue(r, "solo", "s0", stream=own))[0] == own  # nothing waits
+    for i in range(3):
+        await enqueue(r, "flood", f"a{i}")  # a0 to the shared stream, the rest to the flood's room
+    where, _ = await enqueue(r, "bystander", "b", stream=own)
+    assert where == KEYS.waiting_room(M, "bystander")
+    first = await reader._read_streams(2, 2)  # its own stream's, then the shared stream's
+    assert [e.fields[b"job"] for e in first] == [b"s0", b"a0"]
+    got = await reader._read_streams(0, 0, 1, {"solo", "flood"})
+    assert [(e.fields[b"job"], e.newcomer) for e in got] == [(b"b", True)]
 
 
 async def test_a_room_made_for_a_job_is_announced_to_the_nodes(r, reader):
-    """Each room made (a caller's first job waiting) is announced on `Keys.newcomers` with the
-    model's name: the flood's room once, the bystander's once; a job joining a room, never."""
+    """Each room made (a caller's first job waiting) is announced on the model's `Keys.newcomers`
+    with its name: the flood's room once, the bystander's once; a job joining a room, never."""
     pubsub = r.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(KEYS.newcomers())
+    await pubsub.subscribe(KEYS.newcomers(M))
     for i in range(5):
         await enqueue(r, "flood", f"a{i}")
     await enqueue(r, "bystander", "b0")
@@ -108,7 +124,7 @@ async def test_a_room_made_for_a_job_is_announced_to_the_nodes(r, reader):
     while asyncio.get_running_loop().time() < deadline:  # (None also for a subscription's reply)
         if (message := await pubsub.get_message(timeout=0.1)) is not None:
             heard.append((message["channel"], message["data"]))
-    assert heard == [(KEYS.newcomers().encode(), M.encode())] * 2
+    assert heard == [(KEYS.newcomers(M).encode(), M.encode())] * 2
     await pubsub.aclose()
 
 

@@ -54,6 +54,7 @@ async def test_entry_fields_and_events(ctx, redis):
         "request_id",
         "streaming",
         "retries",
+        "tenant",
         "body",
     }
     entry = StreamEntry.from_fields(fields)
