@@ -31,6 +31,7 @@ class ModelStatus(BaseModel):
         ""  # how its Linear weights are held ("int4", "int8", "fp8", "none"); "" until loaded
     )
     weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
+    kernels: str = ""  # which kernels its matmuls and decode step run, in words; "" until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready); 0: unknown
     idle_s: float | None = None  # seconds since last_used_ms; None when unknown
     queue_depth: int = 0  # jobs no node has read yet, over all of the model's streams (fleet-wide)
@@ -98,6 +99,7 @@ class NodeStatus(BaseModel):
                     max_model_len=m.max_model_len,
                     quant=m.quant,
                     weight_mb=m.weight_mb,
+                    kernels=m.kernels,
                     last_used_ms=m.last_used_ms,
                     idle_s=max(0.0, (now_ms - m.last_used_ms) / 1000) if m.last_used_ms else None,
                     kv=m.kv,

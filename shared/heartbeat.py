@@ -77,6 +77,7 @@ class ModelInfo(BaseModel):
     max_model_len: int = 0  # the longest sequence it runs (the catalogue's, capped by the model's own); 0 until loaded
     quant: str = ""  # how its Linear weights run: "int4", "int8", "fp8", "int4+int8", "none"; "" until loaded
     weight_mb: int = 0  # what its weights hold on its device; 0 until loaded
+    kernels: str = ""  # which kernels its matmuls and decode step run, in words; "" until loaded
     last_used_ms: int = 0  # when a job last ended (or the model became ready)
     keep_until_ms: int = 0  # a request's keep_alive (Ollama's) holds it loaded at least until then
     error: str = ""  # why it is poisoned or failed

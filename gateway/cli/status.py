@@ -4,6 +4,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shared.fleet_status import ROUTING_OUTCOMES, FleetStatus, ModelStatus
@@ -37,6 +38,7 @@ def _model(name: str, m: ModelStatus) -> str:
         + (f" tp={len(m.devices)} on {'+'.join(m.devices)}" if len(m.devices) > 1 else "")
         + (f" ({m.error})" if m.error else "")
         + (f" {_pull(m.download)}" if m.download else "")
+        + (f"\n[dim]{escape(m.kernels)}[/]" if m.kernels else "")
     )
 
 

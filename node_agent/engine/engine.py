@@ -208,10 +208,14 @@ class Engine(OnDevice):
 
     def replica_facts(self) -> dict:
         """What a node's heartbeat says of this replica once loaded (shared/heartbeat.py ModelInfo's
-        fields): its context, how its weights are held, its KV cache and its speculation."""
+        fields): its context, how its weights are held, which kernels its matmuls and its decode
+        step run, its KV cache and its speculation."""
+        decoder = self.runner.decoder
+        step = f"decode step: {decoder.name}" if decoder is not None else ""
         return dict(
             max_model_len=self.max_len,
             quant=self.lm.quant,
+            kernels="; ".join(part for part in (self.lm.kernels, step) if part),
             weight_mb=self.lm.weight_bytes >> 20,
             kv=self.kv_stats(),
             spec=self.spec_stats(),

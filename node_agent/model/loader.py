@@ -24,6 +24,7 @@ from node_agent.model import (
     fused_layers,
     gguf_loader,
     int4_tiles,
+    kernel_paths,
     packed_linear,
     quantized_checkpoint,
     quantized_linear,
@@ -54,6 +55,7 @@ class LoadedModel:
         "none"  # how its Linear weights are held (quantized_linear.held_as): "int4", "int8", …
     )
     weight_bytes: int = 0  # what its weights hold on the device (one rank's, when tensor-parallel)
+    kernels: str = ""  # which kernels its matmuls run, in words (node_agent/model/kernel_paths.py)
 
 
 def _architecture(
@@ -348,4 +350,5 @@ def load(
         processor=processor,
         quant="int8" if dynamic_int8 else quantized_linear.held_as(model),
         weight_bytes=quantized_linear.weight_bytes(model),
+        kernels=kernel_paths.describe(model),
     )

@@ -109,10 +109,11 @@ class Intake:
             ),
         )
         log.info(
-            "job=%s request=%s admitted from %s%s",
+            "job=%s request=%s admitted from %s%s%s",
             request.job,
             entry.request_id,
             e.entry_id,
+            " as a newcomer (beyond the slots)" if e.newcomer else "",
             f" trace={entry.traceparent.split('-')[1]}" if entry.traceparent else "",
         )
         try:

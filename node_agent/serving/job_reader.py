@@ -46,7 +46,8 @@ STREAMS_PER_BAND = 3  # own, moved, shared (queues.streams with this node)
 # then per band its list of waiting rooms (`Keys.waiting_keys`).
 # ARGV: group, consumer, wanted, the interactive cap, the batch cap, then per band: its class (1:
 # interactive, 2: batch) and its max wait ms (0: never promoted); then the newcomers' slots (taken
-# beyond `wanted`, interactive only) and the callers with a job running here.
+# beyond `wanted`, interactive only), the model's newcomers' channel and its name (a room a newcomer's
+# job was taken from that holds more is announced again there), and the callers with a job running here.
 # Returns {1 if any room holds jobs else 0, {stream, entry id, {field, value, ...}} per entry, in
 # admission order, the newcomers' last; how many of them are newcomers'}.
 _READ = (
@@ -59,7 +60,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
 local bands = #KEYS / 4
 local running = {}
-for i = 7 + 2 * bands, #ARGV do running[ARGV[i]] = true end
+for i = 9 + 2 * bands, #ARGV do running[ARGV[i]] = true end
 local contended = false
 for g = 1, bands do
   if redis.call('EXISTS', KEYS[3 * bands + g]) == 1 then contended = true end
@@ -139,8 +140,9 @@ for g = 1, bands do
   local ring, shared = KEYS[3 * bands + g], KEYS[3 * g]
   if kept > 0 and caps[1] > 0 and tonumber(ARGV[4 + 2 * g]) == 1 and head(shared) == nil then
     for _, room in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+      if kept <= 0 then break end
       local tenant = string.match(room, ':~(.*)$')
-      if kept > 0 and not running[tenant] then
+      if not running[tenant] then
         local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
         if e then
           redis.call('XDEL', room, e[1])
@@ -151,6 +153,8 @@ for g = 1, bands do
         if redis.call('XLEN', room) == 0 then
           redis.call('LREM', ring, 1, room)
           redis.call('DEL', room)
+        else  -- its next job is a newcomer's for the other replicas: wake them
+          redis.call('PUBLISH', ARGV[7 + 2 * bands], ARGV[8 + 2 * bands])
         end
       end
     end
@@ -174,7 +178,8 @@ class JobReader:
     def __init__(
         self, redis: aioredis.Redis, keys: Keys, model: str, consumer: str, batch_max_wait_s: float
     ):
-        self.redis, self.consumer = redis, consumer
+        self.redis, self.consumer, self.model = redis, consumer, model
+        self.newcomers_channel = keys.newcomers(model)
         self.streams = queues.streams(keys, model, nodes=(consumer,))  # (class, stream), as read
         self.class_of = {stream: job_class for job_class, stream in self.streams}
         self.rings = [ring for _, ring in queues.rings(keys, model)]  # waiting rooms, per band
@@ -298,7 +303,7 @@ class JobReader:
         for job_class, _ in self.streams[::STREAMS_PER_BAND]:
             batch = job_class == "batch"
             args += [2 if batch else 1, self.batch_max_wait_ms if batch else 0]
-        args += [newcomers, *sorted(tenants)]
+        args += [newcomers, self.newcomers_channel, self.model, *sorted(tenants)]
         contended, reply, taken = await self._read(
             keys=[*(s for _, s in self.streams), *self.rings], args=args
         )

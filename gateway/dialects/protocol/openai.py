@@ -574,6 +574,7 @@ class ModelReplica(BaseModel):
         None  # how its Linear weights run ("int4", "int8", "fp8", "int4+int8", "none"); None until loaded
     )
     weight_mb: int | None = None  # what its weights hold on its device; None until loaded
+    kernels: str | None = None  # which kernels its matmuls and decode step run; None until loaded
 
 
 class Model(BaseModel):

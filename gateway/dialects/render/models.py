@@ -44,6 +44,7 @@ def model_list(
                     download_fraction=info.download.fraction if info.download else None,
                     quant=info.quant or None,
                     weight_mb=info.weight_mb or None,
+                    kernels=info.kernels or None,
                 )
             )
             created[model] = min(

@@ -186,10 +186,11 @@ async def beat(
     spec: dict[str, SpecDecodeStats] | None = None,
     quant: str = "",
     weight_mb: int = 0,
+    kernels: str = "",
 ) -> NodeHeartbeat:
     """Write a heartbeat as a node agent would (node_agent/serving/heartbeat_writer.py); `kv` gives models their KV cache figures, `spec`
     their speculative decoding's, and all run with `max_model_len` (0: not said) and hold their
-    weights as `quant` in `weight_mb` (not said: ""/0); a CPU device with `free_mb` free, when given
+    weights as `quant` in `weight_mb`, running `kernels` (not said: ""/0); a CPU device with `free_mb` free, when given
     (placement reads it)."""
     now_ms = int((time.time() - age_s) * 1000)
     models = {MODEL: ModelState.READY} if models is None else models
@@ -213,6 +214,7 @@ async def beat(
                 max_model_len=max_model_len,
                 quant=quant,
                 weight_mb=weight_mb,
+                kernels=kernels,
             )
             for name, s in models.items()
         },

@@ -4,6 +4,8 @@ rows and reads its prompt at the next step; the preempted sequence waits right a
 and finishes with the tokens it would have had alone. Where no caller holds more than one row, or
 the job is no newcomer, it waits its turn."""
 
+import pytest
+
 from node_agent.engine.engine import Engine, check_fits
 from node_agent.engine.scheduler import Share
 from node_agent.serving import prompts
@@ -55,27 +57,28 @@ def test_a_newcomer_takes_a_row_from_the_largest_share_at_its_next_step(tiny_lla
     assert engine.pool.used == 0
 
 
-def test_without_a_larger_share_a_newcomer_waits_its_turn(tiny_llama):
+@pytest.mark.parametrize(
+    "running, arriving",
+    [
+        (("alice", "bob"), Share("carol", newcomer=True)),  # one row each: nobody's to take
+        (("flood", "flood"), Share("bystander")),  # no newcomer
+    ],
+)
+def test_a_job_waits_its_turn_without_a_larger_share_or_as_no_newcomer(
+    tiny_llama, running, arriving
+):
+    """A newcomer waits ahead of the jobs already waiting, but takes no row where no caller holds
+    more than one; a job that came as no newcomer waits behind them and preempts nobody."""
     engine = two_rows(tiny_llama)
-    add(engine, chat("a", "Hello there"), Share("alice"))
-    add(engine, chat("b", "Why?"), Share("bob"))
+    for job, tenant in zip(("a", "b"), running):
+        add(engine, chat(job, "Hello there"), Share(tenant))
     engine.step()
-    add(engine, chat("c", "Count to five."), Share("carol", newcomer=True))
     add(engine, chat("d", "Say something kind."), Share("dave"))
+    add(engine, chat("c", "Count to five."), arriving)
     engine.step()
-    assert rows_of(engine) == ["a", "b"]  # one row each: nobody's to take
-    assert [s.job.id for s in engine.scheduler.waiting] == ["c", "d"]  # the newcomer first
-    assert engine.kv_stats().preemptions == 0
+    assert rows_of(engine) == ["a", "b"] and engine.kv_stats().preemptions == 0
+    waiting = [s.job.id for s in engine.scheduler.waiting]
+    assert waiting == (["c", "d"] if arriving.newcomer else ["d", "c"])
     while engine.has_work:
         engine.step()
     assert engine.pool.used == 0
-
-
-def test_a_job_that_is_no_newcomer_never_preempts(tiny_llama):
-    engine = two_rows(tiny_llama)
-    add(engine, chat("f1", "Hello there"), Share("flood"))
-    add(engine, chat("f2", "Why?"), Share("flood"))
-    engine.step()
-    add(engine, chat("b", "Count to five."), Share("bystander"))
-    engine.step()
-    assert rows_of(engine) == ["f1", "f2"] and engine.kv_stats().preemptions == 0

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
 from node_agent.engine.engine import Engine
-from node_agent.model import int8_groups_cpu, loader, quantized_linear
+from node_agent.model import int4_tiles, int8_groups_cpu, loader, quantized_linear
 from node_agent.model.int8_groups_cpu import BLOCK, CpuInt8GroupLinear
 from node_agent.model.quantized_linear import Float8Linear, Int4Linear, Int8GroupLinear, Int8Linear
 from node_agent.serving import prompts
@@ -241,6 +241,28 @@ def test_an_output_head_tied_to_a_q8_0_embedding_is_read_as_stored(gguf_models):
     ids = stored.tokenizer("The capital of France is Paris. Write a poem.")["input_ids"]
     got, want = last_logits(stored, ids), last_logits(dequantised, ids)
     assert (got - want).abs().max() <= EXACT[T.Q4_1] * want.abs().max()
+
+
+def test_a_replica_says_which_kernels_its_matmuls_and_its_decode_step_run(gguf_models):
+    """`LoadedModel.kernels` (node_agent/model/kernel_paths.py), and the heartbeat's `kernels` with
+    the decode step's kind: the default model's shape, 4-bit layers and a Q8_0 head read as stored."""
+    profile = gguf_models("llama", T.Q4_1, T.Q8_0)
+    stored = loader.load(profile, "cpu")
+    layers, head = stored.kernels.split("; head: ")
+    if int4_tiles.layout() is not None:
+        block_n, _, rows = int4_tiles.kernel_args()
+        packing = "AVX-512" if block_n == 64 else "AVX2"
+        assert layers == (
+            f"int4: torch's int4 kernel below {rows} rows, the node's tiles from {rows} "
+            f"({packing} packing)"
+        )
+    else:
+        assert layers == "int4: torch's int4 kernel"
+    assert head.startswith("the node's 8-bit groups")
+    full = loader.load(profile.model_copy(update={"quant": "none"}), "cpu")
+    assert full.kernels == "float32: oneDNN over packed weights"  # the head packed like the rest
+    facts = Engine(stored, profile.model_copy(update={"decode": "eager"})).replica_facts()
+    assert facts["kernels"] == f"{stored.kernels}; decode step: eager"
 
 
 def test_int4_and_int8_quantize_a_full_precision_checkpoint_at_load(tmp_path):

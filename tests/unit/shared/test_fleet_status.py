@@ -232,6 +232,7 @@ async def test_table_shows_idle_time_queue_depth_weights_and_labels(r):
                 last_used_ms=NOW_MS - 125_000,
                 quant="int4",
                 weight_mb=171,
+                kernels="float32: oneDNN over packed weights; decode step: compiled",
             )
         },
     )
@@ -244,7 +245,15 @@ async def test_table_shows_idle_time_queue_depth_weights_and_labels(r):
     render_fleet(await Fleet(r, keys, 8).status(NOW_MS), console)
 
     text = console.export_text()
-    for expected in ("ctx=8192", "weights=int4:171MB", "q=1", "idle=2m05s", "draining", "gpu,fast"):
+    for expected in (
+        "ctx=8192",
+        "weights=int4:171MB",
+        "q=1",
+        "idle=2m05s",
+        "draining",
+        "gpu,fast",
+        "float32: oneDNN over packed weights; decode step: compiled",
+    ):
         assert expected in text
 
 

@@ -128,6 +128,28 @@ async def test_a_room_made_for_a_job_is_announced_to_the_nodes(r, reader):
     await pubsub.aclose()
 
 
+async def test_a_room_still_holding_jobs_after_a_newcomer_was_taken_is_announced_again(r, reader):
+    """A full replica that took a newcomer's job from a room that holds more announces the room
+    again: another replica, where that caller runs nothing, takes the next at once."""
+    for i in range(3):
+        await enqueue(r, "flood", f"a{i}")
+    await reader.settle([(e.stream, e.entry_id) for e in await reader._read_streams(1, 1)])
+    await enqueue(r, "bystander", "b0")
+    await enqueue(r, "bystander", "b1")  # (its room held b0: not announced)
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(KEYS.newcomers(M))
+    taken = await reader._read_streams(0, 0, 1, {"flood"})
+    assert [(e.fields[b"job"], e.newcomer) for e in taken] == [(b"b0", True)]
+    for _ in range(5):  # (None also for the subscription's reply)
+        if (message := await pubsub.get_message(timeout=0.5)) is not None:
+            break
+    assert message is not None and (message["channel"], message["data"]) == (
+        KEYS.newcomers(M).encode(),
+        M.encode(),
+    )
+    await pubsub.aclose()
+
+
 async def test_keys_take_turns_one_job_each(r, reader):
     for tenant in ("x", "y", "z"):
         for i in range(3):

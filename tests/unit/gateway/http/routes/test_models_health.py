@@ -4,6 +4,8 @@ from shared.catalog import DEFAULT_EMBEDDING_MODEL_ID
 from shared.lifecycle import ModelState
 from tests.unit.gateway.conftest import MODEL, beat
 
+KERNELS = "int4: torch's int4 kernel below 4 rows, the node's tiles from 4 (AVX2 packing); decode step: compiled"
+
 
 async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redis):
     listed, embedder, alias, embedder_alias = (await client.get("/v1/models")).json()["data"]
@@ -29,6 +31,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
         max_model_len=8192,
         quant="int4",
         weight_mb=171,
+        kernels=KERNELS,
     )
     await beat(redis, "n2", {"Loading-Model": ModelState.LOADING})
     await beat(redis, "n3", {"Dead-Model": ModelState.READY}, age_s=60)
@@ -60,6 +63,7 @@ async def test_models_lists_the_catalogue_and_what_live_nodes_serve(client, redi
                 "download_fraction": None,
                 "quant": "int4",
                 "weight_mb": 171,
+                "kernels": KERNELS,
             }
         ],
         "max_model_len": 8192,
