@@ -96,9 +96,8 @@ class JobEntry:
     )
     cached_tokens: int = 0  # of its prompt, the tokens its first sequence found cached
     adapter: str = ""  # the LoRA adapter it runs with ("": the base)
-    share: Share = (
-        Share()
-    )  # whose share of the rows it takes; a newcomer may take one (Scheduler.add)
+    # whose share of the rows it takes; a newcomer may take a row from the largest (Scheduler.add)
+    share: Share = Share()
 
 
 @dataclass
