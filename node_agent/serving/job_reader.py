@@ -79,18 +79,27 @@ local function read(key, n)
   for _, e in ipairs(r[1][2]) do out[#out + 1] = {key, e[1], e[2]} end
   return #r[1][2]
 end
+-- a room's oldest job moved onto the shared stream and read there: {entries read, jobs left in the room}
+local function from_room(room, shared)
+  local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
+  local k = 0
+  if e then
+    redis.call('XDEL', room, e[1])
+    redis.call('XADD', shared, '*', unpack(e[2]))
+    k = read(shared, 1)
+  end
+  local left = redis.call('XLEN', room)
+  if left == 0 then redis.call('DEL', room) end
+  return k, left
+end
 local function from_rooms(ring, shared, n)
   local got = 0
   while got < n do
     local room = redis.call('LPOP', ring)
     if not room then break end
-    local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
-    if e then redis.call('XDEL', room, e[1]) end
-    if redis.call('XLEN', room) > 0 then redis.call('RPUSH', ring, room) else redis.call('DEL', room) end
-    if e then
-      redis.call('XADD', shared, '*', unpack(e[2]))
-      got = got + read(shared, 1)
-    end
+    local k, left = from_room(room, shared)
+    if left > 0 then redis.call('RPUSH', ring, room) end
+    got = got + k
   end
   return got
 end
@@ -143,16 +152,10 @@ for g = 1, bands do
       if kept <= 0 then break end
       local tenant = string.match(room, ':~(.*)$')
       if not running[tenant] then
-        local e = redis.call('XRANGE', room, '-', '+', 'COUNT', 1)[1]
-        if e then
-          redis.call('XDEL', room, e[1])
-          redis.call('XADD', shared, '*', unpack(e[2]))
-          local k = read(shared, 1)
-          kept, caps[1], running[tenant] = kept - k, caps[1] - k, true
-        end
-        if redis.call('XLEN', room) == 0 then
+        local k, left = from_room(room, shared)
+        kept, caps[1], running[tenant] = kept - k, caps[1] - k, true
+        if left == 0 then
           redis.call('LREM', ring, 1, room)
-          redis.call('DEL', room)
         else  -- its next job is a newcomer's for the other replicas: wake them
           redis.call('PUBLISH', ARGV[7 + 2 * bands], ARGV[8 + 2 * bands])
         end
