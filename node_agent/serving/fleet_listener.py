@@ -31,17 +31,24 @@ class FleetListener:
 
     async def hear(self, models: Iterable[str]) -> None:
         """Hear the newcomers of `models` (the models served here now), and no others."""
-        wanted = set(models)
-        added, dropped = wanted - self._models, self._models - wanted
-        self._models = wanted
+        self._models = set(models)
+        await self._follow()
+
+    async def _follow(self) -> None:
+        """Subscribe to the newcomers' channels of `_models` the connection does not hold yet, and
+        leave those of models no longer here. Run after each connect as well as each `hear`: a
+        `hear` while the listener was connecting changed `_models` after its SUBSCRIBE was sent."""
         pubsub = self._pubsub
-        if pubsub is None or not (added or dropped):
-            return  # (the listener subscribes to every one when it connects)
+        if pubsub is None:
+            return  # (the listener follows them once it is connected)
+        names = (c.decode() if isinstance(c, bytes) else c for c in pubsub.channels)
+        held = {name for name in names if name.startswith(self.keys.newcomers(""))}
+        wanted = {self.keys.newcomers(m) for m in self._models}
         try:
-            if added:
-                await pubsub.subscribe(*(self.keys.newcomers(m) for m in sorted(added)))
-            if dropped:
-                await pubsub.unsubscribe(*(self.keys.newcomers(m) for m in sorted(dropped)))
+            if wanted - held:
+                await pubsub.subscribe(*sorted(wanted - held))
+            if held - wanted:
+                await pubsub.unsubscribe(*sorted(held - wanted))
         except (RedisError, OSError) as exc:  # the listener's next connection subscribes anew
             logging.getLogger(__name__).warning("newcomers' channels: %s", exc)
 
@@ -54,10 +61,9 @@ class FleetListener:
             try:
                 client = await broadcast_client(self.redis, self.redis_url)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(
-                    self.keys.cancel(), *(self.keys.newcomers(m) for m in sorted(self._models))
-                )
+                await pubsub.subscribe(self.keys.cancel())
                 self._pubsub = pubsub
+                await self._follow()
                 outage.ok()
                 async for message in pubsub.listen():
                     channel = message["channel"].decode()

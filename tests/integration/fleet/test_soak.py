@@ -622,17 +622,16 @@ def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
     assert spent_then <= BATCH_BUDGET + 2 * per_line, (spent_then, counts)
 
 
-# How much the bystanders' TTFT p50 may grow under the noise. Issue 49's target is 2x. On this 2-core box
-# (two nodes of 4 slots, two gateways, Redis and every client on it) the flood alone made it 5.5x (37 ->
-# 204 ms) before newcomers' slots: a bystander's job waited ~165 ms in its room for the next of the
-# flood's jobs to end. With them (a full replica takes a caller with nothing running on it beyond its
-# slots, preempting one of the flood's sequences) all three noises cost 1.8-1.9x (37 -> 67, 39 -> 73
-# ms) on a quiet host; the same box later ran Python ~2x slower (a host busy elsewhere) and measured
-# 2.8-5.4x alone, 3.7x beside another test: what is left is CPU, which the flood keeps busy on two
-# cores (its node steps, its client, the gateways relaying it), and its share moves with the host. The
-# bound catches a fairness regression (without waiting rooms a bystander would queue behind the whole
-# flood: 150 jobs of ~250 ms on 8 slots, seconds: 50x and more) without failing on a slow host.
-TTFT_UNDER_NOISE = 8.0
+# How much the bystanders' TTFT p50 may grow under the noise: issue 49's bound. On this 2-core box (two
+# nodes of 4 slots, two gateways, Redis and every client on it) the flood alone made it 5.5x (37 -> 204
+# ms) before newcomers' slots: a bystander's job waited ~165 ms in its room for the next of the flood's
+# jobs to end. Newcomers' slots took only the jobs a read met by chance while nodes missed their
+# announcements (the listener dropped models it heard of while connecting): 4.4-6.3x. Taken at once,
+# each of them (a full replica takes a caller with nothing running on it beyond its slots, preempting
+# one of the flood's sequences): 1.6-1.7x on a quiet 2-core Xeon, 2.0x beside a process spinning on one
+# core, which is why this test runs alone (`alone`: after the parallel run). What is left is CPU:
+# the flood keeps both cores busy (its node steps, its client, the gateways relaying it).
+TTFT_UNDER_NOISE = 2.0
 
 NOISES = (  # each: a context manager a noisy tenant's abuse runs within
     batch_over_its_budget,  # first: it spends its budget before the flood, then stays paused
@@ -641,6 +640,7 @@ NOISES = (  # each: a context manager a noisy tenant's abuse runs within
 )
 
 
+@pytest.mark.alone
 @pytest.mark.timeout(600)
 def test_a_noisy_tenant_does_not_slow_the_bystanders_streams(fleet):
     stack = fleet.stack
