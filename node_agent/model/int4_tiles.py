@@ -81,13 +81,12 @@ def matmul(
     group: int,
     kernel: tuple[int, bool, int],
 ) -> torch.Tensor:
-    """`flat` [rows, in] times an Int4Linear's packed weights by `cortex::int4_linear` with `kernel`
-    (`kernel_args()`): [rows, out] in bfloat16. The input is rounded to bfloat16 as torch's kernel
-    takes it, so that a row's result does not depend on how many rows are beside it beyond float32's
-    summation order."""
-    return torch.ops.cortex.int4_linear(
-        flat.to(torch.bfloat16), packed, scales_and_zeros, group, *kernel
-    )
+    """`flat` [rows, in] (float32 or bfloat16) times an Int4Linear's packed weights by
+    `cortex::int4_linear` with `kernel` (`kernel_args()`): [rows, out] in `flat`'s dtype. The input is
+    rounded to bfloat16 as torch's kernel takes it, and the product to bfloat16's precision as torch's
+    kernel gives it, so that a row's result does not depend on how many rows are beside it beyond
+    float32's summation order."""
+    return torch.ops.cortex.int4_linear(flat, packed, scales_and_zeros, group, *kernel)
 
 
 def bind(model: torch.nn.Module) -> int:
@@ -109,4 +108,4 @@ def bind(model: torch.nn.Module) -> int:
 
 
 def _shape(flat, packed, scales_and_zeros, group, block_n, split_halves, tiled_from_rows):
-    return flat.new_empty((flat.shape[0], scales_and_zeros.shape[1]), dtype=torch.bfloat16)
+    return flat.new_empty((flat.shape[0], scales_and_zeros.shape[1]))

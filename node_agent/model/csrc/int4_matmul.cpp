@@ -123,6 +123,21 @@ void split_tile(const float* tile, int64_t k, int64_t n, at::BFloat16* high, at:
 }
 #endif
 
+// Columns [0, width) of `rows` rows of `out` (row stride `ld`) rounded to bfloat16's precision in place,
+// as torch's int4 kernel rounds its products: a row's result is the same whichever path runs it.
+void round_to_bf16(float* out, int64_t rows, int64_t width, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = out + r * ld;
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= width; c += 16)
+      _mm512_storeu_ps(row + c, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(round_bf16(_mm512_loadu_ps(row + c))), 16)));
+#endif
+    for (; c < width; ++c) row[c] = static_cast<float>(static_cast<at::BFloat16>(row[c]));
+  }
+}
+
 // Whether many rows run as bfloat16 GEMMs (split_tile): a CPU with AMX, where oneDNN's bfloat16 GEMM
 // is several times its float32 one (two of them: 2.3x faster than one float32 tile GEMM at 512 rows
 // of SmolLM2's layers on a 2-core Xeon); elsewhere a bfloat16 GEMM is at most twice a float32 one.
@@ -135,13 +150,12 @@ bool amx_tiles() {
 #endif
 }
 
-}  // namespace
-
-// x [rows, in] float32; packed uint8 [out, in / 2]; scales_and_zeros bfloat16 [in / group, out, 2].
-// block_n and split_halves: torch's packing on this CPU (above). Returns x @ W.T, float32 [rows, out].
-at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                             int64_t group, int64_t block_n, bool split_halves) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_tiled_matmul: x must be float32 [rows, in]");
+// The tiles over x [rows, in] (float32, or bfloat16: the kernels' activations) into float32 [rows, out],
+// each tile's products rounded to bfloat16's precision where `round_output`.
+at::Tensor tiled(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros, int64_t group,
+                 int64_t block_n, bool split_halves, bool round_output) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_tiled_matmul: x must be float32 or bfloat16 [rows, in]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && scales_and_zeros.scalar_type() == at::kBFloat16,
               "int4_tiled_matmul: packed uint8 weights and bfloat16 scales and zeros");
   TORCH_CHECK(block_n > 0 && block_n % 16 == 0, "int4_tiled_matmul: block_n ", block_n);
@@ -151,15 +165,16 @@ at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, cons
   const int64_t rows = a.size(0), in_features = a.size(1), out_features = sz.size(1);
   TORCH_CHECK(w.numel() * 2 == out_features * in_features && in_features % group == 0,
               "int4_tiled_matmul: weights of ", w.numel(), " bytes for ", out_features, " x ", in_features);
-  at::Tensor out = at::empty({rows, out_features}, a.options());
-  const float* a_data = a.const_data_ptr<float>();
+  at::Tensor out = at::empty({rows, out_features}, a.options().dtype(at::kFloat));
   const uint8_t* w_data = w.const_data_ptr<uint8_t>();
   const at::BFloat16* sz_data = sz.const_data_ptr<at::BFloat16>();
   float* out_data = out.data_ptr<float>();
   const int64_t blocks = (out_features + block_n - 1) / block_n;
   // bfloat16 GEMMs for a prefill chunk's rows on AMX (x's values are bfloat16's: the kernels' activations)
-  const bool bf16 = rows >= kBf16FromRows && amx_tiles() && in_features % 2 == 0;
-  const at::Tensor a16 = bf16 ? a.to(at::kBFloat16) : at::Tensor();
+  const bool bf16 = rows >= kBf16FromRows && amx_tiles() && in_features % 2 == 0 && out_features % 16 == 0;
+  const at::Tensor a16 = bf16 ? a.to(at::kBFloat16) : at::Tensor();  // (no copy where x is bfloat16)
+  const at::Tensor a32 = bf16 ? at::Tensor() : a.to(at::kFloat);
+  const float* a_data = bf16 ? nullptr : a32.const_data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(in_features * block_n), scale(block_n), zero(block_n);
     std::vector<at::BFloat16> high(bf16 ? in_features * block_n : 0), low(high.size());
@@ -168,19 +183,21 @@ at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, cons
       dequantise_tile(w_data, sz_data, out_features, in_features, group, start, width, split_halves && width == block_n,
                       tile.data(), scale.data(), zero.data());
 #if defined(__AVX512F__)
-      if (bf16 && width % 16 == 0) {
+      if (bf16) {
         split_tile(tile.data(), in_features, width, high.data(), low.data());
         for (const auto* part : {high.data(), low.data()})
           at::native::cpublas::brgemm(rows, width, in_features, in_features, width, out_features, part == low.data(),
                                       a16.const_data_ptr<at::BFloat16>(), part, out_data + start, true);
-        continue;
-      }
+      } else
 #endif
-      for (int64_t r = 0; r < rows; r += kRowChunk) {
-        at::native::cpublas::brgemm(std::min(kRowChunk, rows - r), width, in_features, in_features, width,
-                                    out_features, false, a_data + r * in_features, tile.data(),
-                                    out_data + r * out_features + start, false);
+      {
+        for (int64_t r = 0; r < rows; r += kRowChunk) {
+          at::native::cpublas::brgemm(std::min(kRowChunk, rows - r), width, in_features, in_features, width,
+                                      out_features, false, a_data + r * in_features, tile.data(),
+                                      out_data + r * out_features + start, false);
+        }
       }
+      if (round_output) round_to_bf16(out_data + start, rows, width, out_features);  // the tile's, in cache
     }
     at::native::cpublas::brgemm_release(false);
     if (bf16) at::native::cpublas::brgemm_release(true);
@@ -188,13 +205,30 @@ at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, cons
   return out;
 }
 
-// The layer's matmul as a step runs it: x [rows, in] bfloat16 (the kernels' activations), by torch's
-// kernel below `tiled_from_rows` rows, else by the tiles. Returns x @ W.T, bfloat16 [rows, out].
+}  // namespace
+
+// x [rows, in] float32 (bfloat16's values: the kernels' activations); packed uint8 [out, in / 2];
+// scales_and_zeros bfloat16 [in / group, out, 2]. block_n and split_halves: torch's packing on this CPU
+// (above). Returns x @ W.T, float32 [rows, out], unrounded.
+at::Tensor int4_tiled_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                             int64_t group, int64_t block_n, bool split_halves) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_tiled_matmul: x must be float32 [rows, in]");
+  return tiled(x, packed, scales_and_zeros, group, block_n, split_halves, false);
+}
+
+// The layer's matmul as a step runs it: x [rows, in] float32 or bfloat16, its values rounded to
+// bfloat16 (the kernels' activations), by torch's kernel below `tiled_from_rows` rows, else by the
+// tiles. Returns x @ W.T in x's dtype [rows, out], rounded to bfloat16's precision whichever path ran
+// it: a float32 model's layers convert nothing more (the tiles take bfloat16 rows and round each tile's
+// products in cache).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                        int64_t group, int64_t block_n, bool split_halves, int64_t tiled_from_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int4_linear: x must be bfloat16 [rows, in]");
-  if (x.size(0) < tiled_from_rows) return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros);
-  return int4_tiled_matmul(x.to(at::kFloat), packed, scales_and_zeros, group, block_n, split_halves).to(at::kBFloat16);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4_linear: x must be float32 or bfloat16 [rows, in]");
+  const at::Tensor x16 = x.to(at::kBFloat16);
+  if (x.size(0) < tiled_from_rows)
+    return at::_weight_int4pack_mm_for_cpu(x16, packed, group, scales_and_zeros).to(x.scalar_type());
+  return tiled(x16, packed, scales_and_zeros, group, block_n, split_halves, true).to(x.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(cortex, m) {

@@ -104,3 +104,18 @@ def test_a_prefill_chunks_product_carries_each_weight_in_full():
     )
     want = x.double() @ weight.double().t()
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+# torch's kernel, the tiles, and (on a CPU with AMX) the bfloat16 tiles
+@pytest.mark.parametrize("rows", [1, TILED_FROM, 33, 130])
+def test_a_float32_models_rows_need_no_conversion_around_the_kernel(rows):
+    """`cortex::int4_linear` takes a float32 model's activations as they are and gives float32 back:
+    the same values as through bfloat16 (inputs rounded to it, products to its precision), whichever
+    path runs the rows."""
+    layer, _ = layer_and_weight(576, 576)
+    x = torch.randn(rows, 576)
+    args = (layer.weight_packed, layer.scales_and_zeros, GROUP, *int4_tiles.kernel_args())
+    through_bf16 = torch.ops.cortex.int4_linear(x.bfloat16(), *args)
+    as_float32 = torch.ops.cortex.int4_linear(x, *args)
+    assert through_bf16.dtype == torch.bfloat16 and as_float32.dtype == torch.float32
+    assert torch.equal(as_float32, through_bf16.float())

@@ -14,7 +14,7 @@ from node_agent.engine.engine import Engine
 from node_agent.model import compiled_step, loader
 from node_agent.serving import prompts
 from tests.model_fixtures import tiny_profile
-from tests.unit.node_agent.engine_driver import full_forward_greedy, run
+from tests.unit.node_agent.engine_driver import full_forward_greedy, request, run
 from tests.unit.node_agent.test_architectures import MATRIX, REQUESTS, references  # noqa: F401  (a fixture)
 
 
@@ -61,3 +61,31 @@ def test_a_quantized_model_runs_the_matrix_in_the_engine(
     print(
         f"{arch} {bits} {decode}: {agreed} of {total} tokens agree with full precision before the first difference"
     )
+
+
+LONG = "The quick brown fox jumps over the lazy dog, then naps in the sun. "  # ~70 tokens
+
+
+# a 4-bit layer's three CPU paths in one run: a prefill chunk of 256 rows (on a CPU with AMX, the
+# bfloat16 tiles: from 128 rows), the prompt's last ~100 rows (the float32 tiles), decode rows
+# (torch's int4 kernel), two prompts at once
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_a_long_prompts_prefill_chunks_decode_what_full_forwards_do(small_vocab_dirs, decode):
+    profile = tiny_profile(
+        small_vocab_dirs["llama"],
+        prefill_chunk_tokens=256,
+        slots=2,
+        max_model_len=1024,
+        quant="int4",
+        decode=decode,
+    )
+    lm = loader.load(profile, "cpu")
+    long_requests = [
+        request(f"long{i}", LONG * (5 + i), temperature=0, max_tokens=8, ignore_eos=True)
+        for i in range(2)
+    ]
+    results = run(Engine(lm, profile), *long_requests)
+    for r in long_requests:
+        ids = prompts.prompt_ids(lm.tokenizer, profile, r)
+        assert len(ids) > 256, len(ids)  # a whole chunk of 256 rows, then the rest
+        assert results[r.job].token_ids[0] == full_forward_greedy(lm, ids, 8), r.job
