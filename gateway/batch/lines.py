@@ -37,8 +37,8 @@ from shared.errors import CortexError, InvalidRequest
 class Endpoint:
     request: type[BaseModel]  # a `gateway.jobs.job.ApiRequest`, or the embeddings request
     render: Callable[
-        [Job, Any, Any], BaseModel
-    ]  # (job, request, result): as the endpoint answers it, not streamed
+        [Job, Any, Any], BaseModel | dict
+    ]  # (job, request, result): as the endpoint answers it, not streamed (a dict: its JSON already)
     start: Callable[
         [JobContext, Any, Caller], Awaitable[Job]
     ] = (  # queue the line's job in the batch class
@@ -61,7 +61,9 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/completions": Endpoint(CompletionRequest, lambda job, _, g: completion(job, g)),
     "/v1/embeddings": Endpoint(
         EmbeddingCreateParams,
-        lambda job, body, result: embedding_response(body.model, result, body.encoding_format),
+        lambda job, body, result: embedding_response(
+            body.model, result, body.encoding_format, arrays=False
+        ),
         start=lambda ctx, body, caller: submit_embedding(
             ctx, caller, body.model, body.inputs, dimensions=body.dimensions, job_class="batch"
         ),
@@ -140,7 +142,8 @@ async def start(ctx: JobContext, parsed: ParsedLine, caller: Caller, endpoint: s
 async def finish(job: Job, parsed: ParsedLine, endpoint: str) -> BatchOutputLine:
     """Gather the job's result into the endpoint's response, as an output line."""
     result = await ENDPOINTS[endpoint].result(job, parsed.body)
-    body = ENDPOINTS[endpoint].render(job, parsed.body, result).model_dump(mode="json")
+    rendered = ENDPOINTS[endpoint].render(job, parsed.body, result)
+    body = rendered if isinstance(rendered, dict) else rendered.model_dump(mode="json")
     response = BatchLineResponse(status_code=200, request_id=job.id, body=body)
     return BatchOutputLine(id=f"batch_req_{job.id}", custom_id=parsed.custom_id, response=response)
 

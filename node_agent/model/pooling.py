@@ -12,7 +12,7 @@ sentence-transformers' CrossEncoder, vLLM and TEI score)."""
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 
 from node_agent.model import devices
 from node_agent.model.loader import own_context
+from node_agent.model.text_encoder import TextEncoder
 from shared.catalog import ModelProfile
 from shared.model_files import ModelLoadError, locate
 
@@ -53,6 +54,10 @@ class LoadedPooler:
     sigmoid: bool = (
         False  # a rerank model's scores are its logit through a sigmoid (else the logit itself)
     )
+    encoder: TextEncoder = field(init=False)  # texts to ids through the tokenizer's backend
+
+    def __post_init__(self):
+        self.encoder = TextEncoder(self.tokenizer, self.max_len)
 
 
 def read_pooling(folder: Path, is_decoder: bool) -> Pooling:

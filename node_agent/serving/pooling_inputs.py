@@ -18,11 +18,7 @@ def encode(loaded: LoadedPooler, request: PoolingRequest, max_floats: int = 1 <<
     texts = [(i, text) for i, text in enumerate(request.inputs) if isinstance(text, str)]
     rows: list[list[int]] = [[] for _ in request.inputs]
     if texts:
-        tokenized = loaded.tokenizer(
-            [text for _, text in texts],
-            truncation=request.truncate,
-            max_length=loaded.max_len if request.truncate else None,
-        )["input_ids"]
+        tokenized = loaded.encoder.texts([text for _, text in texts], request.truncate)
         for (i, _), ids in zip(texts, tokenized):
             rows[i] = ids
     vocab = len(loaded.tokenizer)
@@ -39,15 +35,10 @@ def _pairs(loaded: LoadedPooler, request: PoolingRequest) -> Encoded:
         raise InvalidRequest(
             f"{len(request.queries)} queries for {len(request.inputs)} documents", param="query"
         )
-    encoded = loaded.tokenizer(
-        request.queries,
-        list(request.inputs),
-        truncation="only_second" if request.truncate else False,
-        max_length=loaded.max_len if request.truncate else None,
-    )
-    for i, ids in enumerate(encoded["input_ids"]):
-        _check_length(len(ids), loaded.max_len, i, "documents")
-    return Encoded(encoded["input_ids"], encoded.get("token_type_ids"))
+    ids, type_ids = loaded.encoder.pairs(request.queries, list(request.inputs), request.truncate)
+    for i, row in enumerate(ids):
+        _check_length(len(row), loaded.max_len, i, "documents")
+    return Encoded(ids, type_ids)
 
 
 def _checked_ids(ids: list[int], vocab: int, index: int) -> list[int]:

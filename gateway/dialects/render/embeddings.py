@@ -7,6 +7,7 @@ import numpy as np
 
 from gateway.dialects.gather import Embedded, Scored
 from gateway.dialects.protocol.embeddings import CreateEmbeddingResponse, Embedding, Usage
+from gateway.dialects.protocol.ollama import EmbedResponse
 from gateway.dialects.protocol.rerank import (
     RerankDocument,
     RerankResponse,
@@ -18,26 +19,37 @@ from gateway.dialects.protocol.rerank import (
 )
 
 
-def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    """A vector as OpenAI sends it: floats, or base64 of its float32 little-endian bytes."""
-    return (
-        base64.b64encode(vector.tobytes()).decode()
-        if encoding_format == "base64"
-        else vector.tolist()
-    )
-
-
 def embedding_response(
-    model: str, embedded: Embedded, encoding_format: str
-) -> CreateEmbeddingResponse:
+    model: str, embedded: Embedded, encoding_format: str, arrays: bool = True
+) -> dict:
+    """OpenAI's CreateEmbeddingResponse as JSON content: each vector as floats (its float32 array
+    for gateway/http/vector_json.py to write, or where not `arrays` a list, for a batch's output
+    line) or base64 of its float32 little-endian bytes."""
+    base64_format = encoding_format == "base64"
     data = [
-        Embedding(embedding=_encoded(vector, encoding_format), index=i)
+        Embedding.model_construct(
+            embedding=base64.b64encode(vector.tobytes()).decode() if base64_format else [],
+            index=i,
+        )
         for i, vector in enumerate(embedded.vectors)
     ]
     tokens = embedded.prompt_tokens
-    return CreateEmbeddingResponse(
+    content = CreateEmbeddingResponse.model_construct(
         data=data, model=model, usage=Usage(prompt_tokens=tokens, total_tokens=tokens)
-    )
+    ).model_dump(mode="json")
+    if not base64_format:
+        for item, vector in zip(content["data"], embedded.vectors):
+            item["embedding"] = vector if arrays else vector.tolist()
+    return content
+
+
+def embed_response(model: str, vectors: list[np.ndarray], **timings: int | None) -> dict:
+    """Ollama's EmbedResponse as JSON content, its vectors one float32 matrix (for
+    gateway/http/vector_json.py to write)."""
+    answer = EmbedResponse.model_construct(model=model, embeddings=[], **timings)
+    content = answer.model_dump(mode="json", exclude_none=True)
+    content["embeddings"] = np.stack(vectors) if vectors else []
+    return content
 
 
 def rerank_response(

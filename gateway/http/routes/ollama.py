@@ -34,13 +34,13 @@ from gateway.dialects.protocol.ollama import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbedRequest,
-    EmbedResponse,
     GenerateRequest,
     ProgressResponse,
     PullRequest,
     ShowRequest,
     VersionResponse,
 )
+from gateway.dialects.render.embeddings import embed_response
 from gateway.dialects.render.ollama import (
     chat_chunks,
     chat_loaded,
@@ -53,6 +53,7 @@ from gateway.dialects.render.ollama_models import model_list, running, show
 from gateway.fleet import operations, pulls
 from gateway.http.auth import Caller, CallerDep, require_admin
 from gateway.http.context import Ctx, GatewayContext
+from gateway.http.vector_json import VectorJSONResponse
 from gateway.jobs import ndjson, pooling
 from gateway.jobs.disconnect import unless_disconnected
 from gateway.jobs.job import Job
@@ -155,7 +156,9 @@ def _profile(ctx: GatewayContext, caller: Caller, name: str) -> ModelProfile:
 
 
 @router.post("/api/embed")
-async def embed(body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDep) -> JSONResponse:
+async def embed(
+    body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDep
+) -> VectorJSONResponse:
     started = time.perf_counter_ns()
     done = await unless_disconnected(
         request,
@@ -163,13 +166,14 @@ async def embed(body: EmbedRequest, ctx: Ctx, request: Request, caller: CallerDe
             ctx, caller, body.model, body.inputs, dimensions=body.dimensions, truncate=body.truncate
         ),
     )
-    answer = EmbedResponse(
-        model=body.model,
-        embeddings=[v.tolist() for v in done.vectors],
-        total_duration=time.perf_counter_ns() - started,
-        prompt_eval_count=done.prompt_tokens,
+    return VectorJSONResponse(
+        embed_response(
+            body.model,
+            done.vectors,
+            total_duration=time.perf_counter_ns() - started,
+            prompt_eval_count=done.prompt_tokens,
+        )
     )
-    return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
 
 
 @router.post("/api/embeddings")
