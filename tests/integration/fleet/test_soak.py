@@ -629,11 +629,12 @@ def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
 # announcements (the listener dropped models it heard of while connecting): 4.4-6.3x. With every
 # bystander job taken as a newcomer within a few ms (and, for the last five, an embed at the input cap
 # no longer stalling a gateway, 720 -> 30 ms to write, or a node's GIL while tokenised), eleven runs on
-# a 2-core Xeon measured 1.6-2.5x (median 1.9x; 2.9x once in a probe of the same shape): what is left is CPU,
-# the flood keeping both cores busy (its node steps, its client, the gateways relaying it), and the
-# quiet baseline's own spread (21-30 ms). The bound fails the regressions seen (4.4x and more) and not
-# this spread; the test runs alone (`alone`: after the parallel run), as a neighbour's CPU moves it.
-TTFT_UNDER_NOISE = 3.5
+# a 2-core Xeon measured 1.6-2.5x (median 1.9x; 2.9x in a probe of the same shape, 3.2x in a clean clone's
+# first run, its quiet baseline 18 ms): what is left is CPU, the flood keeping both cores busy (its node
+# steps, its client, the gateways relaying it), and the quiet baseline's own spread (18-30 ms). The
+# bound fails the regressions seen (4.4x and more) and not this spread; the test runs alone (`alone`:
+# after the parallel run), as a neighbour's CPU moves it.
+TTFT_UNDER_NOISE = 4.0
 
 NOISES = (  # each: a context manager a noisy tenant's abuse runs within
     batch_over_its_budget,  # first: it spends its budget before the flood, then stays paused
