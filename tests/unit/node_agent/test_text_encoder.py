@@ -28,11 +28,23 @@ def tokenizers(tmp_path_factory):
     }
 
 
+class WithoutBackend:
+    """A tokenizer with no Rust backend (transformers' Python ones): called as transformers calls it."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.model_input_names = tokenizer.model_input_names
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", [True, False], ids=["rust", "python"])
 @pytest.mark.parametrize("model", ["embedder", "decoder", "cross-encoder"])
 @pytest.mark.parametrize("truncate", [False, True])
-def test_texts_read_as_transformers_reads_them(tokenizers, model, truncate):
+def test_texts_read_as_transformers_reads_them(tokenizers, model, truncate, backend):
     tokenizer = tokenizers[model]
-    encoder = TextEncoder(tokenizer, MAX_LEN)
+    encoder = TextEncoder(tokenizer if backend else WithoutBackend(tokenizer), MAX_LEN)
     assert (
         encoder.texts(TEXTS, truncate)
         == tokenizer(TEXTS, truncation=truncate, max_length=MAX_LEN if truncate else None)[
@@ -43,11 +55,13 @@ def test_texts_read_as_transformers_reads_them(tokenizers, model, truncate):
     assert (longest <= MAX_LEN) == truncate  # the long text is cut only when asked
 
 
+@pytest.mark.parametrize("backend", [True, False], ids=["rust", "python"])
 @pytest.mark.parametrize("truncate", [False, True])
-def test_pairs_read_as_transformers_reads_them(tokenizers, truncate):
+def test_pairs_read_as_transformers_reads_them(tokenizers, truncate, backend):
     tokenizer = tokenizers["cross-encoder"]
     queries = ["what is the sea?"] * len(TEXTS)
-    ids, type_ids = TextEncoder(tokenizer, MAX_LEN).pairs(queries, TEXTS, truncate)
+    encoder = TextEncoder(tokenizer if backend else WithoutBackend(tokenizer), MAX_LEN)
+    ids, type_ids = encoder.pairs(queries, TEXTS, truncate)
     expected = tokenizer(
         queries,
         TEXTS,
