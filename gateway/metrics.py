@@ -141,8 +141,8 @@ class Metrics:
         self.key_prompt_tokens.labels(key).inc(usage.prompt_tokens)
         self.key_completion_tokens.labels(key).inc(usage.completion_tokens)
 
-    def request(self, model: str, submitted: float) -> "RequestTimer":
-        return RequestTimer(self, model, submitted)
+    def request(self, model: str, submitted: float, streamed: bool = True) -> "RequestTimer":
+        return RequestTimer(self, model, submitted, streamed)
 
     async def refresh(self, fleet: Fleet, models: set[str]) -> None:
         nodes = await fleet.live_nodes(fresh=True)
@@ -316,10 +316,13 @@ class RoutingCollector:
 
 
 class RequestTimer:
-    """Observes one job's events."""
+    """Observes one job's events. A job not streamed comes in joined deltas (NodeSettings.whole_flush_s):
+    its time to first token is the node's (queued + prefill, from the done event's timings), and its
+    inter-token latency its decode time over its tokens, observed once per gap."""
 
-    def __init__(self, metrics: Metrics, model: str, submitted: float):
+    def __init__(self, metrics: Metrics, model: str, submitted: float, streamed: bool = True):
         self.metrics, self.model, self.submitted = metrics, model, submitted
+        self.streamed = streamed
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
@@ -343,8 +346,14 @@ class RequestTimer:
                 len(event.pooled.vectors) + len(event.pooled.scores)
             )
             m.pooled_forwards.labels(*labels).inc(event.pooled.forwards)
-        else:
+        elif self.streamed:
             m.ttft.labels(*labels).observe((self.first or now) - self.submitted)
+        else:
+            m.ttft.labels(*labels).observe(
+                (event.timings.queue_ms + event.timings.prefill_ms) / 1000
+            )
+            gaps = event.usage.completion_tokens - 1
+            self.gaps = [event.timings.decode_ms / 1000 / gaps] * gaps if gaps > 0 else []
         m.e2e.labels(*labels).observe(now - self.submitted)
         m.queue.labels(*labels).observe(event.timings.queue_ms / 1000)
         itl = m.itl.labels(*labels)

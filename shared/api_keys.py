@@ -140,10 +140,14 @@ class ApiKey(BaseModel):
         return self.model_dump() | {"state": self.state()}
 
 
+NAMES_KEPT = 100_000  # secrets' names a store keeps (past it, it starts again)
+
+
 class KeyStore:
     def __init__(self, redis: aioredis.Redis, keys: Keys):
         self.redis, self.keys = redis, keys
         self._create = redis.register_script(_CREATE)
+        self._names: dict[str, str] = {}  # a secret's hash -> the name of its key, once found
 
     async def create(self, spec: KeySpec) -> tuple[ApiKey, str]:
         """A new key and its secret (which nothing keeps: show it to the operator once)."""
@@ -180,9 +184,28 @@ class KeyStore:
         return ApiKey.from_hash(fields).model_copy(update={"tokens_today": int(today or 0)})
 
     async def find(self, secret: str) -> ApiKey | None:
-        """The key whose secret this is, revoked and expired ones included; None if none."""
-        name = await self.redis.hget(self.keys.api_keys(), hash_secret(secret))
-        return await self.get(name.decode()) if name is not None else None
+        """The key whose secret this is, revoked and expired ones included; None if none. The name a
+        secret maps to is kept once found (a key is never deleted, only revoked), so a request reads
+        only the key's record and its day's tokens, in one round trip; a record whose hash is not
+        the secret's (a key made again under that name after Redis lost its data) is not its key."""
+        hashed = hash_secret(secret)
+        name = self._names.get(hashed)
+        if name is None:
+            found = await self.redis.hget(self.keys.api_keys(), hashed)
+            if found is None:
+                return None
+            name = found.decode()
+        try:
+            key = await self.get(name)
+        except NotFound:
+            key = None
+        if key is None or key.hash != hashed:
+            self._names.pop(hashed, None)
+            return None
+        if len(self._names) >= NAMES_KEPT:
+            self._names.clear()
+        self._names[hashed] = name
+        return key
 
     async def list(self) -> list[ApiKey]:
         names = sorted(n.decode() for n in await self.redis.hvals(self.keys.api_keys()))

@@ -106,6 +106,10 @@ class ModelProfile(BaseModel):
     # Embedding and rerank models: the most tokens (padding included) one forward pass takes; the
     # waiting inputs go through in as few passes as fit (packed on a CPU, else sorted by length).
     pooling_batch_tokens: int = Field(8192, ge=16)
+    # While another model shares its device, a pass takes about this long at most (its tokens cut to
+    # what fits at the last pass's speed), so that model's steps (a chat's next token, a newcomer's
+    # first) wait no longer between passes; 0: no bound. Alone on its device, a pass takes its budget.
+    pooling_pass_ms: float = Field(25.0, ge=0)
     # An embedding model trained for truncation (Matryoshka): the sizes a request's `dimensions` may
     # ask for ([]: any up to the full size); None: not trained for it, and `dimensions` is refused.
     matryoshka_dimensions: list[int] | None = None

@@ -227,6 +227,9 @@ class NodeSettings(CortexSettings):
     # 64 KiB: Redis cuts a subscriber at 32 MB unread (`shared.processes.PUBSUB_BUFFER_LIMIT`), so
     # 512 of the largest events could wait unread on a gateway's connection before it did.
     max_event_bytes: int = Field(64 << 10, ge=4096)
+    # A job whose client does not stream gets its tokens in one delta at most this often (and with
+    # its end), not one event a token: its client sees only the whole answer (0: an event a step).
+    whole_flush_s: float = Field(1.0, ge=0)
     # An embedding job's inputs × dimensions (floats returned) at most: more is refused with a 400.
     max_pooled_floats: int = Field(1 << 22, ge=1)
     shutdown_grace_s: float = 30.0  # on SIGTERM, running jobs get this long to finish

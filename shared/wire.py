@@ -314,6 +314,37 @@ def ends_job(events: list[Event]) -> bool:
     return isinstance(events[-1], DoneEvent | ErrorEvent)
 
 
+def joined_deltas(events: list[Event]) -> list[Event]:
+    """`events` with each run of deltas made one delta: per choice (by `index`, in the order they
+    first came), its texts, token ids and logprobs in order, its prompt logprobs and its end as
+    the run gave them. What a client that does not stream gets is the same (a delta of several
+    tokens is what speculation makes too)."""
+    joined: list[Event] = []
+    for event in events:
+        if isinstance(event, DeltaEvent) and joined and isinstance(joined[-1], DeltaEvent):
+            joined[-1] = DeltaEvent(choices=_joined_choices(joined[-1].choices + event.choices))
+        else:
+            joined.append(event)
+    return joined
+
+
+def _joined_choices(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    by_index: dict[int, ChoiceDelta] = {}
+    for delta in deltas:
+        into = by_index.get(delta.index)
+        if into is None:
+            by_index[delta.index] = msgspec.structs.replace(delta)
+            continue
+        into.text += delta.text
+        into.token_ids = into.token_ids + delta.token_ids
+        if delta.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + delta.logprobs
+        into.prompt_logprobs = into.prompt_logprobs or delta.prompt_logprobs
+        into.finish_reason = delta.finish_reason or into.finish_reason
+        into.stop_sequence = delta.stop_sequence or into.stop_sequence
+    return list(by_index.values())
+
+
 def pack(message: BaseModel) -> bytes:
     added = getattr(message, "added_within_version", frozenset())
     unused = {

@@ -104,7 +104,9 @@ class Job:
         timed: bool = True,
         trace: JobTrace | None = None,
         session: str = "",
+        streamed: bool = True,
     ):
+        """`streamed`: the node sends its tokens as they come (else joined: NodeSettings.whole_flush_s)."""
         self.id = job
         self.model = model
         self.state = JobState.QUEUED
@@ -141,7 +143,7 @@ class Job:
         self._logged = 0  # reading the event log: the job's events up to the last entry read
         self._read: deque[Item] = deque()  # read from the log, not yet taken
         self._outage_until: float | None = None  # Redis away since the link dropped: retry until
-        self._timer = ctx.metrics.request(self.model, time.monotonic()) if timed else None
+        self._timer = ctx.metrics.request(self.model, time.monotonic(), streamed) if timed else None
 
     def _become(self, state: JobState) -> None:
         if not self.state.may_become(state):

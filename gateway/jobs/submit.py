@@ -58,6 +58,18 @@ def session_hint(body) -> str:
     )
 
 
+async def _unsubscribe(ctx: JobContext, channel: str, subscribing: asyncio.Future) -> None:
+    """Undo `subscribing` (a task of `bus.subscribe`) for a job that was not queued: stop it
+    if it has not finished, else unsubscribe what it subscribed."""
+    if not subscribing.done():
+        subscribing.cancel()  # bus.subscribe unsubscribes what it began
+    try:
+        heard = await subscribing
+    except BaseException:  # cancelled, or it failed: nothing is subscribed
+        return
+    await ctx.bus.unsubscribe(channel, heard)
+
+
 async def submit(
     ctx: JobContext,
     request: GenerationRequest | PoolingRequest,
@@ -109,13 +121,19 @@ async def submit(
         body=body,
     )
     band = queues.band(priority)
-    route = await ctx.routing.route(request, session, job_class, band) if generation else SHARED
+    # confirmed on the bus's link while the job is routed and its log made (each a round trip here)
+    subscribing = asyncio.ensure_future(ctx.bus.subscribe(channel))
+    try:
+        route = await ctx.routing.route(request, session, job_class, band) if generation else SHARED
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _unsubscribe(ctx, channel, subscribing)
+        raise
     stream = (
         ctx.keys.node_jobs(request.model, route.node, job_class, band)
         if route.node
         else ctx.keys.jobs(request.model, job_class, band)
     )
-    heard = await ctx.bus.subscribe(channel)
     log_key = ctx.keys.event_log(request.job)
     try:
         async with ctx.redis.pipeline(transaction=False) as pipe:
@@ -127,6 +145,7 @@ async def submit(
             pipe.expire(log_key, retention_s)
             pipe.hincrby(ctx.keys.routing(request.model), route.outcome, 1)
             await pipe.execute()
+        heard = await subscribing  # a subscription that failed leaves the log to its expiry
         stream, entry_id = await queue.enqueue(
             ctx.redis,
             ctx.keys,
@@ -139,7 +158,7 @@ async def submit(
     except BaseException as exc:
         trace.taken()
         with anyio.CancelScope(shield=True):
-            await ctx.bus.unsubscribe(channel, heard)
+            await _unsubscribe(ctx, channel, subscribing)
             if isinstance(exc, QueueFull):  # nothing of the job stays behind
                 async with ctx.redis.pipeline(transaction=False) as pipe:
                     pipe.hincrby(ctx.keys.routing(request.model), route.outcome, -1)
@@ -161,6 +180,7 @@ async def submit(
         created=created,
         trace=trace,
         session=session,
+        streamed=bool(entry.streaming),
     )
     job.stream, job.entry_id, job.logged = stream, entry_id, True
     job.waits_its_turn = job_class == "batch"

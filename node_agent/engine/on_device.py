@@ -5,6 +5,8 @@ from node_agent.model import devices
 
 
 class OnDevice:
+    shares_device = False  # set by the device thread: another model's engine is attached there too
+
     def free(self) -> None:
         """On the device thread: `drop_model`, then give the device the memory it held back."""
         device = self.lm.device

@@ -5,7 +5,9 @@ shares the device with the other models' steps between its passes.
 
 On a CPU, an embedding model that allows it (node_agent/model/packed_pooling.py) runs its passes
 packed: the waiting inputs in arrival order, up to the budget, one after another in one row, no
-padding at all. Otherwise a step takes the waiting inputs in arrival order up to that budget,
+padding at all. While another model's engine shares the device (`shares_device`), a pass takes
+only the tokens that fit `pooling_pass_ms` at the speed the last pass ran, so that engine's steps
+(a newcomer's first token) wait no longer than that between passes. Otherwise a step takes the waiting inputs in arrival order up to that budget,
 sorts them by length and runs the longest ones that fit, padded to the longest: rows of a pass
 differ little in length, so little of it is padding. A job is done when its last input is pooled;
 its result leaves as a `Pooled` record."""
@@ -71,6 +73,8 @@ class PoolingEngine(OnDevice):
         benchmark compares)."""
         self.lm, self.profile = loaded, profile
         self.budget = profile.pooling_batch_tokens
+        self.pass_ms = profile.pooling_pass_ms
+        self._ms_per_token = 0.0  # the last pass's speed (0: none run yet)
         self.packed = pack and packed_pooling.enable(loaded)
         self.forwards = 0  # passes run since load
         self._jobs: dict[str, _Job] = {}
@@ -133,12 +137,13 @@ class PoolingEngine(OnDevice):
             if pairs[0] is not None
             else None
         )
-        started_ms = time.time() * 1000
+        started_ms, started = time.time() * 1000, time.perf_counter()
         out = (
             packed_pooling.forward(self.lm, rows)
             if self.packed
             else pooling.forward(self.lm, rows, type_ids)
         )
+        self._ms_per_token = (time.perf_counter() - started) * 1000 / self._pass_tokens(chosen)
         self.forwards += 1
         for job in {job for job, _ in chosen}:
             state = self._jobs[job]
@@ -158,22 +163,35 @@ class PoolingEngine(OnDevice):
         the budget; padded, of those waiting longest up to the budget, the longest that fit it padded
         (the others go back to the queue's front, in their order). A pass touches its window only,
         never the whole queue."""
-        window = self._window()
+        budget = self._budget()
+        window = self._window(budget)
         if self.packed:
             return window
         chosen = sorted(window, key=lambda item: -self._length(item))
-        chosen = chosen[: max(1, self.budget // self._length(chosen[0]))]
+        chosen = chosen[: max(1, budget // self._length(chosen[0]))]
         taken = set(chosen)
         self._waiting.extendleft(reversed([item for item in window if item not in taken]))
         return chosen
 
-    def _window(self) -> list[tuple[str, int]]:
-        """The inputs waiting longest (one at least), taken off the queue: packed, as many as fit the
-        budget; padded, up to the first that reaches it."""
+    def _budget(self) -> int:
+        """This pass's tokens at most: `pooling_batch_tokens`, or while the device is shared, what
+        fits `pooling_pass_ms` at the last pass's speed."""
+        if not (self.shares_device and self.pass_ms and self._ms_per_token):
+            return self.budget
+        return max(1, min(self.budget, int(self.pass_ms / self._ms_per_token)))
+
+    def _pass_tokens(self, chosen: list[tuple[str, int]]) -> int:
+        """The tokens a pass over `chosen` computes (padded: each row as long as the longest)."""
+        lengths = [self._length(item) for item in chosen]
+        return sum(lengths) if self.packed else max(lengths) * len(lengths)
+
+    def _window(self, budget: int) -> list[tuple[str, int]]:
+        """The inputs waiting longest (one at least), taken off the queue: packed, as many as fit
+        `budget`; padded, up to the first that reaches it."""
         window, tokens = [], 0
         while self._waiting:
             length = self._length(self._waiting[0])
-            if window and (tokens + length > self.budget if self.packed else tokens >= self.budget):
+            if window and (tokens + length > budget if self.packed else tokens >= budget):
                 break
             window.append(self._waiting.popleft())
             tokens += length

@@ -69,10 +69,24 @@ class DeviceThread:
 
     async def attach(self, engine: Stepped, on_step: StepSink, on_failure: FailureSink) -> None:
         """Step `engine` from now on, its events and failures going to these sinks."""
-        await self.call(self._engines.__setitem__, engine, Sinks(on_step, on_failure))
+        await self.call(self._attach, engine, Sinks(on_step, on_failure))
 
     async def detach(self, engine: Stepped) -> None:
-        await self.call(self._engines.pop, engine, None)
+        await self.call(self._detach, engine)
+
+    def _attach(self, engine: Stepped, sinks: Sinks) -> None:
+        self._engines[engine] = sinks
+        self._note_sharing()
+
+    def _detach(self, engine: Stepped) -> None:
+        self._engines.pop(engine, None)
+        self._note_sharing()
+
+    def _note_sharing(self) -> None:
+        """Tell each engine whether another one shares the device (a pooling engine's passes are
+        then bounded in time: node_agent/engine/pooler.py)."""
+        for engine in self._engines:
+            engine.shares_device = len(self._engines) > 1
 
     async def info(self) -> DeviceInfo:
         """The latest memory reading. A new one is asked for each time, but only the first call

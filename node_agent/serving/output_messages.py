@@ -58,6 +58,7 @@ class Open(msgspec.Struct, tag=True, array_like=True):
     tokenizer: bytes  # the model's tokenizer, `TokenizerText.dumps`
     stream_retention_s: int = 600  # how long a job's event log lives after it ends
     max_event_bytes: int = 64 << 10  # larger events go to the job's `Keys.result` (the publisher)
+    whole_flush_s: float = 1.0  # a job not streamed: its deltas go joined at most this often
     heartbeat_ttl_s: float = (
         8.0  # what the cache's prefix marks (`Keys.prefixes`) live without a renewal
     )

@@ -7,7 +7,10 @@ socket pair, length-prefixed msgpack `Message`s: its settings and the model's to
 engine step's record (`Step`, written by the device thread itself), and what the node itself has
 to say about a job (`Publish`: its start event with the job's `Delivery`, a failure, a cancel). This
 process detokenises, applies stop strings, builds and packs the wire events, and publishes them
-with the acks of the jobs that end (node_agent/serving/publisher.py). It answers with `Feedback`:
+with the acks of the jobs that end (node_agent/serving/publisher.py). A job whose client does not
+stream gets its deltas joined: one delta at most every `whole_flush_s`, and one with its end (as
+vLLM's front end does with `RequestOutputKind.FINAL_ONLY`): its client sees the whole answer only,
+so per-token events would cost Redis, the gateway and this process for nothing. It answers with `Feedback`:
 sequences its stop strings ended (the engine frees them, a step later at most), jobs that ended
 (the node frees their slots), jobs nobody listens to or whose events Redis lost.
 
@@ -23,6 +26,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,7 +51,7 @@ from node_agent.serving.output_messages import (
 from node_agent.serving.publisher import Publisher
 from shared.keys import Keys
 from shared.redis_conn import connect, is_cluster_url
-from shared.wire import DoneEvent, Event, ends_job
+from shared.wire import DoneEvent, Event, ends_job, joined_deltas
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,12 @@ class OutputSide:
     output: OutputProcessor
     publisher: Publisher
     send_feedback: Callable[["Feedback"], None]
+    whole_flush_s: float = 1.0  # a job not streamed: its deltas are sent joined at most this often
+    clock: Callable[[], float] = time.monotonic
     deliveries: dict[str, Delivery] = field(default_factory=dict)
+    _held: dict[str, tuple[float, list[Event]]] = field(
+        default_factory=dict
+    )  # a job not streamed -> since when, its deltas not sent yet
 
     def handle(self, message: Message) -> None:
         if isinstance(message, Step):
@@ -78,8 +87,10 @@ class OutputSide:
         if out.held or out.dropped or out.tiers:
             self.publisher.cache_index.note(out.held, out.dropped, out.tiers)
         events, stopped = self.output.process(out)
-        batch, ended, timings = [], [], {}
+        batch, ended, timings, now = [], [], {}, self.clock()
         for job, job_events in events:
+            if not (job_events := self._held_back(job, job_events, now)):
+                continue
             if (item := self._outgoing(job, job_events)) is not None:
                 batch.append(item)
                 if item.ack:
@@ -98,10 +109,26 @@ class OutputSide:
                 item.ack and item.job
             ):  # the node ended it (failed, cancelled): no more events from the engine's side
                 delivery = self.deliveries.pop(item.job, None)
+                if (held := self._held.pop(item.job, None)) is not None and item.events:
+                    item.events = joined_deltas(held[1] + item.events)
                 used = self.output.drop(item.job)
                 if delivery is not None and delivery.api_key and used is not None:
                     item.charge = Charge(delivery.api_key, used)
         self.publisher.send(message.items)
+
+    def _held_back(self, job: str, events: list[Event], now: float) -> list[Event]:
+        """What of a job's events of this step goes out now: all of a streamed job's; of a job not
+        streamed, its deltas joined with those held back, once it ends or `whole_flush_s` after the
+        first held back (nothing before)."""
+        delivery = self.deliveries.get(job)
+        if delivery is None or delivery.streaming:
+            return events
+        since, held = self._held.pop(job, (now, []))
+        events = held + events
+        if ends_job(events) or now - since >= self.whole_flush_s:
+            return joined_deltas(events)
+        self._held[job] = (since, events)
+        return []
 
     def _outgoing(self, job: str, events: list[Event]) -> Outgoing | None:
         delivery = self.deliveries.get(job)
@@ -155,7 +182,9 @@ def open_side(
         cache_index=index,
     )
     publisher.start()
-    return OutputSide(OutputProcessor(text, opened.node), publisher, send_feedback)
+    return OutputSide(
+        OutputProcessor(text, opened.node), publisher, send_feedback, opened.whole_flush_s
+    )
 
 
 async def serve(inbox: socket.socket, feedback: socket.socket) -> None:

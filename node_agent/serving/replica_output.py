@@ -36,6 +36,7 @@ class ReplicaOutput:
             log_level=settings.log_level,
             stream_retention_s=settings.stream_retention_s,
             max_event_bytes=settings.max_event_bytes,
+            whole_flush_s=settings.whole_flush_s,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
         )
         self.publisher, self.on_feedback, self.on_exit = publisher, on_feedback, on_exit

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.batch import runner
 from gateway.batch.runner import BatchRunner
 from shared import usage_meter
-from shared.api_keys import KeySpec, utc_day
+from shared.api_keys import KeySpec, hash_secret, utc_day
 from shared.errors import RateLimited, TokensRateLimited
 from shared.settings import BatchSettings, GatewaySettings
 from shared.wire import ErrorEvent, Usage
@@ -110,6 +110,30 @@ async def test_revoked_and_expired_keys_are_401(app, client, node, new_key, redi
         response = await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
         assert response.status_code == 401 and f"is {state}" in response.json()["error"]["message"]
     assert node.entries == []
+
+
+async def test_a_secret_found_once_costs_one_round_trip_and_never_names_another_key(
+    app, client, node, new_key, redis
+):
+    """The gateway keeps the name a secret maps to (keys are never deleted): later requests read only
+    the key's record and its day's tokens. A key made again under that name (Redis lost its data)
+    does not let the old secret in."""
+    secret = await new_key("kept")
+    await new_key("other")  # keys exist: auth is on whatever happens to "kept"
+    assert (
+        await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
+    ).status_code == 200
+    await redis.hdel(KEYS.api_keys(), hash_secret(secret))  # found from what the gateway kept
+    assert (
+        await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
+    ).status_code == 200
+    await redis.delete(KEYS.api_key("kept"))  # Redis lost it; the name is made again, a new secret
+    again = await new_key("kept")
+    refused = await client.post("/v1/chat/completions", json=CHAT, headers=bearer(secret))
+    assert refused.status_code == 401, refused.text
+    assert (
+        await client.post("/v1/chat/completions", json=CHAT, headers=bearer(again))
+    ).status_code == 200
 
 
 async def test_a_model_the_key_may_not_use(client, node, new_key):

@@ -266,3 +266,50 @@ def test_a_pass_looks_at_its_own_inputs_not_the_whole_queue(folders, pack):
     for _ in range(5):
         eng.core_step()
     assert CountedId.hashes < 500, f"{CountedId.hashes} looks at waiting inputs in 5 passes"
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
+def test_a_pass_beside_another_model_is_cut_to_its_time_bound(folders, pack, monkeypatch):
+    """Sharing its device, a pass takes what fits `pooling_pass_ms` at the last pass's speed (another
+    model's steps wait no longer between passes); alone, its whole budget. The passes' time is a
+    clock here, a millisecond per token computed (padding included), so the sizes are exact."""
+    from node_agent.engine import pooler
+
+    now = [0.0]
+
+    def timed(real):
+        def run_pass(lm, rows, *rest):
+            lengths = [len(r) for r in rows]
+            now[0] += (sum(lengths) if pack else max(lengths) * len(lengths)) / 1000
+            return real(lm, rows, *rest)
+
+        return run_pass
+
+    forward, packed_forward = pooler.pooling.forward, pooler.packed_pooling.forward
+    monkeypatch.setattr(pooler.pooling, "forward", timed(forward))
+    monkeypatch.setattr(pooler.packed_pooling, "forward", timed(packed_forward))
+    monkeypatch.setattr(pooler.time, "perf_counter", lambda: now[0])
+    eng = engine(folders["mean"], pack=pack, pooling_batch_tokens=400, pooling_pass_ms=50)
+    (row,) = encode(eng.lm, PoolingRequest(job="q", model="m", kind="embed", inputs=["x y"])).rows
+    eng.add("alone", Encoded([row] * 200), None, 0.0)
+    sizes = []
+    while eng.has_work:
+        before = now[0]
+        eng.core_step()
+        sizes.append(round((now[0] - before) * 1000))
+    assert sizes[0] == 400 and max(sizes) <= 400  # the budget's tokens a pass
+
+    eng.shares_device = True
+    eng.add("shared", Encoded([row] * 200), None, 0.0)
+    sizes = []
+    while eng.has_work:
+        before = now[0]
+        eng.core_step()
+        sizes.append(round((now[0] - before) * 1000))
+    assert max(sizes) <= 50 and sum(sizes) == 200 * len(row), sizes  # 50 ms: 50 tokens a pass
+
+    eng.pass_ms = 0  # no bound
+    eng.add("unbounded", Encoded([row] * 200), None, 0.0)
+    before = now[0]
+    eng.core_step()
+    assert round((now[0] - before) * 1000) == 400

@@ -22,6 +22,7 @@ from shared.wire import (
     Usage,
     WireError,
     ends_job,
+    joined_deltas,
     pack,
     pack_event,
     unpack,
@@ -216,3 +217,28 @@ def test_a_cache_salt_travels_only_when_set():
     salted = plain.model_copy(update={"cache_salt": "ab12"})
     assert unpack(pack(salted), GenerationRequest).cache_salt == "ab12"
     assert unpack(pack(plain), GenerationRequest).cache_salt == ""
+
+
+def test_joined_deltas_keep_each_choices_tokens_in_order_and_its_end():
+    def lp(token: str) -> TokenLogprob:
+        return TokenLogprob(token=token, logprob=-1.0, bytes=list(token.encode()))
+
+    events = [
+        DeltaEvent(
+            choices=[
+                ChoiceDelta(index=0, text="He", token_ids=[1], logprobs=[lp("He")]),
+                ChoiceDelta(index=1, text="Bo", token_ids=[7]),
+            ]
+        ),
+        DeltaEvent(choices=[ChoiceDelta(index=1, text="nj", token_ids=[8], finish_reason="stop")]),
+        DeltaEvent(choices=[ChoiceDelta(index=0, text="llo", token_ids=[2], logprobs=[lp("llo")])]),
+        DoneEvent(usage=Usage(prompt_tokens=3, completion_tokens=4)),
+    ]
+    joined, done = joined_deltas(events)
+    assert done is events[-1]
+    zero, one = joined.choices
+    assert (zero.index, zero.text, zero.token_ids) == (0, "Hello", [1, 2])
+    assert [p.token for p in zero.logprobs] == ["He", "llo"] and zero.finish_reason is None
+    assert (one.index, one.text, one.token_ids, one.finish_reason) == (1, "Bonj", [7, 8], "stop")
+    assert one.logprobs is None
+    assert events[0].choices[0].text == "He"  # the events given are left as they were
