@@ -38,6 +38,7 @@ source = "{pooler_dirs["embed"]}"
 aliases = ["embedder"]
 dtype = "float32"
 max_model_len = 128
+pooling_pass_ms = 0  # whole passes beside the chat model: test_embeddings counts them
 
 [[models]]
 id = "embed-last"
@@ -75,6 +76,7 @@ default_max_tokens = 8
         toml,
         CORTEX_ARQ_POLL_DELAY_S="0.1",
         CORTEX_MAX_EVENT_BYTES="65536",  # large results go through `cortex:result:{job}`
+        CORTEX_WHOLE_FLUSH_S="0.05",  # an answer not streamed comes in joined deltas, several a job
     )
     try:
         stack.start_gateway()

@@ -129,9 +129,9 @@ def test_an_answer_not_streamed_comes_back_whole_after_the_link_is_cut(stack):
     asking.start()
     deadline = time.monotonic() + 30
     while not any(
-        client.xlen(key) > 5 for key in set(client.keys("cortex:eventlog:*")) - logs_before
+        client.xlen(key) > 2 for key in set(client.keys("cortex:eventlog:*")) - logs_before
     ):
-        assert time.monotonic() < deadline, "the job never ran"  # a few steps logged: it runs
+        assert time.monotonic() < deadline, "the job never ran"  # its start and a delta: it runs
         time.sleep(0.01)
     cut_subscribers(stack)
     asking.join(120)

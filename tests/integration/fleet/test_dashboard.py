@@ -80,7 +80,7 @@ def test_the_dashboard_shows_the_fleet_and_its_queue_live(fleet_stack, tmp_path)
             extra_body={"ignore_eos": True},
         )
 
-    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(8)]
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(16)]
     for t in threads:
         t.start()
     waiting = lambda: sum(

@@ -624,17 +624,15 @@ def batch_over_its_budget(stack: Stack, secret: str) -> Iterator[None]:
 
 # How much the bystanders' TTFT p50 may grow under the noise (issue 49's target: 2x). On this 2-core box
 # (two nodes of 4 slots, two gateways, Redis and every client on it) the flood alone made it 5.5x (37 ->
-# 204 ms) before newcomers' slots: a bystander's job waited ~165 ms in its room for the next of the
-# flood's jobs to end. Newcomers' slots took only the jobs a read met by chance while nodes missed their
-# announcements (the listener dropped models it heard of while connecting): 4.4-6.3x. With every
-# bystander job taken as a newcomer within a few ms (and, for the last five, an embed at the input cap
-# no longer stalling a gateway, 720 -> 30 ms to write, or a node's GIL while tokenised), eleven runs on
-# a 2-core Xeon measured 1.6-2.5x (median 1.9x; 2.9x in a probe of the same shape, 3.2x in a clean clone's
-# first run, its quiet baseline 18 ms): what is left is CPU, the flood keeping both cores busy (its node
-# steps, its client, the gateways relaying it), and the quiet baseline's own spread (18-30 ms). The
-# bound fails the regressions seen (4.4x and more) and not this spread; the test runs alone (`alone`:
-# after the parallel run), as a neighbour's CPU moves it.
-TTFT_UNDER_NOISE = 4.0
+# 204 ms) before newcomers' slots; 4.4-6.3x while nodes missed their newcomers' announcements; 1.6-3.2x
+# on a Xeon once every bystander job was taken as a newcomer within a few ms. Since a job not streamed
+# gets its tokens joined (a flood request's Redis commands 150 -> 97, its gateway's share of the CPU
+# down) and an embedding pass beside the chat model is bounded to 25 ms (it was 65 ms, a bystander's
+# first token waiting behind it), seven runs on a 2-core EPYC measured 1.23-2.17x (median 1.66x): what
+# is left is the flood keeping both cores busy, and the quiet baseline's spread (21-33 ms; it is
+# measured on both sides of the noise). The bound fails the regressions seen (4.4x and more) and not
+# this spread; the test runs alone (`alone`: after the parallel run), as a neighbour's CPU moves it.
+TTFT_UNDER_NOISE = 3.0
 
 NOISES = (  # each: a context manager a noisy tenant's abuse runs within
     batch_over_its_budget,  # first: it spends its budget before the flood, then stays paused
@@ -648,11 +646,12 @@ NOISES = (  # each: a context manager a noisy tenant's abuse runs within
 def test_a_noisy_tenant_does_not_slow_the_bystanders_streams(fleet):
     stack = fleet.stack
     noisy, bystander = make_key(stack, "noisy"), make_key(stack, "bystander")
-    quiet = statistics.median(bystanders(stack, bystander))
+    before = bystanders(stack, bystander)
     with ExitStack() as noise:
         for make in NOISES:
             noise.enter_context(make(stack, noisy))
         loud = statistics.median(bystanders(stack, bystander))
+    quiet = statistics.median(before + bystanders(stack, bystander))  # both sides of the noise
     print(
         f"noisy tenant: bystanders' TTFT p50 {quiet * 1000:.0f} ms quiet, {loud * 1000:.0f} ms under the noise"
     )
