@@ -7,8 +7,8 @@ On a CPU, an embedding model that allows it (node_agent/model/packed_pooling.py)
 packed: the waiting inputs in arrival order, up to the budget, one after another in one row, no
 padding at all. While another model's engine shares the device (`shares_device`), a pass takes
 only the tokens that fit `pooling_pass_ms` at the speed the last pass ran, so that engine's steps
-(a newcomer's first token) wait no longer than that between passes. Otherwise a step takes the waiting inputs in arrival order up to that budget,
-sorts them by length and runs the longest ones that fit, padded to the longest: rows of a pass
+(a newcomer's first token) wait no longer than that between passes. Otherwise a step takes the
+waiting inputs in arrival order up to that budget, sorts them by length and runs the longest ones that fit, padded to the longest: rows of a pass
 differ little in length, so little of it is padding. A job is done when its last input is pooled;
 its result leaves as a `Pooled` record."""
 

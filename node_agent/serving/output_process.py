@@ -10,8 +10,8 @@ process detokenises, applies stop strings, builds and packs the wire events, and
 with the acks of the jobs that end (node_agent/serving/publisher.py). A job whose client does not
 stream gets its deltas joined: one delta at most every `whole_flush_s`, and one with its end (as
 vLLM's front end does with `RequestOutputKind.FINAL_ONLY`): its client sees the whole answer only,
-so per-token events would cost Redis, the gateway and this process for nothing. It answers with `Feedback`:
-sequences its stop strings ended (the engine frees them, a step later at most), jobs that ended
+so per-token events would cost Redis, the gateway and this process for nothing. It answers with
+`Feedback`: sequences its stop strings ended (the engine frees them, a step later at most), jobs that ended
 (the node frees their slots), jobs nobody listens to or whose events Redis lost.
 
 It exits when the node closes its end, after publishing what it holds. The node notices it dying
