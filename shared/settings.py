@@ -181,6 +181,12 @@ class NodeSettings(CortexSettings):
     # A CPU node's torch threads bound one to a CPU each ("" off; "auto": the first CPUs it may run
     # on; or a list such as "0-15" or "0,2,4,6", as vLLM's VLLM_CPU_OMP_THREADS_BIND)
     cpu_bind: str = ""
+    # How many nice levels (Linux) below the agent's own its device threads run: a step's CPU work
+    # yields to the control plane (the node's intake and output process, a gateway or Redis on the
+    # host) instead of making each of their wake-ups wait a scheduler slice. On a 2-core host with two
+    # nodes, two gateways and Redis, a flood raised other clients' TTFT p50 2.3x at 0, 1.5x at 10
+    # (docs/operations.md). 0: the agent's priority; an idle CPU is used whatever this is.
+    device_nice: int = Field(10, ge=0, le=19)
     # How long a thread may hold the GIL while another waits (sys.setswitchinterval). The device
     # thread and the event loop share it: Python's 5 ms default lets one stall the other per step.
     gil_switch_interval_s: float = Field(0.0005, gt=0)

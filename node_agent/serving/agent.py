@@ -137,7 +137,7 @@ class NodeAgent:
     def start_devices(self, loop: asyncio.AbstractEventLoop) -> list[DeviceThread]:
         """One started thread per device found (a simulated node's are node_agent/sim/device.py's)."""
         threads = [
-            DeviceThread(device, loop)
+            DeviceThread(device, loop, nice=self.settings.device_nice)
             for device in devices.discover(self.settings.device, self.settings.cpu_devices)
         ]
         for thread in threads:

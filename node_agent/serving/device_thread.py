@@ -10,7 +10,9 @@ finished jobs to the event loop (node_agent/serving/served_pooler.py)."""
 
 import asyncio
 import logging
+import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,9 +42,10 @@ class Sinks:
 
 
 class DeviceThread:
-    def __init__(self, device: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, device: str, loop: asyncio.AbstractEventLoop, *, nice: int = 0):
         self.device = device
         self.loop = loop
+        self.nice = nice  # nice levels below the thread that starts it (NodeSettings.device_nice)
         self._engines: dict[Stepped, Sinks] = {}  # touched on the device thread only
         self.last_info: DeviceInfo | None = None  # the latest memory reading, taken on this thread
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -107,6 +110,7 @@ class DeviceThread:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        lower_priority(self.nice)
         while not self._stopping:
             busy = [e for e in self._engines if e.has_work]
             try:
@@ -130,6 +134,19 @@ class DeviceThread:
     def _step(self, engine: Stepped, sinks: Sinks | None) -> None:
         if sinks is not None:  # None: detached by work run just before
             step_engine(engine, sinks, self.device, self.loop)
+
+
+def lower_priority(levels: int) -> None:
+    """Run the calling thread `levels` nice levels below its priority now (at most 19; the threads
+    it starts, OpenMP's among them, inherit it). Linux only: elsewhere niceness is the process's."""
+    if levels <= 0 or not sys.platform.startswith("linux"):
+        return
+    thread = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, now + levels))
+    except OSError as exc:  # a sandbox refusing setpriority: the thread keeps its priority
+        log.warning("could not lower the device thread's priority by %d: %s", levels, exc)
 
 
 def step_engine(
